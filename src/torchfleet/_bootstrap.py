@@ -1,0 +1,22 @@
+"""Worker entry for `torchfleet run script.py`: run the script as __main__.
+
+Exceptions are recorded for the launcher's failure summary (see failures.py),
+so user scripts need no ``@record`` decorator.
+"""
+
+import os
+import runpy
+import sys
+
+from torchfleet.failures import call_recorded
+
+
+def main() -> None:
+    script, *args = sys.argv[1:]
+    sys.argv = [script, *args]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as `python script.py` does
+    call_recorded(runpy.run_path, script, None, "__main__")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,180 @@
+"""The `torchfleet` command: parse, build typed config, call one function.
+
+Flags follow torchrun's names where torchrun has one. Bad input is one
+sentence on stderr and exit status 2; a traceback means a bug in torchfleet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from torchfleet.errors import UsageError
+
+EPILOG = "Docs: README.md. Every command takes --help."
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports bad input in one line (no usage dump) with status 2."""
+
+    def error(self, message: str):  # noqa: D401 - argparse's name
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _add_launch_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("processes (torchrun's flags)")
+    g.add_argument("--nproc-per-node", "-n", type=int, default=None, metavar="N",
+                   help="processes on this machine (default: train picks; run uses 1)")
+    g.add_argument("--nnodes", type=int, default=1, help="machines taking part (default 1)")
+    g.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0 to nnodes-1")
+    g.add_argument("--master-addr", default="127.0.0.1", help="address of node 0 (many machines)")
+    g.add_argument("--master-port", type=int, default=None,
+                   help="port of node 0's rendezvous (default: a free port on one machine, 29500 on many)")
+    g.add_argument("--max-restarts", type=int, default=0,
+                   help="restart the whole group this many times after a failure (default 0)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from torchfleet.config import BACKENDS, OPTIMIZERS, TrainConfig
+    from torchfleet.data import DATASETS
+    from torchfleet.models import MODELS
+    from torchfleet.precision import PRECISIONS
+
+    parser = _Parser(prog="torchfleet", description="Train one PyTorch model on one process, "
+                     "many processes, many devices or many machines.", epilog=EPILOG)
+    parser.add_argument("--version", action="store_true", help="print the version and exit")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    doctor = sub.add_parser("doctor", help="what this machine has, which backend and why")
+    doctor.add_argument("--json", action="store_true", help="print the report as JSON")
+
+    d = TrainConfig()
+    train = sub.add_parser("train", help="train the built-in job (a CNN on digits by default)")
+    train.add_argument("--strategy", default="auto",
+                       help="serial, ddp, ... or auto: ddp on 2+ cores or GPUs, else serial (default auto)")
+    train.add_argument("--model", choices=MODELS, default=d.model, help=f"built-in model (default {d.model})")
+    train.add_argument("--data", choices=DATASETS, default=d.data, help=f"built-in data (default {d.data})")
+    train.add_argument("--epochs", type=int, default=d.epochs, help=f"default {d.epochs}")
+    train.add_argument("--batch-size", type=int, default=d.batch_size,
+                       help=f"GLOBAL batch, shared by all processes (default {d.batch_size})")
+    train.add_argument("--lr", type=float, default=d.lr, help=f"learning rate (default {d.lr})")
+    train.add_argument("--optimizer", choices=OPTIMIZERS, default=d.optimizer, help=f"default {d.optimizer}")
+    train.add_argument("--seed", type=int, default=d.seed, help=f"default {d.seed}")
+    train.add_argument("--precision", choices=PRECISIONS, default=d.precision, help=f"default {d.precision}")
+    train.add_argument("--backend", choices=BACKENDS, default=d.backend,
+                       help="process-group backend (default auto: nccl for GPUs, gloo for CPUs)")
+    train.add_argument("--grad-accum", type=int, default=d.grad_accum,
+                       help="split each batch into this many micro-steps, syncing gradients once (default 1)")
+    train.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
+    train.add_argument("--synthetic-size", type=int, default=d.synthetic_size,
+                       help=f"samples in --data synthetic (default {d.synthetic_size})")
+    train.add_argument("--checkpoint-dir", default=None, help="save checkpoints here")
+    train.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every,
+                       help="save every N steps (default 0: at the end of each epoch)")
+    train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    train.add_argument("--json-out", default=None, metavar="FILE", help="write the final figures as JSON")
+    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_launch_flags(train)
+
+    run = sub.add_parser("run", help="run any script on N processes (torchrun-compatible)")
+    _add_launch_flags(run)
+    run.add_argument("script", help="the Python script to run on every rank")
+    run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    return parser
+
+
+def _launch_config(args):
+    from torchfleet.config import LaunchConfig
+
+    return LaunchConfig(
+        nproc_per_node=args.nproc_per_node if args.nproc_per_node is not None else 1,
+        nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
+        master_port=args.master_port, max_restarts=args.max_restarts,
+    )
+
+
+def cmd_doctor(args) -> int:
+    from torchfleet.doctor import print_doctor
+
+    return print_doctor(json_out=args.json)
+
+
+def cmd_train(args, argv: list[str]) -> int:
+    from torchfleet.config import TrainConfig, check_writable_dir
+    from torchfleet.env import DistEnv
+    from torchfleet.failures import call_recorded
+    from torchfleet.trainer import train
+
+    cfg = TrainConfig(
+        strategy=args.strategy, model=args.model, data=args.data, epochs=args.epochs,
+        batch_size=args.batch_size, lr=args.lr, optimizer=args.optimizer, seed=args.seed,
+        precision=args.precision, backend=args.backend, grad_accum=args.grad_accum,
+        max_steps=args.max_steps, synthetic_size=args.synthetic_size,
+        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+        resume=args.resume, json_out=args.json_out, progress=not args.no_progress,
+    )
+    env = DistEnv.detect()
+    if env.is_distributed or env.source != "single":
+        # Already one of many processes (torchrun, Slurm, mpirun, SageMaker): train here.
+        strategy = cfg.strategy if cfg.strategy != "auto" else ("ddp" if env.is_distributed else "serial")
+        call_recorded(train, cfg, strategy)
+        return 0
+
+    from torchfleet.planner import plan_processes
+
+    strategy, nproc, why = plan_processes(cfg.strategy, args.nproc_per_node)
+    args.nproc_per_node = nproc
+    launch_cfg = _launch_config(args)
+    if cfg.checkpoint_dir:
+        check_writable_dir(cfg.checkpoint_dir)
+    if why:
+        print(f"torchfleet: {why}", flush=True)
+    if not launch_cfg.multi_process:
+        train(cfg, strategy)
+        return 0
+    from torchfleet.data import check_global_batch
+    from torchfleet.launcher import run_command
+
+    check_global_batch(cfg.batch_size, launch_cfg.world_size)
+    # Every worker re-enters this command; it finds torchrun's variables and
+    # trains. The resolved strategy goes last so it wins over "auto".
+    return run_command(launch_cfg, ["-m", "torchfleet", "train", *argv, "--strategy", strategy])
+
+
+def cmd_run(args) -> int:
+    from torchfleet.launcher import run_script
+
+    return run_script(_launch_config(args), args.script, args.script_args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.version:
+        from torchfleet import __version__
+
+        print(f"torchfleet {__version__}")
+        return 0
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        if args.command == "doctor":
+            return cmd_doctor(args)
+        if args.command == "train":
+            return cmd_train(args, argv[argv.index("train") + 1:])
+        if args.command == "run":
+            return cmd_run(args)
+    except UsageError as exc:
+        print(f"torchfleet {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    raise AssertionError(f"unhandled command {args.command}")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())

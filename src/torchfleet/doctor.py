@@ -1,0 +1,259 @@
+"""`torchfleet doctor`: what this machine has, which backend, which strategies, and why.
+
+`collect_report()` gathers everything into one JSON-serialisable dict (what
+`torchfleet doctor --json` prints and a bug report can attach);
+`render_report()` shows the same dict for a person. Nothing is decided twice:
+the backend comes from `backend.choose_backend`, the cluster from `DistEnv.detect`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+from collections.abc import Callable, Mapping
+from importlib import metadata
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from torchfleet import netif
+from torchfleet.backend import BACKENDS, BackendError, Hardware, choose_backend, probe_hardware
+
+# The design's strategies, in the order the docs present them.
+STRATEGIES = ("serial", "hogwild", "dp", "mp", "ddp", "fsdp", "pipeline", "ddp+pipeline")
+
+Rule = Callable[[Hardware, int], tuple[bool, str]]
+
+
+# ---- strategy availability: one small rule per strategy ---------------------------------
+
+
+def _serial(hw: Hardware, cores: int) -> tuple[bool, str]:
+    return True, "one process on one device: the baseline every strategy is compared with"
+
+
+def _hogwild(hw: Hardware, cores: int) -> tuple[bool, str]:
+    # Lock-free workers only overlap when each has a core of its own.
+    if cores >= 2:
+        return True, f"{cores} CPU cores for lock-free workers sharing the model in memory"
+    return False, f"needs >= 2 CPU cores for its worker processes; {cores} usable"
+
+
+def _dp(hw: Hardware, cores: int) -> tuple[bool, str]:
+    if hw.gpus >= 2:
+        return True, f"nn.DataParallel splits each batch across the {hw.gpus} GPUs"
+    # It would still run on one device, but it would only add overhead to serial.
+    return False, (
+        f"nn.DataParallel splits the batch across GPUs; {hw.gpus} visible "
+        "(it runs on one device but brings nothing)"
+    )
+
+
+def _mp(hw: Hardware, cores: int) -> tuple[bool, str]:
+    if hw.gpus >= 2:
+        return True, f"the model's parts are placed on {hw.gpus} GPUs"
+    # Still worth running: it checks the split and the micro-batching on any host.
+    where = "CPU only" if hw.gpus == 0 else "one GPU and the CPU"
+    return True, f"runs, but splits across {where}; pays with >= 2 GPUs"
+
+
+def _world(need: int, oversubscribe: bool = False) -> Rule:
+    """A rule for strategies that need a world of `need` processes."""
+
+    def rule(hw: Hardware, cores: int) -> tuple[bool, str]:
+        if hw.gpus >= need:
+            return True, f"{need} or more processes, one per GPU ({hw.gpus} GPUs)"
+        if cores >= need:
+            return True, f"{need} or more CPU processes with gloo ({cores} cores)"
+        if oversubscribe:
+            # Correct but slow: fine for checking a layout before renting the hardware.
+            return True, (
+                f"needs {need} processes; on CPU with gloo they oversubscribe the "
+                f"{cores} core{'s' if cores != 1 else ''}"
+            )
+        return False, (
+            f"needs {need} processes: {need} GPUs or {need} CPU cores; "
+            f"found {hw.gpus} GPUs and {cores} usable core{'s' if cores != 1 else ''}"
+        )
+
+    return rule
+
+
+_RULES: dict[str, Rule] = {
+    "serial": _serial,
+    "hogwild": _hogwild,
+    "dp": _dp,
+    "mp": _mp,
+    "ddp": _world(2),
+    "fsdp": _world(2),
+    "pipeline": _world(2),
+    "ddp+pipeline": _world(4, oversubscribe=True),  # 2 pipeline stages x 2 replicas
+}
+
+
+def strategy_availability(hw: Hardware, cpu_cores: int) -> list[dict]:
+    """For every strategy: whether it can run here and why, as {"name","available","why"}."""
+    result = []
+    for name in STRATEGIES:
+        available, why = _RULES[name](hw, cpu_cores)
+        result.append({"name": name, "available": available, "why": why})
+    return result
+
+
+# ---- collecting ---------------------------------------------------------------------------
+
+
+def _torchfleet_version() -> str:
+    try:
+        return metadata.version("torchfleet")
+    except metadata.PackageNotFoundError:  # running from a source tree
+        return "0+unknown"
+
+
+def _torch_info() -> dict:
+    import torch
+
+    return {
+        "version": torch.__version__,
+        "cuda": torch.version.cuda,  # None for CPU-only builds
+        "debug": bool(torch.version.debug),
+    }
+
+
+def _cpu_cores() -> dict:
+    total = os.cpu_count() or 1
+    # Affinity is what this process may use (taskset, cgroups, Slurm's --cpus-per-task).
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else total
+    return {"total": total, "usable": usable}
+
+
+def _plain(value: object) -> object:
+    """A JSON-friendly copy of a scalar: enums, paths and the like become strings."""
+    return value if isinstance(value, (str, int, float, bool, type(None))) else str(value)
+
+
+def _cluster(environ: Mapping[str, str] | None) -> dict:
+    from torchfleet.env import DistEnv, EnvError
+
+    try:
+        found = DistEnv.detect(environ)
+    except EnvError as error:
+        return {"error": str(error)}
+    return {key: _plain(value) for key, value in dataclasses.asdict(found).items()}
+
+
+def _backend(hw: Hardware) -> dict:
+    try:
+        name, reason = choose_backend(hw)
+    except BackendError as error:
+        return {"name": None, "reason": str(error)}
+    return {"name": name, "reason": reason}
+
+
+def _interfaces() -> list[dict]:
+    return [
+        {**dataclasses.asdict(i), "addresses": list(i.addresses)} for i in netif.list_interfaces()
+    ]
+
+
+def collect_report(hw: Hardware | None = None, environ: Mapping[str, str] | None = None) -> dict:
+    """Everything doctor knows about this host, as a JSON-serialisable dict."""
+    hw = hw if hw is not None else probe_hardware()
+    cores = _cpu_cores()
+    gpus = zip(hw.gpu_names, hw.gpu_memory_bytes, strict=False)
+    return {
+        "python": platform.python_version(),
+        "torch": _torch_info(),
+        "torchfleet": _torchfleet_version(),
+        "cpu_cores": cores,
+        "gpus": [
+            {"index": i, "name": name, "memory_bytes": memory}
+            for i, (name, memory) in enumerate(gpus)
+        ],
+        "infiniband": hw.infiniband,
+        "ip_over_ib": hw.ip_over_ib,
+        "backends_built": {name: name in hw.built for name in BACKENDS},
+        "cluster": _cluster(environ),
+        "interfaces": _interfaces(),
+        "backend": _backend(hw),
+        "strategies": strategy_availability(hw, cores["usable"]),
+    }
+
+
+# ---- rendering ----------------------------------------------------------------------------
+
+
+def _yes(flag: bool) -> str:
+    return "[green]yes[/]" if flag else "[red]no[/]"
+
+
+def _gib(size: int) -> str:
+    return f"{size / 2**30:.1f} GiB"
+
+
+def _system_table(report: dict) -> Table:
+    table = Table(title="System", show_header=False, title_justify="left")
+    torch_info = report["torch"]
+    cuda = f"CUDA {torch_info['cuda']}" if torch_info["cuda"] else "CPU-only build"
+    debug = ", debug build" if torch_info["debug"] else ""
+    cores = report["cpu_cores"]
+    table.add_row("Python", escape(report["python"]))
+    table.add_row("PyTorch", escape(f"{torch_info['version']} ({cuda}{debug})"))
+    table.add_row("torchfleet", escape(report["torchfleet"]))
+    table.add_row("CPU cores", f"{cores['usable']} usable of {cores['total']}")
+    gpus = [f"{g['index']}: {g['name']}, {_gib(g['memory_bytes'])}" for g in report["gpus"]]
+    table.add_row("GPUs", escape("\n".join(gpus)) if gpus else "none visible")
+    built = report["backends_built"]
+    table.add_row("Backends built", ", ".join(f"{n} {_yes(built[n])}" for n in built))
+    return table
+
+
+def _network_table(report: dict) -> Table:
+    ib = f"InfiniBand {_yes(report['infiniband'])}, IP-over-IB {_yes(report['ip_over_ib'])}"
+    table = Table(title=f"Network ({ib})", title_justify="left")
+    for column in ("interface", "kind", "up", "addresses"):
+        table.add_column(column)
+    for i in report["interfaces"]:
+        addresses = ", ".join(i["addresses"]) or "-"
+        table.add_row(escape(i["name"]), i["kind"], _yes(i["is_up"]), escape(addresses))
+    return table
+
+
+def _cluster_table(report: dict) -> Table:
+    table = Table(title="Cluster environment", show_header=False, title_justify="left")
+    for key, value in report["cluster"].items():
+        table.add_row(escape(key), escape(str(value)))
+    return table
+
+
+def _strategy_table(report: dict) -> Table:
+    table = Table(title="Strategies", title_justify="left")
+    for column in ("strategy", "here", "why"):
+        table.add_column(column)
+    for s in report["strategies"]:
+        table.add_row(s["name"], _yes(s["available"]), escape(s["why"]))
+    return table
+
+
+def render_report(report: dict, console: Console) -> None:
+    """Show a collect_report() dict as a few short tables and the backend advice."""
+    console.print(_system_table(report))
+    console.print(_network_table(report))
+    console.print(_cluster_table(report))
+    backend = report["backend"]
+    name = backend["name"] or "none usable"
+    console.print(f"[bold]Backend:[/] [cyan]{escape(name)}[/]: {escape(backend['reason'])}")
+    console.print(_strategy_table(report))
+
+
+def print_doctor(json_out: bool = False) -> int:
+    """The `torchfleet doctor` command: JSON or a readable report on stdout; exit code 0."""
+    report = collect_report()
+    if json_out:
+        print(json.dumps(report, indent=2))
+    else:
+        render_report(report, Console())
+    return 0

@@ -1,0 +1,372 @@
+"""The one environment contract: which process this is, and where the others are.
+
+``DistEnv.detect()`` reads the variables a launcher sets, once, in a fixed
+order (torchrun, Slurm, MPI, SageMaker, else one process) and returns a frozen
+``DistEnv``. Nothing else in torchfleet reads these variables: code that needs
+the rank is handed a ``DistEnv``. ``torch_env()`` gives them back in torchrun's
+words, which is what ``init_process_group(init_method="env://")`` reads:
+
+    env = DistEnv.detect()
+    os.environ.update(env.torch_env())
+    torch.distributed.init_process_group(backend, init_method="env://")
+
+This module must stay cheap to import: no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from torchfleet.errors import UsageError
+
+__all__ = ["DistEnv", "EnvError", "detect", "expand_hostlist"]
+
+DEFAULT_ADDR = "127.0.0.1"
+DEFAULT_PORT = 29500  # torchrun's default
+SAGEMAKER_PORT = 7777  # the port SageMaker's own distributed toolkits use
+
+
+class EnvError(UsageError):  # UsageError is a ValueError: the CLI shows the sentence, exit 2
+    """A launcher's variable is missing, malformed or inconsistent."""
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    node_rank: int = 0
+    nnodes: int = 1
+    master_addr: str = DEFAULT_ADDR
+    master_port: int = DEFAULT_PORT
+    source: str = "single"  # the detector that produced it: torchrun, slurm, mpi, sagemaker, single
+
+    def __post_init__(self) -> None:
+        # Local numbers first: a bad LOCAL_RANK is what puts a derived rank out of range.
+        lws, ws = self.local_world_size, self.world_size
+        checks = (
+            (ws >= 1, f"WORLD_SIZE={ws} must be at least 1"),
+            (0 <= self.local_rank < lws,
+             f"LOCAL_RANK={self.local_rank} is out of range for LOCAL_WORLD_SIZE={lws}"),
+            (lws <= ws, f"LOCAL_WORLD_SIZE={lws} is larger than WORLD_SIZE={ws}"),
+            (0 <= self.node_rank < self.nnodes,
+             f"NODE_RANK={self.node_rank} is out of range for NNODES={self.nnodes}"),
+            (0 <= self.rank < ws, f"RANK={self.rank} is out of range for WORLD_SIZE={ws}"),
+            (1 <= self.master_port <= 65535,
+             f"MASTER_PORT={self.master_port} is not a TCP port (expected 1 to 65535)"),
+            (bool(self.master_addr), "MASTER_ADDR is empty"),
+        )
+        for ok, problem in checks:
+            if not ok:
+                raise EnvError(f"{problem} (from {self.source})")
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def torch_env(self) -> dict[str, str]:
+        """torchrun's variables for this process, as init_process_group("env://") reads them.
+
+        GROUP_WORLD_SIZE (torchrun sets it too) keeps nnodes exact when nodes
+        run unequal numbers of processes, so detect(torch_env()) round-trips.
+        """
+        values = {"RANK": self.rank, "LOCAL_RANK": self.local_rank,
+                  "WORLD_SIZE": self.world_size, "LOCAL_WORLD_SIZE": self.local_world_size,
+                  "GROUP_RANK": self.node_rank, "GROUP_WORLD_SIZE": self.nnodes,
+                  "MASTER_ADDR": self.master_addr, "MASTER_PORT": self.master_port}
+        return {name: str(value) for name, value in values.items()}
+
+    @classmethod
+    def detect(cls, environ: Mapping[str, str] | None = None) -> DistEnv:
+        """The first detector in ``_DETECTORS`` that recognises its variables wins."""
+        environ = os.environ if environ is None else environ
+        for detector in _DETECTORS:
+            found = detector(environ)
+            if found is not None:
+                return found
+        return _single(environ)
+
+
+# --- reading variables -------------------------------------------------------
+
+
+def _has(environ: Mapping[str, str], *names: str) -> bool:
+    return all(name in environ for name in names)
+
+
+def _first(environ: Mapping[str, str], *names: str) -> tuple[str, str] | None:
+    """(name, value) of the first of ``names`` that is set, else None."""
+    for name in names:
+        if name in environ:
+            return name, environ[name]
+    return None
+
+
+def _int(environ: Mapping[str, str], *names: str, default: int | None = None) -> int:
+    """The first of ``names`` that is set, as an int; ``default`` if none is."""
+    found = _first(environ, *names)
+    if found is None:
+        if default is None:
+            raise EnvError(f"{' or '.join(names)} is not set (expected an integer)")
+        return default
+    name, raw = found
+    try:
+        return int(raw)
+    except ValueError:
+        raise EnvError(f"{name}={raw!r} is not an integer (expected e.g. 0 or 4)") from None
+
+
+def _port(environ: Mapping[str, str], default: int = DEFAULT_PORT) -> int:
+    return _int(environ, "MASTER_PORT", default=default)
+
+
+# --- detectors, tried in the order of _DETECTORS ---------------------------------
+
+
+def _from_torchrun(environ: Mapping[str, str]) -> DistEnv | None:
+    # torchrun also sets TORCHELASTIC_RUN_ID, but people who drive "env://"
+    # by hand set only these three, and they mean the same thing.
+    if not _has(environ, "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        return None
+    world_size = _int(environ, "WORLD_SIZE")
+    local_world_size = _int(environ, "LOCAL_WORLD_SIZE", default=world_size)
+    nnodes_guess = max(1, world_size // local_world_size) if local_world_size > 0 else 1
+    return DistEnv(
+        rank=_int(environ, "RANK"), local_rank=_int(environ, "LOCAL_RANK"),
+        world_size=world_size, local_world_size=local_world_size,
+        node_rank=_int(environ, "GROUP_RANK", default=0),
+        nnodes=_int(environ, "GROUP_WORLD_SIZE", default=nnodes_guess),
+        master_addr=environ.get("MASTER_ADDR", DEFAULT_ADDR), master_port=_port(environ),
+        source="torchrun")
+
+
+def _from_slurm(environ: Mapping[str, str]) -> DistEnv | None:
+    # srun sets SLURM_PROCID and SLURM_NTASKS for every task. Inside a step the
+    # SLURM_STEP_* values describe that step, which may use part of the job.
+    if not _has(environ, "SLURM_PROCID", "SLURM_NTASKS"):
+        return None
+    world_size = _int(environ, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")
+    nnodes = _int(environ, "SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES",
+                  default=1)
+    node_rank = _int(environ, "SLURM_NODEID", default=0)
+    return DistEnv(
+        rank=_int(environ, "SLURM_PROCID"),
+        local_rank=_int(environ, "SLURM_LOCALID", default=0), world_size=world_size,
+        local_world_size=_slurm_tasks_on_node(environ, node_rank, world_size, nnodes),
+        node_rank=node_rank, nnodes=nnodes, master_addr=_slurm_master_addr(environ, nnodes),
+        master_port=_slurm_master_port(environ), source="slurm")
+
+
+def _slurm_tasks_on_node(environ: Mapping[str, str], node_rank: int, world_size: int,
+                         nnodes: int) -> int:
+    if "SLURM_NTASKS_PER_NODE" in environ:
+        return _int(environ, "SLURM_NTASKS_PER_NODE")
+    found = _first(environ, "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
+    if found is None:
+        return max(1, world_size // max(1, nnodes))
+    name, value = found
+    counts = _expand_tasks_per_node(name, value)
+    if not 0 <= node_rank < len(counts):
+        raise EnvError(f"{name}={value!r} lists {len(counts)} nodes, "
+                       f"so it has no entry for SLURM_NODEID={node_rank}")
+    return counts[node_rank]
+
+
+_TASKS_ENTRY = re.compile(r"(\d+)(?:\(x(\d+)\))?")
+
+
+def _expand_tasks_per_node(name: str, value: str) -> list[int]:
+    """Slurm's compressed counts, one per node: "2(x3),1" -> [2, 2, 2, 1]."""
+    counts: list[int] = []
+    for entry in value.strip().split(","):
+        match = _TASKS_ENTRY.fullmatch(entry.strip())
+        if match is None:
+            raise EnvError(f"{name}={value!r} is not a Slurm task count list "
+                           f"(expected e.g. '2(x3),1')")
+        counts.extend([int(match.group(1))] * int(match.group(2) or 1))
+    return counts
+
+
+def _slurm_master_addr(environ: Mapping[str, str], nnodes: int) -> str:
+    if "MASTER_ADDR" in environ:
+        return environ["MASTER_ADDR"]
+    found = _first(environ, "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+    if found is not None:
+        return expand_hostlist(found[1], name=found[0])[0]
+    if nnodes == 1:
+        return DEFAULT_ADDR
+    raise EnvError(f"neither MASTER_ADDR nor SLURM_JOB_NODELIST is set and the step spans "
+                   f"{nnodes} nodes; export MASTER_ADDR=<first host> before srun")
+
+
+def _slurm_master_port(environ: Mapping[str, str]) -> int:
+    if "MASTER_PORT" in environ or "SLURM_JOB_ID" not in environ:
+        return _port(environ)
+    # Every task of a job sees the same SLURM_JOB_ID, so all agree on the port
+    # without talking; consecutive jobs sharing a node get different ports
+    # (they collide only when their ids differ by a multiple of 10000); and
+    # 15000-24999 lies below Linux's ephemeral range (32768-60999), so the
+    # kernel will not have handed it to some outgoing connection.
+    return 15000 + _int(environ, "SLURM_JOB_ID") % 10000
+
+
+def _from_openmpi(environ: Mapping[str, str]) -> DistEnv | None:
+    if not _has(environ, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"):
+        return None
+    # OMPI_COMM_WORLD_NODE_RANK is not this node's index: it is this process's
+    # rank among all processes on the node, across jobs. Never use it as node_rank.
+    return _mpi_env(
+        environ, _int(environ, "OMPI_COMM_WORLD_RANK"), _int(environ, "OMPI_COMM_WORLD_SIZE"),
+        _int(environ, "OMPI_COMM_WORLD_LOCAL_RANK"), _int(environ, "OMPI_COMM_WORLD_LOCAL_SIZE"),
+        pass_it="mpirun -x MASTER_ADDR=...")
+
+
+def _from_mpich(environ: Mapping[str, str]) -> DistEnv | None:
+    # MPICH's and Intel MPI's Hydra launcher set PMI_RANK and PMI_SIZE, and
+    # usually MPI_LOCALRANKID / MPI_LOCALNRANKS.
+    if not _has(environ, "PMI_RANK", "PMI_SIZE"):
+        return None
+    rank = _int(environ, "PMI_RANK")
+    world_size = _int(environ, "PMI_SIZE")
+    if "MPI_LOCALNRANKS" in environ:
+        local_rank = _int(environ, "MPI_LOCALRANKID")
+        local_world_size = _int(environ, "MPI_LOCALNRANKS")
+    else:
+        # Without the local variables the layout is unknowable; assume every
+        # rank is on this one node (the common `mpiexec -n N` on a workstation).
+        local_rank, local_world_size = rank, world_size
+    return _mpi_env(environ, rank, world_size, local_rank, local_world_size,
+                    pass_it="mpiexec -genv MASTER_ADDR ...")
+
+
+def _mpi_env(environ: Mapping[str, str], rank: int, world_size: int, local_rank: int,
+             local_world_size: int, pass_it: str) -> DistEnv:
+    if local_world_size < 1:
+        raise EnvError(f"LOCAL_WORLD_SIZE={local_world_size} must be at least 1 (from mpi)")
+    # mpirun's default mapping fills each node's slots in turn, so with the
+    # same number of ranks per node, node k holds ranks [k*L, (k+1)*L).
+    nnodes = -(-world_size // local_world_size)
+    if "MASTER_ADDR" in environ:
+        master_addr = environ["MASTER_ADDR"]
+    elif local_world_size == world_size:
+        master_addr = DEFAULT_ADDR
+    else:
+        raise EnvError(f"MASTER_ADDR is not set and the {world_size} MPI ranks span {nnodes} "
+                       f"nodes; set MASTER_ADDR to the first host and pass it with `{pass_it}`")
+    return DistEnv(
+        rank=rank, local_rank=local_rank, world_size=world_size,
+        local_world_size=local_world_size, node_rank=rank // local_world_size, nnodes=nnodes,
+        master_addr=master_addr, master_port=_port(environ), source="mpi")
+
+
+def _from_sagemaker(environ: Mapping[str, str]) -> DistEnv | None:
+    if not _has(environ, "SM_HOSTS", "SM_CURRENT_HOST"):
+        return None
+    hosts = _sagemaker_hosts(environ["SM_HOSTS"])
+    current = environ["SM_CURRENT_HOST"]
+    if current not in hosts:
+        raise EnvError(f"SM_CURRENT_HOST={current!r} is not one of SM_HOSTS={hosts}")
+    # The training toolkit already sorts SM_HOSTS, and every host sees the same list.
+    node_rank = hosts.index(current)
+    gpus = _int(environ, "SM_NUM_GPUS", default=0)
+    local_world_size = gpus if gpus > 0 else 1  # one process per GPU, one on CPU instances
+    local_rank = _int(environ, "LOCAL_RANK", default=0)
+    return DistEnv(
+        rank=node_rank * local_world_size + local_rank, local_rank=local_rank,
+        world_size=len(hosts) * local_world_size, local_world_size=local_world_size,
+        node_rank=node_rank, nnodes=len(hosts), master_addr=hosts[0],
+        master_port=_port(environ, default=SAGEMAKER_PORT), source="sagemaker")
+
+
+def _sagemaker_hosts(raw: str) -> list[str]:
+    try:
+        hosts = json.loads(raw)
+    except ValueError:
+        hosts = None
+    if not (isinstance(hosts, list) and hosts and all(isinstance(h, str) for h in hosts)):
+        raise EnvError(f"SM_HOSTS={raw!r} is not a JSON list of host names "
+                       f"(expected e.g. '[\"algo-1\", \"algo-2\"]')")
+    return hosts
+
+
+def _single(environ: Mapping[str, str]) -> DistEnv:
+    return DistEnv(master_port=_port(environ))
+
+
+_Detector = Callable[[Mapping[str, str]], DistEnv | None]
+# The precedence, in one place. torchrun comes first because it also runs
+# inside srun steps and mpirun jobs, and then its variables describe the worker.
+_DETECTORS: tuple[_Detector, ...] = (
+    _from_torchrun, _from_slurm, _from_openmpi, _from_mpich, _from_sagemaker)
+
+detect = DistEnv.detect
+
+
+# --- Slurm hostlists -----------------------------------------------------------
+
+_RANGE = re.compile(r"(\d+)(?:-(\d+))?")
+
+
+def expand_hostlist(hostlist: str, name: str = "hostlist") -> list[str]:
+    """Expand Slurm's compressed hostlist, as ``scontrol show hostnames`` does.
+
+    "node[01-03,07]" -> node01 node02 node03 node07; "a[1-2],b3" -> a1 a2 b3;
+    "gpu-[001-002]-ib" -> gpu-001-ib gpu-002-ib. Zero padding is kept, and
+    several bracket groups in one name multiply out. ``name`` labels the
+    value in the error a malformed hostlist raises.
+    """
+    try:
+        return [host for entry in _split_hosts(hostlist.strip()) for host in _expand_host(entry)]
+    except ValueError as err:
+        raise EnvError(f"{name}={hostlist!r} is not a Slurm hostlist: {err} "
+                       f"(expected e.g. 'node[01-04,07]')") from None
+
+
+def _split_hosts(hostlist: str) -> list[str]:
+    """Split at the commas between hosts, not those inside brackets."""
+    entries, depth, start = [], 0, 0
+    for i, char in enumerate(hostlist):
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if depth not in (0, 1):
+            raise ValueError("its brackets are unbalanced or nested")
+        if char == "," and depth == 0:
+            entries.append(hostlist[start:i])
+            start = i + 1
+    if depth:
+        raise ValueError("a '[' is never closed")
+    entries.append(hostlist[start:])
+    if not all(entries):
+        raise ValueError("it has an empty host name")
+    return entries
+
+
+def _expand_host(entry: str) -> list[str]:
+    opening = entry.find("[")
+    if opening < 0:
+        return [entry]
+    closing = entry.index("]", opening)  # _split_hosts checked the brackets balance
+    prefix, body, rest = entry[:opening], entry[opening + 1:closing], entry[closing + 1:]
+    tails = _expand_host(rest)
+    return [prefix + number + tail for number in _expand_ranges(body) for tail in tails]
+
+
+def _expand_ranges(body: str) -> list[str]:
+    numbers: list[str] = []
+    for part in body.split(","):
+        match = _RANGE.fullmatch(part)
+        if match is None:
+            raise ValueError(f"[{body}] holds {part!r}, not a number or a range like 01-04")
+        low, high = match.group(1), match.group(2) or match.group(1)
+        if int(high) < int(low):
+            raise ValueError(f"the range {part!r} runs backwards")
+        numbers.extend(str(n).zfill(len(low)) for n in range(int(low), int(high) + 1))
+    return numbers

@@ -1,0 +1,154 @@
+"""One readable account of a failed job: which rank, where, how, and why.
+
+Workers started by torchfleet record an uncaught exception in the error file
+that torchrun's agent names in ``TORCHELASTIC_ERROR_FILE`` (the agent's own
+JSON format, plus the host and rank) and exit without printing the traceback
+themselves, so the launcher shows it exactly once, in the summary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+
+from torchfleet.errors import UsageError
+
+# Exit status of a worker that failed on bad input: the launcher exits 2 as well.
+USAGE_EXIT = 2
+
+
+@dataclass
+class RankFailure:
+    rank: int
+    local_rank: int
+    host: str
+    pid: int
+    exitcode: int
+    error: str = ""  # "ValueError: boom", empty when the process died without a word
+    traceback: str = ""
+    usage_error: bool = False
+
+    @property
+    def how(self) -> str:
+        if self.exitcode < 0:
+            try:
+                name = signal.Signals(-self.exitcode).name
+            except ValueError:
+                name = f"signal {-self.exitcode}"
+            return f"killed by {name}"
+        return f"exit code {self.exitcode}"
+
+
+@dataclass
+class FailureSummary:
+    first: RankFailure
+    others: list[RankFailure] = field(default_factory=list)
+
+    def render(self) -> str:
+        f = self.first
+        if f.usage_error:
+            return f.error.split(": ", 1)[-1]
+        lines = [f"rank {f.rank} (local rank {f.local_rank} on {f.host}, pid {f.pid}) failed first: {f.how}"]
+        if f.traceback:
+            lines.append(f.traceback.rstrip())
+        elif f.error:
+            lines.append(f.error)
+        else:
+            lines.append("it left no error report: it was killed, or exited before Python could record why")
+        for o in self.others:
+            lines.append(f"rank {o.rank} on {o.host} also failed: {o.how}" + (f" ({o.error})" if o.error else ""))
+        return "\n".join(lines)
+
+    @property
+    def exit_status(self) -> int:
+        if self.first.usage_error:
+            return USAGE_EXIT
+        code = self.first.exitcode
+        return 128 + (-code) if code < 0 else (code or 1)
+
+
+# What a rank says when it fails only because a peer died first.
+# When every rank has one, the earliest is the cause.
+_ECHOES = ("Connection closed by peer", "Connection reset by peer", "Connection refused", "Broken pipe",
+           "Socket Timeout", "DistBackendError", "gloo/transport")
+
+
+def _is_echo(failure: RankFailure) -> bool:
+    """True for a failure caused by another's: the agent's SIGTERM, a vanished peer."""
+    return failure.exitcode == -signal.SIGTERM or any(e in failure.error for e in _ECHOES)
+
+
+def summarize(exc) -> FailureSummary:
+    """Turn torchrun's ChildFailedError into a FailureSummary, the root cause first.
+
+    The agent's timestamps have one-second resolution, so two ranks often
+    fail "at once"; a rank that failed because its peer vanished is an echo,
+    and the rank that failed on its own comes first.
+    """
+    found = []
+    for rank, failure in exc.failures.items():
+        data = failure.error_file_data.get("message", {}) if failure.error_file_data else {}
+        info = data.get("extraInfo", {}) if isinstance(data, dict) else {}
+        message = data.get("message", "") if isinstance(data, dict) else str(data)
+        found.append((failure.timestamp, RankFailure(
+            rank=rank, local_rank=failure.local_rank, host=info.get("host", socket.gethostname()),
+            pid=failure.pid, exitcode=failure.exitcode, error="" if message == "<NONE>" else message,
+            traceback=info.get("py_callstack", ""), usage_error=bool(info.get("usage_error")),
+        )))
+    found.sort(key=lambda pair: (_is_echo(pair[1]), pair[0], pair[1].rank))
+    ranked = [f for _, f in found]
+    return FailureSummary(ranked[0], ranked[1:])
+
+
+def report(summary: FailureSummary) -> int:
+    """Print the summary on stderr; return the exit status for the shell."""
+    print(f"torchfleet: error: {summary.render()}", file=sys.stderr, flush=True)
+    return summary.exit_status
+
+
+def record_exception(exc: BaseException) -> bool:
+    """Write `exc` to the agent's error file; False when not under torchrun's agent."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return False
+    data = {"message": {
+        "message": f"{type(exc).__name__}: {exc}",
+        "extraInfo": {
+            "py_callstack": "".join(traceback.format_exception(exc)),
+            "timestamp": str(int(time.time())),
+            "host": socket.gethostname(),
+            "rank": os.environ.get("RANK", "?"),
+            "usage_error": isinstance(exc, UsageError),
+        },
+    }}
+    with open(path, "w") as fh:
+        json.dump(data, fh)
+    return True
+
+
+def call_recorded(fn, *args):
+    """Run fn(*args) in a worker; on an exception, record it and exit quietly."""
+    try:
+        return fn(*args)
+    except Exception as exc:
+        if not record_exception(exc):
+            raise
+        sys.exit(USAGE_EXIT if isinstance(exc, UsageError) else 1)
+
+
+class Recorded:
+    """`fn` wrapped by `call_recorded`, picklable and named (the agent reads __name__)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.__name__ = getattr(fn, "__name__", type(fn).__name__)
+        self.__qualname__ = getattr(fn, "__qualname__", self.__name__)
+
+    def __call__(self, *args):
+        return call_recorded(self.fn, *args)

@@ -1,0 +1,49 @@
+"""How many processes a `torchfleet train` gets, and which strategy "auto" means."""
+
+from __future__ import annotations
+
+import os
+
+from torchfleet.errors import UsageError
+
+
+def _cpu_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))  # what this process may use, not the whole host
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def _gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def plan_processes(strategy: str, nproc: int | None) -> tuple[str, int, str]:
+    """(strategy, processes per node, a sentence saying why, or "" when nothing was chosen)."""
+    from torchfleet.strategies import get_strategy
+
+    if nproc is not None and nproc < 1:
+        raise UsageError(f"--nproc-per-node {nproc} must be at least 1")
+    gpus, cores = _gpus(), _cpu_cores()
+    if strategy == "auto":
+        if nproc is not None:
+            return ("ddp" if nproc > 1 else "serial"), nproc, ""
+        if gpus >= 2:
+            return "ddp", gpus, f"strategy auto: ddp on {gpus} processes, one per GPU"
+        if cores >= 2:
+            return "ddp", 2, f"strategy auto: ddp on 2 processes ({cores} CPU cores, {gpus} GPUs)"
+        return "serial", 1, "strategy auto: serial (one CPU core: more processes would only compete)"
+    cls = get_strategy(strategy)
+    if not cls.distributed:
+        if nproc not in (None, 1):
+            raise UsageError(
+                f"strategy {strategy!r} runs in one process, not {nproc}; drop -n or use a"
+                " multi-process strategy such as ddp"
+            )
+        return strategy, 1, ""
+    if nproc is None:
+        nproc = gpus if gpus >= 2 else 2
+        return strategy, nproc, f"{strategy} on {nproc} processes (set -n to choose)"
+    return strategy, nproc, ""

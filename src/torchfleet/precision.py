@@ -1,0 +1,53 @@
+"""fp32, bf16 and fp16 training: autocast for the forward, a scaler for fp16.
+
+bf16 has fp32's exponent range, so it needs no loss scaling and runs under
+CPU autocast too. fp16 needs a GradScaler against underflowing gradients and
+is only offered on CUDA, where it pays.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from torchfleet.errors import UsageError, choice_error
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Precision:
+    def __init__(self, name: str, device: torch.device):
+        if name not in PRECISIONS:
+            raise choice_error("precision", name, PRECISIONS)
+        if name == "fp16" and device.type != "cuda":
+            raise UsageError(
+                f"precision fp16 needs a CUDA device and this run is on {device.type};"
+                " use bf16 (or fp32) on CPU"
+            )
+        self.name = name
+        self.device = device
+        self.scaler = torch.amp.GradScaler("cuda") if name == "fp16" else None
+
+    def autocast(self):
+        if self.name == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=_DTYPES[self.name])
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.scaler:
+            self.scaler.step(optimizer)  # skips the step when gradients overflowed
+            self.scaler.update()
+        else:
+            optimizer.step()
+
+    def state_dict(self) -> dict:
+        return self.scaler.state_dict() if self.scaler else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.scaler and state:
+            self.scaler.load_state_dict(state)

@@ -1,0 +1,83 @@
+"""What the main rank shows: a progress bar while training, a summary after."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+console = Console(stderr=False)
+
+
+class _Bar:
+    def __init__(self, progress: Progress | None, task):
+        self._progress, self._task = progress, task
+
+    def advance(self, epoch: int, loss: float) -> None:
+        if self._progress is not None:
+            self._progress.update(self._task, advance=1, epoch=epoch, loss=f"{loss:.4f}")
+
+    def epoch_done(self, epoch: int, val_accuracy: float) -> None:
+        if self._progress is not None:
+            self._progress.console.print(f"epoch {epoch}: validation accuracy {val_accuracy:.4f}")
+
+
+@contextlib.contextmanager
+def progress(enabled: bool, total: int, done: int = 0):
+    """A step bar with epoch and loss; a silent stand-in on other ranks."""
+    if not enabled:
+        yield _Bar(None, None)
+        return
+    columns = (
+        TextColumn("epoch {task.fields[epoch]}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]}"),
+        TimeRemainingColumn(),
+    )
+    # A non-terminal (CI logs, pipes) gets the epoch lines without redraws.
+    with Progress(*columns, console=console, transient=True, disable=not sys.stdout.isatty()) as bar:
+        task = bar.add_task("train", total=total, completed=done, epoch=0, loss="-")
+        yield _Bar(bar, task)
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}" if abs(value) < 1e4 else f"{value:,.0f}"
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {_bytes(v)}" for k, v in value.items())
+    return str(value)
+
+
+def _bytes(n) -> str:
+    if not isinstance(n, (int, float)):
+        return str(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+_ROWS = (
+    ("strategy", "strategy"), ("processes", "world_size"), ("backend", "backend"),
+    ("precision", "precision"), ("model", "model"), ("epochs", "epochs"), ("steps", "steps"),
+    ("global batch", "global_batch"), ("final loss", "final_loss"),
+    ("validation accuracy", "val_accuracy"), ("samples/s", "samples_per_s"),
+    ("wall time (s)", "wall_s"), ("memory per rank", "memory_per_rank"),
+)
+
+
+def summary(result: dict) -> None:
+    table = Table(title="torchfleet train", show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    for label, key in _ROWS:
+        if key in result:
+            table.add_row(label, _fmt(result[key]))
+    console.print(table)
+    if result.get("backend_reason") and result.get("backend") != "none":
+        console.print(f"backend {result['backend']}: {result['backend_reason']}")

@@ -1,0 +1,20 @@
+"""The strategy registry: one word names one way of running."""
+
+from __future__ import annotations
+
+from torchfleet.errors import choice_error
+from torchfleet.strategies.base import Runtime, Strategy
+from torchfleet.strategies.ddp import DataParallelDistributed
+from torchfleet.strategies.serial import Serial
+
+STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (Serial, DataParallelDistributed)}
+STRATEGY_NAMES: tuple[str, ...] = tuple(STRATEGIES)
+
+
+def get_strategy(name: str) -> type[Strategy]:
+    if name not in STRATEGIES:
+        raise choice_error("strategy", name, STRATEGY_NAMES)
+    return STRATEGIES[name]
+
+
+__all__ = ["STRATEGIES", "STRATEGY_NAMES", "Runtime", "Strategy", "get_strategy"]

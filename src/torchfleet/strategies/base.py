@@ -1,0 +1,97 @@
+"""The one protocol every strategy follows, and the default training step.
+
+A strategy wraps a model and optimizer for one way of running in parallel;
+it never starts processes (the launcher does) and never loops over data (the
+trainer does). Most strategies only override `wrap` and `no_sync`; those that
+schedule their own forward and backward (pipelines) override `train_step`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, ClassVar
+
+import torch
+from torch import nn
+
+from torchfleet.env import DistEnv
+from torchfleet.precision import Precision
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class Runtime:
+    """What a strategy may rely on: set up by Fleet before `wrap` is called."""
+
+    env: DistEnv
+    device: torch.device
+    precision: Precision
+    backend: str | None  # None when no process group was started
+
+
+class Strategy:
+    name: ClassVar[str]
+    # True when the strategy needs one process per replica or stage and a
+    # process group joining them; False for single-process strategies.
+    distributed: ClassVar[bool] = False
+
+    def __init__(self, runtime: Runtime, **options):
+        if options:
+            raise TypeError(f"strategy {self.name!r} takes no options, got {sorted(options)}")
+        self.runtime = runtime
+        self.model: nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+
+    # -- wrapping ---------------------------------------------------------
+    def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+        self.model = model.to(self.runtime.device)
+        self.optimizer = optimizer
+        return self.model, self.optimizer
+
+    def unwrapped(self) -> nn.Module:
+        """The user's module, without wrappers: what checkpoints hold."""
+        return self.model
+
+    def no_sync(self):
+        """Skip gradient synchronisation (gradient accumulation's early micro-steps)."""
+        return contextlib.nullcontext()
+
+    # -- data -------------------------------------------------------------
+    def data_coords(self) -> tuple[int, int]:
+        """(rank, world size) among the processes that read different data."""
+        return self.runtime.env.rank, self.runtime.env.world_size
+
+    # -- training ---------------------------------------------------------
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn,
+                   grad_accum: int = 1) -> torch.Tensor:
+        """Forward, backward and optimizer step on this rank's share of one global batch.
+
+        The share is split into `grad_accum` equal micro-batches; only the last
+        one synchronises gradients, and each micro-loss is divided by
+        `grad_accum`, so the update equals one pass over the whole share.
+        Returns the mean loss of the share (detached).
+        """
+        precision = self.runtime.precision
+        self.optimizer.zero_grad(set_to_none=True)
+        total = torch.zeros((), device=self.runtime.device)
+        pairs = list(zip(inputs.tensor_split(grad_accum), targets.tensor_split(grad_accum), strict=True))
+        for i, (x, y) in enumerate(pairs):
+            sync = i == len(pairs) - 1
+            with contextlib.nullcontext() if sync else self.no_sync():
+                with precision.autocast():
+                    loss = loss_fn(self.model(x), y)
+                precision.backward(loss / grad_accum)
+            total += loss.detach().float()
+        precision.step(self.optimizer)
+        return total / grad_accum
+
+    @torch.no_grad()
+    def predict(self, inputs: torch.Tensor) -> torch.Tensor:
+        with self.runtime.precision.autocast():
+            return self.model(inputs)
+
+    def memory_report(self) -> dict | None:
+        """Bytes held per rank, for strategies where that is the point (sharding)."""
+        return None

@@ -1,0 +1,140 @@
+"""The one training loop behind `torchfleet train`, for every strategy.
+
+It runs inside each worker process (or the only process): the launcher has
+already started the processes, and Fleet has joined them into a group.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from torchfleet import checkpoint, report
+from torchfleet.config import TrainConfig
+from torchfleet.data import builtin_dataset
+from torchfleet.fleet import Fleet
+from torchfleet.models import build_model
+
+KEEP_CHECKPOINTS = 3
+
+
+def build_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    return torch.optim.AdamW(params, lr=lr)
+
+
+def evaluate(fleet: Fleet, dataset) -> float:
+    """Accuracy over the whole validation set, each sample counted once across ranks."""
+    model = fleet.strategy.model
+    was_training = model.training
+    model.eval()
+    correct = total = 0
+    for inputs, targets in fleet.eval_dataloader(dataset):
+        outputs = fleet.predict(inputs)
+        if outputs is not None:  # pipeline stages other than the last return None
+            correct += (outputs.argmax(1).cpu() == targets).sum().item()
+            total += len(targets)
+    model.train(was_training)
+    counts = fleet.all_reduce(torch.tensor([correct, total], dtype=torch.float64), op="sum")
+    return (counts[0] / counts[1]).item() if counts[1] > 0 else float("nan")
+
+
+def train(cfg: TrainConfig, strategy: str) -> dict:
+    """Train the built-in job with `strategy` and return the summary figures."""
+    fleet = Fleet(strategy=strategy, precision=cfg.precision, backend=cfg.backend,
+                  grad_accum=cfg.grad_accum, **cfg.strategy_options)
+    for note in fleet.notes:
+        fleet.print(f"note: {note}")
+
+    torch.manual_seed(cfg.seed)  # the same initial weights on every rank and every run
+    train_set = builtin_dataset(cfg.data, "train", cfg.seed, cfg.synthetic_size)
+    val_set = builtin_dataset(cfg.data, "val", cfg.seed, cfg.synthetic_size)
+    in_shape = tuple(train_set[0][0].shape)
+    model = build_model(cfg.model, in_shape, num_classes=10)
+    optimizer = build_optimizer(cfg.optimizer, model.parameters(), cfg.lr)
+    model, optimizer = fleet.setup(model, optimizer)
+    loader = fleet.dataloader(train_set, cfg.batch_size, shuffle=True, seed=cfg.seed)
+    sampler = loader.batch_sampler
+    loss_fn = nn.CrossEntropyLoss()
+
+    step = 0
+    if cfg.resume:
+        step = _resume(fleet, cfg.checkpoint_dir, sampler)
+    steps_per_epoch = len(sampler)
+    total_steps = steps_per_epoch * cfg.epochs
+    if cfg.max_steps is not None:
+        total_steps = min(total_steps, cfg.max_steps)
+
+    loss = torch.tensor(float("nan"))
+    val_accuracy = float("nan")
+    samples = 0
+    train_seconds = 0.0
+    start = time.perf_counter()
+    with report.progress(enabled=cfg.progress and fleet.is_main, total=total_steps, done=step) as bar:
+        while step < total_steps:
+            epoch = sampler.epoch
+            tick = time.perf_counter()
+            for inputs, targets in loader:
+                loss = fleet.train_step(inputs, targets, loss_fn)
+                step += 1
+                samples += cfg.batch_size
+                bar.advance(epoch=epoch + 1, loss=loss.item())
+                if cfg.checkpoint_dir and cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+                    _save(fleet, cfg.checkpoint_dir, step, sampler)
+                if step >= total_steps:
+                    break
+            train_seconds += time.perf_counter() - tick
+            val_accuracy = evaluate(fleet, val_set)
+            bar.epoch_done(epoch + 1, val_accuracy)
+            if cfg.checkpoint_dir and not cfg.checkpoint_every:
+                _save(fleet, cfg.checkpoint_dir, step, sampler)
+    wall = time.perf_counter() - start
+
+    final_loss = fleet.all_reduce(loss.detach(), op="mean").item()
+    result = {
+        "strategy": fleet.strategy_name,
+        "world_size": fleet.world_size,
+        "backend": fleet.strategy.runtime.backend or "none",
+        "backend_reason": fleet.backend_reason,
+        "precision": cfg.precision,
+        "model": cfg.model,
+        "data": cfg.data,
+        "epochs": cfg.epochs,
+        "steps": step,
+        "global_batch": cfg.batch_size,
+        "final_loss": final_loss,
+        "val_accuracy": val_accuracy,
+        "samples_per_s": samples / train_seconds if train_seconds else 0.0,
+        "wall_s": wall,
+    }
+    memory = fleet.strategy.memory_report()
+    if memory:
+        result["memory_per_rank"] = memory
+    if fleet.is_main:
+        report.summary(result)
+        if cfg.json_out:
+            Path(cfg.json_out).write_text(json.dumps(result, indent=2) + "\n")
+    fleet.close()
+    return result
+
+
+def _save(fleet: Fleet, directory: str, step: int, sampler) -> None:
+    fleet.save(checkpoint.step_path(directory, step), step=step, sampler=sampler.state_dict())
+    if fleet.is_main:
+        checkpoint.prune(directory, KEEP_CHECKPOINTS)
+
+
+def _resume(fleet: Fleet, directory: str, sampler) -> int:
+    found = checkpoint.list_checkpoints(directory)
+    if not found:
+        fleet.print(f"note: no checkpoint in {directory}; starting from the beginning")
+        return 0
+    extra = fleet.load(found[-1])
+    sampler.load_state_dict(extra["sampler"])
+    fleet.print(f"resumed from {found[-1]} at step {extra['step']}")
+    return extra["step"]

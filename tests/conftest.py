@@ -1,0 +1,40 @@
+"""Shared helpers: run torchfleet as a user would, in a real subprocess, with a timeout."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+
+# Variables that would make a child think it is already part of a job.
+_CLUSTER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+                 "MASTER_PORT", "TORCHELASTIC_RUN_ID", "SLURM_PROCID", "SLURM_NTASKS", "OMPI_COMM_WORLD_RANK",
+                 "PMI_RANK", "SM_HOSTS", "SM_CURRENT_HOST")
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _CLUSTER_VARS}
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+def run(args: list[str], timeout: float = 120, env: dict | None = None, cwd=None) -> subprocess.CompletedProcess:
+    """Run a command, failing the test (not hanging it) past `timeout` seconds."""
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout,
+                          env=env or clean_env(), cwd=cwd or ROOT)
+
+
+def torchfleet(*args: str, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
+    return run([sys.executable, "-m", "torchfleet", *args], timeout=timeout, env=env)
+
+
+@pytest.fixture
+def cli():
+    return torchfleet

@@ -1,0 +1,88 @@
+"""The command line: help, a frozen surface, and bad input as one sentence with status 2."""
+
+import argparse
+
+import pytest
+
+from conftest import torchfleet
+from torchfleet.cli import build_parser
+
+# The whole surface. A new flag or command means editing this list on purpose.
+SURFACE = {
+    "doctor": ["--json"],
+    "train": ["--backend", "--batch-size", "--checkpoint-dir", "--checkpoint-every", "--data", "--epochs",
+              "--grad-accum", "--json-out", "--lr", "--master-addr", "--master-port", "--max-restarts",
+              "--max-steps", "--model", "--nnodes", "--no-progress", "--node-rank", "--nproc-per-node",
+              "--optimizer", "--precision", "--resume", "--seed", "--strategy", "--synthetic-size", "-n"],
+    "run": ["--master-addr", "--master-port", "--max-restarts", "--nnodes", "--node-rank",
+            "--nproc-per-node", "-n"],
+}
+
+
+def _flags(parser: argparse.ArgumentParser) -> list[str]:
+    return sorted(o for a in parser._actions for o in a.option_strings if o not in ("-h", "--help"))
+
+
+def _subparsers(parser):
+    (action,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return action.choices
+
+
+def test_surface_is_frozen():
+    subs = _subparsers(build_parser())
+    assert sorted(subs) == sorted(SURFACE)
+    for name, flags in SURFACE.items():
+        assert _flags(subs[name]) == sorted(flags), name
+
+
+@pytest.mark.parametrize("command", [[], *[[c] for c in SURFACE]])
+def test_every_help(command):
+    result = torchfleet(*command, "--help")
+    assert result.returncode == 0
+    assert "usage: torchfleet" in result.stdout
+    for flag in SURFACE.get(command[0], []) if command else []:
+        assert flag in result.stdout
+
+
+BAD = [
+    (["train", "--strategy", "warp"], "unknown strategy 'warp'; choose one of auto, serial, ddp"),
+    (["train", "-n", "0"], "--nproc-per-node 0 must be at least 1"),
+    (["train", "--strategy", "ddp", "-n", "4", "--batch-size", "2"], "batch size 2 is smaller than the 4 processes"),
+    (["train", "--strategy", "ddp", "-n", "2", "--batch-size", "33"], "does not split evenly among 2 processes"),
+    (["train", "--strategy", "serial", "-n", "3"], "strategy 'serial' runs in one process, not 3"),
+    (["train", "--epochs", "0"], "--epochs 0 must be at least 1"),
+    (["train", "--lr", "-1"], "--lr -1.0 must be a positive number"),
+    (["train", "--precision", "fp16", "--strategy", "serial"], "fp16 needs a CUDA device"),
+    (["train", "--backend", "mpi", "--strategy", "serial"], "no MPI backend"),
+    (["train", "--resume"], "--resume needs --checkpoint-dir"),
+    (["train", "--model", "gpt9"], "invalid choice: 'gpt9'"),
+    (["train", "--node-rank", "2", "--nnodes", "2"], "--node-rank 2 is out of range for --nnodes 2"),
+    (["run", "-n", "2", "no/such/script.py"], "script 'no/such/script.py' does not exist"),
+    (["run", "-n", "2", "pyproject.toml"], "is not a Python file"),
+    (["run", "--master-port", "70000", "x.py"], "--master-port 70000 is not a TCP port"),
+    (["frobnicate"], "invalid choice: 'frobnicate'"),
+]
+
+
+@pytest.mark.parametrize("args,sentence", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_input_is_one_sentence_and_status_2(args, sentence):
+    result = torchfleet(*args, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert sentence in lines[0]
+
+
+def test_unwritable_checkpoint_dir_is_refused_before_work(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    result = torchfleet("train", "--strategy", "serial", "--checkpoint-dir", str(blocker / "ckpt"))
+    assert result.returncode == 2
+    assert "is not writable" in result.stderr and "Traceback" not in result.stderr
+    assert blocker.read_text() == "not a directory"  # nothing lost
+
+
+def test_version():
+    result = torchfleet("--version")
+    assert result.returncode == 0 and result.stdout.startswith("torchfleet ")

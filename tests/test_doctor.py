@@ -1,0 +1,114 @@
+"""doctor: the report is complete and JSON-able, the rules match the hardware, it renders."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+from rich.console import Console
+
+from torchfleet.backend import Hardware
+from torchfleet.doctor import STRATEGIES, collect_report, render_report, strategy_availability
+
+KEYS = {
+    "python", "torch", "torchfleet", "cpu_cores", "gpus", "infiniband", "ip_over_ib",
+    "backends_built", "cluster", "interfaces", "backend", "strategies",
+}
+CPU_HOST = Hardware(0, (), (), False, False, frozenset({"gloo"}))
+
+
+def gpu_host(gpus: int) -> Hardware:
+    return Hardware(gpus, ("NVIDIA A100",) * gpus, (40 * 2**30,) * gpus, False, False,
+                    frozenset({"gloo", "nccl"}))
+
+
+def by_name(hw: Hardware, cores: int) -> dict[str, dict]:
+    return {s["name"]: s for s in strategy_availability(hw, cores)}
+
+
+@pytest.fixture(scope="module")
+def report() -> dict:
+    return collect_report(environ={})
+
+
+def test_report_is_json_and_complete(report: dict) -> None:
+    assert json.loads(json.dumps(report)) == report
+    assert set(report) == KEYS
+    assert set(report["backend"]) == {"name", "reason"}
+    assert set(report["backends_built"]) == {"gloo", "nccl", "mpi"}
+    assert report["cpu_cores"]["usable"] >= 1
+
+
+def test_report_on_this_machine(report: dict) -> None:
+    assert report["gpus"] == []
+    assert report["backend"]["name"] == "gloo"
+    assert "lo" in [i["name"] for i in report["interfaces"]]
+    assert "error" in report["cluster"] or "world_size" in report["cluster"]
+
+
+def test_report_lists_every_strategy_and_dp_needs_gpus(report: dict) -> None:
+    strategies = {s["name"]: s for s in report["strategies"]}
+    assert list(strategies) == list(STRATEGIES) and len(STRATEGIES) == 8
+    assert strategies["dp"]["available"] is False
+    assert "GPU" in strategies["dp"]["why"]
+
+
+def test_report_uses_given_hardware() -> None:
+    report = collect_report(gpu_host(2), environ={})
+    assert [g["index"] for g in report["gpus"]] == [0, 1]
+    assert report["gpus"][0] == {"index": 0, "name": "NVIDIA A100", "memory_bytes": 40 * 2**30}
+    assert report["backend"]["name"] == "nccl"
+
+
+def test_cpu_host_rules() -> None:
+    found = by_name(CPU_HOST, cores=2)
+    assert {n: s["available"] for n, s in found.items()} == {
+        "serial": True, "hogwild": True, "dp": False, "mp": True,
+        "ddp": True, "fsdp": True, "pipeline": True, "ddp+pipeline": True,
+    }
+    assert "CPU only" in found["mp"]["why"] and ">= 2 GPUs" in found["mp"]["why"]
+    assert "0 visible" in found["dp"]["why"]
+    assert "gloo" in found["ddp"]["why"]
+    assert "oversubscribe" in found["ddp+pipeline"]["why"]
+
+
+def test_single_core_host_rules() -> None:
+    found = by_name(CPU_HOST, cores=1)
+    assert found["serial"]["available"]
+    assert not found["hogwild"]["available"] and "2 CPU cores" in found["hogwild"]["why"]
+    for name in ("ddp", "fsdp", "pipeline"):
+        assert not found[name]["available"] and "needs 2 processes" in found[name]["why"]
+    # The 2-D layout may still be checked on CPU, slowly.
+    assert found["ddp+pipeline"]["available"]
+
+
+def test_multi_gpu_host_rules() -> None:
+    found = by_name(gpu_host(8), cores=4)
+    assert all(s["available"] for s in found.values())
+    assert "8 GPUs" in found["dp"]["why"] and "GPU" in found["ddp+pipeline"]["why"]
+    assert "oversubscribe" not in found["ddp+pipeline"]["why"]
+
+
+def test_render_report_shows_the_backend_and_reason(report: dict) -> None:
+    buffer = io.StringIO()
+    render_report(report, Console(file=buffer))
+    text = " ".join(buffer.getvalue().split())  # undo the console's line wrapping
+    assert report["backend"]["name"] in text
+    assert report["backend"]["reason"] in text
+    assert "ddp+pipeline" in text and "lo" in text
+
+
+def test_cluster_is_detected_from_the_given_environment() -> None:
+    environ = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "node0",
+               "MASTER_PORT": "1234"}
+    cluster = collect_report(CPU_HOST, environ=environ)["cluster"]
+    assert (cluster["rank"], cluster["world_size"], cluster["master_port"]) == (1, 2, 1234)
+
+
+def test_bad_cluster_environment_is_reported_not_raised() -> None:
+    report = collect_report(CPU_HOST, environ={"RANK": "x", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
+    assert "RANK='x'" in report["cluster"]["error"]
+    buffer = io.StringIO()
+    render_report(report, Console(file=buffer, width=200))
+    assert "RANK='x'" in buffer.getvalue()

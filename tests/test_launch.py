@@ -1,0 +1,97 @@
+"""Launching real processes through torchrun's agent: same weights three ways, failures summarised."""
+
+import shutil
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import EXAMPLES, ROOT, run, torchfleet
+from torchfleet import UsageError, launch
+from torchfleet.launcher import LaunchError
+
+SCRIPT = str(EXAMPLES / "train_digits.py")
+CRASH = str(ROOT / "tests" / "scripts" / "crash.py")
+
+
+def _weights(path):
+    return torch.cat([t.flatten() for t in torch.load(path, weights_only=True).values()])
+
+
+@pytest.mark.timeout(240)
+def test_same_script_python_torchfleet_torchrun(tmp_path):
+    single = run([sys.executable, SCRIPT, "--strategy", "serial", "--out", str(tmp_path / "python.pt")])
+    assert single.returncode == 0, single.stderr
+    fleet = torchfleet("run", "-n", "2", SCRIPT, "--out", str(tmp_path / "fleet.pt"))
+    assert fleet.returncode == 0, fleet.stderr
+    torchrun_bin = shutil.which("torchrun", path=str(ROOT / ".venv" / "bin")) or shutil.which("torchrun")
+    if torchrun_bin is None:
+        pytest.fail("torchrun is not installed next to torch")
+    plain = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                 SCRIPT, "--out", str(tmp_path / "torchrun.pt")])
+    assert plain.returncode == 0, plain.stderr
+    reference = _weights(tmp_path / "python.pt")
+    for name in ("fleet.pt", "torchrun.pt"):
+        assert (_weights(tmp_path / name) - reference).abs().max().item() < 1e-5, name
+    # Only the main rank prints: one line per epoch, not one per rank.
+    assert fleet.stdout.count("epoch 1:") == 1
+
+
+@pytest.mark.timeout(120)
+def test_crashed_rank_is_summarised_once():
+    start = time.monotonic()
+    result = torchfleet("run", "-n", "2", CRASH, "raise")
+    elapsed = time.monotonic() - start
+    assert result.returncode == 1
+    err = result.stderr
+    assert "rank 1 (local rank 1 on" in err and "failed first: exit code 1" in err
+    assert "ValueError: boom on purpose" in err
+    assert err.count("Traceback (most recent call last)") == 1  # shown once, by the summary
+    assert "crash.py" in err  # the traceback points at the user's line
+    assert elapsed < 60  # rank 0 was stopped, not waited out
+
+
+@pytest.mark.timeout(120)
+def test_killed_rank_names_the_signal():
+    result = torchfleet("run", "-n", "2", CRASH, "kill")
+    assert result.returncode == 128 + 9
+    assert "rank 1" in result.stderr and "killed by SIGKILL" in result.stderr
+
+
+@pytest.mark.timeout(120)
+def test_exit_code_of_failed_rank_is_passed_on():
+    result = torchfleet("run", "-n", "2", CRASH, "exit")
+    assert result.returncode == 3
+    assert "exit code 3" in result.stderr
+
+
+def _square(x):
+    import os
+
+    return int(os.environ["RANK"]) * x
+
+
+def _fail_on_rank_one():
+    import os
+
+    if os.environ["RANK"] == "1":
+        raise RuntimeError("rank one is unhappy")
+
+
+@pytest.mark.timeout(120)
+def test_python_launch_returns_each_ranks_result():
+    assert launch(_square, nprocs=2, args=(7,)) == [0, 7]
+
+
+@pytest.mark.timeout(120)
+def test_python_launch_raises_with_the_summary():
+    with pytest.raises(LaunchError) as info:
+        launch(_fail_on_rank_one, nprocs=2)
+    assert info.value.summary.first.rank == 1
+    assert "RuntimeError: rank one is unhappy" in str(info.value)
+
+
+def test_python_launch_rejects_zero_processes():
+    with pytest.raises(UsageError, match="nprocs 0"):
+        launch(_square, nprocs=0)
