@@ -11,7 +11,8 @@ from torchfleet.cli import build_parser
 SURFACE = {
     "doctor": ["--json"],
     "train": ["--backend", "--batch-size", "--checkpoint-dir", "--checkpoint-every", "--data", "--epochs",
-              "--grad-accum", "--json-out", "--lr", "--master-addr", "--master-port", "--max-restarts",
+              "--grad-accum", "--json-out", "--lr", "--devices", "--microbatches", "--schedule", "--pp",
+              "--sharing-strategy", "--master-addr", "--master-port", "--max-restarts",
               "--max-steps", "--model", "--nnodes", "--no-progress", "--node-rank", "--nproc-per-node",
               "--optimizer", "--precision", "--resume", "--seed", "--strategy", "--synthetic-size", "-n"],
     "run": ["--master-addr", "--master-port", "--max-restarts", "--nnodes", "--node-rank",
@@ -51,6 +52,7 @@ BAD = [
     (["train", "--strategy", "ddp", "-n", "2", "--batch-size", "33"], "does not split evenly among 2 processes"),
     (["train", "--strategy", "serial", "-n", "3"], "strategy 'serial' runs in one process, not 3"),
     (["train", "--epochs", "0"], "--epochs 0 must be at least 1"),
+    (["train", "--strategy", "serial", "--pp", "2"], "option 'pp' does not apply to strategy 'serial'"),
     (["train", "--lr", "-1"], "--lr -1.0 must be a positive number"),
     (["train", "--precision", "fp16", "--strategy", "serial"], "fp16 needs a CUDA device"),
     (["train", "--backend", "mpi", "--strategy", "serial"], "no MPI backend"),

@@ -76,12 +76,13 @@ def atomic_write(payload: Any, path: Path) -> None:
 
 def save(fleet: "Fleet", path: str | os.PathLike, extra: dict | None = None) -> None:
     strategy = fleet.strategy
+    model_state, optimizer_state = strategy.state_dicts()
     payload = {
         "format": FORMAT,
         "strategy": strategy.name,
         "world_size": fleet.world_size,
-        "model": strategy.unwrapped().state_dict(),
-        "optimizer": strategy.optimizer.state_dict(),
+        "model": model_state,
+        "optimizer": optimizer_state,
         "scaler": strategy.runtime.precision.state_dict(),
         "rng": rng_state(),
         "extra": extra or {},
@@ -106,11 +107,10 @@ def load(fleet: "Fleet", path: str | os.PathLike) -> dict:
         raise UsageError(f"checkpoint {str(path)!r} is not a torchfleet checkpoint of format {FORMAT}")
     strategy = fleet.strategy
     try:
-        strategy.unwrapped().load_state_dict(payload["model"])
-    except RuntimeError as exc:
+        strategy.load_state_dicts(payload["model"], payload["optimizer"])
+    except (RuntimeError, KeyError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0]
         raise UsageError(f"checkpoint {str(path)!r} does not fit this model: {first}") from None
-    strategy.optimizer.load_state_dict(payload["optimizer"])
     strategy.runtime.precision.load_state_dict(payload["scaler"])
     set_rng_state(payload["rng"])
     return payload["extra"]

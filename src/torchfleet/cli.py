@@ -14,6 +14,20 @@ from torchfleet.errors import UsageError
 
 EPILOG = "Docs: README.md. Every command takes --help."
 
+# Flags passed to the strategy only when given; a strategy rejects those it does not take.
+STRATEGY_FLAGS = (
+    ("--devices", str, "mp: comma-separated devices for the stages, e.g. cuda:0,cuda:1 or cpu,cpu"),
+    ("--microbatches", int, "mp, pipeline: micro-batches per batch, so stages overlap"),
+    ("--schedule", str, "pipeline: gpipe or 1f1b"),
+    ("--pp", int, "ddp+pipeline: pipeline stages per replica"),
+    ("--sharing-strategy", str, "hogwild: file_descriptor or file_system (default: the platform's)"),
+)
+
+
+def _strategy_options(args) -> dict:
+    names = (flag[2:].replace("-", "_") for flag, _, _ in STRATEGY_FLAGS)
+    return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+
 
 class _Parser(argparse.ArgumentParser):
     """argparse that reports bad input in one line (no usage dump) with status 2."""
@@ -75,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
     train.add_argument("--json-out", default=None, metavar="FILE", help="write the final figures as JSON")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    opts = train.add_argument_group("strategy options (each applies to some strategies only)")
+    for flag, kind, text in STRATEGY_FLAGS:
+        opts.add_argument(flag, type=kind, default=None, help=text)
     _add_launch_flags(train)
 
     run = sub.add_parser("run", help="run any script on N processes (torchrun-compatible)")
@@ -113,6 +130,7 @@ def cmd_train(args, argv: list[str]) -> int:
         max_steps=args.max_steps, synthetic_size=args.synthetic_size,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
         resume=args.resume, json_out=args.json_out, progress=not args.no_progress,
+        strategy_options=_strategy_options(args),
     )
     env = DistEnv.detect()
     if env.is_distributed or env.source != "single":

@@ -52,6 +52,7 @@ class Fleet:
         if strategy_cls.distributed and not self.env.is_distributed:
             self.notes.append(f"{strategy} with one process has nothing to share; running it as serial")
             strategy_cls = get_strategy("serial")
+            strategy_options = {}
         if self.env.is_distributed and not strategy_cls.distributed:
             raise UsageError(
                 f"strategy {strategy!r} runs in one process but {self.env.world_size} were started;"

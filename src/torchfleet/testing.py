@@ -42,10 +42,9 @@ def train_k_steps(strategy: str, model: str = "mlp", optimizer: str = "sgd", ste
 
 
 def full_weights(fleet: Fleet) -> torch.Tensor | None:
-    """The whole model's weights on the main rank; strategies that shard override gathering."""
-    gather = getattr(fleet.strategy, "full_state_dict", None)
-    state = gather() if gather else fleet.strategy.unwrapped().state_dict()
-    if not fleet.is_main or state is None:
+    """The whole model's weights on the main rank (sharding strategies gather in state_dicts)."""
+    state, _ = fleet.strategy.state_dicts()
+    if not fleet.is_main or not state:
         return None
     return torch.cat([t.detach().float().cpu().flatten() for t in state.values()])
 

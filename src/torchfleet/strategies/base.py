@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from torchfleet.env import DistEnv
+from torchfleet.errors import UsageError
 from torchfleet.precision import Precision
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -36,10 +37,16 @@ class Strategy:
     # True when the strategy needs one process per replica or stage and a
     # process group joining them; False for single-process strategies.
     distributed: ClassVar[bool] = False
+    # Strategy-specific options this strategy accepts (CLI flags without "--").
+    options: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, runtime: Runtime, **options):
-        if options:
-            raise TypeError(f"strategy {self.name!r} takes no options, got {sorted(options)}")
+        unknown = sorted(set(options) - set(self.options))
+        if unknown:
+            raise UsageError(
+                f"option {unknown[0]!r} does not apply to strategy {self.name!r}"
+                + (f"; it takes {', '.join(self.options)}" if self.options else "; it takes no options")
+            )
         self.runtime = runtime
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
@@ -53,6 +60,14 @@ class Strategy:
     def unwrapped(self) -> nn.Module:
         """The user's module, without wrappers: what checkpoints hold."""
         return self.model
+
+    def state_dicts(self) -> tuple[dict, dict]:
+        """(model, optimizer) state for a checkpoint; sharding strategies gather or shard here."""
+        return self.unwrapped().state_dict(), self.optimizer.state_dict()
+
+    def load_state_dicts(self, model_state: dict, optimizer_state: dict) -> None:
+        self.unwrapped().load_state_dict(model_state)
+        self.optimizer.load_state_dict(optimizer_state)
 
     def no_sync(self):
         """Skip gradient synchronisation (gradient accumulation's early micro-steps)."""
