@@ -30,6 +30,18 @@ class Precision:
         self.device = device
         self.scaler = torch.amp.GradScaler("cuda") if name == "fp16" else None
 
+    def sync_overflow(self, group) -> None:
+        """fp16 where ranks hold different gradients (shards, pipeline stages).
+
+        Each rank's scaler would otherwise find inf/NaN in its own gradients
+        only and skip a step the others take; the sharded scaler all-reduces
+        the finding over `group` so every rank skips the same steps.
+        """
+        if self.scaler is not None:
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            self.scaler = ShardedGradScaler(self.device.type, process_group=group)
+
     def autocast(self):
         if self.name == "fp32":
             return contextlib.nullcontext()

@@ -5,9 +5,14 @@ from __future__ import annotations
 from torchfleet.errors import choice_error
 from torchfleet.strategies.base import Runtime, Strategy
 from torchfleet.strategies.ddp import DataParallelDistributed
+from torchfleet.strategies.ddp_pipeline import DdpPipeline
+from torchfleet.strategies.fsdp import FullyShardedDataParallel
+from torchfleet.strategies.pipeline import Pipeline
 from torchfleet.strategies.serial import Serial
 
-STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (Serial, DataParallelDistributed)}
+STRATEGIES: dict[str, type[Strategy]] = {
+    cls.name: cls for cls in (Serial, DataParallelDistributed, FullyShardedDataParallel, Pipeline, DdpPipeline)
+}
 STRATEGY_NAMES: tuple[str, ...] = tuple(STRATEGIES)
 
 

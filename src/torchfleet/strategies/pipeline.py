@@ -1,0 +1,306 @@
+"""pipeline: each process holds one stage of the model (distributed model parallel).
+
+An ``nn.Sequential`` is cut into consecutive stages balanced by parameter
+count, one per process, and `torch.distributed.pipelining` runs each batch as
+`microbatches` micro-batches under the GPipe or 1F1B schedule; the last stage
+computes the loss. Every process of a pipeline reads the same batch (the
+first stage uses the inputs, the last the targets), so a pipeline counts as
+one data-parallel rank.
+
+Equivalence with `serial`: each micro-batch's mean loss is divided by
+(microbatches x grad_accum) before backward (the schedule's own grad
+scaling is off, since it would divide earlier accumulation steps again), so
+the summed gradients are the gradient of the whole batch's mean loss.
+
+Stages keep the Sequential's child names ("3.weight"), so the full state
+dict gathered on rank 0 has the original keys in the original order.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from torchfleet.errors import UsageError, choice_error
+from torchfleet.strategies.base import Strategy
+from torchfleet.strategies.fsdp import memory_per_rank, rebuild_optimizer
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+def split_balanced(model: nn.Module, parts: int) -> list[tuple[int, int]]:
+    """Cut `model`'s children into `parts` consecutive [start, end) ranges.
+
+    Minimises the largest stage's parameter count; every stage gets at least
+    one parameter (a stage of only activations would have nothing to train).
+    """
+    if not isinstance(model, nn.Sequential):
+        raise UsageError(f"pipeline stages are cut from an nn.Sequential's children; got {type(model).__name__}")
+    sizes = [sum(p.numel() for p in c.parameters()) for c in model]
+    with_params = sum(1 for s in sizes if s)
+    if with_params < parts:
+        raise UsageError(f"the model has {with_params} layers with parameters, too few for {parts} stages;"
+                         f" use at most {with_params} stages")
+    n, inf = len(sizes), float("inf")
+    prefix = [0]
+    for s in sizes:
+        prefix.append(prefix[-1] + s)
+    # best[k][i]: smallest possible largest stage when children[:i] form k stages.
+    best = [[inf] * (n + 1) for _ in range(parts + 1)]
+    cut = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0
+    for k in range(1, parts + 1):
+        for i in range(1, n + 1):
+            for j in range(k - 1, i):
+                stage = prefix[i] - prefix[j]
+                cost = max(best[k - 1][j], stage if stage else inf)
+                if cost < best[k][i]:
+                    best[k][i], cut[k][i] = cost, j
+    bounds, end = [], n
+    for k in range(parts, 0, -1):
+        bounds.append((cut[k][end], end))
+        end = cut[k][end]
+    return bounds[::-1]
+
+
+class _Stage(PipelineStage):
+    """A PipelineStage that runs its forward under autocast and times its compute.
+
+    The schedules wait for received activations before calling these two
+    methods and send asynchronously after, so the time inside them is the
+    stage's busy time; the rest of a schedule step is idle (the bubble).
+    """
+
+    def __init__(self, *args, precision, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.precision = precision
+        self.busy = 0.0
+
+    def _sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # device time, not launch time
+
+    def forward_one_chunk(self, *args, **kwargs):
+        self._sync()
+        tick = time.perf_counter()
+        with self.precision.autocast():
+            out = super().forward_one_chunk(*args, **kwargs)
+        self._sync()
+        self.busy += time.perf_counter() - tick
+        return out
+
+    def backward_one_chunk(self, *args, **kwargs):
+        self._sync()
+        tick = time.perf_counter()
+        out = super().backward_one_chunk(*args, **kwargs)
+        self._sync()
+        self.busy += time.perf_counter() - tick
+        return out
+
+
+class Pipeline(Strategy):
+    name = "pipeline"
+    distributed = True
+    options = ("microbatches", "schedule")
+
+    def __init__(self, runtime, microbatches: int | None = None, schedule: str = "1f1b", **options):
+        super().__init__(runtime, **options)
+        if schedule not in SCHEDULES:
+            raise choice_error("schedule", schedule, tuple(SCHEDULES))
+        self.dp, self.pp = self.mesh_shape(dist.get_world_size())
+        self.microbatches = microbatches if microbatches is not None else 2 * self.pp
+        if self.microbatches < 1:
+            raise UsageError(f"--microbatches {self.microbatches} must be at least 1")
+        if schedule == "1f1b" and self.microbatches < self.pp:
+            raise UsageError(f"schedule 1f1b needs at least as many micro-batches as stages:"
+                             f" --microbatches {self.microbatches} < {self.pp} stages; use gpipe or more micro-batches")
+        self.schedule_name = schedule
+        self._schedule = None
+        self._busy_wall = [0.0, 0.0]  # stage busy seconds, schedule seconds (after the first step)
+        self._steps = 0
+
+    def mesh_shape(self, world_size: int) -> tuple[int, int]:
+        """(replicas, stages per replica): one pipeline through every process."""
+        return 1, world_size
+
+    # -- wrapping ---------------------------------------------------------
+    def wrap(self, model, optimizer):
+        device = self.runtime.device
+        mesh = init_device_mesh(device.type, (self.dp, self.pp), mesh_dim_names=("dp", "pp"))
+        self.mesh = mesh
+        self.pp_group, self.dp_group = mesh.get_group("pp"), mesh.get_group("dp")
+        self.stage_index, self.dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
+        self.bounds = split_balanced(model, self.pp)
+        start, end = self.bounds[self.stage_index]
+        old_names = {id(p): n for n, p in model.named_parameters()}
+        children = list(model.named_children())
+        self.model = nn.Sequential(OrderedDict(children[start:end])).to(device)
+        # Only this stage's parameters, each group keeping its hyper-parameters.
+        self.optimizer = rebuild_optimizer(optimizer, old_names, self.model)
+        self.runtime.precision.sync_overflow(dist.group.WORLD)
+        self._stage = _Stage(self.model, self.stage_index, self.pp, device, group=self.pp_group,
+                             precision=self.runtime.precision)
+        return self.model, self.optimizer
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage_index == self.pp - 1
+
+    def _peer(self, stage: int) -> int:
+        """Global rank of `stage` in this process's replica."""
+        return dist.get_global_rank(self.pp_group, stage)
+
+    def data_coords(self):
+        # Every stage of a replica reads the same batch: one data-parallel rank per replica.
+        return self.dp_rank, self.dp
+
+    # -- training ---------------------------------------------------------
+    def _loss(self, output, target):
+        with self.runtime.precision.autocast():
+            loss = self._loss_fn(output, target)
+        self._losses.append(loss.detach().float())
+        loss = loss / self._loss_divisor
+        scaler = self.runtime.precision.scaler
+        return scaler.scale(loss) if scaler is not None else loss
+
+    def train_step(self, inputs, targets, loss_fn, grad_accum=1):
+        per_run = grad_accum * self.microbatches
+        if len(inputs) % per_run:
+            raise UsageError(
+                f"each pipeline's batch of {len(inputs)} does not split into {grad_accum} accumulation"
+                f" steps x {self.microbatches} micro-batches; use a batch size per replica that is a"
+                f" multiple of {per_run}")
+        if self._schedule is None:
+            self._schedule = SCHEDULES[self.schedule_name](
+                self._stage, self.microbatches, loss_fn=self._loss, scale_grads=False)
+        self._loss_fn, self._loss_divisor, self._losses = loss_fn, per_run, []
+        self.optimizer.zero_grad(set_to_none=True)
+        busy, tick = self._stage.busy, time.perf_counter()
+        for x, y in zip(inputs.tensor_split(grad_accum), targets.tensor_split(grad_accum), strict=True):
+            args = (x,) if self.is_first else ()
+            kwargs = {"target": y, "losses": []} if self.is_last else {}
+            self._schedule.step(*args, **kwargs)
+        self._stage._sync()
+        if self._steps:  # the first step also infers shapes: leave it out of the bubble
+            self._busy_wall[0] += self._stage.busy - busy
+            self._busy_wall[1] += time.perf_counter() - tick
+        self._steps += 1
+        self.sync_gradients()
+        self.runtime.precision.step(self.optimizer)
+        loss = torch.stack(self._losses).mean() if self.is_last else torch.zeros((), device=self.runtime.device)
+        dist.broadcast(loss, src=self._peer(self.pp - 1), group=self.pp_group)  # every stage reports it
+        return loss
+
+    def sync_gradients(self) -> None:
+        """Average gradients across replicas (none here: one replica)."""
+
+    # -- inference: activations passed stage to stage -----------------------
+    _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+    def _send(self, tensor: torch.Tensor, dst: int) -> None:
+        header = torch.zeros(8, dtype=torch.int64, device=tensor.device)
+        header[0], header[1] = tensor.dim(), self._DTYPES.index(tensor.dtype)
+        header[2:2 + tensor.dim()] = torch.tensor(tensor.shape)
+        dist.send(header, dst)
+        dist.send(tensor.contiguous(), dst)
+
+    def _recv(self, src: int) -> torch.Tensor:
+        device = self.runtime.device
+        header = torch.zeros(8, dtype=torch.int64, device=device)
+        dist.recv(header, src)
+        ndim, dtype = int(header[0]), self._DTYPES[int(header[1])]
+        tensor = torch.empty(header[2:2 + ndim].tolist(), dtype=dtype, device=device)
+        dist.recv(tensor, src)
+        return tensor
+
+    @torch.no_grad()
+    def predict(self, inputs):
+        """The last stage returns the outputs; the other stages return None."""
+        x = inputs if self.is_first else self._recv(self._peer(self.stage_index - 1))
+        with self.runtime.precision.autocast():
+            out = self.model(x)
+        if self.is_last:
+            return out
+        self._send(out, self._peer(self.stage_index + 1))
+        return None
+
+    # -- checkpoints: the full model's state on rank 0 -------------------------
+    def _named_optimizer_state(self) -> dict:
+        """This stage's optimizer state keyed by parameter name, not position."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        order = [names[id(p)] for g in self.optimizer.param_groups for p in g["params"]]
+        sd = self.optimizer.state_dict()
+        return {"state": {order[i]: s for i, s in sd["state"].items()},
+                "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in sd["param_groups"]]}
+
+    def state_dicts(self):
+        """Every stage's state gathered to rank 0 (replica 0's), keyed as in the whole model."""
+        mine = _to_cpu((self.stage_index, self.dp_rank, self.model.state_dict(), self._named_optimizer_state()))
+        every = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(mine, every, dst=0)
+        if every is None:
+            return {}, {}
+        stages = sorted((s for s in every if s[1] == 0), key=lambda s: s[0])
+        model_state, state, groups = {}, {}, []
+        for _, _, stage_model, stage_optim in stages:
+            model_state.update(stage_model)
+            state.update(stage_optim["state"])
+            for i, g in enumerate(stage_optim["param_groups"]):
+                if i == len(groups):
+                    groups.append({**g, "params": []})
+                groups[i]["params"] += g["params"]
+        return model_state, {"state": state, "param_groups": groups}
+
+    def load_state_dicts(self, model_state, optimizer_state):
+        """Each rank takes its own stage's entries from the full state."""
+        self.model.load_state_dict({k: model_state[k] for k in self.model.state_dict()})
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        saved = {n: g for g in optimizer_state["param_groups"] for n in g["params"]}
+        order, groups = [], []
+        for g in self.optimizer.param_groups:
+            group_names = [names[id(p)] for p in g["params"]]
+            source = saved[group_names[0]] if group_names else g
+            groups.append({**{k: v for k, v in source.items() if k != "params"},
+                           "params": list(range(len(order), len(order) + len(group_names)))})
+            order += group_names
+        state = {i: optimizer_state["state"][n] for i, n in enumerate(order) if n in optimizer_state["state"]}
+        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+    # -- reports ------------------------------------------------------------
+    def memory_report(self):
+        params = list(self.model.parameters())
+        return memory_per_rank(params, [p.grad for p in params], self.optimizer)
+
+    def pipeline_report(self) -> dict:
+        """Measured idle fraction of each stage next to GPipe/1F1B's (p-1)/(m+p-1)."""
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, (self.stage_index, *self._busy_wall))
+        idle = []
+        for stage in range(self.pp):
+            busy = sum(b for s, b, _ in every if s == stage)
+            wall = sum(w for s, _, w in every if s == stage)
+            idle.append(round(1 - busy / wall, 3) if wall else float("nan"))
+        p, m = self.pp, self.microbatches
+        return {"schedule": self.schedule_name, "stages": p, "replicas": self.dp, "microbatches": m,
+                "layers_per_stage": [f"{a}-{b - 1}" for a, b in self.bounds],
+                "bubble_formula": round((p - 1) / (m + p - 1), 3), "bubble_measured": idle}
+
+
+def _to_cpu(tree):
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().cpu()
+    if isinstance(tree, dict):
+        return {k: _to_cpu(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_to_cpu(v) for v in tree)
+    return tree
