@@ -49,6 +49,8 @@ def _fmt(value) -> str:
         return f"{value:.4g}" if abs(value) < 1e4 else f"{value:,.0f}"
     if isinstance(value, dict):
         return ", ".join(f"{k} {_bytes(v)}" for k, v in value.items())
+    if isinstance(value, list):
+        return " ".join(_fmt(v) for v in value)
     return str(value)
 
 
@@ -67,7 +69,12 @@ _ROWS = (
     ("precision", "precision"), ("model", "model"), ("epochs", "epochs"), ("steps", "steps"),
     ("global batch", "global_batch"), ("final loss", "final_loss"),
     ("validation accuracy", "val_accuracy"), ("samples/s", "samples_per_s"),
-    ("wall time (s)", "wall_s"), ("memory per rank", "memory_per_rank"),
+    ("wall time (s)", "wall_s"),
+)
+_PIPELINE_ROWS = (
+    ("pipeline schedule", "schedule"), ("stages x replicas", None), ("micro-batches", "microbatches"),
+    ("layers per stage", "layers_per_stage"), ("bubble (p-1)/(m+p-1)", "bubble_formula"),
+    ("bubble measured per stage", "bubble_measured"),
 )
 
 
@@ -78,6 +85,12 @@ def summary(result: dict) -> None:
     for label, key in _ROWS:
         if key in result:
             table.add_row(label, _fmt(result[key]))
+    # Sharded and pipelined strategies: what each rank holds, one row per rank.
+    for rank, held in result.get("memory_per_rank", {}).items():
+        table.add_row(f"memory {rank}", _fmt(held) if isinstance(held, dict) else _bytes(held))
+    pipe = result.get("pipeline", {})
+    for label, key in _PIPELINE_ROWS if pipe else ():
+        table.add_row(label, f"{pipe['stages']} x {pipe['replicas']}" if key is None else _fmt(pipe[key]))
     console.print(table)
     if result.get("backend_reason") and result.get("backend") != "none":
         console.print(f"backend {result['backend']}: {result['backend_reason']}")

@@ -115,6 +115,8 @@ def train(cfg: TrainConfig, strategy: str) -> dict:
     memory = fleet.strategy.memory_report()
     if memory:
         result["memory_per_rank"] = memory
+    if hasattr(fleet.strategy, "pipeline_report"):  # a collective: every rank calls it
+        result["pipeline"] = fleet.strategy.pipeline_report()
     if fleet.is_main:
         report.summary(result)
         if cfg.json_out:

@@ -39,6 +39,8 @@ def split_balanced(model: nn.Module, parts: int) -> list[tuple[int, int]]:
 
     Minimises the largest stage's parameter count; every stage gets at least
     one parameter (a stage of only activations would have nothing to train).
+    The stages' parameters (not their compute) are balanced: that is what
+    bounds each device's memory.
     """
     if not isinstance(model, nn.Sequential):
         raise UsageError(f"pipeline stages are cut from an nn.Sequential's children; got {type(model).__name__}")
@@ -60,7 +62,9 @@ def split_balanced(model: nn.Module, parts: int) -> list[tuple[int, int]]:
             for j in range(k - 1, i):
                 stage = prefix[i] - prefix[j]
                 cost = max(best[k - 1][j], stage if stage else inf)
-                if cost < best[k][i]:
+                # "<=": among equal cuts take the latest, so layers without
+                # parameters (activations, pooling) stay with the stage before them.
+                if cost <= best[k][i]:
                     best[k][i], cut[k][i] = cost, j
     bounds, end = [], n
     for k in range(parts, 0, -1):

@@ -1,0 +1,152 @@
+"""fsdp, pipeline and ddp+pipeline compute what serial computes, and save, resume and report.
+
+One launch per process count runs every check of that count: the
+equivalence cases, a checkpoint round trip, the evaluation count and the
+memory report, so the suite pays for process start-up twice, not per check.
+"""
+
+import pytest
+import torch
+from torch import nn
+
+from torchfleet import launch
+from torchfleet.data import synthetic
+from torchfleet.errors import UsageError
+from torchfleet.fleet import Fleet
+from torchfleet.models import build_model
+from torchfleet.strategies.ddp_pipeline import mesh_shape
+from torchfleet.strategies.pipeline import Pipeline, split_balanced
+from torchfleet.testing import full_weights, train_k_steps
+from torchfleet.trainer import build_optimizer
+
+MLP = {"model": "mlp", "optimizer": "sgd"}
+CNN = {"model": "cnn", "optimizer": "adamw", "lr": 1e-3}
+STEPS = 3
+
+
+def _resume_and_evaluate(strategy: str, path: str, **options) -> dict:
+    """Save after 2 steps, train 2 more, load, train the same 2 again: both must agree."""
+    fleet = Fleet(strategy=strategy, **options)
+    torch.manual_seed(0)
+    net = build_model("mlp", (1, 8, 8), 10)
+    fleet.setup(net, build_optimizer("adamw", net.parameters(), 1e-3))
+    batches = list(fleet.dataloader(synthetic(32 * 4, seed=1), 32, seed=1))
+    loss_fn = nn.CrossEntropyLoss()
+    for x, y in batches[:2]:
+        fleet.train_step(x, y, loss_fn)
+    fleet.save(path, step=2)
+    for x, y in batches[2:]:
+        fleet.train_step(x, y, loss_fn)
+    straight = full_weights(fleet)
+    memory = fleet.strategy.memory_report()
+    extra = fleet.load(path)
+    for x, y in batches[2:]:
+        fleet.train_step(x, y, loss_fn)
+    resumed = full_weights(fleet)
+    # Evaluation: each validation sample counted once over all ranks.
+    val = synthetic(103, seed=1, split="val")
+    correct = total = 0
+    for x, y in fleet.eval_dataloader(val, batch_size=40):
+        out = fleet.predict(x)
+        if out is not None:
+            correct += (out.argmax(1).cpu() == y).sum().item()
+            total += len(y)
+    counts = fleet.all_reduce(torch.tensor([correct, total]), op="sum").tolist()
+    bad_split = None
+    try:  # 30 samples do not split into the pipeline's micro-batches
+        fleet.train_step(batches[0][0][:30], batches[0][1][:30], loss_fn) if strategy != "fsdp" else None
+    except UsageError as exc:
+        bad_split = str(exc)
+    return {"straight": straight, "resumed": resumed, "step": extra["step"], "memory": memory,
+            "counts": counts, "bad_split": bad_split}
+
+
+def _job(cases: list[tuple[str, dict]], resume: list[tuple[str, dict]], directory: str) -> dict:
+    weights = [train_k_steps(strategy, steps=STEPS, **case) for strategy, case in cases]
+    checks = [_resume_and_evaluate(s, f"{directory}/{i}.pt", **opts) for i, (s, opts) in enumerate(resume)]
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    return {"weights": weights, "resume": checks}
+
+
+def _serial(case: dict) -> torch.Tensor:
+    plain = {k: v for k, v in case.items() if k not in ("schedule", "microbatches", "pp")}
+    return train_k_steps("serial", steps=STEPS, **plain)
+
+
+def _check_equivalence(cases, weights):
+    for (strategy, case), got in zip(cases, weights, strict=True):
+        want = _serial(case)
+        tolerance = 1e-5 if case.get("precision", "fp32") == "fp32" else 2e-2
+        diff = (got - want).abs().max().item()
+        assert diff < tolerance, f"{strategy} {case}: max weight difference {diff:.3g}"
+        untouched = train_k_steps("serial", steps=1, model=case["model"], optimizer=case["optimizer"], lr=1e-12)
+        assert (got - untouched).abs().max().item() > 1e-3  # training moved the weights
+
+
+def _check_resume(check, world: int, replicas: int):
+    assert check["step"] == 2
+    assert (check["straight"] - check["resumed"]).abs().max().item() == 0  # bit for bit
+    assert check["counts"] == [pytest.approx(check["counts"][0]), 103]  # each sample once
+    memory = check["memory"]
+    assert sorted(memory) == [f"rank {r}" for r in range(world)]
+    return memory
+
+
+TWO = [("fsdp", MLP), ("fsdp", CNN), ("fsdp", dict(MLP, grad_accum=2)), ("fsdp", dict(CNN, precision="bf16")),
+       ("pipeline", dict(MLP, schedule="gpipe")), ("pipeline", dict(CNN, schedule="gpipe")),
+       ("pipeline", dict(MLP, schedule="1f1b")), ("pipeline", dict(CNN, schedule="1f1b", microbatches=2)),
+       ("pipeline", dict(MLP, schedule="1f1b", grad_accum=2, microbatches=2)),
+       ("pipeline", dict(CNN, schedule="gpipe", precision="bf16"))]
+
+
+@pytest.mark.timeout(300)
+def test_fsdp_and_pipeline_two_processes(tmp_path):
+    resume = [("fsdp", {}), ("pipeline", {"schedule": "1f1b", "microbatches": 4})]
+    rank0, rank1 = launch(_job, nprocs=2, args=(TWO, resume, str(tmp_path)))
+    assert rank1["weights"] == [None] * len(TWO)  # the full weights live on rank 0 only
+    _check_equivalence(TWO, rank0["weights"])
+
+    fsdp, pipe = rank0["resume"]
+    mlp_bytes = sum(p.numel() * 4 for p in build_model("mlp").parameters())
+    memory = _check_resume(fsdp, world=2, replicas=1)
+    for held in memory.values():  # each rank holds half of params, grads and AdamW's two moments
+        assert held["params"] == held["grads"] == mlp_bytes // 2
+        assert 2 * mlp_bytes // 2 <= held["optimizer"] < 2 * mlp_bytes // 2 + 64
+    memory = _check_resume(pipe, world=2, replicas=1)
+    assert memory["rank 0"]["params"] + memory["rank 1"]["params"] == mlp_bytes
+    assert "batch of 30 does not split into 1 accumulation steps x 4 micro-batches" in pipe["bad_split"]
+
+
+FOUR = [("ddp+pipeline", dict(MLP, pp=2)), ("ddp+pipeline", dict(CNN, pp=2, schedule="gpipe"))]
+
+
+@pytest.mark.timeout(300)
+def test_ddp_pipeline_four_processes(tmp_path):
+    resume = [("ddp+pipeline", {"pp": 2, "microbatches": 2})]
+    results = launch(_job, nprocs=4, args=(FOUR, resume, str(tmp_path)))
+    _check_equivalence(FOUR, results[0]["weights"])
+    assert all(r["weights"] == [None] * len(FOUR) for r in results[1:])
+    memory = _check_resume(results[0]["resume"][0], world=4, replicas=2)
+    assert memory["rank 0"] == memory["rank 2"] and memory["rank 1"] == memory["rank 3"]  # replicas
+
+
+def test_stages_balanced_by_parameters():
+    assert split_balanced(build_model("mlp"), 2) == [(0, 3), (3, 6)]
+    assert split_balanced(build_model("cnn"), 2) == [(0, 6), (6, 9)]
+    assert split_balanced(build_model("cnn"), 4) == [(0, 2), (2, 6), (6, 8), (8, 9)]
+    with pytest.raises(UsageError, match="3 layers with parameters, too few for 4 stages"):
+        split_balanced(build_model("mlp"), 4)
+    with pytest.raises(UsageError, match="nn.Sequential"):
+        split_balanced(nn.Linear(2, 2), 2)
+
+
+def test_mesh_arithmetic_is_checked():
+    assert mesh_shape(4, 2) == (2, 2)
+    assert mesh_shape(6, 3) == (2, 3)
+    with pytest.raises(UsageError, match=r"pp\(3\) \* dp\(1\) != world_size\(4\)"):
+        mesh_shape(4, 3)
+    with pytest.raises(UsageError, match="--pp 1 must be at least 2"):
+        mesh_shape(4, 1)
+    with pytest.raises(UsageError, match="unknown schedule 'zigzag'"):
+        Pipeline(None, schedule="zigzag")
