@@ -74,7 +74,7 @@ def split_balanced(model: nn.Module, parts: int) -> list[tuple[int, int]]:
 
 
 class _Stage(PipelineStage):
-    """A PipelineStage that runs its forward under autocast and times its compute.
+    """A PipelineStage that times its compute.
 
     The schedules wait for received activations before calling these two
     methods and send asynchronously after, so the time inside them is the
@@ -83,8 +83,12 @@ class _Stage(PipelineStage):
 
     def __init__(self, *args, precision, **kwargs):
         super().__init__(*args, **kwargs)
-        self.precision = precision
         self.busy = 0.0
+        # Autocast through the stage's own hook, which also wraps the forward
+        # that infers the activations' shapes and dtypes on the first step:
+        # autocast only around forward_one_chunk would size the receive
+        # buffers for fp32 while bf16 arrives.
+        self.register_forward_context(lambda info: precision.autocast())
 
     def _sync(self):
         if self.device.type == "cuda":
@@ -93,8 +97,7 @@ class _Stage(PipelineStage):
     def forward_one_chunk(self, *args, **kwargs):
         self._sync()
         tick = time.perf_counter()
-        with self.precision.autocast():
-            out = super().forward_one_chunk(*args, **kwargs)
+        out = super().forward_one_chunk(*args, **kwargs)
         self._sync()
         self.busy += time.perf_counter() - tick
         return out
@@ -171,9 +174,7 @@ class Pipeline(Strategy):
     # -- training ---------------------------------------------------------
     def _loss(self, output, target):
         with self.runtime.precision.autocast():
-            loss = self._loss_fn(output, target)
-        self._losses.append(loss.detach().float())
-        loss = loss / self._loss_divisor
+            loss = self._loss_fn(output, target) / self._loss_divisor
         scaler = self.runtime.precision.scaler
         return scaler.scale(loss) if scaler is not None else loss
 
@@ -187,21 +188,30 @@ class Pipeline(Strategy):
         if self._schedule is None:
             self._schedule = SCHEDULES[self.schedule_name](
                 self._stage, self.microbatches, loss_fn=self._loss, scale_grads=False)
-        self._loss_fn, self._loss_divisor, self._losses = loss_fn, per_run, []
+        self._loss_fn, self._loss_divisor = loss_fn, per_run
+        scaler = self.runtime.precision.scaler
+        if scaler is not None and not self.is_last:
+            # fp16: only the last stage scales a loss, but every stage's scaler
+            # unscales its gradients; scaling a zero starts its scale (the same
+            # on every stage, kept equal by the shared overflow verdict).
+            scaler.scale(torch.zeros((), device=self.runtime.device))
         self.optimizer.zero_grad(set_to_none=True)
+        losses: list[torch.Tensor] = []  # the schedule's, one per micro-batch, as _loss returned them
         busy, tick = self._stage.busy, time.perf_counter()
         for x, y in zip(inputs.tensor_split(grad_accum), targets.tensor_split(grad_accum), strict=True):
             args = (x,) if self.is_first else ()
-            kwargs = {"target": y, "losses": []} if self.is_last else {}
+            kwargs = {"target": y, "losses": losses} if self.is_last else {}
             self._schedule.step(*args, **kwargs)
         self._stage._sync()
         if self._steps:  # the first step also infers shapes: leave it out of the bubble
             self._busy_wall[0] += self._stage.busy - busy
             self._busy_wall[1] += time.perf_counter() - tick
         self._steps += 1
+        loss = torch.zeros((), device=self.runtime.device)
+        if self.is_last:  # undo the scaling: the mean loss of the batch
+            loss = torch.stack(losses).detach().float().sum() / (scaler.get_scale() if scaler else 1)
         self.sync_gradients()
         self.runtime.precision.step(self.optimizer)
-        loss = torch.stack(self._losses).mean() if self.is_last else torch.zeros((), device=self.runtime.device)
         dist.broadcast(loss, src=self._peer(self.pp - 1), group=self.pp_group)  # every stage reports it
         return loss
 
