@@ -17,9 +17,10 @@ EPILOG = "Docs: README.md. Every command takes --help."
 # Flags passed to the strategy only when given; a strategy rejects those it does not take.
 STRATEGY_FLAGS = (
     ("--devices", str, "mp: comma-separated devices for the stages, e.g. cuda:0,cuda:1 or cpu,cpu"),
-    ("--microbatches", int, "mp, pipeline: micro-batches per batch, so stages overlap"),
-    ("--schedule", str, "pipeline: gpipe or 1f1b"),
-    ("--pp", int, "ddp+pipeline: pipeline stages per replica"),
+    ("--microbatches", int, "mp, pipeline, ddp+pipeline: micro-batches per batch, so stages overlap"
+                            " (pipelines default to 2 per stage)"),
+    ("--schedule", str, "pipeline, ddp+pipeline: gpipe or 1f1b (default 1f1b)"),
+    ("--pp", int, "ddp+pipeline: pipeline stages per replica (default 2); -n must be a multiple"),
     ("--sharing-strategy", str, "hogwild: file_descriptor or file_system (default: the platform's)"),
 )
 
