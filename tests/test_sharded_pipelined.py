@@ -37,11 +37,9 @@ def _resume_and_evaluate(strategy: str, path: str, **options) -> dict:
     fleet.setup(net, build_optimizer("adamw", net.parameters(), 1e-3))
     batches = list(fleet.dataloader(synthetic(32 * 4, seed=1), 32, seed=1))
     loss_fn = nn.CrossEntropyLoss()
-    for x, y in batches[:2]:
-        fleet.train_step(x, y, loss_fn)
+    losses = [fleet.all_reduce(fleet.train_step(x, y, loss_fn)).item() for x, y in batches[:2]]
     fleet.save(path, step=2)
-    for x, y in batches[2:]:
-        fleet.train_step(x, y, loss_fn)
+    losses += [fleet.all_reduce(fleet.train_step(x, y, loss_fn)).item() for x, y in batches[2:]]
     straight = full_weights(fleet)
     memory = fleet.strategy.memory_report()
     extra = fleet.load(path)
@@ -59,10 +57,11 @@ def _resume_and_evaluate(strategy: str, path: str, **options) -> dict:
     counts = fleet.all_reduce(torch.tensor([correct, total]), op="sum").tolist()
     bad_split = None
     try:  # 30 samples do not split into the pipeline's micro-batches
-        fleet.train_step(batches[0][0][:30], batches[0][1][:30], loss_fn) if strategy != "fsdp" else None
+        if strategy not in ("fsdp", "serial"):
+            fleet.train_step(batches[0][0][:30], batches[0][1][:30], loss_fn)
     except UsageError as exc:
         bad_split = str(exc)
-    return {"straight": straight, "resumed": resumed, "step": extra["step"], "memory": memory,
+    return {"straight": straight, "resumed": resumed, "step": extra["step"], "memory": memory, "losses": losses,
             "counts": counts, "bad_split": bad_split}
 
 
@@ -89,7 +88,10 @@ def _check_equivalence(cases, weights):
         assert (got - untouched).abs().max().item() > 1e-3  # training moved the weights
 
 
-def _check_resume(check, world: int, replicas: int):
+def _check_resume(check, world: int, replicas: int, tmp_path, **options):
+    serial = _resume_and_evaluate("serial", str(tmp_path / "serial.pt"), **options)
+    assert (check["straight"] - serial["straight"]).abs().max().item() < 1e-5
+    assert check["losses"] == pytest.approx(serial["losses"], abs=1e-5)  # the ranks' mean is the batch's
     assert check["step"] == 2
     assert (check["straight"] - check["resumed"]).abs().max().item() == 0  # bit for bit
     assert check["counts"] == [pytest.approx(check["counts"][0]), 103]  # each sample once
@@ -107,18 +109,18 @@ TWO = [("fsdp", MLP), ("fsdp", CNN), ("fsdp", dict(MLP, grad_accum=2)), ("fsdp",
 
 @pytest.mark.timeout(300)
 def test_fsdp_and_pipeline_two_processes(tmp_path):
-    resume = [("fsdp", {}), ("pipeline", {"schedule": "1f1b", "microbatches": 4})]
+    resume = [("fsdp", {"grad_accum": 2}), ("pipeline", {"schedule": "1f1b", "microbatches": 4})]
     rank0, rank1 = launch(_job, nprocs=2, args=(TWO, resume, str(tmp_path)))
     assert rank1["weights"] == [None] * len(TWO)  # the full weights live on rank 0 only
     _check_equivalence(TWO, rank0["weights"])
 
     fsdp, pipe = rank0["resume"]
     mlp_bytes = sum(p.numel() * 4 for p in build_model("mlp").parameters())
-    memory = _check_resume(fsdp, world=2, replicas=1)
+    memory = _check_resume(fsdp, world=2, replicas=1, tmp_path=tmp_path, grad_accum=2)
     for held in memory.values():  # each rank holds half of params, grads and AdamW's two moments
         assert held["params"] == held["grads"] == mlp_bytes // 2
         assert 2 * mlp_bytes // 2 <= held["optimizer"] < 2 * mlp_bytes // 2 + 64
-    memory = _check_resume(pipe, world=2, replicas=1)
+    memory = _check_resume(pipe, world=2, replicas=1, tmp_path=tmp_path)
     assert memory["rank 0"]["params"] + memory["rank 1"]["params"] == mlp_bytes
     assert "batch of 30 does not split into 1 accumulation steps x 4 micro-batches" in pipe["bad_split"]
 
@@ -128,11 +130,11 @@ FOUR = [("ddp+pipeline", dict(MLP, pp=2)), ("ddp+pipeline", dict(CNN, pp=2, sche
 
 @pytest.mark.timeout(300)
 def test_ddp_pipeline_four_processes(tmp_path):
-    resume = [("ddp+pipeline", {"pp": 2, "microbatches": 2})]
+    resume = [("ddp+pipeline", {"pp": 2, "microbatches": 2, "grad_accum": 2})]
     results = launch(_job, nprocs=4, args=(FOUR, resume, str(tmp_path)))
     _check_equivalence(FOUR, results[0]["weights"])
     assert all(r["weights"] == [None] * len(FOUR) for r in results[1:])
-    memory = _check_resume(results[0]["resume"][0], world=4, replicas=2)
+    memory = _check_resume(results[0]["resume"][0], world=4, replicas=2, tmp_path=tmp_path, grad_accum=2)
     assert memory["rank 0"] == memory["rank 2"] and memory["rank 1"] == memory["rank 3"]  # replicas
 
 

@@ -12,9 +12,11 @@ fully_shard replaces the module's parameters with DTensors, so the optimizer
 given to `wrap` (built over the old tensors) is rebuilt over the new ones,
 with its class, param groups and hyper-parameters kept.
 
-Gloo: FSDP2's reduce-scatter with ReduceOp.AVG and its all-gather run on
-Gloo in torch 2.6+ (checked on CPU by the equivalence test), so CPU runs need
-no workaround.
+Gloo: FSDP2 reduce-scatters gradients with ReduceOp.AVG and all-gathers
+parameters; on torch 2.15 both run on Gloo and the CPU equivalence test
+(weights equal serial's within 1e-5) shows the averaging is right, so CPU
+runs need no workaround there. Mixed precision is the run's autocast, as for
+every strategy: parameters and gradient reductions stay fp32.
 """
 
 from __future__ import annotations

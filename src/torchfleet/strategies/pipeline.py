@@ -120,6 +120,10 @@ class Pipeline(Strategy):
         super().__init__(runtime, **options)
         if schedule not in SCHEDULES:
             raise choice_error("schedule", schedule, tuple(SCHEDULES))
+        if runtime.precision.name != "fp32" and not hasattr(PipelineStage, "register_forward_context"):
+            raise UsageError(f"precision {runtime.precision.name} with a pipeline needs a torch whose"
+                             f" PipelineStage has register_forward_context (torch {torch.__version__}"
+                             f" lacks it); use fp32 or a newer torch")
         self.dp, self.pp = self.mesh_shape(dist.get_world_size())
         self.microbatches = microbatches if microbatches is not None else 2 * self.pp
         if self.microbatches < 1:
@@ -196,12 +200,13 @@ class Pipeline(Strategy):
             # on every stage, kept equal by the shared overflow verdict).
             scaler.scale(torch.zeros((), device=self.runtime.device))
         self.optimizer.zero_grad(set_to_none=True)
-        losses: list[torch.Tensor] = []  # the schedule's, one per micro-batch, as _loss returned them
+        losses: list[torch.Tensor] = []  # one per micro-batch, as _loss returned them
         busy, tick = self._stage.busy, time.perf_counter()
         for x, y in zip(inputs.tensor_split(grad_accum), targets.tensor_split(grad_accum), strict=True):
             args = (x,) if self.is_first else ()
-            kwargs = {"target": y, "losses": losses} if self.is_last else {}
-            self._schedule.step(*args, **kwargs)
+            run: list[torch.Tensor] = []  # the schedule clears the list it is given
+            self._schedule.step(*args, **({"target": y, "losses": run} if self.is_last else {}))
+            losses += run
         self._stage._sync()
         if self._steps:  # the first step also infers shapes: leave it out of the bubble
             self._busy_wall[0] += self._stage.busy - busy
@@ -209,7 +214,7 @@ class Pipeline(Strategy):
         self._steps += 1
         loss = torch.zeros((), device=self.runtime.device)
         if self.is_last:  # undo the scaling: the mean loss of the batch
-            loss = torch.stack(losses).detach().float().sum() / (scaler.get_scale() if scaler else 1)
+            loss = torch.stack(losses).detach().float().sum() / (scaler.get_scale() if scaler else 1.0)
         self.sync_gradients()
         self.runtime.precision.step(self.optimizer)
         dist.broadcast(loss, src=self._peer(self.pp - 1), group=self.pp_group)  # every stage reports it
