@@ -74,7 +74,7 @@ _ROWS = (
 _PIPELINE_ROWS = (
     ("pipeline schedule", "schedule"), ("stages x replicas", None), ("micro-batches", "microbatches"),
     ("layers per stage", "layers_per_stage"), ("bubble (p-1)/(m+p-1)", "bubble_formula"),
-    ("bubble measured per stage", "bubble_measured"),
+    ("bubble measured", "bubble_measured"),
 )
 
 
