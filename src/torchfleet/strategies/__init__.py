@@ -5,9 +5,15 @@ from __future__ import annotations
 from torchfleet.errors import choice_error
 from torchfleet.strategies.base import Runtime, Strategy
 from torchfleet.strategies.ddp import DataParallelDistributed
+from torchfleet.strategies.dp import DataParallelSingleProcess
+from torchfleet.strategies.hogwild import Hogwild
+from torchfleet.strategies.mp import ModelParallel
 from torchfleet.strategies.serial import Serial
 
-STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (Serial, DataParallelDistributed)}
+# In the design's order (../shared/DESIGN.md).
+STRATEGIES: dict[str, type[Strategy]] = {
+    cls.name: cls for cls in (Serial, Hogwild, DataParallelSingleProcess, ModelParallel, DataParallelDistributed)
+}
 STRATEGY_NAMES: tuple[str, ...] = tuple(STRATEGIES)
 
 
