@@ -53,6 +53,8 @@ BAD = [
     (["train", "--strategy", "serial", "-n", "3"], "strategy 'serial' runs in one process, not 3"),
     (["train", "--epochs", "0"], "--epochs 0 must be at least 1"),
     (["train", "--strategy", "serial", "--pp", "2"], "option 'pp' does not apply to strategy 'serial'"),
+    (["train", "--strategy", "hogwild", "--sharing-strategy", "shm"], "unknown sharing strategy 'shm'"),
+    (["train", "--strategy", "mp", "--devices", "cuda:7"], "device cuda:7 in --devices is not visible here"),
     (["train", "--lr", "-1"], "--lr -1.0 must be a positive number"),
     (["train", "--precision", "fp16", "--strategy", "serial"], "fp16 needs a CUDA device"),
     (["train", "--backend", "mpi", "--strategy", "serial"], "no MPI backend"),

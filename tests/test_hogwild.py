@@ -103,3 +103,20 @@ def test_outside_a_worker_it_is_serial_and_says_so():
     fleet = torchfleet.Fleet(strategy="hogwild")
     assert fleet.strategy.data_coords() == (0, 1)
     assert fleet.notes == ["hogwild outside torchfleet.hogwild.run has one worker; running it as serial"]
+
+
+@pytest.mark.timeout(180)
+def test_train_from_the_command_line(tmp_path):
+    from conftest import torchfleet as cli
+
+    out = tmp_path / "result.json"
+    result = cli("train", "--strategy", "hogwild", "-n", "2", "--model", "mlp", "--epochs", "2",
+                 "--json-out", str(out))
+    assert result.returncode == 0, result.stderr
+    import json
+
+    figures = json.loads(out.read_text())
+    assert figures["strategy"] == "hogwild" and figures["world_size"] == 2 and figures["steps"] == 2 * 22
+    assert figures["val_accuracy"] > 0.8 and figures["samples_per_s"] > 0
+    assert result.stdout.count("epoch 2: validation accuracy") == 1  # worker 0 speaks, once
+    assert "validation accuracy" in result.stdout and "Traceback" not in result.stderr

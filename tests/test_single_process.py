@@ -139,3 +139,20 @@ def test_mp_bad_models():
         fleet.setup([nn.Linear(2, 2), nn.Linear(2, 2)], None)
     with pytest.raises(UsageError, match="got a Linear"):
         fleet.setup(nn.Linear(2, 2), None)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("strategy,flags", [("dp", []), ("mp", ["--devices", "cpu,cpu", "--microbatches", "2"])])
+def test_train_from_the_command_line(tmp_path, strategy, flags):
+    from conftest import torchfleet as cli
+
+    out = tmp_path / "result.json"
+    result = cli("train", "--strategy", strategy, *flags, "--model", "mlp", "--epochs", "1", "--max-steps", "8",
+                 "--no-progress", "--json-out", str(out))
+    assert result.returncode == 0, result.stderr
+    import json
+
+    figures = json.loads(out.read_text())
+    assert figures["strategy"] == strategy and figures["world_size"] == 1 and figures["steps"] == 8
+    assert figures["samples_per_s"] > 0 and figures["val_accuracy"] > 0.3  # 8 steps: well above chance
+    assert result.stdout.count("note: ") == 1  # said once: no second GPU / stages share the CPU
