@@ -46,7 +46,7 @@ def test_every_help(command):
 
 
 BAD = [
-    (["train", "--strategy", "warp"], "unknown strategy 'warp'; choose one of auto, serial, ddp"),
+    (["train", "--strategy", "warp"], "unknown strategy 'warp'; choose one of auto, serial, hogwild, dp, mp, ddp"),
     (["train", "-n", "0"], "--nproc-per-node 0 must be at least 1"),
     (["train", "--strategy", "ddp", "-n", "4", "--batch-size", "2"], "batch size 2 is smaller than the 4 processes"),
     (["train", "--strategy", "ddp", "-n", "2", "--batch-size", "33"], "does not split evenly among 2 processes"),

@@ -33,7 +33,13 @@ def exchange(model: nn.Module) -> list[float]:
 
 
 def _ours() -> tuple[set[str], int]:
-    """Shared-memory segments this process created, and its open descriptors."""
+    """Shared-memory segments this process created, and its open descriptors.
+
+    Segments are told apart by the creator's pid in their names (torch_PID_...):
+    on a machine where other programs use /dev/shm too, a plain count would
+    measure them. Workers create no segments (they map the parent's), and the
+    run needs no named semaphore (results come back through pipes).
+    """
     mine = {name for name in os.listdir("/dev/shm") if name.startswith(f"torch_{os.getpid()}_")}
     return mine, len(os.listdir("/proc/self/fd"))
 
@@ -110,13 +116,13 @@ def test_train_from_the_command_line(tmp_path):
     from conftest import torchfleet as cli
 
     out = tmp_path / "result.json"
-    result = cli("train", "--strategy", "hogwild", "-n", "2", "--model", "mlp", "--epochs", "2",
+    result = cli("train", "--strategy", "hogwild", "-n", "2", "--model", "mlp", "--epochs", "1",
                  "--json-out", str(out))
     assert result.returncode == 0, result.stderr
     import json
 
     figures = json.loads(out.read_text())
-    assert figures["strategy"] == "hogwild" and figures["world_size"] == 2 and figures["steps"] == 2 * 22
-    assert figures["val_accuracy"] > 0.8 and figures["samples_per_s"] > 0
-    assert result.stdout.count("epoch 2: validation accuracy") == 1  # worker 0 speaks, once
+    assert figures["strategy"] == "hogwild" and figures["world_size"] == 2 and figures["steps"] == 22
+    assert figures["val_accuracy"] > 0.5 and figures["samples_per_s"] > 0
+    assert result.stdout.count("epoch 1: validation accuracy") == 1  # worker 0 speaks, once
     assert "validation accuracy" in result.stdout and "Traceback" not in result.stderr

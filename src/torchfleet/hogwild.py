@@ -27,6 +27,7 @@ file_descriptor strategy, their file descriptors).
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import socket
 import sys
@@ -58,6 +59,9 @@ def run(fn: Callable, model: nn.Module, nprocs: int = 2, args: tuple = (),
     if nprocs < 1:
         raise UsageError(f"nprocs {nprocs} must be at least 1")
     strategy = resolve_sharing_strategy(sharing_strategy)
+    if not os.environ.get("TORCHFLEET_VERBOSE"):
+        # spawn logs each worker it stops after a failure; the summary says it once.
+        logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     previous = mp.get_sharing_strategy()
     # The strategy is process-wide and decides how share_memory() allocates: set it first.
     mp.set_sharing_strategy(strategy)
