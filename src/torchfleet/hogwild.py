@@ -93,6 +93,8 @@ def run(fn: Callable, model: nn.Module, nprocs: int = 2, args: tuple = (),
     finally:
         if context is not None:
             for process in context.processes:
+                if process.is_alive():  # only when this process was interrupted
+                    process.terminate()
                 process.join()
                 process.close()  # its sentinel pipe, now rather than at garbage collection
         for reader, writer in pipes:
