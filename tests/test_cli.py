@@ -46,13 +46,15 @@ def test_every_help(command):
 
 
 BAD = [
-    (["train", "--strategy", "warp"], "unknown strategy 'warp'; choose one of auto, serial, ddp"),
+    (["train", "--strategy", "warp"], "unknown strategy 'warp'; choose one of auto, serial, hogwild, dp, mp, ddp"),
     (["train", "-n", "0"], "--nproc-per-node 0 must be at least 1"),
     (["train", "--strategy", "ddp", "-n", "4", "--batch-size", "2"], "batch size 2 is smaller than the 4 processes"),
     (["train", "--strategy", "ddp", "-n", "2", "--batch-size", "33"], "does not split evenly among 2 processes"),
     (["train", "--strategy", "serial", "-n", "3"], "strategy 'serial' runs in one process, not 3"),
     (["train", "--epochs", "0"], "--epochs 0 must be at least 1"),
     (["train", "--strategy", "serial", "--pp", "2"], "option 'pp' does not apply to strategy 'serial'"),
+    (["train", "--strategy", "hogwild", "--sharing-strategy", "shm"], "unknown sharing strategy 'shm'"),
+    (["train", "--strategy", "mp", "--devices", "cuda:7"], "device cuda:7 in --devices is not visible here"),
     (["train", "--lr", "-1"], "--lr -1.0 must be a positive number"),
     (["train", "--precision", "fp16", "--strategy", "serial"], "fp16 needs a CUDA device"),
     (["train", "--backend", "mpi", "--strategy", "serial"], "no MPI backend"),

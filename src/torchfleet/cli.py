@@ -149,6 +149,8 @@ def cmd_train(args, argv: list[str]) -> int:
         check_writable_dir(cfg.checkpoint_dir)
     if why:
         print(f"torchfleet: {why}", flush=True)
+    if strategy == "hogwild":
+        return _train_hogwild(cfg, launch_cfg)
     if not launch_cfg.multi_process:
         train(cfg, strategy)
         return 0
@@ -159,6 +161,23 @@ def cmd_train(args, argv: list[str]) -> int:
     # Every worker re-enters this command; it finds torchrun's variables and
     # trains. The resolved strategy goes last so it wins over "auto".
     return run_command(launch_cfg, ["-m", "torchfleet", "train", *argv, "--strategy", strategy])
+
+
+def _train_hogwild(cfg, launch_cfg) -> int:
+    # Hogwild's workers must share this process's memory, so this process
+    # spawns them (torchfleet.hogwild) instead of torchrun's agent.
+    from torchfleet import failures
+    from torchfleet.launcher import LaunchError
+    from torchfleet.trainer import train
+
+    if launch_cfg.nnodes > 1:
+        raise UsageError(f"hogwild shares memory on one machine; --nnodes {launch_cfg.nnodes} is not"
+                         " possible with it, use ddp across machines")
+    try:
+        train(cfg, "hogwild", nproc=launch_cfg.nproc_per_node)
+    except LaunchError as exc:
+        return failures.report(exc.summary)
+    return 0
 
 
 def cmd_run(args) -> int:

@@ -56,8 +56,8 @@ def _mp(hw: Hardware, cores: int) -> tuple[bool, str]:
     if hw.gpus >= 2:
         return True, f"the model's parts are placed on {hw.gpus} GPUs"
     # Still worth running: it checks the split and the micro-batching on any host.
-    where = "CPU only" if hw.gpus == 0 else "one GPU and the CPU"
-    return True, f"runs, but splits across {where}; pays with >= 2 GPUs"
+    where = "the CPU only (cpu,cpu)" if hw.gpus == 0 else "the one GPU (cuda:0,cuda:0)"
+    return True, f"runs, but its stages share {where}; pays with >= 2 GPUs"
 
 
 def _world(need: int, oversubscribe: bool = False) -> Rule:

@@ -58,7 +58,7 @@ class Fleet:
                 f"strategy {strategy!r} runs in one process but {self.env.world_size} were started;"
                 f" use -n 1, or a multi-process strategy such as ddp"
             )
-        self.device = self._pick_device()
+        self.device = torch.device("cpu") if strategy_cls.cpu_only else self._pick_device()
         if self.env.is_distributed:
             self._init_process_group()
         self.strategy = strategy_cls(
@@ -66,6 +66,7 @@ class Fleet:
                     self.backend if self.env.is_distributed else None),
             **strategy_options,
         )
+        self.notes.extend(self.strategy.notes)
 
     # -- set-up -----------------------------------------------------------
     def _pick_device(self) -> torch.device:

@@ -36,6 +36,12 @@ def plan_processes(strategy: str, nproc: int | None) -> tuple[str, int, str]:
             return "ddp", 2, f"strategy auto: ddp on 2 processes ({cores} CPU cores, {gpus} GPUs)"
         return "serial", 1, "strategy auto: serial (one CPU core: more processes would only compete)"
     cls = get_strategy(strategy)
+    if strategy == "hogwild":
+        # Not torchrun's processes: hogwild spawns its workers itself; -n counts them.
+        if nproc is None:
+            nproc = min(max(cores, 2), 8)
+            return strategy, nproc, f"hogwild on {nproc} workers (set -n to choose)"
+        return strategy, nproc, ""
     if not cls.distributed:
         if nproc not in (None, 1):
             raise UsageError(

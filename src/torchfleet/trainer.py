@@ -44,8 +44,16 @@ def evaluate(fleet: Fleet, dataset) -> float:
     return (counts[0] / counts[1]).item() if counts[1] > 0 else float("nan")
 
 
-def train(cfg: TrainConfig, strategy: str) -> dict:
-    """Train the built-in job with `strategy` and return the summary figures."""
+def train(cfg: TrainConfig, strategy: str, nproc: int = 1) -> dict:
+    """Train the built-in job with `strategy` and return the summary figures.
+
+    `nproc` is read by hogwild only: its workers share this process's memory,
+    so it spawns them itself (torchfleet.hogwild) instead of running in them.
+    """
+    if strategy == "hogwild":
+        from torchfleet.hogwild import train_hogwild
+
+        return train_hogwild(cfg, nproc)
     fleet = Fleet(strategy=strategy, precision=cfg.precision, backend=cfg.backend,
                   grad_accum=cfg.grad_accum, **cfg.strategy_options)
     for note in fleet.notes:

@@ -39,6 +39,8 @@ class Strategy:
     distributed: ClassVar[bool] = False
     # Strategy-specific options this strategy accepts (CLI flags without "--").
     options: ClassVar[tuple[str, ...]] = ()
+    # True when the strategy runs on the CPU whatever GPUs the host has (hogwild).
+    cpu_only: ClassVar[bool] = False
 
     def __init__(self, runtime: Runtime, **options):
         unknown = sorted(set(options) - set(self.options))
@@ -48,6 +50,7 @@ class Strategy:
                 + (f"; it takes {', '.join(self.options)}" if self.options else "; it takes no options")
             )
         self.runtime = runtime
+        self.notes: list[str] = []  # said once to the user by Fleet's owner (the trainer prints them)
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
 

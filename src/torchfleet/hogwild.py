@@ -1,0 +1,266 @@
+"""Running hogwild: N worker processes on one machine sharing one model's memory.
+
+Every other multi-process strategy starts its workers through torchrun's
+agent, which launches fresh interpreters that meet in a process group. Hogwild
+workers must instead receive the parent's tensors themselves (the storages are
+handed over as shared-memory handles when the workers are spawned), so this
+process stays the parent: it shares the model, spawns the workers with
+`torch.multiprocessing`, waits for them, and afterwards holds the trained
+model. `torchfleet train --strategy hogwild -n 4` runs `train_hogwild` here.
+
+    from torchfleet import hogwild
+
+    def work(model, dataset):              # module-level, runs in each worker
+        fleet = torchfleet.Fleet(strategy="hogwild")
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)  # each worker its own
+        model, optimizer = fleet.setup(model, optimizer)
+        for inputs, targets in fleet.dataloader(dataset, batch_size=64):  # its share
+            fleet.train_step(inputs, targets, loss_fn)
+
+    hogwild.run(work, model, nprocs=4, args=(dataset,))   # model is now trained
+
+A run leaves nothing behind: afterwards the model's tensors are copied back
+into private memory, which releases the shared segments (and, with the
+file_descriptor strategy, their file descriptors).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
+
+from torchfleet import failures
+from torchfleet.errors import UsageError
+from torchfleet.strategies import hogwild as worker_side
+from torchfleet.strategies.hogwild import WorkerInfo, resolve_sharing_strategy
+
+
+def run(fn: Callable, model: nn.Module, nprocs: int = 2, args: tuple = (),
+        sharing_strategy: str | None = None) -> list[Any]:
+    """Run ``fn(model, *args)`` in `nprocs` workers sharing `model`; return each worker's result.
+
+    Tensors in `args` (a TensorDataset, say) are shared the same way, read-only
+    by convention. Results travel back pickled: keep them small and plain
+    (numbers, not tensors). A worker's UsageError is raised here as a
+    UsageError; any other failure raises `torchfleet.launcher.LaunchError`
+    naming the first failing worker and holding its traceback.
+    """
+    if nprocs < 1:
+        raise UsageError(f"nprocs {nprocs} must be at least 1")
+    strategy = resolve_sharing_strategy(sharing_strategy)
+    if not os.environ.get("TORCHFLEET_VERBOSE"):
+        # spawn logs each worker it stops after a failure; the summary says it once.
+        logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
+    previous = mp.get_sharing_strategy()
+    # The strategy is process-wide and decides how share_memory() allocates: set it first.
+    mp.set_sharing_strategy(strategy)
+    # One pipe per worker for its result: unlike a multiprocessing queue, a
+    # pipe needs no named semaphore, which would be one more /dev/shm entry.
+    pipes = [mp.get_context("spawn").Pipe(duplex=False) for _ in range(nprocs)]
+    context = None
+    try:
+        model.share_memory()
+        context = mp.start_processes(
+            _worker, args=(fn, model, nprocs, strategy, [w for _, w in pipes], args),
+            nprocs=nprocs, join=False, start_method="spawn")
+        for _, writer in pipes:
+            writer.close()  # the workers hold their own copies now
+        got: dict[int, tuple[str, Any]] = {}
+        try:
+            while not context.join(timeout=0.2):
+                _collect(pipes, got)
+        except ProcessException as exc:
+            _collect(pipes, got)
+            usage = [value for kind, value in got.values() if kind == "usage"]
+            if usage:
+                raise UsageError(usage[0]) from None
+            from torchfleet.launcher import LaunchError
+
+            raise LaunchError(_summary(exc)) from None
+        _collect(pipes, got)
+        return [got[rank][1] for rank in range(nprocs)]
+    finally:
+        if context is not None:
+            for process in context.processes:
+                if process.is_alive():  # only when this process was interrupted
+                    process.terminate()
+                process.join()
+                process.close()  # its sentinel pipe, now rather than at garbage collection
+        for reader, writer in pipes:
+            reader.close()
+            writer.close()
+        # Private copies drop this process's references to the shared storages:
+        # each segment is unlinked and its descriptor closed (the workers let go of theirs in
+        # _worker). Parameters keep their identity, so an optimizer built on them still works.
+        _release((model, args), lambda t: t.clone())
+        mp.set_sharing_strategy(previous)
+
+
+def _collect(pipes, got: dict) -> None:
+    for rank, (reader, _) in enumerate(pipes):
+        if rank not in got and reader.poll():
+            try:
+                got[rank] = reader.recv()
+            except EOFError:  # the worker died before it could answer
+                got[rank] = ("lost", None)
+
+
+@torch.no_grad()
+def _release(obj, replace: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Give every shared tensor reachable from `obj` new data: `replace(tensor)`."""
+    if isinstance(obj, torch.Tensor):
+        if obj.is_shared():
+            obj.data = replace(obj.data)
+    elif isinstance(obj, nn.Module):
+        for tensor in [*obj.parameters(), *obj.buffers()]:
+            _release(tensor, replace)
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            _release(item, replace)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            _release(item, replace)
+    elif isinstance(getattr(obj, "tensors", None), tuple):  # TensorDataset
+        _release(obj.tensors, replace)
+
+
+def _summary(exc: ProcessException) -> failures.FailureSummary:
+    if isinstance(exc, ProcessExitedException):
+        code, trace = exc.exit_code, ""  # negative for a signal, as the agent reports it
+    else:  # raised: spawn's message holds the worker's traceback
+        code, trace = 1, str(exc).split("terminated with the following error:\n", 1)[-1]
+    return failures.FailureSummary(failures.RankFailure(
+        rank=exc.error_index, local_rank=exc.error_index, host=socket.gethostname(),
+        pid=exc.error_pid, exitcode=code, traceback=trace))
+
+
+def _worker(index: int, fn: Callable, model: nn.Module, world: int, strategy: str, writers,
+            args: tuple) -> None:
+    mp.set_sharing_strategy(strategy)  # for anything this worker shares in turn
+    # Workers split the cores instead of each starting one thread per core.
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world))
+    worker_side._worker = WorkerInfo(index, world, strategy)
+    try:
+        answer = ("ok", fn(model, *args))
+    except UsageError as exc:
+        answer = ("usage", str(exc))
+    finally:
+        # An exiting interpreter does not free every tensor, and a shared
+        # segment's count of users only falls when one is freed: let go of them
+        # here, or file_system segments outlive the run in /dev/shm.
+        _release((model, args), lambda t: torch.empty(0, dtype=t.dtype))
+        gc.collect()
+    writers[index].send(answer)
+    if answer[0] == "usage":
+        sys.exit(failures.USAGE_EXIT)
+
+
+# ---- the built-in job (`torchfleet train --strategy hogwild`) ------------------------------
+
+
+def train_hogwild(cfg, workers: int) -> dict:
+    """Train the built-in job on `workers` hogwild workers; return the summary figures."""
+    import json
+
+    from torchfleet import report
+    from torchfleet.data import builtin_dataset, check_global_batch
+    from torchfleet.env import DistEnv
+    from torchfleet.models import build_model
+    from torchfleet.precision import Precision
+    from torchfleet.strategies.base import Runtime
+    from torchfleet.strategies.hogwild import Hogwild
+
+    if DistEnv.detect().is_distributed:
+        raise UsageError("hogwild starts its own workers on one machine; run it with"
+                         " `torchfleet train --strategy hogwild -n N`, not under torchrun, Slurm or mpirun")
+    if cfg.checkpoint_dir or cfg.resume:
+        raise UsageError("hogwild has no single state to checkpoint (each worker keeps its own optimizer"
+                         " and updates without locks); drop --checkpoint-dir, or use serial or ddp")
+    # Fail on bad options here, before any worker starts.
+    cpu = torch.device("cpu")
+    Hogwild(Runtime(DistEnv(), cpu, Precision(cfg.precision, cpu), None), **cfg.strategy_options)
+    check_global_batch(cfg.batch_size, workers)
+
+    torch.manual_seed(cfg.seed)  # the same initial weights as every other strategy
+    train_set = builtin_dataset(cfg.data, "train", cfg.seed, cfg.synthetic_size)
+    val_set = builtin_dataset(cfg.data, "val", cfg.seed, cfg.synthetic_size)
+    model = build_model(cfg.model, tuple(train_set[0][0].shape), num_classes=10)
+    start = time.perf_counter()
+    done = run(_train_worker, model, workers, args=(cfg, train_set, val_set),
+               sharing_strategy=cfg.strategy_options.get("sharing_strategy"))
+    wall = time.perf_counter() - start
+    train_seconds = max(d["seconds"] for d in done)
+    result = {
+        "strategy": "hogwild", "world_size": workers, "backend": "none",
+        "backend_reason": "no process group: the workers share the model's memory",
+        "precision": cfg.precision, "model": cfg.model, "data": cfg.data, "epochs": cfg.epochs,
+        "steps": done[0]["steps"], "global_batch": cfg.batch_size,
+        "final_loss": sum(d["loss"] for d in done) / workers,
+        "val_accuracy": accuracy(model, val_set),
+        "samples_per_s": sum(d["samples"] for d in done) / train_seconds if train_seconds else 0.0,
+        "wall_s": wall,
+    }
+    report.summary(result)
+    if cfg.json_out:
+        Path(cfg.json_out).write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+@torch.no_grad()
+def accuracy(model: nn.Module, dataset, batch_size: int = 512) -> float:
+    """Fraction of `dataset` the model classifies right, in one process."""
+    was_training = model.training
+    model.eval()
+    correct = 0
+    for inputs, targets in torch.utils.data.DataLoader(dataset, batch_size=batch_size):
+        correct += (model(inputs).argmax(1) == targets).sum().item()
+    model.train(was_training)
+    return correct / len(dataset)
+
+
+def _train_worker(model: nn.Module, cfg, train_set, val_set) -> dict:
+    """One worker's loop: its own optimizer, its share of each global batch, no locks."""
+    from torchfleet.fleet import Fleet
+    from torchfleet.trainer import build_optimizer
+
+    info = worker_side.worker_info()
+    fleet = Fleet(strategy="hogwild", precision=cfg.precision, grad_accum=cfg.grad_accum,
+                  **cfg.strategy_options)
+    torch.manual_seed(cfg.seed + info.rank)
+    optimizer = build_optimizer(cfg.optimizer, model.parameters(), cfg.lr)
+    model, optimizer = fleet.setup(model, optimizer)
+    loader = fleet.dataloader(train_set, cfg.batch_size, shuffle=True, seed=cfg.seed)
+    total_steps = len(loader.batch_sampler) * cfg.epochs
+    if cfg.max_steps is not None:
+        total_steps = min(total_steps, cfg.max_steps)
+    loss_fn = nn.CrossEntropyLoss()
+    step = samples = 0
+    loss = torch.tensor(float("nan"))
+    tick = time.perf_counter()
+    evaluating = 0.0  # worker 0's validation passes, kept out of the training time
+    for epoch in range(cfg.epochs):
+        for inputs, targets in loader:
+            loss = fleet.train_step(inputs, targets, loss_fn)
+            step += 1
+            samples += len(inputs)
+            if step >= total_steps:
+                break
+        if info.rank == 0 and cfg.progress:
+            # Worker 0's view while the others may still be writing: that is hogwild.
+            began = time.perf_counter()
+            print(f"epoch {epoch + 1}: validation accuracy {accuracy(model, val_set):.4f}", flush=True)
+            evaluating += time.perf_counter() - began
+        if step >= total_steps:
+            break
+    return {"steps": step, "samples": samples, "loss": loss.item(), "seconds": time.perf_counter() - tick - evaluating}

@@ -1,0 +1,173 @@
+"""mp: one process, the model cut into consecutive stages on a list of devices.
+
+An `nn.Sequential` is cut automatically into as many stages as there are
+devices, balanced by parameter count; or the user passes the stages as a list
+of modules. Each batch is split into micro-batches that flow through the
+stages as a wavefront: while stage s works on micro-batch i, stage s+1 works
+on micro-batch i-1. CUDA kernels launch asynchronously, so stages on
+different GPUs run at the same time: the split-size pipelining of PyTorch's
+single-machine model-parallel tutorial, for any number of stages. The outputs
+are concatenated on the last device before the loss, so the loss and its
+gradient are the whole batch's, exactly as in serial.
+
+    Fleet(strategy="mp", devices="cuda:0,cuda:1", microbatches=4)
+    Fleet(strategy="mp", devices="cpu,cpu")   # checks the split and the flow on any host
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from torchfleet.errors import UsageError
+from torchfleet.precision import Precision
+from torchfleet.strategies.base import Strategy
+
+DEFAULT_MICROBATCHES = 4
+
+
+def parse_devices(spec) -> list[torch.device]:
+    """"cuda:0,cuda:1" (or a list of names or devices) as devices that exist here."""
+    names = spec.split(",") if isinstance(spec, str) else list(spec)
+    hint = "give comma-separated devices such as cuda:0,cuda:1 or cpu,cpu"
+    devices = []
+    for name in names:
+        try:
+            device = torch.device(name.strip() if isinstance(name, str) else name)
+        except (RuntimeError, TypeError):
+            raise UsageError(f"device {name!r} in --devices is not a device name; {hint}") from None
+        if device.type == "cuda":
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            device = torch.device("cuda", device.index or 0)
+            if device.index >= count:
+                raise UsageError(f"device {device} in --devices is not visible here ({count} GPUs); {hint}")
+        elif device.type != "cpu":
+            raise UsageError(f"device {device} in --devices is neither cpu nor cuda; {hint}")
+        devices.append(device)
+    if not devices or not str(spec).strip():
+        raise UsageError(f"--devices {spec!r} names no device; {hint}")
+    return devices
+
+
+def default_devices() -> list[torch.device]:
+    """Every visible GPU; with fewer than two, two stages on the one device there is."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus >= 2:
+        return [torch.device("cuda", i) for i in range(gpus)]
+    return [torch.device("cuda", 0) if gpus else torch.device("cpu")] * 2
+
+
+def balanced_split(weights: list[int], parts: int) -> list[int]:
+    """Sizes of `parts` consecutive non-empty groups of `weights` with the smallest largest sum.
+
+    The classic linear-partition dynamic programme: best[k][i] is the smallest
+    possible largest group when the first i weights form k groups.
+    """
+    n = len(weights)
+    if not 1 <= parts <= n:
+        raise ValueError(f"cannot cut {n} items into {parts} non-empty groups")
+    prefix = [0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(parts + 1)]
+    cut = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0
+    for k in range(1, parts + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):  # the last group is weights[j:i]
+                cost = max(best[k - 1][j], prefix[i] - prefix[j])
+                if cost < best[k][i]:
+                    best[k][i], cut[k][i] = cost, j
+    sizes, i = [], n
+    for k in range(parts, 0, -1):
+        sizes.append(i - cut[k][i])
+        i = cut[k][i]
+    return sizes[::-1]
+
+
+def split_sequential(model: nn.Sequential, parts: int) -> list[nn.Sequential]:
+    """`model` cut into `parts` consecutive stages balanced by parameter count (modules shared)."""
+    layers = list(model)
+    if len(layers) < parts:
+        raise UsageError(f"the model has {len(layers)} layers, too few for {parts} stages;"
+                         f" give at most {len(layers)} devices")
+    sizes = balanced_split([sum(p.numel() for p in layer.parameters()) for layer in layers], parts)
+    stages, start = [], 0
+    for size in sizes:
+        stages.append(nn.Sequential(*layers[start:start + size]))
+        start += size
+    return stages
+
+
+class MicroBatchPipe(nn.Module):
+    """Stages on devices, fed micro-batches as a wavefront; returns the whole batch's output."""
+
+    def __init__(self, stages: list[nn.Module], devices: list[torch.device], microbatches: int):
+        super().__init__()
+        self.stages = nn.ModuleList(stages)
+        self.devices = list(devices)
+        self.microbatches = microbatches
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        flow = [chunk for chunk in inputs.tensor_split(self.microbatches) if len(chunk)]
+        depth = len(self.stages)
+        for clock in range(len(flow) + depth - 1):
+            # At each clock stage s takes micro-batch clock - s. Later stages are
+            # queued first, as in the tutorial's loop, so a downstream device is
+            # handed its work before the upstream one's next chunk is copied over.
+            for s in reversed(range(depth)):
+                i = clock - s
+                if 0 <= i < len(flow):
+                    flow[i] = self.stages[s](flow[i].to(self.devices[s]))
+        return torch.cat(flow)
+
+
+class ModelParallel(Strategy):
+    name = "mp"
+    options = ("devices", "microbatches")
+
+    def __init__(self, runtime, **options):
+        super().__init__(runtime, **options)
+        spec = options.get("devices")
+        self.devices = parse_devices(spec) if spec is not None else default_devices()
+        self.microbatches = options.get("microbatches") or DEFAULT_MICROBATCHES
+        if options.get("microbatches") is not None and (
+                not isinstance(options["microbatches"], int) or options["microbatches"] < 1):
+            raise UsageError(f"--microbatches {options['microbatches']!r} must be a whole number, at least 1")
+        # The loss is computed where the last stage leaves its output, and
+        # autocast follows the first stage's device type.
+        self.runtime = dataclasses.replace(
+            runtime, device=self.devices[-1], precision=Precision(runtime.precision.name, self.devices[0]))
+        if len(set(self.devices)) == 1 and len(self.devices) > 1:
+            self.notes.append(f"mp: all {len(self.devices)} stages are on {self.devices[0]}, so they cannot"
+                              " overlap; this checks the split and the micro-batches, give two GPUs for speed")
+        self.whole: nn.Module | None = None
+
+    def wrap(self, model, optimizer):
+        if isinstance(model, (list, tuple, nn.ModuleList)):
+            stages = list(model)
+            if len(stages) != len(self.devices):
+                raise UsageError(f"mp was given {len(stages)} stages for {len(self.devices)} devices;"
+                                 " give one device per stage")
+            self.whole = nn.Sequential(*stages)
+        elif isinstance(model, nn.Sequential):
+            stages = split_sequential(model, len(self.devices))
+            self.whole = model
+        else:
+            raise UsageError(f"mp cuts an nn.Sequential into stages, or takes the stages as a list of"
+                             f" modules; got a {type(model).__name__}")
+        for stage, device in zip(stages, self.devices, strict=True):
+            stage.to(device)  # in place: the optimizer's parameters move with it
+        self.model = MicroBatchPipe(stages, self.devices, self.microbatches)
+        self.optimizer = optimizer
+        return self.model, self.optimizer
+
+    def unwrapped(self) -> nn.Module:
+        # The user's Sequential (or the stages in one): checkpoints keep serial's keys.
+        return self.whole
+
+    def train_step(self, inputs, targets, loss_fn, grad_accum: int = 1):
+        return super().train_step(inputs, targets.to(self.devices[-1]), loss_fn, grad_accum)
