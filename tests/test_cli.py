@@ -17,6 +17,8 @@ SURFACE = {
               "--optimizer", "--precision", "--resume", "--seed", "--strategy", "--synthetic-size", "-n"],
     "run": ["--master-addr", "--master-port", "--max-restarts", "--nnodes", "--node-rank",
             "--nproc-per-node", "-n"],
+    "slurm": ["--gpus-per-node", "--nodes", "--ntasks-per-node", "--out", "--partition", "--submit",
+              "--time"],
 }
 
 

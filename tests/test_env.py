@@ -94,6 +94,17 @@ def test_slurm_step_uses_part_of_the_job() -> None:
         master_addr="node03", master_port=15007, source="slurm")
 
 
+def test_slurm_one_node_uses_loopback() -> None:
+    # `sbatch --nodes 1 --ntasks-per-node 2`: the node's Slurm name need not resolve.
+    environ = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1",
+               "SLURM_NODEID": "0", "SLURM_NNODES": "1", "SLURM_JOB_NODELIST": "cn-unresolvable",
+               "SLURM_TASKS_PER_NODE": "2", "SLURM_JOB_ID": "42"}
+    assert DistEnv.detect(environ) == DistEnv(
+        rank=1, local_rank=1, world_size=2, local_world_size=2, node_rank=0, nnodes=1,
+        master_addr="127.0.0.1", master_port=15042, source="slurm")
+    assert DistEnv.detect({**environ, "MASTER_ADDR": "10.2.2.2"}).master_addr == "10.2.2.2"
+
+
 def test_slurm_uneven_tasks_per_node() -> None:
     environ = {"SLURM_PROCID": "6", "SLURM_NTASKS": "7", "SLURM_LOCALID": "0",
                "SLURM_NODEID": "3", "SLURM_NNODES": "4", "SLURM_TASKS_PER_NODE": "2(x3),1",

@@ -199,11 +199,13 @@ def _expand_tasks_per_node(name: str, value: str) -> list[int]:
 def _slurm_master_addr(environ: Mapping[str, str], nnodes: int) -> str:
     if "MASTER_ADDR" in environ:
         return environ["MASTER_ADDR"]
+    if nnodes == 1:
+        # Every task is on this node: loopback always works, while the node's
+        # Slurm name may not resolve, or resolve to an address nobody listens on.
+        return DEFAULT_ADDR
     found = _first(environ, "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
     if found is not None:
         return expand_hostlist(found[1], name=found[0])[0]
-    if nnodes == 1:
-        return DEFAULT_ADDR
     raise EnvError(f"neither MASTER_ADDR nor SLURM_JOB_NODELIST is set and the step spans "
                    f"{nnodes} nodes; export MASTER_ADDR=<first host> before srun")
 

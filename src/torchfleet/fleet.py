@@ -84,6 +84,7 @@ class Fleet:
             init_method = "env://"
         else:
             init_method = f"tcp://{env.master_addr}:{env.master_port}"
+        _choose_socket_interface(env)
         dist.init_process_group(
             self.backend, init_method=init_method, rank=env.rank,
             world_size=env.world_size, timeout=_PG_TIMEOUT,
@@ -196,3 +197,22 @@ class Fleet:
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
+
+
+def _choose_socket_interface(env: DistEnv) -> None:
+    """Across machines, tell Gloo and NCCL the interface that routes to the master.
+
+    Unless told, they advertise the address this host's name resolves to,
+    and where that is 127.0.0.1 (a common /etc/hosts line) peers on other
+    machines never connect. srun, mpirun and SageMaker start the script
+    without torchfleet's launcher, so the choice is made here; a user's own
+    GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME wins.
+    """
+    if env.nnodes < 2:
+        return
+    from torchfleet.netif import interface_for
+
+    found = interface_for(env.master_addr)
+    if found is not None and not found.is_loopback:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", found.name)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", found.name)

@@ -1,0 +1,76 @@
+"""The job-writing commands: `torchfleet slurm`, `torchfleet sagemaker`, `torchfleet k8s`.
+
+Kept apart from cli.py so the main parser only registers them. Each writes
+the file(s) its scheduler takes and prints how to submit them; `--submit`
+hands them to the scheduler's own client.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+COMMANDS = ("slurm", "sagemaker", "k8s")
+
+
+_PARSERS: dict[str, argparse.ArgumentParser] = {}
+
+
+def _script_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("script", help="the training script (a torchfleet/Fleet script runs unchanged)")
+    p.add_argument("script_args", nargs="*", metavar="-- SCRIPT_ARGS",
+                   help="arguments for the script, after --")
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    """Parse `COMMAND ...`: torchfleet's flags may come before or after the script
+    (`torchfleet slurm train.py --nodes 2`); the script's own arguments follow `--`."""
+    args = _PARSERS[argv[0]].parse_intermixed_args(argv[1:])
+    args.command, args.version = argv[0], False
+    return args
+
+
+def add_commands(sub) -> None:
+    slurm = _PARSERS["slurm"] = sub.add_parser(
+        "slurm", help="write (and --submit) an sbatch script for a script")
+    slurm.add_argument("--nodes", type=int, default=1, help="nodes to allocate (default 1)")
+    slurm.add_argument("--gpus-per-node", type=int, default=0,
+                       help="GPUs per node; one task each (default 0: a CPU job)")
+    slurm.add_argument("--ntasks-per-node", type=int, default=None,
+                       help="processes per node (default: one per GPU, else 1)")
+    slurm.add_argument("--partition", default=None, help="Slurm partition (default: the cluster's)")
+    slurm.add_argument("--time", default=None, help="time limit, e.g. 2:00:00 (default: the partition's)")
+    slurm.add_argument("--out", default=None, metavar="FILE",
+                       help="where to write the batch script (default SCRIPT.sbatch; - for stdout)")
+    slurm.add_argument("--submit", action="store_true", help="submit it with sbatch")
+    _script_args(slurm)
+
+
+def run(args) -> int:
+    if args.command == "slurm":
+        return _slurm(args)
+    raise AssertionError(f"unhandled command {args.command}")
+
+
+def _slurm(args) -> int:
+    from torchfleet.clusters import slurm, write_text
+    from torchfleet.errors import UsageError
+
+    job = slurm.SlurmJob(args.script, args.script_args, nodes=args.nodes,
+                         gpus_per_node=args.gpus_per_node, ntasks_per_node=args.ntasks_per_node,
+                         partition=args.partition, time=args.time)
+    text = slurm.batch_script(job)
+    if args.out == "-":
+        if args.submit:
+            raise UsageError("--out - prints the script; --submit needs it in a file, give --out FILE")
+        sys.stdout.write(text)
+        return 0
+    path = write_text(args.out or f"{Path(job.script).stem}.sbatch", text)
+    print(f"wrote {path}: {job.world_size} processes ({job.nodes} x {job.ntasks_per_node})")
+    if not args.submit:
+        print(f"submit it with: sbatch {path}")
+        return 0
+    status, said = slurm.submit(path)
+    print(said, file=sys.stdout if status == 0 else sys.stderr)
+    return status
