@@ -17,6 +17,7 @@ SURFACE = {
               "--optimizer", "--precision", "--resume", "--seed", "--strategy", "--synthetic-size", "-n"],
     "run": ["--master-addr", "--master-port", "--max-restarts", "--nnodes", "--node-rank",
             "--nproc-per-node", "-n"],
+    "k8s": ["--gpus-per-node", "--image", "--nodes", "--nproc-per-node", "--out"],
     "slurm": ["--gpus-per-node", "--nodes", "--ntasks-per-node", "--out", "--partition", "--submit",
               "--time"],
 }

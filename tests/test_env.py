@@ -56,6 +56,37 @@ SAGEMAKER = {
 }
 
 
+# The Worker pod of index 0 in a PyTorchJob with Master + 2 Workers, nprocPerNode "1",
+# as training-operator (controller.v1/pytorch/envvar.go, master.go) sets them.
+PYTORCHJOB = {
+    "PYTHONUNBUFFERED": "1", "MASTER_PORT": "23456", "MASTER_ADDR": "train-master-0",
+    "WORLD_SIZE": "3", "RANK": "1", "PET_NODE_RANK": "1", "PET_NPROC_PER_NODE": "1",
+    "PET_NNODES": "3",
+}
+
+
+def test_pytorchjob_pod_without_torchrun() -> None:
+    assert DistEnv.detect(PYTORCHJOB) == DistEnv(
+        rank=1, local_rank=0, world_size=3, local_world_size=1, node_rank=1, nnodes=3,
+        master_addr="train-master-0", master_port=23456, source="pytorchjob")
+    # An older operator: RANK, WORLD_SIZE and the master only.
+    old = {"MASTER_PORT": "23456", "MASTER_ADDR": "m-0", "WORLD_SIZE": "2", "RANK": "0"}
+    assert DistEnv.detect(old) == DistEnv(
+        rank=0, world_size=2, node_rank=0, nnodes=2, master_addr="m-0", master_port=23456,
+        source="pytorchjob")
+
+
+def test_pytorchjob_pod_with_several_processes_needs_torchrun() -> None:
+    environ = {**PYTORCHJOB, "PET_NPROC_PER_NODE": "4", "WORLD_SIZE": "12"}
+    with pytest.raises(EnvError, match="PET_NPROC_PER_NODE=4 asks for 4 processes in this pod"):
+        DistEnv.detect(environ)
+    # torchrun in the pod (what `torchfleet k8s` writes) sets LOCAL_RANK for each worker.
+    worker = {**environ, "RANK": "5", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
+              "GROUP_RANK": "1", "GROUP_WORLD_SIZE": "3"}
+    found = DistEnv.detect(worker)
+    assert (found.source, found.rank, found.node_rank, found.world_size) == ("torchrun", 5, 1, 12)
+
+
 def test_torchrun_worker() -> None:
     assert DistEnv.detect(TORCHRUN) == DistEnv(
         rank=6, local_rank=2, world_size=8, local_world_size=4, node_rank=1, nnodes=2,
@@ -200,7 +231,8 @@ def test_single_process() -> None:
 
 def test_precedence() -> None:
     assert [f.__name__ for f in env_module._DETECTORS] == [
-        "_from_torchrun", "_from_slurm", "_from_openmpi", "_from_mpich", "_from_sagemaker"]
+        "_from_torchrun", "_from_pytorchjob", "_from_slurm", "_from_openmpi", "_from_mpich",
+        "_from_sagemaker"]
     # torchrun inside an srun step: its variables describe the worker.
     assert DistEnv.detect({**SLURM, **TORCHRUN}).source == "torchrun"
     assert DistEnv.detect({**OPENMPI, **SLURM}).source == "slurm"
@@ -329,10 +361,11 @@ def test_torch_env() -> None:
 
 
 @pytest.mark.parametrize("environ", [
-    TORCHRUN, SLURM, {**OPENMPI, "MASTER_ADDR": "a"}, MPICH, SAGEMAKER, {},
+    TORCHRUN, SLURM, {**OPENMPI, "MASTER_ADDR": "a"}, MPICH, SAGEMAKER, {}, PYTORCHJOB,
     {"SLURM_PROCID": "6", "SLURM_NTASKS": "7", "SLURM_NODEID": "3", "SLURM_NNODES": "4",
      "SLURM_TASKS_PER_NODE": "2(x3),1", "SLURM_NODELIST": "n[1-4]"},
-], ids=["torchrun", "slurm", "openmpi", "mpich", "sagemaker", "single", "slurm-uneven"])
+], ids=["torchrun", "slurm", "openmpi", "mpich", "sagemaker", "single", "pytorchjob",
+        "slurm-uneven"])
 def test_torch_env_round_trip(environ: dict[str, str]) -> None:
     found = DistEnv.detect(environ)
     assert DistEnv.detect(found.torch_env()) == dataclasses.replace(found, source="torchrun")

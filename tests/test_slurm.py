@@ -11,17 +11,13 @@ import re
 import sys
 
 import pytest
-import torch
 
+import reference
 import slurm_cluster
 from conftest import EXAMPLES, ROOT, clean_env, run, torchfleet
 from torchfleet.cli import main
 
 SCRIPT = str(EXAMPLES / "train_digits.py")
-
-
-def _weights(path):
-    return torch.cat([t.flatten() for t in torch.load(path, weights_only=True).values()])
 
 
 def test_batch_script_for_two_gpu_nodes(tmp_path):
@@ -84,14 +80,10 @@ def test_two_tasks_on_a_real_slurm_train_like_one_process(tmp_path):
                         cwd=tmp_path)
         assert submitted.returncode == 0, submitted.stderr
         (job_id,) = re.findall(r"Submitted batch job (\d+)", submitted.stdout)
-        # The single-process reference trains meanwhile.
-        serial = run([sys.executable, SCRIPT, "--strategy", "serial", "--epochs", "1", "--out",
-                      str(tmp_path / "serial.pt")])
-        assert serial.returncode == 0, serial.stderr
+        reference.serial_weights()  # the single-process reference trains meanwhile
         state, exit_code = cluster.wait(job_id, timeout=240)
         log = (tmp_path / f"torchfleet-train_digits-{job_id}.out")
         output = log.read_text() if log.exists() else "(no output file)"
         assert (state, exit_code) == ("COMPLETED", "0:0"), output + cluster.logs()
     assert output.count("epoch 1:") == 1, output  # two tasks, one printing rank
-    difference = (_weights(tmp_path / "slurm.pt") - _weights(tmp_path / "serial.pt")).abs().max()
-    assert difference.item() < 1e-5
+    assert reference.max_difference(tmp_path / "slurm.pt") < 1e-5

@@ -1,7 +1,7 @@
 """The one environment contract: which process this is, and where the others are.
 
 ``DistEnv.detect()`` reads the variables a launcher sets, once, in a fixed
-order (torchrun, Slurm, MPI, SageMaker, else one process) and returns a frozen
+order (torchrun, a Kubeflow PyTorchJob pod, Slurm, MPI, SageMaker, else one process) and returns a frozen
 ``DistEnv``. Nothing else in torchfleet reads these variables: code that needs
 the rank is handed a ``DistEnv``. ``torch_env()`` gives them back in torchrun's
 words, which is what ``init_process_group(init_method="env://")`` reads:
@@ -44,7 +44,7 @@ class DistEnv:
     nnodes: int = 1
     master_addr: str = DEFAULT_ADDR
     master_port: int = DEFAULT_PORT
-    source: str = "single"  # the detector that produced it: torchrun, slurm, mpi, sagemaker, single
+    source: str = "single"  # the detector: torchrun, pytorchjob, slurm, mpi, sagemaker, single
 
     def __post_init__(self) -> None:
         # Local numbers first: a bad LOCAL_RANK is what puts a derived rank out of range.
@@ -147,6 +147,30 @@ def _from_torchrun(environ: Mapping[str, str]) -> DistEnv | None:
         nnodes=_int(environ, "GROUP_WORLD_SIZE", default=nnodes_guess),
         master_addr=environ.get("MASTER_ADDR", DEFAULT_ADDR), master_port=_port(environ),
         source="torchrun")
+
+
+def _from_pytorchjob(environ: Mapping[str, str]) -> DistEnv | None:
+    # A Kubeflow PyTorchJob pod started without torchrun: the training
+    # operator sets RANK to the pod's index and WORLD_SIZE to pods x
+    # nprocPerNode, plus PET_NNODES / PET_NODE_RANK / PET_NPROC_PER_NODE for
+    # torchrun, but no LOCAL_RANK (training-operator, controller.v1/pytorch/envvar.go).
+    # Older operators set only RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT:
+    # one process per pod, as in the env:// recipe.
+    if not _has(environ, "RANK", "WORLD_SIZE") or "LOCAL_RANK" in environ:
+        return None
+    world_size = _int(environ, "WORLD_SIZE")
+    nnodes = _int(environ, "PET_NNODES", default=world_size)
+    raw_nproc = environ.get("PET_NPROC_PER_NODE", "1")
+    if raw_nproc.isdigit() and int(raw_nproc) > 1:
+        raise EnvError(f"PET_NPROC_PER_NODE={raw_nproc} asks for {raw_nproc} processes in this "
+                       f"pod but it was started as one; start the script with torchrun "
+                       f"(the manifest `torchfleet k8s` writes does)")
+    rank = _int(environ, "RANK")
+    return DistEnv(
+        rank=rank, local_rank=0, world_size=world_size, local_world_size=1,
+        node_rank=_int(environ, "PET_NODE_RANK", default=rank), nnodes=nnodes,
+        master_addr=environ.get("MASTER_ADDR", DEFAULT_ADDR), master_port=_port(environ),
+        source="pytorchjob")
 
 
 def _from_slurm(environ: Mapping[str, str]) -> DistEnv | None:
@@ -308,7 +332,7 @@ _Detector = Callable[[Mapping[str, str]], DistEnv | None]
 # The precedence, in one place. torchrun comes first because it also runs
 # inside srun steps and mpirun jobs, and then its variables describe the worker.
 _DETECTORS: tuple[_Detector, ...] = (
-    _from_torchrun, _from_slurm, _from_openmpi, _from_mpich, _from_sagemaker)
+    _from_torchrun, _from_pytorchjob, _from_slurm, _from_openmpi, _from_mpich, _from_sagemaker)
 
 detect = DistEnv.detect
 

@@ -46,10 +46,25 @@ def add_commands(sub) -> None:
     slurm.add_argument("--submit", action="store_true", help="submit it with sbatch")
     _script_args(slurm)
 
+    k8s = _PARSERS["k8s"] = sub.add_parser(
+        "k8s", help="write a Kubeflow PyTorchJob manifest for a script")
+    k8s.add_argument("--nodes", type=int, default=1, help="pods, one per node (default 1)")
+    k8s.add_argument("--nproc-per-node", type=int, default=1,
+                     help="processes per pod, started by torchrun (default 1)")
+    k8s.add_argument("--gpus-per-node", type=int, default=0,
+                     help="GPUs each pod asks for (nvidia.com/gpu; default 0)")
+    k8s.add_argument("--image", default=None,
+                     help="container image holding torchfleet and the script (default torchfleet:latest)")
+    k8s.add_argument("--out", default=None, metavar="FILE",
+                     help="where to write the manifest (default SCRIPT.pytorchjob.yaml; - for stdout)")
+    _script_args(k8s)
+
 
 def run(args) -> int:
     if args.command == "slurm":
         return _slurm(args)
+    if args.command == "k8s":
+        return _k8s(args)
     raise AssertionError(f"unhandled command {args.command}")
 
 
@@ -74,3 +89,24 @@ def _slurm(args) -> int:
     status, said = slurm.submit(path)
     print(said, file=sys.stdout if status == 0 else sys.stderr)
     return status
+
+
+def _k8s(args) -> int:
+    from torchfleet.clusters import kubernetes, write_text
+
+    job = kubernetes.PyTorchJob(args.script, args.script_args, nodes=args.nodes,
+                                nproc_per_node=args.nproc_per_node,
+                                gpus_per_node=args.gpus_per_node,
+                                image=args.image or kubernetes.DEFAULT_IMAGE)
+    text = kubernetes.render(kubernetes.manifest(job))
+    if args.out == "-":
+        sys.stdout.write(text)
+        return 0
+    path = write_text(args.out or f"{Path(job.script).stem}.pytorchjob.yaml", text)
+    print(f"wrote {path}: PyTorchJob {job.name}, {job.world_size} processes "
+          f"({job.nodes} pod(s) x {job.nproc_per_node})")
+    if args.image is None:
+        print(f"note: the image {kubernetes.DEFAULT_IMAGE} must hold torchfleet and "
+              f"{job.script}; build yours and pass --image")
+    print(f"submit it with: kubectl apply -f {path}")
+    return 0

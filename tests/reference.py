@@ -1,0 +1,37 @@
+"""The single-process reference the cluster tests compare with, trained once per session.
+
+examples/train_digits.py run with `--strategy serial --epochs 1`: a run of the same global
+batch on any number of processes must end with these weights (within 1e-5).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from conftest import EXAMPLES, run
+
+SCRIPT = str(EXAMPLES / "train_digits.py")
+EPOCHS = "1"
+
+
+def weights(path) -> torch.Tensor:
+    return torch.cat([t.flatten() for t in torch.load(path, weights_only=True).values()])
+
+
+@functools.lru_cache(maxsize=1)
+def serial_weights() -> torch.Tensor:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "serial.pt"
+        result = run([sys.executable, SCRIPT, "--strategy", "serial", "--epochs", EPOCHS,
+                      "--out", str(out)])
+        assert result.returncode == 0, result.stderr
+        return weights(out)
+
+
+def max_difference(path) -> float:
+    return (weights(path) - serial_weights()).abs().max().item()
