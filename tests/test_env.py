@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -219,6 +220,21 @@ def test_sagemaker_cpu_instance() -> None:
     assert DistEnv.detect(environ) == DistEnv(
         rank=1, local_rank=0, world_size=2, local_world_size=1, node_rank=1, nnodes=2,
         master_addr="algo-1", master_port=7777, source="sagemaker")
+
+
+def test_sagemaker_resource_config_without_toolkit_variables(tmp_path) -> None:
+    config = tmp_path / "input" / "config"
+    config.mkdir(parents=True)
+    (config / "resourceconfig.json").write_text(json.dumps({
+        "current_host": "algo-2", "current_instance_type": "ml.c5.xlarge",
+        "hosts": ["algo-1", "algo-2", "algo-3"], "network_interface_name": "eth0"}))
+    found = DistEnv.detect({"TORCHFLEET_SAGEMAKER_ROOT": str(tmp_path)})
+    assert found == DistEnv(rank=1, world_size=3, node_rank=1, nnodes=3, master_addr="algo-1",
+                            master_port=7777, source="sagemaker")
+    (config / "resourceconfig.json").write_text("{}")
+    with pytest.raises(EnvError, match="is not a SageMaker resource config"):
+        DistEnv.detect({"SM_INPUT_CONFIG_DIR": str(config)})
+    assert DistEnv.detect({"TORCHFLEET_SAGEMAKER_ROOT": str(tmp_path / "none")}).source == "single"
 
 
 def test_single_process() -> None:

@@ -295,10 +295,14 @@ def _mpi_env(environ: Mapping[str, str], rank: int, world_size: int, local_rank:
 
 
 def _from_sagemaker(environ: Mapping[str, str]) -> DistEnv | None:
-    if not _has(environ, "SM_HOSTS", "SM_CURRENT_HOST"):
-        return None
-    hosts = _sagemaker_hosts(environ["SM_HOSTS"])
-    current = environ["SM_CURRENT_HOST"]
+    if _has(environ, "SM_HOSTS", "SM_CURRENT_HOST"):
+        hosts = _sagemaker_hosts(environ["SM_HOSTS"])
+        current = environ["SM_CURRENT_HOST"]
+    else:
+        found = _sagemaker_resource_config(environ)
+        if found is None:
+            return None
+        hosts, current = found
     if current not in hosts:
         raise EnvError(f"SM_CURRENT_HOST={current!r} is not one of SM_HOSTS={hosts}")
     # The training toolkit already sorts SM_HOSTS, and every host sees the same list.
@@ -311,6 +315,23 @@ def _from_sagemaker(environ: Mapping[str, str]) -> DistEnv | None:
         world_size=len(hosts) * local_world_size, local_world_size=local_world_size,
         node_rank=node_rank, nnodes=len(hosts), master_addr=hosts[0],
         master_port=_port(environ, default=SAGEMAKER_PORT), source="sagemaker")
+
+
+def _sagemaker_resource_config(environ: Mapping[str, str]) -> tuple[list[str], str] | None:
+    """(hosts, current host) from the job's resourceconfig.json, for an entry point that
+    runs without the training toolkit's SM_* variables (a bring-your-own container)."""
+    from torchfleet.clusters.sagemaker import resource_config_path  # no torch there either
+
+    path = resource_config_path(environ)
+    try:
+        config = json.loads(path.read_text())
+        hosts, current = config["hosts"], config["current_host"]
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError):
+        raise EnvError(f"{path} is not a SageMaker resource config (expected JSON with "
+                       f"\"hosts\" and \"current_host\")") from None
+    return _sagemaker_hosts(json.dumps(hosts)), str(current)
 
 
 def _sagemaker_hosts(raw: str) -> list[str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,6 +19,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from torchfleet import checkpoint
 from torchfleet.backend import choose_backend, probe_hardware
+from torchfleet.clusters.sagemaker import TrainingEnv, relaunch_per_gpu
 from torchfleet.data import GlobalBatchSampler, ShardSampler
 from torchfleet.env import DistEnv
 from torchfleet.errors import UsageError
@@ -44,6 +46,9 @@ class Fleet:
             raise UsageError(f"grad_accum {grad_accum} must be at least 1")
         strategy_cls = get_strategy(strategy)
         self.env = env or DistEnv.detect()
+        self.sagemaker = TrainingEnv.read()  # None outside a SageMaker training job
+        if self.sagemaker is not None and self.sagemaker.needs_per_gpu_launch():
+            relaunch_per_gpu(self.env)  # one worker per GPU runs this script; exits here
         self.grad_accum = grad_accum
         self.notes: list[str] = []
 
@@ -187,6 +192,36 @@ class Fleet:
     def load(self, path: str | os.PathLike) -> dict:
         """Load what `save` wrote into the wrapped model and optimizer; returns `extra`."""
         return checkpoint.load(self, path)
+
+    @property
+    def model_dir(self) -> Path | None:
+        """Where the final model goes: SM_MODEL_DIR in a SageMaker job, else None."""
+        return self.sagemaker.model_dir if self.sagemaker else None
+
+    @property
+    def checkpoint_dir(self) -> Path | None:
+        """/opt/ml/checkpoints in a SageMaker job that configured it (synced to S3, so a
+        restarted Spot job resumes from it), else None."""
+        return self.sagemaker.checkpoint_dir if self.sagemaker else None
+
+    def save_model(self, path: str | os.PathLike | None = None) -> Path:
+        """Save the trained model's weights (a state dict, torch.load-able); main rank writes.
+
+        Call it on every rank (sharding strategies gather here). Without `path` it
+        writes model.pt in `model_dir`, which SageMaker uploads when the job ends.
+        """
+        if path is None:
+            if self.model_dir is None:
+                raise UsageError("save_model() needs a path outside a SageMaker job "
+                                 "(inside one it writes model.pt to SM_MODEL_DIR)")
+            path = self.model_dir / "model.pt"
+        state, _ = self.strategy.state_dicts()
+        path = Path(path)
+        if self.is_main:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            checkpoint.atomic_write(state, path)
+        self.barrier()
+        return path
 
     def close(self) -> None:
         """Leave the process group (a no-op for one process).

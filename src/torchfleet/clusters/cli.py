@@ -46,6 +46,19 @@ def add_commands(sub) -> None:
     slurm.add_argument("--submit", action="store_true", help="submit it with sbatch")
     _script_args(slurm)
 
+    sm = _PARSERS["sagemaker"] = sub.add_parser(
+        "sagemaker", help="write (and --submit) a SageMaker training job for a script")
+    sm.add_argument("--instance-type", default="ml.g5.12xlarge",
+                    help="e.g. ml.g5.12xlarge (4 GPUs) or ml.c5.2xlarge (CPU); default ml.g5.12xlarge")
+    sm.add_argument("--instance-count", type=int, default=1, help="hosts (default 1)")
+    sm.add_argument("--role", default=None, metavar="ARN",
+                    help="IAM execution role (default: $SAGEMAKER_ROLE or the SDK's, at submit)")
+    sm.add_argument("--out", default=None, metavar="DIR",
+                    help="folder for estimator.py and create_training_job.json (default sagemaker-SCRIPT)")
+    sm.add_argument("--submit", action="store_true",
+                    help="submit it with the SageMaker Python SDK (pip install sagemaker)")
+    _script_args(sm)
+
     k8s = _PARSERS["k8s"] = sub.add_parser(
         "k8s", help="write a Kubeflow PyTorchJob manifest for a script")
     k8s.add_argument("--nodes", type=int, default=1, help="pods, one per node (default 1)")
@@ -65,6 +78,8 @@ def run(args) -> int:
         return _slurm(args)
     if args.command == "k8s":
         return _k8s(args)
+    if args.command == "sagemaker":
+        return _sagemaker(args)
     raise AssertionError(f"unhandled command {args.command}")
 
 
@@ -110,3 +125,23 @@ def _k8s(args) -> int:
               f"{job.script}; build yours and pass --image")
     print(f"submit it with: kubectl apply -f {path}")
     return 0
+
+
+def _sagemaker(args) -> int:
+    import json
+
+    from torchfleet.clusters import sagemaker, write_text
+
+    job = sagemaker.SageMakerJob(args.script, args.script_args, instance_type=args.instance_type,
+                                 instance_count=args.instance_count, role=args.role)
+    folder = Path(args.out or f"sagemaker-{Path(job.script).stem}")
+    estimator = write_text(folder / "estimator.py", sagemaker.estimator_source(job))
+    request = sagemaker.create_training_job_request(job)
+    write_text(folder / "create_training_job.json", json.dumps(request, indent=2) + "\n")
+    launch = "torchrun on each host" if job.distribution else "one process per host"
+    print(f"wrote {estimator} and create_training_job.json: {job.processes} processes "
+          f"({job.instance_count} x {job.instance_type}, {launch})")
+    if not args.submit:
+        print(f"submit it with: python {estimator}   (needs `pip install sagemaker` and AWS credentials)")
+        return 0
+    return sagemaker.submit(estimator)
