@@ -5,6 +5,8 @@ The same file runs unchanged as:
     python examples/train_digits.py                       # one process
     torchfleet run -n 2 examples/train_digits.py          # 2 processes, DDP
     torchrun --nproc-per-node 2 examples/train_digits.py  # plain torchrun
+    torchfleet slurm examples/train_digits.py --ntasks-per-node 2 --submit   # Slurm (srun tasks)
+    as a SageMaker entry point, in a Kubeflow PyTorchJob (see docs/)
 
     --strategy NAME   serial, ddp, ...   (default ddp: serial when alone)
     --out FILE        save the final weights (main rank only; default in a

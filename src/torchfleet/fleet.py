@@ -3,7 +3,8 @@
 It reads the environment once (`DistEnv.detect()`), picks the backend and
 says why, starts the process group when there is more than one process, and
 hands the model to the chosen strategy. The same script therefore runs under
-``python``, ``torchfleet run``, ``torchrun``, Slurm or mpirun unchanged.
+``python``, ``torchfleet run``, ``torchrun``, Slurm, mpirun, a SageMaker
+training job or a Kubeflow PyTorchJob unchanged.
 """
 
 from __future__ import annotations
