@@ -27,10 +27,11 @@ $(VENV)/.dev: $(VENV)/.base
 demo: $(VENV)/.base
 	$(BIN)/torchfleet train
 
-# Programs some tests drive for real (a Slurm cluster with munge). Best-effort:
+# Programs some tests drive for real (a Slurm cluster with munge; network
+# namespaces with iproute2). Best-effort:
 # installed only where we are root and have apt-get; elsewhere those tests skip
 # and say why.
-SYSTEM_PACKAGES := slurm-wlm munge
+SYSTEM_PACKAGES := slurm-wlm munge iproute2
 
 system-deps:
 	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \

@@ -183,3 +183,23 @@ def test_trainer_checkpoints_and_resumes_in_opt_ml(tmp_path):
     again = torchfleet(*flags, env=clean_env(**env))
     assert again.returncode == 0, again.stderr
     assert "resumed from" in again.stdout and "at step 3" in again.stdout
+
+
+def test_training_env_reads_the_toolkit_contract(tmp_path):
+    from torchfleet.clusters.sagemaker import TrainingEnv
+
+    env = _container(tmp_path, "algo-2", num_gpus=4, hps={"epochs": 3, "lr": 0.01})
+    found = TrainingEnv.read(env)
+    assert (found.current_host, found.hosts, found.num_gpus) == ("algo-2", ("algo-1", "algo-2"), 4)
+    assert found.model_dir == tmp_path / "model"
+    assert found.channels == {"train": tmp_path / "input" / "data" / "train"}
+    assert found.hyperparameters == {"epochs": 3, "lr": 0.01}
+    assert (found.checkpoint_dir, found.network_interface) == (None, "eth0")
+    assert found.needs_per_gpu_launch(env) and not found.needs_per_gpu_launch({**env, "LOCAL_RANK": "0"})
+    # Without the toolkit's variables: resourceconfig.json and hyperparameters.json.
+    (tmp_path / "checkpoints").mkdir()
+    bare = TrainingEnv.read({"TORCHFLEET_SAGEMAKER_ROOT": str(tmp_path)})
+    assert (bare.current_host, bare.hosts, bare.num_gpus) == ("algo-2", ("algo-1", "algo-2"), 0)
+    assert bare.hyperparameters == {"epochs": 3, "lr": 0.01}  # decoded from JSON strings
+    assert (bare.model_dir, bare.checkpoint_dir) == (tmp_path / "model", tmp_path / "checkpoints")
+    assert TrainingEnv.read({"TORCHFLEET_SAGEMAKER_ROOT": str(tmp_path / "elsewhere")}) is None
