@@ -21,7 +21,7 @@ import pytest
 
 import netns
 import reference
-from conftest import EXAMPLES, clean_env, torchfleet
+from conftest import EXAMPLES, clean_env
 from torchfleet.cli import main
 
 SCRIPT = str(EXAMPLES / "train_digits.py")
@@ -168,21 +168,23 @@ def test_two_hosts_train_together_and_the_model_lands_in_the_model_dir(tmp_path)
 
 
 @pytest.mark.timeout(180)
-def test_trainer_checkpoints_and_resumes_in_opt_ml(tmp_path):
-    """`torchfleet train` in a one-host job: checkpoints go to /opt/ml/checkpoints (when the
-    job has it), the model to SM_MODEL_DIR, and a restarted job resumes."""
+def test_trainer_checkpoints_and_resumes_in_opt_ml(tmp_path, monkeypatch, capsys):
+    """`torchfleet train` in a one-host job (run in this process: one rank, no group):
+    checkpoints go to /opt/ml/checkpoints (when the job has it), the model to
+    SM_MODEL_DIR, and a restarted job resumes."""
     opt_ml = tmp_path / "opt_ml"
     (opt_ml / "checkpoints").mkdir(parents=True)
     env = _container(opt_ml, "algo-1", num_gpus=0, hps={})
     env["SM_HOSTS"] = '["algo-1"]'
+    for name, value in clean_env(**env).items():
+        monkeypatch.setenv(name, value)
     flags = ["train", "--strategy", "serial", "--model", "mlp", "--max-steps", "3", "--no-progress"]
-    first = torchfleet(*flags, env=clean_env(**env))
-    assert first.returncode == 0, first.stderr
+    assert main(flags) == 0
     assert [p.name for p in (opt_ml / "checkpoints").iterdir()] == ["step-00000003.pt"]
     assert (opt_ml / "model" / "model.pt").is_file()
-    again = torchfleet(*flags, env=clean_env(**env))
-    assert again.returncode == 0, again.stderr
-    assert "resumed from" in again.stdout and "at step 3" in again.stdout
+    capsys.readouterr()
+    assert main(flags) == 0
+    assert "resumed from" in capsys.readouterr().out
 
 
 def test_training_env_reads_the_toolkit_contract(tmp_path):
