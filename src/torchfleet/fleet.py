@@ -48,8 +48,10 @@ class Fleet:
         strategy_cls = get_strategy(strategy)
         self.env = env or DistEnv.detect()
         self.sagemaker = TrainingEnv.read()  # None outside a SageMaker training job
-        if self.sagemaker is not None and self.sagemaker.needs_per_gpu_launch():
-            relaunch_per_gpu(self.env)  # one worker per GPU runs this script; exits here
+        # Ranks from SM_* alone (not torchrun's or mpirun's) on a multi-GPU host: the toolkit
+        # started this one process, so it starts one worker per GPU and exits here.
+        if self.env.source == "sagemaker" and self.sagemaker.needs_per_gpu_launch():
+            relaunch_per_gpu(self.env)
         self.grad_accum = grad_accum
         self.notes: list[str] = []
 
