@@ -14,19 +14,20 @@ import pytest
 
 import reference
 import slurm_cluster
-from conftest import EXAMPLES, ROOT, clean_env, run, torchfleet
+from conftest import EXAMPLES, ROOT, clean_env, run
 from torchfleet.cli import main
 
 SCRIPT = str(EXAMPLES / "train_digits.py")
 
 
-def test_batch_script_for_two_gpu_nodes(tmp_path):
+def test_batch_script_for_two_gpu_nodes(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)
     out = tmp_path / "job.sbatch"
-    result = torchfleet("slurm", SCRIPT, "--nodes", "2", "--gpus-per-node", "4", "--partition",
-                        "gpu", "--time", "2:00:00", "--out", str(out), "--", "--epochs", "3")
-    assert result.returncode == 0, result.stderr
-    assert f"wrote {out}: 8 processes (2 x 4)" in result.stdout
-    assert f"sbatch {out}" in result.stdout
+    assert main(["slurm", SCRIPT, "--nodes", "2", "--gpus-per-node", "4", "--partition", "gpu",
+                 "--time", "2:00:00", "--out", str(out), "--", "--epochs", "3"]) == 0
+    stdout = capsys.readouterr().out
+    assert f"wrote {out}: 8 processes (2 x 4)" in stdout
+    assert f"sbatch {out}" in stdout
     text = out.read_text()
     assert text.startswith("#!/bin/bash\n")
     directives = re.findall(r"^#SBATCH (\S+)$", text, flags=re.M)
