@@ -9,7 +9,7 @@ BIN    := $(VENV)/bin
 # pip's own progress bars and the "location ignored" notes of local indexes are noise here.
 PIP    := $(BIN)/python -m pip install --quiet --disable-pip-version-check
 
-.PHONY: demo test lint doctor clean
+.PHONY: demo test lint doctor clean system-deps
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,7 +27,22 @@ $(VENV)/.dev: $(VENV)/.base
 demo: $(VENV)/.base
 	$(BIN)/torchfleet train
 
-test: $(VENV)/.dev
+# Programs some tests drive for real (a Slurm cluster with munge; network
+# namespaces with iproute2). Best-effort:
+# installed only where we are root and have apt-get; elsewhere those tests skip
+# and say why.
+SYSTEM_PACKAGES := slurm-wlm munge iproute2
+
+system-deps:
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  missing=$$(for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	  if [ -n "$$missing" ]; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing \
+	      || echo "system-deps: could not install $$missing; the tests that need them will skip"; \
+	  fi; \
+	else echo "system-deps: not root with apt-get; tests needing $(SYSTEM_PACKAGES) skip where they are missing"; fi
+
+test: $(VENV)/.dev system-deps
 	$(BIN)/python -m pytest
 
 lint: $(VENV)/.dev

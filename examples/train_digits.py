@@ -5,9 +5,12 @@ The same file runs unchanged as:
     python examples/train_digits.py                       # one process
     torchfleet run -n 2 examples/train_digits.py          # 2 processes, DDP
     torchrun --nproc-per-node 2 examples/train_digits.py  # plain torchrun
+    torchfleet slurm examples/train_digits.py --ntasks-per-node 2 --submit   # Slurm (srun tasks)
+    as a SageMaker entry point, in a Kubeflow PyTorchJob (see docs/)
 
     --strategy NAME   serial, ddp, ...   (default ddp: serial when alone)
-    --out FILE        save the final weights (main rank only)
+    --out FILE        save the final weights (main rank only; default in a
+                      SageMaker job: model.pt in SM_MODEL_DIR)
 """
 
 import argparse
@@ -38,6 +41,6 @@ for epoch in range(args.epochs):
         loss = fleet.train_step(inputs, targets, loss_fn)
     fleet.print(f"epoch {epoch + 1}: loss {fleet.all_reduce(loss).item():.4f}")
 
-if args.out and fleet.is_main:
-    torch.save(fleet.strategy.unwrapped().state_dict(), args.out)
+if args.out or fleet.model_dir:  # in a SageMaker job the model goes to SM_MODEL_DIR
+    fleet.save_model(args.out)  # every rank calls it; the main rank writes
 fleet.close()

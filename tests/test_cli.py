@@ -17,6 +17,10 @@ SURFACE = {
               "--optimizer", "--precision", "--resume", "--seed", "--strategy", "--synthetic-size", "-n"],
     "run": ["--master-addr", "--master-port", "--max-restarts", "--nnodes", "--node-rank",
             "--nproc-per-node", "-n"],
+    "k8s": ["--gpus-per-node", "--image", "--nodes", "--nproc-per-node", "--out"],
+    "sagemaker": ["--instance-count", "--instance-type", "--out", "--role", "--submit"],
+    "slurm": ["--gpus-per-node", "--nodes", "--ntasks-per-node", "--out", "--partition", "--submit",
+              "--time"],
 }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -56,6 +57,37 @@ SAGEMAKER = {
 }
 
 
+# The Worker pod of index 0 in a PyTorchJob with Master + 2 Workers, nprocPerNode "1",
+# as training-operator (controller.v1/pytorch/envvar.go, master.go) sets them.
+PYTORCHJOB = {
+    "PYTHONUNBUFFERED": "1", "MASTER_PORT": "23456", "MASTER_ADDR": "train-master-0",
+    "WORLD_SIZE": "3", "RANK": "1", "PET_NODE_RANK": "1", "PET_NPROC_PER_NODE": "1",
+    "PET_NNODES": "3",
+}
+
+
+def test_pytorchjob_pod_without_torchrun() -> None:
+    assert DistEnv.detect(PYTORCHJOB) == DistEnv(
+        rank=1, local_rank=0, world_size=3, local_world_size=1, node_rank=1, nnodes=3,
+        master_addr="train-master-0", master_port=23456, source="pytorchjob")
+    # An older operator: RANK, WORLD_SIZE and the master only.
+    old = {"MASTER_PORT": "23456", "MASTER_ADDR": "m-0", "WORLD_SIZE": "2", "RANK": "0"}
+    assert DistEnv.detect(old) == DistEnv(
+        rank=0, world_size=2, node_rank=0, nnodes=2, master_addr="m-0", master_port=23456,
+        source="pytorchjob")
+
+
+def test_pytorchjob_pod_with_several_processes_needs_torchrun() -> None:
+    environ = {**PYTORCHJOB, "PET_NPROC_PER_NODE": "4", "WORLD_SIZE": "12"}
+    with pytest.raises(EnvError, match="PET_NPROC_PER_NODE=4 asks for 4 processes in this pod"):
+        DistEnv.detect(environ)
+    # torchrun in the pod (what `torchfleet k8s` writes) sets LOCAL_RANK for each worker.
+    worker = {**environ, "RANK": "5", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
+              "GROUP_RANK": "1", "GROUP_WORLD_SIZE": "3"}
+    found = DistEnv.detect(worker)
+    assert (found.source, found.rank, found.node_rank, found.world_size) == ("torchrun", 5, 1, 12)
+
+
 def test_torchrun_worker() -> None:
     assert DistEnv.detect(TORCHRUN) == DistEnv(
         rank=6, local_rank=2, world_size=8, local_world_size=4, node_rank=1, nnodes=2,
@@ -92,6 +124,17 @@ def test_slurm_step_uses_part_of_the_job() -> None:
     assert DistEnv.detect(environ) == DistEnv(
         rank=2, local_rank=0, world_size=3, local_world_size=1, node_rank=1, nnodes=2,
         master_addr="node03", master_port=15007, source="slurm")
+
+
+def test_slurm_one_node_uses_loopback() -> None:
+    # `sbatch --nodes 1 --ntasks-per-node 2`: the node's Slurm name need not resolve.
+    environ = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1",
+               "SLURM_NODEID": "0", "SLURM_NNODES": "1", "SLURM_JOB_NODELIST": "cn-unresolvable",
+               "SLURM_TASKS_PER_NODE": "2", "SLURM_JOB_ID": "42"}
+    assert DistEnv.detect(environ) == DistEnv(
+        rank=1, local_rank=1, world_size=2, local_world_size=2, node_rank=0, nnodes=1,
+        master_addr="127.0.0.1", master_port=15042, source="slurm")
+    assert DistEnv.detect({**environ, "MASTER_ADDR": "10.2.2.2"}).master_addr == "10.2.2.2"
 
 
 def test_slurm_uneven_tasks_per_node() -> None:
@@ -179,6 +222,21 @@ def test_sagemaker_cpu_instance() -> None:
         master_addr="algo-1", master_port=7777, source="sagemaker")
 
 
+def test_sagemaker_resource_config_without_toolkit_variables(tmp_path) -> None:
+    config = tmp_path / "input" / "config"
+    config.mkdir(parents=True)
+    (config / "resourceconfig.json").write_text(json.dumps({
+        "current_host": "algo-2", "current_instance_type": "ml.c5.xlarge",
+        "hosts": ["algo-1", "algo-2", "algo-3"], "network_interface_name": "eth0"}))
+    found = DistEnv.detect({"TORCHFLEET_SAGEMAKER_ROOT": str(tmp_path)})
+    assert found == DistEnv(rank=1, world_size=3, node_rank=1, nnodes=3, master_addr="algo-1",
+                            master_port=7777, source="sagemaker")
+    (config / "resourceconfig.json").write_text("{}")
+    with pytest.raises(EnvError, match="is not a SageMaker resource config"):
+        DistEnv.detect({"SM_INPUT_CONFIG_DIR": str(config)})
+    assert DistEnv.detect({"TORCHFLEET_SAGEMAKER_ROOT": str(tmp_path / "none")}).source == "single"
+
+
 def test_single_process() -> None:
     assert DistEnv.detect({}) == DistEnv()
     assert DistEnv.detect({"PATH": "/usr/bin", "MASTER_ADDR": "x"}) == DistEnv()
@@ -189,7 +247,8 @@ def test_single_process() -> None:
 
 def test_precedence() -> None:
     assert [f.__name__ for f in env_module._DETECTORS] == [
-        "_from_torchrun", "_from_slurm", "_from_openmpi", "_from_mpich", "_from_sagemaker"]
+        "_from_torchrun", "_from_pytorchjob", "_from_slurm", "_from_openmpi", "_from_mpich",
+        "_from_sagemaker"]
     # torchrun inside an srun step: its variables describe the worker.
     assert DistEnv.detect({**SLURM, **TORCHRUN}).source == "torchrun"
     assert DistEnv.detect({**OPENMPI, **SLURM}).source == "slurm"
@@ -318,10 +377,11 @@ def test_torch_env() -> None:
 
 
 @pytest.mark.parametrize("environ", [
-    TORCHRUN, SLURM, {**OPENMPI, "MASTER_ADDR": "a"}, MPICH, SAGEMAKER, {},
+    TORCHRUN, SLURM, {**OPENMPI, "MASTER_ADDR": "a"}, MPICH, SAGEMAKER, {}, PYTORCHJOB,
     {"SLURM_PROCID": "6", "SLURM_NTASKS": "7", "SLURM_NODEID": "3", "SLURM_NNODES": "4",
      "SLURM_TASKS_PER_NODE": "2(x3),1", "SLURM_NODELIST": "n[1-4]"},
-], ids=["torchrun", "slurm", "openmpi", "mpich", "sagemaker", "single", "slurm-uneven"])
+], ids=["torchrun", "slurm", "openmpi", "mpich", "sagemaker", "single", "pytorchjob",
+        "slurm-uneven"])
 def test_torch_env_round_trip(environ: dict[str, str]) -> None:
     found = DistEnv.detect(environ)
     assert DistEnv.detect(found.torch_env()) == dataclasses.replace(found, source="torchrun")

@@ -20,11 +20,12 @@ except _metadata.PackageNotFoundError:  # running from a source tree
 
 from torchfleet.errors import UsageError  # noqa: E402
 
-__all__ = ["Fleet", "UsageError", "launch", "__version__"]
+__all__ = ["Fleet", "UsageError", "launch", "notebook_launch", "__version__"]
 
 # Fleet and launch import torch, which takes seconds; loading them on first
 # use keeps `torchfleet --help` and `torchfleet doctor --json` quick.
-_LAZY = {"Fleet": "torchfleet.fleet", "launch": "torchfleet.launcher"}
+_LAZY = {"Fleet": "torchfleet.fleet", "launch": "torchfleet.launcher",
+         "notebook_launch": "torchfleet.notebook"}
 
 
 def __getattr__(name: str):

@@ -99,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_launch_flags(run)
     run.add_argument("script", help="the Python script to run on every rank")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+
+    from torchfleet.clusters import cli as clusters_cli
+
+    clusters_cli.add_commands(sub)  # slurm, sagemaker, k8s: writers of job specs
     return parser
 
 
@@ -189,7 +193,12 @@ def cmd_run(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    from torchfleet.clusters import cli as clusters_cli
+
+    if argv and argv[0] in clusters_cli.COMMANDS:
+        args = clusters_cli.parse(argv)  # flags may also follow the script there
+    else:
+        args = parser.parse_args(argv)
     if args.version:
         from torchfleet import __version__
 
@@ -205,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_train(args, argv[argv.index("train") + 1:])
         if args.command == "run":
             return cmd_run(args)
+        if args.command in clusters_cli.COMMANDS:
+            return clusters_cli.run(args)
     except UsageError as exc:
         print(f"torchfleet {args.command}: error: {exc}", file=sys.stderr)
         return 2

@@ -1,7 +1,7 @@
 """The one environment contract: which process this is, and where the others are.
 
 ``DistEnv.detect()`` reads the variables a launcher sets, once, in a fixed
-order (torchrun, Slurm, MPI, SageMaker, else one process) and returns a frozen
+order (torchrun, a Kubeflow PyTorchJob pod, Slurm, MPI, SageMaker, else one process) and returns a frozen
 ``DistEnv``. Nothing else in torchfleet reads these variables: code that needs
 the rank is handed a ``DistEnv``. ``torch_env()`` gives them back in torchrun's
 words, which is what ``init_process_group(init_method="env://")`` reads:
@@ -44,7 +44,7 @@ class DistEnv:
     nnodes: int = 1
     master_addr: str = DEFAULT_ADDR
     master_port: int = DEFAULT_PORT
-    source: str = "single"  # the detector that produced it: torchrun, slurm, mpi, sagemaker, single
+    source: str = "single"  # the detector: torchrun, pytorchjob, slurm, mpi, sagemaker, single
 
     def __post_init__(self) -> None:
         # Local numbers first: a bad LOCAL_RANK is what puts a derived rank out of range.
@@ -149,6 +149,30 @@ def _from_torchrun(environ: Mapping[str, str]) -> DistEnv | None:
         source="torchrun")
 
 
+def _from_pytorchjob(environ: Mapping[str, str]) -> DistEnv | None:
+    # A Kubeflow PyTorchJob pod started without torchrun: the training
+    # operator sets RANK to the pod's index and WORLD_SIZE to pods x
+    # nprocPerNode, plus PET_NNODES / PET_NODE_RANK / PET_NPROC_PER_NODE for
+    # torchrun, but no LOCAL_RANK (training-operator, controller.v1/pytorch/envvar.go).
+    # Older operators set only RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT:
+    # one process per pod, as in the env:// recipe.
+    if not _has(environ, "RANK", "WORLD_SIZE") or "LOCAL_RANK" in environ:
+        return None
+    world_size = _int(environ, "WORLD_SIZE")
+    nnodes = _int(environ, "PET_NNODES", default=world_size)
+    raw_nproc = environ.get("PET_NPROC_PER_NODE", "1")
+    if raw_nproc.isdigit() and int(raw_nproc) > 1:
+        raise EnvError(f"PET_NPROC_PER_NODE={raw_nproc} asks for {raw_nproc} processes in this "
+                       f"pod but it was started as one; start the script with torchrun "
+                       f"(the manifest `torchfleet k8s` writes does)")
+    rank = _int(environ, "RANK")
+    return DistEnv(
+        rank=rank, local_rank=0, world_size=world_size, local_world_size=1,
+        node_rank=_int(environ, "PET_NODE_RANK", default=rank), nnodes=nnodes,
+        master_addr=environ.get("MASTER_ADDR", DEFAULT_ADDR), master_port=_port(environ),
+        source="pytorchjob")
+
+
 def _from_slurm(environ: Mapping[str, str]) -> DistEnv | None:
     # srun sets SLURM_PROCID and SLURM_NTASKS for every task. Inside a step the
     # SLURM_STEP_* values describe that step, which may use part of the job.
@@ -199,11 +223,13 @@ def _expand_tasks_per_node(name: str, value: str) -> list[int]:
 def _slurm_master_addr(environ: Mapping[str, str], nnodes: int) -> str:
     if "MASTER_ADDR" in environ:
         return environ["MASTER_ADDR"]
+    if nnodes == 1:
+        # Every task is on this node: loopback always works, while the node's
+        # Slurm name may not resolve, or resolve to an address nobody listens on.
+        return DEFAULT_ADDR
     found = _first(environ, "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
     if found is not None:
         return expand_hostlist(found[1], name=found[0])[0]
-    if nnodes == 1:
-        return DEFAULT_ADDR
     raise EnvError(f"neither MASTER_ADDR nor SLURM_JOB_NODELIST is set and the step spans "
                    f"{nnodes} nodes; export MASTER_ADDR=<first host> before srun")
 
@@ -269,10 +295,14 @@ def _mpi_env(environ: Mapping[str, str], rank: int, world_size: int, local_rank:
 
 
 def _from_sagemaker(environ: Mapping[str, str]) -> DistEnv | None:
-    if not _has(environ, "SM_HOSTS", "SM_CURRENT_HOST"):
-        return None
-    hosts = _sagemaker_hosts(environ["SM_HOSTS"])
-    current = environ["SM_CURRENT_HOST"]
+    if _has(environ, "SM_HOSTS", "SM_CURRENT_HOST"):
+        hosts = _sagemaker_hosts(environ["SM_HOSTS"])
+        current = environ["SM_CURRENT_HOST"]
+    else:
+        found = _sagemaker_resource_config(environ)
+        if found is None:
+            return None
+        hosts, current = found
     if current not in hosts:
         raise EnvError(f"SM_CURRENT_HOST={current!r} is not one of SM_HOSTS={hosts}")
     # The training toolkit already sorts SM_HOSTS, and every host sees the same list.
@@ -285,6 +315,23 @@ def _from_sagemaker(environ: Mapping[str, str]) -> DistEnv | None:
         world_size=len(hosts) * local_world_size, local_world_size=local_world_size,
         node_rank=node_rank, nnodes=len(hosts), master_addr=hosts[0],
         master_port=_port(environ, default=SAGEMAKER_PORT), source="sagemaker")
+
+
+def _sagemaker_resource_config(environ: Mapping[str, str]) -> tuple[list[str], str] | None:
+    """(hosts, current host) from the job's resourceconfig.json, for an entry point that
+    runs without the training toolkit's SM_* variables (a bring-your-own container)."""
+    from torchfleet.clusters.sagemaker import resource_config_path  # no torch there either
+
+    path = resource_config_path(environ)
+    try:
+        config = json.loads(path.read_text())
+        hosts, current = config["hosts"], config["current_host"]
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError):
+        raise EnvError(f"{path} is not a SageMaker resource config (expected JSON with "
+                       f"\"hosts\" and \"current_host\")") from None
+    return _sagemaker_hosts(json.dumps(hosts)), str(current)
 
 
 def _sagemaker_hosts(raw: str) -> list[str]:
@@ -306,7 +353,7 @@ _Detector = Callable[[Mapping[str, str]], DistEnv | None]
 # The precedence, in one place. torchrun comes first because it also runs
 # inside srun steps and mpirun jobs, and then its variables describe the worker.
 _DETECTORS: tuple[_Detector, ...] = (
-    _from_torchrun, _from_slurm, _from_openmpi, _from_mpich, _from_sagemaker)
+    _from_torchrun, _from_pytorchjob, _from_slurm, _from_openmpi, _from_mpich, _from_sagemaker)
 
 detect = DistEnv.detect
 

@@ -3,13 +3,15 @@
 It reads the environment once (`DistEnv.detect()`), picks the backend and
 says why, starts the process group when there is more than one process, and
 hands the model to the chosen strategy. The same script therefore runs under
-``python``, ``torchfleet run``, ``torchrun``, Slurm or mpirun unchanged.
+``python``, ``torchfleet run``, ``torchrun``, Slurm, mpirun, a SageMaker
+training job or a Kubeflow PyTorchJob unchanged.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,6 +20,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from torchfleet import checkpoint
 from torchfleet.backend import choose_backend, probe_hardware
+from torchfleet.clusters.sagemaker import TrainingEnv, relaunch_per_gpu
 from torchfleet.data import GlobalBatchSampler, ShardSampler
 from torchfleet.env import DistEnv
 from torchfleet.errors import UsageError
@@ -44,6 +47,11 @@ class Fleet:
             raise UsageError(f"grad_accum {grad_accum} must be at least 1")
         strategy_cls = get_strategy(strategy)
         self.env = env or DistEnv.detect()
+        self.sagemaker = TrainingEnv.read()  # None outside a SageMaker training job
+        # Ranks from SM_* alone (not torchrun's or mpirun's) on a multi-GPU host: the toolkit
+        # started this one process, so it starts one worker per GPU and exits here.
+        if self.env.source == "sagemaker" and self.sagemaker.needs_per_gpu_launch():
+            relaunch_per_gpu(self.env)
         self.grad_accum = grad_accum
         self.notes: list[str] = []
 
@@ -85,6 +93,7 @@ class Fleet:
             init_method = "env://"
         else:
             init_method = f"tcp://{env.master_addr}:{env.master_port}"
+        _choose_socket_interface(env)
         dist.init_process_group(
             self.backend, init_method=init_method, rank=env.rank,
             world_size=env.world_size, timeout=_PG_TIMEOUT,
@@ -188,6 +197,36 @@ class Fleet:
         """Load what `save` wrote into the wrapped model and optimizer; returns `extra`."""
         return checkpoint.load(self, path)
 
+    @property
+    def model_dir(self) -> Path | None:
+        """Where the final model goes: SM_MODEL_DIR in a SageMaker job, else None."""
+        return self.sagemaker.model_dir if self.sagemaker else None
+
+    @property
+    def checkpoint_dir(self) -> Path | None:
+        """/opt/ml/checkpoints in a SageMaker job that configured it (synced to S3, so a
+        restarted Spot job resumes from it), else None."""
+        return self.sagemaker.checkpoint_dir if self.sagemaker else None
+
+    def save_model(self, path: str | os.PathLike | None = None) -> Path:
+        """Save the trained model's weights (a state dict, torch.load-able); main rank writes.
+
+        Call it on every rank (sharding strategies gather here). Without `path` it
+        writes model.pt in `model_dir`, which SageMaker uploads when the job ends.
+        """
+        if path is None:
+            if self.model_dir is None:
+                raise UsageError("save_model() needs a path outside a SageMaker job "
+                                 "(inside one it writes model.pt to SM_MODEL_DIR)")
+            path = self.model_dir / "model.pt"
+        state, _ = self.strategy.state_dicts()
+        path = Path(path)
+        if self.is_main:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            checkpoint.atomic_write(state, path)
+        self.barrier()
+        return path
+
     def close(self) -> None:
         """Leave the process group (a no-op for one process).
 
@@ -197,3 +236,22 @@ class Fleet:
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
+
+
+def _choose_socket_interface(env: DistEnv) -> None:
+    """Across machines, tell Gloo and NCCL the interface that routes to the master.
+
+    Unless told, they advertise the address this host's name resolves to,
+    and where that is 127.0.0.1 (a common /etc/hosts line) peers on other
+    machines never connect. srun, mpirun and SageMaker start the script
+    without torchfleet's launcher, so the choice is made here; a user's own
+    GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME wins.
+    """
+    if env.nnodes < 2:
+        return
+    from torchfleet.netif import interface_for
+
+    found = interface_for(env.master_addr)
+    if found is not None and not found.is_loopback:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", found.name)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", found.name)

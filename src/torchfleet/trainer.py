@@ -6,6 +6,7 @@ already started the processes, and Fleet has joined them into a group.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -58,6 +59,10 @@ def train(cfg: TrainConfig, strategy: str, nproc: int = 1) -> dict:
                   grad_accum=cfg.grad_accum, **cfg.strategy_options)
     for note in fleet.notes:
         fleet.print(f"note: {note}")
+    if fleet.checkpoint_dir and not cfg.checkpoint_dir:
+        # A SageMaker job with checkpoints: they go where SageMaker syncs them to S3,
+        # and a restarted (Spot) job resumes from there.
+        cfg = dataclasses.replace(cfg, checkpoint_dir=str(fleet.checkpoint_dir), resume=True)
 
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank and every run
     train_set = builtin_dataset(cfg.data, "train", cfg.seed, cfg.synthetic_size)
@@ -129,6 +134,8 @@ def train(cfg: TrainConfig, strategy: str, nproc: int = 1) -> dict:
         report.summary(result)
         if cfg.json_out:
             Path(cfg.json_out).write_text(json.dumps(result, indent=2) + "\n")
+    if fleet.model_dir:
+        fleet.save_model()  # SM_MODEL_DIR/model.pt, uploaded when the job ends
     fleet.close()
     return result
 

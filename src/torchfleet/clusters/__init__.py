@@ -1,0 +1,41 @@
+"""Job specifications for the schedulers people already have.
+
+One module per target, each turning a script and a few numbers into the file
+that scheduler takes: `slurm` (an sbatch script), `sagemaker` (an estimator
+definition and its CreateTrainingJob request), `kubernetes` (a Kubeflow
+PyTorchJob manifest). They write text; none of them starts a process.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from torchfleet.errors import UsageError
+
+
+def check_script(script: str) -> Path:
+    """The training script as an absolute path; a UsageError if it is not a Python file."""
+    path = Path(script)
+    if not path.is_file():
+        raise UsageError(f"script {script!r} does not exist; give the path to a Python file")
+    if path.suffix != ".py":
+        raise UsageError(f"script {script!r} is not a Python file (.py)")
+    return path.resolve()
+
+
+def at_least(flag: str, value: int, low: int) -> None:
+    if value < low:
+        raise UsageError(f"{flag} {value} must be at least {low}")
+
+
+def write_text(path: str | os.PathLike, text: str) -> Path:
+    """Write `text` to `path` (creating its folder); a UsageError if that is impossible."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    except OSError as exc:
+        raise UsageError(f"cannot write {str(path)!r} ({exc.strerror or type(exc).__name__}); "
+                         f"choose a path you can write to") from None
+    return path

@@ -1,0 +1,279 @@
+"""SageMaker training jobs: the container's training environment, and the job to submit.
+
+Inside a job the sagemaker-training toolkit runs the entry point with SM_*
+variables (SM_HOSTS, SM_CURRENT_HOST, SM_NUM_GPUS, SM_MODEL_DIR, SM_CHANNEL_*,
+SM_HPS, ...) and the hyper-parameters as `--name value` arguments; the same
+facts are in /opt/ml/input/config/resourceconfig.json and hyperparameters.json.
+env.py turns them into ranks; `TrainingEnv` gives the rest: where the model,
+the data channels and the checkpoints go.
+
+`torchfleet sagemaker script.py --instance-type ml.g5.12xlarge --instance-count 2`
+writes `estimator.py` (a sagemaker.pytorch.PyTorch estimator) and
+`create_training_job.json` (the request the SDK sends for it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from torchfleet.clusters import at_least, check_script
+from torchfleet.errors import UsageError
+
+DEFAULT_ROOT = "/opt/ml"
+ROOT_VARIABLE = "TORCHFLEET_SAGEMAKER_ROOT"  # tests point it at a folder standing in for /opt/ml
+
+
+def root(environ: Mapping[str, str] | None = None) -> Path:
+    environ = os.environ if environ is None else environ
+    return Path(environ.get(ROOT_VARIABLE, DEFAULT_ROOT))
+
+
+def resource_config_path(environ: Mapping[str, str]) -> Path:
+    config_dir = environ.get("SM_INPUT_CONFIG_DIR") or str(root(environ) / "input" / "config")
+    return Path(config_dir) / "resourceconfig.json"
+
+
+@dataclass(frozen=True)
+class TrainingEnv:
+    """What a SageMaker training job gives its entry point, beyond ranks."""
+
+    current_host: str
+    hosts: tuple[str, ...]
+    num_gpus: int
+    model_dir: Path
+    channels: dict[str, Path] = field(default_factory=dict)
+    hyperparameters: dict = field(default_factory=dict)
+    checkpoint_dir: Path | None = None  # /opt/ml/checkpoints, when the job configured one
+    network_interface: str | None = None
+
+    @classmethod
+    def read(cls, environ: Mapping[str, str] | None = None) -> TrainingEnv | None:
+        """The training environment, or None outside a SageMaker job."""
+        environ = os.environ if environ is None else environ
+        base = root(environ)
+        config_file = resource_config_path(environ)
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        if "SM_HOSTS" not in environ and not config:
+            return None
+        hosts = json.loads(environ["SM_HOSTS"]) if "SM_HOSTS" in environ else config["hosts"]
+        channels = {name[len("SM_CHANNEL_"):].lower(): Path(path)
+                    for name, path in environ.items() if name.startswith("SM_CHANNEL_")}
+        checkpoints = base / "checkpoints"
+        return cls(
+            current_host=environ.get("SM_CURRENT_HOST") or config["current_host"],
+            hosts=tuple(hosts),
+            num_gpus=int(environ.get("SM_NUM_GPUS", "0")),
+            model_dir=Path(environ.get("SM_MODEL_DIR") or base / "model"),
+            channels=channels,
+            hyperparameters=_hyperparameters(environ, base),
+            checkpoint_dir=checkpoints if checkpoints.is_dir() else None,
+            network_interface=environ.get("SM_NETWORK_INTERFACE_NAME")
+            or config.get("network_interface_name"),
+        )
+
+    def needs_per_gpu_launch(self, environ: Mapping[str, str] | None = None) -> bool:
+        """True in the one process the toolkit starts on a host with several GPUs
+        (no `torch_distributed`): it must start one worker per GPU itself."""
+        environ = os.environ if environ is None else environ
+        return self.num_gpus > 1 and "LOCAL_RANK" not in environ
+
+
+def _hyperparameters(environ: Mapping[str, str], base: Path) -> dict:
+    if "SM_HPS" in environ:
+        return json.loads(environ["SM_HPS"])
+    path = base / "input" / "config" / "hyperparameters.json"
+    # The file holds every value as a JSON-encoded string, as CreateTrainingJob sent it.
+    raw = json.loads(path.read_text()) if path.is_file() else {}
+    return {key: _decode(value) for key, value in raw.items()}
+
+
+def _decode(value: str):
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value
+
+
+# --- writing the job ---------------------------------------------------------------
+
+FRAMEWORK_VERSION = "2.3.0"  # a PyTorch training container with torch_distributed (torchrun)
+PY_VERSION = "py311"
+REGION = "us-east-1"
+# The account that publishes the AWS Deep Learning Containers in most regions.
+DLC_ACCOUNT = "763104351884"
+ROLE_PLACEHOLDER = "arn:aws:iam::123456789012:role/SageMakerExecutionRole"
+
+# GPUs per instance for the families people train on (AWS's instance-type pages).
+_GPUS = {
+    "ml.p3.2xlarge": 1, "ml.p3.8xlarge": 4, "ml.p3.16xlarge": 8, "ml.p3dn.24xlarge": 8,
+    "ml.p4d.24xlarge": 8, "ml.p4de.24xlarge": 8, "ml.p5.48xlarge": 8,
+    "ml.g4dn.xlarge": 1, "ml.g4dn.2xlarge": 1, "ml.g4dn.4xlarge": 1, "ml.g4dn.8xlarge": 1,
+    "ml.g4dn.16xlarge": 1, "ml.g4dn.12xlarge": 4,
+    "ml.g5.xlarge": 1, "ml.g5.2xlarge": 1, "ml.g5.4xlarge": 1, "ml.g5.8xlarge": 1,
+    "ml.g5.16xlarge": 1, "ml.g5.12xlarge": 4, "ml.g5.24xlarge": 4, "ml.g5.48xlarge": 8,
+}
+_INSTANCE = re.compile(r"ml\.([a-z]+)(\d+)([a-z]*)\.(\d*x?large|metal)")
+
+
+def gpus_of(instance_type: str) -> int:
+    """GPUs on `instance_type`: 0 for CPU families, the table's count for GPU ones."""
+    match = _INSTANCE.fullmatch(instance_type)
+    if match is None:
+        raise UsageError(f"--instance-type {instance_type!r} is not a SageMaker instance type "
+                         f"(expected e.g. ml.g5.12xlarge or ml.c5.2xlarge)")
+    if instance_type in _GPUS:
+        return _GPUS[instance_type]
+    if match.group(1) in ("p", "g"):
+        raise UsageError(f"--instance-type {instance_type!r}: its GPU count is not known to "
+                         f"torchfleet; use one of {', '.join(sorted(_GPUS))}, or a CPU type")
+    return 0
+
+
+def hyperparameters_from_args(args: list[str]) -> dict:
+    """`--epochs 3 --lr 0.1` -> {"epochs": 3, "lr": 0.1}: the toolkit passes them back as
+    `--epochs 3 --lr 0.1`, so the script sees the arguments it was given."""
+    if len(args) % 2 or not all(a.startswith("--") and len(a) > 2 for a in args[::2]):
+        raise UsageError(f"script arguments {' '.join(args)!r} are not `--name value` pairs; "
+                         f"SageMaker passes hyper-parameters only in that form")
+    return {name[2:]: _decode(value) for name, value in zip(args[::2], args[1::2], strict=True)}
+
+
+@dataclass
+class SageMakerJob:
+    script: str
+    script_args: list[str] = field(default_factory=list)
+    instance_type: str = "ml.g5.12xlarge"
+    instance_count: int = 1
+    role: str | None = None
+
+    def __post_init__(self) -> None:
+        self.script = str(check_script(self.script))
+        at_least("--instance-count", self.instance_count, 1)
+        self.gpus = gpus_of(self.instance_type)
+        self.hyperparameters = hyperparameters_from_args(self.script_args)
+        if self.role is not None and not self.role.startswith("arn:"):
+            raise UsageError(f"--role {self.role!r} is not an IAM role ARN "
+                             f"(expected arn:aws:iam::<account>:role/<name>)")
+        self.base_name = "torchfleet-" + re.sub(r"[^a-zA-Z0-9-]+", "-", Path(self.script).stem)
+
+    @property
+    def distribution(self) -> dict | None:
+        # torch_distributed: the container starts torchrun with one worker per GPU on every
+        # host (master algo-1, port 7777). CPU instances get no distribution: the toolkit
+        # runs the script once per host, and Fleet reads SM_HOSTS / SM_CURRENT_HOST.
+        return {"torch_distributed": {"enabled": True}} if self.gpus else None
+
+    @property
+    def processes(self) -> int:
+        return self.instance_count * max(1, self.gpus)
+
+
+def estimator_source(job: SageMakerJob) -> str:
+    """A Python file defining `estimator`; running it submits the job."""
+    kwargs = {
+        "entry_point": Path(job.script).name,
+        "source_dir": str(Path(job.script).parent),
+        "framework_version": FRAMEWORK_VERSION,
+        "py_version": PY_VERSION,
+        "instance_type": job.instance_type,
+        "instance_count": job.instance_count,
+        "hyperparameters": job.hyperparameters,
+        "distribution": job.distribution,
+        "base_job_name": job.base_name,
+        # Synced with S3 while the job runs; Fleet resumes from it after a Spot interruption.
+        "checkpoint_local_path": "/opt/ml/checkpoints",
+    }
+    body = ",\n".join(f"    {name}={value!r}" for name, value in kwargs.items())
+    role = repr(job.role) if job.role else 'os.environ.get("SAGEMAKER_ROLE") or sagemaker.get_execution_role()'
+    return f'''"""A SageMaker training job for {Path(job.script).name}, written by `torchfleet sagemaker`.
+
+{job.processes} processes: {job.instance_count} x {job.instance_type} ({job.gpus} GPU(s) each).
+Submit with `python {{this file}}` (needs `pip install sagemaker` and AWS credentials),
+or send create_training_job.json, the same request, with `aws sagemaker create-training-job`.
+"""
+
+import os
+
+import sagemaker
+from sagemaker.pytorch import PyTorch
+
+role = {role}
+
+estimator = PyTorch(
+    role=role,
+{body},
+)
+
+if __name__ == "__main__":
+    estimator.fit(wait=False)
+    print(estimator.latest_training_job.name)
+'''
+
+
+def create_training_job_request(job: SageMakerJob) -> dict:
+    """The CreateTrainingJob request the estimator sends (SDK v2): hyper-parameters are
+    JSON-encoded strings, and the sagemaker_* ones tell the container what to run."""
+    hps = dict(job.hyperparameters)
+    hps.update({
+        "sagemaker_program": Path(job.script).name,
+        "sagemaker_submit_directory": f"s3://<bucket>/{job.base_name}/source/sourcedir.tar.gz",
+        "sagemaker_region": REGION,
+        "sagemaker_container_log_level": 20,
+    })
+    if job.distribution:
+        hps["sagemaker_torch_distributed_enabled"] = True
+    device = "gpu" if job.gpus else "cpu"
+    return {
+        "TrainingJobName": f"{job.base_name}-<timestamp>",
+        "RoleArn": job.role or ROLE_PLACEHOLDER,
+        "AlgorithmSpecification": {
+            "TrainingImage": f"{DLC_ACCOUNT}.dkr.ecr.{REGION}.amazonaws.com/pytorch-training:"
+                             f"{FRAMEWORK_VERSION}-{device}-{PY_VERSION}",
+            "TrainingInputMode": "File",
+        },
+        "HyperParameters": {name: json.dumps(value) for name, value in hps.items()},
+        "ResourceConfig": {"InstanceType": job.instance_type,
+                           "InstanceCount": job.instance_count, "VolumeSizeInGB": 30},
+        "OutputDataConfig": {"S3OutputPath": "s3://<bucket>/"},
+        "CheckpointConfig": {"S3Uri": f"s3://<bucket>/{job.base_name}/checkpoints",
+                             "LocalPath": "/opt/ml/checkpoints"},
+        "StoppingCondition": {"MaxRuntimeInSeconds": 86400},
+    }
+
+
+def submit(estimator_file: Path) -> int:
+    """Run the estimator file (estimator.fit); a UsageError if the SDK is missing."""
+    import importlib.util
+    import runpy
+
+    if importlib.util.find_spec("sagemaker") is None:
+        raise UsageError("--submit needs the SageMaker Python SDK: pip install sagemaker "
+                         f"(or torchfleet[sagemaker]); {str(estimator_file)!r} is written")
+    runpy.run_path(str(estimator_file), run_name="__main__")
+    return 0
+
+
+def relaunch_per_gpu(env) -> None:
+    """Start this script once per GPU on this host, wait for the workers, and exit.
+
+    Called by Fleet in the single process the toolkit starts on a multi-GPU host
+    when the job has no `torch_distributed` (which would have started torchrun).
+    The workers get torchrun's variables, so their Fleet finds its rank there;
+    the master is algo-1 at SageMaker's port, as env.py derived it.
+    """
+    import sys
+
+    from torchfleet.config import LaunchConfig
+    from torchfleet.launcher import run_script
+
+    cfg = LaunchConfig(nproc_per_node=env.local_world_size, nnodes=env.nnodes,
+                       node_rank=env.node_rank, master_addr=env.master_addr,
+                       master_port=env.master_port)
+    # Every host's agent must name the same rendezvous run, or they never meet.
+    os.environ.setdefault("TORCHFLEET_RUN_ID", "sagemaker-" + "-".join(map(str, (env.nnodes, env.master_port))))
+    sys.exit(run_script(cfg, sys.argv[0], sys.argv[1:]))
