@@ -21,6 +21,8 @@ STRATEGY_FLAGS = (
     ("--schedule", str, "pipeline: gpipe or 1f1b"),
     ("--pp", int, "ddp+pipeline: pipeline stages per replica"),
     ("--sharing-strategy", str, "hogwild: file_descriptor or file_system (default: the platform's)"),
+    ("--grad-compression", str, "ddp: none, fp16, bf16 or powersgd (DDP communication hooks)"),
+    ("--powersgd-rank", int, "ddp with --grad-compression powersgd: the low rank (default 2)"),
 )
 
 
@@ -40,13 +42,22 @@ def _add_launch_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("processes (torchrun's flags)")
     g.add_argument("--nproc-per-node", "-n", type=int, default=None, metavar="N",
                    help="processes on this machine (default: train picks; run uses 1)")
-    g.add_argument("--nnodes", type=int, default=1, help="machines taking part (default 1)")
+    _add_node_flags(g)
+    g.add_argument("--max-restarts", type=int, default=0,
+                   help="restart the whole group this many times after a failure (default 0)")
+    g.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                   help="c10d rendezvous for an elastic job (--nnodes MIN:MAX); run the same on every machine")
+    g.add_argument("--rdzv-id", default=None, help="the job's id, the same on every machine (c10d)")
+    g.add_argument("--no-preflight", action="store_true",
+                   help="skip the checks of the other machines before a multi-machine job")
+
+
+def _add_node_flags(g) -> None:
+    g.add_argument("--nnodes", default="1", help="machines taking part: N, or MIN:MAX for an elastic job (default 1)")
     g.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0 to nnodes-1")
     g.add_argument("--master-addr", default="127.0.0.1", help="address of node 0 (many machines)")
     g.add_argument("--master-port", type=int, default=None,
                    help="port of node 0's rendezvous (default: a free port on one machine, 29500 on many)")
-    g.add_argument("--max-restarts", type=int, default=0,
-                   help="restart the whole group this many times after a failure (default 0)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     doctor = sub.add_parser("doctor", help="what this machine has, which backend and why")
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
+    _add_node_flags(doctor.add_argument_group(
+        "many machines: with --master-addr, show the interface to it; with --master-port too, run the preflight"))
 
     d = TrainConfig()
     train = sub.add_parser("train", help="train the built-in job (a CNN on digits by default)")
@@ -108,13 +121,21 @@ def _launch_config(args):
         nproc_per_node=args.nproc_per_node if args.nproc_per_node is not None else 1,
         nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
         master_port=args.master_port, max_restarts=args.max_restarts,
+        rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id, preflight=not args.no_preflight,
     )
 
 
 def cmd_doctor(args) -> int:
     from torchfleet.doctor import print_doctor
 
-    return print_doctor(json_out=args.json)
+    if args.master_addr == "127.0.0.1" and args.master_port is None:
+        return print_doctor(json_out=args.json)
+    from torchfleet.config import LaunchConfig
+    from torchfleet.doctor import print_multinode
+
+    cfg = LaunchConfig(nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
+                       master_port=args.master_port)
+    return print_multinode(cfg, json_out=args.json, check=args.master_port is not None)
 
 
 def cmd_train(args, argv: list[str]) -> int:

@@ -246,6 +246,10 @@ def render_report(report: dict, console: Console) -> None:
     backend = report["backend"]
     name = backend["name"] or "none usable"
     console.print(f"[bold]Backend:[/] [cyan]{escape(name)}[/]: {escape(backend['reason'])}")
+    if not report["backends_built"].get("mpi"):
+        console.print("[bold]MPI:[/] `mpirun -np N python script.py` works: ranks come from"
+                      " OpenMPI's variables and Gloo carries the tensors. The MPI backend itself"
+                      " needs PyTorch built from source on a host with MPI installed.")
     console.print(_strategy_table(report))
 
 
@@ -256,4 +260,41 @@ def print_doctor(json_out: bool = False) -> int:
         print(json.dumps(report, indent=2))
     else:
         render_report(report, Console())
+    return 0
+
+
+# ---- many machines: `torchfleet doctor --master-addr A [--master-port P --nnodes N --node-rank R]`
+
+
+def multinode_report(cfg, check: bool) -> dict:
+    """The interface to the master, the socket variables workers get, and the preflight."""
+    from torchfleet import launcher
+
+    host = cfg.endpoint[0]
+    iface = netif.interface_for(host)
+    report = {"master": host, "interface": iface.name if iface else None,
+              "address": netif.source_address(host),
+              "socket_env": {k: os.environ[k] for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+                             if os.environ.get(k)}}
+    report["socket_env_set_by_torchfleet"] = launcher.route_env(cfg.node_rank, host)  # or PreflightError
+    if check:
+        report["preflight"] = launcher.check_nodes(cfg).sentence(cfg.node_rank)
+    return report
+
+
+def print_multinode(cfg, json_out: bool = False, check: bool = False) -> int:
+    """Exit 0 when every check passed; a failed check raises PreflightError (exit 2)."""
+    report = multinode_report(cfg, check)
+    if json_out:
+        print(json.dumps(report, indent=2))
+        return 0
+    chosen = report["socket_env_set_by_torchfleet"]
+    print(f"interface to the master {report['master']}: {report['interface']}"
+          f" (this machine's address there: {report['address']})")
+    for key, value in report["socket_env"].items():
+        print(f"{key}={value} (set by you; kept)")
+    for key, value in chosen.items():
+        print(f"{key}={value} (torchfleet sets it for the workers)")
+    if "preflight" in report:
+        print(report["preflight"])
     return 0

@@ -30,6 +30,19 @@ from torchfleet.strategies.base import LossFn
 _PG_TIMEOUT = datetime.timedelta(minutes=10)
 
 
+def _choose_interface(master_addr: str) -> None:
+    """mpirun, srun and SageMaker start workers without torchfleet's launcher, so the
+    interface that routes to the master is chosen here, unless the user chose one: without
+    it Gloo advertises the host name's address, often 127.0.0.1, and ranks never meet."""
+    from torchfleet import netif
+
+    iface = netif.interface_for(master_addr)
+    if iface is not None:
+        for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            if not os.environ.get(key):
+                os.environ[key] = iface.name
+
+
 class Fleet:
     def __init__(
         self,
@@ -84,6 +97,8 @@ class Fleet:
             init_method = "env://"
         else:
             init_method = f"tcp://{env.master_addr}:{env.master_port}"
+            if env.nnodes > 1:
+                _choose_interface(env.master_addr)
         dist.init_process_group(
             self.backend, init_method=init_method, rank=env.rank,
             world_size=env.world_size, timeout=_PG_TIMEOUT,
