@@ -130,12 +130,15 @@ def cmd_doctor(args) -> int:
 
     if args.master_addr == "127.0.0.1" and args.master_port is None:
         return print_doctor(json_out=args.json)
-    from torchfleet.config import LaunchConfig
     from torchfleet.doctor import print_multinode
 
-    cfg = LaunchConfig(nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
-                       master_port=args.master_port)
-    return print_multinode(cfg, json_out=args.json, check=args.master_port is not None)
+    # No LaunchConfig here: it imports torch, and a wrong address should be told in seconds.
+    nnodes = args.nnodes.strip()
+    if not nnodes.isdigit() or not 0 <= args.node_rank < int(nnodes):
+        raise UsageError(f"doctor --nnodes {nnodes!r} --node-rank {args.node_rank}: give a number of"
+                         " machines and this machine's index below it, e.g. --nnodes 2 --node-rank 1")
+    return print_multinode(args.master_addr, args.master_port, int(nnodes), args.node_rank,
+                           json_out=args.json)
 
 
 def cmd_train(args, argv: list[str]) -> int:

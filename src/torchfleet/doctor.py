@@ -266,34 +266,37 @@ def print_doctor(json_out: bool = False) -> int:
 # ---- many machines: `torchfleet doctor --master-addr A [--master-port P --nnodes N --node-rank R]`
 
 
-def multinode_report(cfg, check: bool) -> dict:
-    """The interface to the master, the socket variables workers get, and the preflight."""
-    from torchfleet import launcher
+def multinode_report(master: str, port: int | None, nnodes: int, node_rank: int) -> dict:
+    """The interface to the master, the socket variables workers get, and the preflight.
 
-    host = cfg.endpoint[0]
-    iface = netif.interface_for(host)
-    report = {"master": host, "interface": iface.name if iface else None,
-              "address": netif.source_address(host),
+    torch is imported only once the master answers, so a wrong address or a
+    closed port is reported within seconds of the command starting.
+    """
+    from torchfleet import preflight
+
+    iface = netif.interface_for(master)
+    report = {"master": master, "interface": iface.name if iface else None,
+              "address": netif.source_address(master),
               "socket_env": {k: os.environ[k] for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
-                             if os.environ.get(k)}}
-    report["socket_env_set_by_torchfleet"] = launcher.route_env(cfg.node_rank, host)  # or PreflightError
-    if check:
-        report["preflight"] = launcher.check_nodes(cfg).sentence(cfg.node_rank)
+                             if os.environ.get(k)},
+              "socket_env_set_by_torchfleet": preflight.route_env(node_rank, master)}
+    if port is not None:
+        report["preflight"] = preflight.run(master, port, node_rank, nnodes).sentence(node_rank)
     return report
 
 
-def print_multinode(cfg, json_out: bool = False, check: bool = False) -> int:
+def print_multinode(master: str, port: int | None, nnodes: int = 1, node_rank: int = 0,
+                    json_out: bool = False) -> int:
     """Exit 0 when every check passed; a failed check raises PreflightError (exit 2)."""
-    report = multinode_report(cfg, check)
+    report = multinode_report(master, port, nnodes, node_rank)
     if json_out:
         print(json.dumps(report, indent=2))
         return 0
-    chosen = report["socket_env_set_by_torchfleet"]
     print(f"interface to the master {report['master']}: {report['interface']}"
           f" (this machine's address there: {report['address']})")
     for key, value in report["socket_env"].items():
         print(f"{key}={value} (set by you; kept)")
-    for key, value in chosen.items():
+    for key, value in report["socket_env_set_by_torchfleet"].items():
         print(f"{key}={value} (torchfleet sets it for the workers)")
     if "preflight" in report:
         print(report["preflight"])

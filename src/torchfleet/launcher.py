@@ -94,17 +94,10 @@ def socket_env(cfg: LaunchConfig) -> dict[str, str]:
     listens on the network.
     """
     if cfg.multi_node:
-        return route_env(cfg.node_rank, cfg.endpoint[0])
+        return preflight.route_env(cfg.node_rank, cfg.endpoint[0])
     else:
         lo = next((i.name for i in netif.list_interfaces() if i.is_loopback), None)
         wanted = {"GLOO_SOCKET_IFNAME": lo} if lo else {}
-    return {k: v for k, v in wanted.items() if not os.environ.get(k)}
-
-
-def route_env(node: int, master: str) -> dict[str, str]:
-    """The socket variables naming the interface that routes to `master`, where unset."""
-    iface = preflight.route(node, master)
-    wanted = {"GLOO_SOCKET_IFNAME": iface.name, "NCCL_SOCKET_IFNAME": iface.name}
     return {k: v for k, v in wanted.items() if not os.environ.get(k)}
 
 

@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 from torchfleet import netif
 from torchfleet.errors import UsageError
 
-CONNECT_SECONDS = 5.0  # how long a node keeps knocking on the master's port
+CONNECT_SECONDS = 4.0  # how long a node keeps knocking on the master's port
 JOIN_SECONDS = 10.0  # how long node 0 waits for every node to report
 ALLREDUCE_BYTES = 4 * 2**20
 _KEY = "torchfleet/preflight/"
@@ -85,6 +85,13 @@ def route(node: int, master: str) -> netif.Interface:
         raise PreflightError(f"{label(node, None)}: interface has no route to the master "
                              f"{master}; check --master-addr and this machine's network")
     return iface
+
+
+def route_env(node: int, master: str) -> dict[str, str]:
+    """GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME naming the interface to `master`, where unset."""
+    iface = route(node, master)
+    wanted = {"GLOO_SOCKET_IFNAME": iface.name, "NCCL_SOCKET_IFNAME": iface.name}
+    return {k: v for k, v in wanted.items() if not os.environ.get(k)}
 
 
 def check_master_is_here(master: str, nnodes: int) -> None:
