@@ -11,6 +11,8 @@ powersgd sends a rank-`powersgd_rank` approximation of each gradient matrix
 (Vogels et al., 2019) with error feedback, which pays on slow links.
 """
 
+import functools
+
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from torchfleet.errors import UsageError, choice_error
@@ -20,6 +22,28 @@ COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
 # PowerSGD runs plain all-reduce before this step; with error feedback torch
 # requires at least 2. Kept at the minimum so short jobs are compressed too.
 POWERSGD_START = 2
+
+
+def _in_bucket_order(hook):
+    """Run `hook` one gradient bucket at a time.
+
+    PowerSGD issues a bucket's second all-reduce (Q) from a callback of its first (P), on a
+    communication thread, while backward goes on issuing the next bucket's all-reduces. The
+    interleaving then differs between ranks, and Gloo, which matches collectives by order,
+    fails ("Received data size doesn't match expected size") or hangs. Waiting for the
+    previous bucket before starting the next keeps one order everywhere, at the cost of
+    overlapping PowerSGD's buckets with each other.
+    """
+    previous = []
+
+    @functools.wraps(hook)  # DDP's logging names the hook it runs: keep PowerSGD's name
+    def ordered(state, bucket):
+        if bucket.index() > 0 and previous:
+            previous[-1].wait()
+        previous[:] = [hook(state, bucket)]
+        return previous[0]
+
+    return ordered
 
 
 class DataParallelDistributed(Strategy):
@@ -62,7 +86,7 @@ class DataParallelDistributed(Strategy):
             state = powerSGD_hook.PowerSGDState(
                 process_group=None, matrix_approximation_rank=self.powersgd_rank,
                 start_powerSGD_iter=POWERSGD_START)
-            self.model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+            self.model.register_comm_hook(state, _in_bucket_order(powerSGD_hook.powerSGD_hook))
 
     def unwrapped(self):
         return self.model.module
