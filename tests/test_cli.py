@@ -65,6 +65,8 @@ BAD = [
     (["run", "--master-port", "70000", "x.py"], "--master-port 70000 is not a TCP port"),
     (["run", "--nnodes", "two", "x.py"], "--nnodes 'two' is not a number of machines like 2 or a range like 1:4"),
     (["run", "--nnodes", "3:1", "x.py"], "--nnodes '3:1' is not a number of machines"),
+    (["train", "--strategy", "serial", "--nnodes", "2"], "strategy 'serial' runs in one process, not one per machine of --nnodes 2"),
+    (["doctor", "--master-addr", "10.0.0.1", "--nnodes", "2", "--node-rank", "2"], "give a number of machines and this machine's index below it"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
 ]
 

@@ -163,9 +163,17 @@ def cmd_train(args, argv: list[str]) -> int:
         call_recorded(train, cfg, strategy)
         return 0
 
+    from torchfleet.config import parse_nnodes
     from torchfleet.planner import plan_processes
+    from torchfleet.strategies import get_strategy
 
-    strategy, nproc, why = plan_processes(cfg.strategy, args.nproc_per_node)
+    # Many machines make a multi-process job even with one process each: auto means ddp.
+    many = parse_nnodes(args.nnodes)[1] > 1 or args.rdzv_endpoint is not None
+    strategy, nproc, why = plan_processes("ddp" if many and cfg.strategy == "auto" else cfg.strategy,
+                                          args.nproc_per_node)
+    if many and not get_strategy(strategy).distributed:
+        raise UsageError(f"strategy {strategy!r} runs in one process, not one per machine of"
+                         f" --nnodes {args.nnodes}; use a multi-process strategy such as ddp")
     args.nproc_per_node = nproc
     launch_cfg = _launch_config(args)
     if cfg.checkpoint_dir:

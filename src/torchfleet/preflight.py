@@ -36,7 +36,9 @@ from torchfleet import netif
 from torchfleet.errors import UsageError
 
 CONNECT_SECONDS = 4.0  # how long a node keeps knocking on the master's port
-JOIN_SECONDS = 10.0  # how long node 0 waits for every node to report
+# How long node 0 waits for every node to report: machines started by hand a little
+# apart must still meet; a wrong address or port fails on the other side within seconds.
+JOIN_SECONDS = 60.0
 ALLREDUCE_BYTES = 4 * 2**20
 _KEY = "torchfleet/preflight/"
 
