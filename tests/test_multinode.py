@@ -107,6 +107,8 @@ def test_preflight_names_the_node_and_the_cause_in_seconds():
             ran = net.run(1, [sys.executable, "-m", "torchfleet", *_doctor(master, port, 1)],
                           env=clean_env(), timeout=60)
             errors[what] = _one_error(ran.returncode, ran.stdout + ran.stderr, time.monotonic() - start, startup)
+        shown = net.run(1, [sys.executable, "-m", "torchfleet", "doctor", "--master-addr", net.addr(0)],
+                        env=clean_env(), timeout=60)
         no_route = net.run(1, [sys.executable, "-c", "from torchfleet import preflight\n"
                                "try: preflight.route(1, '192.0.2.1')\n"
                                "except preflight.PreflightError as e: print(e)"], env=clean_env(), timeout=60)
@@ -118,6 +120,10 @@ def test_preflight_names_the_node_and_the_cause_in_seconds():
     assert ("node 1 (10.77.0.2): connection to the master 10.77.0.9:29403 timed out" in errors["no host there"]
             or "10.77.0.9:29403 failed: no route to host" in errors["no host there"])
     assert "node 1 (10.77.0.2): connection to the master 10.77.0.1:29404 was refused" in errors["closed port"]
+    # doctor shows the choice: the veth that routes to the master, for Gloo and NCCL alike.
+    assert shown.returncode == 0, shown.stderr
+    assert "interface to the master 10.77.0.1: eth0 (this machine's address there: 10.77.0.2)" in shown.stdout
+    assert "GLOO_SOCKET_IFNAME=eth0" in shown.stdout and "NCCL_SOCKET_IFNAME=eth0" in shown.stdout
     assert no_route.stdout.startswith("node 1: interface has no route to the master 192.0.2.1"), no_route
     for status, out, seconds in mismatch:  # both nodes stop, both name node 1 and the versions
         line = _one_error(status, out, seconds, startup)

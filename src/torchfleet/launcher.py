@@ -126,17 +126,25 @@ def _worker_threads(cfg: LaunchConfig) -> None:
 def _start(cfg: LaunchConfig, entrypoint: Callable | str, args: list) -> dict[int, Any]:
     _quiet_agent_logs()
     _worker_threads(cfg)
-    os.environ.update(socket_env(cfg))  # the workers inherit the agent's environment
+    chosen = socket_env(cfg)
     checked = None
-    if cfg.multi_node and cfg.preflight:
-        checked = check_nodes(cfg)
-        print(f"torchfleet: {checked.sentence(cfg.node_rank)}", flush=True)
+    # The workers inherit the agent's environment; `launch` callers get theirs back after.
+    saved = {key: os.environ.get(key) for key in chosen}
+    os.environ.update(chosen)
     try:
+        if cfg.multi_node and cfg.preflight:
+            checked = check_nodes(cfg)
+            print(f"torchfleet: {checked.sentence(cfg.node_rank)}", flush=True)
         return elastic_launch(agent_config(cfg), entrypoint)(*args)
     except ChildFailedError as exc:
         raise LaunchError(failures.summarize(exc)) from None
     finally:
         del checked  # node 0's store served the rendezvous too; now it may close
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def run_command(cfg: LaunchConfig, argv: list[str]) -> int:
