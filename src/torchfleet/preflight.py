@@ -155,15 +155,15 @@ def _open_store(node: int, address: str, master: str, port: int, seconds: float)
 
 
 def _compare(mine: Facts, theirs: Facts) -> str | None:
-    for field in ("torch", "torchfleet", "backend"):
+    """The first way node `theirs` differs from node 0 (`mine`), as a sentence; None if none."""
+    fixes = {"torch": ("torch version", "install the same torch on every machine"),
+             "torchfleet": ("torchfleet version", "install the same torchfleet on every machine"),
+             "backend": ("backend", "every machine must use the same backend")}
+    for field, (what, fix) in fixes.items():
         a, b = getattr(theirs, field), getattr(mine, field)
         if a != b:
-            what = f"{field} version" if field != "backend" else "backend"
             return (f"{label(theirs.node, theirs.address)}: {what} {a} vs {b} on node 0"
-                    f" ({mine.address}); install the same {field} on every machine"
-                    if field != "backend" else
-                    f"{label(theirs.node, theirs.address)}: backend {a} vs {b} on node 0"
-                    f" ({mine.address}); every machine must use the same backend")
+                    f" ({mine.address}); {fix}")
     return None
 
 
