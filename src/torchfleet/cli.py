@@ -132,7 +132,7 @@ def cmd_doctor(args) -> int:
         return print_doctor(json_out=args.json)
     from torchfleet.doctor import print_multinode
 
-    # No LaunchConfig here: it imports torch, and a wrong address should be told in seconds.
+    # doctor takes a plain N (no elastic MIN:MAX): the preflight compares a fixed set of nodes.
     nnodes = args.nnodes.strip()
     if not nnodes.isdigit() or not 0 <= args.node_rank < int(nnodes):
         raise UsageError(f"doctor --nnodes {nnodes!r} --node-rank {args.node_rank}: give a number of"
