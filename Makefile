@@ -27,11 +27,11 @@ $(VENV)/.dev: $(VENV)/.base
 demo: $(VENV)/.base
 	$(BIN)/torchfleet train
 
-# Programs some tests drive for real (a Slurm cluster with munge; network
-# namespaces with iproute2). Best-effort:
-# installed only where we are root and have apt-get; elsewhere those tests skip
-# and say why.
-SYSTEM_PACKAGES := slurm-wlm munge iproute2
+# Programs some tests drive for real: mpirun (openmpi-bin), a Slurm cluster
+# with munge, network namespaces and tbf (iproute2). Best-effort: installed
+# only where we are root and have apt-get, and only what is missing; elsewhere
+# those tests skip and say why.
+SYSTEM_PACKAGES := openmpi-bin slurm-wlm munge iproute2
 
 system-deps:
 	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \

@@ -9,14 +9,15 @@ from torchfleet.cli import build_parser
 
 # The whole surface. A new flag or command means editing this list on purpose.
 SURFACE = {
-    "doctor": ["--json"],
+    "doctor": ["--json", "--master-addr", "--master-port", "--nnodes", "--node-rank"],
     "train": ["--backend", "--batch-size", "--checkpoint-dir", "--checkpoint-every", "--data", "--epochs",
               "--grad-accum", "--json-out", "--lr", "--devices", "--microbatches", "--schedule", "--pp",
-              "--sharing-strategy", "--master-addr", "--master-port", "--max-restarts",
+              "--sharing-strategy", "--grad-compression", "--powersgd-rank",
+              "--master-addr", "--master-port", "--max-restarts", "--rdzv-endpoint", "--rdzv-id", "--no-preflight",
               "--max-steps", "--model", "--nnodes", "--no-progress", "--node-rank", "--nproc-per-node",
               "--optimizer", "--precision", "--resume", "--seed", "--strategy", "--synthetic-size", "-n"],
     "run": ["--master-addr", "--master-port", "--max-restarts", "--nnodes", "--node-rank",
-            "--nproc-per-node", "-n"],
+            "--nproc-per-node", "-n", "--rdzv-endpoint", "--rdzv-id", "--no-preflight"],
     "k8s": ["--gpus-per-node", "--image", "--nodes", "--nproc-per-node", "--out"],
     "sagemaker": ["--instance-count", "--instance-type", "--out", "--role", "--submit"],
     "slurm": ["--gpus-per-node", "--nodes", "--ntasks-per-node", "--out", "--partition", "--submit",
@@ -68,6 +69,10 @@ BAD = [
     (["run", "-n", "2", "no/such/script.py"], "script 'no/such/script.py' does not exist"),
     (["run", "-n", "2", "pyproject.toml"], "is not a Python file"),
     (["run", "--master-port", "70000", "x.py"], "--master-port 70000 is not a TCP port"),
+    (["run", "--nnodes", "two", "x.py"], "--nnodes 'two' is not a number of machines like 2 or a range like 1:4"),
+    (["run", "--nnodes", "3:1", "x.py"], "--nnodes '3:1' is not a number of machines"),
+    (["train", "--strategy", "serial", "--nnodes", "2"], "strategy 'serial' runs in one process, not one per machine of --nnodes 2"),
+    (["doctor", "--master-addr", "10.0.0.1", "--nnodes", "2", "--node-rank", "2"], "give a number of machines and this machine's index below it"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
 ]
 

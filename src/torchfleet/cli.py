@@ -22,6 +22,8 @@ STRATEGY_FLAGS = (
     ("--schedule", str, "pipeline, ddp+pipeline: gpipe or 1f1b (default 1f1b)"),
     ("--pp", int, "ddp+pipeline: pipeline stages per replica (default 2); -n must be a multiple"),
     ("--sharing-strategy", str, "hogwild: file_descriptor or file_system (default: the platform's)"),
+    ("--grad-compression", str, "ddp: none, fp16, bf16 or powersgd (DDP communication hooks)"),
+    ("--powersgd-rank", int, "ddp with --grad-compression powersgd: the low rank (default 2)"),
 )
 
 
@@ -41,13 +43,22 @@ def _add_launch_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("processes (torchrun's flags)")
     g.add_argument("--nproc-per-node", "-n", type=int, default=None, metavar="N",
                    help="processes on this machine (default: train picks; run uses 1)")
-    g.add_argument("--nnodes", type=int, default=1, help="machines taking part (default 1)")
+    _add_node_flags(g)
+    g.add_argument("--max-restarts", type=int, default=0,
+                   help="restart the whole group this many times after a failure (default 0)")
+    g.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                   help="c10d rendezvous for an elastic job (--nnodes MIN:MAX); run the same on every machine")
+    g.add_argument("--rdzv-id", default=None, help="the job's id, the same on every machine (c10d)")
+    g.add_argument("--no-preflight", action="store_true",
+                   help="skip the checks of the other machines before a multi-machine job")
+
+
+def _add_node_flags(g) -> None:
+    g.add_argument("--nnodes", default="1", help="machines taking part: N, or MIN:MAX for an elastic job (default 1)")
     g.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0 to nnodes-1")
     g.add_argument("--master-addr", default="127.0.0.1", help="address of node 0 (many machines)")
     g.add_argument("--master-port", type=int, default=None,
                    help="port of node 0's rendezvous (default: a free port on one machine, 29500 on many)")
-    g.add_argument("--max-restarts", type=int, default=0,
-                   help="restart the whole group this many times after a failure (default 0)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     doctor = sub.add_parser("doctor", help="what this machine has, which backend and why")
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
+    _add_node_flags(doctor.add_argument_group(
+        "many machines: with --master-addr, show the interface to it; with --master-port too, run the preflight"))
 
     d = TrainConfig()
     train = sub.add_parser("train", help="train the built-in job (a CNN on digits by default)")
@@ -113,13 +126,24 @@ def _launch_config(args):
         nproc_per_node=args.nproc_per_node if args.nproc_per_node is not None else 1,
         nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
         master_port=args.master_port, max_restarts=args.max_restarts,
+        rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id, preflight=not args.no_preflight,
     )
 
 
 def cmd_doctor(args) -> int:
     from torchfleet.doctor import print_doctor
 
-    return print_doctor(json_out=args.json)
+    if args.master_addr == "127.0.0.1" and args.master_port is None:
+        return print_doctor(json_out=args.json)
+    from torchfleet.doctor import print_multinode
+
+    # doctor takes a plain N (no elastic MIN:MAX): the preflight compares a fixed set of nodes.
+    nnodes = args.nnodes.strip()
+    if not nnodes.isdigit() or not 0 <= args.node_rank < int(nnodes):
+        raise UsageError(f"doctor --nnodes {nnodes!r} --node-rank {args.node_rank}: give a number of"
+                         " machines and this machine's index below it, e.g. --nnodes 2 --node-rank 1")
+    return print_multinode(args.master_addr, args.master_port, int(nnodes), args.node_rank,
+                           json_out=args.json)
 
 
 def cmd_train(args, argv: list[str]) -> int:
@@ -144,9 +168,17 @@ def cmd_train(args, argv: list[str]) -> int:
         call_recorded(train, cfg, strategy)
         return 0
 
+    from torchfleet.config import parse_nnodes
     from torchfleet.planner import plan_processes
+    from torchfleet.strategies import get_strategy
 
-    strategy, nproc, why = plan_processes(cfg.strategy, args.nproc_per_node)
+    # Many machines make a multi-process job even with one process each: auto means ddp.
+    many = parse_nnodes(args.nnodes)[1] > 1 or args.rdzv_endpoint is not None
+    strategy, nproc, why = plan_processes("ddp" if many and cfg.strategy == "auto" else cfg.strategy,
+                                          args.nproc_per_node)
+    if many and not get_strategy(strategy).distributed:
+        raise UsageError(f"strategy {strategy!r} runs in one process, not one per machine of"
+                         f" --nnodes {args.nnodes}; use a multi-process strategy such as ddp")
     args.nproc_per_node = nproc
     launch_cfg = _launch_config(args)
     if cfg.checkpoint_dir:

@@ -38,32 +38,79 @@ def check_writable_dir(path: str | os.PathLike, what: str = "checkpoint director
     return path
 
 
+def parse_nnodes(value: int | str) -> tuple[int, int]:
+    """torchrun's --nnodes: "N" or "MIN:MAX" (elastic) -> (min, max)."""
+    text = str(value).strip()
+    parts = text.split(":")
+    if len(parts) in (1, 2) and all(p.strip().isdigit() for p in parts):
+        low, high = int(parts[0]), int(parts[-1])
+        if 1 <= low <= high:
+            return low, high
+    raise UsageError(f"--nnodes {text!r} is not a number of machines like 2 or a range like 1:4"
+                     " (MIN:MAX, 1 <= MIN <= MAX)")
+
+
+def parse_endpoint(value: str, default_port: int) -> tuple[str, int]:
+    """"host:port", "host" or "[v6]:port" -> (host, port)."""
+    text = value.strip()
+    host, sep, port = text.rpartition(":")
+    if not sep or "]" in port or (host.count(":") and not host.startswith("[")):
+        host, port = text, str(default_port)  # no port, or a bare IPv6 address
+    host = host.strip("[]")
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise UsageError(f"--rdzv-endpoint {value!r} is not HOST:PORT (e.g. 10.0.0.1:29400)")
+    return host, int(port)
+
+
 @dataclass
 class LaunchConfig:
     """Where processes run: torchrun's own knobs, with torchrun's names."""
 
     nproc_per_node: int = 1
-    nnodes: int = 1
+    nnodes: int | str = 1  # N, or "MIN:MAX" for an elastic job (c10d rendezvous)
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int | None = None  # None on one machine: a free port is chosen
     max_restarts: int = 0
+    rdzv_endpoint: str | None = None  # HOST[:PORT] of the c10d rendezvous (elastic jobs)
+    rdzv_id: str | None = None  # the job's id, the same on every machine (c10d)
+    preflight: bool = True  # check the other machines before a multi-machine job
 
     def __post_init__(self) -> None:
+        self.min_nodes, self.max_nodes = parse_nnodes(self.nnodes)
+        self.nnodes = self.max_nodes if self.min_nodes == self.max_nodes else f"{self.min_nodes}:{self.max_nodes}"
         _at_least("--nproc-per-node", self.nproc_per_node, 1)
-        _at_least("--nnodes", self.nnodes, 1)
         _at_least("--max-restarts", self.max_restarts, 0)
-        if not 0 <= self.node_rank < self.nnodes:
+        if not self.elastic and not 0 <= self.node_rank < self.max_nodes:
             raise UsageError(
                 f"--node-rank {self.node_rank} is out of range for --nnodes {self.nnodes};"
-                f" use 0 to {self.nnodes - 1}"
+                f" use 0 to {self.max_nodes - 1}"
             )
         if self.master_port is not None and not 1 <= self.master_port <= 65535:
             raise UsageError(f"--master-port {self.master_port} is not a TCP port; use 1 to 65535")
+        if self.rdzv_endpoint is not None:
+            parse_endpoint(self.rdzv_endpoint, 29400)
+
+    @property
+    def elastic(self) -> bool:
+        """A c10d rendezvous (torchrun's --rdzv-endpoint, or --nnodes MIN:MAX)."""
+        return self.rdzv_endpoint is not None or self.min_nodes != self.max_nodes
+
+    @property
+    def multi_node(self) -> bool:
+        return self.elastic or self.max_nodes > 1
+
+    @property
+    def endpoint(self) -> tuple[str, int]:
+        """(host, port) other machines reach: the c10d endpoint, else the master's."""
+        if self.rdzv_endpoint is not None:
+            return parse_endpoint(self.rdzv_endpoint, 29400)
+        return self.master_addr, self.master_port or 29500
 
     @property
     def world_size(self) -> int:
-        return self.nproc_per_node * self.nnodes
+        """Processes in all (the largest allowed, for an elastic job)."""
+        return self.nproc_per_node * self.max_nodes
 
     @property
     def multi_process(self) -> bool:

@@ -246,6 +246,10 @@ def render_report(report: dict, console: Console) -> None:
     backend = report["backend"]
     name = backend["name"] or "none usable"
     console.print(f"[bold]Backend:[/] [cyan]{escape(name)}[/]: {escape(backend['reason'])}")
+    if not report["backends_built"].get("mpi"):
+        console.print("[bold]MPI:[/] `mpirun -np N python script.py` works: ranks come from"
+                      " OpenMPI's variables and Gloo carries the tensors. The MPI backend itself"
+                      " needs PyTorch built from source on a host with MPI installed.")
     console.print(_strategy_table(report))
 
 
@@ -256,4 +260,44 @@ def print_doctor(json_out: bool = False) -> int:
         print(json.dumps(report, indent=2))
     else:
         render_report(report, Console())
+    return 0
+
+
+# ---- many machines: `torchfleet doctor --master-addr A [--master-port P --nnodes N --node-rank R]`
+
+
+def multinode_report(master: str, port: int | None, nnodes: int, node_rank: int) -> dict:
+    """The interface to the master, the socket variables workers get, and the preflight.
+
+    The route and the port are checked before the preflight touches torch.distributed,
+    so a wrong address or a closed port costs only the knock (4 s) after start-up.
+    """
+    from torchfleet import preflight
+
+    iface = netif.interface_for(master)
+    report = {"master": master, "interface": iface.name if iface else None,
+              "address": netif.source_address(master),
+              "socket_env": {k: os.environ[k] for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+                             if os.environ.get(k)},
+              "socket_env_set_by_torchfleet": preflight.route_env(node_rank, master)}
+    if port is not None:
+        report["preflight"] = preflight.run(master, port, node_rank, nnodes).sentence(node_rank)
+    return report
+
+
+def print_multinode(master: str, port: int | None, nnodes: int = 1, node_rank: int = 0,
+                    json_out: bool = False) -> int:
+    """Exit 0 when every check passed; a failed check raises PreflightError (exit 2)."""
+    report = multinode_report(master, port, nnodes, node_rank)
+    if json_out:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(f"interface to the master {report['master']}: {report['interface']}"
+          f" (this machine's address there: {report['address']})")
+    for key, value in report["socket_env"].items():
+        print(f"{key}={value} (set by you; kept)")
+    for key, value in report["socket_env_set_by_torchfleet"].items():
+        print(f"{key}={value} (torchfleet sets it for the workers)")
+    if "preflight" in report:
+        print(report["preflight"])
     return 0

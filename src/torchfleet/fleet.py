@@ -253,5 +253,6 @@ def _choose_socket_interface(env: DistEnv) -> None:
 
     found = interface_for(env.master_addr)
     if found is not None and not found.is_loopback:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", found.name)
-        os.environ.setdefault("NCCL_SOCKET_IFNAME", found.name)
+        for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            if not os.environ.get(key):  # an empty value counts as unset, as Gloo reads it
+                os.environ[key] = found.name

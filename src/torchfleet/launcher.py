@@ -21,7 +21,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig as AgentConfig
 from torch.distributed.launcher.api import elastic_launch
 
-from torchfleet import failures
+from torchfleet import failures, netif, preflight, rendezvous
 from torchfleet.config import LaunchConfig
 from torchfleet.errors import UsageError
 
@@ -44,22 +44,36 @@ def free_port(host: str = LOOPBACK) -> int:
 
 def agent_config(cfg: LaunchConfig) -> AgentConfig:
     """torchrun's configuration for `cfg`, as torchrun itself would build it."""
-    if cfg.nnodes == 1:
-        # One machine: like `torchrun --standalone`, a c10d store on a port the
-        # OS picks (no race for a "free" port), reached over loopback only.
-        backend, endpoint, local_addr = "c10d", f"{LOOPBACK}:{cfg.master_port or 0}", LOOPBACK
+    run_id = cfg.rdzv_id or os.environ.get("TORCHFLEET_RUN_ID")
+    if not cfg.multi_node:
+        # One machine: like `torchrun --standalone`, a c10d rendezvous on a port
+        # the OS picks, but its stores listen on loopback only (see rendezvous.py).
+        backend, endpoint, local_addr = rendezvous.register(), f"{LOOPBACK}:{cfg.master_port or 0}", LOOPBACK
         rdzv_configs: dict[str, Any] = {}
+        run_id = run_id or uuid.uuid4().hex[:12]
+    elif cfg.elastic:
+        host, port = cfg.endpoint
+        backend, endpoint = "c10d", f"{host}:{port}"
+        # torch decides who hosts the store by comparing the endpoint with the
+        # host name's address; where the host name resolves to 127.0.0.1 no
+        # machine would host it. Whether the endpoint is one of ours is exact.
+        rdzv_configs = {"is_host": netif.is_local(host)}
+        # The node that becomes rank 0 advertises local_addr as the workers'
+        # MASTER_ADDR; torch's default, the FQDN, may resolve to 127.0.0.1.
+        local_addr = netif.source_address(host)
+        run_id = run_id or "torchfleet"  # must be the same on every machine
     else:
         # Many machines: torchrun's static rendezvous at the master's address.
         backend = "static"
         endpoint = f"{cfg.master_addr}:{cfg.master_port or 29500}"
         rdzv_configs = {"rank": cfg.node_rank}
-        local_addr = None
+        local_addr = netif.source_address(cfg.master_addr)
+        run_id = run_id or "torchfleet"
     return AgentConfig(
-        min_nodes=cfg.nnodes,
-        max_nodes=cfg.nnodes,
+        min_nodes=cfg.min_nodes,
+        max_nodes=cfg.max_nodes,
         nproc_per_node=cfg.nproc_per_node,
-        run_id=os.environ.get("TORCHFLEET_RUN_ID", uuid.uuid4().hex[:12]),
+        run_id=run_id,
         rdzv_endpoint=endpoint,
         rdzv_backend=backend,
         rdzv_configs=rdzv_configs,
@@ -69,6 +83,30 @@ def agent_config(cfg: LaunchConfig) -> AgentConfig:
         local_addr=local_addr,
         logs_specs=DefaultLogsSpecs(),
     )
+
+
+def socket_env(cfg: LaunchConfig) -> dict[str, str]:
+    """GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME for the workers, where the user set none.
+
+    Without them Gloo advertises the address the host name resolves to, often
+    127.0.0.1, and ranks on other machines never connect. Many machines: the
+    interface that routes to the master. One machine: loopback, so nothing
+    listens on the network.
+    """
+    if cfg.multi_node:
+        return preflight.route_env(cfg.node_rank, cfg.endpoint[0])
+    else:
+        lo = next((i.name for i in netif.list_interfaces() if i.is_loopback), None)
+        wanted = {"GLOO_SOCKET_IFNAME": lo} if lo else {}
+    return {k: v for k, v in wanted.items() if not os.environ.get(k)}
+
+
+def check_nodes(cfg: LaunchConfig) -> preflight.Outcome:
+    """The preflight for this machine of a multi-machine job (see preflight.py)."""
+    if cfg.elastic:
+        host, port = cfg.endpoint
+        return preflight.reach(cfg.node_rank, host, port)
+    return preflight.run(cfg.master_addr, cfg.master_port or 29500, cfg.node_rank, cfg.max_nodes)
 
 
 def _quiet_agent_logs() -> None:
@@ -88,10 +126,25 @@ def _worker_threads(cfg: LaunchConfig) -> None:
 def _start(cfg: LaunchConfig, entrypoint: Callable | str, args: list) -> dict[int, Any]:
     _quiet_agent_logs()
     _worker_threads(cfg)
+    chosen = socket_env(cfg)
+    checked = None
+    # The workers inherit the agent's environment; `launch` callers get theirs back after.
+    saved = {key: os.environ.get(key) for key in chosen}
+    os.environ.update(chosen)
     try:
+        if cfg.multi_node and cfg.preflight:
+            checked = check_nodes(cfg)
+            print(f"torchfleet: {checked.sentence(cfg.node_rank)}", flush=True)
         return elastic_launch(agent_config(cfg), entrypoint)(*args)
     except ChildFailedError as exc:
         raise LaunchError(failures.summarize(exc)) from None
+    finally:
+        del checked  # node 0's store served the rendezvous too; now it may close
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def run_command(cfg: LaunchConfig, argv: list[str]) -> int:

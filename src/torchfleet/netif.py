@@ -130,6 +130,35 @@ def list_interfaces() -> list[Interface]:
     return found if found is not None else _via_ioctl()
 
 
+def addresses_of(host: str) -> list[str]:
+    """The IP addresses `host` resolves to (IPv4 first); [] when it does not resolve."""
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except (socket.gaierror, UnicodeError):
+        return []
+    infos.sort(key=lambda info: info[0] != socket.AF_INET)
+    return list(dict.fromkeys(info[4][0].split("%")[0] for info in infos))
+
+
+def is_loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address.split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def is_local(host: str) -> bool:
+    """Whether `host` names this machine: loopback, or an address of one of its interfaces."""
+    found = addresses_of(host)
+    mine = {a for i in list_interfaces() for a in i.addresses}
+    return bool(found) and all(is_loopback(a) or a in mine for a in found)
+
+
+def source_address(dest: str) -> str | None:
+    """The local address the kernel would send from to reach `dest`; None if unroutable."""
+    return _source_address(dest)
+
+
 def _source_address(dest: str) -> str | None:
     """The local address the kernel would send from to reach `dest`; None if unroutable."""
     try:

@@ -1,0 +1,66 @@
+"""A one-machine rendezvous that listens on loopback only.
+
+torchrun's c10d rendezvous hosts its TCPStore with `TCPStore(host, port,
+is_master=True)`, and that server binds the wildcard address ([::] or
+0.0.0.0) whatever `host` says: `host` only tells clients where to connect.
+The agent then starts a second store for the workers (the "shared" store of
+`DynamicRendezvousHandler._create_tcp_store_server`), bound the same way. So
+`torchrun --standalone` opens two ports to the whole network.
+
+TCPStore also accepts `master_listen_fd`: a socket the caller has already
+bound and put into listening state. This backend binds both stores to
+127.0.0.1 that way and otherwise is torch's own c10d rendezvous
+(`C10dRendezvousBackend` + `DynamicRendezvousHandler`), registered under
+`LOOPBACK_BACKEND` in torch's handler registry.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+LOOPBACK = "127.0.0.1"
+LOOPBACK_BACKEND = "torchfleet-loopback"
+_STORE_TIMEOUT = datetime.timedelta(seconds=60)
+
+
+def loopback_store(port: int = 0) -> dist.TCPStore:
+    """A TCPStore server listening on 127.0.0.1:`port` only (0: the OS picks a port)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((LOOPBACK, port))
+    sock.listen(128)
+    port = sock.getsockname()[1]
+    # detach(): the store owns the descriptor from now on; the Python object
+    # must not close it when it is garbage collected.
+    return dist.TCPStore(LOOPBACK, port, is_master=True, timeout=_STORE_TIMEOUT,
+                         wait_for_workers=False, master_listen_fd=sock.detach())
+
+
+class _LoopbackHandler(DynamicRendezvousHandler):
+    def get_backend(self) -> str:
+        return LOOPBACK_BACKEND  # the registry checks that the handler is the one asked for
+
+    def _create_tcp_store_server(self, master_addr, master_port) -> dist.TCPStore:
+        # The workers' store: torch binds it to every address; here, loopback.
+        return loopback_store(master_port)
+
+
+def _create_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
+    _, port = parse_rendezvous_endpoint(params.endpoint, default_port=0)
+    store = loopback_store(port)
+    backend = C10dRendezvousBackend(store, params.run_id)
+    return _LoopbackHandler.from_backend(params.run_id, store, backend, params.min_nodes,
+                                         params.max_nodes, LOOPBACK)
+
+
+def register() -> str:
+    """Make the backend known to torch's agent (idempotent); returns its name."""
+    rendezvous_handler_registry.register(LOOPBACK_BACKEND, _create_handler)
+    return LOOPBACK_BACKEND
