@@ -104,7 +104,10 @@ class Fleet:
                 f" processes) does not split into {self.grad_accum} accumulation steps;"
                 f" use a batch size that is a multiple of {world * self.grad_accum}"
             )
-        return DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers)
+        # Its own generator: each new iterator draws a seed from it, and a draw from
+        # the global RNG there would shift dropout after a mid-epoch resume.
+        return DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
+                          generator=torch.Generator().manual_seed(seed))
 
     def eval_dataloader(self, dataset: Dataset, batch_size: int = 256) -> DataLoader:
         """Every sample exactly once across ranks; combine results with `all_reduce`."""
@@ -179,13 +182,20 @@ class Fleet:
             print(*args, **kwargs, flush=True)
 
     # -- checkpoints ------------------------------------------------------
-    def save(self, path: str | os.PathLike, **extra: Any) -> None:
-        """Save model, optimizer, scaler and `extra` atomically (main rank writes)."""
-        checkpoint.save(self, path, extra)
+    def save(self, path: str | os.PathLike, sharded: bool | None = None, **extra: Any) -> None:
+        """Save a checkpoint directory atomically: model, optimizer, scaler, RNG states, `extra`.
 
-    def load(self, path: str | os.PathLike) -> dict:
-        """Load what `save` wrote into the wrapped model and optimizer; returns `extra`."""
-        return checkpoint.load(self, path)
+        Every rank calls it. `sharded=True` writes through torch.distributed.checkpoint
+        (the default for sharding strategies), so it loads with another number of processes.
+        """
+        checkpoint.save(self, path, extra, sharded=sharded)
+
+    def load(self, path: str | os.PathLike, weights_only: bool = True) -> dict:
+        """Verify and load what `save` wrote; returns this rank's `extra`.
+
+        weights_only=False unpickles arbitrary objects: only for checkpoints you trust.
+        """
+        return checkpoint.load(self, path, weights_only=weights_only)
 
     def close(self) -> None:
         """Leave the process group (a no-op for one process).
