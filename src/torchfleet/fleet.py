@@ -79,6 +79,16 @@ class Fleet:
         if dist.is_initialized():
             return
         env = self.env
+        if env.source == "torchrun" and env.restart_count > 0:
+            # After a restart torchrun's agent hands out the same store as before, where
+            # each rank's Gloo address from the last attempt still sits (torch says it makes
+            # a new store per attempt; its rendezvous caches the first). A prefix per attempt
+            # keeps this attempt's keys apart.
+            store = dist.PrefixStore(f"torchfleet/attempt-{env.restart_count}", dist.TCPStore(
+                env.master_addr, env.master_port, env.world_size, is_master=False, timeout=_PG_TIMEOUT))
+            dist.init_process_group(self.backend, store=store, rank=env.rank, world_size=env.world_size,
+                                    timeout=_PG_TIMEOUT)
+            return
         if env.source == "torchrun":
             # torchrun's agent already hosts the store at MASTER_ADDR:MASTER_PORT.
             init_method = "env://"

@@ -85,9 +85,9 @@ def train(cfg: TrainConfig, strategy: str) -> dict:
                 loss = fleet.train_step(inputs, targets, loss_fn)
                 step += 1
                 samples += cfg.batch_size
-                _check_finite(fleet, loss, step, faults.maybe_fire(fleet.rank, step))
                 if watchdog:
                     watchdog.beat(step)
+                _check_finite(fleet, loss, step, faults.maybe_fire(fleet.rank, step))
                 bar.advance(epoch=epoch + 1, loss=loss.item())
                 if cfg.checkpoint_dir and cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
                     _save(fleet, cfg, step, sampler)

@@ -116,8 +116,8 @@ class Watchdog:
             time.sleep(0.2)
         text = verdict(reports, self.world_size, stalled)
         stacks = render_stacks(reports)
-        print(f"torchfleet: hang: {text}\n{stacks}", file=sys.stderr, flush=True)
-        failures.record_verdict(text, stacks)
+        if not failures.record_verdict(text, stacks):  # under the launcher, its summary shows it
+            print(f"torchfleet: hang: {text}\n{stacks}", file=sys.stderr, flush=True)
         os._exit(HANG_EXIT)
 
 
@@ -168,8 +168,8 @@ def verdict(reports: dict[int, dict], world_size: int, stalled: float) -> str:
         what, where, _, rep = described[r]
         groups.setdefault((what, where, rep["step"]), []).append(r)
     for (what, where, step), ranks in groups.items():
-        who = "rank" if len(ranks) == 1 else "ranks"
-        parts.append(f"{who} {', '.join(map(str, ranks))} wait in {what} at {where} (step {step})")
+        who = f"rank {ranks[0]} waits" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))} wait"
+        parts.append(f"{who} in {what} at {where} (step {step})")
     return "; ".join(parts)
 
 
