@@ -151,7 +151,7 @@ def save(fleet: "Fleet", path: str | os.PathLike, extra: dict | None = None,
             manifest = {
                 "format": FORMAT, "strategy": strategy.name, "world_size": fleet.world_size,
                 "layout": "sharded" if sharded else "full", "step": (extra or {}).get("step"),
-                "torch": torch.__version__, "model": shapes,
+                "torch": torch.__version__, "model": shapes, "optimizer": type(strategy.optimizer).__name__,
                 "files": {str(f.relative_to(tmp)): sha256(f) for f in sorted(tmp.rglob("*")) if f.is_file()},
             }
             _write(json.dumps(manifest, indent=1).encode(), tmp / MANIFEST)
@@ -223,6 +223,10 @@ def check_fits(fleet: "Fleet", path: Path, manifest: dict, strategy_name: str | 
     if strategy_name is not None and manifest["strategy"] != strategy_name:
         raise UsageError(f"checkpoint {str(path)!r} was saved by strategy {manifest['strategy']!r} and this run uses"
                          f" {strategy_name!r}; resume with --strategy {manifest['strategy']} or use another --checkpoint-dir")
+    optimizer = type(fleet.strategy.optimizer).__name__
+    if manifest.get("optimizer", optimizer) != optimizer:
+        raise UsageError(f"checkpoint {str(path)!r} was saved with optimizer {manifest['optimizer']} and this run"
+                         f" uses {optimizer}; use the same --optimizer or another --checkpoint-dir")
     ours = model_shapes(fleet.strategy.unwrapped().state_dict())
     theirs = manifest["model"]
     for name in sorted(set(ours) | set(theirs)):
@@ -291,13 +295,17 @@ def newest_good(fleet: "Fleet", directory: str | os.PathLike, fallback: bool = F
     A damaged newest checkpoint is an error naming its file, unless `fallback`
     asks to step back to the previous intact one (said on the main rank).
     """
-    for path in reversed(list_checkpoints(directory)):
+    found = list_checkpoints(directory)
+    for path in reversed(found):
         try:
             return path, verify_together(fleet, path)
         except UsageError as exc:
             if not fallback:
                 raise UsageError(f"{exc}; pass --resume-fallback to resume from the previous intact checkpoint") from None
             fleet.print(f"note: skipping {path}: {exc}")
+    if found:  # starting over would overwrite them: the user decides
+        raise UsageError(f"none of the {len(found)} checkpoints in {str(directory)!r} is intact; move them"
+                         " away to start from the beginning")
     return None
 
 
@@ -305,7 +313,11 @@ def prune(directory: str | os.PathLike, keep: int) -> None:
     """Delete all but the newest `keep` checkpoints, and partial saves left by crashes."""
     directory = Path(directory)
     for old in list_checkpoints(directory)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+        # Renamed away first: a kill during the deletion must not leave a
+        # half-deleted directory under a checkpoint's name.
+        doomed = old.with_name(f".{old.name}.old")
+        os.replace(old, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
     for stale in directory.iterdir():
         if _STALE.match(stale.name):
             shutil.rmtree(stale, ignore_errors=True)

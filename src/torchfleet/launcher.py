@@ -185,11 +185,11 @@ def _preflight(cfg: LaunchConfig) -> None:
         if cfg.master_port:
             check_port_free(LOOPBACK, cfg.master_port)
         return
-    print(exposure(cfg), file=sys.stderr, flush=True)
     if cfg.node_rank == 0:
         check_port_free("0.0.0.0", cfg.master_port or 29500)
     else:
         wait_for_master(cfg.master_addr, cfg.master_port or 29500)
+    print(exposure(cfg), file=sys.stderr, flush=True)
 
 
 def _start(cfg: LaunchConfig, entrypoint: Callable | str, args: list) -> dict[int, Any]:

@@ -58,6 +58,21 @@ def train_matrix(strategy: str, cases: list[dict]) -> list[torch.Tensor | None]:
     return results
 
 
+def dropout_mlp() -> nn.Module:
+    """A small model whose training draws random numbers (dropout), for resume checks."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 64), nn.ReLU(), nn.Dropout(0.3), nn.Linear(64, 10))
+
+
+def resume_job(strategy: str, directory: str) -> list:
+    """`resumed_equals_straight` through file and sharded checkpoints, in one set of processes."""
+    results = [resumed_equals_straight(strategy, f"{directory}/{layout}", sharded=layout == "sharded")
+               for layout in ("full", "sharded")]
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    return results
+
+
 def resumed_equals_straight(strategy: str, directory: str, steps: int = 8, stop_at: int = 3,
                             sharded: bool | None = None, batch_size: int = 16, seed: int = 0,
                             **strategy_options) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -72,9 +87,8 @@ def resumed_equals_straight(strategy: str, directory: str, steps: int = 8, stop_
 
     def start(init_seed: int):
         torch.manual_seed(init_seed)
-        net = nn.Sequential(nn.Flatten(), nn.Linear(64, 64), nn.ReLU(), nn.Dropout(0.3), nn.Linear(64, 10))
-        opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
-        fleet.setup(net, opt)
+        net = dropout_mlp()
+        fleet.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
         return fleet.dataloader(data, batch_size, shuffle=True, seed=seed)
 
     def run(loader, step: int, until: int) -> int:
