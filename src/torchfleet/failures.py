@@ -154,7 +154,11 @@ def call_recorded(fn, *args):
     except Exception as exc:
         if not record_exception(exc):
             raise
-        sys.exit(USAGE_EXIT if isinstance(exc, UsageError) else 1)
+        # Leave at once: a clean exit would tear down the process group first,
+        # which waits on peers that are themselves waiting for this rank.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(USAGE_EXIT if isinstance(exc, UsageError) else 1)
 
 
 class Recorded:
