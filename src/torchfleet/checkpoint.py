@@ -17,6 +17,7 @@ unpickling anything, and unpickles with ``weights_only=True``.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -85,7 +86,15 @@ def _write(payload: Any, path: Path) -> None:
         if isinstance(payload, bytes):
             fh.write(payload)
         else:
-            torch.save(payload, fh)
+            try:
+                torch.save(payload, fh)
+            except RuntimeError:
+                # torch.save's zip writer reports a failed write as a RuntimeError
+                # ("unexpected pos"): when the disk is full, say so as the OS would.
+                disk = os.statvfs(path.parent)
+                if disk.f_bavail * disk.f_frsize < (1 << 20):
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)) from None
+                raise
         fh.flush()
         os.fsync(fh.fileno())
 
@@ -231,10 +240,14 @@ def check_fits(fleet: "Fleet", path: Path, manifest: dict, strategy_name: str | 
     theirs = manifest["model"]
     for name in sorted(set(ours) | set(theirs)):
         if ours.get(name) != theirs.get(name):
-            there = theirs.get(name, "absent")
-            here = ours.get(name, "absent")
-            raise UsageError(f"checkpoint {str(path)!r} holds a different model: {name} is {there} there and"
-                             f" {here} in this model; use the same --model or another --checkpoint-dir")
+            if name not in theirs:
+                what = f"this model's {name} {ours[name]} is not in it"
+            elif name not in ours:
+                what = f"its {name} {theirs[name]} is not in this model"
+            else:
+                what = f"{name} is {theirs[name]} there and {ours[name]} here"
+            raise UsageError(f"checkpoint {str(path)!r} holds a different model: {what};"
+                             " use the same --model or another --checkpoint-dir")
 
 
 def load(fleet: "Fleet", path: str | os.PathLike, weights_only: bool = True,
