@@ -21,6 +21,7 @@ import errno
 import hashlib
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -269,6 +270,9 @@ def load(fleet: "Fleet", path: str | os.PathLike, weights_only: bool = True,
         else:
             state = _torch_load(path / "state.pt", fleet, weights_only)
             strategy.load_state_dicts(state["model"], state["optimizer"])
+    except pickle.UnpicklingError as exc:
+        raise UsageError(f"checkpoint {str(path)!r} refused: {exc}; it was not written by torchfleet or was"
+                         " altered, and loading it could run code") from None
     except (RuntimeError, KeyError, ValueError) as exc:
         if isinstance(exc, UsageError):
             raise

@@ -109,7 +109,7 @@ def _first_failure(exc: CheckpointException) -> BaseException:
     for rank in sorted(failures):
         error = failures[rank]
         error = error[0] if isinstance(error, tuple) else error  # (exception, its traceback)
-        if isinstance(error, OSError):
+        if isinstance(error, (OSError, pickle.UnpicklingError)):
             return error
         return RuntimeError(str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__)
     return RuntimeError(str(exc))
