@@ -63,7 +63,7 @@ def test_a_crash_is_summarised_once_and_the_other_rank_stops_within_10_s(tmp_pat
 
 
 def test_a_non_finite_loss_stops_with_step_and_rank(tmp_path):
-    result = torchfleet("train", "--strategy", "serial", "--model", "mlp", "--data", "synthetic", "--optimizer", "sgd", "--lr", "1e6",
+    result = torchfleet("train", "--strategy", "serial", "--model", "mlp", "--data", "synthetic", "--synthetic-size", "512", "--optimizer", "sgd", "--lr", "1e20", "--max-steps", "30",
                         "--no-progress", "--checkpoint-dir", str(tmp_path))
     assert result.returncode == 1
     lines = result.stderr.strip().splitlines()
