@@ -6,6 +6,7 @@ already started the processes, and Fleet has joined them into a group.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from pathlib import Path
@@ -28,7 +29,7 @@ def build_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=lr)
 
 
-def evaluate(fleet: Fleet, dataset) -> float:
+def evaluate(fleet: Fleet, dataset, on_batch=None) -> float:
     """Accuracy over the whole validation set, each sample counted once across ranks."""
     model = fleet.strategy.model
     was_training = model.training
@@ -36,6 +37,8 @@ def evaluate(fleet: Fleet, dataset) -> float:
     correct = total = 0
     for inputs, targets in fleet.eval_dataloader(dataset):
         outputs = fleet.predict(inputs)
+        if on_batch:
+            on_batch()  # the watchdog's heartbeat: a long evaluation is progress too
         if outputs is not None:  # pipeline stages other than the last return None
             correct += (outputs.argmax(1).cpu() == targets).sum().item()
             total += len(targets)
@@ -62,10 +65,10 @@ def train(cfg: TrainConfig, strategy: str) -> dict:
     sampler = loader.batch_sampler
     loss_fn = nn.CrossEntropyLoss()
 
-    step = 0
+    step = saved = 0
     # After a restart by torchrun's agent (--max-restarts) the group resumes on its own.
     if cfg.checkpoint_dir and (cfg.resume or cfg.resume_fallback or fleet.env.restart_count > 0):
-        step = _resume(fleet, cfg, sampler)
+        step = saved = _resume(fleet, cfg, sampler)
     watchdog = Watchdog(fleet.rank, fleet.world_size, cfg.hang_timeout).start() if cfg.hang_timeout else None
     steps_per_epoch = len(sampler)
     total_steps = steps_per_epoch * cfg.epochs
@@ -90,15 +93,16 @@ def train(cfg: TrainConfig, strategy: str) -> dict:
                 _check_finite(fleet, loss, step, faults.maybe_fire(fleet.rank, step))
                 bar.advance(epoch=epoch + 1, loss=loss.item())
                 if cfg.checkpoint_dir and cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
-                    _save(fleet, cfg, step, sampler)
+                    saved = _save(fleet, cfg, step, sampler)
                 if step >= total_steps:
                     break
             train_seconds += time.perf_counter() - tick
-            val_accuracy = evaluate(fleet, val_set)
+            beat = functools.partial(watchdog.beat, step, "evaluate") if watchdog else None
+            val_accuracy = evaluate(fleet, val_set, beat)
             bar.epoch_done(epoch + 1, val_accuracy)
             if cfg.checkpoint_dir and not cfg.checkpoint_every:
-                _save(fleet, cfg, step, sampler)
-    if cfg.checkpoint_dir and not checkpoint.step_path(cfg.checkpoint_dir, step).exists():
+                saved = _save(fleet, cfg, step, sampler)
+    if cfg.checkpoint_dir and saved != step:
         _save(fleet, cfg, step, sampler)  # the final weights, whatever the interval
     if watchdog:
         watchdog.stop()
@@ -143,10 +147,11 @@ def _check_finite(fleet: Fleet, loss: torch.Tensor, step: int, injected: bool) -
                             " (lower --lr, or use --precision fp32 if it was bf16)")
 
 
-def _save(fleet: Fleet, cfg: TrainConfig, step: int, sampler) -> None:
+def _save(fleet: Fleet, cfg: TrainConfig, step: int, sampler) -> int:
     fleet.save(checkpoint.step_path(cfg.checkpoint_dir, step), step=step, sampler=sampler.state_dict())
     if fleet.is_main:
         checkpoint.prune(cfg.checkpoint_dir, cfg.keep_checkpoints)
+    return step
 
 
 def _resume(fleet: Fleet, cfg: TrainConfig, sampler) -> int:
