@@ -71,3 +71,33 @@ def test_a_non_finite_loss_stops_with_step_and_rank(tmp_path):
     assert "the loss is nan at step" in lines[0] or "the loss is inf at step" in lines[0]
     assert "on rank 0" in lines[0]
     assert not list(tmp_path.iterdir())  # nothing saved from a diverged run
+
+
+def _report(rank, step, *frames):
+    return {"rank": rank, "host": f"host-{rank}", "pid": 100 + rank, "step": step, "phase": "train",
+            "stack": [("/home/me/train.py", 10, "<module>"), *frames]}
+
+
+def test_verdict_names_the_straggler_and_groups_the_waiters():
+    from torchfleet.watchdog import _TORCH_DIR, verdict
+
+    collective = (f"{_TORCH_DIR}/distributed/distributed_c10d.py", 2800, "all_reduce")
+    reports = {0: _report(0, 8, ("/home/me/train.py", 42, "sync"), collective),
+               1: _report(1, 7, ("/home/me/data.py", 9, "read_shard")),
+               2: _report(2, 8, ("/home/me/train.py", 42, "sync"), collective)}
+    assert verdict(reports, 4, 61.2) == (
+        "rank 1 on host-1 has been in read_shard for 61 s at data.py:9 (step 7);"
+        " rank 3 did not answer in 10 s (stuck in native code holding the GIL, or frozen);"
+        " ranks 0, 2 wait in all_reduce at train.py:42 (step 8)")
+    everyone_waits = {r: _report(r, 8, ("/home/me/train.py", 42, "sync"), collective) for r in range(2)}
+    assert verdict(everyone_waits, 2, 30).startswith(
+        "no rank has made progress for 30 s: all ranks wait in all_reduce at train.py:42 (step 8)")
+
+
+def test_a_malformed_fault_is_refused():
+    from torchfleet import UsageError
+    from torchfleet.faults import parse
+
+    assert parse("kill:rank=1:step=7:once=/tmp/x").once == "/tmp/x"
+    with pytest.raises(UsageError, match="is not a fault"):
+        parse("explode:rank=1:step=7")
