@@ -1,4 +1,4 @@
-"""Save checkpoints of a 32 MiB model until killed; every weight equals the step it was saved at.
+"""Save checkpoints of a 32 MiB model until killed (file and DCP layouts in turn); every weight equals its step.
 
     python save_loop.py DIR FIRST_STEP
 """
@@ -18,7 +18,7 @@ while True:
     with torch.no_grad():
         for p in net.parameters():
             p.fill_(float(step))
-    fleet.save(checkpoint.step_path(directory, step), step=step)
+    fleet.save(checkpoint.step_path(directory, step), sharded=step % 2 == 0, step=step)  # both layouts
     checkpoint.prune(directory, 2)
     print(f"saved {step}", flush=True)
     step += 1
