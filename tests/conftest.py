@@ -38,3 +38,23 @@ def torchfleet(*args: str, timeout: float = 120, env: dict | None = None) -> sub
 @pytest.fixture
 def cli():
     return torchfleet
+
+
+@pytest.fixture(scope="session")
+def good_checkpoint(tmp_path_factory):
+    """A directory holding one intact checkpoint (serial, mlp, AdamW, synthetic data, step 2)."""
+    from torchfleet.config import TrainConfig
+    from torchfleet.trainer import train
+
+    directory = tmp_path_factory.mktemp("good") / "ckpt"
+    train(TrainConfig(strategy="serial", model="mlp", data="synthetic", synthetic_size=256, max_steps=2,
+                      progress=False, checkpoint_dir=str(directory), hang_timeout=0), "serial")
+    return directory
+
+
+def tree_digest(path: Path) -> dict[str, str]:
+    """Every file under `path` and its sha256: equal digests mean nothing changed."""
+    import hashlib
+
+    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(path.rglob("*")) if p.is_file()}

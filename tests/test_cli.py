@@ -1,10 +1,11 @@
 """The command line: help, a frozen surface, and bad input as one sentence with status 2."""
 
 import argparse
+import shutil
 
 import pytest
 
-from conftest import torchfleet
+from conftest import torchfleet, tree_digest
 from torchfleet.cli import build_parser
 
 # The whole surface. A new flag or command means editing this list on purpose.
@@ -15,7 +16,8 @@ SURFACE = {
               "--sharing-strategy", "--grad-compression", "--powersgd-rank",
               "--master-addr", "--master-port", "--max-restarts", "--rdzv-endpoint", "--rdzv-id", "--no-preflight",
               "--max-steps", "--model", "--nnodes", "--no-progress", "--node-rank", "--nproc-per-node",
-              "--optimizer", "--precision", "--resume", "--seed", "--strategy", "--synthetic-size", "-n"],
+              "--optimizer", "--precision", "--resume", "--seed", "--strategy", "--synthetic-size", "-n",
+              "--hang-timeout", "--keep-checkpoints", "--resume-fallback"],
     "run": ["--master-addr", "--master-port", "--max-restarts", "--nnodes", "--node-rank",
             "--nproc-per-node", "-n", "--rdzv-endpoint", "--rdzv-id", "--no-preflight"],
     "k8s": ["--gpus-per-node", "--image", "--nodes", "--nproc-per-node", "--out"],
@@ -78,13 +80,18 @@ BAD = [
 
 
 @pytest.mark.parametrize("args,sentence", BAD, ids=[" ".join(a) for a, _ in BAD])
-def test_bad_input_is_one_sentence_and_status_2(args, sentence):
-    result = torchfleet(*args, timeout=60)
+def test_bad_input_is_one_sentence_and_status_2(args, sentence, good_checkpoint, tmp_path):
+    # Each train row also names a directory holding a good checkpoint: bad input must leave it as it was.
+    ckpt = shutil.copytree(good_checkpoint, tmp_path / "ckpt")
+    before = tree_digest(ckpt)
+    extra = ["--checkpoint-dir", str(ckpt)] if args[0] == "train" and "--resume" not in args else []
+    result = torchfleet(*args, *extra, timeout=60)
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, lines
     assert sentence in lines[0]
+    assert tree_digest(ckpt) == before
 
 
 def test_unwritable_checkpoint_dir_is_refused_before_work(tmp_path):

@@ -41,12 +41,12 @@ def test_resume_continues_to_the_same_weights(tmp_path):
     import torch
 
     def final(directory):
-        newest = sorted(directory.glob("step-*.pt"))[-1]
-        return newest.name, torch.load(newest, weights_only=True)["model"]
+        newest = sorted(directory.glob("step-*"))[-1]
+        return newest.name, torch.load(newest / "state.pt", weights_only=True)["model"]
 
     name_a, a = final(straight)
     name_b, b = final(stopped)
     assert name_a == name_b
     for key in a:
         assert torch.equal(a[key], b[key]), key  # bit for bit
-    assert len(list(stopped.glob("step-*.pt"))) == 3  # only the newest three are kept
+    assert len(list(stopped.glob("step-*"))) == 3  # only the newest three are kept

@@ -1,17 +1,30 @@
-"""Checkpoints that a crash cannot break.
+"""Checkpoints that a crash cannot break, and that say so when they are broken.
 
-A save is written to a temporary name in the same directory, flushed to disk,
-then renamed over the final name: at any moment the directory holds either
-the previous good checkpoint or the new complete one, never half a file.
-Only the main rank writes; the others wait at a barrier so nobody races ahead
-and reads a file that is not there yet.
+A checkpoint is a directory ``step-00000025/``:
+
+    state.pt        model and optimizer as full state dicts (strategies without sharding)
+    model/          the same through torch.distributed.checkpoint (sharded strategies)
+    ranks.pt        one entry per rank: RNG states, gradient scaler, `extra` (step, sampler)
+    manifest.json   strategy, processes, layout, the model's shapes and the sha256 of
+                    every file above; written last
+
+It is written under ``.step-00000025.partial/``, every file fsynced, then
+renamed into place, so at any moment (``kill -9`` included) the directory
+holds the previous complete checkpoints and perhaps one partial one that
+nothing reads. Loading checks every file against the manifest before
+unpickling anything, and unpickles with ``weights_only=True``.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
+import json
 import os
+import pickle
 import random
 import re
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,15 +32,19 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from torchfleet import checkpoint_sharded
 from torchfleet.errors import UsageError
 
 if TYPE_CHECKING:
     from torchfleet.fleet import Fleet
 
-FORMAT = 1
-_NAME = re.compile(r"^step-(\d{8})\.pt$")
+FORMAT = 2
+MANIFEST = "manifest.json"
+_NAME = re.compile(r"^step-(\d{8})$")
+_STALE = re.compile(r"^\.step-\d{8}\.(partial|old)$")
 
 
+# -- random generators ---------------------------------------------------------
 def rng_state() -> dict:
     """Every random generator a training step may draw from, as plain tensors."""
     np_state = np.random.get_state()
@@ -56,79 +73,268 @@ def _as_tuple(value):
     return tuple(_as_tuple(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
+# -- files -----------------------------------------------------------------------
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # a rename or a new file must survive a power cut too
+    finally:
+        os.close(fd)
+
+
+def _write(payload: Any, path: Path) -> None:
+    with open(path, "wb") as fh:
+        if isinstance(payload, bytes):
+            fh.write(payload)
+        else:
+            try:
+                torch.save(payload, fh)
+            except RuntimeError:
+                # torch.save's zip writer reports a failed write as a RuntimeError
+                # ("unexpected pos"): when the disk is full, say so as the OS would.
+                disk = os.statvfs(path.parent)
+                if disk.f_bavail * disk.f_frsize < (1 << 20):
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)) from None
+                raise
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
 def atomic_write(payload: Any, path: Path) -> None:
+    """One file: temporary name, flush, fsync, rename."""
+    path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "wb") as fh:
-            torch.save(payload, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
+        _write(payload, tmp)
         os.replace(tmp, path)
     finally:
-        if tmp.exists():
-            tmp.unlink()
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # the rename itself must survive a power cut
-    finally:
-        os.close(dir_fd)
+        tmp.unlink(missing_ok=True)
+    _fsync_dir(path.parent)
 
 
-def save(fleet: "Fleet", path: str | os.PathLike, extra: dict | None = None) -> None:
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def model_shapes(state: dict) -> dict[str, list[int]]:
+    """Name -> shape of every tensor in a model's state (DTensors give their global shape)."""
+    return {k: list(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+# -- save ------------------------------------------------------------------------
+def save(fleet: "Fleet", path: str | os.PathLike, extra: dict | None = None,
+         sharded: bool | None = None) -> None:
+    """Write one checkpoint directory at `path`; every rank calls it (collective).
+
+    `sharded` picks torch.distributed.checkpoint; None lets the strategy decide.
+    A failed write leaves `path` and every other checkpoint as they were.
+    """
     strategy = fleet.strategy
-    model_state, optimizer_state = strategy.state_dicts()
-    payload = {
-        "format": FORMAT,
-        "strategy": strategy.name,
-        "world_size": fleet.world_size,
-        "model": model_state,
-        "optimizer": optimizer_state,
-        "scaler": strategy.runtime.precision.state_dict(),
-        "rng": rng_state(),
-        "extra": extra or {},
-    }
-    if fleet.is_main:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(payload, path)
-    if dist.is_initialized():
-        dist.barrier()
+    sharded = getattr(strategy, "sharded_checkpoint", False) if sharded is None else sharded
+    final = Path(path)
+    tmp = final.parent / f".{final.name}.partial"
+    per_rank = {"rng": rng_state(), "scaler": strategy.runtime.precision.state_dict(), "extra": extra or {}}
+    try:
+        if fleet.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
+            tmp.mkdir(parents=True)
+        fleet.barrier()
+        if sharded:
+            checkpoint_sharded.save(strategy, tmp / "model")
+            shapes = model_shapes(strategy.unwrapped().state_dict())
+        else:
+            model_state, optimizer_state = strategy.state_dicts()  # may gather: all ranks take part
+            shapes = model_shapes(model_state)
+            if fleet.is_main:
+                _write({"model": model_state, "optimizer": optimizer_state}, tmp / "state.pt")
+        ranks = [None] * fleet.world_size
+        if dist.is_initialized():
+            dist.all_gather_object(ranks, per_rank)
+        else:
+            ranks = [per_rank]
+        if fleet.is_main:
+            _write(ranks, tmp / "ranks.pt")
+            manifest = {
+                "format": FORMAT, "strategy": strategy.name, "world_size": fleet.world_size,
+                "layout": "sharded" if sharded else "full", "step": (extra or {}).get("step"),
+                "torch": torch.__version__, "model": shapes, "optimizer": type(strategy.optimizer).__name__,
+                "files": {str(f.relative_to(tmp)): sha256(f) for f in sorted(tmp.rglob("*")) if f.is_file()},
+            }
+            _write(json.dumps(manifest, indent=1).encode(), tmp / MANIFEST)
+            for d in [tmp, *(p for p in tmp.rglob("*") if p.is_dir())]:
+                _fsync_dir(d)
+            _publish(tmp, final)
+    except OSError as exc:
+        if fleet.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        reason = exc.strerror or str(exc)
+        raise UsageError(f"cannot write checkpoint {str(final)!r} ({reason}); the earlier checkpoints"
+                         " are untouched: free space or choose another --checkpoint-dir") from None
+    fleet.barrier()
 
 
-def load(fleet: "Fleet", path: str | os.PathLike) -> dict:
+def _publish(tmp: Path, final: Path) -> None:
+    old = final.parent / f".{final.name}.old"
+    if final.exists():  # the same step saved again after a restart: move the old one aside first
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+# -- verify and load --------------------------------------------------------------
+def verify(path: str | os.PathLike) -> dict:
+    """The manifest of a complete, intact checkpoint; UsageError naming the first bad file."""
     path = Path(path)
-    if not path.is_file():
-        raise UsageError(f"checkpoint {str(path)!r} does not exist")
+    if not path.is_dir():
+        raise UsageError(f"checkpoint {str(path)!r} does not exist (a checkpoint is a step-NNNNNNNN directory)")
+    manifest_path = path / MANIFEST
     try:
-        payload = torch.load(path, map_location=fleet.device, weights_only=True)
-    except Exception as exc:  # any unpickling failure means the file is not usable
-        raise UsageError(f"checkpoint {str(path)!r} cannot be read ({type(exc).__name__}); it is corrupt or not a torchfleet checkpoint") from None
-    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
-        raise UsageError(f"checkpoint {str(path)!r} is not a torchfleet checkpoint of format {FORMAT}")
+        manifest = json.loads(manifest_path.read_text())
+        files = manifest["files"]
+    except FileNotFoundError:
+        raise UsageError(f"checkpoint {str(path)!r} has no {MANIFEST}: it is incomplete or not a torchfleet checkpoint") from None
+    except (ValueError, KeyError, TypeError):
+        raise UsageError(f"checkpoint file {str(manifest_path)!r} is corrupt (not a torchfleet manifest)") from None
+    if manifest.get("format") != FORMAT:
+        raise UsageError(f"checkpoint {str(path)!r} has format {manifest.get('format')}; this torchfleet reads format {FORMAT}")
+    for name, digest in files.items():
+        file = path / name
+        if not file.is_file():
+            raise UsageError(f"checkpoint file {str(file)!r} is missing")
+        if sha256(file) != digest:
+            raise UsageError(f"checkpoint file {str(file)!r} is corrupt or truncated: its sha256 does not match {MANIFEST}")
+    return manifest
+
+
+def verify_together(fleet: "Fleet", path: str | os.PathLike) -> dict:
+    """`verify` on the main rank, its verdict shared, so every rank raises the same error or none."""
+    outcome: list = [None]
+    if fleet.is_main:
+        try:
+            outcome[0] = ("ok", verify(path))
+        except UsageError as exc:
+            outcome[0] = ("error", str(exc))
+    if dist.is_initialized():
+        dist.broadcast_object_list(outcome, src=0)
+    kind, value = outcome[0]
+    if kind == "error":
+        raise UsageError(value)
+    return value
+
+
+def check_fits(fleet: "Fleet", path: Path, manifest: dict, strategy_name: str | None = None) -> None:
+    """UsageError when the checkpoint holds another model (or, when given, another strategy)."""
+    if strategy_name is not None and manifest["strategy"] != strategy_name:
+        raise UsageError(f"checkpoint {str(path)!r} was saved by strategy {manifest['strategy']!r} and this run uses"
+                         f" {strategy_name!r}; resume with --strategy {manifest['strategy']} or use another --checkpoint-dir")
+    optimizer = type(fleet.strategy.optimizer).__name__
+    if manifest.get("optimizer", optimizer) != optimizer:
+        raise UsageError(f"checkpoint {str(path)!r} was saved with optimizer {manifest['optimizer']} and this run"
+                         f" uses {optimizer}; use the same --optimizer or another --checkpoint-dir")
+    ours = model_shapes(fleet.strategy.unwrapped().state_dict())
+    theirs = manifest["model"]
+    for name in sorted(set(ours) | set(theirs)):
+        if ours.get(name) != theirs.get(name):
+            if name not in theirs:
+                what = f"this model's {name} {ours[name]} is not in it"
+            elif name not in ours:
+                what = f"its {name} {theirs[name]} is not in this model"
+            else:
+                what = f"{name} is {theirs[name]} there and {ours[name]} here"
+            raise UsageError(f"checkpoint {str(path)!r} holds a different model: {what};"
+                             " use the same --model or another --checkpoint-dir")
+
+
+def load(fleet: "Fleet", path: str | os.PathLike, weights_only: bool = True,
+         strategy_name: str | None = None) -> dict:
+    """Load a checkpoint into the wrapped model and optimizer; returns this rank's `extra`.
+
+    Files are checked against the manifest first, then unpickled with
+    `weights_only=True`; pass False only for a checkpoint you trust whose
+    `extra` holds arbitrary objects.
+    """
+    path = Path(path)
+    manifest = verify_together(fleet, path)
+    check_fits(fleet, path, manifest, strategy_name)
     strategy = fleet.strategy
     try:
-        strategy.load_state_dicts(payload["model"], payload["optimizer"])
+        ranks = _torch_load(path / "ranks.pt", fleet, weights_only)
+        if manifest["layout"] == "sharded":
+            checkpoint_sharded.load(strategy, path / "model")
+        else:
+            state = _torch_load(path / "state.pt", fleet, weights_only)
+            strategy.load_state_dicts(state["model"], state["optimizer"])
+    except pickle.UnpicklingError as exc:
+        raise UsageError(f"checkpoint {str(path)!r} refused: {exc}; it was not written by torchfleet or was"
+                         " altered, and loading it could run code") from None
     except (RuntimeError, KeyError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0]
-        raise UsageError(f"checkpoint {str(path)!r} does not fit this model: {first}") from None
-    strategy.runtime.precision.load_state_dict(payload["scaler"])
-    set_rng_state(payload["rng"])
-    return payload["extra"]
+        if isinstance(exc, UsageError):
+            raise
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UsageError(f"checkpoint {str(path)!r} does not fit this model and optimizer: {first}") from None
+    mine = ranks[fleet.rank] if fleet.rank < len(ranks) else ranks[0]  # fewer ranks saved: reuse rank 0's
+    strategy.runtime.precision.load_state_dict(mine["scaler"])
+    set_rng_state(mine["rng"])
+    return mine["extra"]
 
 
+def _torch_load(file: Path, fleet: "Fleet", weights_only: bool):
+    try:
+        return torch.load(file, map_location=fleet.device, weights_only=weights_only)
+    except Exception as exc:  # noqa: BLE001 - any unpickling failure means the file is unusable
+        hint = ("; it holds objects other than tensors and plain values: load it with weights_only=False"
+                " only if you trust its source") if weights_only and "weights_only" in str(exc) else ""
+        raise UsageError(f"checkpoint file {str(file)!r} cannot be read ({type(exc).__name__}){hint}") from None
+
+
+# -- a directory of checkpoints -------------------------------------------------------
 def step_path(directory: str | os.PathLike, step: int) -> Path:
-    return Path(directory) / f"step-{step:08d}.pt"
+    return Path(directory) / f"step-{step:08d}"
 
 
 def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
-    """Complete checkpoints in `directory`, oldest first (temporary files ignored)."""
+    """Published checkpoints in `directory`, oldest first (partial saves ignored)."""
     directory = Path(directory)
     if not directory.is_dir():
         return []
-    return sorted(p for p in directory.iterdir() if _NAME.match(p.name))
+    return sorted(p for p in directory.iterdir() if _NAME.match(p.name) and p.is_dir())
+
+
+def newest_good(fleet: "Fleet", directory: str | os.PathLike, fallback: bool = False) -> tuple[Path, dict] | None:
+    """(path, manifest) of the newest intact checkpoint, or None when there is none.
+
+    A damaged newest checkpoint is an error naming its file, unless `fallback`
+    asks to step back to the previous intact one (said on the main rank).
+    """
+    found = list_checkpoints(directory)
+    for path in reversed(found):
+        try:
+            return path, verify_together(fleet, path)
+        except UsageError as exc:
+            if not fallback:
+                raise UsageError(f"{exc}; pass --resume-fallback to resume from the previous intact checkpoint") from None
+            fleet.print(f"note: skipping {path}: {exc}")
+    if found:  # starting over would overwrite them: the user decides
+        raise UsageError(f"none of the {len(found)} checkpoints in {str(directory)!r} is intact; move them"
+                         " away to start from the beginning")
+    return None
 
 
 def prune(directory: str | os.PathLike, keep: int) -> None:
-    """Delete all but the newest `keep` checkpoints."""
+    """Delete all but the newest `keep` checkpoints, and partial saves left by crashes."""
+    directory = Path(directory)
     for old in list_checkpoints(directory)[:-keep]:
-        old.unlink(missing_ok=True)
+        # Renamed away first: a kill during the deletion must not leave a
+        # half-deleted directory under a checkpoint's name.
+        doomed = old.with_name(f".{old.name}.old")
+        os.replace(old, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+    for stale in directory.iterdir():
+        if _STALE.match(stale.name):
+            shutil.rmtree(stale, ignore_errors=True)

@@ -10,7 +10,7 @@ import argparse
 import os
 import sys
 
-from torchfleet.errors import UsageError
+from torchfleet.errors import TrainingError, UsageError
 
 EPILOG = "Docs: README.md. Every command takes --help."
 
@@ -101,6 +101,13 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every,
                        help="save every N steps (default 0: at the end of each epoch)")
     train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    train.add_argument("--resume-fallback", action="store_true",
+                       help="like --resume, but step back to the previous intact checkpoint when the newest is damaged")
+    train.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints,
+                       help=f"keep the newest K checkpoints (default {d.keep_checkpoints})")
+    train.add_argument("--hang-timeout", type=float, default=d.hang_timeout, metavar="SECONDS",
+                       help="no progress on any rank for this long: print every rank's stack and stop"
+                       f" (default {d.hang_timeout:.0f}; 0 turns the watchdog off)")
     train.add_argument("--json-out", default=None, metavar="FILE", help="write the final figures as JSON")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     opts = train.add_argument_group("strategy options (each applies to some strategies only)")
@@ -158,7 +165,8 @@ def cmd_train(args, argv: list[str]) -> int:
         precision=args.precision, backend=args.backend, grad_accum=args.grad_accum,
         max_steps=args.max_steps, synthetic_size=args.synthetic_size,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-        resume=args.resume, json_out=args.json_out, progress=not args.no_progress,
+        resume=args.resume, resume_fallback=args.resume_fallback, keep_checkpoints=args.keep_checkpoints,
+        hang_timeout=args.hang_timeout, json_out=args.json_out, progress=not args.no_progress,
         strategy_options=_strategy_options(args),
     )
     env = DistEnv.detect()
@@ -251,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as exc:
         print(f"torchfleet {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except TrainingError as exc:
+        print(f"torchfleet {args.command}: error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
     raise AssertionError(f"unhandled command {args.command}")

@@ -137,6 +137,9 @@ class TrainConfig:
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0  # optimizer steps; 0 saves only at the end of each epoch
     resume: bool = False
+    resume_fallback: bool = False  # a damaged newest checkpoint: step back instead of stopping
+    keep_checkpoints: int = 3
+    hang_timeout: float = 300.0  # seconds without progress on any rank before the watchdog's verdict; 0: off
     json_out: str | None = None
     progress: bool = True
     strategy_options: dict = field(default_factory=dict)
@@ -161,12 +164,16 @@ class TrainConfig:
         _at_least("--grad-accum", self.grad_accum, 1)
         _at_least("--checkpoint-every", self.checkpoint_every, 0)
         _at_least("--synthetic-size", self.synthetic_size, 1)
+        _at_least("--keep-checkpoints", self.keep_checkpoints, 1)
+        if not self.hang_timeout >= 0:
+            raise UsageError(f"--hang-timeout {self.hang_timeout} must be 0 (off) or a positive number of seconds")
         if self.max_steps is not None:
             _at_least("--max-steps", self.max_steps, 1)
         if not self.lr > 0:
             raise UsageError(f"--lr {self.lr} must be a positive number")
-        if self.resume and not self.checkpoint_dir:
-            raise UsageError("--resume needs --checkpoint-dir to say where the checkpoints are")
+        if (self.resume or self.resume_fallback) and not self.checkpoint_dir:
+            flag = "--resume" if self.resume else "--resume-fallback"
+            raise UsageError(f"{flag} needs --checkpoint-dir to say where the checkpoints are")
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -45,6 +45,9 @@ class DistEnv:
     master_addr: str = DEFAULT_ADDR
     master_port: int = DEFAULT_PORT
     source: str = "single"  # the detector: torchrun, pytorchjob, slurm, mpi, sagemaker, single
+    # How many times torchrun's agent has restarted the group (TORCHELASTIC_RESTART_COUNT):
+    # above 0, a trainer resumes from its newest checkpoint on its own.
+    restart_count: int = 0
 
     def __post_init__(self) -> None:
         # Local numbers first: a bad LOCAL_RANK is what puts a derived rank out of range.
@@ -146,7 +149,7 @@ def _from_torchrun(environ: Mapping[str, str]) -> DistEnv | None:
         node_rank=_int(environ, "GROUP_RANK", default=0),
         nnodes=_int(environ, "GROUP_WORLD_SIZE", default=nnodes_guess),
         master_addr=environ.get("MASTER_ADDR", DEFAULT_ADDR), master_port=_port(environ),
-        source="torchrun")
+        restart_count=_int(environ, "TORCHELASTIC_RESTART_COUNT", default=0), source="torchrun")
 
 
 def _from_pytorchjob(environ: Mapping[str, str]) -> DistEnv | None:

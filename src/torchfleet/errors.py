@@ -14,3 +14,7 @@ class UsageError(ValueError):
 def choice_error(what: str, value: object, accepted: "list[str] | tuple[str, ...]") -> UsageError:
     """The standard sentence for a value outside a fixed set of names."""
     return UsageError(f"unknown {what} {value!r}; choose one of {', '.join(accepted)}")
+
+
+class TrainingError(RuntimeError):
+    """The run cannot go on (a non-finite loss): one sentence, exit status 1, no traceback."""

@@ -17,7 +17,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
-from torchfleet.errors import UsageError
+from torchfleet.errors import TrainingError, UsageError
 
 # Exit status of a worker that failed on bad input: the launcher exits 2 as well.
 USAGE_EXIT = 2
@@ -33,6 +33,7 @@ class RankFailure:
     error: str = ""  # "ValueError: boom", empty when the process died without a word
     traceback: str = ""
     usage_error: bool = False
+    verdict: bool = False  # error is the watchdog's hang verdict, traceback every rank's stack
 
     @property
     def how(self) -> str:
@@ -54,6 +55,8 @@ class FailureSummary:
         f = self.first
         if f.usage_error:
             return f.error.split(": ", 1)[-1]
+        if f.verdict:
+            return f"hang: {f.error}\n{f.traceback}"
         lines = [f"rank {f.rank} (local rank {f.local_rank} on {f.host}, pid {f.pid}) failed first: {f.how}"]
         if f.traceback:
             lines.append(f.traceback.rstrip())
@@ -100,6 +103,7 @@ def summarize(exc) -> FailureSummary:
             rank=rank, local_rank=failure.local_rank, host=info.get("host", socket.gethostname()),
             pid=failure.pid, exitcode=failure.exitcode, error="" if message == "<NONE>" else message,
             traceback=info.get("py_callstack", ""), usage_error=bool(info.get("usage_error")),
+            verdict=bool(info.get("verdict")),
         )))
     found.sort(key=lambda pair: (_is_echo(pair[1]), pair[0], pair[1].rank))
     ranked = [f for _, f in found]
@@ -114,17 +118,28 @@ def report(summary: FailureSummary) -> int:
 
 def record_exception(exc: BaseException) -> bool:
     """Write `exc` to the agent's error file; False when not under torchrun's agent."""
+    # A TrainingError's sentence says all (step and rank): no traceback to go with it.
+    callstack = "" if isinstance(exc, TrainingError) else "".join(traceback.format_exception(exc))
+    return _record(f"{type(exc).__name__}: {exc}", callstack, usage_error=isinstance(exc, UsageError))
+
+
+def record_verdict(verdict: str, stacks: str) -> bool:
+    """Write the watchdog's hang verdict and every rank's stack to the agent's error file."""
+    return _record(verdict, stacks, verdict=True)
+
+
+def _record(message: str, callstack: str, **flags: bool) -> bool:
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return False
     data = {"message": {
-        "message": f"{type(exc).__name__}: {exc}",
+        "message": message,
         "extraInfo": {
-            "py_callstack": "".join(traceback.format_exception(exc)),
+            "py_callstack": callstack,
             "timestamp": str(int(time.time())),
             "host": socket.gethostname(),
             "rank": os.environ.get("RANK", "?"),
-            "usage_error": isinstance(exc, UsageError),
+            **flags,
         },
     }}
     with open(path, "w") as fh:
@@ -139,7 +154,11 @@ def call_recorded(fn, *args):
     except Exception as exc:
         if not record_exception(exc):
             raise
-        sys.exit(USAGE_EXIT if isinstance(exc, UsageError) else 1)
+        # Leave at once: a clean exit would tear down the process group first,
+        # which waits on peers that are themselves waiting for this rank.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(USAGE_EXIT if isinstance(exc, UsageError) else 1)
 
 
 class Recorded:

@@ -88,6 +88,16 @@ class Fleet:
         if dist.is_initialized():
             return
         env = self.env
+        if env.source == "torchrun" and env.restart_count > 0:
+            # After a restart torchrun's agent hands out the same store as before, where
+            # each rank's Gloo address from the last attempt still sits (torch says it makes
+            # a new store per attempt; its rendezvous caches the first). A prefix per attempt
+            # keeps this attempt's keys apart.
+            store = dist.PrefixStore(f"torchfleet/attempt-{env.restart_count}", dist.TCPStore(
+                env.master_addr, env.master_port, env.world_size, is_master=False, timeout=_PG_TIMEOUT))
+            dist.init_process_group(self.backend, store=store, rank=env.rank, world_size=env.world_size,
+                                    timeout=_PG_TIMEOUT)
+            return
         if env.source == "torchrun":
             # torchrun's agent already hosts the store at MASTER_ADDR:MASTER_PORT.
             init_method = "env://"
@@ -114,7 +124,10 @@ class Fleet:
                 f" processes) does not split into {self.grad_accum} accumulation steps;"
                 f" use a batch size that is a multiple of {world * self.grad_accum}"
             )
-        return DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers)
+        # Its own generator: each new iterator draws a seed from it, and a draw from
+        # the global RNG there would shift dropout after a mid-epoch resume.
+        return DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
+                          generator=torch.Generator().manual_seed(seed))
 
     def eval_dataloader(self, dataset: Dataset, batch_size: int = 256) -> DataLoader:
         """Every sample exactly once across ranks; combine results with `all_reduce`."""
@@ -189,13 +202,20 @@ class Fleet:
             print(*args, **kwargs, flush=True)
 
     # -- checkpoints ------------------------------------------------------
-    def save(self, path: str | os.PathLike, **extra: Any) -> None:
-        """Save model, optimizer, scaler and `extra` atomically (main rank writes)."""
-        checkpoint.save(self, path, extra)
+    def save(self, path: str | os.PathLike, sharded: bool | None = None, **extra: Any) -> None:
+        """Save a checkpoint directory atomically: model, optimizer, scaler, RNG states, `extra`.
 
-    def load(self, path: str | os.PathLike) -> dict:
-        """Load what `save` wrote into the wrapped model and optimizer; returns `extra`."""
-        return checkpoint.load(self, path)
+        Every rank calls it. `sharded=True` writes through torch.distributed.checkpoint
+        (the default for sharding strategies), so it loads with another number of processes.
+        """
+        checkpoint.save(self, path, extra, sharded=sharded)
+
+    def load(self, path: str | os.PathLike, weights_only: bool = True) -> dict:
+        """Verify and load what `save` wrote; returns this rank's `extra`.
+
+        weights_only=False unpickles arbitrary objects: only for checkpoints you trust.
+        """
+        return checkpoint.load(self, path, weights_only=weights_only)
 
     @property
     def model_dir(self) -> Path | None:

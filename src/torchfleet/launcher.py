@@ -13,6 +13,7 @@ import logging
 import os
 import socket
 import sys
+import time
 import uuid
 from typing import Any, Callable
 
@@ -26,6 +27,7 @@ from torchfleet.config import LaunchConfig
 from torchfleet.errors import UsageError
 
 LOOPBACK = "127.0.0.1"
+MASTER_WAIT = 60.0  # seconds a node waits for node 0's rendezvous to answer
 
 
 class LaunchError(RuntimeError):
@@ -40,6 +42,44 @@ def free_port(host: str = LOOPBACK) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def check_port_free(host: str, port: int) -> None:
+    """UsageError when `port` is taken, before any process starts."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise UsageError(f"--master-port {port} is already in use on {host} ({exc.strerror}); choose another"
+                             " port, or leave --master-port out on one machine for a free one") from None
+
+
+def wait_for_master(addr: str, port: int, wait: float = MASTER_WAIT) -> None:
+    """UsageError when node 0's rendezvous at addr:port cannot be reached within `wait` seconds."""
+    try:
+        socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise UsageError(f"--master-addr {addr!r} cannot be resolved ({exc.strerror}); give node 0's host name or IP address") from None
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            with socket.create_connection((addr, port), timeout=min(5.0, max(0.1, wait))):
+                return
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                raise UsageError(f"cannot reach the master at {addr}:{port} within {wait:.0f} s ({exc.strerror or exc});"
+                                 " check --master-addr and --master-port, and that node 0 has started") from None
+        time.sleep(1.0)
+
+
+def exposure(cfg: LaunchConfig) -> str:
+    """The sentence a multi-machine run prints: what it opens to the network."""
+    port = cfg.master_port or 29500
+    if cfg.node_rank == 0:
+        return (f"torchfleet: node 0 exposes the rendezvous store on every interface, port {port} (TCP, no"
+                f" authentication), and Gloo/NCCL ports chosen by the OS; anyone who reaches them can join or"
+                f" disturb the job: run it on a private network (docs/security.md)")
+    return f"torchfleet: node {cfg.node_rank} joins the rendezvous at {cfg.master_addr}:{port} (docs/security.md)"
 
 
 def agent_config(cfg: LaunchConfig) -> AgentConfig:
@@ -121,9 +161,35 @@ def _worker_threads(cfg: LaunchConfig) -> None:
     # thread unless the user chose, or they fight over the same cores.
     if cfg.nproc_per_node > 1:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if cfg.nnodes == 1 and _has_interface("lo"):
+        # One machine: Gloo's pairs listen on loopback too, not on the host's public address.
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+
+def _has_interface(name: str) -> bool:
+    try:
+        socket.if_nametoindex(name)
+        return True
+    except OSError:
+        return False
+
+
+def _preflight(cfg: LaunchConfig) -> None:
+    """Refuse what would only fail later, slowly: a busy port, an unreachable master."""
+    if not cfg.multi_node:
+        if cfg.master_port:
+            check_port_free(LOOPBACK, cfg.master_port)
+        return
+    if cfg.node_rank == 0:
+        check_port_free("0.0.0.0", cfg.master_port or 29500)
+    elif not cfg.preflight:
+        # Without the preflight's checks, still refuse to wait forever on a master nobody answers at.
+        wait_for_master(cfg.master_addr, cfg.master_port or 29500)
+    print(exposure(cfg), file=sys.stderr, flush=True)
 
 
 def _start(cfg: LaunchConfig, entrypoint: Callable | str, args: list) -> dict[int, Any]:
+    _preflight(cfg)
     _quiet_agent_logs()
     _worker_threads(cfg)
     chosen = socket_env(cfg)

@@ -7,6 +7,7 @@ already started the processes, and Fleet has joined them into a group.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import time
 from pathlib import Path
@@ -14,13 +15,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from torchfleet import checkpoint, report
+from torchfleet import checkpoint, faults, report
 from torchfleet.config import TrainConfig
 from torchfleet.data import builtin_dataset
+from torchfleet.errors import TrainingError
 from torchfleet.fleet import Fleet
 from torchfleet.models import build_model
-
-KEEP_CHECKPOINTS = 3
+from torchfleet.watchdog import Watchdog
 
 
 def build_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
@@ -29,7 +30,7 @@ def build_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=lr)
 
 
-def evaluate(fleet: Fleet, dataset) -> float:
+def evaluate(fleet: Fleet, dataset, on_batch=None) -> float:
     """Accuracy over the whole validation set, each sample counted once across ranks."""
     model = fleet.strategy.model
     was_training = model.training
@@ -37,6 +38,8 @@ def evaluate(fleet: Fleet, dataset) -> float:
     correct = total = 0
     for inputs, targets in fleet.eval_dataloader(dataset):
         outputs = fleet.predict(inputs)
+        if on_batch:
+            on_batch()  # the watchdog's heartbeat: a long evaluation is progress too
         if outputs is not None:  # pipeline stages other than the last return None
             correct += (outputs.argmax(1).cpu() == targets).sum().item()
             total += len(targets)
@@ -75,9 +78,11 @@ def train(cfg: TrainConfig, strategy: str, nproc: int = 1) -> dict:
     sampler = loader.batch_sampler
     loss_fn = nn.CrossEntropyLoss()
 
-    step = 0
-    if cfg.resume:
-        step = _resume(fleet, cfg.checkpoint_dir, sampler)
+    step = saved = 0
+    # After a restart by torchrun's agent (--max-restarts) the group resumes on its own.
+    if cfg.checkpoint_dir and (cfg.resume or cfg.resume_fallback or fleet.env.restart_count > 0):
+        step = saved = _resume(fleet, cfg, sampler)
+    watchdog = Watchdog(fleet.rank, fleet.world_size, cfg.hang_timeout).start() if cfg.hang_timeout else None
     steps_per_epoch = len(sampler)
     total_steps = steps_per_epoch * cfg.epochs
     if cfg.max_steps is not None:
@@ -96,16 +101,24 @@ def train(cfg: TrainConfig, strategy: str, nproc: int = 1) -> dict:
                 loss = fleet.train_step(inputs, targets, loss_fn)
                 step += 1
                 samples += cfg.batch_size
+                if watchdog:
+                    watchdog.beat(step)
+                _check_finite(fleet, loss, step, faults.maybe_fire(fleet.rank, step))
                 bar.advance(epoch=epoch + 1, loss=loss.item())
                 if cfg.checkpoint_dir and cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
-                    _save(fleet, cfg.checkpoint_dir, step, sampler)
+                    saved = _save(fleet, cfg, step, sampler)
                 if step >= total_steps:
                     break
             train_seconds += time.perf_counter() - tick
-            val_accuracy = evaluate(fleet, val_set)
+            beat = functools.partial(watchdog.beat, step, "evaluate") if watchdog else None
+            val_accuracy = evaluate(fleet, val_set, beat)
             bar.epoch_done(epoch + 1, val_accuracy)
             if cfg.checkpoint_dir and not cfg.checkpoint_every:
-                _save(fleet, cfg.checkpoint_dir, step, sampler)
+                saved = _save(fleet, cfg, step, sampler)
+    if cfg.checkpoint_dir and saved != step:
+        _save(fleet, cfg, step, sampler)  # the final weights, whatever the interval
+    if watchdog:
+        watchdog.stop()
     wall = time.perf_counter() - start
 
     final_loss = fleet.all_reduce(loss.detach(), op="mean").item()
@@ -140,18 +153,31 @@ def train(cfg: TrainConfig, strategy: str, nproc: int = 1) -> dict:
     return result
 
 
-def _save(fleet: Fleet, directory: str, step: int, sampler) -> None:
-    fleet.save(checkpoint.step_path(directory, step), step=step, sampler=sampler.state_dict())
+def _check_finite(fleet: Fleet, loss: torch.Tensor, step: int, injected: bool) -> None:
+    # Under fp16 the GradScaler skips steps whose gradients overflow and lowers
+    # its scale: a non-finite loss there is routine, not the end of the run.
+    if fleet.strategy.runtime.precision.scaler is not None:
+        return
+    if injected or not torch.isfinite(loss).item():
+        value = "nan" if injected else f"{loss.item()}"
+        raise TrainingError(f"the loss is {value} at step {step} on rank {fleet.rank}; training stopped"
+                            " (lower --lr, or use --precision fp32 if it was bf16)")
+
+
+def _save(fleet: Fleet, cfg: TrainConfig, step: int, sampler) -> int:
+    fleet.save(checkpoint.step_path(cfg.checkpoint_dir, step), step=step, sampler=sampler.state_dict())
     if fleet.is_main:
-        checkpoint.prune(directory, KEEP_CHECKPOINTS)
+        checkpoint.prune(cfg.checkpoint_dir, cfg.keep_checkpoints)
+    return step
 
 
-def _resume(fleet: Fleet, directory: str, sampler) -> int:
-    found = checkpoint.list_checkpoints(directory)
-    if not found:
-        fleet.print(f"note: no checkpoint in {directory}; starting from the beginning")
+def _resume(fleet: Fleet, cfg: TrainConfig, sampler) -> int:
+    found = checkpoint.newest_good(fleet, cfg.checkpoint_dir, fallback=cfg.resume_fallback)
+    if found is None:
+        fleet.print(f"note: no checkpoint in {cfg.checkpoint_dir}; starting from the beginning")
         return 0
-    extra = fleet.load(found[-1])
+    path, _ = found
+    extra = checkpoint.load(fleet, path, strategy_name=fleet.strategy_name)
     sampler.load_state_dict(extra["sampler"])
-    fleet.print(f"resumed from {found[-1]} at step {extra['step']}")
+    fleet.print(f"resumed from {path} at step {extra['step']}")
     return extra["step"]

@@ -80,6 +80,7 @@ def memory_per_rank(params, grads, optimizer: torch.optim.Optimizer) -> dict:
 class FullyShardedDataParallel(Strategy):
     name = "fsdp"
     distributed = True
+    sharded_checkpoint = True  # each rank saves its own shards through torch.distributed.checkpoint
 
     def wrap(self, model, optimizer):
         device = self.runtime.device

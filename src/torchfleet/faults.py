@@ -1,0 +1,76 @@
+"""A test hook that makes one rank fail on purpose, so fault handling is tested for real.
+
+    TORCHFLEET_FAULT=kill:rank=1:step=7:once=/tmp/fired
+
+The trainer calls `maybe_fire(rank, step)` after every optimizer step. On
+rank `rank` after step `step` the fault fires:
+
+    kill    SIGKILL this process (what the OOM killer or a lost node looks like)
+    raise   raise RuntimeError (a crash with a traceback)
+    sleep   sleep `seconds` (default 3600) without a word: a hang
+    nan     return True: the trainer then treats the loss as NaN
+
+``once=FILE`` fires only while FILE does not exist and writes it (holding
+the time it fired) just before firing, so a group restarted by torchrun's
+agent does not fire again. This is for tests and drills, not for training.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from torchfleet.errors import UsageError
+
+VARIABLE = "TORCHFLEET_FAULT"
+KINDS = ("kill", "raise", "sleep", "nan")
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    rank: int
+    step: int
+    once: str | None = None
+    seconds: float = 3600.0
+
+
+def parse(text: str) -> Fault:
+    kind, *fields = text.split(":")
+    try:
+        values = dict(f.split("=", 1) for f in fields)
+        fault = Fault(kind, int(values.pop("rank")), int(values.pop("step")), values.pop("once", None),
+                      float(values.pop("seconds", 3600)))
+    except (ValueError, KeyError):
+        fault = None
+    if fault is None or kind not in KINDS or values:
+        raise UsageError(f"{VARIABLE}={text!r} is not a fault; use e.g. kill:rank=1:step=7[:once=FILE]"
+                         f" with kind one of {', '.join(KINDS)}")
+    return fault
+
+
+def _configured() -> Fault | None:
+    text = os.environ.get(VARIABLE)
+    return parse(text) if text else None
+
+
+def maybe_fire(rank: int, step: int) -> bool:
+    """Fire the configured fault if it is due here; True means "pretend the loss is NaN"."""
+    fault = _configured()
+    if fault is None or fault.rank != rank or fault.step != step:
+        return False
+    if fault.once:
+        marker = Path(fault.once)
+        if marker.exists():
+            return False
+        marker.write_text(f"{time.time()}\n")  # survives the restart; holds when it fired
+    if fault.kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if fault.kind == "raise":
+        raise RuntimeError(f"fault injected by {VARIABLE} on rank {rank} at step {step}")
+    if fault.kind == "sleep":
+        time.sleep(fault.seconds)
+    return fault.kind == "nan"
