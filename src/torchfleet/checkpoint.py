@@ -125,6 +125,16 @@ def model_shapes(state: dict) -> dict[str, list[int]]:
     return {k: list(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
 
 
+def global_shapes(fleet: "Fleet") -> dict[str, list[int]]:
+    """The whole model's shapes, merged over ranks: a pipeline stage holds only its own layers."""
+    local = model_shapes(fleet.strategy.unwrapped().state_dict())
+    if not dist.is_initialized():
+        return local
+    every: list = [None] * fleet.world_size
+    dist.all_gather_object(every, local)
+    return {name: shape for shapes in every for name, shape in shapes.items()}
+
+
 # -- save ------------------------------------------------------------------------
 def save(fleet: "Fleet", path: str | os.PathLike, extra: dict | None = None,
          sharded: bool | None = None) -> None:
@@ -145,7 +155,7 @@ def save(fleet: "Fleet", path: str | os.PathLike, extra: dict | None = None,
         fleet.barrier()
         if sharded:
             checkpoint_sharded.save(strategy, tmp / "model")
-            shapes = model_shapes(strategy.unwrapped().state_dict())
+            shapes = global_shapes(fleet)
         else:
             model_state, optimizer_state = strategy.state_dicts()  # may gather: all ranks take part
             shapes = model_shapes(model_state)
@@ -237,7 +247,7 @@ def check_fits(fleet: "Fleet", path: Path, manifest: dict, strategy_name: str | 
     if manifest.get("optimizer", optimizer) != optimizer:
         raise UsageError(f"checkpoint {str(path)!r} was saved with optimizer {manifest['optimizer']} and this run"
                          f" uses {optimizer}; use the same --optimizer or another --checkpoint-dir")
-    ours = model_shapes(fleet.strategy.unwrapped().state_dict())
+    ours = global_shapes(fleet)
     theirs = manifest["model"]
     for name in sorted(set(ours) | set(theirs)):
         if ours.get(name) != theirs.get(name):

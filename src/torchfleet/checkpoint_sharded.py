@@ -1,6 +1,6 @@
 """The sharded half of checkpoints: torch.distributed.checkpoint (DCP), read safely.
 
-Strategies that declare ``sharded_checkpoint = True`` (fsdp, pipelines) save
+Strategies that declare ``sharded_checkpoint = True`` (fsdp) save
 through DCP: every rank writes its own shards into one directory, and a
 checkpoint written by N processes loads into M where the strategy allows it,
 because DCP reshards on load. ``get_state_dict``/``set_state_dict`` name

@@ -185,7 +185,6 @@ def _preflight(cfg: LaunchConfig) -> None:
     elif not cfg.preflight:
         # Without the preflight's checks, still refuse to wait forever on a master nobody answers at.
         wait_for_master(cfg.master_addr, cfg.master_port or 29500)
-    print(exposure(cfg), file=sys.stderr, flush=True)
 
 
 def _start(cfg: LaunchConfig, entrypoint: Callable | str, args: list) -> dict[int, Any]:
@@ -201,6 +200,8 @@ def _start(cfg: LaunchConfig, entrypoint: Callable | str, args: list) -> dict[in
         if cfg.multi_node and cfg.preflight:
             checked = check_nodes(cfg)
             print(f"torchfleet: {checked.sentence(cfg.node_rank)}", flush=True)
+        if cfg.multi_node:
+            print(exposure(cfg), file=sys.stderr, flush=True)  # once the checks have passed
         return elastic_launch(agent_config(cfg), entrypoint)(*args)
     except ChildFailedError as exc:
         raise LaunchError(failures.summarize(exc)) from None

@@ -82,6 +82,11 @@ def label(node: int, address: str | None) -> str:
 
 def route(node: int, master: str) -> netif.Interface:
     """The interface this machine reaches the master through, or PreflightError."""
+    try:
+        socket.getaddrinfo(master, None)
+    except socket.gaierror as exc:
+        raise PreflightError(f"{label(node, None)}: --master-addr {master!r} cannot be resolved ({exc.strerror});"
+                             " give node 0's host name or IP address") from None
     iface = netif.interface_for(master)
     if iface is None:
         raise PreflightError(f"{label(node, None)}: interface has no route to the master "

@@ -114,7 +114,6 @@ class _Stage(PipelineStage):
 class Pipeline(Strategy):
     name = "pipeline"
     distributed = True
-    sharded_checkpoint = True  # each stage saves its own layers through torch.distributed.checkpoint
     options = ("microbatches", "schedule")
 
     def __init__(self, runtime, microbatches: int | None = None, schedule: str = "1f1b", **options):
