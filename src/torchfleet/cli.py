@@ -98,6 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_launch_flags(run)
     run.add_argument("script", help="the Python script to run on every rank")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+
+    from torchfleet import bench_cli
+
+    bench_cli.add_parser(sub, STRATEGY_FLAGS)
     return parser
 
 
@@ -185,6 +189,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_train(args, argv[argv.index("train") + 1:])
         if args.command == "run":
             return cmd_run(args)
+        if args.command == "bench":
+            from torchfleet import bench_cli
+
+            return bench_cli.command(args, _strategy_options(args))
     except UsageError as exc:
         print(f"torchfleet {args.command}: error: {exc}", file=sys.stderr)
         return 2
