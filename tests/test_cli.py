@@ -17,6 +17,9 @@ SURFACE = {
               "--optimizer", "--precision", "--resume", "--seed", "--strategy", "--synthetic-size", "-n"],
     "run": ["--master-addr", "--master-port", "--max-restarts", "--nnodes", "--node-rank",
             "--nproc-per-node", "-n"],
+    "bench": ["--batch-sizes", "--model", "--nproc", "--out", "--precisions", "--quick", "--steps",
+              "--strategies", "--threads", "--warmup", "--devices", "--microbatches", "--schedule", "--pp",
+              "--sharing-strategy"],
 }
 
 
@@ -63,6 +66,10 @@ BAD = [
     (["run", "-n", "2", "pyproject.toml"], "is not a Python file"),
     (["run", "--master-port", "70000", "x.py"], "--master-port 70000 is not a TCP port"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
+    (["bench", "--strategies", "serial,warp"], "unknown strategy 'warp'; choose one of serial"),
+    (["bench", "--steps", "1"], "--steps 1 must be at least 2"),
+    (["bench", "--nproc", "2,x"], "process counts '2,x' is not a comma-separated list"),
+    (["bench", "--precisions", "fp64"], "unknown precision 'fp64'"),
 ]
 
 

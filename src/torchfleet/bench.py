@@ -250,6 +250,7 @@ def run_bench(cfg: BenchConfig, console=None) -> dict:
     cells, notes = plan(cfg, strategy_availability(hw, cores), cores)
     if not cells:
         raise UsageError("nothing to benchmark: no strategy and process count fit together here")
+    cfg = replace(cfg, strategies=tuple(dict.fromkeys(c.strategy for c in cells)))
     for note in notes:
         console.print(f"note: {note}")
 
