@@ -14,11 +14,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from torchfleet import checkpoint
 from torchfleet.backend import choose_backend, probe_hardware
-from torchfleet.data import GlobalBatchSampler, ShardSampler
+from torchfleet.data import GlobalBatchSampler, ShardSampler, TensorBatches, as_batch
 from torchfleet.env import DistEnv
 from torchfleet.errors import UsageError
 from torchfleet.precision import Precision
@@ -104,6 +104,10 @@ class Fleet:
                 f" processes) does not split into {self.grad_accum} accumulation steps;"
                 f" use a batch size that is a multiple of {world * self.grad_accum}"
             )
+        if type(dataset) is TensorDataset:
+            # In-memory tensors: gather each batch at once instead of sample by sample.
+            return DataLoader(TensorBatches(dataset), batch_sampler=sampler, num_workers=num_workers,
+                              collate_fn=as_batch)
         return DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers)
 
     def eval_dataloader(self, dataset: Dataset, batch_size: int = 256) -> DataLoader:
