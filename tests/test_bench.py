@@ -82,6 +82,16 @@ def test_quick_bench_figures_are_complete_and_consistent(tmp_path):
         assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.timeout(120)
+def test_a_cell_past_its_timeout_is_stopped_and_reported():
+    # 10**7 steps would take hours: the deadline kills the workers and the row says so.
+    cfg = BenchConfig(model="mlp", steps=10**7, warmup=0, cell_timeout_s=3)
+    row = bench.run_one(bench.Cell("ddp", 2, 8, "fp32", 1), cfg)
+    assert row["status"] == "failed" and row["error"] == "timed out after 3 s"
+    assert 3 <= row["wall_s"] < 60
+    assert bench._spawned_children() == []  # nothing left running
+
+
 class _Sharded(Strategy):  # stands in for a strategy another branch registers
     name = "fsdp"
     distributed = True

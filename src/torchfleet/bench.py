@@ -145,27 +145,36 @@ def _spawned_children() -> list[int]:
 
 
 class _Deadline:
-    """Kill the cell's workers when it runs past `seconds`; the launcher then reports them failed."""
+    """Kill the cell's workers when it runs past `seconds`; the launcher then reports them failed.
+
+    After the deadline it keeps killing once a second, so workers that were
+    still being started at that moment do not escape.
+    """
 
     def __init__(self, seconds: float):
         self.seconds, self.expired = seconds, False
-        self._timer = threading.Timer(seconds, self._expire)
-        self._timer.daemon = True
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
 
-    def _expire(self) -> None:
+    def _watch(self) -> None:
+        if self._stop.wait(self.seconds):
+            return
         self.expired = True
-        for pid in _spawned_children():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        while not self._stop.is_set():
+            for pid in _spawned_children():
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            self._stop.wait(1.0)
 
     def __enter__(self):
-        self._timer.start()
+        self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
-        self._timer.cancel()
+        self._stop.set()
+        self._thread.join()
 
 
 def failure_reason(summary) -> str:
@@ -202,7 +211,7 @@ def run_one(cell: Cell, cfg: BenchConfig) -> dict:
         with _Deadline(cfg.cell_timeout_s) as deadline:
             figures = launch(bench_cell.run_cell, nprocs=cell.processes, args=(spec,))[0]
     except LaunchError as exc:
-        reason = (f"timed out after {cfg.cell_timeout_s:.0f} s" if deadline.expired
+        reason = (f"timed out after {cfg.cell_timeout_s:g} s" if deadline.expired
                   else failure_reason(exc.summary))
         return {**row, "status": "failed", "error": reason, "wall_s": time.perf_counter() - start}
     return {**row, **figures, "status": "ok", "error": None, "wall_s": time.perf_counter() - start}
