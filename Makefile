@@ -9,7 +9,7 @@ BIN    := $(VENV)/bin
 # pip's own progress bars and the "location ignored" notes of local indexes are noise here.
 PIP    := $(BIN)/python -m pip install --quiet --disable-pip-version-check
 
-.PHONY: demo test lint doctor clean system-deps
+.PHONY: demo test lint doctor bench parity clean system-deps
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -20,8 +20,16 @@ $(VENV)/.base: pyproject.toml | $(BIN)/python
 	touch $@
 
 $(VENV)/.dev: $(VENV)/.base
-	$(PIP) -e '.[dev]' 2>&1 | { grep -v "is ignored" || true; }
-	$(BIN)/python -c "import pytest, pytest_timeout"
+	$(PIP) -e '.[dev,plot]' 2>&1 | { grep -v "is ignored" || true; }
+	$(BIN)/python -c "import pytest, pytest_timeout, matplotlib"
+	touch $@
+
+# Accelerate and Lightning for the parity benchmark only, with torch pinned to
+# the version already installed so that neither can swap it for another.
+$(VENV)/.parity: $(VENV)/.base
+	$(PIP) -e '.[plot,parity]' "torch==$$($(BIN)/python -c 'import torch; print(torch.__version__.split("+")[0])')" \
+		2>&1 | { grep -v "is ignored" || true; }
+	$(BIN)/python -c "import accelerate, lightning.fabric"
 	touch $@
 
 demo: $(VENV)/.base
@@ -50,6 +58,13 @@ lint: $(VENV)/.dev
 
 doctor: $(VENV)/.base
 	$(BIN)/torchfleet doctor
+
+bench: $(VENV)/.dev
+	$(BIN)/torchfleet bench
+
+# Not part of `make test`: minutes of timing, printed as medians and ratios (docs/benchmarks.md).
+parity: $(VENV)/.parity
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python benchmarks/parity.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -24,6 +24,9 @@ SURFACE = {
     "sagemaker": ["--instance-count", "--instance-type", "--out", "--role", "--submit"],
     "slurm": ["--gpus-per-node", "--nodes", "--ntasks-per-node", "--out", "--partition", "--submit",
               "--time"],
+    "bench": ["--batch-sizes", "--model", "--nproc", "--out", "--precisions", "--quick", "--steps",
+              "--strategies", "--threads", "--warmup", "--devices", "--microbatches", "--schedule", "--pp",
+              "--sharing-strategy"],
 }
 
 
@@ -76,6 +79,10 @@ BAD = [
     (["train", "--strategy", "serial", "--nnodes", "2"], "strategy 'serial' runs in one process, not one per machine of --nnodes 2"),
     (["doctor", "--master-addr", "10.0.0.1", "--nnodes", "2", "--node-rank", "2"], "give a number of machines and this machine's index below it"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
+    (["bench", "--strategies", "serial,warp"], "unknown strategy 'warp'; choose one of serial"),
+    (["bench", "--steps", "1"], "--steps 1 must be at least 2"),
+    (["bench", "--nproc", "2,x"], "process counts '2,x' is not a comma-separated list"),
+    (["bench", "--precisions", "fp64"], "unknown precision 'fp64'"),
 ]
 
 

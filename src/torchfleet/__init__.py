@@ -11,24 +11,30 @@ The same script runs with ``python script.py`` (one process),
 ``torchfleet run -n 2 script.py`` and ``torchrun --nproc-per-node 2 script.py``.
 """
 
-from importlib import metadata as _metadata
-
-try:
-    __version__ = _metadata.version("torchfleet")
-except _metadata.PackageNotFoundError:  # running from a source tree
-    __version__ = "0+unknown"
-
-from torchfleet.errors import UsageError  # noqa: E402
+from torchfleet.errors import UsageError
 
 __all__ = ["Fleet", "UsageError", "launch", "notebook_launch", "__version__"]
 
 # Fleet and launch import torch, which takes seconds; loading them on first
-# use keeps `torchfleet --help` and `torchfleet doctor --json` quick.
+# use keeps `torchfleet --help` and `torchfleet doctor --json` quick. The
+# version too: finding the package's metadata scans sys.path (~0.1 s), which
+# every worker of `torchfleet run` would pay before the user's script starts.
 _LAZY = {"Fleet": "torchfleet.fleet", "launch": "torchfleet.launcher",
          "notebook_launch": "torchfleet.notebook"}
 
 
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("torchfleet")
+    except metadata.PackageNotFoundError:  # running from a source tree
+        return "0+unknown"
+
+
 def __getattr__(name: str):
+    if name == "__version__":
+        return _version()
     if name in _LAZY:
         import importlib
 

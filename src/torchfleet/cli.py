@@ -123,6 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
     from torchfleet.clusters import cli as clusters_cli
 
     clusters_cli.add_commands(sub)  # slurm, sagemaker, k8s: writers of job specs
+
+    from torchfleet import bench_cli
+
+    bench_cli.add_parser(sub, STRATEGY_FLAGS)
     return parser
 
 
@@ -256,6 +260,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_run(args)
         if args.command in clusters_cli.COMMANDS:
             return clusters_cli.run(args)
+        if args.command == "bench":
+            from torchfleet import bench_cli
+
+            return bench_cli.command(args, _strategy_options(args))
     except UsageError as exc:
         print(f"torchfleet {args.command}: error: {exc}", file=sys.stderr)
         return 2

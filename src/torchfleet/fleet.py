@@ -16,12 +16,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from torchfleet import checkpoint
 from torchfleet.backend import choose_backend, probe_hardware
 from torchfleet.clusters.sagemaker import TrainingEnv, relaunch_per_gpu
-from torchfleet.data import GlobalBatchSampler, ShardSampler
+from torchfleet.data import GlobalBatchSampler, ShardSampler, TensorBatches, as_batch
 from torchfleet.env import DistEnv
 from torchfleet.errors import UsageError
 from torchfleet.precision import Precision
@@ -126,8 +126,12 @@ class Fleet:
             )
         # Its own generator: each new iterator draws a seed from it, and a draw from
         # the global RNG there would shift dropout after a mid-epoch resume.
-        return DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
-                          generator=torch.Generator().manual_seed(seed))
+        generator = torch.Generator().manual_seed(seed)
+        if type(dataset) is TensorDataset:
+            # In-memory tensors: gather each batch at once instead of sample by sample.
+            return DataLoader(TensorBatches(dataset), batch_sampler=sampler, num_workers=num_workers,
+                              collate_fn=as_batch, generator=generator)
+        return DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers, generator=generator)
 
     def eval_dataloader(self, dataset: Dataset, batch_size: int = 256) -> DataLoader:
         """Every sample exactly once across ranks; combine results with `all_reduce`."""

@@ -1,0 +1,201 @@
+"""torchfleet against hand-written PyTorch, Accelerate and Lightning Fabric, side by side.
+
+    make parity                   # installs accelerate and lightning, then runs this
+    python benchmarks/parity.py [--rounds 3] [--out runs/parity]
+
+Three measurements, each interleaved (A B C D A B C D ...) so that drift on a
+shared machine hits every contender alike; every figure is a median.
+
+1. Parity: the same job (CNN, synthetic in-memory data, global batch 256,
+   seed 0, SGD, 2 processes on CPU with gloo, one intra-op thread each) four
+   ways (benchmarks/parity_worker.py), in one torchrun launch per round, the
+   ways taking turns in blocks of 10 steps inside it. Reports each way's median step time (fetching the batch included) and its
+   ratio to the hand-written loop (the median of the per-round ratios), and
+   checks that torchfleet's final weights equal the hand-written loop's bit
+   for bit. Target: torchfleet within 1% of hand-written, and no slower than
+   Accelerate or Fabric.
+2. Scaling: 2-process DDP on the CNN at 256 samples per process (global 512)
+   against one process at 256, one thread per process; efficiency =
+   samples/s(2 processes) / (2 x samples/s(1 process)), for the hand-written
+   loop and torchfleet. Target: torchfleet >= 0.90.
+3. Start-up: wall time from the command to the end of the first training step
+   of benchmarks/first_step.py under `torchfleet run -n 2` and under
+   `torchrun --standalone --nproc-per-node 2`. Target: within 10%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+WORKER = HERE / "parity_worker.py"
+FIRST_STEP = HERE / "first_step.py"
+WAYS = ("hand", "torchfleet", "accelerate", "fabric")
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+
+
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    # One intra-op thread per process, said out loud (torchrun would set it and warn).
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+    return env
+
+
+def _run(cmd: list[str], timeout: float = 600) -> None:
+    done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0:
+        sys.exit(f"failed ({done.returncode}): {' '.join(cmd)}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+
+
+def _job(nproc: int, out: Path, ways: tuple[str, ...], **flags) -> dict[str, list[float]]:
+    """One launch of parity_worker.py: each way's step times (the ways interleaved in blocks)."""
+    args = [f"--{k.replace('_', '-')}={v}" for k, v in flags.items()]
+    _run([*TORCHRUN, f"--nproc-per-node={nproc}", str(WORKER), f"--out={out}",
+          f"--ways={','.join(ways)}", *args])
+    return json.loads((out / "steps.json").read_text())["step_times"]
+
+
+def _same_weights(out: Path) -> bool:
+    import torch
+
+    a = torch.load(out / "hand.pt", weights_only=True)
+    b = torch.load(out / "torchfleet.pt", weights_only=True)
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def parity(rounds: int, out: Path) -> dict:
+    medians = {w: [] for w in WAYS}
+    equal = []
+    for r in range(rounds):
+        times = _job(2, out, WAYS)
+        for way in WAYS:
+            medians[way].append(statistics.median(times[way]))
+        equal.append(_same_weights(out))
+        print(f"  parity round {r + 1}/{rounds}: " + ", ".join(
+            f"{w} {medians[w][-1] * 1e3:.2f}" for w in WAYS) + " ms/step", flush=True)
+    # The ratio of each round's medians, then the median over rounds.
+    ratios = {w: statistics.median(m / h for m, h in zip(medians[w], medians["hand"], strict=True))
+              for w in WAYS}
+    return {"median_step_s": {w: statistics.median(m) for w, m in medians.items()},
+            "per_round_step_s": medians, "ratio_to_hand": ratios,
+            "torchfleet_weights_equal_hand_bit_for_bit": all(equal)}
+
+
+def scaling(rounds: int, out: Path) -> dict:
+    per_process, ways = 256, ("hand", "torchfleet")
+    rates = {(w, n): [] for w in ways for n in (1, 2)}
+    for r in range(rounds):
+        for nproc in (1, 2):
+            times = _job(nproc, out, ways, global_batch=per_process * nproc, blocks=12)
+            for way in ways:
+                rates[way, nproc].append(per_process * nproc / statistics.median(times[way]))
+        print(f"  scaling round {r + 1}/{rounds}: " + ", ".join(
+            f"{w} {rates[w, 2][-1] / (2 * rates[w, 1][-1]):.3f}" for w in ways), flush=True)
+    result = {}
+    for way in ways:
+        # Per round, so both figures of a ratio come from the same stretch of time.
+        eff = [two / (2 * one) for one, two in zip(rates[way, 1], rates[way, 2], strict=True)]
+        result[way] = {"samples_per_s_1_process": statistics.median(rates[way, 1]),
+                       "samples_per_s_2_processes": statistics.median(rates[way, 2]),
+                       "efficiency": statistics.median(eff)}
+    return result
+
+
+def startup(rounds: int) -> dict:
+    commands = {
+        "torchfleet run -n 2": [sys.executable, "-m", "torchfleet", "run", "-n", "2", str(FIRST_STEP)],
+        "torchrun --nproc-per-node 2": [*TORCHRUN, "--nproc-per-node=2", str(FIRST_STEP)],
+    }
+    # total: command to end of first step; to_worker: command to rank 0's interpreter being up
+    # (the launcher's own start-up and the agent's), the rest is the script's imports and set-up.
+    seconds = {name: {"total": [], "to_worker": []} for name in commands}
+    with tempfile.TemporaryDirectory() as tmp:
+        stamp = Path(tmp) / "stamp"
+        for _ in range(rounds):
+            for name, cmd in commands.items():
+                start = time.time()
+                _run([*cmd, str(stamp)])
+                worker_up, first_step = map(float, stamp.read_text().split())
+                seconds[name]["total"].append(first_step - start)
+                seconds[name]["to_worker"].append(worker_up - start)
+    a, b = (seconds[n]["total"] for n in commands)
+    return {"median_s": {n: statistics.median(s["total"]) for n, s in seconds.items()},
+            "median_to_worker_s": {n: statistics.median(s["to_worker"]) for n, s in seconds.items()},
+            "seconds": seconds, "ratio": statistics.median(x / y for x, y in zip(a, b, strict=True))}
+
+
+def machine() -> dict:
+    import torch
+
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "cpu_cores": len(os.sched_getaffinity(0)), "cpu": platform.processor() or platform.machine(),
+            "torch": torch.__version__, "python": platform.python_version(),
+            "load_average_at_start": os.getloadavg()}
+
+
+def report(doc: dict) -> None:
+    p, s, u = doc["parity"], doc["scaling"], doc["startup"]
+    print(f"\nparity ({doc['machine']['cpu_cores']} cores, torch {doc['machine']['torch']}, "
+          f"{doc['machine']['date']}): CNN, global batch 256, 2 processes, gloo")
+    for way in WAYS:
+        print(f"  {way:<11} {p['median_step_s'][way] * 1e3:8.2f} ms/step   x{p['ratio_to_hand'][way]:.3f} of hand-written")
+    print(f"  torchfleet's weights equal the hand-written loop's bit for bit: "
+          f"{p['torchfleet_weights_equal_hand_bit_for_bit']}")
+    print("scaling (CNN, 256 samples per process, 1 thread per process)")
+    for way, f in s.items():
+        print(f"  {way:<11} 1 process {f['samples_per_s_1_process']:8,.0f} samples/s, 2 processes "
+              f"{f['samples_per_s_2_processes']:8,.0f} samples/s, efficiency {f['efficiency']:.3f}")
+    print("start-up (command to end of first training step)")
+    for name, sec in u["median_s"].items():
+        print(f"  {name:<28} {sec:6.2f} s (of which {u['median_to_worker_s'][name]:.2f} s until rank 0's"
+              " interpreter was up)")
+    print(f"  ratio torchfleet / torchrun: {u['ratio']:.3f}")
+    checks = {
+        "torchfleet within 1% of hand-written": p["ratio_to_hand"]["torchfleet"] <= 1.01,
+        "torchfleet no slower than Accelerate and Fabric": p["ratio_to_hand"]["torchfleet"]
+        <= min(p["ratio_to_hand"]["accelerate"], p["ratio_to_hand"]["fabric"]),
+        "weights bit for bit": p["torchfleet_weights_equal_hand_bit_for_bit"],
+        "scaling efficiency >= 0.90": s["torchfleet"]["efficiency"] >= 0.90,
+        "start-up within 10% of torchrun": u["ratio"] <= 1.10,
+    }
+    for name, ok in checks.items():
+        print(f"  [{'met' if ok else 'MISSED'}] {name}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", default="runs/parity")
+    parser.add_argument("--only", choices=("parity", "scaling", "startup"), default=None)
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    doc = {"machine": machine()}
+    parts = {"parity": lambda: parity(args.rounds, out), "scaling": lambda: scaling(args.rounds, out),
+             "startup": lambda: startup(max(5, args.rounds))}
+    for name, part in parts.items():
+        if args.only in (None, name):
+            print(f"{name} ...", flush=True)
+            doc[name] = part()
+    doc["machine"]["load_average_at_end"] = os.getloadavg()
+    (out / "parity.json").write_text(json.dumps(doc, indent=2) + "\n")
+    if args.only is None:
+        report(doc)
+    else:
+        print(json.dumps(doc[args.only], indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,281 @@
+"""`torchfleet bench`: the strategies side by side on this machine, one fresh process group per cell.
+
+The matrix is strategy x processes x global batch x precision. Strategies are
+every one in the registry (strategies/__init__.py) that `doctor` reports as
+available here, so a strategy appears in the benchmark the moment it is
+registered; `serial` is always measured, as the baseline of every speedup.
+A single-process strategy (`distributed = False`) is measured in one process;
+a multi-process one at each process count of `--nproc` (2 and more). Every
+cell runs in new processes started through `torchfleet.launcher.launch`
+(bench_cell.run_cell is what they run), so a cell that fails (a bad batch, an
+out-of-memory, a crash, a hang past the timeout) is one row with its reason
+and the rest of the matrix still runs.
+
+Derived figures, for each cell that ran:
+  samples_per_s = global_batch / median step time
+  speedup       = serial's median step time / this cell's, at the same global batch and precision
+  efficiency    = speedup / processes
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from torchfleet import bench_cell
+from torchfleet.config import BenchConfig
+from torchfleet.doctor import strategy_availability
+from torchfleet.errors import UsageError
+from torchfleet.launcher import LaunchError, launch
+from torchfleet.strategies import STRATEGIES
+
+QUICK = {"model": "mlp", "batch_sizes": (64,), "nproc": (2,), "precisions": ("fp32",),
+         "warmup": 2, "steps": 6}
+
+
+@dataclass(frozen=True)
+class Cell:
+    strategy: str
+    processes: int
+    global_batch: int
+    precision: str
+    threads: int  # intra-op threads per process
+    skip: str | None = None  # why the cell is not run, when it is not
+
+
+# ---- the plan ----------------------------------------------------------------------------
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def _default_batches(model: str, gpus: int) -> tuple[int, ...]:
+    if gpus:
+        return (128, 512)  # the notebook's ResNet-50 batches
+    return (16, 64) if model.startswith("resnet") else (64, 512)
+
+
+def _default_precisions(gpus: int) -> tuple[str, ...]:
+    if not gpus:
+        return ("fp32",)  # bf16 runs on CPU too (ask for it), but rarely faster there
+    import torch
+
+    return ("fp32", "bf16", "fp16") if torch.cuda.is_bf16_supported() else ("fp32", "fp16")
+
+
+def resolve(cfg: BenchConfig, gpus: int) -> BenchConfig:
+    """`cfg` with every "choose for this machine" default filled in."""
+    nproc = cfg.nproc or (tuple(sorted({2, gpus})) if gpus >= 2 else (2,))
+    return replace(cfg, nproc=nproc,
+                   batch_sizes=cfg.batch_sizes or _default_batches(cfg.model, gpus),
+                   precisions=cfg.precisions or _default_precisions(gpus))
+
+
+def plan(cfg: BenchConfig, availability: list[dict], cores: int) -> tuple[list[Cell], list[str]]:
+    """The cells to run, in order, and notes about what was chosen and why.
+
+    Within each (batch, precision) serial runs first, so a speedup is known as
+    soon as its cell ends.
+    """
+    here = {a["name"]: a for a in availability}
+    notes = []
+    if cfg.strategies:
+        chosen = list(dict.fromkeys(cfg.strategies))
+    else:
+        chosen = [name for name in STRATEGIES if here.get(name, {}).get("available")]
+        left_out = [f"{name} ({here[name]['why']})" for name in STRATEGIES
+                    if name in here and not here[name]["available"]]
+        if left_out:
+            notes.append("not available here: " + "; ".join(left_out))
+    if "serial" not in chosen:
+        notes.append("serial added: it is the baseline every speedup is measured against")
+    chosen = ["serial"] + [name for name in chosen if name != "serial"]
+
+    cells = []
+    for batch in cfg.batch_sizes:
+        for precision in cfg.precisions:
+            for name in chosen:
+                cells.extend(_cells_of(name, batch, precision, cfg, here, cores, notes))
+    return cells, list(dict.fromkeys(notes))
+
+
+def _cells_of(name, batch, precision, cfg, here, cores, notes) -> list[Cell]:
+    cls = STRATEGIES[name]
+    if not cls.distributed:
+        counts = [1]
+    else:
+        counts = [n for n in cfg.nproc if n >= 2]
+        if not counts:
+            notes.append(f"{name} needs 2 or more processes; --nproc {cfg.nproc} gives none")
+    threads = {n: cfg.threads or max(1, cores // n) for n in counts}
+    info = here.get(name)
+    skip = None
+    if info is not None and not info["available"]:
+        skip = f"not available here: {info['why']}"
+    return [Cell(name, n, batch, precision, threads[n], skip) for n in counts]
+
+
+# ---- running one cell --------------------------------------------------------------------
+
+
+def _spawned_children() -> list[int]:
+    """Our worker processes: children of this process started by multiprocessing's spawn."""
+    me, found = os.getpid(), []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            cmdline = (entry / "cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == me and b"spawn_main" in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+class _Deadline:
+    """Kill the cell's workers when it runs past `seconds`; the launcher then reports them failed.
+
+    After the deadline it keeps killing once a second, so workers that were
+    still being started at that moment do not escape.
+    """
+
+    def __init__(self, seconds: float):
+        self.seconds, self.expired = seconds, False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def _watch(self) -> None:
+        if self._stop.wait(self.seconds):
+            return
+        self.expired = True
+        while not self._stop.is_set():
+            for pid in _spawned_children():
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            self._stop.wait(1.0)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def failure_reason(summary) -> str:
+    """One line saying why a cell failed, from the launcher's failure summary."""
+    first = summary.first
+    if first.usage_error:
+        text = first.error.split(": ", 1)[-1]
+    elif first.error:
+        text = f"rank {first.rank}: {first.error}"
+    else:
+        text = f"rank {first.rank} {first.how}"
+        if first.how == "killed by SIGKILL":
+            text += " (the kernel's OOM killer does this when memory runs out)"
+    text = text.strip().splitlines()[0] if text.strip() else "no reason recorded"
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def run_one(cell: Cell, cfg: BenchConfig) -> dict:
+    """Measure `cell` in its own processes; always returns a row, never raises for the cell's failure."""
+    row = {"model": cfg.model, **asdict(cell), "warmup": cfg.warmup, "steps": cfg.steps}
+    row.pop("threads")
+    row["threads_per_process"] = cell.threads
+    row.pop("skip")
+    if cell.skip:
+        return {**row, "status": "skipped", "error": cell.skip}
+    cls = STRATEGIES[cell.strategy]
+    spec = {"model": cfg.model, "strategy": cell.strategy, "processes": cell.processes,
+            "global_batch": cell.global_batch, "precision": cell.precision,
+            "threads": cell.threads, "warmup": cfg.warmup, "steps": cfg.steps, "seed": cfg.seed,
+            # each strategy gets only the options it takes: --microbatches is for mp and pipeline
+            "options": {k: v for k, v in cfg.strategy_options.items() if k in cls.options}}
+    start = time.perf_counter()
+    try:
+        with _Deadline(cfg.cell_timeout_s) as deadline:
+            figures = launch(bench_cell.run_cell, nprocs=cell.processes, args=(spec,))[0]
+    except LaunchError as exc:
+        reason = (f"timed out after {cfg.cell_timeout_s:g} s" if deadline.expired
+                  else failure_reason(exc.summary))
+        return {**row, "status": "failed", "error": reason, "wall_s": time.perf_counter() - start}
+    return {**row, **figures, "status": "ok", "error": None, "wall_s": time.perf_counter() - start}
+
+
+# ---- derived figures ---------------------------------------------------------------------
+
+
+def derive(rows: list[dict]) -> None:
+    """Fill samples_per_s, speedup and efficiency in place (None where not measurable)."""
+    serial = {(r["global_batch"], r["precision"]): r["step_time_median_s"]
+              for r in rows if r["strategy"] == "serial" and r["status"] == "ok"}
+    for r in rows:
+        r["samples_per_s"] = r["speedup"] = r["efficiency"] = None
+        if r["status"] != "ok":
+            continue
+        r["samples_per_s"] = r["global_batch"] / r["step_time_median_s"]
+        base = serial.get((r["global_batch"], r["precision"]))
+        if base is not None:
+            r["speedup"] = base / r["step_time_median_s"]
+            r["efficiency"] = r["speedup"] / r["processes"]
+
+
+# ---- the whole command -------------------------------------------------------------------
+
+
+def run_bench(cfg: BenchConfig, console=None) -> dict:
+    """Run the matrix, show it, write DIR/results.json, results.csv and bench.png; return the document."""
+    from rich.console import Console
+
+    from torchfleet import bench_chart, bench_report
+    from torchfleet.backend import probe_hardware
+    from torchfleet.config import check_writable_dir
+    from torchfleet.doctor import collect_report
+
+    # Logs and pipes get a width that fits the table; a terminal keeps its own.
+    console = console or Console(width=None if Console().is_terminal else 132)
+    # torch's spawn helper logs each worker the agent stops after a failed cell; the row says why.
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
+    out = check_writable_dir(cfg.out, what="output directory")
+    hw = probe_hardware()
+    machine = collect_report(hw)
+    cores = _usable_cores()
+    cfg = resolve(cfg, hw.gpus)
+    cells, notes = plan(cfg, strategy_availability(hw, cores), cores)
+    if not cells:
+        raise UsageError("nothing to benchmark: no strategy and process count fit together here")
+    cfg = replace(cfg, strategies=tuple(dict.fromkeys(c.strategy for c in cells)))
+    for note in notes:
+        console.print(f"note: {note}")
+
+    rows: list[dict] = []
+    with bench_report.progress(console, len(cells)) as bar:
+        for cell in cells:
+            bar.start(cell)
+            rows.append(run_one(cell, cfg))
+            derive(rows)
+            bar.done(rows[-1])
+    document = bench_report.document(cfg, machine, rows, notes)
+    bench_report.write_json(document, out / "results.json")
+    bench_report.write_csv(rows, out / "results.csv")
+    console.print(bench_report.table(document))
+    chart = bench_chart.draw(rows, out / "bench.png", title=bench_report.chart_title(document))
+    console.print(f"verdict: {document['verdict']}")
+    console.print(f"wrote {out / 'results.json'}, {out / 'results.csv'}" +
+                  (f", {chart}" if chart.endswith(".png") else f" ({chart})"))
+    return document

@@ -1,0 +1,221 @@
+"""One cell of `torchfleet bench`, run inside each of the cell's own fresh processes.
+
+A cell is one strategy x process count x global batch x precision. The parent
+(bench.py) starts it through `torchfleet.launcher.launch`, so every cell has
+new processes and a new process group, and nothing one cell leaves behind
+(allocator caches, warmed-up threads, a broken group) touches the next.
+
+What is measured, and how:
+- step time: `Fleet.train_step` on one in-memory `MockLoader` batch (loading
+  is not timed), after `warmup` untimed steps. Every timed step starts from a
+  barrier, is bracketed by device synchronisation on CUDA, and counts as the
+  slowest rank's time, since the step is not over until every rank is done.
+- communication share (strategies that override `no_sync`, i.e. whose gradient
+  synchronisation can be skipped): the same step is timed inside `no_sync()`
+  too, interleaved with the synced steps so drift hits both alike; the share
+  is (median synced - median unsynced) / median synced: the time gradient
+  communication adds to a step after whatever overlap with backward the
+  strategy achieves. Differences within noise below zero read as 0.
+- peak memory per rank: on CUDA `torch.cuda.max_memory_allocated` since just
+  before the model was built. On CPU, the growth of the process's peak
+  resident set (VmHWM, reset through /proc/self/clear_refs just before the
+  model was built) over its resident set then, less the file-backed pages
+  (shared-library code) mapped meanwhile: model, gradients, optimizer state,
+  activations and communication buffers, as the OS counts them. A throwaway
+  step of a tiny model first takes torch's one-time start-up (autograd's
+  engine, the optimizer's code, about 160 MiB here) out of the figure.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torchfleet.data import MockLoader, check_global_batch
+from torchfleet.fleet import Fleet
+from torchfleet.models import build_model
+from torchfleet.strategies import Strategy
+
+# Input shape of each model's mock batch: the digits' 8x8 for the small models,
+# ImageNet's 224x224 for the ResNets, as in the benchmark notebook of the seeds.
+MODEL_INPUTS = {"resnet18": (3, 224, 224), "resnet50": (3, 224, 224)}
+DEFAULT_INPUT = (1, 8, 8)
+
+CPU_MEMORY_METHOD = ("peak resident set growth from just before the model was built, less file-backed"
+                     " pages mapped meanwhile (VmHWM - VmRSS - RssFile growth)")
+CUDA_MEMORY_METHOD = "torch.cuda.max_memory_allocated"
+COMM_METHOD = "(median synced step - median no_sync step) / median synced step, interleaved"
+
+
+def input_shape(model: str) -> tuple[int, ...]:
+    return MODEL_INPUTS.get(model, DEFAULT_INPUT)
+
+
+def measures_comm(strategy_cls: type[Strategy]) -> bool:
+    """Whether the strategy's gradient synchronisation can be switched off to time it."""
+    return strategy_cls.no_sync is not Strategy.no_sync
+
+
+# ---- memory ------------------------------------------------------------------------------
+
+
+def _proc_status_kib(field: str) -> int | None:
+    try:
+        found = re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M)
+    except OSError:
+        return None
+    return int(found.group(1)) if found else None
+
+
+class _PeakMemory:
+    """Peak memory this cell adds, from `start()` to `peak_bytes()` (see the module doc)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.base = self.file_base = 0
+        self.method = CUDA_MEMORY_METHOD if device.type == "cuda" else CPU_MEMORY_METHOD
+
+    def start(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.base = torch.cuda.memory_allocated(self.device)
+            return
+        _prime_torch()
+        try:
+            Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current VmRSS
+        except OSError:
+            self.method = "unavailable here (needs Linux's /proc/self/clear_refs)"
+        self.base = (_proc_status_kib("VmRSS") or 0) * 1024
+        self.file_base = (_proc_status_kib("RssFile") or 0) * 1024
+
+    def peak_bytes(self) -> int | None:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) - self.base
+        if self.method != CPU_MEMORY_METHOD:
+            return None
+        files = (_proc_status_kib("RssFile") or 0) * 1024 - self.file_base
+        return (_proc_status_kib("VmHWM") or 0) * 1024 - self.base - files
+
+
+def _prime_torch() -> None:
+    """One step of a tiny model, so torch's one-time start-up is not counted as the cell's memory."""
+    layer = nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1, momentum=0.9)
+    nn.functional.cross_entropy(layer(torch.rand(2, 4)), torch.tensor([0, 1])).backward()
+    optimizer.step()
+
+
+# ---- timing ------------------------------------------------------------------------------
+
+
+def _timed(step, device: torch.device) -> float:
+    if dist.is_initialized():
+        dist.barrier()  # every rank starts the step together
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+def _gathered(value):
+    """`value` from every rank, in rank order (just [value] in one process)."""
+    if not dist.is_initialized():
+        return [value]
+    found = [None] * dist.get_world_size()
+    dist.all_gather_object(found, value)
+    return found
+
+
+def spread(times: list[float]) -> dict:
+    """Median, quartiles and extremes of step times, in seconds."""
+    q1, median, q3 = statistics.quantiles(times, n=4, method="inclusive")
+    return {"step_time_median_s": statistics.median(times), "step_time_q1_s": q1,
+            "step_time_q3_s": q3, "step_time_min_s": min(times), "step_time_max_s": max(times)}
+
+
+# ---- the cell ----------------------------------------------------------------------------
+
+
+def run_cell(spec: dict) -> dict | None:
+    """Measure one cell; the main rank returns its figures, the others None.
+
+    `spec` holds model, strategy, processes, global_batch, precision, threads,
+    warmup, steps, seed and options (the strategy's options).
+    """
+    torch.set_num_threads(spec["threads"])
+    fleet = Fleet(strategy=spec["strategy"], precision=spec["precision"], **spec["options"])
+    # No try/finally: a rank that failed must not wait at close()'s barrier for
+    # peers stuck in a collective; it exits, and the launcher stops the others.
+    result = _measure(fleet, spec)
+    fleet.close()
+    return result
+
+
+def _measure(fleet: Fleet, spec: dict) -> dict | None:
+    rank, readers = fleet.strategy.data_coords()
+    check_global_batch(spec["global_batch"], readers)
+    local_batch = spec["global_batch"] // readers
+    shape = input_shape(spec["model"])
+
+    memory = _PeakMemory(fleet.device)
+    memory.start()
+    torch.manual_seed(spec["seed"])  # the same initial weights on every rank
+    model = build_model(spec["model"], shape, num_classes=10)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    fleet.setup(model, optimizer)
+    inputs, targets = next(iter(MockLoader((local_batch, *shape), device=fleet.device,
+                                           seed=spec["seed"] + rank)))
+    loss_fn = nn.CrossEntropyLoss()
+
+    def synced():
+        fleet.train_step(inputs, targets, loss_fn)
+
+    def unsynced():
+        with fleet.no_sync():
+            fleet.train_step(inputs, targets, loss_fn)
+
+    comm = measures_comm(type(fleet.strategy))
+    for _ in range(spec["warmup"]):
+        synced()
+        if comm:
+            unsynced()
+    times, local_times = [], []
+    for _ in range(spec["steps"]):
+        times.append(_timed(synced, fleet.device))
+        if comm:
+            local_times.append(_timed(unsynced, fleet.device))
+    peak = memory.peak_bytes()
+
+    # A step lasts as long as its slowest rank.
+    per_rank = _gathered((times, local_times, peak))
+    if not fleet.is_main:
+        return None
+    step_times = [max(t[i] for t, _, _ in per_rank) for i in range(len(times))]
+    result = {
+        **spread(step_times),
+        "local_batch": local_batch,
+        "threads_per_process": torch.get_num_threads(),
+        "device": str(fleet.device),
+        "backend": fleet.strategy.runtime.backend or "none",
+        "peak_memory_bytes": [p for _, _, p in per_rank],
+        "memory_method": memory.method,
+        "comm_share": None,
+        "comm_method": None,
+        "notes": list(fleet.notes),
+    }
+    if comm:
+        unsynced_times = [max(t[i] for _, t, _ in per_rank) for i in range(len(local_times))]
+        synced_median = statistics.median(step_times)
+        saved = synced_median - statistics.median(unsynced_times)
+        result["comm_share"] = max(0.0, saved / synced_median)
+        result["comm_method"] = COMM_METHOD
+    return result

@@ -1,0 +1,148 @@
+"""`torchfleet bench`: a real quick matrix whose figures add up, and the plan for any registry."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import statistics
+
+import pytest
+
+from conftest import torchfleet
+from torchfleet import bench, bench_report
+from torchfleet.config import BenchConfig
+from torchfleet.strategies.base import Strategy
+
+MACHINE_KEYS = {"python", "torch", "cpu_cores", "gpus", "backend", "strategies"}
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0))
+
+
+@pytest.mark.timeout(300)
+def test_quick_bench_figures_are_complete_and_consistent(tmp_path):
+    # Batch 3 cannot be split between 2 processes: that cell fails inside its
+    # workers, on purpose, and the other three cells must still run.
+    out = tmp_path / "bench"
+    result = torchfleet("bench", "--quick", "--strategies", "serial,ddp", "--batch-sizes", "64,3",
+                        "--out", str(out), timeout=280)
+    assert result.returncode == 0, result.stderr
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["schema"] == "torchfleet-bench/1"
+    assert MACHINE_KEYS <= set(doc["machine"])
+    assert doc["config"]["strategies"] == ["serial", "ddp"] and doc["config"]["steps"] == 6
+    cells = {(c["strategy"], c["global_batch"]): c for c in doc["cells"]}
+    assert len(doc["cells"]) == 4 and set(cells) == {("serial", 64), ("ddp", 64), ("serial", 3), ("ddp", 3)}
+    for cell in doc["cells"]:
+        assert tuple(cell) == bench_report.FIELDS  # every field, in order, in every cell
+
+    failed = cells[("ddp", 3)]
+    assert failed["status"] == "failed" and "does not split evenly among 2 processes" in failed["error"]
+    assert failed["samples_per_s"] is None and failed["speedup"] is None
+
+    for cell in (cells[("serial", 64)], cells[("ddp", 64)], cells[("serial", 3)]):
+        assert cell["status"] == "ok" and cell["error"] is None, cell
+        assert cell["model"] == "mlp" and cell["precision"] == "fp32" and cell["device"] == "cpu"
+        assert cell["threads_per_process"] == max(1, _cores() // cell["processes"])
+        spread = [cell[f"step_time_{k}_s"] for k in ("min", "q1", "median", "q3", "max")]
+        assert 0 < spread[0] and spread == sorted(spread)
+        assert cell["samples_per_s"] == pytest.approx(cell["global_batch"] / cell["step_time_median_s"], rel=1e-12)
+        assert cell["efficiency"] == pytest.approx(cell["speedup"] / cell["processes"], rel=1e-12)
+        assert len(cell["peak_memory_bytes"]) == cell["processes"]
+        assert all(isinstance(b, int) and 0 <= b < 2**31 for b in cell["peak_memory_bytes"])
+        assert "VmHWM" in cell["memory_method"]
+
+    for batch in (64, 3):
+        serial = cells[("serial", batch)]
+        assert serial["speedup"] == 1.0 and serial["efficiency"] == 1.0
+        assert serial["comm_share"] is None and serial["backend"] == "none" and serial["local_batch"] == batch
+    ddp, serial = cells[("ddp", 64)], cells[("serial", 64)]
+    assert ddp["speedup"] == pytest.approx(serial["step_time_median_s"] / ddp["step_time_median_s"], rel=1e-12)
+    assert ddp["processes"] == 2 and ddp["local_batch"] == 32 and ddp["backend"] == "gloo"
+    assert 0.0 <= ddp["comm_share"] < 1.0 and "no_sync" in ddp["comm_method"]
+
+    with (out / "results.csv").open() as fh:
+        rows = list(csv.DictReader(fh))
+    assert tuple(rows[0]) == bench_report.FIELDS
+    assert [(r["strategy"], int(r["global_batch"]), r["status"]) for r in rows] == [
+        (c["strategy"], c["global_batch"], c["status"]) for c in doc["cells"]]
+    assert float(rows[0]["speedup"]) == 1.0
+
+    fastest = max((c for c in doc["cells"] if c["status"] == "ok"), key=lambda c: c["samples_per_s"])
+    assert doc["verdict"].startswith(bench_report.label(fastest) + " is the fastest for mlp here")
+    assert f"verdict: {doc['verdict'][:40]}" in " ".join(result.stdout.split())
+    assert "does not split evenly" in result.stdout  # the failed row's reason is shown
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "matplotlib is not installed" in result.stdout
+    else:
+        assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.timeout(120)
+def test_a_cell_past_its_timeout_is_stopped_and_reported():
+    # 10**7 steps would take hours: the deadline kills the workers and the row says so.
+    cfg = BenchConfig(model="mlp", steps=10**7, warmup=0, cell_timeout_s=3)
+    row = bench.run_one(bench.Cell("ddp", 2, 8, "fp32", 1), cfg)
+    assert row["status"] == "failed" and row["error"] == "timed out after 3 s"
+    assert 3 <= row["wall_s"] < 60
+    assert bench._spawned_children() == []  # nothing left running
+
+
+class _Sharded(Strategy):  # stands in for a strategy another branch registers
+    name = "fsdp"
+    distributed = True
+
+
+class _OneProcess(Strategy):
+    name = "dp"
+
+
+def test_plan_covers_whatever_is_registered_and_available(monkeypatch):
+    registry = {"ddp": _Sharded, "serial": Strategy, "fsdp": _Sharded, "dp": _OneProcess}
+    monkeypatch.setattr(bench, "STRATEGIES", registry)
+    monkeypatch.setattr("torchfleet.strategies.STRATEGY_NAMES", tuple(registry))
+    availability = [{"name": "serial", "available": True, "why": ""},
+                    {"name": "ddp", "available": True, "why": ""},
+                    {"name": "fsdp", "available": True, "why": ""},
+                    {"name": "dp", "available": False, "why": "needs 2 GPUs; 0 visible"}]
+    cfg = BenchConfig(model="mlp", nproc=(1, 2, 4), batch_sizes=(32,), precisions=("fp32", "bf16"))
+    cells, notes = bench.plan(cfg, availability, cores=4)
+    got = [(c.strategy, c.processes, c.precision, c.threads) for c in cells]
+    # serial first in every (batch, precision); multi-process strategies at 2 and 4, never 1;
+    # threads share the cores; dp is not available here, so it is left out with the reason.
+    assert got == [(s, n, p, 4 // n) for p in ("fp32", "bf16")
+                   for s, n in (("serial", 1), ("ddp", 2), ("ddp", 4), ("fsdp", 2), ("fsdp", 4))]
+    assert any("dp (needs 2 GPUs; 0 visible)" in note for note in notes)
+    # Named explicitly, an unavailable strategy is one skipped row with doctor's reason.
+    cells, notes = bench.plan(BenchConfig(strategies=("dp",), batch_sizes=(8,), nproc=(2,),
+                                          precisions=("fp32",), threads=1), availability, cores=4)
+    assert [(c.strategy, c.skip) for c in cells] == [
+        ("serial", None), ("dp", "not available here: needs 2 GPUs; 0 visible")]
+    assert "serial added" in notes[0]
+    row = bench.run_one(cells[1], BenchConfig())
+    assert row["status"] == "skipped" and "needs 2 GPUs" in row["error"]
+
+
+def test_derived_figures_and_verdict():
+    def ok(strategy, processes, batch, median, comm=None):
+        return {"model": "cnn", "strategy": strategy, "processes": processes, "global_batch": batch,
+                "precision": "fp32", "status": "ok", "step_time_median_s": median, "comm_share": comm}
+
+    rows = [ok("serial", 1, 32, 0.010), ok("ddp", 2, 32, 0.0125, comm=0.4),
+            ok("serial", 1, 256, 0.080), ok("ddp", 2, 256, 0.047, comm=0.08),
+            {"model": "cnn", "strategy": "fsdp", "processes": 2, "global_batch": 256,
+             "precision": "fp32", "status": "failed", "error": "boom"}]
+    bench.derive(rows)
+    assert [r["speedup"] for r in rows[:4]] == pytest.approx([1.0, 0.8, 1.0, 80 / 47])
+    assert rows[1]["efficiency"] == pytest.approx(0.4) and rows[4]["speedup"] is None
+    assert rows[3]["samples_per_s"] == pytest.approx(256 / 0.047)
+    text = bench_report.verdict(rows)
+    assert text.startswith("ddp on 2 processes is the fastest for cnn here: 5,447 samples/s at batch 256")
+    assert "1.70x serial at the same batch (communication is 8% of the step)" in text
+    assert "at batch 32 it is 0.80x serial (communication is 40% of the step)" in text
+    assert statistics.median([1.0, 2.0]) == 1.5  # the spread helper's median is statistics'
+    assert bench.bench_cell.spread([1.0, 2.0, 3.0, 4.0, 5.0])["step_time_median_s"] == 3.0
