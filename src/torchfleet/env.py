@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from torchfleet import slurm_notation
 from torchfleet.errors import UsageError
 
 __all__ = ["DistEnv", "EnvError", "detect", "expand_hostlist"]
@@ -208,19 +208,13 @@ def _slurm_tasks_on_node(environ: Mapping[str, str], node_rank: int, world_size:
     return counts[node_rank]
 
 
-_TASKS_ENTRY = re.compile(r"(\d+)(?:\(x(\d+)\))?")
-
-
 def _expand_tasks_per_node(name: str, value: str) -> list[int]:
     """Slurm's compressed counts, one per node: "2(x3),1" -> [2, 2, 2, 1]."""
-    counts: list[int] = []
-    for entry in value.strip().split(","):
-        match = _TASKS_ENTRY.fullmatch(entry.strip())
-        if match is None:
-            raise EnvError(f"{name}={value!r} is not a Slurm task count list "
-                           f"(expected e.g. '2(x3),1')")
-        counts.extend([int(match.group(1))] * int(match.group(2) or 1))
-    return counts
+    try:
+        return slurm_notation.task_counts(value)
+    except ValueError:
+        raise EnvError(f"{name}={value!r} is not a Slurm task count list "
+                       f"(expected e.g. '2(x3),1')") from None
 
 
 def _slurm_master_addr(environ: Mapping[str, str], nnodes: int) -> str:
@@ -363,8 +357,6 @@ detect = DistEnv.detect
 
 # --- Slurm hostlists -----------------------------------------------------------
 
-_RANGE = re.compile(r"(\d+)(?:-(\d+))?")
-
 
 def expand_hostlist(hostlist: str, name: str = "hostlist") -> list[str]:
     """Expand Slurm's compressed hostlist, as ``scontrol show hostnames`` does.
@@ -375,48 +367,7 @@ def expand_hostlist(hostlist: str, name: str = "hostlist") -> list[str]:
     value in the error a malformed hostlist raises.
     """
     try:
-        return [host for entry in _split_hosts(hostlist.strip()) for host in _expand_host(entry)]
+        return slurm_notation.hosts(hostlist)
     except ValueError as err:
         raise EnvError(f"{name}={hostlist!r} is not a Slurm hostlist: {err} "
                        f"(expected e.g. 'node[01-04,07]')") from None
-
-
-def _split_hosts(hostlist: str) -> list[str]:
-    """Split at the commas between hosts, not those inside brackets."""
-    entries, depth, start = [], 0, 0
-    for i, char in enumerate(hostlist):
-        depth += {"[": 1, "]": -1}.get(char, 0)
-        if depth not in (0, 1):
-            raise ValueError("its brackets are unbalanced or nested")
-        if char == "," and depth == 0:
-            entries.append(hostlist[start:i])
-            start = i + 1
-    if depth:
-        raise ValueError("a '[' is never closed")
-    entries.append(hostlist[start:])
-    if not all(entries):
-        raise ValueError("it has an empty host name")
-    return entries
-
-
-def _expand_host(entry: str) -> list[str]:
-    opening = entry.find("[")
-    if opening < 0:
-        return [entry]
-    closing = entry.index("]", opening)  # _split_hosts checked the brackets balance
-    prefix, body, rest = entry[:opening], entry[opening + 1:closing], entry[closing + 1:]
-    tails = _expand_host(rest)
-    return [prefix + number + tail for number in _expand_ranges(body) for tail in tails]
-
-
-def _expand_ranges(body: str) -> list[str]:
-    numbers: list[str] = []
-    for part in body.split(","):
-        match = _RANGE.fullmatch(part)
-        if match is None:
-            raise ValueError(f"[{body}] holds {part!r}, not a number or a range like 01-04")
-        low, high = match.group(1), match.group(2) or match.group(1)
-        if int(high) < int(low):
-            raise ValueError(f"the range {part!r} runs backwards")
-        numbers.extend(str(n).zfill(len(low)) for n in range(int(low), int(high) + 1))
-    return numbers
