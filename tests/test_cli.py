@@ -26,7 +26,7 @@ SURFACE = {
               "--time"],
     "bench": ["--batch-sizes", "--model", "--nproc", "--out", "--precisions", "--quick", "--steps",
               "--strategies", "--threads", "--warmup", "--devices", "--microbatches", "--schedule", "--pp",
-              "--sharing-strategy"],
+              "--sharing-strategy", "--grad-compression", "--powersgd-rank"],
 }
 
 

@@ -180,7 +180,7 @@ def test_trainer_checkpoints_and_resumes_in_opt_ml(tmp_path, monkeypatch, capsys
         monkeypatch.setenv(name, value)
     flags = ["train", "--strategy", "serial", "--model", "mlp", "--max-steps", "3", "--no-progress"]
     assert main(flags) == 0
-    assert [p.name for p in (opt_ml / "checkpoints").iterdir()] == ["step-00000003.pt"]
+    assert [p.name for p in (opt_ml / "checkpoints").iterdir()] == ["step-00000003"]
     assert (opt_ml / "model" / "model.pt").is_file()
     capsys.readouterr()
     assert main(flags) == 0

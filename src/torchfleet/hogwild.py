@@ -184,12 +184,12 @@ def train_hogwild(cfg, workers: int) -> dict:
     if DistEnv.detect().is_distributed:
         raise UsageError("hogwild starts its own workers on one machine; run it with"
                          " `torchfleet train --strategy hogwild -n N`, not under torchrun, Slurm or mpirun")
-    if cfg.checkpoint_dir or cfg.resume:
-        raise UsageError("hogwild has no single state to checkpoint (each worker keeps its own optimizer"
-                         " and updates without locks); drop --checkpoint-dir, or use serial or ddp")
     # Fail on bad options here, before any worker starts.
     cpu = torch.device("cpu")
     Hogwild(Runtime(DistEnv(), cpu, Precision(cfg.precision, cpu), None), **cfg.strategy_options)
+    if cfg.checkpoint_dir or cfg.resume:
+        raise UsageError("hogwild has no single state to checkpoint (each worker keeps its own optimizer"
+                         " and updates without locks); drop --checkpoint-dir, or use serial or ddp")
     check_global_batch(cfg.batch_size, workers)
 
     torch.manual_seed(cfg.seed)  # the same initial weights as every other strategy

@@ -156,22 +156,14 @@ def _quiet_agent_logs() -> None:
         logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
 
 
-def _worker_threads(cfg: LaunchConfig) -> None:
+def worker_env(cfg: LaunchConfig) -> dict[str, str]:
+    """What the agent's environment gets for its workers (and gives back after the run)."""
+    chosen = socket_env(cfg)
     # As torchrun does: several processes on one host each get one intra-op
     # thread unless the user chose, or they fight over the same cores.
-    if cfg.nproc_per_node > 1:
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
-    if cfg.nnodes == 1 and _has_interface("lo"):
-        # One machine: Gloo's pairs listen on loopback too, not on the host's public address.
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-
-
-def _has_interface(name: str) -> bool:
-    try:
-        socket.if_nametoindex(name)
-        return True
-    except OSError:
-        return False
+    if cfg.nproc_per_node > 1 and not os.environ.get("OMP_NUM_THREADS"):
+        chosen["OMP_NUM_THREADS"] = "1"
+    return chosen
 
 
 def _preflight(cfg: LaunchConfig) -> None:
@@ -190,8 +182,7 @@ def _preflight(cfg: LaunchConfig) -> None:
 def _start(cfg: LaunchConfig, entrypoint: Callable | str, args: list) -> dict[int, Any]:
     _preflight(cfg)
     _quiet_agent_logs()
-    _worker_threads(cfg)
-    chosen = socket_env(cfg)
+    chosen = worker_env(cfg)
     checked = None
     # The workers inherit the agent's environment; `launch` callers get theirs back after.
     saved = {key: os.environ.get(key) for key in chosen}
