@@ -58,3 +58,11 @@ def tree_digest(path: Path) -> dict[str, str]:
 
     return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def newest_checkpoint_model(directory: Path) -> tuple[str, dict]:
+    """(name, model state) of the newest full checkpoint in `directory` (step-NNNNNNNN/state.pt)."""
+    import torch
+
+    newest = max(directory.glob("step-*"))
+    return newest.name, torch.load(newest / "state.pt", weights_only=True)["model"]

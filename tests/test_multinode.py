@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from conftest import clean_env, torchfleet
+from conftest import clean_env, newest_checkpoint_model, torchfleet
 from netns import hosts
 
 JOB = ["train", "--strategy", "ddp", "--model", "mlp", "--epochs", "1", "--max-steps", "4",
@@ -24,8 +24,7 @@ JOB = ["train", "--strategy", "ddp", "--model", "mlp", "--epochs", "1", "--max-s
 
 
 def _final_weights(directory) -> torch.Tensor:
-    newest = sorted(directory.glob("step-*.pt"))[-1]
-    state = torch.load(newest, weights_only=True)["model"]
+    _, state = newest_checkpoint_model(directory)
     return torch.cat([t.flatten() for t in state.values()])
 
 

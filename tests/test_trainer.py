@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from conftest import torchfleet
+from conftest import newest_checkpoint_model, torchfleet
 
 FIELDS = {"strategy", "world_size", "backend", "epochs", "steps", "final_loss", "val_accuracy",
           "samples_per_s", "wall_s"}
@@ -40,12 +40,8 @@ def test_resume_continues_to_the_same_weights(tmp_path):
 
     import torch
 
-    def final(directory):
-        newest = sorted(directory.glob("step-*"))[-1]
-        return newest.name, torch.load(newest / "state.pt", weights_only=True)["model"]
-
-    name_a, a = final(straight)
-    name_b, b = final(stopped)
+    name_a, a = newest_checkpoint_model(straight)
+    name_b, b = newest_checkpoint_model(stopped)
     assert name_a == name_b
     for key in a:
         assert torch.equal(a[key], b[key]), key  # bit for bit
