@@ -24,6 +24,7 @@ from torch import nn
 from torchfleet.errors import UsageError
 from torchfleet.precision import Precision
 from torchfleet.strategies.base import Strategy
+from torchfleet.strategies.partition import partition
 
 DEFAULT_MICROBATCHES = 4
 
@@ -60,32 +61,8 @@ def default_devices() -> list[torch.device]:
 
 
 def balanced_split(weights: list[int], parts: int) -> list[int]:
-    """Sizes of `parts` consecutive non-empty groups of `weights` with the smallest largest sum.
-
-    The classic linear-partition dynamic programme: best[k][i] is the smallest
-    possible largest group when the first i weights form k groups.
-    """
-    n = len(weights)
-    if not 1 <= parts <= n:
-        raise ValueError(f"cannot cut {n} items into {parts} non-empty groups")
-    prefix = [0]
-    for w in weights:
-        prefix.append(prefix[-1] + w)
-    inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(parts + 1)]
-    cut = [[0] * (n + 1) for _ in range(parts + 1)]
-    best[0][0] = 0
-    for k in range(1, parts + 1):
-        for i in range(k, n + 1):
-            for j in range(k - 1, i):  # the last group is weights[j:i]
-                cost = max(best[k - 1][j], prefix[i] - prefix[j])
-                if cost < best[k][i]:
-                    best[k][i], cut[k][i] = cost, j
-    sizes, i = [], n
-    for k in range(parts, 0, -1):
-        sizes.append(i - cut[k][i])
-        i = cut[k][i]
-    return sizes[::-1]
+    """Sizes of `parts` consecutive non-empty groups of `weights` with the smallest largest sum."""
+    return partition(weights, parts)
 
 
 def split_sequential(model: nn.Sequential, parts: int) -> list[nn.Sequential]:

@@ -30,6 +30,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torchfleet.errors import UsageError, choice_error
 from torchfleet.strategies.base import Strategy
 from torchfleet.strategies.fsdp import memory_per_rank, rebuild_optimizer
+from torchfleet.strategies.partition import partition
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
@@ -49,28 +50,11 @@ def split_balanced(model: nn.Module, parts: int) -> list[tuple[int, int]]:
     if with_params < parts:
         raise UsageError(f"the model has {with_params} layers with parameters, too few for {parts} stages;"
                          f" use at most {with_params} stages")
-    n, inf = len(sizes), float("inf")
-    prefix = [0]
-    for s in sizes:
-        prefix.append(prefix[-1] + s)
-    # best[k][i]: smallest possible largest stage when children[:i] form k stages.
-    best = [[inf] * (n + 1) for _ in range(parts + 1)]
-    cut = [[0] * (n + 1) for _ in range(parts + 1)]
-    best[0][0] = 0
-    for k in range(1, parts + 1):
-        for i in range(1, n + 1):
-            for j in range(k - 1, i):
-                stage = prefix[i] - prefix[j]
-                cost = max(best[k - 1][j], stage if stage else inf)
-                # "<=": among equal cuts take the latest, so layers without
-                # parameters (activations, pooling) stay with the stage before them.
-                if cost <= best[k][i]:
-                    best[k][i], cut[k][i] = cost, j
-    bounds, end = [], n
-    for k in range(parts, 0, -1):
-        bounds.append((cut[k][end], end))
-        end = cut[k][end]
-    return bounds[::-1]
+    bounds, start = [], 0
+    for size in partition(sizes, parts, weighted_parts=True, ties_to_later=True):
+        bounds.append((start, start + size))
+        start += size
+    return bounds
 
 
 class _Stage(PipelineStage):
