@@ -73,14 +73,15 @@ def test_a_workers_update_is_seen_by_the_others_and_the_parent(warm):
 
 @pytest.mark.timeout(240)
 def test_converges_like_serial_and_leaves_nothing_behind(warm):
-    common = dict(model="mlp", epochs=6, progress=False)
+    # 10 epochs: near convergence, where the workers' races (by design) move accuracy least.
+    common = dict(model="mlp", epochs=10, progress=False)
     before = _ours()
     shared = train(TrainConfig(strategy="hogwild", **common), "hogwild", nproc=2)
     assert _ours() == before
     serial = train(TrainConfig(strategy="serial", **common), "serial")
     assert shared["world_size"] == 2 and shared["strategy"] == "hogwild"
     # The same samples seen: each worker stepped on its half of every global batch.
-    assert shared["steps"] == serial["steps"] == 6 * (1438 // 64)
+    assert shared["steps"] == serial["steps"] == 10 * (1438 // 64)
     assert shared["val_accuracy"] > 0.9  # the parent evaluates the workers' shared weights
     assert shared["val_accuracy"] >= serial["val_accuracy"] - ACCURACY_POINTS, (shared, serial)
 
