@@ -65,6 +65,22 @@ def _resume_and_evaluate(strategy: str, path: str, **options) -> dict:
             "counts": counts, "bad_split": bad_split}
 
 
+def _load_and_continue(strategy: str, path: str, options: dict) -> tuple:
+    """(weights just loaded, weights after the 2 steps that followed the save), on the main rank."""
+    fleet = Fleet(strategy=strategy, **options)
+    torch.manual_seed(5)  # other initial weights: only the checkpoint can make them right
+    net = build_model("mlp", (1, 8, 8), 10)
+    fleet.setup(net, build_optimizer("adamw", net.parameters(), 1e-3))
+    batches = list(fleet.dataloader(synthetic(32 * 4, seed=1), 32, seed=1))
+    assert fleet.load(path)["step"] == 2
+    loaded = full_weights(fleet)
+    for x, y in batches[2:]:
+        fleet.train_step(x, y, nn.CrossEntropyLoss())
+    result = (loaded, full_weights(fleet))
+    fleet.close()
+    return result
+
+
 def _job(cases: list[tuple[str, dict]], resume: list[tuple[str, dict]], directory: str) -> dict:
     weights = [train_k_steps(strategy, steps=STEPS, **case) for strategy, case in cases]
     checks = [_resume_and_evaluate(s, f"{directory}/{i}.pt", **opts) for i, (s, opts) in enumerate(resume)]
@@ -134,8 +150,22 @@ def test_ddp_pipeline_four_processes(tmp_path):
     results = launch(_job, nprocs=4, args=(FOUR, resume, str(tmp_path)))
     _check_equivalence(FOUR, results[0]["weights"])
     assert all(r["weights"] == [None] * len(FOUR) for r in results[1:])
-    memory = _check_resume(results[0]["resume"][0], world=4, replicas=2, tmp_path=tmp_path, grad_accum=2)
+    check = results[0]["resume"][0]
+    memory = _check_resume(check, world=4, replicas=2, tmp_path=tmp_path, grad_accum=2)
     assert memory["rank 0"] == memory["rank 2"] and memory["rank 1"] == memory["rank 3"]  # replicas
+
+    # Its DCP checkpoint (2 replicas x 2 stages) loads into 1 process and into a
+    # 2-stage pipeline: the same weights, and training goes on as it would have.
+    saved = tmp_path / "0.pt"
+    assert json.loads((saved / "manifest.json").read_text())["layout"] == "sharded"
+    serial_loaded, serial_after = _load_and_continue("serial", str(saved), {"grad_accum": 2})
+    (pipe_loaded, pipe_after), _ = launch(_load_and_continue, nprocs=2,
+                                          args=("pipeline", str(saved), {"grad_accum": 2, "microbatches": 2}))
+    assert torch.equal(serial_loaded, pipe_loaded)
+    step2 = torch.load(tmp_path / "serial.pt" / "state.pt", weights_only=True)["model"]
+    assert (serial_loaded - torch.cat([t.flatten() for t in step2.values()])).abs().max().item() < 1e-5
+    for after in (serial_after, pipe_after):  # AdamW's moments came back too: a fresh AdamW lands elsewhere
+        assert (after - check["resumed"]).abs().max().item() < 1e-5
 
 
 def test_stages_balanced_by_parameters():

@@ -1,11 +1,11 @@
 """The sharded half of checkpoints: torch.distributed.checkpoint (DCP), read safely.
 
-Strategies that declare ``sharded_checkpoint = True`` (fsdp) save
-through DCP: every rank writes its own shards into one directory, and a
-checkpoint written by N processes loads into M where the strategy allows it,
-because DCP reshards on load. ``get_state_dict``/``set_state_dict`` name
-parameters by their plain path (no ``module.`` prefix), so any other
-strategy can read the same directory too.
+Strategies that declare ``sharded_checkpoint = True`` (fsdp, pipeline and
+ddp+pipeline) save through DCP: every rank writes its own shards (or its own
+stage) into one directory, and a checkpoint written by N processes loads into
+M where the strategy allows it, because DCP reshards on load.
+``get_state_dict``/``set_state_dict`` name parameters by their plain path
+(no ``module.`` prefix), so any other strategy can read the same directory.
 
 DCP reads its ``.metadata`` with ``pickle.load`` and its non-tensor items with
 ``torch.load(weights_only=False)``; both would run code from a crafted file.
@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 _TORCH_KINDS = (torch.dtype, torch.layout, torch.memory_format)
 # Exactly what DCP's metadata holds; a dotted name could reach any attribute
@@ -38,6 +38,14 @@ _ALLOWED = {
         "BytesStorageMetadata", "ChunkStorageMetadata", "Metadata", "MetadataIndex", "StorageMeta",
         "TensorProperties", "TensorStorageMetadata", "_MEM_FORMAT_ENCODING")),
 }
+
+
+# Optimizer state and hyper-parameters keyed by parameter name
+# ("state.3.weight.exp_avg", "param_groups.3.weight.lr"), not by group
+# position: a pipeline stage's first param group and another stage's would
+# otherwise share the key "param_groups.0" and DCP would keep only one.
+# Keys by name also let a checkpoint cut into 2 stages load into 4, or 1.
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -79,7 +87,7 @@ class SafePlanner(DefaultLoadPlanner):
 
 def save(strategy, directory: Path) -> None:
     """Every rank writes its shards of model and optimizer into `directory` (collective)."""
-    model_state, optimizer_state = get_state_dict(strategy.model, strategy.optimizer)
+    model_state, optimizer_state = get_state_dict(strategy.model, strategy.optimizer, options=_OPTIONS)
     # sync_files (the default) fsyncs every shard before DCP reports success.
     try:
         dcp.save({"model": model_state, "optimizer": optimizer_state}, no_dist=not dist.is_initialized(),
@@ -92,7 +100,7 @@ def load(strategy, directory: Path) -> None:
     """Read `directory` into the wrapped model and optimizer, resharding as needed (collective)."""
     # get_state_dict creates the optimizer's state when it has none yet, so
     # DCP has tensors of the right shapes and placements to read into.
-    model_state, optimizer_state = get_state_dict(strategy.model, strategy.optimizer)
+    model_state, optimizer_state = get_state_dict(strategy.model, strategy.optimizer, options=_OPTIONS)
     state = {"model": model_state, "optimizer": optimizer_state}
     try:
         dcp.load(state, storage_reader=SafeReader(str(directory)), planner=SafePlanner(),
@@ -100,7 +108,7 @@ def load(strategy, directory: Path) -> None:
     except CheckpointException as exc:
         raise _first_failure(exc) from None
     set_state_dict(strategy.model, strategy.optimizer,
-                   model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+                   model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=_OPTIONS)
 
 
 def _first_failure(exc: CheckpointException) -> BaseException:

@@ -13,7 +13,9 @@ scaling is off, since it would divide earlier accumulation steps again), so
 the summed gradients are the gradient of the whole batch's mean loss.
 
 Stages keep the Sequential's child names ("3.weight"), so the full state
-dict gathered on rank 0 has the original keys in the original order.
+dict gathered on rank 0 has the original keys in the original order, and a
+checkpoint (each stage writes its own layers through DCP) loads into any
+other cut of the same model.
 """
 
 from __future__ import annotations
@@ -99,6 +101,7 @@ class Pipeline(Strategy):
     name = "pipeline"
     distributed = True
     options = ("microbatches", "schedule")
+    sharded_checkpoint = True  # each stage saves its own layers through torch.distributed.checkpoint
 
     def __init__(self, runtime, microbatches: int | None = None, schedule: str = "1f1b", **options):
         super().__init__(runtime, **options)
@@ -237,7 +240,7 @@ class Pipeline(Strategy):
         self._send(out, self._peer(self.stage_index + 1))
         return None
 
-    # -- checkpoints: the full model's state on rank 0 -------------------------
+    # -- the full model's state on rank 0 (weights export, fleet.save(sharded=False)) --
     def _named_optimizer_state(self) -> dict:
         """This stage's optimizer state keyed by parameter name, not position."""
         names = {id(p): n for n, p in self.model.named_parameters()}
