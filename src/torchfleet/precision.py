@@ -15,20 +15,24 @@ from torchfleet.errors import UsageError, choice_error
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# Where fp16 is offered. torch's GradScaler and fp16 autocast also run on the
+# CPU (slowly: few CPUs compute in fp16), so the test suite adds "cpu" here to
+# exercise the scaler's skip-and-sync logic on machines without a GPU.
+FP16_DEVICES = ("cuda",)
 
 
 class Precision:
     def __init__(self, name: str, device: torch.device):
         if name not in PRECISIONS:
             raise choice_error("precision", name, PRECISIONS)
-        if name == "fp16" and device.type != "cuda":
+        if name == "fp16" and device.type not in FP16_DEVICES:
             raise UsageError(
                 f"precision fp16 needs a CUDA device and this run is on {device.type};"
                 " use bf16 (or fp32) on CPU"
             )
         self.name = name
         self.device = device
-        self.scaler = torch.amp.GradScaler("cuda") if name == "fp16" else None
+        self.scaler = torch.amp.GradScaler(device.type) if name == "fp16" else None
 
     def sync_overflow(self, group) -> None:
         """fp16 where ranks hold different gradients (shards, pipeline stages).

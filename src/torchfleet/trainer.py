@@ -24,6 +24,11 @@ from torchfleet.models import build_model
 from torchfleet.watchdog import Watchdog
 
 
+# fp16: this many non-finite losses in a row mean the model diverged, not that
+# the scaler's scale needs lowering (each one halved it).
+FP16_NONFINITE_LIMIT = 8
+
+
 def build_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=0.9)
@@ -88,6 +93,7 @@ def train(cfg: TrainConfig, strategy: str, nproc: int = 1) -> dict:
     if cfg.max_steps is not None:
         total_steps = min(total_steps, cfg.max_steps)
 
+    nonfinite_streak = 0
     loss = torch.tensor(float("nan"))
     val_accuracy = float("nan")
     samples = 0
@@ -103,7 +109,8 @@ def train(cfg: TrainConfig, strategy: str, nproc: int = 1) -> dict:
                 samples += cfg.batch_size
                 if watchdog:
                     watchdog.beat(step)
-                _check_finite(fleet, loss, step, faults.maybe_fire(fleet.rank, step))
+                nonfinite_streak = _check_finite(fleet, loss, step, faults.maybe_fire(fleet.rank, step),
+                                                 nonfinite_streak)
                 bar.advance(epoch=epoch + 1, loss=loss.item())
                 if cfg.checkpoint_dir and cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
                     saved = _save(fleet, cfg, step, sampler)
@@ -153,15 +160,27 @@ def train(cfg: TrainConfig, strategy: str, nproc: int = 1) -> dict:
     return result
 
 
-def _check_finite(fleet: Fleet, loss: torch.Tensor, step: int, injected: bool) -> None:
-    # Under fp16 the GradScaler skips steps whose gradients overflow and lowers
-    # its scale: a non-finite loss there is routine, not the end of the run.
-    if fleet.strategy.runtime.precision.scaler is not None:
-        return
-    if injected or not torch.isfinite(loss).item():
-        value = "nan" if injected else f"{loss.item()}"
+def _check_finite(fleet: Fleet, loss: torch.Tensor, step: int, injected: bool, streak: int) -> int:
+    """Stop on a non-finite loss, naming the step and rank; returns the fp16 streak.
+
+    Under fp16 the GradScaler skips a step whose gradients overflow and lowers
+    its scale: a non-finite loss there is routine, and only a run of
+    FP16_NONFINITE_LIMIT of them in a row stops training.
+    """
+    finite = not injected and torch.isfinite(loss).item()
+    if finite:
+        return 0
+    value = "nan" if injected else f"{loss.item()}"
+    scaler = fleet.strategy.runtime.precision.scaler
+    if scaler is None:
         raise TrainingError(f"the loss is {value} at step {step} on rank {fleet.rank}; training stopped"
                             " (lower --lr, or use --precision fp32 if it was bf16)")
+    streak += 1
+    if streak >= FP16_NONFINITE_LIMIT:
+        raise TrainingError(f"the loss has been {value} for {streak} steps in a row up to step {step} on rank"
+                            f" {fleet.rank}, though the fp16 scaler skipped each one and lowered its scale to"
+                            f" {scaler.get_scale():g}; training stopped (lower --lr, or use --precision bf16 or fp32)")
+    return streak
 
 
 def _save(fleet: Fleet, cfg: TrainConfig, step: int, sampler) -> int:

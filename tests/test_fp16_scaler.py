@@ -1,0 +1,104 @@
+"""fp16's gradient scaler: an overflowing step is skipped on every rank, and a diverged run stops.
+
+fp16 is offered on CUDA only, but torch's GradScaler and fp16 autocast run on
+the CPU too; these tests add "cpu" to `precision.FP16_DEVICES` so the skip
+logic (and, for sharded strategies, the all-reduced overflow verdict) runs
+for real on a machine without a GPU.
+"""
+
+import pytest
+import torch
+from torch import nn
+
+from torchfleet import Fleet, launch, precision
+from torchfleet.config import TrainConfig
+from torchfleet.data import synthetic
+from torchfleet.errors import TrainingError
+from torchfleet.models import build_model
+from torchfleet.testing import full_weights
+from torchfleet.trainer import FP16_NONFINITE_LIMIT, train
+
+STEPS, POISONED = 5, 3  # steps are counted from 1
+INITIAL_SCALE = 65536.0  # GradScaler's default; it grows only after 2000 clean steps
+
+
+def _poison_rank_1(fleet: Fleet, step: list[int]) -> None:
+    """Make one element of rank 1's own gradients inf at step POISONED, after any reduction.
+
+    For fsdp and the pipeline, ranks hold different gradients (shards,
+    stages), so only rank 1's scaler would see the overflow unless the
+    verdict is shared: without it rank 0 would take a step that rank 1 skips.
+    (Checked: with `Precision.sync_overflow` switched off the pipeline case
+    fails so; fsdp's DTensor gradients share the verdict by themselves.)
+    """
+    prec = fleet.strategy.runtime.precision
+    original = prec.step
+
+    def step_with_poison(optimizer):
+        if step[0] == POISONED and fleet.rank == 1:
+            grad = next(p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None)
+            local = grad.to_local() if hasattr(grad, "to_local") else grad  # fsdp's grads are DTensors
+            local.view(-1)[0] = float("inf")
+        original(optimizer)
+
+    prec.step = step_with_poison
+
+
+def _skip_job(strategy: str, options: dict) -> dict:
+    precision.FP16_DEVICES = ("cuda", "cpu")
+    fleet = Fleet(strategy=strategy, precision="fp16", **options)
+    torch.manual_seed(0)
+    net = build_model("mlp", (1, 8, 8), 10)
+    fleet.setup(net, torch.optim.SGD(net.parameters(), lr=0.05))
+    step = [0]
+    if strategy != "ddp":
+        _poison_rank_1(fleet, step)
+    scales, weights = [], [full_weights(fleet)]
+    for x, y in fleet.dataloader(synthetic(32 * STEPS, seed=1), 32, seed=1):
+        step[0] += 1
+        if strategy == "ddp" and step[0] == POISONED and fleet.rank == 1:
+            x = x.clone()
+            x[0, 0, 0, 0] = float("inf")  # an overflow in rank 1's forward: DDP's all-reduce spreads it
+        fleet.train_step(x, y, nn.CrossEntropyLoss())
+        scales.append(fleet.strategy.runtime.precision.scaler.get_scale())
+        weights.append(full_weights(fleet))
+    fleet.close()
+    return {"scales": scales, "weights": weights}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("strategy, options", [("ddp", {}), ("fsdp", {}), ("pipeline", {"microbatches": 2})])
+def test_an_overflow_on_one_rank_skips_that_step_on_every_rank(strategy, options):
+    ranks = launch(_skip_job, nprocs=2, args=(strategy, options))
+    halved = INITIAL_SCALE / 2
+    for result in ranks:  # every rank's scaler saw the overflow, once
+        assert result["scales"] == [INITIAL_SCALE] * (POISONED - 1) + [halved] * (STEPS - POISONED + 1)
+    weights = ranks[0]["weights"]
+    for step in range(1, STEPS + 1):
+        moved = (weights[step] - weights[step - 1]).abs().max().item()
+        if step == POISONED:
+            assert moved == 0, f"step {step} was taken on some rank (weights moved {moved:.3g})"
+        else:
+            assert moved > 1e-4, f"step {step} was skipped"
+    assert all(torch.isfinite(w).all() for w in weights)
+
+
+def test_a_diverged_fp16_run_stops_after_the_limit_of_skipped_steps(monkeypatch, capsys):
+    monkeypatch.setattr(precision, "FP16_DEVICES", ("cuda", "cpu"))
+    # lr 1e6 drives the weights to inf within a few steps; from then every loss is NaN.
+    cfg = TrainConfig(model="mlp", data="synthetic", synthetic_size=2048, batch_size=32, epochs=1,
+                      optimizer="sgd", lr=1e6, precision="fp16", progress=False, hang_timeout=0)
+    with pytest.raises(TrainingError) as caught:
+        train(cfg, "serial")
+    message = str(caught.value)
+    assert f"for {FP16_NONFINITE_LIMIT} steps in a row" in message
+    step = int(message.split("up to step ")[1].split()[0])
+    assert FP16_NONFINITE_LIMIT <= step < 2048 // 32  # stopped before the epoch ended
+    scale = float(message.split("lowered its scale to ")[1].split(";")[0])
+    assert scale <= INITIAL_SCALE / 2 ** FP16_NONFINITE_LIMIT  # halved once per skipped step
+
+
+def test_fp16_is_refused_on_cpu_without_the_test_switch():
+    assert precision.FP16_DEVICES == ("cuda",)
+    with pytest.raises(Exception, match="precision fp16 needs a CUDA device"):
+        precision.Precision("fp16", torch.device("cpu"))
