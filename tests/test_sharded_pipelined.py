@@ -205,3 +205,21 @@ def test_pipeline_train_command_reports_memory_and_bubble(tmp_path):
     assert pipe["bubble_formula"] == 0.2 and pipe["layers_per_stage"] == ["0-5", "6-8"]
     assert len(pipe["bubble_measured"]) == 2 and all(0 <= f < 1 for f in pipe["bubble_measured"])
     assert "bubble measured" in result.stdout and "memory rank 1" in result.stdout
+
+
+@pytest.mark.timeout(240)
+def test_a_two_stage_checkpoint_resumes_as_three_stages_from_the_cli(tmp_path):
+    """64 samples per batch: 3 stages take 4 micro-batches by default (6 would not divide it)."""
+    common = ["train", "--strategy", "pipeline", "--model", "mlp", "--data", "synthetic", "--epochs", "1",
+              "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "5", "--no-progress"]
+    first = torchfleet(*common, "-n", "2", "--max-steps", "10")
+    assert first.returncode == 0, first.stderr
+    second = torchfleet(*common, "-n", "3", "--max-steps", "15", "--resume", "--json-out", str(tmp_path / "r.json"))
+    assert second.returncode == 0, second.stderr
+    assert f"resumed from {tmp_path / 'ck' / 'step-00000010'} at step 10" in second.stdout + second.stderr
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["steps"] == 15 and result["world_size"] == 3
+    assert result["pipeline"]["microbatches"] == 4 and result["pipeline"]["stages"] == 3
+    assert 0.2 < result["val_accuracy"] <= 1  # 10 classes: trained, not chance
+    manifest = json.loads((tmp_path / "ck" / "step-00000015" / "manifest.json").read_text())
+    assert (manifest["world_size"], manifest["layout"]) == (3, "sharded")

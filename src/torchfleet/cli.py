@@ -18,7 +18,7 @@ EPILOG = "Docs: README.md. Every command takes --help."
 STRATEGY_FLAGS = (
     ("--devices", str, "mp: comma-separated devices for the stages, e.g. cuda:0,cuda:1 or cpu,cpu"),
     ("--microbatches", int, "mp, pipeline, ddp+pipeline: micro-batches per batch, so stages overlap"
-                            " (pipelines default to 2 per stage)"),
+                            " (pipelines default to 2 per stage, or fewer that divide the batch)"),
     ("--schedule", str, "pipeline, ddp+pipeline: gpipe or 1f1b (default 1f1b)"),
     ("--pp", int, "ddp+pipeline: pipeline stages per replica (default 2); -n must be a multiple"),
     ("--sharing-strategy", str, "hogwild: file_descriptor or file_system (default: the platform's)"),
@@ -212,8 +212,11 @@ def cmd_train(args, argv: list[str]) -> int:
         return 0
     from torchfleet.data import check_global_batch
     from torchfleet.launcher import run_command
+    from torchfleet.strategies import get_strategy
 
-    check_global_batch(cfg.batch_size, launch_cfg.world_size)
+    # Before any process starts: the batch splits among the processes that read data.
+    check_global_batch(cfg.batch_size, get_strategy(strategy).data_readers(launch_cfg.world_size,
+                                                                          **cfg.strategy_options))
     # Every worker re-enters this command; it finds torchrun's variables and
     # trains. The resolved strategy goes last so it wins over "auto".
     return run_command(launch_cfg, ["-m", "torchfleet", "train", *argv, "--strategy", strategy])

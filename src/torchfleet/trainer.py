@@ -124,6 +124,8 @@ def train(cfg: TrainConfig, strategy: str, nproc: int = 1) -> dict:
                 saved = _save(fleet, cfg, step, sampler)
     if cfg.checkpoint_dir and saved != step:
         _save(fleet, cfg, step, sampler)  # the final weights, whatever the interval
+    if step == total_steps and val_accuracy != val_accuracy:  # NaN: resumed a run that had finished
+        val_accuracy = evaluate(fleet, val_set)
     if watchdog:
         watchdog.stop()
     wall = time.perf_counter() - start

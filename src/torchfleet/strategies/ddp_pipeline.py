@@ -37,6 +37,10 @@ class DdpPipeline(Pipeline):
         self.pp_option = pp
         super().__init__(runtime, **options)
 
+    @classmethod
+    def data_readers(cls, world_size: int, pp: int = 2, **options) -> int:
+        return mesh_shape(world_size, pp)[0]  # one reader per replica
+
     def mesh_shape(self, world_size):
         return mesh_shape(world_size, self.pp_option)
 

@@ -112,6 +112,7 @@ class Pipeline(Strategy):
                              f" PipelineStage has register_forward_context (torch {torch.__version__}"
                              f" lacks it); use fp32 or a newer torch")
         self.dp, self.pp = self.mesh_shape(dist.get_world_size())
+        self._default_microbatches = microbatches is None  # chosen at the first step, to fit the batch
         self.microbatches = microbatches if microbatches is not None else 2 * self.pp
         if self.microbatches < 1:
             raise UsageError(f"--microbatches {self.microbatches} must be at least 1")
@@ -122,6 +123,10 @@ class Pipeline(Strategy):
         self._schedule = None
         self._busy_wall = [0.0, 0.0]  # stage busy seconds, schedule seconds (after the first step)
         self._steps = 0
+
+    @classmethod
+    def data_readers(cls, world_size: int, **options) -> int:
+        return 1  # every stage reads the same batch
 
     def mesh_shape(self, world_size: int) -> tuple[int, int]:
         """(replicas, stages per replica): one pipeline through every process."""
@@ -169,7 +174,16 @@ class Pipeline(Strategy):
         scaler = self.runtime.precision.scaler
         return scaler.scale(loss) if scaler is not None else loss
 
+    def _fit_default_microbatches(self, batch: int) -> None:
+        """Without --microbatches: the most micro-batches, from 2 x stages down, that divide the batch."""
+        lowest = self.pp if self.schedule_name == "1f1b" else 1
+        fits = [m for m in range(2 * self.pp, lowest - 1, -1) if batch % m == 0]
+        if fits:
+            self.microbatches = fits[0]
+
     def train_step(self, inputs, targets, loss_fn, grad_accum=1):
+        if self._schedule is None and self._default_microbatches and len(inputs) % grad_accum == 0:
+            self._fit_default_microbatches(len(inputs) // grad_accum)
         per_run = grad_accum * self.microbatches
         if len(inputs) % per_run:
             raise UsageError(
