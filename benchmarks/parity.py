@@ -17,7 +17,10 @@ shared machine hits every contender alike; every figure is a median.
 2. Scaling: 2-process DDP on the CNN at 256 samples per process (global 512)
    against one process at 256, one thread per process; efficiency =
    samples/s(2 processes) / (2 x samples/s(1 process)), for the hand-written
-   loop and torchfleet. Target: torchfleet >= 0.90.
+   loop, the hand-written loop with glibc's malloc thresholds raised through
+   the environment (what torchfleet.allocator does from inside), and
+   torchfleet. Each way runs in launches of its own, so one way's process
+   settings cannot help another. Target: torchfleet >= 0.90.
 3. Start-up: wall time from the command to the end of the first training step
    of benchmarks/first_step.py under `torchfleet run -n 2` and under
    `torchrun --standalone --nproc-per-node 2`. Target: within 10%.
@@ -52,17 +55,24 @@ def _env() -> dict:
     return env
 
 
-def _run(cmd: list[str], timeout: float = 600) -> None:
-    done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout)
+# glibc reads these at start-up: the hand-written loop gets, from outside, what
+# torchfleet.allocator sets from inside with mallopt.
+GLIBC_KEEP = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
+
+
+def _run(cmd: list[str], timeout: float = 600, extra_env: dict | None = None) -> None:
+    done = subprocess.run(cmd, env={**_env(), **(extra_env or {})}, capture_output=True, text=True,
+                          timeout=timeout)
     if done.returncode != 0:
         sys.exit(f"failed ({done.returncode}): {' '.join(cmd)}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
 
 
-def _job(nproc: int, out: Path, ways: tuple[str, ...], **flags) -> dict[str, list[float]]:
+def _job(nproc: int, out: Path, ways: tuple[str, ...], extra_env: dict | None = None,
+         **flags) -> dict[str, list[float]]:
     """One launch of parity_worker.py: each way's step times (the ways interleaved in blocks)."""
     args = [f"--{k.replace('_', '-')}={v}" for k, v in flags.items()]
     _run([*TORCHRUN, f"--nproc-per-node={nproc}", str(WORKER), f"--out={out}",
-          f"--ways={','.join(ways)}", *args])
+          f"--ways={','.join(ways)}", *args], extra_env=extra_env)
     return json.loads((out / "steps.json").read_text())["step_times"]
 
 
@@ -92,14 +102,19 @@ def parity(rounds: int, out: Path) -> dict:
             "torchfleet_weights_equal_hand_bit_for_bit": all(equal)}
 
 
+SCALING_WAYS = {"hand": ("hand", None), "hand + glibc thresholds": ("hand", GLIBC_KEEP),
+                "torchfleet": ("torchfleet", None)}
+
+
 def scaling(rounds: int, out: Path) -> dict:
-    per_process, ways = 256, ("hand", "torchfleet")
+    per_process, ways = 256, tuple(SCALING_WAYS)
     rates = {(w, n): [] for w in ways for n in (1, 2)}
     for r in range(rounds):
         for nproc in (1, 2):
-            times = _job(nproc, out, ways, global_batch=per_process * nproc, blocks=12)
-            for way in ways:
-                rates[way, nproc].append(per_process * nproc / statistics.median(times[way]))
+            for way in ways[r % len(ways):] + ways[:r % len(ways)]:  # a different way first each round
+                worker_way, extra_env = SCALING_WAYS[way]
+                times = _job(nproc, out, (worker_way,), extra_env, global_batch=per_process * nproc, blocks=12)
+                rates[way, nproc].append(per_process * nproc / statistics.median(times[worker_way]))
         print(f"  scaling round {r + 1}/{rounds}: " + ", ".join(
             f"{w} {rates[w, 2][-1] / (2 * rates[w, 1][-1]):.3f}" for w in ways), flush=True)
     result = {}
@@ -154,7 +169,7 @@ def report(doc: dict) -> None:
           f"{p['torchfleet_weights_equal_hand_bit_for_bit']}")
     print("scaling (CNN, 256 samples per process, 1 thread per process)")
     for way, f in s.items():
-        print(f"  {way:<11} 1 process {f['samples_per_s_1_process']:8,.0f} samples/s, 2 processes "
+        print(f"  {way:<24} 1 process {f['samples_per_s_1_process']:8,.0f} samples/s, 2 processes "
               f"{f['samples_per_s_2_processes']:8,.0f} samples/s, efficiency {f['efficiency']:.3f}")
     print("start-up (command to end of first training step)")
     for name, sec in u["median_s"].items():

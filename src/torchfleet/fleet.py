@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from torchfleet import checkpoint
+from torchfleet import allocator, checkpoint
 from torchfleet.backend import choose_backend, probe_hardware
 from torchfleet.clusters.sagemaker import TrainingEnv, relaunch_per_gpu
 from torchfleet.data import GlobalBatchSampler, ShardSampler, TensorBatches, as_batch
@@ -67,6 +67,8 @@ class Fleet:
                 f" use -n 1, or a multi-process strategy such as ddp"
             )
         self.device = torch.device("cpu") if strategy_cls.cpu_only else self._pick_device()
+        if self.device.type == "cpu":
+            allocator.keep_freed_memory()  # a step's memory stays for the next step
         if self.env.is_distributed:
             self._init_process_group()
         self.strategy = strategy_cls(
