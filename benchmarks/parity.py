@@ -19,8 +19,11 @@ shared machine hits every contender alike; every figure is a median.
    samples/s(2 processes) / (2 x samples/s(1 process)), for the hand-written
    loop, the hand-written loop with glibc's malloc thresholds raised through
    the environment (what torchfleet.allocator does from inside), and
-   torchfleet. Each way runs in launches of its own, so one way's process
-   settings cannot help another. Target: torchfleet >= 0.90.
+   torchfleet; and, to show what the machine allows, 2 processes that never
+   communicate (free) and 2 that meet once per step in a 4-byte all-reduce
+   (lockstep: the floor of any synchronous data-parallel step). Each way runs
+   in launches of its own, so one way's process settings cannot help
+   another. Target: torchfleet >= 0.90.
 3. Start-up: wall time from the command to the end of the first training step
    of benchmarks/first_step.py under `torchfleet run -n 2` and under
    `torchrun --standalone --nproc-per-node 2`. Target: within 10%.
@@ -103,7 +106,11 @@ def parity(rounds: int, out: Path) -> dict:
 
 
 SCALING_WAYS = {"hand": ("hand", None), "hand + glibc thresholds": ("hand", GLIBC_KEEP),
-                "torchfleet": ("torchfleet", None)}
+                "torchfleet": ("torchfleet", None),
+                # What the machine allows (no DDP): 2 independent processes, and 2 that
+                # meet once per step in a 4-byte all-reduce (parity_worker.unsynced).
+                "free + glibc thresholds": ("free", GLIBC_KEEP),
+                "lockstep + glibc thresholds": ("lockstep", GLIBC_KEEP)}
 
 
 def scaling(rounds: int, out: Path) -> dict:

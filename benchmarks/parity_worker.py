@@ -4,7 +4,8 @@
         [--ways hand,torchfleet,accelerate,fabric] [--global-batch 256] [--blocks 20] [--block-steps 10]
 
 The ways: hand (a hand-written DistributedDataParallel loop), torchfleet,
-accelerate (Hugging Face Accelerate) and fabric (Lightning Fabric). Each
+accelerate (Hugging Face Accelerate) and fabric (Lightning Fabric); and two
+that measure the machine rather than train (`unsynced`): free and lockstep. Each
 trains its own copy of the same CNN from the same initial weights on the same
 in-memory data, with the same global batch, optimizer and one intra-op thread
 per process, in one process group: the hand-written loop starts it, and
@@ -19,6 +20,7 @@ import argparse
 import copy
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -136,7 +138,34 @@ def fabric_way():
     return step, net
 
 
-MAKERS = {"hand": hand, "torchfleet": torchfleet_way, "accelerate": accelerate_way, "fabric": fabric_way}
+def unsynced(lockstep: bool):
+    """The hand-written step without DDP: each rank trains alone on its own slice.
+
+    Not a way to train (the replicas drift apart); it measures the machine.
+    free: no communication at all, what 2 independent processes reach.
+    lockstep: one 4-byte all-reduce per step, no gradients: the least any
+    synchronous data-parallel step pays here (waiting for the slower rank,
+    and waking up when its message comes).
+    """
+    net, optimizer = fresh()
+    inputs, targets = data.tensors
+    token = torch.zeros(1)
+    k = [0]
+
+    def step():
+        lo = k[0] * args.global_batch + RANK * LOCAL
+        x, y = inputs[lo:lo + LOCAL], targets[lo:lo + LOCAL]
+        k[0] += 1
+        optimizer.zero_grad(set_to_none=True)
+        loss_fn(net(x), y).backward()
+        if lockstep and WORLD > 1:
+            dist.all_reduce(token)
+        optimizer.step()
+
+    return step, net
+
+
+MAKERS = {"hand": hand, "free": lambda: unsynced(False), "lockstep": lambda: unsynced(True), "torchfleet": torchfleet_way, "accelerate": accelerate_way, "fabric": fabric_way}
 ways = {name: MAKERS[name]() for name in args.ways.split(",")}
 times = {name: [] for name in ways}
 for block in range(args.blocks):
@@ -160,4 +189,8 @@ if RANK == 0:
             torch.save(ways[name][1].state_dict(), out / f"{name}.pt")
 if WORLD > 1:
     dist.barrier()
-    dist.destroy_process_group()
+# No destroy_process_group: Gloo's teardown can abort a finished job at exit
+# ("terminate called without an active exception"), failing a round whose
+# figures are already written. Leave at once, as torchfleet train's workers do.
+sys.stdout.flush()
+os._exit(0)
