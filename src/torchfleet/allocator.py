@@ -49,7 +49,8 @@ def keep_freed_memory() -> bool:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     except OSError:
         return False
-    # mallopt returns 1 on success; the order matters only in that both must hold.
+    # mallopt returns 1 on success. glibc accepts both values on 64-bit Linux;
+    # were the second refused, the first alone would leave it worse than before.
     _applied = bool(libc.mallopt(_M_MMAP_THRESHOLD, _KEEP_BYTES)) and bool(
         libc.mallopt(_M_TRIM_THRESHOLD, _KEEP_BYTES))
     return _applied
