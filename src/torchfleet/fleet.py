@@ -258,10 +258,24 @@ class Fleet:
 
         All ranks meet at a barrier first: a rank that tears down its Gloo
         pairs while a peer still uses them can abort at exit.
+
+        The barrier's Work object is kept until the interpreter exits. Gloo's
+        worker thread otherwise drops the last reference to it, and with it
+        to the collectives it waited for, whose saved thread-local state
+        holds Python objects; when that happens while the main thread is
+        already finalizing the interpreter, the worker cannot take the GIL,
+        is unwound, and the process aborts ("terminate called without an
+        active exception", SIGABRT) after a run that succeeded.
         """
         if dist.is_initialized():
-            dist.barrier()
+            work = dist.barrier(async_op=True)
+            work.wait()
+            _FINISHED_WORK.append(work)  # dies in this thread, at exit
             dist.destroy_process_group()
+
+
+# See Fleet.close: Gloo work objects whose last reference must not be Gloo's.
+_FINISHED_WORK: list = []
 
 
 def _choose_socket_interface(env: DistEnv) -> None:
