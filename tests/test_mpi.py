@@ -26,6 +26,20 @@ def _address(hex_addr: str) -> str:
     return host
 
 
+def _mpirun_job(out, timeout: float):
+    """fleet_job.py under `mpirun -np 2` on this machine, writing its weights to `out`."""
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        pytest.skip("mpirun is not installed (Debian: apt-get install openmpi-bin; `make system-deps`)")
+    # OpenMPI refuses root unless told; -x passes the variables the ranks need.
+    env = clean_env(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+                    MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
+    passed = [arg for name in ("PYTHONPATH", "MASTER_PORT", "OMP_NUM_THREADS") if name in env
+              for arg in ("-x", name)]
+    return run([mpirun, "-np", "2", "--oversubscribe", *passed, sys.executable, JOB, "--out", str(out)],
+               env=env, timeout=timeout)
+
+
 @pytest.mark.timeout(300)
 def test_mpirun_trains_what_torchfleet_run_trains(tmp_path):
     fleet = torchfleet("run", "-n", "2", JOB, "--out", str(tmp_path / "fleet.pt"),
@@ -36,16 +50,7 @@ def test_mpirun_trains_what_torchfleet_run_trains(tmp_path):
     listening = (tmp_path / "listening.txt").read_text().split()
     assert len(listening) == 2 and {_address(a) for a in listening} == {"127.0.0.1"}, listening
 
-    mpirun = shutil.which("mpirun")
-    if mpirun is None:
-        pytest.skip("mpirun is not installed (Debian: apt-get install openmpi-bin; `make system-deps`)")
-    # OpenMPI refuses root unless told; -x passes the variables the ranks need.
-    env = clean_env(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-                    MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
-    passed = [arg for name in ("PYTHONPATH", "MASTER_PORT", "OMP_NUM_THREADS") if name in env
-              for arg in ("-x", name)]
-    ran = run([mpirun, "-np", "2", "--oversubscribe", *passed, sys.executable, JOB,
-               "--out", str(tmp_path / "mpi.pt")], env=env, timeout=200)
+    ran = _mpirun_job(tmp_path / "mpi.pt", timeout=200)
     assert ran.returncode == 0, ran.stdout + ran.stderr
     diff = (_weights(tmp_path / "mpi.pt") - _weights(tmp_path / "fleet.pt")).abs().max().item()
     assert diff < 1e-6
@@ -59,17 +64,9 @@ def test_a_finished_fleet_script_exits_0_every_time(tmp_path):
     (SIGABRT, "terminate called without an active exception") after training
     and saving had succeeded; 8 runs in a row then all pass about 3 times in 10.
     """
-    mpirun = shutil.which("mpirun")
-    if mpirun is None:
-        pytest.skip("mpirun is not installed (Debian: apt-get install openmpi-bin; `make system-deps`)")
     codes = []
     for _ in range(8):
-        env = clean_env(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-                        MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
-        passed = [arg for name in ("PYTHONPATH", "MASTER_PORT", "OMP_NUM_THREADS") if name in env
-                  for arg in ("-x", name)]
-        ran = run([mpirun, "-np", "2", "--oversubscribe", *passed, sys.executable, JOB,
-                   "--out", str(tmp_path / "w.pt")], env=env, timeout=120)
+        ran = _mpirun_job(tmp_path / "w.pt", timeout=120)
         codes.append(ran.returncode)
         assert "terminate called" not in ran.stdout + ran.stderr
     assert codes == [0] * 8

@@ -23,7 +23,6 @@ from torchfleet.fleet import Fleet
 from torchfleet.models import build_model
 from torchfleet.watchdog import Watchdog
 
-
 # fp16: this many non-finite losses in a row mean the model diverged, not that
 # the scaler's scale needs lowering (each one halved it).
 FP16_NONFINITE_LIMIT = 8
