@@ -10,6 +10,7 @@ CASES = [
     {"model": "mlp", "optimizer": "adamw", "grad_accum": 1, "lr": 1e-3},
     {"model": "mlp", "optimizer": "sgd", "grad_accum": 2},
     {"model": "cnn", "optimizer": "adamw", "grad_accum": 2, "lr": 1e-3},
+    {"model": "mlp", "optimizer": "sgd", "grad_accum": 1, "loader_first": True},
 ]
 
 

@@ -120,7 +120,9 @@ TWO = [("fsdp", MLP), ("fsdp", CNN), ("fsdp", dict(MLP, grad_accum=2)), ("fsdp",
        ("pipeline", dict(MLP, schedule="gpipe")), ("pipeline", dict(CNN, schedule="gpipe")),
        ("pipeline", dict(MLP, schedule="1f1b")), ("pipeline", dict(CNN, schedule="1f1b", microbatches=2)),
        ("pipeline", dict(MLP, schedule="1f1b", grad_accum=2, microbatches=2)),
-       ("pipeline", dict(CNN, schedule="gpipe", **BF16))]
+       ("pipeline", dict(CNN, schedule="gpipe", **BF16)),
+       # The loader built before setup reads the same share as one built after.
+       ("fsdp", dict(MLP, loader_first=True)), ("pipeline", dict(MLP, schedule="gpipe", loader_first=True))]
 
 
 @pytest.mark.timeout(300)
@@ -141,7 +143,8 @@ def test_fsdp_and_pipeline_two_processes(tmp_path):
     assert "batch of 30 does not split into 1 accumulation steps x 4 micro-batches" in pipe["bad_split"]
 
 
-FOUR = [("ddp+pipeline", dict(MLP, pp=2)), ("ddp+pipeline", dict(CNN, pp=2, schedule="gpipe"))]
+FOUR = [("ddp+pipeline", dict(MLP, pp=2)), ("ddp+pipeline", dict(CNN, pp=2, schedule="gpipe")),
+        ("ddp+pipeline", dict(MLP, pp=2, loader_first=True))]
 
 
 @pytest.mark.timeout(300)

@@ -33,6 +33,15 @@ def test_mp_and_dp_match_serial(model, opts):
     _close(train_k_steps("dp", model=model, steps=4, **opts), serial, f"dp {model}")
 
 
+@pytest.mark.parametrize("strategy,options", [("serial", {}), ("dp", {}), ("hogwild", {}),
+                                              ("mp", {"devices": "cpu,cpu", "microbatches": 2})])
+def test_loader_built_before_setup(strategy, options):
+    """Scripts often build the loader first: it must read what one built after setup reads."""
+    want = train_k_steps("serial", steps=3)
+    got = train_k_steps(strategy, steps=3, loader_first=True, **options)
+    _close(got, want, f"{strategy}, loader before setup")
+
+
 def test_mp_user_stages_match_serial():
     def job(strategy, **options):
         torch.manual_seed(0)

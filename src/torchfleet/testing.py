@@ -23,18 +23,23 @@ def flat_weights(model: nn.Module) -> torch.Tensor:
 
 def train_k_steps(strategy: str, model: str = "mlp", optimizer: str = "sgd", steps: int = 5,
                   batch_size: int = 32, grad_accum: int = 1, seed: int = 0, lr: float = 0.05,
-                  precision: str = "fp32", **strategy_options) -> torch.Tensor | None:
+                  precision: str = "fp32", loader_first: bool = False,
+                  **strategy_options) -> torch.Tensor | None:
     """Weights after `steps` optimizer steps on synthetic data (None on ranks without them).
 
+    `loader_first` builds the data loader before `fleet.setup`, as many scripts do.
     The process group stays up afterwards, so several jobs can share one launch.
     """
     fleet = Fleet(strategy=strategy, precision=precision, grad_accum=grad_accum, **strategy_options)
     torch.manual_seed(seed)
     data = synthetic(batch_size * steps, shape=(1, 8, 8), seed=seed)
+    if loader_first:
+        loader = fleet.dataloader(data, batch_size, shuffle=True, seed=seed)
     net = build_model(model, (1, 8, 8), 10)
     opt = build_optimizer(optimizer, net.parameters(), lr)
     fleet.setup(net, opt)
-    loader = fleet.dataloader(data, batch_size, shuffle=True, seed=seed)
+    if not loader_first:
+        loader = fleet.dataloader(data, batch_size, shuffle=True, seed=seed)
     loss_fn = nn.CrossEntropyLoss()
     for inputs, targets in loader:
         fleet.train_step(inputs, targets, loss_fn)

@@ -59,6 +59,27 @@ def split_balanced(model: nn.Module, parts: int) -> list[tuple[int, int]]:
     return bounds
 
 
+class _Autocast(nn.Module):
+    """The stage's layers under the precision's autocast.
+
+    The schedule calls the stage's module both for every micro-batch and for
+    the first step's inference of activation shapes and dtypes, so autocast
+    must sit inside the module: around forward_one_chunk alone, the receive
+    buffers would be sized for fp32 while bf16 arrives. (torch 2.15's
+    PipelineStage.register_forward_context does the same; this works on
+    every supported torch.)
+    """
+
+    def __init__(self, layers: nn.Module, precision):
+        super().__init__()
+        self.layers = layers
+        self.precision = precision
+
+    def forward(self, *args):
+        with self.precision.autocast():
+            return self.layers(*args)
+
+
 class _Stage(PipelineStage):
     """A PipelineStage that times its compute.
 
@@ -67,14 +88,9 @@ class _Stage(PipelineStage):
     stage's busy time; the rest of a schedule step is idle (the bubble).
     """
 
-    def __init__(self, *args, precision, **kwargs):
+    def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.busy = 0.0
-        # Autocast through the stage's own hook, which also wraps the forward
-        # that infers the activations' shapes and dtypes on the first step:
-        # autocast only around forward_one_chunk would size the receive
-        # buffers for fp32 while bf16 arrives.
-        self.register_forward_context(lambda info: precision.autocast())
 
     def _sync(self):
         if self.device.type == "cuda":
@@ -107,11 +123,11 @@ class Pipeline(Strategy):
         super().__init__(runtime, **options)
         if schedule not in SCHEDULES:
             raise choice_error("schedule", schedule, tuple(SCHEDULES))
-        if runtime.precision.name != "fp32" and not hasattr(PipelineStage, "register_forward_context"):
-            raise UsageError(f"precision {runtime.precision.name} with a pipeline needs a torch whose"
-                             f" PipelineStage has register_forward_context (torch {torch.__version__}"
-                             f" lacks it); use fp32 or a newer torch")
         self.dp, self.pp = self.mesh_shape(dist.get_world_size())
+        # init_device_mesh lays ranks out row-major over ("dp", "pp"), so the
+        # coordinates are known before the mesh is built: a loader made before
+        # setup reads the right share.
+        self.dp_rank, self.stage_index = divmod(dist.get_rank(), self.pp)
         self._default_microbatches = microbatches is None  # chosen at the first step, to fit the batch
         self.microbatches = microbatches if microbatches is not None else 2 * self.pp
         if self.microbatches < 1:
@@ -138,7 +154,7 @@ class Pipeline(Strategy):
         mesh = init_device_mesh(device.type, (self.dp, self.pp), mesh_dim_names=("dp", "pp"))
         self.mesh = mesh
         self.pp_group, self.dp_group = mesh.get_group("pp"), mesh.get_group("dp")
-        self.stage_index, self.dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
+        assert (self.stage_index, self.dp_rank) == (mesh.get_local_rank("pp"), mesh.get_local_rank("dp"))
         self.bounds = split_balanced(model, self.pp)
         start, end = self.bounds[self.stage_index]
         old_names = {id(p): n for n, p in model.named_parameters()}
@@ -147,8 +163,8 @@ class Pipeline(Strategy):
         # Only this stage's parameters, each group keeping its hyper-parameters.
         self.optimizer = rebuild_optimizer(optimizer, old_names, self.model)
         self.runtime.precision.sync_overflow(dist.group.WORLD)
-        self._stage = _Stage(self.model, self.stage_index, self.pp, device, group=self.pp_group,
-                             precision=self.runtime.precision)
+        self._stage = _Stage(_Autocast(self.model, self.runtime.precision), self.stage_index, self.pp,
+                             device, group=self.pp_group)
         return self.model, self.optimizer
 
     @property
