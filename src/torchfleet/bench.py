@@ -244,14 +244,14 @@ def run_bench(cfg: BenchConfig, console=None) -> dict:
 
     from torchfleet import bench_chart, bench_report
     from torchfleet.backend import probe_hardware
-    from torchfleet.config import check_writable_dir
     from torchfleet.doctor import collect_report
+    from torchfleet.outputs import check_writable_dir
 
     # Logs and pipes get a width that fits the table; a terminal keeps its own.
     console = console or Console(width=None if Console().is_terminal else 132)
     # torch's spawn helper logs each worker the agent stops after a failed cell; the row says why.
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
-    out = check_writable_dir(cfg.out, what="output directory")
+    out = check_writable_dir(cfg.out, what="--out")
     hw = probe_hardware()
     machine = collect_report(hw)
     cores = _usable_cores()

@@ -158,7 +158,7 @@ def cmd_doctor(args) -> int:
 
 
 def cmd_train(args, argv: list[str]) -> int:
-    from torchfleet.config import TrainConfig, check_writable_dir
+    from torchfleet.config import TrainConfig
     from torchfleet.env import DistEnv
     from torchfleet.failures import call_recorded
     from torchfleet.trainer import train
@@ -173,6 +173,7 @@ def cmd_train(args, argv: list[str]) -> int:
         hang_timeout=args.hang_timeout, json_out=args.json_out, progress=not args.no_progress,
         strategy_options=_strategy_options(args),
     )
+    cfg.check_outputs()
     env = DistEnv.detect()
     if env.is_distributed or env.source != "single":
         # Already one of many processes (torchrun, Slurm, mpirun, SageMaker): train here.
@@ -201,8 +202,6 @@ def cmd_train(args, argv: list[str]) -> int:
                          f" --nnodes {args.nnodes}; use a multi-process strategy such as ddp")
     args.nproc_per_node = nproc
     launch_cfg = _launch_config(args)
-    if cfg.checkpoint_dir:
-        check_writable_dir(cfg.checkpoint_dir)
     if why:
         print(f"torchfleet: {why}", flush=True)
     if strategy == "hogwild":

@@ -6,13 +6,12 @@ error names the value and what would be accepted, with the arithmetic shown.
 
 from __future__ import annotations
 
-import os
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 from torchfleet.data import DATASETS
 from torchfleet.errors import UsageError, choice_error
 from torchfleet.models import MODELS
+from torchfleet.outputs import check_writable_dir, check_writable_file
 from torchfleet.precision import PRECISIONS
 
 OPTIMIZERS = ("sgd", "adamw")
@@ -22,20 +21,6 @@ BACKENDS = ("auto", "gloo", "nccl", "mpi")
 def _at_least(name: str, value: int | float, low: int | float) -> None:
     if value < low:
         raise UsageError(f"{name} {value} must be at least {low}")
-
-
-def check_writable_dir(path: str | os.PathLike, what: str = "checkpoint directory") -> Path:
-    """Create `path` if needed and prove it takes files, before any work is done."""
-    path = Path(path)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".torchfleet-write-test-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as exc:
-        reason = exc.strerror or type(exc).__name__
-        raise UsageError(f"{what} {str(path)!r} is not writable ({reason}); choose a directory you can write to") from None
-    return path
 
 
 def parse_nnodes(value: int | str) -> tuple[int, int]:
@@ -215,6 +200,13 @@ class TrainConfig:
         if (self.resume or self.resume_fallback) and not self.checkpoint_dir:
             flag = "--resume" if self.resume else "--resume-fallback"
             raise UsageError(f"{flag} needs --checkpoint-dir to say where the checkpoints are")
+
+    def check_outputs(self) -> None:
+        """Refuse an output path that cannot be written, before any work is done."""
+        if self.checkpoint_dir:
+            check_writable_dir(self.checkpoint_dir, "--checkpoint-dir")
+        if self.json_out:
+            check_writable_file(self.json_out, "--json-out")
 
     def to_dict(self) -> dict:
         return asdict(self)

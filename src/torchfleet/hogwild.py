@@ -32,7 +32,6 @@ import os
 import socket
 import sys
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -40,7 +39,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
 
-from torchfleet import failures
+from torchfleet import failures, outputs
 from torchfleet.errors import UsageError
 from torchfleet.strategies import hogwild as worker_side
 from torchfleet.strategies.hogwild import WorkerInfo, resolve_sharing_strategy
@@ -213,7 +212,7 @@ def train_hogwild(cfg, workers: int) -> dict:
     }
     report.summary(result)
     if cfg.json_out:
-        Path(cfg.json_out).write_text(json.dumps(result, indent=2) + "\n")
+        outputs.write_text(cfg.json_out, json.dumps(result, indent=2) + "\n", "--json-out")
     return result
 
 

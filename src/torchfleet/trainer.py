@@ -10,12 +10,11 @@ import dataclasses
 import functools
 import json
 import time
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from torchfleet import checkpoint, faults, report
+from torchfleet import checkpoint, faults, outputs, report
 from torchfleet.config import TrainConfig
 from torchfleet.data import builtin_dataset
 from torchfleet.errors import TrainingError
@@ -154,7 +153,7 @@ def train(cfg: TrainConfig, strategy: str, nproc: int = 1) -> dict:
     if fleet.is_main:
         report.summary(result)
         if cfg.json_out:
-            Path(cfg.json_out).write_text(json.dumps(result, indent=2) + "\n")
+            outputs.write_text(cfg.json_out, json.dumps(result, indent=2) + "\n", "--json-out")
     if fleet.model_dir:
         fleet.save_model()  # SM_MODEL_DIR/model.pt, uploaded when the job ends
     fleet.close()

@@ -11,7 +11,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from torchfleet import outputs
 from torchfleet.errors import UsageError
+from torchfleet.outputs import check_writable_file
 
 
 def check_script(script: str) -> Path:
@@ -31,11 +33,6 @@ def at_least(flag: str, value: int, low: int) -> None:
 
 def write_text(path: str | os.PathLike, text: str) -> Path:
     """Write `text` to `path` (creating its folder); a UsageError if that is impossible."""
-    path = Path(path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    except OSError as exc:
-        raise UsageError(f"cannot write {str(path)!r} ({exc.strerror or type(exc).__name__}); "
-                         f"choose a path you can write to") from None
+    path = check_writable_file(path, "--out")
+    outputs.write_text(path, text, "--out")
     return path
