@@ -116,11 +116,36 @@ def report(summary: FailureSummary) -> int:
     return summary.exit_status
 
 
+def first_cause(exc: BaseException) -> BaseException:
+    """The exception that started it all: one raised while handling another is not the cause.
+
+    Python keeps the exception being handled as ``__context__`` of one raised
+    meanwhile (a cleanup that failed too); ``raise ... from`` sets
+    ``__cause__`` instead, which is a deliberate translation and is kept.
+    """
+    seen = {id(exc)}
+    while (exc.__cause__ is None and exc.__context__ is not None and not exc.__suppress_context__
+           and id(exc.__context__) not in seen):
+        exc = exc.__context__
+        seen.add(id(exc))
+    return exc
+
+
+def describe(exc: BaseException) -> str:
+    """One line for a failure: the first cause, and what went wrong while handling it."""
+    root = first_cause(exc)
+    text = f"{type(root).__name__}: {root}"
+    if root is not exc:
+        text += f" (then, while handling it, {type(exc).__name__}: {exc})"
+    return text
+
+
 def record_exception(exc: BaseException) -> bool:
     """Write `exc` to the agent's error file; False when not under torchrun's agent."""
     # A TrainingError's sentence says all (step and rank): no traceback to go with it.
     callstack = "" if isinstance(exc, TrainingError) else "".join(traceback.format_exception(exc))
-    return _record(f"{type(exc).__name__}: {exc}", callstack, usage_error=isinstance(exc, UsageError))
+    root = first_cause(exc)
+    return _record(describe(exc), callstack, usage_error=isinstance(root, UsageError))
 
 
 def record_verdict(verdict: str, stacks: str) -> bool:
@@ -142,8 +167,13 @@ def _record(message: str, callstack: str, **flags: bool) -> bool:
             **flags,
         },
     }}
-    with open(path, "w") as fh:
+    # Through a temporary file: the agent may stop this process at any moment,
+    # and an error file it finds empty makes older agents (torch 2.11) fail to
+    # parse it and abort the whole launch instead of restarting the group.
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as fh:
         json.dump(data, fh)
+    os.replace(tmp, path)
     return True
 
 
@@ -151,6 +181,18 @@ def call_recorded(fn, *args):
     """Run fn(*args) in a worker; on an exception, record it and exit quietly."""
     try:
         return fn(*args)
+    except SystemExit as exc:
+        if exc.code in (None, 0) or not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+            raise
+        # A worker that asks to fail leaves at once with its code. Python's
+        # teardown would close the process group first; the peers then fail on
+        # the closed connection, and the agent, seeing them first, stops this
+        # process with SIGTERM and loses the code (seen on torch 2.11).
+        if not isinstance(exc.code, int):
+            print(exc.code, file=sys.stderr)  # what Python prints for sys.exit("message")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exc.code if isinstance(exc.code, int) else 1)
     except Exception as exc:
         if not record_exception(exc):
             raise
