@@ -146,3 +146,30 @@ def test_derived_figures_and_verdict():
     assert "at batch 32 it is 0.80x serial (communication is 40% of the step)" in text
     assert statistics.median([1.0, 2.0]) == 1.5  # the spread helper's median is statistics'
     assert bench.bench_cell.spread([1.0, 2.0, 3.0, 4.0, 5.0])["step_time_median_s"] == 3.0
+
+
+@pytest.mark.timeout(600)
+def test_quick_bench_runs_every_cell(tmp_path):
+    result = torchfleet("bench", "--quick", "--out", str(tmp_path), timeout=580)
+    assert result.returncode == 0, result.stderr
+    cells = json.loads((tmp_path / "results.json").read_text())["cells"]
+    broken = [(c["strategy"], c["processes"], c["error"]) for c in cells if c["status"] != "ok"]
+    assert broken == []
+    # The pipelines are there (their loaders were once asked for before setup, and failed).
+    assert {"serial", "ddp", "fsdp", "pipeline"} <= {c["strategy"] for c in cells}
+
+
+def test_missing_matplotlib_says_how_to_get_the_chart(monkeypatch, tmp_path):
+    import io
+    import sys
+
+    from rich.console import Console
+
+    from torchfleet import bench_chart
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now fails
+    said = bench_chart.draw([{"status": "ok"}], tmp_path / "bench.png")
+    console = Console(file=io.StringIO(), width=200)
+    console.print(f"wrote results.json ({said})")  # as run_bench shows it
+    assert "pip install matplotlib draws bench.png" in console.file.getvalue()
+    assert not (tmp_path / "bench.png").exists()

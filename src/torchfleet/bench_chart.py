@@ -1,6 +1,7 @@
 """bench.png: samples/s by strategy and batch, each bar annotated with its speedup over serial.
 
-matplotlib is the `plot` extra: without it the chart is skipped with a sentence saying so.
+matplotlib is a dependency; where it is missing anyway (an install with --no-deps), the
+chart is skipped with a sentence saying how to get it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ def draw(rows: list[dict], path: Path, title: str = "torchfleet bench") -> str:
         matplotlib.use("Agg")  # files only: no display needed
         import matplotlib.pyplot as plt
     except ImportError:
-        return "no chart: matplotlib is not installed (pip install 'torchfleet[plot]')"
+        return "no chart: matplotlib is not installed (pip install matplotlib draws bench.png)"
     ok = [r for r in rows if r["status"] == "ok"]
     if not ok:
         return "no chart: no cell ran"
