@@ -6,17 +6,21 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
+# The oldest torch torchfleet supports and CI tests (`make test-floor`). Empty:
+# whatever pip installs for torch>= the floor, which is the newest it may.
+TORCH_FLOOR := 2.11.0
+TORCH ?=
 # pip's own progress bars and the "location ignored" notes of local indexes are noise here.
 PIP    := $(BIN)/python -m pip install --quiet --disable-pip-version-check
 
-.PHONY: demo test lint doctor bench parity clean system-deps
+.PHONY: demo test test-floor lint doctor bench parity clean system-deps
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 $(VENV)/.base: pyproject.toml | $(BIN)/python
-	$(PIP) -e . 2>&1 | { grep -v "is ignored" || true; }
-	$(BIN)/python -c "import torchfleet, torch, sklearn, rich"
+	$(PIP) -e . $(if $(TORCH),"torch==$(TORCH)") 2>&1 | { grep -v "is ignored" || true; }
+	$(BIN)/python -c "import torchfleet, torch, sklearn, rich, matplotlib"
 	touch $@
 
 $(VENV)/.dev: $(VENV)/.base
@@ -51,7 +55,13 @@ system-deps:
 	else echo "system-deps: not root with apt-get; tests needing $(SYSTEM_PACKAGES) skip where they are missing"; fi
 
 test: $(VENV)/.dev system-deps
+	$(BIN)/python -c "import torch; print('make test: torch', torch.__version__)"
 	$(BIN)/python -m pytest
+
+# The whole suite again on the oldest supported torch, in a venv of its own.
+# pip keeps the downloaded wheels in its cache, so later runs install from disk.
+test-floor:
+	$(MAKE) test VENV=.venv-floor TORCH=$(TORCH_FLOOR)
 
 lint: $(VENV)/.dev
 	$(BIN)/ruff check src tests
@@ -67,4 +77,4 @@ parity: $(VENV)/.parity
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python benchmarks/parity.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .venv-floor .pytest_cache

@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from torchfleet import netif
+from torchfleet import netif, versions
 from torchfleet.backend import BACKENDS, BackendError, Hardware, choose_backend, probe_hardware
 
 # The design's strategies, in the order the docs present them.
@@ -116,10 +116,14 @@ def _torchfleet_version() -> str:
 def _torch_info() -> dict:
     import torch
 
+    support, why = versions.standing()
     return {
         "version": torch.__version__,
         "cuda": torch.version.cuda,  # None for CPU-only builds
         "debug": bool(torch.version.debug),
+        "tested_range": versions.tested_range(),
+        "support": support,  # supported, too old, newer than tested
+        "support_note": why,
     }
 
 
@@ -201,7 +205,7 @@ def _system_table(report: dict) -> Table:
     debug = ", debug build" if torch_info["debug"] else ""
     cores = report["cpu_cores"]
     table.add_row("Python", escape(report["python"]))
-    table.add_row("PyTorch", escape(f"{torch_info['version']} ({cuda}{debug})"))
+    table.add_row("PyTorch", escape(f"{torch_info['version']} ({cuda}{debug}): {torch_info['support_note']}"))
     table.add_row("torchfleet", escape(report["torchfleet"]))
     table.add_row("CPU cores", f"{cores['usable']} usable of {cores['total']}")
     gpus = [f"{g['index']}: {g['name']}, {_gib(g['memory_bytes'])}" for g in report["gpus"]]

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from torchfleet import allocator, checkpoint
+from torchfleet import allocator, checkpoint, versions
 from torchfleet.backend import choose_backend, probe_hardware
 from torchfleet.clusters.sagemaker import TrainingEnv, relaunch_per_gpu
 from torchfleet.data import GlobalBatchSampler, ShardSampler, TensorBatches, as_batch
@@ -43,6 +43,7 @@ class Fleet:
         env: DistEnv | None = None,
         **strategy_options: Any,
     ):
+        versions.require_supported_torch()
         if grad_accum < 1:
             raise UsageError(f"grad_accum {grad_accum} must be at least 1")
         strategy_cls = get_strategy(strategy)
