@@ -76,6 +76,16 @@ def _fail_on_rank_one():
         raise RuntimeError("rank one is unhappy")
 
 
+def _fail_then_fail_cleaning_up():
+    import os
+
+    if os.environ["RANK"] == "1":
+        try:
+            raise ValueError("the cause")
+        finally:
+            raise RuntimeError("the cleanup failed too")  # noqa: B012 - on purpose
+
+
 @pytest.mark.timeout(120)
 def test_python_launch_returns_each_ranks_result():
     assert launch(_square, nprocs=2, args=(7,)) == [0, 7]
@@ -87,6 +97,16 @@ def test_python_launch_raises_with_the_summary():
         launch(_fail_on_rank_one, nprocs=2)
     assert info.value.summary.first.rank == 1
     assert "RuntimeError: rank one is unhappy" in str(info.value)
+
+
+@pytest.mark.timeout(120)
+def test_a_failure_reports_its_first_cause_not_the_cleanup():
+    with pytest.raises(LaunchError) as info:
+        launch(_fail_then_fail_cleaning_up, nprocs=2)
+    first = info.value.summary.first
+    assert first.rank == 1
+    assert first.error == ("ValueError: the cause (then, while handling it,"
+                           " RuntimeError: the cleanup failed too)")
 
 
 def test_python_launch_rejects_zero_processes():
