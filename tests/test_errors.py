@@ -133,7 +133,7 @@ ROWS = [
         "TORCHFLEET_MALLOC='jemalloc' is not a choice; use keep (the default) or default",
         env={"TORCHFLEET_MALLOC": "jemalloc"}),
     Row("mesh-does-not-multiply-out", ["train", "--strategy", "ddp+pipeline", "-n", "3", "--pp", "2",
-                                       "--batch-size", "66", "--checkpoint-dir", "{ckpt}"], "pp(2) * dp(1) != world_size(3)"),
+                                       "--batch-size", "66", "--checkpoint-dir", "{ckpt}"], "dp_replicate(1) * dp_shard(1) * pp(2) != 3 processes"),
     Row("run-zero-processes", ["run", "-n", "0", SCRIPT], "--nproc-per-node 0 must be at least 1"),
     Row("port-in-use", ["run", "-n", "2", "--master-port", "{busy_port}", SCRIPT], "is already in use on 127.0.0.1"),
     Row("unresolvable-master", ["run", "--nnodes", "2", "--node-rank", "1", "--master-addr", "no-such-host.invalid",

@@ -17,8 +17,9 @@ from torchfleet.data import synthetic
 from torchfleet.errors import UsageError
 from torchfleet.fleet import Fleet
 from torchfleet.models import build_model
-from torchfleet.strategies.ddp_pipeline import mesh_shape
-from torchfleet.strategies.pipeline import Pipeline, split_balanced
+from torchfleet.strategies.dims import ParallelDims
+from torchfleet.strategies.parallelize import split_balanced
+from torchfleet.strategies.pipeline import Pipeline
 from torchfleet.testing import full_weights, train_k_steps
 from torchfleet.trainer import build_optimizer
 
@@ -65,20 +66,22 @@ def _resume_and_evaluate(strategy: str, path: str, **options) -> dict:
             "counts": counts, "bad_split": bad_split}
 
 
-def _load_and_continue(strategy: str, path: str, options: dict) -> tuple:
-    """(weights just loaded, weights after the 2 steps that followed the save), on the main rank."""
-    fleet = Fleet(strategy=strategy, **options)
-    torch.manual_seed(5)  # other initial weights: only the checkpoint can make them right
-    net = build_model("mlp", (1, 8, 8), 10)
-    fleet.setup(net, build_optimizer("adamw", net.parameters(), 1e-3))
-    batches = list(fleet.dataloader(synthetic(32 * 4, seed=1), 32, seed=1))
-    assert fleet.load(path)["step"] == 2
-    loaded = full_weights(fleet)
-    for x, y in batches[2:]:
-        fleet.train_step(x, y, nn.CrossEntropyLoss())
-    result = (loaded, full_weights(fleet))
+def _load_and_continue(strategy: str, paths: list[str], options: dict) -> list[tuple]:
+    """For each checkpoint: (weights just loaded, weights after the 2 steps that followed the save)."""
+    results = []
+    for path in paths:
+        fleet = Fleet(strategy=strategy, **options)
+        torch.manual_seed(5)  # other initial weights: only the checkpoint can make them right
+        net = build_model("mlp", (1, 8, 8), 10)
+        fleet.setup(net, build_optimizer("adamw", net.parameters(), 1e-3))
+        batches = list(fleet.dataloader(synthetic(32 * 4, seed=1), 32, seed=1))
+        assert fleet.load(path)["step"] == 2
+        loaded = full_weights(fleet)
+        for x, y in batches[2:]:
+            fleet.train_step(x, y, nn.CrossEntropyLoss())
+        results.append((loaded, full_weights(fleet)))
     fleet.close()
-    return result
+    return results
 
 
 def _job(cases: list[tuple[str, dict]], resume: list[tuple[str, dict]], directory: str) -> dict:
@@ -144,31 +147,44 @@ def test_fsdp_and_pipeline_two_processes(tmp_path):
 
 
 FOUR = [("ddp+pipeline", dict(MLP, pp=2)), ("ddp+pipeline", dict(CNN, pp=2, schedule="gpipe")),
-        ("ddp+pipeline", dict(MLP, pp=2, loader_first=True))]
+        ("ddp+pipeline", dict(MLP, pp=2, loader_first=True)),
+        ("fsdp+pipeline", MLP), ("fsdp+pipeline", dict(CNN, schedule="gpipe", loader_first=True)),
+        ("hsdp", MLP), ("hsdp", dict(CNN, grad_accum=2, loader_first=True))]
+# Each 2 x 2: the checkpoint is saved after 2 steps, with accumulation on.
+RESUME_FOUR = [("ddp+pipeline", {"pp": 2, "microbatches": 2, "grad_accum": 2}),
+               ("fsdp+pipeline", {"microbatches": 2, "grad_accum": 2}), ("hsdp", {"grad_accum": 2})]
 
 
-@pytest.mark.timeout(300)
-def test_ddp_pipeline_four_processes(tmp_path):
-    resume = [("ddp+pipeline", {"pp": 2, "microbatches": 2, "grad_accum": 2})]
-    results = launch(_job, nprocs=4, args=(FOUR, resume, str(tmp_path)))
+@pytest.mark.timeout(400)
+def test_two_dimensional_presets_four_processes(tmp_path):
+    results = launch(_job, nprocs=4, args=(FOUR, RESUME_FOUR, str(tmp_path)))
     _check_equivalence(FOUR, results[0]["weights"])
     assert all(r["weights"] == [None] * len(FOUR) for r in results[1:])
-    check = results[0]["resume"][0]
-    memory = _check_resume(check, world=4, replicas=2, tmp_path=tmp_path, grad_accum=2)
+    ddp_pp, fsdp_pp, hsdp = results[0]["resume"]
+    memory = _check_resume(ddp_pp, world=4, replicas=2, tmp_path=tmp_path, grad_accum=2)
     assert memory["rank 0"] == memory["rank 2"] and memory["rank 1"] == memory["rank 3"]  # replicas
+    memory = _check_resume(fsdp_pp, world=4, replicas=1, tmp_path=tmp_path, grad_accum=2)
+    mlp_bytes = sum(p.numel() * 4 for p in build_model("mlp").parameters())
+    assert sum(m["params"] for m in memory.values()) == mlp_bytes  # 2 stages x 2 shards: no copy
+    memory = _check_resume(hsdp, world=4, replicas=2, tmp_path=tmp_path, grad_accum=2)
+    assert memory["rank 0"] == memory["rank 2"] and memory["rank 1"] == memory["rank 3"]  # replicas
+    assert memory["rank 0"]["params"] + memory["rank 1"]["params"] == mlp_bytes  # of 2 shards
 
-    # Its DCP checkpoint (2 replicas x 2 stages) loads into 1 process and into a
-    # 2-stage pipeline: the same weights, and training goes on as it would have.
-    saved = tmp_path / "0.pt"
-    assert json.loads((saved / "manifest.json").read_text())["layout"] == "sharded"
-    serial_loaded, serial_after = _load_and_continue("serial", str(saved), {"grad_accum": 2})
-    (pipe_loaded, pipe_after), _ = launch(_load_and_continue, nprocs=2,
-                                          args=("pipeline", str(saved), {"grad_accum": 2, "microbatches": 2}))
-    assert torch.equal(serial_loaded, pipe_loaded)
+    # Each DCP checkpoint (2 x 2) loads into 1 process and into a 2-stage pipeline:
+    # the same weights, and training goes on as it did in the 4 processes.
+    saved = [str(tmp_path / f"{i}.pt") for i in range(len(RESUME_FOUR))]
+    for path in saved:
+        assert json.loads((tmp_path / path / "manifest.json").read_text())["layout"] == "sharded"
+    serial = _load_and_continue("serial", saved, {"grad_accum": 2})
+    pipe = launch(_load_and_continue, nprocs=2, args=("pipeline", saved, {"grad_accum": 2, "microbatches": 2}))[0]
     step2 = torch.load(tmp_path / "serial.pt" / "state.pt", weights_only=True)["model"]
-    assert (serial_loaded - torch.cat([t.flatten() for t in step2.values()])).abs().max().item() < 1e-5
-    for after in (serial_after, pipe_after):  # AdamW's moments came back too: a fresh AdamW lands elsewhere
-        assert (after - check["resumed"]).abs().max().item() < 1e-5
+    step2 = torch.cat([t.flatten() for t in step2.values()])
+    for check, (serial_loaded, serial_after), (pipe_loaded, pipe_after) in zip(
+            results[0]["resume"], serial, pipe, strict=True):
+        assert torch.equal(serial_loaded, pipe_loaded)
+        assert (serial_loaded - step2).abs().max().item() < 1e-5
+        for after in (serial_after, pipe_after):  # AdamW's moments came back too: a fresh AdamW lands elsewhere
+            assert (after - check["resumed"]).abs().max().item() < 1e-5
 
 
 def test_stages_balanced_by_parameters():
@@ -182,14 +198,38 @@ def test_stages_balanced_by_parameters():
 
 
 def test_mesh_arithmetic_is_checked():
-    assert mesh_shape(4, 2) == (2, 2)
-    assert mesh_shape(6, 3) == (2, 3)
-    with pytest.raises(UsageError, match=r"pp\(3\) \* dp\(1\) != world_size\(4\)"):
-        mesh_shape(4, 3)
-    with pytest.raises(UsageError, match="--pp 1 must be at least 2"):
-        mesh_shape(4, 1)
+    def degrees(preset, world, **given):
+        d = ParallelDims.from_preset(preset, world, **given)
+        return d.dp_replicate, d.dp_shard, d.pp
+
+    assert degrees("ddp", 4) == (4, 1, 1) and degrees("fsdp", 4) == (1, 4, 1) and degrees("pipeline", 3) == (1, 1, 3)
+    assert degrees("ddp+pipeline", 4) == (2, 1, 2) and degrees("ddp+pipeline", 6, pp=3) == (2, 1, 3)
+    assert degrees("fsdp+pipeline", 4) == (1, 2, 2) and degrees("hsdp", 4) == (2, 2, 1)
+    assert degrees("hsdp", 8, dp_replicate=4) == (4, 2, 1)
+    assert ParallelDims.from_preset("hsdp", 8, nodes=2).dp_replicate == 2  # one replica per machine
+    assert degrees("ddp", 4, pp=2) == (2, 1, 2)  # a degree flag turns a preset into another
+    with pytest.raises(UsageError, match=r"dp_replicate\(1\) \* dp_shard\(1\) \* pp\(3\) != 4 processes"):
+        ParallelDims.from_preset("ddp+pipeline", 4, pp=3)
+    with pytest.raises(UsageError, match=r"dp_replicate\(2\) \* dp_shard\(3\) \* pp\(2\) != 8 processes"):
+        ParallelDims(2, 3, 2, world_size=8)
+    with pytest.raises(UsageError, match="--pp 0 must be at least 1"):
+        ParallelDims.from_preset("pipeline", 4, pp=0)
     with pytest.raises(UsageError, match="unknown schedule 'zigzag'"):
         Pipeline(None, schedule="zigzag")
+
+
+def test_names_and_layout_follow_the_degrees():
+    names = {(1, 4, 1): "fsdp", (4, 1, 1): "ddp", (2, 2, 1): "hsdp", (1, 1, 4): "pipeline",
+             (2, 1, 2): "ddp+pipeline", (1, 2, 2): "fsdp+pipeline", (1, 1, 1): "ddp"}
+    for (r, s, p), name in names.items():
+        assert ParallelDims(r, s, p, world_size=r * s * p).name == name
+    # Row-major ("dp_replicate", "dp_shard", "pp"): a pipeline's stages are neighbouring ranks.
+    dims = ParallelDims(2, 1, 2, world_size=4)
+    assert [dims.coords(rank)["pp"] for rank in range(4)] == [0, 1, 0, 1]
+    assert [dims.dp_rank(rank) for rank in range(4)] == [0, 0, 1, 1]
+    hsdp = ParallelDims(2, 2, 1, world_size=4)
+    assert [(hsdp.coords(r)["dp_replicate"], hsdp.coords(r)["dp_shard"]) for r in range(4)] == [
+        (0, 0), (0, 1), (1, 0), (1, 1)]
 
 
 @pytest.mark.timeout(300)

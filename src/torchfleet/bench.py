@@ -33,6 +33,7 @@ from torchfleet.doctor import strategy_availability
 from torchfleet.errors import UsageError
 from torchfleet.launcher import LaunchError, launch
 from torchfleet.strategies import STRATEGIES
+from torchfleet.strategies.dims import DIM_NAMES, PRESETS
 
 QUICK = {"model": "mlp", "batch_sizes": (64,), "nproc": (2,), "precisions": ("fp32",),
          "warmup": 2, "steps": 6}
@@ -204,8 +205,10 @@ def run_one(cell: Cell, cfg: BenchConfig) -> dict:
     spec = {"model": cfg.model, "strategy": cell.strategy, "processes": cell.processes,
             "global_batch": cell.global_batch, "precision": cell.precision,
             "threads": cell.threads, "warmup": cfg.warmup, "steps": cfg.steps, "seed": cfg.seed,
-            # each strategy gets only the options it takes: --microbatches is for mp and pipeline
-            "options": {k: v for k, v in cfg.strategy_options.items() if k in cls.options}}
+            # each strategy gets only the options it takes: --microbatches is for mp and pipeline,
+            # and a degree flag only for the presets that have that dimension (--pp not for ddp)
+            "options": {k: v for k, v in cfg.strategy_options.items()
+                        if k in cls.options and (k not in DIM_NAMES or k in PRESETS.get(cell.strategy, {}))}}
     start = time.perf_counter()
     try:
         with _Deadline(cfg.cell_timeout_s) as deadline:

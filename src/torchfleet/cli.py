@@ -20,7 +20,10 @@ STRATEGY_FLAGS = (
     ("--microbatches", int, "mp, pipeline, ddp+pipeline: micro-batches per batch, so stages overlap"
                             " (pipelines default to 2 per stage, or fewer that divide the batch)"),
     ("--schedule", str, "pipeline, ddp+pipeline: gpipe or 1f1b (default 1f1b)"),
-    ("--pp", int, "ddp+pipeline: pipeline stages per replica (default 2); -n must be a multiple"),
+    ("--pp", int, "pipeline stages (the pp degree): ddp+pipeline and fsdp+pipeline default to 2"),
+    ("--dp-replicate", int, "replicas (the dp_replicate degree); hsdp defaults to 2, or one per machine"),
+    ("--dp-shard", int, "shards per replica (the dp_shard degree); the product of the three degrees"
+                        " is the number of processes"),
     ("--sharing-strategy", str, "hogwild: file_descriptor or file_system (default: the platform's)"),
     ("--grad-compression", str, "ddp: none, fp16, bf16 or powersgd (DDP communication hooks)"),
     ("--powersgd-rank", int, "ddp with --grad-compression powersgd: the low rank (default 2)"),
@@ -211,11 +214,11 @@ def cmd_train(args, argv: list[str]) -> int:
         return 0
     from torchfleet.data import check_global_batch
     from torchfleet.launcher import run_command
-    from torchfleet.strategies import get_strategy
+    from torchfleet.strategies import data_readers
 
-    # Before any process starts: the batch splits among the processes that read data.
-    check_global_batch(cfg.batch_size, get_strategy(strategy).data_readers(launch_cfg.world_size,
-                                                                          **cfg.strategy_options))
+    # Before any process starts: the degrees multiply out, and the batch splits among
+    # the processes that read data.
+    check_global_batch(cfg.batch_size, data_readers(strategy, launch_cfg.world_size, cfg.strategy_options))
     # Every worker re-enters this command; it finds torchrun's variables and
     # trains. The resolved strategy goes last so it wins over "auto".
     return run_command(launch_cfg, ["-m", "torchfleet", "train", *argv, "--strategy", strategy])

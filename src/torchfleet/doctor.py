@@ -23,7 +23,7 @@ from torchfleet import netif, versions
 from torchfleet.backend import BACKENDS, BackendError, Hardware, choose_backend, probe_hardware
 
 # The design's strategies, in the order the docs present them.
-STRATEGIES = ("serial", "hogwild", "dp", "mp", "ddp", "fsdp", "pipeline", "ddp+pipeline")
+STRATEGIES = ("serial", "hogwild", "dp", "mp", "ddp", "fsdp", "hsdp", "pipeline", "ddp+pipeline", "fsdp+pipeline")
 
 Rule = Callable[[Hardware, int], tuple[bool, str]]
 
@@ -90,7 +90,10 @@ _RULES: dict[str, Rule] = {
     "ddp": _world(2),
     "fsdp": _world(2),
     "pipeline": _world(2),
-    "ddp+pipeline": _world(4, oversubscribe=True),  # 2 pipeline stages x 2 replicas
+    # Two dimensions of 2: on CPU with gloo they oversubscribe 2 cores, correct but slow.
+    "hsdp": _world(4, oversubscribe=True),  # 2 replicas x 2 shards
+    "ddp+pipeline": _world(4, oversubscribe=True),  # 2 replicas x 2 pipeline stages
+    "fsdp+pipeline": _world(4, oversubscribe=True),  # 2 shards x 2 pipeline stages
 }
 
 

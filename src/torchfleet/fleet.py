@@ -25,8 +25,9 @@ from torchfleet.data import GlobalBatchSampler, ShardSampler, TensorBatches, as_
 from torchfleet.env import DistEnv
 from torchfleet.errors import UsageError
 from torchfleet.precision import Precision
-from torchfleet.strategies import Runtime, get_strategy
+from torchfleet.strategies import Runtime, class_for, get_strategy, resolve_dims
 from torchfleet.strategies.base import LossFn
+from torchfleet.strategies.dims import DIM_NAMES
 
 # How long a collective may wait before the process group gives up. Long
 # enough for a slow first step; issue-level hang detection is the watchdog's job.
@@ -72,11 +73,15 @@ class Fleet:
             allocator.keep_freed_memory()  # a step's memory stays for the next step
         if self.env.is_distributed:
             self._init_process_group()
-        self.strategy = strategy_cls(
-            Runtime(self.env, self.device, Precision(precision, self.device),
-                    self.backend if self.env.is_distributed else None),
-            **strategy_options,
-        )
+        runtime = Runtime(self.env, self.device, Precision(precision, self.device),
+                          self.backend if self.env.is_distributed else None)
+        dims = resolve_dims(strategy, self.env.world_size, self.env.nnodes, strategy_options)
+        if dims is not None and strategy_cls.distributed:
+            # The degrees pick the class: ddp with --pp 2 runs as ddp+pipeline.
+            strategy_options = {k: v for k, v in strategy_options.items() if k not in DIM_NAMES}
+            self.strategy = class_for(dims)(runtime, dims=dims, **strategy_options)
+        else:
+            self.strategy = strategy_cls(runtime, **strategy_options)
         self.notes.extend(self.strategy.notes)
 
     # -- set-up -----------------------------------------------------------

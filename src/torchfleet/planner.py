@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 
 from torchfleet.errors import UsageError
+from torchfleet.strategies import get_strategy
+from torchfleet.strategies.dims import PRESETS
 
 
 def _cpu_cores() -> int:
@@ -22,8 +24,6 @@ def _gpus() -> int:
 
 def plan_processes(strategy: str, nproc: int | None) -> tuple[str, int, str]:
     """(strategy, processes per node, a sentence saying why, or "" when nothing was chosen)."""
-    from torchfleet.strategies import get_strategy
-
     if nproc is not None and nproc < 1:
         raise UsageError(f"--nproc-per-node {nproc} must be at least 1")
     gpus, cores = _gpus(), _cpu_cores()
@@ -50,6 +50,8 @@ def plan_processes(strategy: str, nproc: int | None) -> tuple[str, int, str]:
             )
         return strategy, 1, ""
     if nproc is None:
-        nproc = gpus if gpus >= 2 else 2
+        # Presets of two dimensions (hsdp, ddp+pipeline, fsdp+pipeline) need 2 x 2 to show both.
+        need = 4 if len(PRESETS.get(strategy, ())) > 1 else 2
+        nproc = gpus if gpus >= need else need
         return strategy, nproc, f"{strategy} on {nproc} processes (set -n to choose)"
     return strategy, nproc, ""

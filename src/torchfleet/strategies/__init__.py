@@ -1,5 +1,9 @@
 """The strategy registry: one word names one way of running.
 
+The single-process strategies are classes of their own. The multi-process
+ones are presets of the parallel dimensions (strategies/dims.py); the class
+that runs a preset follows from its degrees (`class_for`).
+
 Each strategy's module is imported on first use: the pipeline strategies pull
 in torch.distributed.pipelining and with it torch._dynamo (about 2 s), which
 `torchfleet run` and every worker of a ddp job would otherwise pay at start-up.
@@ -12,42 +16,83 @@ from collections.abc import Iterator, Mapping
 
 from torchfleet.errors import choice_error
 from torchfleet.strategies.base import Runtime, Strategy
+from torchfleet.strategies.dims import DIM_NAMES, PRESETS, ParallelDims
 
-# In the design's order (../shared/DESIGN.md): name -> (module, class).
-_WHERE = {
+_SINGLE = {
     "serial": ("serial", "Serial"),
     "hogwild": ("hogwild", "Hogwild"),
     "dp": ("dp", "DataParallelSingleProcess"),
     "mp": ("mp", "ModelParallel"),
-    "ddp": ("ddp", "DataParallelDistributed"),
-    "fsdp": ("fsdp", "FullyShardedDataParallel"),
-    "pipeline": ("pipeline", "Pipeline"),
-    "ddp+pipeline": ("ddp_pipeline", "DdpPipeline"),
 }
+# The classes that run the multi-process presets, by what the degrees hold.
+_MESH = {
+    "replicate": ("ddp", "DataParallelDistributed"),
+    "shard": ("fsdp", "FullyShardedDataParallel"),
+    "pipeline": ("pipeline", "Pipeline"),
+}
+# In the design's order (../shared/DESIGN.md).
+STRATEGY_NAMES: tuple[str, ...] = ("serial", "hogwild", "dp", "mp", *PRESETS)
+
+
+def _load(where: tuple[str, str]) -> type[Strategy]:
+    module, cls = where
+    return getattr(importlib.import_module(f"torchfleet.strategies.{module}"), cls)
+
+
+def _kind(pp: int, dp_shard: int) -> str:
+    return "pipeline" if pp > 1 else "shard" if dp_shard > 1 else "replicate"
+
+
+def class_for(dims: ParallelDims) -> type[Strategy]:
+    """The class that runs these degrees: pipeline stages, else shards, else replicas."""
+    return _load(_MESH[_kind(dims.pp, dims.dp_shard)])
 
 
 class _Registry(Mapping[str, type[Strategy]]):
-    """name -> strategy class, importing the class's module when it is first looked up."""
+    """name -> strategy class, importing the class's module when it is first looked up.
+
+    A preset maps to the class its own degrees need; flags that change the
+    degrees (``--pp`` on ddp) may need another, which `class_for` gives.
+    """
 
     def __getitem__(self, name: str) -> type[Strategy]:
-        module, cls = _WHERE[name]
-        return getattr(importlib.import_module(f"torchfleet.strategies.{module}"), cls)
+        if name in _SINGLE:
+            return _load(_SINGLE[name])
+        preset = PRESETS[name]
+        return _load(_MESH[_kind(2 if "pp" in preset else 1, 2 if "dp_shard" in preset else 1)])
 
     def __iter__(self) -> Iterator[str]:
-        return iter(_WHERE)
+        return iter(STRATEGY_NAMES)
 
     def __len__(self) -> int:
-        return len(_WHERE)
+        return len(STRATEGY_NAMES)
 
 
 STRATEGIES: Mapping[str, type[Strategy]] = _Registry()
-STRATEGY_NAMES: tuple[str, ...] = tuple(_WHERE)
 
 
 def get_strategy(name: str) -> type[Strategy]:
-    if name not in _WHERE:
+    if name not in STRATEGY_NAMES:
         raise choice_error("strategy", name, STRATEGY_NAMES)
     return STRATEGIES[name]
 
 
-__all__ = ["STRATEGIES", "STRATEGY_NAMES", "Runtime", "Strategy", "get_strategy"]
+def resolve_dims(name: str, world_size: int, nodes: int = 1, options: dict | None = None) -> ParallelDims | None:
+    """The degrees strategy `name` runs with on `world_size` processes (None for single-process ones).
+
+    Degree flags (dp_replicate, dp_shard, pp) in `options` override the preset's.
+    """
+    if name not in PRESETS:
+        return None
+    given = {k: v for k, v in (options or {}).items() if k in DIM_NAMES}
+    return ParallelDims.from_preset(name, world_size, nodes=nodes, **given)
+
+
+def data_readers(name: str, world_size: int, options: dict | None = None) -> int:
+    """How many of `world_size` processes read different data (the global batch splits among them)."""
+    dims = resolve_dims(name, world_size, options=options)
+    return dims.dp if dims is not None else world_size
+
+
+__all__ = ["STRATEGIES", "STRATEGY_NAMES", "Runtime", "Strategy", "class_for", "data_readers", "get_strategy",
+           "resolve_dims"]

@@ -77,11 +77,6 @@ class Strategy:
         return contextlib.nullcontext()
 
     # -- data -------------------------------------------------------------
-    @classmethod
-    def data_readers(cls, world_size: int, **options) -> int:
-        """How many of `world_size` processes read different data (the global batch splits among them)."""
-        return world_size
-
     def data_coords(self) -> tuple[int, int]:
         """(rank, world size) among the processes that read different data."""
         return self.runtime.env.rank, self.runtime.env.world_size

@@ -1,5 +1,7 @@
 """ddp: one replica per process, gradients averaged by DistributedDataParallel.
 
+The preset ``dp_replicate = N`` of the parallel dimensions (strategies/dims.py).
+
 DDP all-reduces gradient buckets during backward, overlapping communication
 with computation, and every process steps its own optimizer on the same
 averaged gradients, so no parameters are broadcast after the first step.
@@ -13,10 +15,9 @@ powersgd sends a rank-`powersgd_rank` approximation of each gradient matrix
 
 import functools
 
-from torch.nn.parallel import DistributedDataParallel as DDP
-
 from torchfleet.errors import UsageError, choice_error
-from torchfleet.strategies.base import Strategy
+from torchfleet.strategies.distributed import MeshStrategy
+from torchfleet.strategies.parallelize import apply_ddp
 
 COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
 # PowerSGD runs plain all-reduce before this step; with error feedback torch
@@ -46,10 +47,9 @@ def _in_bucket_order(hook):
     return ordered
 
 
-class DataParallelDistributed(Strategy):
+class DataParallelDistributed(MeshStrategy):
     name = "ddp"
-    distributed = True
-    options = ("grad_compression", "powersgd_rank")
+    options = (*MeshStrategy.options, "grad_compression", "powersgd_rank")
 
     def __init__(self, runtime, **options):
         super().__init__(runtime, **options)  # rejects options ddp does not take
@@ -66,16 +66,13 @@ class DataParallelDistributed(Strategy):
         self.powersgd_rank = powersgd_rank or 2
 
     def wrap(self, model, optimizer):
-        device = self.runtime.device
-        model = model.to(device)
-        # device_ids only for single-device CUDA modules; CPU modules take None.
-        ids = [device] if device.type == "cuda" else None
-        self.model = DDP(model, device_ids=ids)
-        self._register_hook()
+        mesh = self.build_mesh()
+        self.model = apply_ddp(model.to(self.runtime.device), mesh["dp_replicate"], self.runtime.device)
+        self._register_hook(mesh["dp_replicate"].get_group())
         self.optimizer = optimizer
         return self.model, self.optimizer
 
-    def _register_hook(self) -> None:
+    def _register_hook(self, group) -> None:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
         if self.grad_compression == "fp16":
@@ -84,7 +81,7 @@ class DataParallelDistributed(Strategy):
             self.model.register_comm_hook(None, default_hooks.bf16_compress_hook)
         elif self.grad_compression == "powersgd":
             state = powerSGD_hook.PowerSGDState(
-                process_group=None, matrix_approximation_rank=self.powersgd_rank,
+                process_group=group, matrix_approximation_rank=self.powersgd_rank,
                 start_powerSGD_iter=POWERSGD_START)
             self.model.register_comm_hook(state, _in_bucket_order(powerSGD_hook.powerSGD_hook))
 

@@ -1,7 +1,11 @@
-"""fsdp: parameters, gradients and optimizer state sharded across processes (FSDP2).
+"""fsdp and hsdp: parameters, gradients and optimizer state sharded across processes (FSDP2).
 
-`fully_shard` is applied to each block that holds parameters (each child of
-the root), then to the root, on a 1-D device mesh of all processes. Each
+fsdp is the preset ``dp_shard = N`` of the parallel dimensions; hsdp is
+``dp_replicate = R, dp_shard = N / R``: FSDP2 on its 2-D mesh shards within
+each group of N / R processes and averages gradients across the R groups
+(replicate across machines, shard within one). `fully_shard` is applied to
+each block that holds parameters (each child of the root), then to the root
+(strategies/parallelize.py). Each
 block's parameters are all-gathered just before its forward and freed after,
 and its gradients are reduce-scattered during backward, so every rank holds
 about 1/N of the training state between steps. The update is the same
@@ -28,11 +32,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from torchfleet.strategies.base import Strategy
+from torchfleet.strategies.distributed import MeshStrategy
+from torchfleet.strategies.parallelize import apply_fsdp, data_parallel_mesh
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -77,24 +80,14 @@ def memory_per_rank(params, grads, optimizer: torch.optim.Optimizer) -> dict:
     return {f"rank {r}": m for r, m in enumerate(every)}
 
 
-class FullyShardedDataParallel(Strategy):
+class FullyShardedDataParallel(MeshStrategy):
     name = "fsdp"
-    distributed = True
     sharded_checkpoint = True  # each rank saves its own shards through torch.distributed.checkpoint
 
     def wrap(self, model, optimizer):
-        device = self.runtime.device
-        model = model.to(device)
+        model = model.to(self.runtime.device)
         old_names = {id(p): n for n, p in model.named_parameters()}
-        mesh = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("dp",))
-        # Shard each block, then the root (which picks up any parameters left
-        # directly on it): one all-gather per block keeps only one block's
-        # full parameters alive at a time.
-        for child in model.children():
-            if any(p.requires_grad for p in child.parameters()):
-                fully_shard(child, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        self.model = model
+        self.model = apply_fsdp(model, data_parallel_mesh(self.dims, self.build_mesh()))
         self.optimizer = rebuild_optimizer(optimizer, old_names, model)
         # fp16: each rank sees only its gradient shard, so overflow is agreed over all ranks.
         self.runtime.precision.sync_overflow(dist.group.WORLD)

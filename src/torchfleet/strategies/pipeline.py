@@ -1,11 +1,21 @@
-"""pipeline: each process holds one stage of the model (distributed model parallel).
+"""pipeline, ddp+pipeline and fsdp+pipeline: each process holds one stage of the model.
 
+Every preset of the parallel dimensions with ``pp > 1`` runs here
+(strategies/dims.py): ``pipeline`` is one pipeline through every process,
+``ddp+pipeline`` replicates it (DDP on each stage across replicas), and
+``fsdp+pipeline`` shards each stage across its data-parallel group (FSDP2).
 An ``nn.Sequential`` is cut into consecutive stages balanced by parameter
-count, one per process, and `torch.distributed.pipelining` runs each batch as
-`microbatches` micro-batches under the GPipe or 1F1B schedule; the last stage
-computes the loss. Every process of a pipeline reads the same batch (the
-first stage uses the inputs, the last the targets), so a pipeline counts as
-one data-parallel rank.
+count, and `torch.distributed.pipelining` runs each batch as `microbatches`
+micro-batches under the GPipe or 1F1B schedule; the last stage computes the
+loss. The stages of one pipeline read the same batch (the first stage uses
+the inputs, the last the targets), so a pipeline counts as one data-parallel
+rank.
+
+Gradients across replicas or shards are synchronised by DDP or FSDP2 inside
+torch's schedule, once per schedule step at the last micro-batch; with
+`grad_accum` > 1 that is once per accumulation step (the sums are still the
+batch's gradient: an average already equal on every rank averages to
+itself).
 
 Equivalence with `serial`: each micro-batch's mean loss is divided by
 (microbatches x grad_accum) before backward (the schedule's own grad
@@ -21,63 +31,19 @@ other cut of the same model.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from torchfleet.errors import UsageError, choice_error
-from torchfleet.strategies.base import Strategy
+from torchfleet.strategies.distributed import MeshStrategy
 from torchfleet.strategies.fsdp import memory_per_rank, rebuild_optimizer
-from torchfleet.strategies.partition import partition
+from torchfleet.strategies.parallelize import parallelize, split_balanced
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-
-
-def split_balanced(model: nn.Module, parts: int) -> list[tuple[int, int]]:
-    """Cut `model`'s children into `parts` consecutive [start, end) ranges.
-
-    Minimises the largest stage's parameter count; every stage gets at least
-    one parameter (a stage of only activations would have nothing to train).
-    The stages' parameters (not their compute) are balanced: that is what
-    bounds each device's memory.
-    """
-    if not isinstance(model, nn.Sequential):
-        raise UsageError(f"pipeline stages are cut from an nn.Sequential's children; got {type(model).__name__}")
-    sizes = [sum(p.numel() for p in c.parameters()) for c in model]
-    with_params = sum(1 for s in sizes if s)
-    if with_params < parts:
-        raise UsageError(f"the model has {with_params} layers with parameters, too few for {parts} stages;"
-                         f" use at most {with_params} stages")
-    bounds, start = [], 0
-    for size in partition(sizes, parts, weighted_parts=True, ties_to_later=True):
-        bounds.append((start, start + size))
-        start += size
-    return bounds
-
-
-class _Autocast(nn.Module):
-    """The stage's layers under the precision's autocast.
-
-    The schedule calls the stage's module both for every micro-batch and for
-    the first step's inference of activation shapes and dtypes, so autocast
-    must sit inside the module: around forward_one_chunk alone, the receive
-    buffers would be sized for fp32 while bf16 arrives. (torch 2.15's
-    PipelineStage.register_forward_context does the same; this works on
-    every supported torch.)
-    """
-
-    def __init__(self, layers: nn.Module, precision):
-        super().__init__()
-        self.layers = layers
-        self.precision = precision
-
-    def forward(self, *args):
-        with self.precision.autocast():
-            return self.layers(*args)
+__all__ = ["SCHEDULES", "Pipeline", "split_balanced"]
 
 
 class _Stage(PipelineStage):
@@ -113,21 +79,17 @@ class _Stage(PipelineStage):
         return out
 
 
-class Pipeline(Strategy):
+class Pipeline(MeshStrategy):
     name = "pipeline"
-    distributed = True
-    options = ("microbatches", "schedule")
+    options = (*MeshStrategy.options, "microbatches", "schedule")
     sharded_checkpoint = True  # each stage saves its own layers through torch.distributed.checkpoint
 
     def __init__(self, runtime, microbatches: int | None = None, schedule: str = "1f1b", **options):
-        super().__init__(runtime, **options)
         if schedule not in SCHEDULES:
             raise choice_error("schedule", schedule, tuple(SCHEDULES))
-        self.dp, self.pp = self.mesh_shape(dist.get_world_size())
-        # init_device_mesh lays ranks out row-major over ("dp", "pp"), so the
-        # coordinates are known before the mesh is built: a loader made before
-        # setup reads the right share.
-        self.dp_rank, self.stage_index = divmod(dist.get_rank(), self.pp)
+        super().__init__(runtime, **options)
+        self.pp, self.dp = self.dims.pp, self.dims.dp
+        self.stage_index, self.dp_rank = self.coords["pp"], self.dims.dp_rank(dist.get_rank())
         self._default_microbatches = microbatches is None  # chosen at the first step, to fit the batch
         self.microbatches = microbatches if microbatches is not None else 2 * self.pp
         if self.microbatches < 1:
@@ -140,31 +102,19 @@ class Pipeline(Strategy):
         self._busy_wall = [0.0, 0.0]  # stage busy seconds, schedule seconds (after the first step)
         self._steps = 0
 
-    @classmethod
-    def data_readers(cls, world_size: int, **options) -> int:
-        return 1  # every stage reads the same batch
-
-    def mesh_shape(self, world_size: int) -> tuple[int, int]:
-        """(replicas, stages per replica): one pipeline through every process."""
-        return 1, world_size
-
     # -- wrapping ---------------------------------------------------------
     def wrap(self, model, optimizer):
         device = self.runtime.device
-        mesh = init_device_mesh(device.type, (self.dp, self.pp), mesh_dim_names=("dp", "pp"))
-        self.mesh = mesh
-        self.pp_group, self.dp_group = mesh.get_group("pp"), mesh.get_group("dp")
-        assert (self.stage_index, self.dp_rank) == (mesh.get_local_rank("pp"), mesh.get_local_rank("dp"))
-        self.bounds = split_balanced(model, self.pp)
-        start, end = self.bounds[self.stage_index]
+        mesh = self.build_mesh()
+        self.pp_group = mesh["pp"].get_group()
         old_names = {id(p): n for n, p in model.named_parameters()}
-        children = list(model.named_children())
-        self.model = nn.Sequential(OrderedDict(children[start:end])).to(device)
+        # The stage (sharded by FSDP2 in place), and what runs it: DDP's wrapper or the stage.
+        self.model, runner, self.bounds = parallelize(model, self.dims, mesh, device, self.runtime.precision,
+                                                      stage=self.stage_index)
         # Only this stage's parameters, each group keeping its hyper-parameters.
         self.optimizer = rebuild_optimizer(optimizer, old_names, self.model)
         self.runtime.precision.sync_overflow(dist.group.WORLD)
-        self._stage = _Stage(_Autocast(self.model, self.runtime.precision), self.stage_index, self.pp,
-                             device, group=self.pp_group)
+        self._stage = _Stage(runner, self.stage_index, self.pp, device, group=self.pp_group)
         return self.model, self.optimizer
 
     @property
@@ -178,10 +128,6 @@ class Pipeline(Strategy):
     def _peer(self, stage: int) -> int:
         """Global rank of `stage` in this process's replica."""
         return dist.get_global_rank(self.pp_group, stage)
-
-    def data_coords(self):
-        # Every stage of a replica reads the same batch: one data-parallel rank per replica.
-        return self.dp_rank, self.dp
 
     # -- training ---------------------------------------------------------
     def _loss(self, output, target):
@@ -232,13 +178,9 @@ class Pipeline(Strategy):
         loss = torch.zeros((), device=self.runtime.device)
         if self.is_last:  # undo the scaling: the mean loss of the batch
             loss = torch.stack(losses).detach().float().sum() / (scaler.get_scale() if scaler else 1.0)
-        self.sync_gradients()
         self.runtime.precision.step(self.optimizer)
         dist.broadcast(loss, src=self._peer(self.pp - 1), group=self.pp_group)  # every stage reports it
         return loss
-
-    def sync_gradients(self) -> None:
-        """Average gradients across replicas (none here: one replica)."""
 
     # -- inference: activations passed stage to stage -----------------------
     _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -281,7 +223,9 @@ class Pipeline(Strategy):
 
     def state_dicts(self):
         """Every stage's state gathered to rank 0 (replica 0's), keyed as in the whole model."""
-        mine = _to_cpu((self.stage_index, self.dp_rank, self.model.state_dict(), self._named_optimizer_state()))
+        # A sharded stage's tensors are gathered whole first, by every rank of its shard group.
+        mine = _to_cpu(_full((self.stage_index, self.dp_rank, self.model.state_dict(),
+                              self._named_optimizer_state())))
         every = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         dist.gather_object(mine, every, dst=0)
         if every is None:
@@ -298,9 +242,11 @@ class Pipeline(Strategy):
         return model_state, {"state": state, "param_groups": groups}
 
     def load_state_dicts(self, model_state, optimizer_state):
-        """Each rank takes its own stage's entries from the full state."""
-        self.model.load_state_dict({k: model_state[k] for k in self.model.state_dict()})
+        """Each rank takes its own stage's entries from the full state (and its shards of them)."""
+        current = self.model.state_dict()
+        self.model.load_state_dict({k: _like(model_state[k], v) for k, v in current.items()})
         names = {id(p): n for n, p in self.model.named_parameters()}
+        params = dict(self.model.named_parameters())
         saved = {n: g for g in optimizer_state["param_groups"] for n in g["params"]}
         order, groups = [], []
         for g in self.optimizer.param_groups:
@@ -309,7 +255,8 @@ class Pipeline(Strategy):
             groups.append({**{k: v for k, v in source.items() if k != "params"},
                            "params": list(range(len(order), len(order) + len(group_names)))})
             order += group_names
-        state = {i: optimizer_state["state"][n] for i, n in enumerate(order) if n in optimizer_state["state"]}
+        state = {i: {k: _like(v, params[n]) for k, v in optimizer_state["state"][n].items()}
+                 for i, n in enumerate(order) if n in optimizer_state["state"]}
         self.optimizer.load_state_dict({"state": state, "param_groups": groups})
 
     # -- reports ------------------------------------------------------------
@@ -330,6 +277,24 @@ class Pipeline(Strategy):
         return {"schedule": self.schedule_name, "stages": p, "replicas": self.dp, "microbatches": m,
                 "layers_per_stage": [f"{a}-{b - 1}" for a, b in self.bounds],
                 "bubble_formula": round((p - 1) / (m + p - 1), 3), "bubble_measured": idle}
+
+
+def _full(tree):
+    """`tree` with every DTensor gathered into a whole tensor (a collective over its mesh)."""
+    if isinstance(tree, DTensor):
+        return tree.full_tensor()
+    if isinstance(tree, dict):
+        return {k: _full(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_full(v) for v in tree)
+    return tree
+
+
+def _like(value, current):
+    """A whole saved tensor laid out as `current` is: this rank's shard where `current` is a DTensor."""
+    if isinstance(current, DTensor) and isinstance(value, torch.Tensor) and value.shape == current.shape:
+        return distribute_tensor(value.to(current.device), current.device_mesh, current.placements)
+    return value
 
 
 def _to_cpu(tree):

@@ -1,0 +1,130 @@
+"""Parallel dimensions: the degree of each parallelism, checked once, and the one mesh.
+
+Every multi-process strategy is a preset of three degrees (torchtitan's
+names): ``dp_replicate`` (whole replicas, gradients averaged by DDP),
+``dp_shard`` (FSDP2 shards parameters, gradients and optimizer state) and
+``pp`` (pipeline stages). Their product is the number of processes:
+
+    ddp            dp_replicate = N
+    fsdp           dp_shard = N
+    hsdp           dp_replicate = R, dp_shard = N / R   (FSDP2's 2-D mesh)
+    pipeline       pp = N
+    ddp+pipeline   dp_replicate = N / pp, pp
+    fsdp+pipeline  dp_shard = N / pp, pp
+
+`--dp-replicate`, `--dp-shard` and `--pp` set a degree directly; the preset
+fills the rest. The mesh is ("dp_replicate", "dp_shard", "pp"), row-major,
+so a pipeline's stages are neighbouring ranks (on one machine, where the
+activations they pass each micro-batch travel fastest) and replicas are
+farthest apart (across machines, where only one gradient all-reduce per step
+crosses). ddp+pipeline had this layout before the dimensions existed, so its
+ranks and checkpoints are unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from torchfleet.errors import UsageError
+
+DIM_NAMES = ("dp_replicate", "dp_shard", "pp")
+DEGREE_FLAGS = {"dp_replicate": "--dp-replicate", "dp_shard": "--dp-shard", "pp": "--pp"}
+
+# name -> the degrees it fixes (None: "the processes left over"). A degree a
+# preset does not list is 1 unless a flag sets it.
+PRESETS: dict[str, dict[str, int | None]] = {
+    "ddp": {"dp_replicate": None},
+    "fsdp": {"dp_shard": None},
+    "hsdp": {"dp_replicate": 2, "dp_shard": None},
+    "pipeline": {"pp": None},
+    "ddp+pipeline": {"dp_replicate": None, "pp": 2},
+    "fsdp+pipeline": {"dp_shard": None, "pp": 2},
+}
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    dp_replicate: int
+    dp_shard: int
+    pp: int
+    world_size: int
+
+    def __post_init__(self) -> None:
+        for name in DIM_NAMES:
+            if getattr(self, name) < 1:
+                raise UsageError(f"{DEGREE_FLAGS[name]} {getattr(self, name)} must be at least 1")
+        if self.dp_replicate * self.dp_shard * self.pp != self.world_size:
+            raise UsageError(f"{self.arithmetic()} != {self.world_size} processes; choose degrees whose"
+                             f" product is the number of processes")
+
+    def arithmetic(self) -> str:
+        return " * ".join(f"{n}({getattr(self, n)})" for n in DIM_NAMES)
+
+    @classmethod
+    def from_preset(cls, preset: str, world_size: int, nodes: int = 1, **given: int | None) -> ParallelDims:
+        """The degrees of `preset` on `world_size` processes, with the flags in `given` applied.
+
+        hsdp replicates across machines when there are several (`nodes`), shards within each.
+        """
+        fixed = {n: v for n, v in given.items() if v is not None}
+        degrees = {n: 1 for n in DIM_NAMES}
+        free = []
+        defaults = dict(PRESETS[preset])
+        if preset == "hsdp" and nodes > 1:
+            defaults["dp_replicate"] = nodes
+        for name, default in defaults.items():
+            if name in fixed:
+                continue
+            if default is None:
+                free.append(name)
+            else:
+                degrees[name] = default
+        degrees.update(fixed)
+        for name, value in degrees.items():
+            if value < 1:
+                raise UsageError(f"{DEGREE_FLAGS[name]} {value} must be at least 1")
+        if free:  # the one degree the preset leaves open takes the processes left over
+            (name,) = free
+            rest = world_size // max(1, _product(degrees, but=name))
+            degrees[name] = max(1, rest)
+        return cls(world_size=world_size, **degrees)
+
+    # -- what follows from the degrees -------------------------------------
+    @property
+    def dp(self) -> int:
+        """Processes that read different data: one per data-parallel rank (a pipeline's stages share)."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def name(self) -> str:
+        """The preset these degrees are ("ddp", "hsdp+pipeline", ...)."""
+        data = {(False, False): "", (True, False): "ddp", (False, True): "fsdp", (True, True): "hsdp"}[
+            (self.dp_replicate > 1, self.dp_shard > 1)]
+        if self.pp > 1:
+            return f"{data}+pipeline" if data else "pipeline"
+        return data or "ddp"
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """This rank's index along each dimension (the mesh is row-major)."""
+        rank, stage = divmod(rank, self.pp)
+        replica, shard = divmod(rank, self.dp_shard)
+        return {"dp_replicate": replica, "dp_shard": shard, "pp": stage}
+
+    def dp_rank(self, rank: int) -> int:
+        """Which data-parallel share `rank` reads, 0 .. dp-1."""
+        c = self.coords(rank)
+        return c["dp_replicate"] * self.dp_shard + c["dp_shard"]
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        """The one DeviceMesh every parallelism of this run is applied over."""
+        return init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.pp), mesh_dim_names=DIM_NAMES)
+
+
+def _product(degrees: dict[str, int], but: str) -> int:
+    out = 1
+    for name, value in degrees.items():
+        if name != but:
+            out *= value
+    return out
