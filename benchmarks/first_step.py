@@ -15,7 +15,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from torchfleet import Fleet  # noqa: E402
-from torchfleet.models import mlp  # noqa: E402
+from torchfleet.train.models import mlp  # noqa: E402
 
 fleet = Fleet(strategy="ddp")
 torch.manual_seed(0)

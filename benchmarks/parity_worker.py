@@ -29,8 +29,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
-from torchfleet.data import synthetic
-from torchfleet.models import build_model
+from torchfleet.train.datasets import synthetic
+from torchfleet.train.models import build_model
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--out", required=True)

@@ -44,9 +44,9 @@ def worker(args) -> None:
     from torch import nn
 
     from torchfleet import Fleet
-    from torchfleet.data import digits
-    from torchfleet.models import mlp
-    from torchfleet.trainer import evaluate
+    from torchfleet.train.datasets import digits
+    from torchfleet.train.loop import evaluate
+    from torchfleet.train.models import mlp
 
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints every thread's stack
     options = {"grad_compression": args.compression}

@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 import torchfleet
-from torchfleet.data import digits
-from torchfleet.models import cnn
+from torchfleet.train.datasets import digits
+from torchfleet.train.models import cnn
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--strategy", default="ddp")

@@ -43,8 +43,8 @@ def cli():
 @pytest.fixture(scope="session")
 def good_checkpoint(tmp_path_factory):
     """A directory holding one intact checkpoint (serial, mlp, AdamW, synthetic data, step 2)."""
-    from torchfleet.config import TrainConfig
-    from torchfleet.trainer import train
+    from torchfleet.train.config import TrainConfig
+    from torchfleet.train.loop import train
 
     directory = tmp_path_factory.mktemp("good") / "ckpt"
     train(TrainConfig(strategy="serial", model="mlp", data="synthetic", synthetic_size=256, max_steps=2,

@@ -14,7 +14,7 @@ FAULTS_PER_STEP = """
 import json, resource, torch
 from torch import nn
 from torchfleet import Fleet, allocator
-from torchfleet.models import build_model
+from torchfleet.train.models import build_model
 torch.set_num_threads(1)
 fleet = Fleet(strategy="serial")
 net = build_model("cnn", (1, 8, 8), 10)

@@ -10,8 +10,9 @@ import statistics
 import pytest
 
 from conftest import torchfleet
-from torchfleet import bench, bench_report
-from torchfleet.config import BenchConfig
+from torchfleet.bench import matrix as bench
+from torchfleet.bench import report as bench_report
+from torchfleet.bench.config import BenchConfig
 from torchfleet.strategies.base import Strategy
 
 MACHINE_KEYS = {"python", "torch", "cpu_cores", "gpus", "backend", "strategies"}
@@ -165,7 +166,7 @@ def test_missing_matplotlib_says_how_to_get_the_chart(monkeypatch, tmp_path):
 
     from rich.console import Console
 
-    from torchfleet import bench_chart
+    from torchfleet.bench import chart as bench_chart
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now fails
     said = bench_chart.draw([{"status": "ok"}], tmp_path / "bench.png")

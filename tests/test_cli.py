@@ -13,7 +13,7 @@ SURFACE = {
     "doctor": ["--json", "--master-addr", "--master-port", "--nnodes", "--node-rank"],
     "train": ["--backend", "--batch-size", "--checkpoint-dir", "--checkpoint-every", "--data", "--epochs",
               "--grad-accum", "--json-out", "--lr", "--devices", "--microbatches", "--schedule", "--pp",
-              "--sharing-strategy", "--grad-compression", "--powersgd-rank",
+              "--dp-replicate", "--dp-shard", "--sharing-strategy", "--grad-compression", "--powersgd-rank",
               "--master-addr", "--master-port", "--max-restarts", "--rdzv-endpoint", "--rdzv-id", "--no-preflight",
               "--max-steps", "--model", "--nnodes", "--no-progress", "--node-rank", "--nproc-per-node",
               "--optimizer", "--precision", "--resume", "--seed", "--strategy", "--synthetic-size", "-n",
@@ -26,7 +26,7 @@ SURFACE = {
               "--time"],
     "bench": ["--batch-sizes", "--model", "--nproc", "--out", "--precisions", "--quick", "--steps",
               "--strategies", "--threads", "--warmup", "--devices", "--microbatches", "--schedule", "--pp",
-              "--sharing-strategy", "--grad-compression", "--powersgd-rank"],
+              "--dp-replicate", "--dp-shard", "--sharing-strategy", "--grad-compression", "--powersgd-rank"],
 }
 
 

@@ -7,11 +7,11 @@ import torch
 from torch import nn
 
 from torchfleet import UsageError, launch
-from torchfleet.data import synthetic
 from torchfleet.fleet import Fleet
-from torchfleet.models import mlp
 from torchfleet.strategies.ddp import DataParallelDistributed
 from torchfleet.testing import full_weights
+from torchfleet.train.datasets import synthetic
+from torchfleet.train.models import mlp
 
 CASES = [{}, {"grad_compression": "fp16"}, {"grad_compression": "powersgd", "powersgd_rank": 1}]
 

@@ -82,7 +82,7 @@ def _report(rank, step, *frames):
 
 
 def test_verdict_names_the_straggler_and_groups_the_waiters():
-    from torchfleet.watchdog import _TORCH_DIR, verdict
+    from torchfleet.launcher.watchdog import _TORCH_DIR, verdict
 
     collective = (f"{_TORCH_DIR}/distributed/distributed_c10d.py", 2800, "all_reduce")
     reports = {0: _report(0, 8, ("/home/me/train.py", 42, "sync"), collective),
@@ -99,7 +99,7 @@ def test_verdict_names_the_straggler_and_groups_the_waiters():
 
 def test_a_malformed_fault_is_refused():
     from torchfleet import UsageError
-    from torchfleet.faults import parse
+    from torchfleet.train.faults import parse
 
     assert parse("kill:rank=1:step=7:once=/tmp/x").once == "/tmp/x"
     with pytest.raises(UsageError, match="is not a fault"):

@@ -11,12 +11,12 @@ import torch
 from torch import nn
 
 from torchfleet import Fleet, launch, precision
-from torchfleet.config import TrainConfig
-from torchfleet.data import synthetic
 from torchfleet.errors import TrainingError
-from torchfleet.models import build_model
 from torchfleet.testing import full_weights
-from torchfleet.trainer import FP16_NONFINITE_LIMIT, train
+from torchfleet.train.config import TrainConfig
+from torchfleet.train.datasets import synthetic
+from torchfleet.train.loop import FP16_NONFINITE_LIMIT, train
+from torchfleet.train.models import build_model
 
 STEPS, POISONED = 5, 3  # steps are counted from 1
 INITIAL_SCALE = 65536.0  # GradScaler's default; it grows only after 2000 clean steps

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from torchfleet import UsageError, hogwild
-from torchfleet.config import TrainConfig
 from torchfleet.strategies.hogwild import worker_info
-from torchfleet.trainer import train
+from torchfleet.train.config import TrainConfig
+from torchfleet.train.loop import train
 
 ACCURACY_POINTS = 0.02
 

@@ -11,9 +11,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from torchfleet.data import GlobalBatchSampler, TensorBatches, digits, synthetic
+from torchfleet.data import GlobalBatchSampler, TensorBatches
 from torchfleet.fleet import Fleet
-from torchfleet.models import cnn
+from torchfleet.train.datasets import digits, synthetic
+from torchfleet.train.models import cnn
 
 
 def test_whole_batch_gather_equals_per_sample_fetch():

@@ -20,7 +20,7 @@ import pytest
 import reference
 from conftest import ROOT, clean_env
 from torchfleet.cli import main
-from torchfleet.launcher import free_port
+from torchfleet.launcher.agent import free_port
 
 jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is in the dev extra")
 yaml = pytest.importorskip("yaml", reason="pyyaml is in the dev extra")

@@ -8,7 +8,7 @@ import torch
 
 from conftest import EXAMPLES, ROOT, run, torchfleet
 from torchfleet import UsageError, launch
-from torchfleet.launcher import LaunchError
+from torchfleet.launcher.agent import LaunchError
 
 SCRIPT = str(EXAMPLES / "train_digits.py")
 CRASH = str(ROOT / "tests" / "scripts" / "crash.py")

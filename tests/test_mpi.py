@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import ROOT, clean_env, run, torchfleet
-from torchfleet.launcher import free_port
+from torchfleet.launcher.agent import free_port
 
 JOB = str(ROOT / "tests" / "scripts" / "fleet_job.py")
 

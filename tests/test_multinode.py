@@ -108,7 +108,7 @@ def test_preflight_names_the_node_and_the_cause_in_seconds():
             errors[what] = _one_error(ran.returncode, ran.stdout + ran.stderr, time.monotonic() - start, startup)
         shown = net.run(1, [sys.executable, "-m", "torchfleet", "doctor", "--master-addr", net.addr(0)],
                         env=clean_env(), timeout=60)
-        no_route = net.run(1, [sys.executable, "-c", "from torchfleet import preflight\n"
+        no_route = net.run(1, [sys.executable, "-c", "from torchfleet.launcher import preflight\n"
                                "try: preflight.route(1, '192.0.2.1')\n"
                                "except preflight.PreflightError as e: print(e)"], env=clean_env(), timeout=60)
         # A version mismatch, simulated on node 1, found by the preflight of `train` itself.

@@ -13,14 +13,17 @@ from torchfleet.outputs import check_writable_file, write_text
 SCRIPT = "print('hello')\n"
 # Each output flag, with a path whose directory cannot be created (a file is in its way).
 UNWRITABLE = [
-    (["train", "--strategy", "serial", "--json-out", "{blocked}/result.json"], "--json-out"),
-    (["train", "--strategy", "serial", "--checkpoint-dir", "{blocked}/ckpt"], "--checkpoint-dir"),
-    (["train", "--strategy", "ddp", "-n", "2", "--json-out", "{blocked}/result.json"], "--json-out"),
-    (["bench", "--quick", "--out", "{blocked}/bench"], "--out"),
-    (["slurm", "{script}", "--out", "{blocked}/job.sbatch"], "--out"),
-    (["k8s", "{script}", "--out", "{blocked}/job.yaml"], "--out"),
-    (["sagemaker", "{script}", "--out", "{blocked}/sm"], "--out"),
+    ("train --json-out", ["train", "--strategy", "serial", "--json-out", "{blocked}/result.json"], "--json-out"),
+    ("train --checkpoint-dir", ["train", "--strategy", "serial", "--checkpoint-dir", "{blocked}/ckpt"],
+     "--checkpoint-dir"),
+    ("train -n 2 --json-out", ["train", "--strategy", "ddp", "-n", "2", "--json-out", "{blocked}/result.json"],
+     "--json-out"),
+    ("bench --out", ["bench", "--quick", "--out", "{blocked}/bench"], "--out"),
+    ("slurm --out", ["slurm", "{script}", "--out", "{blocked}/job.sbatch"], "--out"),
+    ("k8s --out", ["k8s", "{script}", "--out", "{blocked}/job.yaml"], "--out"),
+    ("sagemaker --out", ["sagemaker", "{script}", "--out", "{blocked}/sm"], "--out"),
 ]
+IDS = [name for name, _, _ in UNWRITABLE]
 
 
 @pytest.fixture
@@ -32,8 +35,8 @@ def paths(tmp_path):
     return {"blocked": str(blocked), "script": str(script)}
 
 
-@pytest.mark.parametrize("args,flag", UNWRITABLE, ids=[" ".join(a[:2]) + " " + f for a, f in UNWRITABLE])
-def test_unwritable_output_is_refused_before_any_work(args, flag, paths, tmp_path):
+@pytest.mark.parametrize("name,args,flag", UNWRITABLE, ids=IDS)
+def test_unwritable_output_is_refused_before_any_work(name, args, flag, paths, tmp_path):
     args = [a.format(**paths) for a in args]
     path = next(a for a in args if a.startswith(paths["blocked"]))
     result = torchfleet(*args, timeout=60)

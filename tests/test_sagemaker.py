@@ -188,7 +188,7 @@ def test_trainer_checkpoints_and_resumes_in_opt_ml(tmp_path, monkeypatch, capsys
 
 
 def test_training_env_reads_the_toolkit_contract(tmp_path):
-    from torchfleet.clusters.sagemaker import TrainingEnv
+    from torchfleet.env.sagemaker import TrainingEnv
 
     env = _container(tmp_path, "algo-2", num_gpus=4, hps={"epochs": 3, "lr": 0.01})
     found = TrainingEnv.read(env)

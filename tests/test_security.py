@@ -10,7 +10,7 @@ import torch
 
 from torchfleet import Fleet, UsageError, checkpoint, launch
 from torchfleet.config import LaunchConfig
-from torchfleet.launcher import exposure
+from torchfleet.launcher.agent import exposure
 
 
 def _listening(pids: list[int]) -> list[str]:

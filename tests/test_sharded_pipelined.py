@@ -13,15 +13,14 @@ from torch import nn
 
 from conftest import torchfleet
 from torchfleet import launch
-from torchfleet.data import synthetic
 from torchfleet.errors import UsageError
 from torchfleet.fleet import Fleet
-from torchfleet.models import build_model
 from torchfleet.strategies.dims import ParallelDims
 from torchfleet.strategies.parallelize import split_balanced
 from torchfleet.strategies.pipeline import Pipeline
 from torchfleet.testing import full_weights, train_k_steps
-from torchfleet.trainer import build_optimizer
+from torchfleet.train.datasets import synthetic
+from torchfleet.train.models import build_model, build_optimizer
 
 MLP = {"model": "mlp", "optimizer": "sgd"}
 CNN = {"model": "cnn", "optimizer": "adamw", "lr": 1e-3}

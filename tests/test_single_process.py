@@ -6,10 +6,10 @@ from torch import nn
 
 import torchfleet
 from torchfleet import UsageError
-from torchfleet.models import cnn, mlp
 from torchfleet.strategies.dp import scatter_sizes
 from torchfleet.strategies.mp import MicroBatchPipe, balanced_split, split_sequential
 from torchfleet.testing import train_k_steps
+from torchfleet.train.models import cnn, mlp
 
 TOL = 1e-5
 MODELS = [("mlp", {"optimizer": "sgd"}), ("cnn", {"optimizer": "adamw", "lr": 1e-3})]

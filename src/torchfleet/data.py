@@ -1,9 +1,4 @@
-"""Built-in data and the sampler that makes the batch size global.
-
-`digits` is real data shipped inside scikit-learn (1,797 8x8 hand-written
-digits), so the built-in job needs no download. `synthetic` is random data of
-any shape, and `MockLoader` yields one batch held in memory forever, as the
-benchmark notebook in the project's seeds does, so that loading is not timed.
+"""The samplers behind `fleet.dataloader`: why the batch size is global.
 
 `GlobalBatchSampler` is why results do not depend on the process count: the
 epoch's permutation is cut into global batches first, and each data-parallel
@@ -19,66 +14,6 @@ import torch
 from torch.utils.data import Dataset, Sampler, TensorDataset
 
 from torchfleet.errors import UsageError
-
-DATASETS = ("digits", "synthetic")
-
-
-def digits(split: str = "train", val_fraction: float = 0.2, seed: int = 0) -> TensorDataset:
-    """scikit-learn's digits as (N, 1, 8, 8) floats in [0, 1] and int64 labels.
-
-    The train/validation split is a fixed permutation of `seed`, the same on
-    every rank and every run.
-    """
-    from sklearn.datasets import load_digits  # imported here: sklearn is slow to import
-
-    if split not in ("train", "val"):
-        raise UsageError(f"unknown split {split!r}; choose train or val")
-    raw = load_digits()
-    images = torch.tensor(raw.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    labels = torch.tensor(raw.target, dtype=torch.int64)
-    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))
-    n_val = int(len(labels) * val_fraction)
-    idx = order[:n_val] if split == "val" else order[n_val:]
-    return TensorDataset(images[idx], labels[idx])
-
-
-def synthetic(
-    size: int,
-    shape: tuple[int, ...] = (1, 8, 8),
-    num_classes: int = 10,
-    seed: int = 0,
-    split: str = "train",
-) -> TensorDataset:
-    """Random inputs of `shape` with labels from a fixed random linear rule.
-
-    The labels depend on the inputs, so a model can learn them and the loss
-    falls: that makes the data useful for tests as well as timing. The rule
-    depends on `seed` alone; the validation split draws other inputs.
-    """
-    if size < 1:
-        raise UsageError(f"synthetic data size {size} must be at least 1")
-    rule_gen = torch.Generator().manual_seed(seed)
-    rule = torch.randn((int(torch.Size(shape).numel()), num_classes), generator=rule_gen)
-    input_gen = torch.Generator().manual_seed(seed + (1 if split == "train" else 2))
-    inputs = torch.rand((size, *shape), generator=input_gen)
-    labels = (inputs.flatten(1) @ rule).argmax(dim=1)
-    return TensorDataset(inputs, labels)
-
-
-class MockLoader:
-    """One batch, made once and yielded forever (the seed notebook's MockLoader).
-
-    Benchmarks use it so the figures measure training, not data loading.
-    """
-
-    def __init__(self, shape: tuple[int, ...], num_classes: int = 10, device="cpu", seed: int = 0):
-        gen = torch.Generator().manual_seed(seed)
-        self.inputs = torch.rand(shape, generator=gen).to(device)
-        self.targets = torch.randint(0, num_classes, (shape[0],), generator=gen).to(device)
-
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        while True:
-            yield self.inputs, self.targets
 
 
 class TensorBatches(Dataset):
@@ -210,14 +145,3 @@ def check_global_batch(global_batch: int, world_size: int) -> None:
             f"batch size {global_batch} does not split evenly among {world_size} processes;"
             f" use a multiple of {world_size} such as {lower} or {lower + world_size}"
         )
-
-
-def builtin_dataset(name: str, split: str, seed: int = 0, size: int = 4096,
-                    shape: tuple[int, ...] = (1, 8, 8), num_classes: int = 10) -> Dataset:
-    """The dataset `torchfleet train --data NAME` uses."""
-    if name == "digits":
-        return digits(split, seed=seed)
-    if name == "synthetic":
-        n = size if split == "train" else max(1, size // 5)
-        return synthetic(n, shape, num_classes, seed=seed, split=split)
-    raise UsageError(f"unknown data set {name!r}; choose one of {', '.join(DATASETS)}")

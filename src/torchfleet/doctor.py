@@ -21,9 +21,10 @@ from rich.table import Table
 
 from torchfleet import netif, versions
 from torchfleet.backend import BACKENDS, BackendError, Hardware, choose_backend, probe_hardware
+from torchfleet.strategies import STRATEGY_NAMES
 
 # The design's strategies, in the order the docs present them.
-STRATEGIES = ("serial", "hogwild", "dp", "mp", "ddp", "fsdp", "hsdp", "pipeline", "ddp+pipeline", "fsdp+pipeline")
+STRATEGIES = STRATEGY_NAMES  # every registered name has a rule below
 
 Rule = Callable[[Hardware, int], tuple[bool, str]]
 
@@ -279,7 +280,7 @@ def multinode_report(master: str, port: int | None, nnodes: int, node_rank: int)
     The route and the port are checked before the preflight touches torch.distributed,
     so a wrong address or a closed port costs only the knock (4 s) after start-up.
     """
-    from torchfleet import preflight
+    from torchfleet.launcher import preflight
 
     iface = netif.interface_for(master)
     report = {"master": master, "interface": iface.name if iface else None,

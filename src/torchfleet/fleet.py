@@ -20,10 +20,11 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from torchfleet import allocator, checkpoint, versions
 from torchfleet.backend import choose_backend, probe_hardware
-from torchfleet.clusters.sagemaker import TrainingEnv, relaunch_per_gpu
 from torchfleet.data import GlobalBatchSampler, ShardSampler, TensorBatches, as_batch
 from torchfleet.env import DistEnv
+from torchfleet.env.sagemaker import TrainingEnv
 from torchfleet.errors import UsageError
+from torchfleet.launcher.sagemaker import relaunch_per_gpu
 from torchfleet.precision import Precision
 from torchfleet.strategies import Runtime, class_for, get_strategy, resolve_dims
 from torchfleet.strategies.base import LossFn

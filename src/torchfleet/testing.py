@@ -11,10 +11,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from torchfleet.data import synthetic
 from torchfleet.fleet import Fleet
-from torchfleet.models import build_model
-from torchfleet.trainer import build_optimizer
+from torchfleet.train.datasets import synthetic
+from torchfleet.train.models import build_model, build_optimizer
 
 
 def flat_weights(model: nn.Module) -> torch.Tensor:

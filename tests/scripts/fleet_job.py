@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 import torchfleet
-from torchfleet.data import synthetic
-from torchfleet.models import mlp
+from torchfleet.train.datasets import synthetic
+from torchfleet.train.models import mlp
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--out", required=True)

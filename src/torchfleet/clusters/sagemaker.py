@@ -1,11 +1,7 @@
 """SageMaker training jobs: the container's training environment, and the job to submit.
 
-Inside a job the sagemaker-training toolkit runs the entry point with SM_*
-variables (SM_HOSTS, SM_CURRENT_HOST, SM_NUM_GPUS, SM_MODEL_DIR, SM_CHANNEL_*,
-SM_HPS, ...) and the hyper-parameters as `--name value` arguments; the same
-facts are in /opt/ml/input/config/resourceconfig.json and hyperparameters.json.
-env.py turns them into ranks; `TrainingEnv` gives the rest: where the model,
-the data channels and the checkpoints go.
+What a job's container sees (ranks, `TrainingEnv`) is read in
+torchfleet/env/sagemaker.py; this module writes the job.
 
 `torchfleet sagemaker script.py --instance-type ml.g5.12xlarge --instance-count 2`
 writes `estimator.py` (a sagemaker.pytorch.PyTorch estimator) and
@@ -15,89 +11,16 @@ writes `estimator.py` (a sagemaker.pytorch.PyTorch estimator) and
 from __future__ import annotations
 
 import json
-import os
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from torchfleet.clusters import at_least, check_script
+from torchfleet.env.sagemaker import (
+    TrainingEnv,  # noqa: F401 - the reading side, kept importable here
+    decode_hyperparameter,
+)
 from torchfleet.errors import UsageError
-
-DEFAULT_ROOT = "/opt/ml"
-ROOT_VARIABLE = "TORCHFLEET_SAGEMAKER_ROOT"  # tests point it at a folder standing in for /opt/ml
-
-
-def root(environ: Mapping[str, str] | None = None) -> Path:
-    environ = os.environ if environ is None else environ
-    return Path(environ.get(ROOT_VARIABLE, DEFAULT_ROOT))
-
-
-def resource_config_path(environ: Mapping[str, str]) -> Path:
-    config_dir = environ.get("SM_INPUT_CONFIG_DIR") or str(root(environ) / "input" / "config")
-    return Path(config_dir) / "resourceconfig.json"
-
-
-@dataclass(frozen=True)
-class TrainingEnv:
-    """What a SageMaker training job gives its entry point, beyond ranks."""
-
-    current_host: str
-    hosts: tuple[str, ...]
-    num_gpus: int
-    model_dir: Path
-    channels: dict[str, Path] = field(default_factory=dict)
-    hyperparameters: dict = field(default_factory=dict)
-    checkpoint_dir: Path | None = None  # /opt/ml/checkpoints, when the job configured one
-    network_interface: str | None = None
-
-    @classmethod
-    def read(cls, environ: Mapping[str, str] | None = None) -> TrainingEnv | None:
-        """The training environment, or None outside a SageMaker job."""
-        environ = os.environ if environ is None else environ
-        base = root(environ)
-        config_file = resource_config_path(environ)
-        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
-        if "SM_HOSTS" not in environ and not config:
-            return None
-        hosts = json.loads(environ["SM_HOSTS"]) if "SM_HOSTS" in environ else config["hosts"]
-        channels = {name[len("SM_CHANNEL_"):].lower(): Path(path)
-                    for name, path in environ.items() if name.startswith("SM_CHANNEL_")}
-        checkpoints = base / "checkpoints"
-        return cls(
-            current_host=environ.get("SM_CURRENT_HOST") or config["current_host"],
-            hosts=tuple(hosts),
-            num_gpus=int(environ.get("SM_NUM_GPUS", "0")),
-            model_dir=Path(environ.get("SM_MODEL_DIR") or base / "model"),
-            channels=channels,
-            hyperparameters=_hyperparameters(environ, base),
-            checkpoint_dir=checkpoints if checkpoints.is_dir() else None,
-            network_interface=environ.get("SM_NETWORK_INTERFACE_NAME")
-            or config.get("network_interface_name"),
-        )
-
-    def needs_per_gpu_launch(self, environ: Mapping[str, str] | None = None) -> bool:
-        """True in the one process the toolkit starts on a host with several GPUs
-        (no `torch_distributed`): it must start one worker per GPU itself."""
-        environ = os.environ if environ is None else environ
-        return self.num_gpus > 1 and "LOCAL_RANK" not in environ
-
-
-def _hyperparameters(environ: Mapping[str, str], base: Path) -> dict:
-    if "SM_HPS" in environ:
-        return json.loads(environ["SM_HPS"])
-    path = base / "input" / "config" / "hyperparameters.json"
-    # The file holds every value as a JSON-encoded string, as CreateTrainingJob sent it.
-    raw = json.loads(path.read_text()) if path.is_file() else {}
-    return {key: _decode(value) for key, value in raw.items()}
-
-
-def _decode(value: str):
-    try:
-        return json.loads(value)
-    except ValueError:
-        return value
-
 
 # --- writing the job ---------------------------------------------------------------
 
@@ -140,7 +63,7 @@ def hyperparameters_from_args(args: list[str]) -> dict:
     if len(args) % 2 or not all(a.startswith("--") and len(a) > 2 for a in args[::2]):
         raise UsageError(f"script arguments {' '.join(args)!r} are not `--name value` pairs; "
                          f"SageMaker passes hyper-parameters only in that form")
-    return {name[2:]: _decode(value) for name, value in zip(args[::2], args[1::2], strict=True)}
+    return {name[2:]: decode_hyperparameter(value) for name, value in zip(args[::2], args[1::2], strict=True)}
 
 
 @dataclass
@@ -256,24 +179,3 @@ def submit(estimator_file: Path) -> int:
                          f"(or torchfleet[sagemaker]); {str(estimator_file)!r} is written")
     runpy.run_path(str(estimator_file), run_name="__main__")
     return 0
-
-
-def relaunch_per_gpu(env) -> None:
-    """Start this script once per GPU on this host, wait for the workers, and exit.
-
-    Called by Fleet in the single process the toolkit starts on a multi-GPU host
-    when the job has no `torch_distributed` (which would have started torchrun).
-    The workers get torchrun's variables, so their Fleet finds its rank there;
-    the master is algo-1 at SageMaker's port, as env.py derived it.
-    """
-    import sys
-
-    from torchfleet.config import LaunchConfig
-    from torchfleet.launcher import run_script
-
-    cfg = LaunchConfig(nproc_per_node=env.local_world_size, nnodes=env.nnodes,
-                       node_rank=env.node_rank, master_addr=env.master_addr,
-                       master_port=env.master_port)
-    # Every host's agent must name the same rendezvous run, or they never meet.
-    os.environ.setdefault("TORCHFLEET_RUN_ID", "sagemaker-" + "-".join(map(str, (env.nnodes, env.master_port))))
-    sys.exit(run_script(cfg, sys.argv[0], sys.argv[1:]))

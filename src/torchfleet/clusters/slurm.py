@@ -4,7 +4,7 @@
 
 Each task is a plain `python train.py`: Fleet reads its rank from Slurm's own
 variables (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_NODEID, ...), and
-env.py takes the master from the first host of the step's node list and the
+torchfleet.env takes the master from the first host of the step's node list and the
 port from the job id, so every task agrees without any extra launcher.
 """
 

@@ -17,7 +17,7 @@ import functools
 
 from torchfleet.errors import UsageError, choice_error
 from torchfleet.strategies.distributed import MeshStrategy
-from torchfleet.strategies.parallelize import apply_ddp
+from torchfleet.strategies.parallelize import parallelize
 
 COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
 # PowerSGD runs plain all-reduce before this step; with error feedback torch
@@ -52,7 +52,7 @@ class DataParallelDistributed(MeshStrategy):
     options = (*MeshStrategy.options, "grad_compression", "powersgd_rank")
 
     def __init__(self, runtime, **options):
-        super().__init__(runtime, **options)  # rejects options ddp does not take
+        # Its own options first: they are checked before any process group exists.
         grad_compression = options.get("grad_compression", "none")
         powersgd_rank = options.get("powersgd_rank")
         if grad_compression not in COMPRESSIONS:
@@ -62,12 +62,13 @@ class DataParallelDistributed(MeshStrategy):
                              f" (not {grad_compression})")
         if powersgd_rank is not None and powersgd_rank < 1:
             raise UsageError(f"--powersgd-rank {powersgd_rank} must be at least 1")
+        super().__init__(runtime, **options)  # rejects options ddp does not take
         self.grad_compression = grad_compression
         self.powersgd_rank = powersgd_rank or 2
 
     def wrap(self, model, optimizer):
         mesh = self.build_mesh()
-        self.model = apply_ddp(model.to(self.runtime.device), mesh["dp_replicate"], self.runtime.device)
+        _, self.model, _ = parallelize(model, self.dims, mesh, self.runtime.device, self.runtime.precision)
         self._register_hook(mesh["dp_replicate"].get_group())
         self.optimizer = optimizer
         return self.model, self.optimizer

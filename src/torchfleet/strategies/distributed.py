@@ -8,8 +8,6 @@ state handling (`FullyShardedDataParallel`), replicas alone mean DDP.
 
 from __future__ import annotations
 
-import torch.distributed as dist
-
 from torchfleet.strategies.base import Strategy
 from torchfleet.strategies.dims import DIM_NAMES, ParallelDims
 
@@ -21,15 +19,16 @@ class MeshStrategy(Strategy):
     def __init__(self, runtime, dims: ParallelDims | None = None, dp_replicate: int | None = None,
                  dp_shard: int | None = None, pp: int | None = None, **options):
         super().__init__(runtime, **options)
+        env = runtime.env
         if dims is None:
-            nodes = runtime.env.nnodes if runtime is not None else 1
-            dims = ParallelDims.from_preset(self.name, dist.get_world_size(), nodes=nodes,
+            dims = ParallelDims.from_preset(self.name, env.world_size, nodes=env.nnodes,
                                             dp_replicate=dp_replicate, dp_shard=dp_shard, pp=pp)
         self.dims = dims
         self.name = dims.name  # the preset the degrees make ("ddp" with --pp 2 is ddp+pipeline)
         # The mesh is row-major: this rank's place is known before the mesh is built,
         # so a loader made before setup reads the right share.
-        self.coords = dims.coords(dist.get_rank())
+        self.rank = env.rank
+        self.coords = dims.coords(env.rank)
         self.mesh = None
 
     def build_mesh(self):
@@ -37,4 +36,4 @@ class MeshStrategy(Strategy):
         return self.mesh
 
     def data_coords(self) -> tuple[int, int]:
-        return self.dims.dp_rank(dist.get_rank()), self.dims.dp
+        return self.dims.dp_rank(self.rank), self.dims.dp

@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.tensor import DTensor
 
 from torchfleet.strategies.distributed import MeshStrategy
-from torchfleet.strategies.parallelize import apply_fsdp, data_parallel_mesh
+from torchfleet.strategies.parallelize import parallelize
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -85,10 +85,10 @@ class FullyShardedDataParallel(MeshStrategy):
     sharded_checkpoint = True  # each rank saves its own shards through torch.distributed.checkpoint
 
     def wrap(self, model, optimizer):
-        model = model.to(self.runtime.device)
         old_names = {id(p): n for n, p in model.named_parameters()}
-        self.model = apply_fsdp(model, data_parallel_mesh(self.dims, self.build_mesh()))
-        self.optimizer = rebuild_optimizer(optimizer, old_names, model)
+        self.model, _, _ = parallelize(model, self.dims, self.build_mesh(), self.runtime.device,
+                                       self.runtime.precision)
+        self.optimizer = rebuild_optimizer(optimizer, old_names, self.model)
         # fp16: each rank sees only its gradient shard, so overflow is agreed over all ranks.
         self.runtime.precision.sync_overflow(dist.group.WORLD)
         return self.model, self.optimizer

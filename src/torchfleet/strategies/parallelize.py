@@ -16,6 +16,7 @@ schedule step, at the last micro-batch.
 
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
 
 import torch
@@ -139,6 +140,11 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, device: 
         # rebuild after the first step on torch 2.14 ("rebuilt parameter indices size
         # is not same as original model parameters size").
         model = apply_fsdp(model, data_parallel_mesh(dims, mesh))
+        if dims.pp > 1:
+            # A stage ending in a view (Flatten) makes FSDP2 warn on every step that an
+            # in-place op on it would skip its hook; the schedule only sends it or takes
+            # its loss, never writes into it.
+            warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
         return model, model, bounds
     if dims.dp_replicate > 1:
         return model, apply_ddp(model, mesh["dp_replicate"], device), bounds

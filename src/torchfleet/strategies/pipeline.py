@@ -89,7 +89,7 @@ class Pipeline(MeshStrategy):
             raise choice_error("schedule", schedule, tuple(SCHEDULES))
         super().__init__(runtime, **options)
         self.pp, self.dp = self.dims.pp, self.dims.dp
-        self.stage_index, self.dp_rank = self.coords["pp"], self.dims.dp_rank(dist.get_rank())
+        self.stage_index, self.dp_rank = self.coords["pp"], self.dims.dp_rank(self.rank)
         self._default_microbatches = microbatches is None  # chosen at the first step, to fit the batch
         self.microbatches = microbatches if microbatches is not None else 2 * self.pp
         if self.microbatches < 1:

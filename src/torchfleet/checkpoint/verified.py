@@ -26,17 +26,17 @@ import random
 import re
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from torchfleet import checkpoint_sharded
+from torchfleet.checkpoint import sharded as checkpoint_sharded
 from torchfleet.errors import UsageError
 
-if TYPE_CHECKING:
-    from torchfleet.fleet import Fleet
+# Functions here take the Fleet as `fleet` without importing its class: the
+# checkpoint layer sits below fleet.py, which calls it.
 
 FORMAT = 2
 MANIFEST = "manifest.json"
@@ -125,7 +125,7 @@ def model_shapes(state: dict) -> dict[str, list[int]]:
     return {k: list(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
 
 
-def global_shapes(fleet: "Fleet") -> dict[str, list[int]]:
+def global_shapes(fleet) -> dict[str, list[int]]:
     """The whole model's shapes, merged over ranks: a pipeline stage holds only its own layers."""
     local = model_shapes(fleet.strategy.unwrapped().state_dict())
     if not dist.is_initialized():
@@ -136,7 +136,7 @@ def global_shapes(fleet: "Fleet") -> dict[str, list[int]]:
 
 
 # -- save ------------------------------------------------------------------------
-def save(fleet: "Fleet", path: str | os.PathLike, extra: dict | None = None,
+def save(fleet, path: str | os.PathLike, extra: dict | None = None,
          sharded: bool | None = None) -> None:
     """Write one checkpoint directory at `path`; every rank calls it (collective).
 
@@ -222,7 +222,7 @@ def verify(path: str | os.PathLike) -> dict:
     return manifest
 
 
-def verify_together(fleet: "Fleet", path: str | os.PathLike) -> dict:
+def verify_together(fleet, path: str | os.PathLike) -> dict:
     """`verify` on the main rank, its verdict shared, so every rank raises the same error or none."""
     outcome: list = [None]
     if fleet.is_main:
@@ -238,7 +238,7 @@ def verify_together(fleet: "Fleet", path: str | os.PathLike) -> dict:
     return value
 
 
-def check_fits(fleet: "Fleet", path: Path, manifest: dict, strategy_name: str | None = None) -> None:
+def check_fits(fleet, path: Path, manifest: dict, strategy_name: str | None = None) -> None:
     """UsageError when the checkpoint holds another model (or, when given, another strategy)."""
     if strategy_name is not None and manifest["strategy"] != strategy_name:
         raise UsageError(f"checkpoint {str(path)!r} was saved by strategy {manifest['strategy']!r} and this run uses"
@@ -261,7 +261,7 @@ def check_fits(fleet: "Fleet", path: Path, manifest: dict, strategy_name: str | 
                              " use the same --model or another --checkpoint-dir")
 
 
-def load(fleet: "Fleet", path: str | os.PathLike, weights_only: bool = True,
+def load(fleet, path: str | os.PathLike, weights_only: bool = True,
          strategy_name: str | None = None) -> dict:
     """Load a checkpoint into the wrapped model and optimizer; returns this rank's `extra`.
 
@@ -294,7 +294,7 @@ def load(fleet: "Fleet", path: str | os.PathLike, weights_only: bool = True,
     return mine["extra"]
 
 
-def _torch_load(file: Path, fleet: "Fleet", weights_only: bool):
+def _torch_load(file: Path, fleet, weights_only: bool):
     try:
         return torch.load(file, map_location=fleet.device, weights_only=weights_only)
     except Exception as exc:  # noqa: BLE001 - any unpickling failure means the file is unusable
@@ -316,7 +316,7 @@ def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
     return sorted(p for p in directory.iterdir() if _NAME.match(p.name) and p.is_dir())
 
 
-def newest_good(fleet: "Fleet", directory: str | os.PathLike, fallback: bool = False) -> tuple[Path, dict] | None:
+def newest_good(fleet, directory: str | os.PathLike, fallback: bool = False) -> tuple[Path, dict] | None:
     """(path, manifest) of the newest intact checkpoint, or None when there is none.
 
     A damaged newest checkpoint is an error naming its file, unless `fallback`

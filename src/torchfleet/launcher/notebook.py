@@ -72,6 +72,6 @@ def notebook_launch(fn: Callable, nprocs: int = 2, args: tuple = (),
         raise UsageError("notebook_launch needs cloudpickle to send notebook functions to "
                          "its processes: pip install cloudpickle (or torchfleet[notebook])") from None
     check_cuda_untouched()
-    from torchfleet.launcher import launch
+    from torchfleet.launcher.agent import launch
 
     return launch(_ByValue(fn, args), nprocs=nprocs, max_restarts=max_restarts)

@@ -65,10 +65,11 @@ def _add_node_flags(g) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from torchfleet.config import BACKENDS, OPTIMIZERS, TrainConfig
-    from torchfleet.data import DATASETS
-    from torchfleet.models import MODELS
+    from torchfleet.config import BACKENDS
     from torchfleet.precision import PRECISIONS
+    from torchfleet.train.config import OPTIMIZERS, TrainConfig
+    from torchfleet.train.datasets import DATASETS
+    from torchfleet.train.models import MODELS
 
     parser = _Parser(prog="torchfleet", description="Train one PyTorch model on one process, "
                      "many processes, many devices or many machines.", epilog=EPILOG)
@@ -123,11 +124,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("script", help="the Python script to run on every rank")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
 
-    from torchfleet.clusters import cli as clusters_cli
+    from torchfleet.cli import clusters as clusters_cli
 
     clusters_cli.add_commands(sub)  # slurm, sagemaker, k8s: writers of job specs
 
-    from torchfleet import bench_cli
+    from torchfleet.cli import bench as bench_cli
 
     bench_cli.add_parser(sub, STRATEGY_FLAGS)
     return parser
@@ -161,10 +162,8 @@ def cmd_doctor(args) -> int:
 
 
 def cmd_train(args, argv: list[str]) -> int:
-    from torchfleet.config import TrainConfig
-    from torchfleet.env import DistEnv
-    from torchfleet.failures import call_recorded
-    from torchfleet.trainer import train
+    from torchfleet.train import command
+    from torchfleet.train.config import TrainConfig
 
     cfg = TrainConfig(
         strategy=args.strategy, model=args.model, data=args.data, epochs=args.epochs,
@@ -176,73 +175,11 @@ def cmd_train(args, argv: list[str]) -> int:
         hang_timeout=args.hang_timeout, json_out=args.json_out, progress=not args.no_progress,
         strategy_options=_strategy_options(args),
     )
-    cfg.check_outputs()
-    env = DistEnv.detect()
-    if env.is_distributed or env.source != "single":
-        # Already one of many processes (torchrun, Slurm, mpirun, SageMaker): train here.
-        strategy = cfg.strategy if cfg.strategy != "auto" else ("ddp" if env.is_distributed else "serial")
-        call_recorded(train, cfg, strategy)
-        if env.is_distributed:
-            # Work done, results written, process group closed. Gloo's threads can
-            # still abort in C++ destructors during interpreter teardown ("terminate
-            # called without an active exception", seen about 1 run in 10 here), which
-            # would turn a finished job into a failure: leave without that teardown.
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(0)
-        return 0
-
-    from torchfleet.config import parse_nnodes
-    from torchfleet.planner import plan_processes
-    from torchfleet.strategies import get_strategy
-
-    # Many machines make a multi-process job even with one process each: auto means ddp.
-    many = parse_nnodes(args.nnodes)[1] > 1 or args.rdzv_endpoint is not None
-    strategy, nproc, why = plan_processes("ddp" if many and cfg.strategy == "auto" else cfg.strategy,
-                                          args.nproc_per_node)
-    if many and not get_strategy(strategy).distributed:
-        raise UsageError(f"strategy {strategy!r} runs in one process, not one per machine of"
-                         f" --nnodes {args.nnodes}; use a multi-process strategy such as ddp")
-    args.nproc_per_node = nproc
-    launch_cfg = _launch_config(args)
-    if why:
-        print(f"torchfleet: {why}", flush=True)
-    if strategy == "hogwild":
-        return _train_hogwild(cfg, launch_cfg)
-    if not launch_cfg.multi_process:
-        train(cfg, strategy)
-        return 0
-    from torchfleet.data import check_global_batch
-    from torchfleet.launcher import run_command
-    from torchfleet.strategies import data_readers
-
-    # Before any process starts: the degrees multiply out, and the batch splits among
-    # the processes that read data.
-    check_global_batch(cfg.batch_size, data_readers(strategy, launch_cfg.world_size, cfg.strategy_options))
-    # Every worker re-enters this command; it finds torchrun's variables and
-    # trains. The resolved strategy goes last so it wins over "auto".
-    return run_command(launch_cfg, ["-m", "torchfleet", "train", *argv, "--strategy", strategy])
-
-
-def _train_hogwild(cfg, launch_cfg) -> int:
-    # Hogwild's workers must share this process's memory, so this process
-    # spawns them (torchfleet.hogwild) instead of torchrun's agent.
-    from torchfleet import failures
-    from torchfleet.launcher import LaunchError
-    from torchfleet.trainer import train
-
-    if launch_cfg.nnodes > 1:
-        raise UsageError(f"hogwild shares memory on one machine; --nnodes {launch_cfg.nnodes} is not"
-                         " possible with it, use ddp across machines")
-    try:
-        train(cfg, "hogwild", nproc=launch_cfg.nproc_per_node)
-    except LaunchError as exc:
-        return failures.report(exc.summary)
-    return 0
+    return command.run(cfg, _launch_config(args), args.nproc_per_node, argv)
 
 
 def cmd_run(args) -> int:
-    from torchfleet.launcher import run_script
+    from torchfleet.launcher.agent import run_script
 
     return run_script(_launch_config(args), args.script, args.script_args)
 
@@ -250,7 +187,7 @@ def cmd_run(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    from torchfleet.clusters import cli as clusters_cli
+    from torchfleet.cli import clusters as clusters_cli
 
     if argv and argv[0] in clusters_cli.COMMANDS:
         args = clusters_cli.parse(argv)  # flags may also follow the script there
@@ -274,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in clusters_cli.COMMANDS:
             return clusters_cli.run(args)
         if args.command == "bench":
-            from torchfleet import bench_cli
+            from torchfleet.cli import bench as bench_cli
 
             return bench_cli.command(args, _strategy_options(args))
     except UsageError as exc:

@@ -8,7 +8,7 @@ import os
 import runpy
 import sys
 
-from torchfleet.failures import call_recorded
+from torchfleet.launcher.failures import call_recorded
 
 
 def main() -> None:

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from torchfleet import failures
+from torchfleet.launcher import failures
 
 HANG_EXIT = 124
 _TORCH_DIR = str(Path(torch.__file__).parent)

@@ -20,7 +20,8 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from torchfleet import slurm_notation
+from torchfleet.env import slurm as slurm_notation
+from torchfleet.env.sagemaker import resource_config_path
 from torchfleet.errors import UsageError
 
 __all__ = ["DistEnv", "EnvError", "detect", "expand_hostlist"]
@@ -317,8 +318,6 @@ def _from_sagemaker(environ: Mapping[str, str]) -> DistEnv | None:
 def _sagemaker_resource_config(environ: Mapping[str, str]) -> tuple[list[str], str] | None:
     """(hosts, current host) from the job's resourceconfig.json, for an entry point that
     runs without the training toolkit's SM_* variables (a bring-your-own container)."""
-    from torchfleet.clusters.sagemaker import resource_config_path  # no torch there either
-
     path = resource_config_path(environ)
     try:
         config = json.loads(path.read_text())

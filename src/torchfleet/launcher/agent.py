@@ -22,9 +22,10 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig as AgentConfig
 from torch.distributed.launcher.api import elastic_launch
 
-from torchfleet import failures, netif, preflight, rendezvous
+from torchfleet import netif
 from torchfleet.config import LaunchConfig
 from torchfleet.errors import UsageError
+from torchfleet.launcher import failures, preflight, rendezvous
 
 LOOPBACK = "127.0.0.1"
 MASTER_WAIT = 60.0  # seconds a node waits for node 0's rendezvous to answer
@@ -220,7 +221,7 @@ def run_script(cfg: LaunchConfig, script: str, script_args: list[str]) -> int:
         raise UsageError(f"script {script!r} does not exist; give the path to a Python file")
     if not script.endswith(".py"):
         raise UsageError(f"script {script!r} is not a Python file (.py)")
-    return run_command(cfg, ["-m", "torchfleet._bootstrap", script, *script_args])
+    return run_command(cfg, ["-m", "torchfleet.launcher.bootstrap", script, *script_args])
 
 
 def launch(fn: Callable, nprocs: int = 2, args: tuple = (), max_restarts: int = 0) -> list[Any]:

@@ -14,23 +14,19 @@ import time
 import torch
 from torch import nn
 
-from torchfleet import checkpoint, faults, outputs, report
-from torchfleet.config import TrainConfig
-from torchfleet.data import builtin_dataset
+from torchfleet import checkpoint, outputs
 from torchfleet.errors import TrainingError
 from torchfleet.fleet import Fleet
-from torchfleet.models import build_model
-from torchfleet.watchdog import Watchdog
+from torchfleet.launcher.watchdog import Watchdog
+from torchfleet.train import faults, report
+from torchfleet.train.config import TrainConfig
+from torchfleet.train.datasets import builtin_dataset
+from torchfleet.train.hogwild import train_hogwild
+from torchfleet.train.models import build_model, build_optimizer
 
 # fp16: this many non-finite losses in a row mean the model diverged, not that
 # the scaler's scale needs lowering (each one halved it).
 FP16_NONFINITE_LIMIT = 8
-
-
-def build_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=0.9)
-    return torch.optim.AdamW(params, lr=lr)
 
 
 def evaluate(fleet: Fleet, dataset, on_batch=None) -> float:
@@ -58,8 +54,6 @@ def train(cfg: TrainConfig, strategy: str, nproc: int = 1) -> dict:
     so it spawns them itself (torchfleet.hogwild) instead of running in them.
     """
     if strategy == "hogwild":
-        from torchfleet.hogwild import train_hogwild
-
         return train_hogwild(cfg, nproc)
     fleet = Fleet(strategy=strategy, precision=cfg.precision, backend=cfg.backend,
                   grad_accum=cfg.grad_accum, **cfg.strategy_options)

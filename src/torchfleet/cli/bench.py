@@ -23,7 +23,7 @@ def _list(kind, what: str):
 
 
 def add_parser(sub, strategy_flags) -> None:
-    from torchfleet.models import MODELS
+    from torchfleet.train.models import MODELS
 
     b = sub.add_parser("bench", help="every strategy that can run here, side by side: table, JSON, chart")
     b.add_argument("--model", choices=MODELS, default=None, help="built-in model (default cnn)")
@@ -48,8 +48,8 @@ def add_parser(sub, strategy_flags) -> None:
 
 
 def command(args, strategy_options: dict) -> int:
-    from torchfleet.bench import QUICK, run_bench
-    from torchfleet.config import BenchConfig
+    from torchfleet.bench.config import BenchConfig
+    from torchfleet.bench.matrix import QUICK, run_bench
 
     given = {name: getattr(args, name) for name in
              ("model", "strategies", "nproc", "batch_sizes", "precisions", "warmup", "steps")}

@@ -108,3 +108,9 @@ def build_model(name: str, in_shape: tuple[int, ...] = (1, 8, 8), num_classes: i
     if name not in MODELS:
         raise choice_error("model", name, MODELS)
     return _BUILDERS[name](in_shape, num_classes)
+
+
+def build_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    return torch.optim.AdamW(params, lr=lr)

@@ -1,7 +1,7 @@
 """One cell of `torchfleet bench`, run inside each of the cell's own fresh processes.
 
 A cell is one strategy x process count x global batch x precision. The parent
-(bench.py) starts it through `torchfleet.launcher.launch`, so every cell has
+(matrix.py) starts it through `torchfleet.launcher.launch`, so every cell has
 new processes and a new process group, and nothing one cell leaves behind
 (allocator caches, warmed-up threads, a broken group) touches the next.
 
@@ -37,10 +37,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchfleet.data import MockLoader, check_global_batch
+from torchfleet.data import check_global_batch
 from torchfleet.fleet import Fleet
-from torchfleet.models import build_model
 from torchfleet.strategies import Strategy
+from torchfleet.train.datasets import MockLoader
+from torchfleet.train.models import build_model
 
 # Input shape of each model's mock batch: the digits' 8x8 for the small models,
 # ImageNet's 224x224 for the ResNets, as in the benchmark notebook of the seeds.

@@ -7,7 +7,7 @@ registered; `serial` is always measured, as the baseline of every speedup.
 A single-process strategy (`distributed = False`) is measured in one process;
 a multi-process one at each process count of `--nproc` (2 and more). Every
 cell runs in new processes started through `torchfleet.launcher.launch`
-(bench_cell.run_cell is what they run), so a cell that fails (a bad batch, an
+(cell.run_cell is what they run), so a cell that fails (a bad batch, an
 out-of-memory, a crash, a hang past the timeout) is one row with its reason
 and the rest of the matrix still runs.
 
@@ -27,12 +27,12 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from torchfleet import bench_cell
-from torchfleet.config import BenchConfig
+from torchfleet.bench import cell as bench_cell
+from torchfleet.bench.config import BenchConfig
 from torchfleet.doctor import strategy_availability
 from torchfleet.errors import UsageError
-from torchfleet.launcher import LaunchError, launch
-from torchfleet.strategies import STRATEGIES
+from torchfleet.launcher.agent import LaunchError, launch
+from torchfleet.strategies import STRATEGIES, resolve_dims
 from torchfleet.strategies.dims import DIM_NAMES, PRESETS
 
 QUICK = {"model": "mlp", "batch_sizes": (64,), "nproc": (2,), "precisions": ("fp32",),
@@ -117,12 +117,29 @@ def _cells_of(name, batch, precision, cfg, here, cores, notes) -> list[Cell]:
         counts = [n for n in cfg.nproc if n >= 2]
         if not counts:
             notes.append(f"{name} needs 2 or more processes; --nproc {cfg.nproc} gives none")
+        # A preset of two dimensions on too few processes degenerates (hsdp on 2 is
+        # ddp): such a cell would carry a name it did not run, so it is left out.
+        fits = [n for n in counts if _preset_runs_as(name, n, cfg.strategy_options) == name]
+        if counts and len(fits) < len(counts):
+            notes.append(f"{name} left out on {', '.join(str(n) for n in counts if n not in fits)} processes:"
+                         f" its degrees need more (e.g. --nproc 4 for 2 x 2)")
+        counts = fits
     threads = {n: cfg.threads or max(1, cores // n) for n in counts}
     info = here.get(name)
     skip = None
     if info is not None and not info["available"]:
         skip = f"not available here: {info['why']}"
     return [Cell(name, n, batch, precision, threads[n], skip) for n in counts]
+
+
+def _preset_runs_as(name: str, processes: int, options: dict) -> str | None:
+    """What `name` runs as on `processes` (a preset with too few processes is another, or none)."""
+    given = {k: v for k, v in options.items() if k in PRESETS.get(name, {})}
+    try:
+        dims = resolve_dims(name, processes, options=given)
+    except UsageError:
+        return None
+    return dims.name if dims is not None else name
 
 
 # ---- running one cell --------------------------------------------------------------------
@@ -245,8 +262,9 @@ def run_bench(cfg: BenchConfig, console=None) -> dict:
     """Run the matrix, show it, write DIR/results.json, results.csv and bench.png; return the document."""
     from rich.console import Console
 
-    from torchfleet import bench_chart, bench_report
     from torchfleet.backend import probe_hardware
+    from torchfleet.bench import chart as bench_chart
+    from torchfleet.bench import report as bench_report
     from torchfleet.doctor import collect_report
     from torchfleet.outputs import check_writable_dir
 

@@ -1,6 +1,6 @@
 """The job-writing commands: `torchfleet slurm`, `torchfleet sagemaker`, `torchfleet k8s`.
 
-Kept apart from cli.py so the main parser only registers them. Each writes
+Kept apart from cli/__init__.py so the main parser only registers them. Each writes
 the file(s) its scheduler takes and prints how to submit them; `--submit`
 hands them to the scheduler's own client.
 """

@@ -1,0 +1,50 @@
+"""What `torchfleet bench` measures, validated once (config.py's rules)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torchfleet.config import at_least
+from torchfleet.errors import UsageError, choice_error
+from torchfleet.precision import PRECISIONS
+from torchfleet.strategies import STRATEGY_NAMES
+from torchfleet.train.models import MODELS
+
+
+@dataclass
+class BenchConfig:
+    """What `torchfleet bench` measures. Empty tuples mean "choose for this machine"
+    (bench.plan does, from doctor's availability and the hardware)."""
+
+    model: str = "cnn"
+    strategies: tuple[str, ...] = ()
+    nproc: tuple[int, ...] = ()  # process counts for multi-process strategies
+    batch_sizes: tuple[int, ...] = ()  # global
+    precisions: tuple[str, ...] = ()
+    warmup: int = 5
+    steps: int = 30
+    threads: int | None = None  # intra-op threads per process; None: usable cores / processes
+    out: str = "runs/bench"
+    seed: int = 0
+    strategy_options: dict = field(default_factory=dict)
+    cell_timeout_s: float = 1800.0  # a cell still running then is killed and reported
+
+    def __post_init__(self) -> None:
+        if self.model not in MODELS:
+            raise choice_error("model", self.model, MODELS)
+        for name in self.strategies:
+            if name not in STRATEGY_NAMES:
+                raise choice_error("strategy", name, STRATEGY_NAMES)
+        for name in self.precisions:
+            if name not in PRECISIONS:
+                raise choice_error("precision", name, PRECISIONS)
+        for n in self.nproc:
+            at_least("--nproc", n, 1)
+        for b in self.batch_sizes:
+            at_least("--batch-sizes", b, 1)
+        at_least("--warmup", self.warmup, 0)
+        at_least("--steps", self.steps, 2)  # a spread needs two steps
+        if self.threads is not None:
+            at_least("--threads", self.threads, 1)
+        if not self.cell_timeout_s > 0:
+            raise UsageError(f"cell timeout {self.cell_timeout_s} must be a positive number of seconds")

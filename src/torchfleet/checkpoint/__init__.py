@@ -1,0 +1,22 @@
+"""Checkpoints: verified, atomic directories (verified.py), sharded ones through DCP (sharded.py).
+
+A checkpoint written by one strategy and number of processes loads into
+another where the shapes allow: the format is the same for every strategy.
+"""
+
+from torchfleet.checkpoint.verified import (
+    FORMAT,
+    MANIFEST,
+    atomic_write,
+    list_checkpoints,
+    load,
+    newest_good,
+    prune,
+    save,
+    sha256,
+    step_path,
+    verify,
+)
+
+__all__ = ["FORMAT", "MANIFEST", "atomic_write", "list_checkpoints", "load", "newest_good", "prune", "save",
+           "sha256", "step_path", "verify"]

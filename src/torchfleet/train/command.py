@@ -1,0 +1,83 @@
+"""`torchfleet train` from parsed flags to a finished job: where it runs, on how many processes.
+
+The command line only parses and builds the configs; the decisions are here.
+Inside a job that already has its processes (torchrun, Slurm, mpirun, a
+SageMaker training job) it trains in this process. Otherwise it plans the
+processes, checks what can be checked before any of them starts (output
+paths, the degrees' arithmetic, the batch split), and starts them through
+torchrun's agent, each re-entering the same command; hogwild alone spawns
+its workers itself, since they must share this process's memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+from torchfleet.config import LaunchConfig
+from torchfleet.data import check_global_batch
+from torchfleet.env import DistEnv
+from torchfleet.errors import UsageError
+from torchfleet.launcher import failures
+from torchfleet.launcher.agent import LaunchError, run_command
+from torchfleet.strategies import data_readers, get_strategy
+from torchfleet.train.config import TrainConfig
+from torchfleet.train.loop import train
+from torchfleet.train.planner import plan_processes
+
+
+def run(cfg: TrainConfig, launch: LaunchConfig, nproc: int | None, argv: list[str]) -> int:
+    """Train `cfg`; `nproc` is -n as given (None: choose), `argv` the command's own arguments."""
+    cfg.check_outputs()
+    env = DistEnv.detect()
+    if env.is_distributed or env.source != "single":
+        return _train_here(cfg, env)
+    # Many machines make a multi-process job even with one process each: auto means ddp.
+    many = launch.multi_node
+    strategy, nproc, why = plan_processes("ddp" if many and cfg.strategy == "auto" else cfg.strategy, nproc)
+    if many and not get_strategy(strategy).distributed:
+        raise UsageError(f"strategy {strategy!r} runs in one process, not one per machine of"
+                         f" --nnodes {launch.nnodes}; use a multi-process strategy such as ddp")
+    launch = dataclasses.replace(launch, nproc_per_node=nproc)
+    if why:
+        print(f"torchfleet: {why}", flush=True)
+    if strategy == "hogwild":
+        return _train_hogwild(cfg, launch)
+    if not launch.multi_process:
+        train(cfg, strategy)
+        return 0
+    # Before any process starts: the degrees multiply out, and the batch splits among
+    # the processes that read data.
+    check_global_batch(cfg.batch_size, data_readers(strategy, launch.world_size, cfg.strategy_options))
+    # Every worker re-enters this command; it finds torchrun's variables and
+    # trains. The resolved strategy goes last so it wins over "auto".
+    return run_command(launch, ["-m", "torchfleet", "train", *argv, "--strategy", strategy])
+
+
+def _train_here(cfg: TrainConfig, env: DistEnv) -> int:
+    """One of many processes already (torchrun, Slurm, mpirun, SageMaker): train in this one."""
+    strategy = cfg.strategy if cfg.strategy != "auto" else ("ddp" if env.is_distributed else "serial")
+    failures.call_recorded(train, cfg, strategy)
+    if env.is_distributed:
+        # Work done, results written, process group closed. Gloo's threads can
+        # still abort in C++ destructors during interpreter teardown ("terminate
+        # called without an active exception", seen about 1 run in 10 here), which
+        # would turn a finished job into a failure: leave without that teardown.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    return 0
+
+
+def _train_hogwild(cfg: TrainConfig, launch: LaunchConfig) -> int:
+    # Hogwild's workers must share this process's memory, so this process
+    # spawns them (torchfleet.hogwild) instead of torchrun's agent.
+    if launch.multi_node:
+        raise UsageError(f"hogwild shares memory on one machine; --nnodes {launch.nnodes} is not"
+                         " possible with it, use ddp across machines")
+    try:
+        train(cfg, "hogwild", nproc=launch.nproc_per_node)
+    except LaunchError as exc:
+        return failures.report(exc.summary)
+    return 0

@@ -1,0 +1,111 @@
+"""The built-in job on hogwild workers: `torchfleet train --strategy hogwild -n 4`.
+
+The workers share this process's model (torchfleet/launcher/hogwild.py runs
+them); each has its own optimizer and its share of every global batch, and
+this process evaluates the shared model when they finish.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+from torch import nn
+
+from torchfleet import outputs
+from torchfleet.data import check_global_batch
+from torchfleet.env import DistEnv
+from torchfleet.errors import UsageError
+from torchfleet.fleet import Fleet
+from torchfleet.launcher import hogwild
+from torchfleet.precision import Precision
+from torchfleet.strategies.base import Runtime
+from torchfleet.strategies.hogwild import Hogwild, worker_info
+from torchfleet.train import report
+from torchfleet.train.datasets import builtin_dataset
+from torchfleet.train.models import build_model, build_optimizer
+
+
+def train_hogwild(cfg, workers: int) -> dict:
+    """Train the built-in job on `workers` hogwild workers; return the summary figures."""
+    if DistEnv.detect().is_distributed:
+        raise UsageError("hogwild starts its own workers on one machine; run it with"
+                         " `torchfleet train --strategy hogwild -n N`, not under torchrun, Slurm or mpirun")
+    # Fail on bad options here, before any worker starts.
+    cpu = torch.device("cpu")
+    Hogwild(Runtime(DistEnv(), cpu, Precision(cfg.precision, cpu), None), **cfg.strategy_options)
+    if cfg.checkpoint_dir or cfg.resume:
+        raise UsageError("hogwild has no single state to checkpoint (each worker keeps its own optimizer"
+                         " and updates without locks); drop --checkpoint-dir, or use serial or ddp")
+    check_global_batch(cfg.batch_size, workers)
+
+    torch.manual_seed(cfg.seed)  # the same initial weights as every other strategy
+    train_set = builtin_dataset(cfg.data, "train", cfg.seed, cfg.synthetic_size)
+    val_set = builtin_dataset(cfg.data, "val", cfg.seed, cfg.synthetic_size)
+    model = build_model(cfg.model, tuple(train_set[0][0].shape), num_classes=10)
+    start = time.perf_counter()
+    done = hogwild.run(_train_worker, model, workers, args=(cfg, train_set, val_set),
+               sharing_strategy=cfg.strategy_options.get("sharing_strategy"))
+    wall = time.perf_counter() - start
+    train_seconds = max(d["seconds"] for d in done)
+    result = {
+        "strategy": "hogwild", "world_size": workers, "backend": "none",
+        "backend_reason": "no process group: the workers share the model's memory",
+        "precision": cfg.precision, "model": cfg.model, "data": cfg.data, "epochs": cfg.epochs,
+        "steps": done[0]["steps"], "global_batch": cfg.batch_size,
+        "final_loss": sum(d["loss"] for d in done) / workers,
+        "val_accuracy": accuracy(model, val_set),
+        "samples_per_s": sum(d["samples"] for d in done) / train_seconds if train_seconds else 0.0,
+        "wall_s": wall,
+    }
+    report.summary(result)
+    if cfg.json_out:
+        outputs.write_text(cfg.json_out, json.dumps(result, indent=2) + "\n", "--json-out")
+    return result
+
+
+@torch.no_grad()
+def accuracy(model: nn.Module, dataset, batch_size: int = 512) -> float:
+    """Fraction of `dataset` the model classifies right, in one process."""
+    was_training = model.training
+    model.eval()
+    correct = 0
+    for inputs, targets in torch.utils.data.DataLoader(dataset, batch_size=batch_size):
+        correct += (model(inputs).argmax(1) == targets).sum().item()
+    model.train(was_training)
+    return correct / len(dataset)
+
+
+def _train_worker(model: nn.Module, cfg, train_set, val_set) -> dict:
+    """One worker's loop: its own optimizer, its share of each global batch, no locks."""
+    info = worker_info()
+    fleet = Fleet(strategy="hogwild", precision=cfg.precision, grad_accum=cfg.grad_accum,
+                  **cfg.strategy_options)
+    torch.manual_seed(cfg.seed + info.rank)
+    optimizer = build_optimizer(cfg.optimizer, model.parameters(), cfg.lr)
+    model, optimizer = fleet.setup(model, optimizer)
+    loader = fleet.dataloader(train_set, cfg.batch_size, shuffle=True, seed=cfg.seed)
+    total_steps = len(loader.batch_sampler) * cfg.epochs
+    if cfg.max_steps is not None:
+        total_steps = min(total_steps, cfg.max_steps)
+    loss_fn = nn.CrossEntropyLoss()
+    step = samples = 0
+    loss = torch.tensor(float("nan"))
+    tick = time.perf_counter()
+    evaluating = 0.0  # worker 0's validation passes, kept out of the training time
+    for epoch in range(cfg.epochs):
+        for inputs, targets in loader:
+            loss = fleet.train_step(inputs, targets, loss_fn)
+            step += 1
+            samples += len(inputs)
+            if step >= total_steps:
+                break
+        if info.rank == 0 and cfg.progress:
+            # Worker 0's view while the others may still be writing: that is hogwild.
+            began = time.perf_counter()
+            print(f"epoch {epoch + 1}: validation accuracy {accuracy(model, val_set):.4f}", flush=True)
+            evaluating += time.perf_counter() - began
+        if step >= total_steps:
+            break
+    return {"steps": step, "samples": samples, "loss": loss.item(), "seconds": time.perf_counter() - tick - evaluating}

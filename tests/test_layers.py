@@ -1,0 +1,95 @@
+"""The architecture as a test: each module imports only its own layer and those below, no cycles.
+
+Imports inside functions count: one that reaches up a layer, or closes a
+cycle, is the same coupling as one at the top of the file.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+
+PACKAGE = ROOT / "src" / "torchfleet"
+# Bottom to top. A module may import its own layer and the layers below it.
+LAYERS = [
+    ("errors", "versions", "outputs", "allocator", "netif", "config"),  # no torch knowledge needed
+    ("env", "backend", "precision", "data"),  # what a process finds, and core rules
+    ("strategies",),  # how a model is wrapped; the parallel dimensions
+    ("checkpoint",),  # verified directories, DCP
+    ("launcher",),  # starting processes, their failures and hangs
+    ("fleet", "hogwild"),  # the API a script holds
+    ("doctor", "train"),  # the machine report; the built-in job
+    ("testing", "bench"),  # reference jobs; the strategy matrix
+    ("clusters",),  # job writers for schedulers
+    ("cli", "__main__"),  # the commands
+]
+LAYER_OF = {name: i for i, names in enumerate(LAYERS) for name in names}
+
+
+def _module(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path, module: str) -> set[str]:
+    """Every torchfleet module `path` imports, anywhere in the file."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("torchfleet."))
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("torchfleet"):
+            for alias in node.names:  # `from torchfleet.x import y`: y may be a module of x
+                candidate = f"{node.module}.{alias.name}"
+                found.add(candidate if candidate in MODULES else node.module)
+    return {m for m in found if m != module}
+
+
+MODULES = {_module(p) for p in PACKAGE.rglob("*.py")}
+GRAPH = {_module(p): _imports(p, _module(p)) for p in PACKAGE.rglob("*.py")}
+
+
+def _layer(module: str) -> int:
+    top = module.split(".")[1] if module != "torchfleet" else ""
+    if top not in LAYER_OF:
+        pytest.fail(f"{module} is in no layer: add its package to LAYERS in {Path(__file__).name}")
+    return LAYER_OF[top]
+
+
+def test_every_module_has_a_layer():
+    for module in GRAPH:
+        if module != "torchfleet":  # the package root is the public facade; it loads lazily
+            _layer(module)
+
+
+def test_no_module_imports_a_layer_above_its_own():
+    upward = [f"{m} imports {t}" for m, targets in GRAPH.items() if m != "torchfleet"
+              for t in sorted(targets) if t != "torchfleet" and _layer(t) > _layer(m)]
+    assert upward == []
+
+
+def test_no_import_cycles():
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    cycles = []
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for target in sorted(GRAPH.get(module, ())):
+            if state.get(target) == 1:
+                cycles.append(" -> ".join(path[path.index(target):] + [target]))
+            elif target not in state:
+                visit(target, path + [target])
+        state[module] = 2
+
+    for module in sorted(GRAPH):
+        if module not in state:
+            visit(module, [module])
+    assert cycles == []
+
+
+def test_modules_stay_small():
+    long = {_module(p): n for p in PACKAGE.rglob("*.py") if (n := len(p.read_text().splitlines())) > 400}
+    assert long == {}
