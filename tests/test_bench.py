@@ -171,6 +171,9 @@ def test_missing_matplotlib_says_how_to_get_the_chart(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now fails
     said = bench_chart.draw([{"status": "ok"}], tmp_path / "bench.png")
     console = Console(file=io.StringIO(), width=200)
-    console.print(f"wrote results.json ({said})")  # as run_bench shows it
+    console.print(f"wrote results.json ({said})", markup=False)  # as run_bench shows it
     assert "pip install matplotlib draws bench.png" in console.file.getvalue()
+    # Text in brackets survives too: rich would read [plot] as a style and drop it.
+    console.print("pip install 'torchfleet[plot]'", markup=False)
+    assert "torchfleet[plot]" in console.file.getvalue()
     assert not (tmp_path / "bench.png").exists()

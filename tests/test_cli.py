@@ -7,6 +7,7 @@ import pytest
 
 from conftest import torchfleet, tree_digest
 from torchfleet.cli import build_parser
+from torchfleet.launcher.torchrun_flags import torchrun_actions
 
 # The whole surface. A new flag or command means editing this list on purpose.
 SURFACE = {
@@ -18,8 +19,10 @@ SURFACE = {
               "--max-steps", "--model", "--nnodes", "--no-progress", "--node-rank", "--nproc-per-node",
               "--optimizer", "--precision", "--resume", "--seed", "--strategy", "--synthetic-size", "-n",
               "--hang-timeout", "--keep-checkpoints", "--resume-fallback"],
-    "run": ["--master-addr", "--master-port", "--max-restarts", "--nnodes", "--node-rank",
-            "--nproc-per-node", "-n", "--rdzv-endpoint", "--rdzv-id", "--no-preflight"],
+    # run: these, in both spellings, and every other flag of the installed torchrun (RUN_TORCHRUN)
+    "run": ["--master-addr", "--master_addr", "--master-port", "--master_port", "--max-restarts",
+            "--max_restarts", "--nnodes", "--node-rank", "--node_rank", "--nproc-per-node", "--nproc_per_node",
+            "-n", "--rdzv-endpoint", "--rdzv_endpoint", "--rdzv-id", "--rdzv_id", "--no-preflight"],
     "k8s": ["--gpus-per-node", "--image", "--nodes", "--nproc-per-node", "--out"],
     "sagemaker": ["--instance-count", "--instance-type", "--out", "--role", "--submit"],
     "slurm": ["--gpus-per-node", "--nodes", "--ntasks-per-node", "--out", "--partition", "--submit",
@@ -39,11 +42,15 @@ def _subparsers(parser):
     return action.choices
 
 
+RUN_TORCHRUN = {o for a in torchrun_actions() for o in a.option_strings}
+
+
 def test_surface_is_frozen():
     subs = _subparsers(build_parser())
     assert sorted(subs) == sorted(SURFACE)
     for name, flags in SURFACE.items():
-        assert _flags(subs[name]) == sorted(flags), name
+        expected = set(flags) | (RUN_TORCHRUN if name == "run" else set())
+        assert _flags(subs[name]) == sorted(expected), name
 
 
 @pytest.mark.parametrize("command", [[], *[[c] for c in SURFACE]])

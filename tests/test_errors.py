@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
 import test_outputs
 from conftest import _CLUSTER_VARS, ROOT, torchfleet, tree_digest
@@ -28,6 +29,7 @@ from torchfleet.env import DistEnv
 from torchfleet.launcher.agent import free_port, wait_for_master
 from torchfleet.strategies import STRATEGY_NAMES
 from torchfleet.train.config import TrainConfig
+from torchfleet.train.datasets import synthetic
 
 SCRIPT = str(ROOT / "tests" / "scripts" / "crash.py")
 JOB = ["train", "--strategy", "serial", "--model", "mlp", "--data", "synthetic", "--synthetic-size", "256",
@@ -220,6 +222,8 @@ API = {
     "api-checkpoint-of-another-model": (lambda ckpt: _fleet_and_model().load(next(ckpt.glob("step-*"))),
                                         "holds a different model"),
     "api-unreachable-master": (lambda ckpt: _closed_port(), "cannot reach the master at 127.0.0.1:"),
+    "api-dataloader-for-dataset": (lambda ckpt: Fleet().dataloader(DataLoader(synthetic(16), batch_size=32), 32),
+                                   "fleet.dataloader takes a Dataset, not a DataLoader"),
 }
 
 

@@ -1,7 +1,9 @@
-"""Typed configuration, validated once on construction.
+"""Typed configuration, validated once on construction: where processes run (LaunchConfig).
 
 Precedence is one way: the dataclass defaults, then the command line. Every
 error names the value and what would be accepted, with the arithmetic shown.
+The configs of the commands above the core sit with them (train/config.py,
+bench/config.py) and share the rules here.
 """
 
 from __future__ import annotations

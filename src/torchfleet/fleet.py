@@ -125,6 +125,7 @@ class Fleet:
     def dataloader(self, dataset: Dataset, batch_size: int, shuffle: bool = True, seed: int = 0,
                    drop_last: bool = True, num_workers: int = 0) -> DataLoader:
         """A loader of this rank's share of each global batch of `batch_size` samples."""
+        _expect_dataset(dataset, "dataloader")
         rank, world = self.strategy.data_coords()
         sampler = GlobalBatchSampler(len(dataset), batch_size, rank, world, shuffle, seed, drop_last)
         if sampler.local_batch % self.grad_accum:
@@ -144,6 +145,7 @@ class Fleet:
 
     def eval_dataloader(self, dataset: Dataset, batch_size: int = 256) -> DataLoader:
         """Every sample exactly once across ranks; combine results with `all_reduce`."""
+        _expect_dataset(dataset, "eval_dataloader")
         rank, world = self.strategy.data_coords()
         return DataLoader(dataset, batch_size=batch_size, sampler=ShardSampler(len(dataset), rank, world))
 
@@ -279,6 +281,12 @@ class Fleet:
             work.wait()
             _FINISHED_WORK.append(work)  # dies in this thread, at exit
             dist.destroy_process_group()
+
+
+def _expect_dataset(dataset, method: str) -> None:
+    if isinstance(dataset, DataLoader):
+        raise UsageError(f"fleet.{method} takes a Dataset, not a DataLoader: it builds the loader itself,"
+                         " giving each process its share of every batch; pass the loader's .dataset")
 
 
 # See Fleet.close: Gloo work objects whose last reference must not be Gloo's.

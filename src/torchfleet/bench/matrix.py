@@ -282,7 +282,7 @@ def run_bench(cfg: BenchConfig, console=None) -> dict:
         raise UsageError("nothing to benchmark: no strategy and process count fit together here")
     cfg = replace(cfg, strategies=tuple(dict.fromkeys(c.strategy for c in cells)))
     for note in notes:
-        console.print(f"note: {note}")
+        console.print(f"note: {note}", markup=False)  # brackets in a note are text, not styles
 
     rows: list[dict] = []
     with bench_report.progress(console, len(cells)) as bar:
@@ -296,7 +296,7 @@ def run_bench(cfg: BenchConfig, console=None) -> dict:
     bench_report.write_csv(rows, out / "results.csv")
     console.print(bench_report.table(document))
     chart = bench_chart.draw(rows, out / "bench.png", title=bench_report.chart_title(document))
-    console.print(f"verdict: {document['verdict']}")
+    console.print(f"verdict: {document['verdict']}", markup=False)
     console.print(f"wrote {out / 'results.json'}, {out / 'results.csv'}" +
-                  (f", {chart}" if chart.endswith(".png") else f" ({chart})"))
+                  (f", {chart}" if chart.endswith(".png") else f" ({chart})"), markup=False)
     return document

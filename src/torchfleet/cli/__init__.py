@@ -42,25 +42,32 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _add_launch_flags(p: argparse.ArgumentParser) -> None:
+def _add_launch_flags(p: argparse.ArgumentParser, underscores: bool = False) -> None:
+    """torchrun's process flags; `underscores` adds torchrun's other spelling (--nproc_per_node)."""
     g = p.add_argument_group("processes (torchrun's flags)")
-    g.add_argument("--nproc-per-node", "-n", type=int, default=None, metavar="N",
+    both = _spellings(underscores)
+    g.add_argument(*both("--nproc-per-node"), "-n", type=int, default=None, metavar="N",
                    help="processes on this machine (default: train picks; run uses 1)")
-    _add_node_flags(g)
-    g.add_argument("--max-restarts", type=int, default=0,
+    _add_node_flags(g, underscores)
+    g.add_argument(*both("--max-restarts"), type=int, default=0,
                    help="restart the whole group this many times after a failure (default 0)")
-    g.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+    g.add_argument(*both("--rdzv-endpoint"), default=None, metavar="HOST:PORT",
                    help="c10d rendezvous for an elastic job (--nnodes MIN:MAX); run the same on every machine")
-    g.add_argument("--rdzv-id", default=None, help="the job's id, the same on every machine (c10d)")
+    g.add_argument(*both("--rdzv-id"), default=None, help="the job's id, the same on every machine (c10d)")
     g.add_argument("--no-preflight", action="store_true",
                    help="skip the checks of the other machines before a multi-machine job")
 
 
-def _add_node_flags(g) -> None:
+def _spellings(underscores: bool):
+    return lambda flag: (flag, flag.replace("-", "_").replace("__", "--", 1)) if underscores else (flag,)
+
+
+def _add_node_flags(g, underscores: bool = False) -> None:
+    both = _spellings(underscores)
     g.add_argument("--nnodes", default="1", help="machines taking part: N, or MIN:MAX for an elastic job (default 1)")
-    g.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0 to nnodes-1")
-    g.add_argument("--master-addr", default="127.0.0.1", help="address of node 0 (many machines)")
-    g.add_argument("--master-port", type=int, default=None,
+    g.add_argument(*both("--node-rank"), type=int, default=0, help="this machine's index, 0 to nnodes-1")
+    g.add_argument(*both("--master-addr"), default="127.0.0.1", help="address of node 0 (many machines)")
+    g.add_argument(*both("--master-port"), type=int, default=None,
                    help="port of node 0's rendezvous (default: a free port on one machine, 29500 on many)")
 
 
@@ -119,9 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
         opts.add_argument(flag, type=kind, default=None, help=text)
     _add_launch_flags(train)
 
-    run = sub.add_parser("run", help="run any script on N processes (torchrun-compatible)")
-    _add_launch_flags(run)
-    run.add_argument("script", help="the Python script to run on every rank")
+    from torchfleet.launcher.torchrun_flags import add_torchrun_flags
+
+    run = sub.add_parser("run", help="run any script on N processes (every torchrun flag, both spellings)")
+    _add_launch_flags(run, underscores=True)
+    add_torchrun_flags(run)
+    run.add_argument("script", help="the Python script to run on every rank (a module with -m,"
+                     " a program with --no-python)")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
 
     from torchfleet.cli import clusters as clusters_cli
@@ -179,9 +190,10 @@ def cmd_train(args, argv: list[str]) -> int:
 
 
 def cmd_run(args) -> int:
+    from torchfleet.launcher import torchrun_flags
     from torchfleet.launcher.agent import run_script
 
-    return run_script(_launch_config(args), args.script, args.script_args)
+    return run_script(_launch_config(args), args.script, args.script_args, torchrun_flags.given(args))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -192,7 +204,10 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in clusters_cli.COMMANDS:
         args = clusters_cli.parse(argv)  # flags may also follow the script there
     else:
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # the hint names the command's own help, where its flags are
+            commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+            (commands.get(args.command) or parser).error(f"unrecognized arguments: {' '.join(extra)}")
     if args.version:
         from torchfleet import __version__
 

@@ -1,4 +1,4 @@
-"""SageMaker training jobs: the container's training environment, and the job to submit.
+"""SageMaker training jobs: the estimator and the CreateTrainingJob request that start one.
 
 What a job's container sees (ranks, `TrainingEnv`) is read in
 torchfleet/env/sagemaker.py; this module writes the job.

@@ -25,7 +25,7 @@ from torch.distributed.launcher.api import elastic_launch
 from torchfleet import netif
 from torchfleet.config import LaunchConfig
 from torchfleet.errors import UsageError
-from torchfleet.launcher import failures, preflight, rendezvous
+from torchfleet.launcher import failures, preflight, rendezvous, torchrun_flags
 
 LOOPBACK = "127.0.0.1"
 MASTER_WAIT = 60.0  # seconds a node waits for node 0's rendezvous to answer
@@ -83,7 +83,7 @@ def exposure(cfg: LaunchConfig) -> str:
     return f"torchfleet: node {cfg.node_rank} joins the rendezvous at {cfg.master_addr}:{port} (docs/security.md)"
 
 
-def agent_config(cfg: LaunchConfig) -> AgentConfig:
+def agent_config(cfg: LaunchConfig, overrides: dict[str, Any] | None = None) -> AgentConfig:
     """torchrun's configuration for `cfg`, as torchrun itself would build it."""
     run_id = cfg.rdzv_id or os.environ.get("TORCHFLEET_RUN_ID")
     if not cfg.multi_node:
@@ -110,7 +110,7 @@ def agent_config(cfg: LaunchConfig) -> AgentConfig:
         rdzv_configs = {"rank": cfg.node_rank}
         local_addr = netif.source_address(cfg.master_addr)
         run_id = run_id or "torchfleet"
-    return AgentConfig(
+    fields: dict[str, Any] = dict(
         min_nodes=cfg.min_nodes,
         max_nodes=cfg.max_nodes,
         nproc_per_node=cfg.nproc_per_node,
@@ -124,6 +124,8 @@ def agent_config(cfg: LaunchConfig) -> AgentConfig:
         local_addr=local_addr,
         logs_specs=DefaultLogsSpecs(),
     )
+    # torchrun flags torchfleet does not handle itself, as torchrun would apply them.
+    return AgentConfig(**{**fields, **(overrides or {})})
 
 
 def socket_env(cfg: LaunchConfig) -> dict[str, str]:
@@ -180,7 +182,8 @@ def _preflight(cfg: LaunchConfig) -> None:
         wait_for_master(cfg.master_addr, cfg.master_port or 29500)
 
 
-def _start(cfg: LaunchConfig, entrypoint: Callable | str, args: list) -> dict[int, Any]:
+def _start(cfg: LaunchConfig, entrypoint: Callable | str, args: list,
+           overrides: dict[str, Any] | None = None) -> dict[int, Any]:
     _preflight(cfg)
     _quiet_agent_logs()
     chosen = worker_env(cfg)
@@ -194,7 +197,7 @@ def _start(cfg: LaunchConfig, entrypoint: Callable | str, args: list) -> dict[in
             print(f"torchfleet: {checked.sentence(cfg.node_rank)}", flush=True)
         if cfg.multi_node:
             print(exposure(cfg), file=sys.stderr, flush=True)  # once the checks have passed
-        return elastic_launch(agent_config(cfg), entrypoint)(*args)
+        return elastic_launch(agent_config(cfg, overrides), entrypoint)(*args)
     except ChildFailedError as exc:
         raise LaunchError(failures.summarize(exc)) from None
     finally:
@@ -206,22 +209,38 @@ def _start(cfg: LaunchConfig, entrypoint: Callable | str, args: list) -> dict[in
                 os.environ[key] = value
 
 
-def run_command(cfg: LaunchConfig, argv: list[str]) -> int:
-    """Run `python argv...` on every rank; return the exit status for the shell."""
+def run_command(cfg: LaunchConfig, argv: list[str], program: str | None = None,
+                overrides: dict[str, Any] | None = None) -> int:
+    """Run `python argv...` (or `program argv...`) on every rank; return the exit status for the shell."""
     try:
-        _start(cfg, sys.executable, ["-u", *argv])
+        _start(cfg, program or sys.executable, argv if program else ["-u", *argv], overrides)
     except LaunchError as exc:
         return failures.report(exc.summary)
     return 0
 
 
-def run_script(cfg: LaunchConfig, script: str, script_args: list[str]) -> int:
-    """`torchfleet run script.py args`: the script runs as __main__ on every rank."""
-    if not os.path.isfile(script):
-        raise UsageError(f"script {script!r} does not exist; give the path to a Python file")
-    if not script.endswith(".py"):
-        raise UsageError(f"script {script!r} is not a Python file (.py)")
-    return run_command(cfg, ["-m", "torchfleet.launcher.bootstrap", script, *script_args])
+def run_script(cfg: LaunchConfig, script: str, script_args: list[str],
+               torchrun: dict[str, Any] | None = None) -> int:
+    """`torchfleet run script.py args`: the script runs as __main__ on every rank.
+
+    `torchrun` holds the torchrun flags torchfleet passes through (-m, --no-python,
+    --log-dir, --redirects, ...), by torchrun's own names.
+    """
+    torchrun = torchrun or {}
+    if not torchrun.get("no_python") and not torchrun.get("module"):
+        if not os.path.isfile(script):
+            raise UsageError(f"script {script!r} does not exist; give the path to a Python file"
+                             " (or -m for a module, --no-python for a program)")
+        if not script.endswith(".py"):
+            raise UsageError(f"script {script!r} is not a Python file (.py); run a module with -m,"
+                             " a program with --no-python")
+    overrides = torchrun_flags.agent_overrides(torchrun, script, script_args, one_machine=not cfg.multi_node)
+    if torchrun.get("no_python"):
+        return run_command(cfg, script_args, program=script, overrides=overrides)
+    if torchrun.get("module"):
+        return run_command(cfg, ["-m", "torchfleet.launcher.bootstrap", "-m", script, *script_args],
+                           overrides=overrides)
+    return run_command(cfg, ["-m", "torchfleet.launcher.bootstrap", script, *script_args], overrides=overrides)
 
 
 def launch(fn: Callable, nprocs: int = 2, args: tuple = (), max_restarts: int = 0) -> list[Any]:

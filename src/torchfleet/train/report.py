@@ -93,4 +93,4 @@ def summary(result: dict) -> None:
         table.add_row(label, f"{pipe['stages']} x {pipe['replicas']}" if key is None else _fmt(pipe[key]))
     console.print(table)
     if result.get("backend_reason") and result.get("backend") != "none":
-        console.print(f"backend {result['backend']}: {result['backend_reason']}")
+        console.print(f"backend {result['backend']}: {result['backend_reason']}", markup=False)

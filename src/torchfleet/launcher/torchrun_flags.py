@@ -1,0 +1,107 @@
+"""Every flag of the installed torchrun, in both spellings, so `torchfleet run` is a drop-in.
+
+The flags come from torchrun's own parser (`torch.distributed.run.get_args_parser`),
+so a newer torch's new flag is accepted without a change here. torchfleet handles
+some itself (processes, nodes, the master, restarts, the rendezvous endpoint and
+id: `LaunchConfig`); the rest are handed to torchrun's own `config_from_args`,
+and whatever they change in torchrun's agent configuration (log directory,
+redirects, tee, rank filters, start method, rendezvous backend and options...)
+is carried into the agent torchfleet starts. `-m`, `--no-python` and
+`--run-path` choose how each worker runs the script, as under torchrun.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+from typing import Any
+
+from torch.distributed.launcher.api import LaunchConfig as AgentConfig
+from torch.distributed.run import config_from_args, get_args_parser
+
+PREFIX = "torchrun__"  # namespace attributes of the flags passed through to torchrun
+# Agent fields torchfleet sets from its own LaunchConfig (the flags it handles itself).
+OWN_FIELDS = {"min_nodes", "max_nodes", "nproc_per_node", "run_id", "rdzv_endpoint", "max_restarts"}
+
+
+# Not launch flags: torchrun prints a shell-completion script for itself.
+NOT_LAUNCH_FLAGS = {"print_completion"}
+
+
+def torchrun_actions() -> list[argparse.Action]:
+    """torchrun's launch flags (not -h, not the script and its arguments)."""
+    return [a for a in get_args_parser()._actions
+            if a.option_strings and not isinstance(a, argparse._HelpAction) and a.dest not in NOT_LAUNCH_FLAGS]
+
+
+def add_torchrun_flags(parser: argparse.ArgumentParser) -> None:
+    """Add each torchrun flag `parser` does not have yet; give torchrun's spellings to those it has."""
+    taken = set(parser._option_string_actions)
+    group = parser.add_argument_group("torchrun's other flags (passed to its agent as torchrun takes them)")
+    for action in torchrun_actions():
+        new = [o for o in action.option_strings if o not in taken]
+        if not new:
+            continue
+        if len(new) < len(action.option_strings):
+            continue  # torchfleet handles this flag itself; its parser already has the spellings
+        common = {"dest": PREFIX + action.dest, "default": argparse.SUPPRESS, "help": action.help}
+        if action.nargs == 0:  # a switch: --standalone, -m, --no-python, --run-path
+            group.add_argument(*new, action="store_true", **common)
+        else:
+            group.add_argument(*new, type=action.type if action.type is not str else None,
+                               choices=action.choices, metavar=action.metavar, **common)
+
+
+def given(args: argparse.Namespace) -> dict[str, Any]:
+    """The passed-through torchrun flags the user gave, by torchrun's own names."""
+    return {k[len(PREFIX):]: v for k, v in vars(args).items() if k.startswith(PREFIX)}
+
+
+def _namespace(flags: dict[str, Any], script: str, script_args: list[str]) -> argparse.Namespace:
+    ns = get_args_parser().parse_args([script])  # torchrun's defaults
+    for key, value in flags.items():
+        setattr(ns, key, value)
+    ns.training_script_args = list(script_args)
+    return ns
+
+
+def agent_overrides(flags: dict[str, Any], script: str, script_args: list[str],
+                    one_machine: bool) -> dict[str, Any]:
+    """What the given torchrun flags change in torchrun's agent configuration.
+
+    Both configurations are torchrun's own, built by `config_from_args` with
+    and without the flags; the fields that differ are the flags' effect. On
+    one machine the rendezvous stays torchfleet's (loopback only, a free
+    port), which is what `--standalone` asks of torchrun too.
+    """
+    if not flags:
+        return {}
+    quiet = logging.getLogger("torch.distributed.run")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # its OMP_NUM_THREADS notice: torchfleet's agent decides that
+    saved = os.environ.get("OMP_NUM_THREADS")
+    try:
+        theirs, _, _ = config_from_args(_namespace(flags, script, script_args))
+        baseline, _, _ = config_from_args(_namespace({}, script, script_args))
+    finally:
+        quiet.setLevel(level)
+        if saved is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
+    changed = {}
+    for field in dataclasses.fields(AgentConfig):
+        if field.name in OWN_FIELDS:
+            continue
+        mine, base = getattr(theirs, field.name), getattr(baseline, field.name)
+        if field.name == "logs_specs":
+            if any(k in flags for k in ("log_dir", "redirects", "tee", "local_ranks_filter", "logs_specs")):
+                changed[field.name] = mine
+        elif mine != base:
+            changed[field.name] = mine
+    if one_machine:
+        for name in ("rdzv_backend", "rdzv_configs", "local_addr"):
+            changed.pop(name, None)
+    return changed
