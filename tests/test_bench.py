@@ -6,10 +6,11 @@ import csv
 import json
 import os
 import statistics
+import sys
 
 import pytest
 
-from conftest import torchfleet
+from conftest import run, torchfleet
 from torchfleet.bench import matrix as bench
 from torchfleet.bench import report as bench_report
 from torchfleet.bench.config import BenchConfig
@@ -177,3 +178,53 @@ def test_missing_matplotlib_says_how_to_get_the_chart(monkeypatch, tmp_path):
     console.print("pip install 'torchfleet[plot]'", markup=False)
     assert "torchfleet[plot]" in console.file.getvalue()
     assert not (tmp_path / "bench.png").exists()
+
+
+USER_MODULE = '''
+import torch
+from torch import nn
+
+
+def build():
+    """A model torchfleet does not know, with its own batches: 20 features, 5 classes."""
+    def make_batch(n):
+        return torch.randn(n, 20), torch.randint(0, 5, (n,))
+    return nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 5)), make_batch
+
+
+def plain():
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 3))  # takes the default 8x8 batch
+'''
+
+
+@pytest.mark.timeout(300)
+def test_bench_runs_the_users_own_model(tmp_path):
+    (tmp_path / "my_models.py").write_text(USER_MODULE)
+    out = tmp_path / "bench"
+    result = run([sys.executable, "-m", "torchfleet", "bench", "--model", "my_models:build", "--strategies",
+                  "serial,ddp,pipeline", "--batch-sizes", "32", "--steps", "4", "--warmup", "1", "--out", str(out)],
+                 cwd=tmp_path, timeout=280)
+    assert result.returncode == 0, result.stderr
+    cells = json.loads((out / "results.json").read_text())["cells"]
+    assert [(c["strategy"], c["status"]) for c in cells] == [("serial", "ok"), ("ddp", "ok"), ("pipeline", "ok")]
+    assert all(c["model"] == "my_models:build" for c in cells)
+    assert "my_models:build" in result.stdout
+
+    # Without a batch maker: the built-ins' 8x8 input; by path, from anywhere.
+    result = torchfleet("bench", "--model", f"{tmp_path / 'my_models.py'}:plain", "--strategies", "serial",
+                        "--batch-sizes", "8", "--steps", "3", "--warmup", "0", "--out", str(tmp_path / "b2"))
+    assert result.returncode == 0, result.stderr
+    assert json.loads((tmp_path / "b2" / "results.json").read_text())["cells"][0]["status"] == "ok"
+
+
+@pytest.mark.parametrize("model,said", [
+    ("no_such_module:build", "cannot import 'no_such_module'"),
+    ("my_models:missing", "'my_models' has no function 'missing'"),
+    ("my_models:not_a_model", "returned int; return a torch.nn.Module"),
+])
+def test_a_bad_user_model_is_one_sentence(model, said, tmp_path):
+    (tmp_path / "my_models.py").write_text(USER_MODULE + "\n\ndef not_a_model():\n    return 3\n")
+    result = run([sys.executable, "-m", "torchfleet", "bench", "--model", model, "--out", str(tmp_path / "b")],
+                 cwd=tmp_path, timeout=60)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert said in result.stderr and len(result.stderr.strip().splitlines()) == 1

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torchfleet.bench import user_model
 from torchfleet.data import check_global_batch
 from torchfleet.fleet import Fleet
 from torchfleet.strategies import Strategy
@@ -165,17 +166,21 @@ def _measure(fleet: Fleet, spec: dict) -> dict | None:
     rank, readers = fleet.strategy.data_coords()
     check_global_batch(spec["global_batch"], readers)
     local_batch = spec["global_batch"] // readers
-    shape = input_shape(spec["model"])
-
     memory = _PeakMemory(fleet.device)
     memory.start()
     torch.manual_seed(spec["seed"])  # the same initial weights on every rank
-    model = build_model(spec["model"], shape, num_classes=10)
+    if user_model.is_user_model(spec["model"]):
+        model, make_batch, loss_fn = user_model.build(spec["model"])
+        torch.manual_seed(spec["seed"] + rank)  # each data-parallel rank its own batch
+        inputs, targets = (fleet.to_device(t) for t in make_batch(local_batch))
+    else:
+        shape = input_shape(spec["model"])
+        model = build_model(spec["model"], shape, num_classes=10)
+        inputs, targets = next(iter(MockLoader((local_batch, *shape), device=fleet.device,
+                                               seed=spec["seed"] + rank)))
+        loss_fn = nn.CrossEntropyLoss()
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     fleet.setup(model, optimizer)
-    inputs, targets = next(iter(MockLoader((local_batch, *shape), device=fleet.device,
-                                           seed=spec["seed"] + rank)))
-    loss_fn = nn.CrossEntropyLoss()
 
     def synced():
         fleet.train_step(inputs, targets, loss_fn)

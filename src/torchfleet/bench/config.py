@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from torchfleet.bench import user_model
 from torchfleet.config import at_least
 from torchfleet.errors import UsageError, choice_error
 from torchfleet.precision import PRECISIONS
@@ -30,8 +31,10 @@ class BenchConfig:
     cell_timeout_s: float = 1800.0  # a cell still running then is killed and reported
 
     def __post_init__(self) -> None:
-        if self.model not in MODELS:
-            raise choice_error("model", self.model, MODELS)
+        if user_model.is_user_model(self.model):
+            user_model.build(self.model)  # imports and builds it once here: a bad one fails before any cell
+        elif self.model not in MODELS:
+            raise choice_error("model", self.model, (*MODELS, "MODULE:FUNCTION"))
         for name in self.strategies:
             if name not in STRATEGY_NAMES:
                 raise choice_error("strategy", name, STRATEGY_NAMES)

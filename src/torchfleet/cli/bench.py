@@ -26,7 +26,9 @@ def add_parser(sub, strategy_flags) -> None:
     from torchfleet.train.models import MODELS
 
     b = sub.add_parser("bench", help="every strategy that can run here, side by side: table, JSON, chart")
-    b.add_argument("--model", choices=MODELS, default=None, help="built-in model (default cnn)")
+    b.add_argument("--model", default=None, metavar="NAME",
+                   help=f"a built-in model ({', '.join(MODELS)}; default cnn), or MODULE:FUNCTION returning"
+                   " your own: the model, or (model, make_batch[, loss_fn]) with make_batch(n) -> (inputs, targets)")
     b.add_argument("--strategies", type=_list(str, "strategies"), default=None,
                    help="comma-separated (default: every strategy doctor finds available; serial always)")
     b.add_argument("--nproc", type=_list(int, "process counts"), default=None,

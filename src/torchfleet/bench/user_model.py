@@ -1,0 +1,77 @@
+"""`torchfleet bench --model MODULE:FUNCTION`: the user's own model through the same cells.
+
+FUNCTION takes no arguments and returns the model, or ``(model, make_batch)``,
+or ``(model, make_batch, loss_fn)``. ``make_batch(n)`` returns ``(inputs,
+targets)`` for a batch of n samples (on the CPU; the cell moves them); the
+loss defaults to cross-entropy. Without a batch maker the batch is n random
+8x8 one-channel images, the built-in models' input, with as many classes as
+the model has outputs. MODULE is imported as Python imports it from the
+current directory, or given as a path: ``models/net.py:build``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from torchfleet.errors import UsageError
+
+DEFAULT_INPUT = (1, 8, 8)
+
+
+def is_user_model(name: str) -> bool:
+    return ":" in name
+
+
+def _function(name: str) -> Callable:
+    where, _, attr = name.rpartition(":")
+    if not where or not attr:
+        raise UsageError(f"--model {name!r} is not MODULE:FUNCTION (e.g. mymodels:build) nor a built-in model")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as `python -m` finds modules
+    try:
+        if where.endswith(".py"):
+            spec = importlib.util.spec_from_file_location(Path(where).stem, where)
+            if spec is None or not Path(where).is_file():
+                raise ImportError(f"no file {where}")
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+    except ImportError as exc:
+        raise UsageError(f"--model {name!r}: cannot import {where!r} ({exc}); run from the directory that"
+                         " holds it, or give its path (path/to/file.py:FUNCTION)") from None
+    function = getattr(module, attr, None)
+    if not callable(function):
+        raise UsageError(f"--model {name!r}: {where!r} has no function {attr!r}")
+    return function
+
+
+def build(name: str) -> tuple[nn.Module, Callable[[int], tuple], Callable]:
+    """(model, make_batch, loss_fn) from the user's function."""
+    made = _function(name)()
+    parts = made if isinstance(made, tuple) else (made,)
+    model, make_batch, loss_fn = (*parts, None, None)[:3]
+    if not isinstance(model, nn.Module) or not 1 <= len(parts) <= 3:
+        raise UsageError(f"--model {name!r} returned {type(made).__name__}; return a torch.nn.Module, or"
+                         " (model, make_batch) or (model, make_batch, loss_fn)")
+    return model, make_batch or _default_batches(model, name), loss_fn or nn.functional.cross_entropy
+
+
+def _default_batches(model: nn.Module, name: str) -> Callable[[int], tuple]:
+    try:
+        with torch.no_grad():
+            classes = model(torch.rand(2, *DEFAULT_INPUT)).shape[-1]
+    except Exception as exc:  # the user's model: any error means "not this input"
+        raise UsageError(f"--model {name!r} does not take a batch of {DEFAULT_INPUT} images ({type(exc).__name__});"
+                         " return (model, make_batch) with make_batch(n) -> (inputs, targets)") from None
+    generator = torch.Generator().manual_seed(0)
+    return lambda n: (torch.rand(n, *DEFAULT_INPUT, generator=generator),
+                      torch.randint(0, classes, (n,), generator=generator))
