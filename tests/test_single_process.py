@@ -165,3 +165,10 @@ def test_train_from_the_command_line(tmp_path, strategy, flags):
     assert figures["strategy"] == strategy and figures["world_size"] == 1 and figures["steps"] == 8
     assert figures["samples_per_s"] > 0 and figures["val_accuracy"] > 0.3  # 8 steps: well above chance
     assert result.stdout.count("note: ") == 1  # said once: no second GPU / stages share the CPU
+
+
+@pytest.mark.parametrize("strategy", ["hsdp", "fsdp+pipeline", "ddp+pipeline"])
+def test_a_two_dimensional_preset_in_one_process_runs_as_serial(strategy):
+    fleet = torchfleet.Fleet(strategy=strategy)
+    assert fleet.strategy_name == "serial"
+    assert fleet.notes == [f"{strategy} with one process has nothing to share; running it as serial"]

@@ -76,8 +76,8 @@ class Fleet:
             self._init_process_group()
         runtime = Runtime(self.env, self.device, Precision(precision, self.device),
                           self.backend if self.env.is_distributed else None)
-        dims = resolve_dims(strategy, self.env.world_size, self.env.nnodes, strategy_options)
-        if dims is not None and strategy_cls.distributed:
+        if strategy_cls.distributed:  # (one process was made serial above: no degrees to resolve)
+            dims = resolve_dims(strategy, self.env.world_size, self.env.nnodes, strategy_options)
             # The degrees pick the class: ddp with --pp 2 runs as ddp+pipeline.
             strategy_options = {k: v for k, v in strategy_options.items() if k not in DIM_NAMES}
             self.strategy = class_for(dims)(runtime, dims=dims, **strategy_options)
