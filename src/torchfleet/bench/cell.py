@@ -42,12 +42,12 @@ from torchfleet.data import check_global_batch
 from torchfleet.fleet import Fleet
 from torchfleet.strategies import Strategy
 from torchfleet.train.datasets import MockLoader
-from torchfleet.train.models import build_model
+from torchfleet.train.models import DIGITS_INPUT, build_model
 
 # Input shape of each model's mock batch: the digits' 8x8 for the small models,
 # ImageNet's 224x224 for the ResNets, as in the benchmark notebook of the seeds.
 MODEL_INPUTS = {"resnet18": (3, 224, 224), "resnet50": (3, 224, 224)}
-DEFAULT_INPUT = (1, 8, 8)
+DEFAULT_INPUT = DIGITS_INPUT
 
 CPU_MEMORY_METHOD = ("peak resident set growth from just before the model was built, less file-backed"
                      " pages mapped meanwhile (VmHWM - VmRSS - RssFile growth)")

@@ -22,8 +22,9 @@ import torch
 from torch import nn
 
 from torchfleet.errors import UsageError
+from torchfleet.train.models import DIGITS_INPUT
 
-DEFAULT_INPUT = (1, 8, 8)
+DEFAULT_INPUT = DIGITS_INPUT
 
 
 def is_user_model(name: str) -> bool:

@@ -237,10 +237,8 @@ def run_script(cfg: LaunchConfig, script: str, script_args: list[str],
     overrides = torchrun_flags.agent_overrides(torchrun, script, script_args, one_machine=not cfg.multi_node)
     if torchrun.get("no_python"):
         return run_command(cfg, script_args, program=script, overrides=overrides)
-    if torchrun.get("module"):
-        return run_command(cfg, ["-m", "torchfleet.launcher.bootstrap", "-m", script, *script_args],
-                           overrides=overrides)
-    return run_command(cfg, ["-m", "torchfleet.launcher.bootstrap", script, *script_args], overrides=overrides)
+    target = ["-m", script] if torchrun.get("module") else [script]
+    return run_command(cfg, ["-m", "torchfleet.launcher.bootstrap", *target, *script_args], overrides=overrides)
 
 
 def launch(fn: Callable, nprocs: int = 2, args: tuple = (), max_restarts: int = 0) -> list[Any]:

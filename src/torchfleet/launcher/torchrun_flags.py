@@ -37,20 +37,18 @@ def torchrun_actions() -> list[argparse.Action]:
 
 
 def add_torchrun_flags(parser: argparse.ArgumentParser) -> None:
-    """Add each torchrun flag `parser` does not have yet; give torchrun's spellings to those it has."""
+    """Add each torchrun flag `parser` does not have (those it has, torchfleet handles itself)."""
     taken = set(parser._option_string_actions)
     group = parser.add_argument_group("torchrun's other flags (passed to its agent as torchrun takes them)")
     for action in torchrun_actions():
-        new = [o for o in action.option_strings if o not in taken]
-        if not new:
+        flags = action.option_strings
+        if any(flag in taken for flag in flags):
             continue
-        if len(new) < len(action.option_strings):
-            continue  # torchfleet handles this flag itself; its parser already has the spellings
         common = {"dest": PREFIX + action.dest, "default": argparse.SUPPRESS, "help": action.help}
         if action.nargs == 0:  # a switch: --standalone, -m, --no-python, --run-path
-            group.add_argument(*new, action="store_true", **common)
+            group.add_argument(*flags, action="store_true", **common)
         else:
-            group.add_argument(*new, type=action.type if action.type is not str else None,
+            group.add_argument(*flags, type=action.type if action.type is not str else None,
                                choices=action.choices, metavar=action.metavar, **common)
 
 

@@ -39,13 +39,13 @@ def _load(where: tuple[str, str]) -> type[Strategy]:
     return getattr(importlib.import_module(f"torchfleet.strategies.{module}"), cls)
 
 
-def _kind(pp: int, dp_shard: int) -> str:
-    return "pipeline" if pp > 1 else "shard" if dp_shard > 1 else "replicate"
+def _kind(pipelined: bool, sharded: bool) -> str:
+    return "pipeline" if pipelined else "shard" if sharded else "replicate"
 
 
 def class_for(dims: ParallelDims) -> type[Strategy]:
     """The class that runs these degrees: pipeline stages, else shards, else replicas."""
-    return _load(_MESH[_kind(dims.pp, dims.dp_shard)])
+    return _load(_MESH[_kind(dims.pp > 1, dims.dp_shard > 1)])
 
 
 class _Registry(Mapping[str, type[Strategy]]):
@@ -59,7 +59,7 @@ class _Registry(Mapping[str, type[Strategy]]):
         if name in _SINGLE:
             return _load(_SINGLE[name])
         preset = PRESETS[name]
-        return _load(_MESH[_kind(2 if "pp" in preset else 1, 2 if "dp_shard" in preset else 1)])
+        return _load(_MESH[_kind("pp" in preset, "dp_shard" in preset)])
 
     def __iter__(self) -> Iterator[str]:
         return iter(STRATEGY_NAMES)

@@ -1,7 +1,8 @@
 """Parallel dimensions: the degree of each parallelism, checked once, and the one mesh.
 
 Every multi-process strategy is a preset of three degrees (torchtitan's
-names): ``dp_replicate`` (whole replicas, gradients averaged by DDP),
+names): ``dp_replicate`` (whole replicas, gradients averaged by DDP, or by
+FSDP2 inside a pipeline),
 ``dp_shard`` (FSDP2 shards parameters, gradients and optimizer state) and
 ``pp`` (pipeline stages). Their product is the number of processes:
 
@@ -23,6 +24,7 @@ ranks and checkpoints are unchanged.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -82,14 +84,11 @@ class ParallelDims:
             else:
                 degrees[name] = default
         degrees.update(fixed)
-        for name, value in degrees.items():
-            if value < 1:
-                raise UsageError(f"{DEGREE_FLAGS[name]} {value} must be at least 1")
         if free:  # the one degree the preset leaves open takes the processes left over
             (name,) = free
-            rest = world_size // max(1, _product(degrees, but=name))
-            degrees[name] = max(1, rest)
-        return cls(world_size=world_size, **degrees)
+            others = math.prod(v for n, v in degrees.items() if n != name)
+            degrees[name] = max(1, world_size // max(1, others))
+        return cls(world_size=world_size, **degrees)  # checks every degree and the product
 
     # -- what follows from the degrees -------------------------------------
     @property
@@ -120,11 +119,3 @@ class ParallelDims:
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """The one DeviceMesh every parallelism of this run is applied over."""
         return init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.pp), mesh_dim_names=DIM_NAMES)
-
-
-def _product(degrees: dict[str, int], but: str) -> int:
-    out = 1
-    for name, value in degrees.items():
-        if name != but:
-            out *= value
-    return out

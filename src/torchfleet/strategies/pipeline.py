@@ -108,7 +108,7 @@ class Pipeline(MeshStrategy):
         mesh = self.build_mesh()
         self.pp_group = mesh["pp"].get_group()
         old_names = {id(p): n for n, p in model.named_parameters()}
-        # The stage (sharded by FSDP2 in place), and what runs it: DDP's wrapper or the stage.
+        # The stage (sharded by FSDP2 in place with replicas or shards), and what runs it: the stage.
         self.model, runner, self.bounds = parallelize(model, self.dims, mesh, device, self.runtime.precision,
                                                       stage=self.stage_index)
         # Only this stage's parameters, each group keeping its hyper-parameters.
@@ -279,15 +279,20 @@ class Pipeline(MeshStrategy):
                 "bubble_formula": round((p - 1) / (m + p - 1), 3), "bubble_measured": idle}
 
 
+def _map_tensors(tree, fn):
+    """`tree` (dicts, lists, tuples) with `fn` applied to every tensor in it."""
+    if isinstance(tree, torch.Tensor):
+        return fn(tree)
+    if isinstance(tree, dict):
+        return {k: _map_tensors(v, fn) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_map_tensors(v, fn) for v in tree)
+    return tree
+
+
 def _full(tree):
     """`tree` with every DTensor gathered into a whole tensor (a collective over its mesh)."""
-    if isinstance(tree, DTensor):
-        return tree.full_tensor()
-    if isinstance(tree, dict):
-        return {k: _full(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_full(v) for v in tree)
-    return tree
+    return _map_tensors(tree, lambda t: t.full_tensor() if isinstance(t, DTensor) else t)
 
 
 def _like(value, current):
@@ -298,10 +303,4 @@ def _like(value, current):
 
 
 def _to_cpu(tree):
-    if isinstance(tree, torch.Tensor):
-        return tree.detach().cpu()
-    if isinstance(tree, dict):
-        return {k: _to_cpu(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_to_cpu(v) for v in tree)
-    return tree
+    return _map_tensors(tree, lambda t: t.detach().cpu())

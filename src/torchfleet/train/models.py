@@ -20,6 +20,7 @@ from torchfleet.errors import choice_error
 
 # find_spec does not import torchvision: listing the models stays cheap.
 _VISION = importlib.util.find_spec("torchvision") is not None
+DIGITS_INPUT = (1, 8, 8)  # the built-in data's images, and the bench's mock batches for these models
 MODELS = ("mlp", "cnn", "transformer") + (("resnet18", "resnet50") if _VISION else ())
 
 
