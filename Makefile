@@ -24,8 +24,9 @@ $(VENV)/.base: pyproject.toml | $(BIN)/python
 	touch $@
 
 $(VENV)/.dev: $(VENV)/.base
-	$(PIP) -e '.[dev,plot]' 2>&1 | { grep -v "is ignored" || true; }
-	$(BIN)/python -c "import pytest, pytest_timeout, matplotlib"
+	$(PIP) -e '.[dev,plot]' "torch==$$($(BIN)/python -c 'import torch; print(torch.__version__.split("+")[0])')" \
+		2>&1 | { grep -v "is ignored" || true; }
+	$(BIN)/python -c "import pytest, pytest_timeout, matplotlib, transformers"
 	touch $@
 
 # Accelerate and Lightning for the parity benchmark only, with torch pinned to

@@ -228,3 +228,25 @@ def test_a_bad_user_model_is_one_sentence(model, said, tmp_path):
                  cwd=tmp_path, timeout=60)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert said in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.timeout(300)
+def test_bench_gpt_reports_tokens_per_second(tmp_path):
+    result = torchfleet("bench", "--quick", "--model", "gpt", "--strategies", "serial", "--out", str(tmp_path),
+                        timeout=280)
+    assert result.returncode == 0, result.stderr
+    doc = json.loads((tmp_path / "results.json").read_text())
+    (cell,) = doc["cells"]
+    assert cell["status"] == "ok" and doc["config"]["gpt_preset"] == "tiny"  # --quick: the CPU-sized gpt
+    assert cell["tokens_per_s"] == pytest.approx(cell["samples_per_s"] * 64, rel=1e-12)  # tiny's block: 64
+    assert "tokens/s" in result.stdout and "samples/s" not in result.stdout
+
+
+def test_bench_sizes_gpt_and_the_resnets_for_the_machine():
+    cpu, gpu = bench.resolve(BenchConfig(model="gpt"), gpus=0), bench.resolve(BenchConfig(model="gpt"), gpus=1)
+    assert (cpu.gpt_preset, cpu.batch_sizes) == ("tiny", (16, 64))
+    assert (gpu.gpt_preset, gpu.batch_sizes) == ("gpt2", (8, 32))
+    assert bench.bench_cell.input_shape("resnet50") == (3, 224, 224)
+    assert bench.bench_cell.input_shape("resnet18", image_size=32) == (3, 32, 32)
+    assert bench.bench_cell.input_shape("cnn", image_size=32) == (1, 8, 8)  # the digits models keep theirs
+    assert bench.QUICK["gpt_preset"] == "tiny" and bench.QUICK["image_size"] == 32

@@ -13,12 +13,16 @@ from torchfleet.launcher.torchrun_flags import torchrun_actions
 SURFACE = {
     "doctor": ["--json", "--master-addr", "--master-port", "--nnodes", "--node-rank"],
     "train": ["--backend", "--batch-size", "--checkpoint-dir", "--checkpoint-every", "--data", "--epochs",
+              "--gpt-preset",
               "--grad-accum", "--json-out", "--lr", "--devices", "--microbatches", "--schedule", "--pp",
-              "--dp-replicate", "--dp-shard", "--sharing-strategy", "--grad-compression", "--powersgd-rank",
+              "--dp-replicate", "--dp-shard", "--tp", "--sharing-strategy", "--grad-compression", "--powersgd-rank",
+              "--sync-batchnorm",
               "--master-addr", "--master-port", "--max-restarts", "--rdzv-endpoint", "--rdzv-id", "--no-preflight",
               "--max-steps", "--model", "--nnodes", "--no-progress", "--node-rank", "--nproc-per-node",
               "--optimizer", "--precision", "--resume", "--seed", "--strategy", "--synthetic-size", "-n",
-              "--hang-timeout", "--keep-checkpoints", "--resume-fallback"],
+              "--hang-timeout", "--keep-checkpoints", "--resume-fallback", "--log-every", "--metrics-out",
+              "--tensorboard", "--fsdp-units", "--split-points", "--find-unused-parameters", "--max-grad-norm",
+              "--activation-checkpointing", "--compile"],
     # run: these, in both spellings, and every other flag of the installed torchrun (RUN_TORCHRUN)
     "run": ["--master-addr", "--master_addr", "--master-port", "--master_port", "--max-restarts",
             "--max_restarts", "--nnodes", "--node-rank", "--node_rank", "--nproc-per-node", "--nproc_per_node",
@@ -28,8 +32,10 @@ SURFACE = {
     "slurm": ["--gpus-per-node", "--nodes", "--ntasks-per-node", "--out", "--partition", "--submit",
               "--time"],
     "bench": ["--batch-sizes", "--model", "--nproc", "--out", "--precisions", "--quick", "--steps",
+              "--gpt-preset", "--image-size",
               "--strategies", "--threads", "--warmup", "--devices", "--microbatches", "--schedule", "--pp",
-              "--dp-replicate", "--dp-shard", "--sharing-strategy", "--grad-compression", "--powersgd-rank"],
+              "--dp-replicate", "--dp-shard", "--tp", "--sharing-strategy", "--grad-compression", "--powersgd-rank",
+              "--sync-batchnorm", "--fsdp-units", "--split-points", "--find-unused-parameters"],
 }
 
 

@@ -49,7 +49,7 @@ def test_report_on_this_machine(report: dict) -> None:
 
 def test_report_lists_every_strategy_and_dp_needs_gpus(report: dict) -> None:
     strategies = {s["name"]: s for s in report["strategies"]}
-    assert list(strategies) == list(STRATEGIES) and len(STRATEGIES) == 10
+    assert list(strategies) == list(STRATEGIES) and len(STRATEGIES) == 12
     assert strategies["dp"]["available"] is False
     assert "GPU" in strategies["dp"]["why"]
 
@@ -66,11 +66,12 @@ def test_cpu_host_rules() -> None:
     assert {n: s["available"] for n, s in found.items()} == {
         "serial": True, "hogwild": True, "dp": False, "mp": True,
         "ddp": True, "fsdp": True, "hsdp": True, "pipeline": True, "ddp+pipeline": True, "fsdp+pipeline": True,
+        "tp": True, "fsdp+tp": True,
     }
     assert "CPU only" in found["mp"]["why"] and ">= 2 GPUs" in found["mp"]["why"]
     assert "0 visible" in found["dp"]["why"]
     assert "gloo" in found["ddp"]["why"]
-    for name in ("hsdp", "ddp+pipeline", "fsdp+pipeline"):  # 2 x 2 processes on 2 cores
+    for name in ("hsdp", "ddp+pipeline", "fsdp+pipeline", "fsdp+tp"):  # 2 x 2 processes on 2 cores
         assert "oversubscribe" in found[name]["why"]
 
 

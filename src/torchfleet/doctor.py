@@ -95,6 +95,8 @@ _RULES: dict[str, Rule] = {
     "hsdp": _world(4, oversubscribe=True),  # 2 replicas x 2 shards
     "ddp+pipeline": _world(4, oversubscribe=True),  # 2 replicas x 2 pipeline stages
     "fsdp+pipeline": _world(4, oversubscribe=True),  # 2 shards x 2 pipeline stages
+    "tp": _world(2),  # on a model with a tensor-parallel plan (the built-in gpt has one)
+    "fsdp+tp": _world(4, oversubscribe=True),  # 2 shards x 2 tensor-parallel ranks
 }
 
 

@@ -28,7 +28,14 @@ from torchfleet.launcher.sagemaker import relaunch_per_gpu
 from torchfleet.precision import Precision
 from torchfleet.strategies import Runtime, class_for, get_strategy, resolve_dims
 from torchfleet.strategies.base import LossFn
+from torchfleet.strategies.batchnorm import batchnorm_note
 from torchfleet.strategies.dims import DIM_NAMES
+from torchfleet.strategies.knobs import (
+    COMPILE_MODES,
+    checkpoint_activations,
+    compile_model,
+    unwrap_compiled,
+)
 
 # How long a collective may wait before the process group gives up. Long
 # enough for a slow first step; issue-level hang detection is the watchdog's job.
@@ -43,11 +50,23 @@ class Fleet:
         backend: str = "auto",
         grad_accum: int = 1,
         env: DistEnv | None = None,
+        max_grad_norm: float | None = None,
+        activation_checkpointing: bool = False,
+        compile: bool | str = False,
         **strategy_options: Any,
     ):
+        """`max_grad_norm`: clip gradients to this global norm (over every shard and stage).
+        `activation_checkpointing`: recompute each repeated block's activations in backward.
+        `compile`: torch.compile each block in place (True or "blocks") or the whole model ("model").
+        """
         versions.require_supported_torch()
         if grad_accum < 1:
             raise UsageError(f"grad_accum {grad_accum} must be at least 1")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise UsageError(f"max_grad_norm {max_grad_norm} must be a positive number")
+        if compile not in (False, True, *COMPILE_MODES):
+            raise UsageError(f"compile {compile!r} is not a mode; use True, \"blocks\" or \"model\"")
+        self.activation_checkpointing, self.compile = activation_checkpointing, compile
         strategy_cls = get_strategy(strategy)
         self.env = env or DistEnv.detect()
         self.sagemaker = TrainingEnv.read()  # None outside a SageMaker training job
@@ -75,7 +94,7 @@ class Fleet:
         if self.env.is_distributed:
             self._init_process_group()
         runtime = Runtime(self.env, self.device, Precision(precision, self.device),
-                          self.backend if self.env.is_distributed else None)
+                          self.backend if self.env.is_distributed else None, max_grad_norm)
         if strategy_cls.distributed:  # (one process was made serial above: no degrees to resolve)
             dims = resolve_dims(strategy, self.env.world_size, self.env.nnodes, strategy_options)
             # The degrees pick the class: ddp with --pp 2 runs as ddp+pipeline.
@@ -118,9 +137,36 @@ class Fleet:
             world_size=env.world_size, timeout=_PG_TIMEOUT,
         )
 
-    def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
-        """Wrap `model` and `optimizer` for the strategy; use what it returns."""
-        return self.strategy.wrap(model, optimizer)
+    def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, example_inputs=None):
+        """Wrap `model` and `optimizer` for the strategy; use what it returns.
+
+        `example_inputs`: one batch as `train_step` will get it (a tensor or a
+        dict of keyword arguments); the pipeline strategies need it to cut a
+        model that is not an nn.Sequential (they trace its forward).
+        A model compiled before setup (``torch.compile(model)``) is unwrapped
+        and compiled again in place, so checkpoints keep the model's own keys.
+        A model with BatchNorm adds a note (once) on which statistics it normalises with:
+        only here is the model seen, so owners print `notes` after setup.
+        """
+        model, compiled = unwrap_compiled(model)
+        compile_mode = self.compile or compiled
+        note = batchnorm_note(model, self.strategy.name, self.strategy.sync_batchnorm)
+        if note and note not in self.notes:
+            self.notes.append(note)
+        if example_inputs is not None:
+            example_inputs = self.to_device(example_inputs)
+        self.strategy.example = (example_inputs, self.grad_accum)
+        if self.strategy.cuts_by_tracing(model):
+            # Tracing needs the plain forward: the strategy applies both to its stage after the cut.
+            self.strategy.knobs = (self.activation_checkpointing, compile_mode)
+        else:
+            if self.activation_checkpointing:
+                self.notes.append("activation checkpointing: " + _span(checkpoint_activations(model)))
+            if compile_mode:
+                self.notes.append("torch.compile: " + _span(compile_model(model, compile_mode)))
+        wrapped = self.strategy.wrap(model, optimizer)
+        self.notes.extend(n for n in self.strategy.notes if n not in self.notes)  # what wrap found
+        return wrapped
 
     def dataloader(self, dataset: Dataset, batch_size: int, shuffle: bool = True, seed: int = 0,
                    drop_last: bool = True, num_workers: int = 0) -> DataLoader:
@@ -157,11 +203,21 @@ class Fleet:
 
     def backward(self, loss: torch.Tensor) -> None:
         """For hand-written loops: backward with the precision's loss scaling."""
+        self._hand_written_loop("backward")
         self.strategy.runtime.precision.backward(loss)
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """For hand-written loops: optimizer step (through the fp16 scaler when there is one)."""
+        self._hand_written_loop("step")
+        self.strategy.before_step()
+        self.strategy.clip_gradients()
         self.strategy.runtime.precision.step(optimizer)
+
+    def _hand_written_loop(self, method: str) -> None:
+        if self.strategy.schedules_steps:
+            raise UsageError(f"fleet.{method}() is for hand-written loops, and {self.strategy.name} runs each"
+                             " stage's forward and backward inside torch's pipeline schedule;"
+                             " call fleet.train_step(inputs, targets, loss_fn) instead")
 
     def autocast(self):
         """For hand-written loops: the forward's mixed-precision context."""
@@ -174,8 +230,11 @@ class Fleet:
     def predict(self, inputs: torch.Tensor) -> torch.Tensor:
         return self.strategy.predict(self.to_device(inputs))
 
-    def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.to(self.device, non_blocking=True)
+    def to_device(self, tensor):
+        """A tensor, or a dict of tensors (keyword inputs), on this rank's device."""
+        if isinstance(tensor, dict):
+            return {k: self.to_device(v) for k, v in tensor.items()}
+        return tensor.to(self.device, non_blocking=True) if isinstance(tensor, torch.Tensor) else tensor
 
     # -- collectives and printing -------------------------------------------
     @property
@@ -281,6 +340,10 @@ class Fleet:
             work.wait()
             _FINISHED_WORK.append(work)  # dies in this thread, at exit
             dist.destroy_process_group()
+
+
+def _span(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else f"{len(names)} blocks, {names[0]}..{names[-1]}"
 
 
 def _expect_dataset(dataset, method: str) -> None:

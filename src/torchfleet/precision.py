@@ -54,6 +54,11 @@ class Precision:
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler else loss).backward()
 
+    def unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        """fp16: divide the gradients by the loss scale now (before clipping them), not in `step`."""
+        if self.scaler:
+            self.scaler.unscale_(optimizer)
+
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         if self.scaler:
             self.scaler.step(optimizer)  # skips the step when gradients overflowed

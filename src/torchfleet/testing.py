@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from torchfleet.errors import UsageError
 from torchfleet.fleet import Fleet
 from torchfleet.train.datasets import synthetic
 from torchfleet.train.models import build_model, build_optimizer
@@ -115,3 +116,161 @@ def resumed_equals_straight(strategy: str, directory: str, steps: int = 8, stop_
     loader.batch_sampler.load_state_dict(extra["sampler"])
     run(loader, extra["step"], steps)
     return straight, full_weights(fleet)
+
+
+def real_model(name: str, tie: bool = False) -> nn.Module:
+    """A small model someone else's code shapes: our `gpt`, or Hugging Face's GPT-2 from a config.
+
+    No dropout, so every strategy computes the same function as serial; no download.
+    """
+    from torchfleet.models.gpt import GPT, GPTConfig
+
+    if name == "gpt":
+        return GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=4, n_embd=32, tie_embeddings=tie))
+    if name == "hf-gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=4, n_head=4, resid_pdrop=0.0,
+                            embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, tie_word_embeddings=tie,
+                            bos_token_id=0, eos_token_id=0)
+        return GPT2LMHeadModel(config)
+    raise ValueError(f"no reference model {name!r}")
+
+
+def _lm_loss(output, targets):
+    logits = output.logits if hasattr(output, "logits") else output
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def train_real_model(strategy: str, model: str = "gpt", steps: int = 5, batch_size: int = 8, seed: int = 0,
+                     lr: float = 1e-2, tie: bool = False, keywords: bool = False, optimizer: str = "sgd",
+                     fleet_options: dict | None = None, **strategy_options) -> dict | None:
+    """{name: weight} of `model` after `steps` steps on random tokens (None on ranks without them).
+
+    `keywords` feeds the inputs as ``model(input_ids=...)``, as Hugging Face models are called.
+    """
+    fleet = Fleet(strategy=strategy, **(fleet_options or {}), **strategy_options)
+    torch.manual_seed(seed)
+    net = real_model(model, tie)
+    tokens = torch.randint(0, 64, (batch_size * steps, 17), generator=torch.Generator().manual_seed(seed))
+    data = torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:])
+    opt = build_optimizer(optimizer, net.parameters(), lr)
+    loader = fleet.dataloader(data, batch_size, shuffle=False)
+    first = next(iter(loader))[0]
+    fleet.setup(net, opt, example_inputs={"input_ids": first} if keywords else first)
+    for inputs, targets in loader:
+        fleet.train_step({"input_ids": inputs} if keywords else inputs, targets, _lm_loss)
+    state, _ = fleet.strategy.state_dicts()
+    if not fleet.is_main or not state:
+        return None
+    return {k: v.detach().float().cpu().clone() for k, v in state.items()}
+
+
+def tp_job(strategy: str, cases: list[dict]) -> tuple[list[dict | None], str | None]:
+    """`train_real_model`'s cases under a tp preset, then what a model with no plan is told at setup."""
+    results = [train_real_model(strategy, **case) for case in cases]
+    fleet = Fleet(strategy=strategy)
+    net = build_model("mlp", (1, 8, 8), 10)
+    said = None
+    try:
+        fleet.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    except UsageError as error:
+        said = str(error)
+    torch.distributed.barrier()  # see Fleet.close: tear down together
+    torch.distributed.destroy_process_group()
+    return results, said
+
+
+def real_model_matrix(strategy: str, cases: list[dict]) -> list[dict | None]:
+    """Several `train_real_model` jobs in one set of processes (one launch, many checks)."""
+    results = [train_real_model(strategy, **case) for case in cases]
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()  # see Fleet.close: tear down together
+        torch.distributed.destroy_process_group()
+    return results
+
+
+class WithUnusedHead(nn.Module):
+    """A model whose forward leaves one module unused, as library models leave a pooler."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(64, 10)
+        self.pooler = nn.Linear(10, 10)  # never called
+
+    def forward(self, x):
+        return self.body(x.flatten(1))
+
+
+def misuse_job(kind: str, **options) -> str | None:
+    """The UsageError a misuse gives (its message), or None when the job trains.
+
+    kinds: "unused" (a ddp model with an unused module), "hand-written" (fleet.backward
+    under a pipeline).
+    """
+    from torchfleet.errors import UsageError
+
+    strategy = "ddp" if kind == "unused" else "pipeline"
+    # (under a pipeline the stage itself refuses a call from outside the schedule)
+    fleet = Fleet(strategy=strategy, **options)
+    torch.manual_seed(0)
+    net = WithUnusedHead() if kind == "unused" else build_model("mlp", (1, 8, 8), 10)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    model, opt = fleet.setup(net, opt)
+    data = synthetic(32, shape=(1, 8, 8))
+    message = None
+    try:
+        for inputs, targets in fleet.dataloader(data, 16):
+            if kind == "hand-written":
+                fleet.backward(nn.functional.cross_entropy(model(inputs), targets))
+            else:
+                fleet.train_step(inputs, targets, nn.functional.cross_entropy)
+    except UsageError as error:
+        message = str(error)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    return message
+
+
+def held_bytes_job(strategy: str, preset: str = "tiny") -> tuple[int, dict] | None:
+    """(parameters, bytes each rank holds) after one fp32 AdamW step of the built-in gpt."""
+    from torchfleet.models import gpt, lm_loss
+
+    fleet = Fleet(strategy=strategy)
+    torch.manual_seed(0)
+    net = gpt(preset)
+    params = sum(p.numel() for p in net.parameters())
+    model, opt = fleet.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-3))
+    tokens = torch.randint(0, 256, (2, 65), generator=torch.Generator().manual_seed(0))
+    fleet.train_step(tokens[:, :-1], tokens[:, 1:], lm_loss)
+    held = fleet.strategy.memory_report()
+    fleet.close()
+    return (params, held) if fleet.is_main else None
+
+
+def train_resnet(strategy: str, steps: int = 5, batch_size: int = 32, seed: int = 0, lr: float = 1e-3,
+                 float64: bool = False, **strategy_options) -> dict | None:
+    """{name: tensor} of the built-in resnet18 (BatchNorm: running statistics too) after `steps`
+    SGD steps on random 3x32x32 images; None on ranks without them.
+
+    `float64`: the reference. torch's fp32 BatchNorm kernel on CPU is itself far from
+    exact where a layer normalises few values (layer4 sees 1x1 maps here): against
+    float64 its gradients were 1e-2 to 1.4e-1 off (relative to their largest), the
+    synchronised layer's 7e-6.
+    """
+    from torchfleet.models import resnet18
+
+    fleet = Fleet(strategy=strategy, **strategy_options)
+    torch.manual_seed(seed)
+    net = resnet18(in_shape=(3, 32, 32), num_classes=10).to(torch.float64 if float64 else torch.float32)
+    data = synthetic(batch_size * steps, shape=(3, 32, 32), seed=seed)
+    if float64:
+        data = torch.utils.data.TensorDataset(data.tensors[0].double(), data.tensors[1])
+    fleet.setup(net, torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9))
+    for inputs, targets in fleet.dataloader(data, batch_size, shuffle=False):
+        fleet.train_step(inputs, targets, nn.functional.cross_entropy)
+    state, _ = fleet.strategy.state_dicts()
+    fleet.close()
+    if not fleet.is_main or not state:
+        return None
+    return {k: v.detach().float().cpu().clone() for k, v in state.items()}

@@ -40,13 +40,14 @@ from torch import nn
 from torchfleet.bench import user_model
 from torchfleet.data import check_global_batch
 from torchfleet.fleet import Fleet
+from torchfleet.models import DIGITS_INPUT, TOKEN_MODELS, build_model, gpt_config, lm_loss
 from torchfleet.strategies import Strategy
-from torchfleet.train.datasets import MockLoader
-from torchfleet.train.models import DIGITS_INPUT, build_model
+from torchfleet.train.datasets import MockLoader, MockTokens
 
 # Input shape of each model's mock batch: the digits' 8x8 for the small models,
-# ImageNet's 224x224 for the ResNets, as in the benchmark notebook of the seeds.
-MODEL_INPUTS = {"resnet18": (3, 224, 224), "resnet50": (3, 224, 224)}
+# ImageNet's 224x224 for the ResNets (or --image-size), as in the benchmark
+# notebook of the seeds. gpt's batch is random tokens, its preset's block long.
+IMAGE_MODELS = ("resnet18", "resnet50")
 DEFAULT_INPUT = DIGITS_INPUT
 
 CPU_MEMORY_METHOD = ("peak resident set growth from just before the model was built, less file-backed"
@@ -55,8 +56,8 @@ CUDA_MEMORY_METHOD = "torch.cuda.max_memory_allocated"
 COMM_METHOD = "(median synced step - median no_sync step) / median synced step, interleaved"
 
 
-def input_shape(model: str) -> tuple[int, ...]:
-    return MODEL_INPUTS.get(model, DEFAULT_INPUT)
+def input_shape(model: str, image_size: int = 224) -> tuple[int, ...]:
+    return (3, image_size, image_size) if model in IMAGE_MODELS else DEFAULT_INPUT
 
 
 def measures_comm(strategy_cls: type[Strategy]) -> bool:
@@ -150,8 +151,8 @@ def spread(times: list[float]) -> dict:
 def run_cell(spec: dict) -> dict | None:
     """Measure one cell; the main rank returns its figures, the others None.
 
-    `spec` holds model, strategy, processes, global_batch, precision, threads,
-    warmup, steps, seed and options (the strategy's options).
+    `spec` holds model, gpt_preset, image_size, strategy, processes, global_batch,
+    precision, threads, warmup, steps, seed and options (the strategy's options).
     """
     torch.set_num_threads(spec["threads"])
     fleet = Fleet(strategy=spec["strategy"], precision=spec["precision"], **spec["options"])
@@ -173,14 +174,20 @@ def _measure(fleet: Fleet, spec: dict) -> dict | None:
         model, make_batch, loss_fn = user_model.build(spec["model"])
         torch.manual_seed(spec["seed"] + rank)  # each data-parallel rank its own batch
         inputs, targets = (fleet.to_device(t) for t in make_batch(local_batch))
+    elif spec["model"] in TOKEN_MODELS:
+        model = build_model(spec["model"], gpt_preset=spec["gpt_preset"])
+        gpt = gpt_config(spec["gpt_preset"])
+        inputs, targets = next(iter(MockTokens(local_batch, gpt.block_size, gpt.vocab_size, device=fleet.device,
+                                               seed=spec["seed"] + rank)))
+        loss_fn = lm_loss
     else:
-        shape = input_shape(spec["model"])
+        shape = input_shape(spec["model"], spec["image_size"])
         model = build_model(spec["model"], shape, num_classes=10)
         inputs, targets = next(iter(MockLoader((local_batch, *shape), device=fleet.device,
                                                seed=spec["seed"] + rank)))
         loss_fn = nn.CrossEntropyLoss()
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-    fleet.setup(model, optimizer)
+    fleet.setup(model, optimizer, example_inputs=inputs)  # pipelines trace a model that is not a Sequential
 
     def synced():
         fleet.train_step(inputs, targets, loss_fn)
@@ -189,7 +196,9 @@ def _measure(fleet: Fleet, spec: dict) -> dict | None:
         with fleet.no_sync():
             fleet.train_step(inputs, targets, loss_fn)
 
-    comm = measures_comm(type(fleet.strategy))
+    # tp's all-reduces sit inside forward and backward, where no_sync cannot skip them:
+    # timing it would read as no communication, so a tp cell's share is not measured.
+    comm = measures_comm(type(fleet.strategy)) and getattr(getattr(fleet.strategy, "dims", None), "tp", 1) == 1
     for _ in range(spec["warmup"]):
         synced()
         if comm:

@@ -9,7 +9,7 @@ from torchfleet.config import at_least
 from torchfleet.errors import UsageError, choice_error
 from torchfleet.precision import PRECISIONS
 from torchfleet.strategies import STRATEGY_NAMES
-from torchfleet.train.models import MODELS
+from torchfleet.train.models import GPT_PRESETS, MODELS
 
 
 @dataclass
@@ -18,6 +18,8 @@ class BenchConfig:
     (bench.plan does, from doctor's availability and the hardware)."""
 
     model: str = "cnn"
+    gpt_preset: str | None = None  # --model gpt's size; None: gpt2 with GPUs, tiny without (matrix.resolve)
+    image_size: int = 224  # --model resnet18/resnet50: mock images are 3 x image_size x image_size
     strategies: tuple[str, ...] = ()
     nproc: tuple[int, ...] = ()  # process counts for multi-process strategies
     batch_sizes: tuple[int, ...] = ()  # global
@@ -35,6 +37,9 @@ class BenchConfig:
             user_model.build(self.model)  # imports and builds it once here: a bad one fails before any cell
         elif self.model not in MODELS:
             raise choice_error("model", self.model, (*MODELS, "MODULE:FUNCTION"))
+        if self.gpt_preset is not None and self.gpt_preset not in GPT_PRESETS:
+            raise choice_error("gpt preset", self.gpt_preset, tuple(GPT_PRESETS))
+        at_least("--image-size", self.image_size, 1)
         for name in self.strategies:
             if name not in STRATEGY_NAMES:
                 raise choice_error("strategy", name, STRATEGY_NAMES)

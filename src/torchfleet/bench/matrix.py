@@ -15,6 +15,7 @@ Derived figures, for each cell that ran:
   samples_per_s = global_batch / median step time
   speedup       = serial's median step time / this cell's, at the same global batch and precision
   efficiency    = speedup / processes
+  tokens_per_s  = samples_per_s * the preset's block size (gpt: a sample is a sequence)
 """
 
 from __future__ import annotations
@@ -32,11 +33,13 @@ from torchfleet.bench.config import BenchConfig
 from torchfleet.doctor import strategy_availability
 from torchfleet.errors import UsageError
 from torchfleet.launcher.agent import LaunchError, launch
+from torchfleet.models import TOKEN_MODELS, gpt_config
 from torchfleet.strategies import STRATEGIES, resolve_dims
 from torchfleet.strategies.dims import DIM_NAMES, PRESETS
 
+# A smoke test in seconds on 2 CPU cores, whichever model is asked for.
 QUICK = {"model": "mlp", "batch_sizes": (64,), "nproc": (2,), "precisions": ("fp32",),
-         "warmup": 2, "steps": 6}
+         "warmup": 2, "steps": 6, "gpt_preset": "tiny", "image_size": 32}
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,9 @@ def _usable_cores() -> int:
 
 
 def _default_batches(model: str, gpus: int) -> tuple[int, ...]:
+    if model in TOKEN_MODELS:
+        # gpt2's 1,024-token sequences: batch 32 in fp32 takes about half of an 80 GB GPU.
+        return (8, 32) if gpus else (16, 64)
     if gpus:
         return (128, 512)  # the notebook's ResNet-50 batches
     return (16, 64) if model.startswith("resnet") else (64, 512)
@@ -76,7 +82,7 @@ def _default_precisions(gpus: int) -> tuple[str, ...]:
 def resolve(cfg: BenchConfig, gpus: int) -> BenchConfig:
     """`cfg` with every "choose for this machine" default filled in."""
     nproc = cfg.nproc or (tuple(sorted({2, gpus})) if gpus >= 2 else (2,))
-    return replace(cfg, nproc=nproc,
+    return replace(cfg, nproc=nproc, gpt_preset=cfg.gpt_preset or ("gpt2" if gpus else "tiny"),
                    batch_sizes=cfg.batch_sizes or _default_batches(cfg.model, gpus),
                    precisions=cfg.precisions or _default_precisions(gpus))
 
@@ -93,6 +99,12 @@ def plan(cfg: BenchConfig, availability: list[dict], cores: int) -> tuple[list[C
         chosen = list(dict.fromkeys(cfg.strategies))
     else:
         chosen = [name for name in STRATEGIES if here.get(name, {}).get("available")]
+        if cfg.model not in TOKEN_MODELS:  # tensor parallelism needs a plan: the built-in gpt has one
+            planless = [name for name in chosen if "tp" in PRESETS.get(name, {})]
+            chosen = [name for name in chosen if name not in planless]
+            if planless:
+                notes.append(f"{', '.join(planless)} left out: {cfg.model} has no tensor-parallel plan"
+                             " (ask for them with --strategies on a model with one)")
         left_out = [f"{name} ({here[name]['why']})" for name in STRATEGIES
                     if name in here and not here[name]["available"]]
         if left_out:
@@ -219,7 +231,11 @@ def run_one(cell: Cell, cfg: BenchConfig) -> dict:
     if cell.skip:
         return {**row, "status": "skipped", "error": cell.skip}
     cls = STRATEGIES[cell.strategy]
-    spec = {"model": cfg.model, "strategy": cell.strategy, "processes": cell.processes,
+    preset = cfg.gpt_preset or "tiny"  # resolve() has chosen; an unresolved config gets the CPU's choice
+    if cfg.model in TOKEN_MODELS:
+        row["tokens_per_sample"] = gpt_config(preset).block_size
+    spec = {"model": cfg.model, "gpt_preset": preset, "image_size": cfg.image_size,
+            "strategy": cell.strategy, "processes": cell.processes,
             "global_batch": cell.global_batch, "precision": cell.precision,
             "threads": cell.threads, "warmup": cfg.warmup, "steps": cfg.steps, "seed": cfg.seed,
             # each strategy gets only the options it takes: --microbatches is for mp and pipeline,
@@ -241,14 +257,16 @@ def run_one(cell: Cell, cfg: BenchConfig) -> dict:
 
 
 def derive(rows: list[dict]) -> None:
-    """Fill samples_per_s, speedup and efficiency in place (None where not measurable)."""
+    """Fill samples_per_s, tokens_per_s, speedup and efficiency in place (None where not measurable)."""
     serial = {(r["global_batch"], r["precision"]): r["step_time_median_s"]
               for r in rows if r["strategy"] == "serial" and r["status"] == "ok"}
     for r in rows:
-        r["samples_per_s"] = r["speedup"] = r["efficiency"] = None
+        r["samples_per_s"] = r["tokens_per_s"] = r["speedup"] = r["efficiency"] = None
         if r["status"] != "ok":
             continue
         r["samples_per_s"] = r["global_batch"] / r["step_time_median_s"]
+        if r.get("tokens_per_sample"):
+            r["tokens_per_s"] = r["samples_per_s"] * r["tokens_per_sample"]
         base = serial.get((r["global_batch"], r["precision"]))
         if base is not None:
             r["speedup"] = base / r["step_time_median_s"]

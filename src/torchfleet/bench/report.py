@@ -19,7 +19,7 @@ FIELDS = (
     "model", "strategy", "processes", "global_batch", "local_batch", "precision",
     "threads_per_process", "warmup", "steps", "status", "error",
     "step_time_median_s", "step_time_q1_s", "step_time_q3_s", "step_time_min_s", "step_time_max_s",
-    "samples_per_s", "speedup", "efficiency",
+    "samples_per_s", "tokens_per_s", "speedup", "efficiency",
     "peak_memory_bytes", "memory_method", "comm_share", "comm_method",
     "device", "backend", "notes", "wall_s",
 )
@@ -33,6 +33,13 @@ def label(row: dict) -> str:
 
 def _cell_name(row: dict) -> str:
     return f"{label(row)}, batch {row['global_batch']}, {row['precision']}"
+
+
+def _rate(row: dict) -> str:
+    """Throughput in the model's own unit: tokens/s for gpt (a sample is a sequence), else samples/s."""
+    if row.get("tokens_per_s") is not None:
+        return f"{row['tokens_per_s']:,.0f} tokens/s"
+    return f"{row['samples_per_s']:,.0f} samples/s"
 
 
 def _comm(row: dict) -> str:
@@ -69,8 +76,7 @@ def progress(console, total: int):
 def line(row: dict) -> str:
     if row["status"] != "ok":
         return f"{_cell_name(row)}: {row['status']}: {row['error']}"
-    text = (f"{_cell_name(row)}: {row['step_time_median_s'] * 1e3:.2f} ms/step, "
-            f"{row['samples_per_s']:,.0f} samples/s")
+    text = f"{_cell_name(row)}: {row['step_time_median_s'] * 1e3:.2f} ms/step, {_rate(row)}"
     if row["speedup"] is not None and row["strategy"] != "serial":
         text += f", {row['speedup']:.2f}x serial"
     return text + _comm(row)
@@ -86,7 +92,7 @@ def verdict(rows: list[dict]) -> str:
         return "no cell ran, so there is no verdict; each row says why"
     best = max(ok, key=lambda r: r["samples_per_s"])
     text = (f"{label(best)} is the fastest for {best['model']} here: "
-            f"{best['samples_per_s']:,.0f} samples/s at batch {best['global_batch']} ({best['precision']})")
+            f"{_rate(best)} at batch {best['global_batch']} ({best['precision']})")
     if best["strategy"] == "serial":
         rivals = [r for r in ok if r["strategy"] != "serial" and r["speedup"] is not None]
         if rivals:
@@ -171,7 +177,9 @@ def table(doc: dict) -> Table:
     """One row per cell; a failed or skipped cell's reason goes in the caption, numbered."""
     t = Table(title=f"torchfleet bench: {doc['config']['model']} ({machine_line(doc['machine'])})",
               title_justify="left", caption_justify="left")
-    for name in ("strategy", "threads", "batch", "precision", "ms/step", "IQR ms", "samples/s",
+    tokens = any(r.get("tokens_per_s") is not None for r in doc["cells"])  # gpt: a sample is a sequence
+    rate = "tokens/s" if tokens else "samples/s"
+    for name in ("strategy", "threads", "batch", "precision", "ms/step", "IQR ms", rate,
                  "speedup", "effic.", "mem/rank", "comm", "status"):
         t.add_column(name, justify="left" if name in ("strategy", "precision", "status") else "right")
     reasons = []
@@ -185,7 +193,7 @@ def table(doc: dict) -> Table:
         name = r["strategy"] if r["processes"] == 1 else f"{r['strategy']} x{r['processes']}"
         t.add_row(
             escape(name), str(r["threads_per_process"]), str(r["global_batch"]), r["precision"],
-            _num(median_ms, ".2f"), _num(iqr, ".2f"), _num(r["samples_per_s"], ",.0f"),
+            _num(median_ms, ".2f"), _num(iqr, ".2f"), _num(r["tokens_per_s" if tokens else "samples_per_s"], ",.0f"),
             _num(r["speedup"], ".2f"), _num(r["efficiency"], ".2f"), _mib(r["peak_memory_bytes"]),
             _num(r["comm_share"], ".0%"), "ok" if ok else f"[red]{r['status']} [{len(reasons)}][/]",
         )

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from torchfleet.errors import UsageError
-from torchfleet.train.models import DIGITS_INPUT
+from torchfleet.models import DIGITS_INPUT
 
 DEFAULT_INPUT = DIGITS_INPUT
 

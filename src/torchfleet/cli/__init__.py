@@ -22,11 +22,21 @@ STRATEGY_FLAGS = (
     ("--schedule", str, "pipeline, ddp+pipeline: gpipe or 1f1b (default 1f1b)"),
     ("--pp", int, "pipeline stages (the pp degree): ddp+pipeline and fsdp+pipeline default to 2"),
     ("--dp-replicate", int, "replicas (the dp_replicate degree); hsdp defaults to 2, or one per machine"),
-    ("--dp-shard", int, "shards per replica (the dp_shard degree); the product of the three degrees"
+    ("--dp-shard", int, "shards per replica (the dp_shard degree); the product of the four degrees"
                         " is the number of processes"),
+    ("--tp", int, "tensor-parallel processes per group (the tp degree): fsdp+tp defaults to 2; needs a model"
+                  " with a plan (the built-in gpt has one)"),
     ("--sharing-strategy", str, "hogwild: file_descriptor or file_system (default: the platform's)"),
     ("--grad-compression", str, "ddp: none, fp16, bf16 or powersgd (DDP communication hooks)"),
     ("--powersgd-rank", int, "ddp with --grad-compression powersgd: the low rank (default 2)"),
+    ("--fsdp-units", str, "fsdp, hsdp, fsdp+pipeline: block classes FSDP2 shards one by one, comma-separated"
+                          " (default: the blocks of the model's largest ModuleList)"),
+    ("--split-points", str, "pipelines and mp: the modules where stages after the first begin, comma-separated,"
+                            " e.g. transformer.h.2 (default: between repeated blocks, balanced)"),
+    ("--find-unused-parameters", bool, "ddp: let DDP find parameters the forward does not use (a cost"
+                                       " every step; without it such a model stops with their names)"),
+    ("--sync-batchnorm", bool, "ddp, fsdp, hsdp: BatchNorm normalises with the whole batch's statistics,"
+                               " all-reduced across processes (CPU and GPU), as serial does"),
 )
 
 
@@ -76,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     from torchfleet.precision import PRECISIONS
     from torchfleet.train.config import OPTIMIZERS, TrainConfig
     from torchfleet.train.datasets import DATASETS
-    from torchfleet.train.models import MODELS
+    from torchfleet.train.models import GPT_PRESETS, MODELS
 
     parser = _Parser(prog="torchfleet", description="Train one PyTorch model on one process, "
                      "many processes, many devices or many machines.", epilog=EPILOG)
@@ -92,8 +102,16 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train the built-in job (a CNN on digits by default)")
     train.add_argument("--strategy", default="auto",
                        help="serial, ddp, ... or auto: ddp on 2+ cores or GPUs, else serial (default auto)")
-    train.add_argument("--model", choices=MODELS, default=d.model, help=f"built-in model (default {d.model})")
-    train.add_argument("--data", choices=DATASETS, default=d.data, help=f"built-in data (default {d.data})")
+    train.add_argument("--model", choices=MODELS, default=d.model,
+                       help=f"built-in model (default {d.model}): mlp, cnn, transformer classify digits; gpt is a"
+                       " decoder-only transformer (--gpt-preset); resnet18, resnet50 are torchvision's ResNets,"
+                       " built in (torchvision not needed)")
+    train.add_argument("--data", choices=DATASETS, default=None,
+                       help="built-in data (default: text for gpt, a byte-level corpus from scikit-learn's"
+                       " data-set descriptions; digits for the others)")
+    train.add_argument("--gpt-preset", choices=tuple(GPT_PRESETS), default=d.gpt_preset,
+                       help=f"--model gpt's size (default {d.gpt_preset}): tiny (237K parameters, CPU),"
+                       " small50m (57M), gpt2 (124M, GPT-2 small, for GPUs)")
     train.add_argument("--epochs", type=int, default=d.epochs, help=f"default {d.epochs}")
     train.add_argument("--batch-size", type=int, default=d.batch_size,
                        help=f"GLOBAL batch, shared by all processes (default {d.batch_size})")
@@ -120,10 +138,25 @@ def build_parser() -> argparse.ArgumentParser:
                        help="no progress on any rank for this long: print every rank's stack and stop"
                        f" (default {d.hang_timeout:.0f}; 0 turns the watchdog off)")
     train.add_argument("--json-out", default=None, metavar="FILE", help="write the final figures as JSON")
+    train.add_argument("--log-every", type=int, default=d.log_every, metavar="N",
+                       help=f"read the loss on the host every N steps (default {d.log_every}): each read waits"
+                       " for the GPU, so the steps between run without a pause; every step's loss is checked")
+    train.add_argument("--metrics-out", default=None, metavar="FILE",
+                       help="a row per logged step (loss, lr, samples/s) and per epoch (validation figures):"
+                       " FILE.csv or FILE.jsonl")
+    train.add_argument("--tensorboard", default=None, metavar="DIR",
+                       help="TensorBoard event files in DIR, the same figures (needs `pip install tensorboard`)")
+    train.add_argument("--max-grad-norm", type=float, default=None, metavar="NORM",
+                       help="clip gradients to this global norm (over every shard and stage)")
+    train.add_argument("--activation-checkpointing", action="store_true",
+                       help="recompute each block's activations in backward: less memory, more compute")
+    train.add_argument("--compile", nargs="?", const="blocks", default=None, choices=("blocks", "model"),
+                       help="torch.compile each block (default) or the whole model")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     opts = train.add_argument_group("strategy options (each applies to some strategies only)")
-    for flag, kind, text in STRATEGY_FLAGS:
-        opts.add_argument(flag, type=kind, default=None, help=text)
+    for flag, kind, text in STRATEGY_FLAGS:  # a bool is a switch: given means True
+        opts.add_argument(flag, **({"action": "store_true"} if kind is bool else {"type": kind}),
+                          default=None, help=text)
     _add_launch_flags(train)
 
     from torchfleet.launcher.torchrun_flags import add_torchrun_flags
@@ -177,13 +210,16 @@ def cmd_train(args, argv: list[str]) -> int:
     from torchfleet.train.config import TrainConfig
 
     cfg = TrainConfig(
-        strategy=args.strategy, model=args.model, data=args.data, epochs=args.epochs,
+        strategy=args.strategy, model=args.model, data=args.data, gpt_preset=args.gpt_preset, epochs=args.epochs,
         batch_size=args.batch_size, lr=args.lr, optimizer=args.optimizer, seed=args.seed,
         precision=args.precision, backend=args.backend, grad_accum=args.grad_accum,
         max_steps=args.max_steps, synthetic_size=args.synthetic_size,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
         resume=args.resume, resume_fallback=args.resume_fallback, keep_checkpoints=args.keep_checkpoints,
-        hang_timeout=args.hang_timeout, json_out=args.json_out, progress=not args.no_progress,
+        hang_timeout=args.hang_timeout, json_out=args.json_out, log_every=args.log_every,
+        metrics_out=args.metrics_out, tensorboard=args.tensorboard, progress=not args.no_progress,
+        max_grad_norm=args.max_grad_norm, activation_checkpointing=args.activation_checkpointing,
+        compile=args.compile or False,
         strategy_options=_strategy_options(args),
     )
     return command.run(cfg, _launch_config(args), args.nproc_per_node, argv)

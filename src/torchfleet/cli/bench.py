@@ -23,12 +23,17 @@ def _list(kind, what: str):
 
 
 def add_parser(sub, strategy_flags) -> None:
-    from torchfleet.train.models import MODELS
+    from torchfleet.train.models import GPT_PRESETS, MODELS
 
     b = sub.add_parser("bench", help="every strategy that can run here, side by side: table, JSON, chart")
     b.add_argument("--model", default=None, metavar="NAME",
                    help=f"a built-in model ({', '.join(MODELS)}; default cnn), or MODULE:FUNCTION returning"
                    " your own: the model, or (model, make_batch[, loss_fn]) with make_batch(n) -> (inputs, targets)")
+    b.add_argument("--gpt-preset", choices=tuple(GPT_PRESETS), default=None,
+                   help="--model gpt's size: tiny, small50m or gpt2 (default gpt2 with GPUs, tiny without);"
+                   " its batches are random tokens and the table reports tokens/s")
+    b.add_argument("--image-size", type=int, default=None, metavar="PIXELS",
+                   help="--model resnet18/resnet50: mock images are 3 x PIXELS x PIXELS (default 224)")
     b.add_argument("--strategies", type=_list(str, "strategies"), default=None,
                    help="comma-separated (default: every strategy doctor finds available; serial always)")
     b.add_argument("--nproc", type=_list(int, "process counts"), default=None,
@@ -43,10 +48,12 @@ def add_parser(sub, strategy_flags) -> None:
                    help="intra-op threads per process (default: usable cores / processes)")
     b.add_argument("--out", default="runs/bench", metavar="DIR",
                    help="where results.json, results.csv and bench.png go (default runs/bench)")
-    b.add_argument("--quick", action="store_true", help="a tiny matrix (mlp, batch 64, 6 steps): a smoke test")
+    b.add_argument("--quick", action="store_true",
+                   help="a tiny matrix (mlp, batch 64, 6 steps; gpt tiny, 32x32 images): a smoke test")
     opts = b.add_argument_group("strategy options (each strategy gets those it takes)")
-    for flag, kind, text in strategy_flags:
-        opts.add_argument(flag, type=kind, default=None, help=text)
+    for flag, kind, text in strategy_flags:  # a bool is a switch: given means True
+        opts.add_argument(flag, **({"action": "store_true"} if kind is bool else {"type": kind}),
+                          default=None, help=text)
 
 
 def command(args, strategy_options: dict) -> int:
@@ -54,7 +61,8 @@ def command(args, strategy_options: dict) -> int:
     from torchfleet.bench.matrix import QUICK, run_bench
 
     given = {name: getattr(args, name) for name in
-             ("model", "strategies", "nproc", "batch_sizes", "precisions", "warmup", "steps")}
+             ("model", "gpt_preset", "image_size", "strategies", "nproc", "batch_sizes", "precisions", "warmup",
+              "steps")}
     chosen = {**(QUICK if args.quick else {}), **{k: v for k, v in given.items() if v is not None}}
     cfg = BenchConfig(**chosen, threads=args.threads, out=args.out, strategy_options=strategy_options)
     document = run_bench(cfg)

@@ -44,8 +44,13 @@ def _kind(pipelined: bool, sharded: bool) -> str:
 
 
 def class_for(dims: ParallelDims) -> type[Strategy]:
-    """The class that runs these degrees: pipeline stages, else shards, else replicas."""
-    return _load(_MESH[_kind(dims.pp > 1, dims.dp_shard > 1)])
+    """The class that runs these degrees: pipeline stages, else shards, else replicas.
+
+    Tensor parallelism counts as sharding: its parameters are DTensors, whose
+    state FSDP's class gathers and scatters (full state dicts, the optimizer
+    rebuilt over the new parameters), with or without FSDP2 beside it.
+    """
+    return _load(_MESH[_kind(dims.pp > 1, dims.dp_shard > 1 or dims.tp > 1)])
 
 
 class _Registry(Mapping[str, type[Strategy]]):
@@ -59,7 +64,7 @@ class _Registry(Mapping[str, type[Strategy]]):
         if name in _SINGLE:
             return _load(_SINGLE[name])
         preset = PRESETS[name]
-        return _load(_MESH[_kind("pp" in preset, "dp_shard" in preset)])
+        return _load(_MESH[_kind("pp" in preset, "dp_shard" in preset or "tp" in preset)])
 
     def __iter__(self) -> Iterator[str]:
         return iter(STRATEGY_NAMES)
@@ -80,7 +85,7 @@ def get_strategy(name: str) -> type[Strategy]:
 def resolve_dims(name: str, world_size: int, nodes: int = 1, options: dict | None = None) -> ParallelDims | None:
     """The degrees strategy `name` runs with on `world_size` processes (None for single-process ones).
 
-    Degree flags (dp_replicate, dp_shard, pp) in `options` override the preset's.
+    Degree flags (dp_replicate, dp_shard, pp, tp) in `options` override the preset's.
     """
     if name not in PRESETS:
         return None

@@ -9,6 +9,7 @@ schedule their own forward and backward (pipelines) override `train_step`.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Callable, ClassVar
 
@@ -20,6 +21,26 @@ from torchfleet.errors import UsageError
 from torchfleet.precision import Precision
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# A batch of inputs: one tensor (``model(x)``) or a dict of tensors (``model(**x)``,
+# how Hugging Face models are called), each split along its first dimension.
+Batch = torch.Tensor | Mapping[str, torch.Tensor]
+
+
+def split_batch(batch: Batch, parts: int) -> list[Batch]:
+    """`batch` cut into `parts` consecutive pieces along the first dimension."""
+    if isinstance(batch, Mapping):
+        pieces = {k: v.tensor_split(parts) for k, v in batch.items()}
+        return [{k: v[i] for k, v in pieces.items()} for i in range(parts)]
+    return list(batch.tensor_split(parts))
+
+
+def batch_size(batch: Batch) -> int:
+    return len(next(iter(batch.values()))) if isinstance(batch, Mapping) else len(batch)
+
+
+def forward(model: nn.Module, batch: Batch):
+    """The model on one batch: keyword arguments for a dict, one argument otherwise."""
+    return model(**batch) if isinstance(batch, Mapping) else model(batch)
 
 
 @dataclass
@@ -30,6 +51,7 @@ class Runtime:
     device: torch.device
     precision: Precision
     backend: str | None  # None when no process group was started
+    max_grad_norm: float | None = None  # clip gradients to this global norm before each step
 
 
 class Strategy:
@@ -41,6 +63,11 @@ class Strategy:
     options: ClassVar[tuple[str, ...]] = ()
     # True when the strategy runs on the CPU whatever GPUs the host has (hogwild).
     cpu_only: ClassVar[bool] = False
+    # True when forward and backward run inside torch's pipeline schedule, so only
+    # train_step can drive them (a hand-written loop cannot).
+    schedules_steps: ClassVar[bool] = False
+    # True when BatchNorm statistics are all-reduced across processes (MeshStrategy's option).
+    sync_batchnorm: bool = False
 
     def __init__(self, runtime: Runtime, **options):
         unknown = sorted(set(options) - set(self.options))
@@ -53,6 +80,12 @@ class Strategy:
         self.notes: list[str] = []  # said once to the user by Fleet's owner (the trainer prints them)
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
+        self.example = (None, 1)  # (one batch as train_step gets it, grad_accum): set by Fleet.setup
+        self.knobs = (False, False)  # (activation checkpointing, compile) for a strategy that cuts by tracing
+
+    def cuts_by_tracing(self, model: nn.Module) -> bool:
+        """True when `wrap` traces `model` to cut it (and applies the knobs to its part itself)."""
+        return False
 
     # -- wrapping ---------------------------------------------------------
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer):
@@ -98,26 +131,47 @@ class Strategy:
             # split, no division by 1, no running total. Bit for bit the same
             # result as the general path below (x / 1 and 0 + x are exact).
             with precision.autocast():
-                loss = loss_fn(self.model(inputs), targets)
+                loss = loss_fn(forward(self.model, inputs), targets)
             precision.backward(loss)
+            self.before_step()
+            self.clip_gradients()
             precision.step(self.optimizer)
             return loss.detach().float()
         total = torch.zeros((), device=self.runtime.device)
-        pairs = list(zip(inputs.tensor_split(grad_accum), targets.tensor_split(grad_accum), strict=True))
+        pairs = list(zip(split_batch(inputs, grad_accum), targets.tensor_split(grad_accum), strict=True))
         for i, (x, y) in enumerate(pairs):
             sync = i == len(pairs) - 1
             with contextlib.nullcontext() if sync else self.no_sync():
                 with precision.autocast():
-                    loss = loss_fn(self.model(x), y)
+                    loss = loss_fn(forward(self.model, x), y)
                 precision.backward(loss / grad_accum)
             total += loss.detach().float()
+        self.before_step()
+        self.clip_gradients()
         precision.step(self.optimizer)
         return total / grad_accum
 
+    def before_step(self) -> None:
+        """Checks between backward and the optimizer step (ddp: every parameter got a gradient)."""
+
+    def clip_gradients(self) -> torch.Tensor | None:
+        """Scale the gradients down to `max_grad_norm` (their global norm); returns the norm before.
+
+        Sharded gradients (FSDP2's DTensors) are clipped by torch's own
+        clip_grad_norm_, whose norm covers every shard; pipelines override
+        this to add up every stage's share.
+        """
+        max_norm = self.runtime.max_grad_norm
+        if max_norm is None:
+            return None
+        self.runtime.precision.unscale(self.optimizer)
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
     @torch.no_grad()
-    def predict(self, inputs: torch.Tensor) -> torch.Tensor:
+    def predict(self, inputs: Batch):
         with self.runtime.precision.autocast():
-            return self.model(inputs)
+            return forward(self.model, inputs)
 
     def memory_report(self) -> dict | None:
         """Bytes held per rank, for strategies where that is the point (sharding)."""

@@ -49,11 +49,13 @@ def _in_bucket_order(hook):
 
 class DataParallelDistributed(MeshStrategy):
     name = "ddp"
-    options = (*MeshStrategy.options, "grad_compression", "powersgd_rank")
+    options = (*MeshStrategy.options, "grad_compression", "powersgd_rank", "find_unused_parameters")
 
     def __init__(self, runtime, **options):
         # Its own options first: they are checked before any process group exists.
         grad_compression = options.get("grad_compression", "none")
+        self.find_unused_parameters = bool(options.get("find_unused_parameters", False))
+        self._checked = self.find_unused_parameters  # nothing to check when DDP looks for them itself
         powersgd_rank = options.get("powersgd_rank")
         if grad_compression not in COMPRESSIONS:
             raise choice_error("gradient compression", grad_compression, COMPRESSIONS)
@@ -67,11 +69,31 @@ class DataParallelDistributed(MeshStrategy):
         self.powersgd_rank = powersgd_rank or 2
 
     def wrap(self, model, optimizer):
+        model = self.synchronise_batchnorm(model)  # before DDP: it registers the modules' parameters
         mesh = self.build_mesh()
-        _, self.model, _ = parallelize(model, self.dims, mesh, self.runtime.device, self.runtime.precision)
+        _, self.model, _ = parallelize(model, self.dims, mesh, self.runtime.device, self.runtime.precision,
+                                       find_unused_parameters=self.find_unused_parameters)
         self._register_hook(mesh["dp_replicate"].get_group())
         self.optimizer = optimizer
         return self.model, self.optimizer
+
+    def before_step(self) -> None:
+        """After the first backward: every trainable parameter must have a gradient.
+
+        A parameter the forward never uses (a library model's pooler or spare
+        head) leaves its DDP bucket unfinished: the gradients in that bucket are
+        not averaged, and the next forward fails with "Expected to have finished
+        reduction". Said here, before the first step could apply them.
+        """
+        if self._checked:
+            return
+        self._checked = True
+        unused = [n for n, p in self.model.module.named_parameters() if p.requires_grad and p.grad is None]
+        if unused:
+            shown = ", ".join(unused[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
+            raise UsageError(f"ddp: the forward did not use {len(unused)} parameters ({shown}), so DDP cannot"
+                             " average the gradients; pass find_unused_parameters=True"
+                             " (--find-unused-parameters), or set requires_grad=False on them")
 
     def _register_hook(self, group) -> None:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook

@@ -1,10 +1,11 @@
 """Parallel dimensions: the degree of each parallelism, checked once, and the one mesh.
 
-Every multi-process strategy is a preset of three degrees (torchtitan's
+Every multi-process strategy is a preset of four degrees (torchtitan's
 names): ``dp_replicate`` (whole replicas, gradients averaged by DDP, or by
-FSDP2 inside a pipeline),
-``dp_shard`` (FSDP2 shards parameters, gradients and optimizer state) and
-``pp`` (pipeline stages). Their product is the number of processes:
+FSDP2 inside a pipeline or beside tp),
+``dp_shard`` (FSDP2 shards parameters, gradients and optimizer state),
+``pp`` (pipeline stages) and ``tp`` (tensor parallelism: each layer of the
+model's plan split across processes). Their product is the number of processes:
 
     ddp            dp_replicate = N
     fsdp           dp_shard = N
@@ -12,14 +13,18 @@ FSDP2 inside a pipeline),
     pipeline       pp = N
     ddp+pipeline   dp_replicate = N / pp, pp
     fsdp+pipeline  dp_shard = N / pp, pp
+    tp             tp = N
+    fsdp+tp        dp_shard = N / tp, tp (default 2)
 
-`--dp-replicate`, `--dp-shard` and `--pp` set a degree directly; the preset
-fills the rest. The mesh is ("dp_replicate", "dp_shard", "pp"), row-major,
-so a pipeline's stages are neighbouring ranks (on one machine, where the
-activations they pass each micro-batch travel fastest) and replicas are
-farthest apart (across machines, where only one gradient all-reduce per step
-crosses). ddp+pipeline had this layout before the dimensions existed, so its
-ranks and checkpoints are unchanged.
+`--dp-replicate`, `--dp-shard`, `--pp` and `--tp` set a degree directly; the
+preset fills the rest. The mesh is ("dp_replicate", "dp_shard", "pp", "tp"),
+row-major, so the ranks of a tensor-parallel group are neighbours (on one
+machine, where the all-reduce each of their layers needs travels fastest, as
+torchtitan places them), then a pipeline's stages (the activations they pass
+each micro-batch), and replicas are farthest apart (across machines, where
+only one gradient all-reduce per step crosses). With tp = 1 the layout is the
+one ddp+pipeline had before the dimensions existed, so its ranks and
+checkpoints are unchanged.
 """
 
 from __future__ import annotations
@@ -31,8 +36,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from torchfleet.errors import UsageError
 
-DIM_NAMES = ("dp_replicate", "dp_shard", "pp")
-DEGREE_FLAGS = {"dp_replicate": "--dp-replicate", "dp_shard": "--dp-shard", "pp": "--pp"}
+DIM_NAMES = ("dp_replicate", "dp_shard", "pp", "tp")
+DEGREE_FLAGS = {"dp_replicate": "--dp-replicate", "dp_shard": "--dp-shard", "pp": "--pp", "tp": "--tp"}
 
 # name -> the degrees it fixes (None: "the processes left over"). A degree a
 # preset does not list is 1 unless a flag sets it.
@@ -43,7 +48,14 @@ PRESETS: dict[str, dict[str, int | None]] = {
     "pipeline": {"pp": None},
     "ddp+pipeline": {"dp_replicate": None, "pp": 2},
     "fsdp+pipeline": {"dp_shard": None, "pp": 2},
+    "tp": {"tp": None},
+    "fsdp+tp": {"dp_shard": None, "tp": 2},
 }
+
+
+def _no_tp_in_pipelines(what: str) -> UsageError:
+    return UsageError(f"{what}: tensor parallelism inside pipeline stages is not supported yet;"
+                      " drop --tp, or drop --pp and use tp or fsdp+tp")
 
 
 @dataclass(frozen=True)
@@ -52,17 +64,21 @@ class ParallelDims:
     dp_shard: int
     pp: int
     world_size: int
+    tp: int = 1
 
     def __post_init__(self) -> None:
         for name in DIM_NAMES:
             if getattr(self, name) < 1:
                 raise UsageError(f"{DEGREE_FLAGS[name]} {getattr(self, name)} must be at least 1")
-        if self.dp_replicate * self.dp_shard * self.pp != self.world_size:
+        if self.dp_replicate * self.dp_shard * self.pp * self.tp != self.world_size:
             raise UsageError(f"{self.arithmetic()} != {self.world_size} processes; choose degrees whose"
                              f" product is the number of processes")
+        if self.tp > 1 and self.pp > 1:
+            raise _no_tp_in_pipelines(self.arithmetic())
 
     def arithmetic(self) -> str:
-        return " * ".join(f"{n}({getattr(self, n)})" for n in DIM_NAMES)
+        """"dp_replicate(2) * dp_shard(1) * pp(2)", with tp(N) when there is tensor parallelism."""
+        return " * ".join(f"{n}({getattr(self, n)})" for n in DIM_NAMES if n != "tp" or self.tp > 1)
 
     @classmethod
     def from_preset(cls, preset: str, world_size: int, nodes: int = 1, **given: int | None) -> ParallelDims:
@@ -74,6 +90,11 @@ class ParallelDims:
         degrees = {n: 1 for n in DIM_NAMES}
         free = []
         defaults = dict(PRESETS[preset])
+        # Asked for together, even where the processes would leave one of them at 1
+        # (tp with --pp 2 on 2 processes would otherwise quietly run a pipeline alone).
+        for asked, flag in (("tp", "pp"), ("pp", "tp")):
+            if asked in defaults and fixed.get(flag, 1) > 1:
+                raise _no_tp_in_pipelines(f"{preset} with {DEGREE_FLAGS[flag]} {fixed[flag]}")
         if preset == "hsdp" and nodes > 1:
             defaults["dp_replicate"] = nodes
         for name, default in defaults.items():
@@ -93,23 +114,26 @@ class ParallelDims:
     # -- what follows from the degrees -------------------------------------
     @property
     def dp(self) -> int:
-        """Processes that read different data: one per data-parallel rank (a pipeline's stages share)."""
+        """Processes that read different data: one per data-parallel rank (a pipeline's stages
+        and a tensor-parallel group's ranks share one)."""
         return self.dp_replicate * self.dp_shard
 
     @property
     def name(self) -> str:
-        """The preset these degrees are ("ddp", "hsdp+pipeline", ...)."""
+        """The preset these degrees are ("ddp", "hsdp+pipeline", "fsdp+tp", ...)."""
         data = {(False, False): "", (True, False): "ddp", (False, True): "fsdp", (True, True): "hsdp"}[
             (self.dp_replicate > 1, self.dp_shard > 1)]
-        if self.pp > 1:
-            return f"{data}+pipeline" if data else "pipeline"
+        for degree, model in ((self.pp, "pipeline"), (self.tp, "tp")):
+            if degree > 1:
+                return f"{data}+{model}" if data else model
         return data or "ddp"
 
     def coords(self, rank: int) -> dict[str, int]:
         """This rank's index along each dimension (the mesh is row-major)."""
+        rank, column = divmod(rank, self.tp)
         rank, stage = divmod(rank, self.pp)
         replica, shard = divmod(rank, self.dp_shard)
-        return {"dp_replicate": replica, "dp_shard": shard, "pp": stage}
+        return {"dp_replicate": replica, "dp_shard": shard, "pp": stage, "tp": column}
 
     def dp_rank(self, rank: int) -> int:
         """Which data-parallel share `rank` reads, 0 .. dp-1."""
@@ -118,4 +142,4 @@ class ParallelDims:
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """The one DeviceMesh every parallelism of this run is applied over."""
-        return init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.pp), mesh_dim_names=DIM_NAMES)
+        return init_device_mesh(device_type, tuple(getattr(self, n) for n in DIM_NAMES), mesh_dim_names=DIM_NAMES)

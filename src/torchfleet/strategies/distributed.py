@@ -2,34 +2,79 @@
 
 A multi-process strategy is a preset of degrees (strategies/dims.py); which
 class runs it follows from the degrees, not the name: a pipeline dimension
-means a schedule of micro-batches (`Pipeline`), sharding means FSDP2's
-state handling (`FullyShardedDataParallel`), replicas alone mean DDP.
+means a schedule of micro-batches (`Pipeline`), sharding or tensor
+parallelism means FSDP2's state handling of DTensors
+(`FullyShardedDataParallel`), replicas alone mean DDP.
 """
 
 from __future__ import annotations
 
+import torch.distributed as dist
+from torch import nn
+
+from torchfleet.errors import UsageError
 from torchfleet.strategies.base import Strategy
+from torchfleet.strategies.batchnorm import check_sync_batchnorm, convert_sync_batchnorm
 from torchfleet.strategies.dims import DIM_NAMES, ParallelDims
+
+
+def names_option(value) -> tuple[str, ...] | None:
+    """"a,b" or ["a", "b"] as a tuple of names; None or empty as None."""
+    if value is None:
+        return None
+    items = value.split(",") if isinstance(value, str) else list(value)
+    names = tuple(str(item).strip() for item in items if str(item).strip())
+    return names or None
 
 
 class MeshStrategy(Strategy):
     distributed = True
-    options = DIM_NAMES  # --dp-replicate, --dp-shard, --pp: every preset takes them
+    # --dp-replicate, --dp-shard, --pp, --tp, --sync-batchnorm: every preset takes them, and with
+    # them the options of the dimensions they may add (the class follows from the degrees).
+    # tp_plan (Python only): {module name: ParallelStyle} for a model without a tp_plan().
+    options = (*DIM_NAMES, "sync_batchnorm", "fsdp_units", "split_points", "tp_plan")
 
     def __init__(self, runtime, dims: ParallelDims | None = None, dp_replicate: int | None = None,
-                 dp_shard: int | None = None, pp: int | None = None, **options):
+                 dp_shard: int | None = None, pp: int | None = None, tp: int | None = None,
+                 sync_batchnorm: bool = False, fsdp_units=None, split_points=None, tp_plan=None, **options):
         super().__init__(runtime, **options)
         env = runtime.env
         if dims is None:
             dims = ParallelDims.from_preset(self.name, env.world_size, nodes=env.nnodes,
-                                            dp_replicate=dp_replicate, dp_shard=dp_shard, pp=pp)
+                                            dp_replicate=dp_replicate, dp_shard=dp_shard, pp=pp, tp=tp)
+        check_sync_batchnorm(dims.pp, sync_batchnorm)
+        if sync_batchnorm and dims.tp > 1:
+            raise UsageError(f"--sync-batchnorm with tp({dims.tp}) is not supported: the ranks of a tensor-parallel"
+                             " group read the same batch, so all-reducing over every process would count it"
+                             f" {dims.tp} times; drop --sync-batchnorm, or --tp")
+        if tp_plan is not None and dims.tp == 1:
+            raise UsageError(f"tp_plan applies where layers are split (tp, fsdp+tp, or --tp); {dims.name} has no"
+                             " tensor parallelism")
+        self.tp_plan = tp_plan
+        self.sync_batchnorm = bool(sync_batchnorm)
         self.dims = dims
+        self.fsdp_units = names_option(fsdp_units)
+        self.split_points = names_option(split_points)
+        if self.fsdp_units and dims.dp_shard == 1:
+            raise UsageError(f"--fsdp-units applies where parameters are sharded (fsdp, hsdp, fsdp+pipeline);"
+                             f" {dims.name} does not shard them")
+        if self.split_points and dims.pp == 1:
+            raise UsageError(f"--split-points cuts pipeline stages (pipeline, ddp+pipeline, fsdp+pipeline, mp);"
+                             f" {dims.name} has none")
         self.name = dims.name  # the preset the degrees make ("ddp" with --pp 2 is ddp+pipeline)
         # The mesh is row-major: this rank's place is known before the mesh is built,
         # so a loader made before setup reads the right share.
         self.rank = env.rank
         self.coords = dims.coords(env.rank)
         self.mesh = None
+
+    def synchronise_batchnorm(self, model: nn.Module) -> nn.Module:
+        """With sync_batchnorm, `model`'s BatchNorm layers normalise with the whole batch's statistics.
+
+        Without a pipeline every process is data-parallel (replicas, shards or
+        both), so the statistics are all-reduced over all of them (WORLD).
+        """
+        return convert_sync_batchnorm(model, dist.group.WORLD) if self.sync_batchnorm else model
 
     def build_mesh(self):
         self.mesh = self.dims.build_mesh(self.runtime.device.type)

@@ -21,6 +21,11 @@ parameters; on torch 2.15 both run on Gloo and the CPU equivalence test
 (weights equal serial's within 1e-5) shows the averaging is right, so CPU
 runs need no workaround there. Mixed precision is the run's autocast, as for
 every strategy: parameters and gradient reductions stay fp32.
+
+This class runs tp and fsdp+tp too (strategies/tensor_parallel.py): tensor
+parallelism also turns parameters into DTensors, which the same full state
+dicts gather and scatter; FSDP2 is applied only where dp_shard or
+dp_replicate is above 1.
 """
 
 from __future__ import annotations
@@ -32,10 +37,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from torchfleet.strategies.distributed import MeshStrategy
-from torchfleet.strategies.parallelize import parallelize
+from torchfleet.strategies.parallelize import fsdp_units, parallelize
+from torchfleet.strategies.tensor_parallel import clip_grad_norm, tp_plan_for
+
+
+def _describe_units(model: nn.Module, units: list[list[nn.Module]]) -> str:
+    if not units:
+        return "no repeated blocks found; name their classes with --fsdp-units"
+    names = {id(m): n for n, m in model.named_modules()}
+    first, last = names[id(units[0][0])], names[id(units[-1][-1])]
+    kinds = ", ".join(sorted({type(m).__name__ for unit in units for m in unit}))
+    return f"{first}..{last}, {kinds}" if first != last else f"{first}, {kinds}"
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -46,21 +62,30 @@ def _nbytes(tensors) -> int:
     return sum(_local(t).numel() * _local(t).element_size() for t in tensors if t is not None)
 
 
-def rebuild_optimizer(optimizer: torch.optim.Optimizer, old_names: dict[int, str],
+def parameter_names(model: nn.Module) -> dict[int, list[str]]:
+    """id(parameter) -> every name `model` holds it under (a tied parameter has several)."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return names
+
+
+def rebuild_optimizer(optimizer: torch.optim.Optimizer, old_names: dict[int, list[str]],
                       model: nn.Module) -> torch.optim.Optimizer:
     """The same optimizer (class, param groups, hyper-parameters) over `model`'s current parameters.
 
-    `old_names` maps id(old parameter) -> its name in `model`, taken before
-    the parameters were replaced. Parameters `model` no longer holds (other
-    pipeline stages') are left out; groups are kept, even empty, so every
-    stage's optimizer has the same groups.
+    `old_names` maps id(old parameter) -> its names in `model`
+    (`parameter_names`), taken before the parameters were replaced. A tied
+    parameter is found under whichever of its names the stage kept.
+    Parameters `model` no longer holds (other pipeline stages') are left out;
+    groups are kept, even empty, so every stage's optimizer has the same groups.
     """
-    current = dict(model.named_parameters())
+    current = dict(model.named_parameters(remove_duplicate=False))
     groups = []
     for group in optimizer.param_groups:
         hyper = {k: v for k, v in group.items() if k != "params"}
-        names = [old_names[id(p)] for p in group["params"]]
-        groups.append({"params": [current[n] for n in names if n in current], **hyper})
+        found = [next((current[n] for n in old_names[id(p)] if n in current), None) for p in group["params"]]
+        groups.append({"params": [p for p in found if p is not None], **hyper})
     # Each group carries every hyper-parameter; the constructor gets those it
     # names (AdamW's defaults hold a key its __init__ does not take).
     accepted = inspect.signature(type(optimizer).__init__).parameters
@@ -85,10 +110,26 @@ class FullyShardedDataParallel(MeshStrategy):
     sharded_checkpoint = True  # each rank saves its own shards through torch.distributed.checkpoint
 
     def wrap(self, model, optimizer):
-        old_names = {id(p): n for n, p in model.named_parameters()}
+        model = self.synchronise_batchnorm(model)  # before sharding replaces the parameters
+        old_names = parameter_names(model)
+        plan = None
+        if self.dims.tp > 1:  # checked before any collective: a bad plan stops every rank alike
+            plan, source = tp_plan_for(model, self.dims.tp, self.tp_plan)
+            self.notes.append(f"{self.name} splits {len(plan)} layers over tp({self.dims.tp}) processes"
+                              f" ({source}); each rank of a tp group holds the other layers whole")
+        if self.dims.dp_shard > 1:
+            units = fsdp_units(model, self.fsdp_units)
+            self.notes.append(f"{self.name} shards {len(units)} units, one block each unless tied"
+                              f" ({_describe_units(model, units)}), then the root with the rest")
         self.model, _, _ = parallelize(model, self.dims, self.build_mesh(), self.runtime.device,
-                                       self.runtime.precision)
+                                       self.runtime.precision, fsdp_classes=self.fsdp_units, tp_plan=plan)
         self.optimizer = rebuild_optimizer(optimizer, old_names, self.model)
+        if self.dims.tp > 1 and not isinstance(self.model, FSDPModule):
+            # tp alone leaves the parameters outside the plan plain tensors beside the DTensors,
+            # a mix torch's multi-tensor (foreach) kernels refuse; they are its default on CUDA.
+            for group in self.optimizer.param_groups:
+                if "foreach" in group:
+                    group["foreach"] = False
         # fp16: each rank sees only its gradient shard, so overflow is agreed over all ranks.
         self.runtime.precision.sync_overflow(dist.group.WORLD)
         return self.model, self.optimizer
@@ -96,12 +137,22 @@ class FullyShardedDataParallel(MeshStrategy):
     @contextlib.contextmanager
     def no_sync(self):
         # Accumulate unsharded gradients locally; the next backward outside
-        # reduce-scatters the sum.
+        # reduce-scatters the sum. tp alone (no FSDP2) has no gradient sync to skip.
+        if not isinstance(self.model, FSDPModule):
+            yield
+            return
         self.model.set_requires_gradient_sync(False)
         try:
             yield
         finally:
             self.model.set_requires_gradient_sync(True)
+
+    def clip_gradients(self):
+        if self.dims.tp == 1 or self.runtime.max_grad_norm is None:
+            return super().clip_gradients()  # one mesh's DTensors: torch's clip_grad_norm_
+        self.runtime.precision.unscale(self.optimizer)
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        return clip_grad_norm(params, self.runtime.max_grad_norm, self.runtime.device)
 
     _OPTIONS = StateDictOptions(full_state_dict=True, cpu_offload=True)
 

@@ -20,10 +20,13 @@ import dataclasses
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves, tree_map
 
 from torchfleet.errors import UsageError
 from torchfleet.precision import Precision
 from torchfleet.strategies.base import Strategy
+from torchfleet.strategies.cutting import stage_starts
+from torchfleet.strategies.distributed import names_option
 from torchfleet.strategies.partition import partition
 
 DEFAULT_MICROBATCHES = 4
@@ -104,13 +107,14 @@ class MicroBatchPipe(nn.Module):
 
 class ModelParallel(Strategy):
     name = "mp"
-    options = ("devices", "microbatches")
+    options = ("devices", "microbatches", "split_points")
 
     def __init__(self, runtime, **options):
         super().__init__(runtime, **options)
         spec = options.get("devices")
         self.devices = parse_devices(spec) if spec is not None else default_devices()
         self.microbatches = options.get("microbatches") or DEFAULT_MICROBATCHES
+        self.split_points = names_option(options.get("split_points"))
         if options.get("microbatches") is not None and (
                 not isinstance(options["microbatches"], int) or options["microbatches"] < 1):
             raise UsageError(f"--microbatches {options['microbatches']!r} must be a whole number, at least 1")
@@ -130,15 +134,38 @@ class ModelParallel(Strategy):
                 raise UsageError(f"mp was given {len(stages)} stages for {len(self.devices)} devices;"
                                  " give one device per stage")
             self.whole = nn.Sequential(*stages)
-        elif isinstance(model, nn.Sequential):
+        elif isinstance(model, nn.Sequential) and not self.split_points:
             stages = split_sequential(model, len(self.devices))
             self.whole = model
         else:
-            raise UsageError(f"mp cuts an nn.Sequential into stages, or takes the stages as a list of"
-                             f" modules; got a {type(model).__name__}")
+            return self._place(model, optimizer)
         for stage, device in zip(stages, self.devices, strict=True):
             stage.to(device)  # in place: the optimizer's parameters move with it
         self.model = MicroBatchPipe(stages, self.devices, self.microbatches)
+        self.optimizer = optimizer
+        return self.model, self.optimizer
+
+    def _place(self, model: nn.Module, optimizer):
+        """Any other model: its modules placed on the devices in forward order, cut where stages begin.
+
+        The cut is the pipeline's (split_points, or between the repeated blocks);
+        each module with parameters takes its inputs to its own device, so the
+        forward runs unchanged, one stage after another (no micro-batch wavefront:
+        that needs the model as a sequence of stages).
+        """
+        starts = stage_starts(model, len(self.devices), self.split_points)
+        stage = 0
+        for name, module in model.named_modules():
+            if stage + 1 < len(self.devices) and name == starts[stage]:
+                stage += 1
+            own = list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))
+            if own:
+                module._apply(lambda t, d=self.devices[stage]: t.to(d), recurse=False)  # in place: the optimizer keeps them
+                module.register_forward_pre_hook(_inputs_to_own_device, with_kwargs=True)
+        self.notes.append(f"mp: a {type(model).__name__} is placed on {len(self.devices)} devices, stages"
+                          f" starting at {', '.join(starts)}; they run one after another (micro-batches"
+                          " overlap only for an nn.Sequential)")
+        self.whole = self.model = model
         self.optimizer = optimizer
         return self.model, self.optimizer
 
@@ -147,4 +174,16 @@ class ModelParallel(Strategy):
         return self.whole
 
     def train_step(self, inputs, targets, loss_fn, grad_accum: int = 1):
-        return super().train_step(inputs, targets.to(self.devices[-1]), loss_fn, grad_accum)
+        def on_output_device(output, target):
+            leaf = output if isinstance(output, torch.Tensor) else next(
+                t for t in tree_leaves(output) if isinstance(t, torch.Tensor))
+            return loss_fn(output, target.to(leaf.device))
+
+        return super().train_step(inputs, targets, on_output_device, grad_accum)
+
+
+def _inputs_to_own_device(module: nn.Module, args, kwargs):
+    device = next(iter(module.parameters(recurse=False)), None)
+    device = device.device if device is not None else next(module.buffers(recurse=False)).device
+    move = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t  # noqa: E731
+    return tree_map(move, args), tree_map(move, kwargs)

@@ -3,12 +3,17 @@
 The multi-process strategies compose them in one fixed order (`parallelize`):
 
 1. pipeline: cut the model into stages, keep this rank's (``pp``);
-2. then the data-parallel dimensions on what is left:
+2. or tensor parallelism: split the layers of the model's plan over ``tp``
+   (strategies/tensor_parallel.py; not yet inside pipeline stages);
+3. then the data-parallel dimensions on what is left:
    FSDP2 ``fully_shard`` over ``dp_shard`` (with ``dp_replicate`` too: HSDP,
    replicas of shards on FSDP2's 2-D mesh), or else DDP over ``dp_replicate``.
 
 Sharding comes after the cut because FSDP2 shards the parameters a rank
-holds, and after the cut a rank holds only its stage. Gradients are
+holds, and after the cut a rank holds only its stage; after tensor
+parallelism for the same reason, as torchtitan orders them: FSDP2 shards the
+tp-split parameters (DTensors on the "tp" dimension) further over
+``dp_shard``, a 2-D mesh of the same parent. Gradients are
 synchronised by torch's own machinery in both cases; inside a pipeline,
 torch's schedules drive it (DDP's reducer, FSDP2's post-backward) once per
 schedule step, at the last micro-batch.
@@ -26,8 +31,10 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from torchfleet.errors import UsageError
+from torchfleet.strategies.blocks import find_blocks
 from torchfleet.strategies.dims import ParallelDims
 from torchfleet.strategies.partition import partition
+from torchfleet.strategies.tensor_parallel import apply_tp
 
 
 def split_balanced(model: nn.Module, parts: int) -> list[tuple[int, int]]:
@@ -89,26 +96,70 @@ def apply_autocast(module: nn.Module, precision) -> None:
     module.register_forward_hook(leave, always_call=True)  # leave even when forward raises
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
-    """FSDP2 on each child that holds parameters, then on the root.
+def fsdp_units(model: nn.Module, classes: tuple[str, ...] | None = None) -> list[list[nn.Module]]:
+    """The modules FSDP2 shards as units, before the root: the model's repeated blocks.
 
-    One all-gather per child keeps only one child's full parameters alive at
-    a time; the root picks up parameters left directly on it. `mesh` is 1-D
-    (shard over it) or 2-D (replicate over the first dimension, shard over
-    the second: HSDP).
+    Blocks that share a parameter (tied weights) form one unit: FSDP2 needs
+    every user of a parameter inside the unit that owns it. A block sharing
+    one with a module outside every block (an embedding tied to a head on
+    the root) is left to the root's unit for the same reason.
     """
-    for child in model.children():
-        if any(p.requires_grad for p in child.parameters()):
-            fully_shard(child, mesh=mesh)
+    named = find_blocks(model, classes)
+    blocks = [module for _, module in named]
+    prefixes = tuple(name + "." for name, _ in named)
+    holders: dict[int, set[int]] = {}  # parameter -> the blocks that use it
+    with_root: set[int] = set()  # blocks sharing a parameter with a module in no block
+    for name, p in model.named_parameters(remove_duplicate=False):
+        owner = next((i for i, prefix in enumerate(prefixes) if name.startswith(prefix)), None)
+        holders.setdefault(id(p), set()).add(owner)
+    group = list(range(len(blocks)))  # union-find: blocks sharing a parameter are one unit
+
+    def root(i: int) -> int:
+        while group[i] != i:
+            i = group[i]
+        return i
+
+    for owners in holders.values():
+        inside = sorted(i for i in owners if i is not None)
+        if None in owners:
+            with_root.update(inside)
+        for other in inside[1:]:
+            group[root(other)] = root(inside[0])
+    left_to_root = {root(i) for i in with_root}
+    units: dict[int, list[nn.Module]] = {}
+    for i, block in enumerate(blocks):
+        if root(i) not in left_to_root and any(p.requires_grad for p in block.parameters()):
+            units.setdefault(root(i), []).append(block)
+    return list(units.values())
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, classes: tuple[str, ...] | None = None) -> list[list[nn.Module]]:
+    """FSDP2 on each of the model's repeated blocks (`fsdp_units`), then on the root; returns the units.
+
+    One all-gather per block keeps only one block's full parameters alive at
+    a time; the root's unit holds what no block does (embeddings, final norm,
+    head). `mesh` is 1-D (shard over it) or 2-D (replicate over the first
+    dimension, shard over the second: HSDP).
+    """
+    units = fsdp_units(model, classes)
+    for unit in units:
+        fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh)
     fully_shard(model, mesh=mesh)
-    return model
+    return units
 
 
-def apply_ddp(model: nn.Module, mesh: DeviceMesh, device: torch.device) -> DistributedDataParallel:
-    """DDP over the mesh's one dimension: gradients averaged in buckets during backward."""
+def apply_ddp(model: nn.Module, mesh: DeviceMesh, device: torch.device,
+              find_unused_parameters: bool = False) -> DistributedDataParallel:
+    """DDP over the mesh's one dimension: gradients averaged in buckets during backward.
+
+    `find_unused_parameters` walks the autograd graph after each forward to
+    mark parameters it will not reach as ready (a cost every step): needed
+    only when the forward leaves some parameters unused.
+    """
     # device_ids only for single-device CUDA modules; CPU modules take None.
     ids = [device] if device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=ids, process_group=mesh.get_group())
+    return DistributedDataParallel(model, device_ids=ids, process_group=mesh.get_group(),
+                                   find_unused_parameters=find_unused_parameters)
 
 
 def data_parallel_mesh(dims: ParallelDims, mesh: DeviceMesh) -> DeviceMesh:
@@ -119,27 +170,37 @@ def data_parallel_mesh(dims: ParallelDims, mesh: DeviceMesh) -> DeviceMesh:
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, device: torch.device,
-                precision, stage: int = 0):
+                precision, stage: int = 0, traced_stage: nn.Module | None = None,
+                fsdp_classes: tuple[str, ...] | None = None, find_unused_parameters: bool = False,
+                tp_plan: dict | None = None):
     """Apply every parallelism of `dims`, in the fixed order; returns (module, runner, bounds).
 
     `module` is what this rank holds and trains (the stage, sharded or not);
     `runner` is what computes with it: DDP's wrapper around `module`, or
     `module` itself (FSDP2 shards in place). `bounds` is every pipeline stage's children (None
-    without a pipeline).
+    without a pipeline, or when the stage was cut by tracing: `traced_stage`, strategies/cutting.py).
+    `fsdp_classes` names the block classes FSDP2 shards as units (default: the repeated blocks).
+    `tp_plan` is the tensor-parallel plan (`tensor_parallel.tp_plan_for`), needed when ``dims.tp > 1``.
     """
     bounds = None
-    if dims.pp > 1:
+    if traced_stage is not None:
+        model = traced_stage
+    elif dims.pp > 1:
         model, bounds = apply_pipeline(model, dims.pp, stage)
     model = model.to(device)
     if dims.pp > 1:
         apply_autocast(model, precision)  # a plain step enters autocast itself
-    if dims.dp_shard > 1 or (dims.pp > 1 and dims.dp_replicate > 1):
-        # Inside a pipeline, replicas too go through FSDP2 (a 2-D mesh whose shard
-        # dimension is 1: replicate only). torch's schedules drive FSDP2's gradient
-        # reduction themselves; DDP's reducer, driven the same way, failed its bucket
+    if dims.tp > 1:
+        apply_tp(model, mesh["tp"], tp_plan)
+    if dims.dp_shard > 1 or ((dims.pp > 1 or dims.tp > 1) and dims.dp_replicate > 1):
+        # Inside a pipeline or beside tp, replicas too go through FSDP2 (a 2-D mesh whose
+        # shard dimension is 1: replicate only). Beside tp, FSDP2 averages the tp-split
+        # DTensor gradients over their mesh's other dimension (torchtitan, too, refuses
+        # DDP beside another dimension). Inside a pipeline, torch's schedules drive FSDP2's
+        # gradient reduction themselves; DDP's reducer, driven the same way, failed its bucket
         # rebuild after the first step on torch 2.14 ("rebuilt parameter indices size
         # is not same as original model parameters size").
-        model = apply_fsdp(model, data_parallel_mesh(dims, mesh))
+        apply_fsdp(model, data_parallel_mesh(dims, mesh), fsdp_classes)
         if dims.pp > 1:
             # A stage ending in a view (Flatten) makes FSDP2 warn on every step that an
             # in-place op on it would skip its hook; the schedule only sends it or takes
@@ -147,5 +208,5 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, device: 
             warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
         return model, model, bounds
     if dims.dp_replicate > 1:
-        return model, apply_ddp(model, mesh["dp_replicate"], device), bounds
+        return model, apply_ddp(model, mesh["dp_replicate"], device, find_unused_parameters), bounds
     return model, model, bounds

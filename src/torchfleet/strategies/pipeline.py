@@ -34,54 +34,28 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch import nn
+from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+from torch.distributed.tensor import DTensor
 
 from torchfleet.errors import UsageError, choice_error
+from torchfleet.strategies import cutting
+from torchfleet.strategies.base import batch_size, forward, split_batch
 from torchfleet.strategies.distributed import MeshStrategy
-from torchfleet.strategies.fsdp import memory_per_rank, rebuild_optimizer
+from torchfleet.strategies.fsdp import memory_per_rank, parameter_names, rebuild_optimizer
+from torchfleet.strategies.knobs import checkpoint_activations, compile_model
 from torchfleet.strategies.parallelize import parallelize, split_balanced
+from torchfleet.strategies.stages import TimedStage, rows, sequential_ties
+from torchfleet.strategies.transfer import full, like, recv_tensors, send_tensors, to_cpu
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 __all__ = ["SCHEDULES", "Pipeline", "split_balanced"]
 
 
-class _Stage(PipelineStage):
-    """A PipelineStage that times its compute.
-
-    The schedules wait for received activations before calling these two
-    methods and send asynchronously after, so the time inside them is the
-    stage's busy time; the rest of a schedule step is idle (the bubble).
-    """
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.busy = 0.0
-
-    def _sync(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # device time, not launch time
-
-    def forward_one_chunk(self, *args, **kwargs):
-        self._sync()
-        tick = time.perf_counter()
-        out = super().forward_one_chunk(*args, **kwargs)
-        self._sync()
-        self.busy += time.perf_counter() - tick
-        return out
-
-    def backward_one_chunk(self, *args, **kwargs):
-        self._sync()
-        tick = time.perf_counter()
-        out = super().backward_one_chunk(*args, **kwargs)
-        self._sync()
-        self.busy += time.perf_counter() - tick
-        return out
-
-
 class Pipeline(MeshStrategy):
     name = "pipeline"
     options = (*MeshStrategy.options, "microbatches", "schedule")
+    schedules_steps = True
     sharded_checkpoint = True  # each stage saves its own layers through torch.distributed.checkpoint
 
     def __init__(self, runtime, microbatches: int | None = None, schedule: str = "1f1b", **options):
@@ -103,19 +77,95 @@ class Pipeline(MeshStrategy):
         self._steps = 0
 
     # -- wrapping ---------------------------------------------------------
+    def cuts_by_tracing(self, model) -> bool:
+        return not isinstance(model, nn.Sequential) or bool(self.split_points)
+
     def wrap(self, model, optimizer):
         device = self.runtime.device
         mesh = self.build_mesh()
         self.pp_group = mesh["pp"].get_group()
-        old_names = {id(p): n for n, p in model.named_parameters()}
+        old_names = parameter_names(model)
+        self.cut = self._trace(model) if self.cuts_by_tracing(model) else None
         # The stage (sharded by FSDP2 in place with replicas or shards), and what runs it: the stage.
-        self.model, runner, self.bounds = parallelize(model, self.dims, mesh, device, self.runtime.precision,
-                                                      stage=self.stage_index)
+        self.model, runner, self.bounds = parallelize(
+            model, self.dims, mesh, device, self.runtime.precision, stage=self.stage_index,
+            traced_stage=self.cut.module if self.cut else None, fsdp_classes=self.fsdp_units)
+        if self.cut is None:
+            self.tied = sequential_ties(model, self.bounds)
+        else:
+            self.tied = list(zip(self.cut.tied, self.cut.holders, strict=True))
+        self._tie_groups = self._tied_process_groups()
         # Only this stage's parameters, each group keeping its hyper-parameters.
         self.optimizer = rebuild_optimizer(optimizer, old_names, self.model)
         self.runtime.precision.sync_overflow(dist.group.WORLD)
-        self._stage = _Stage(runner, self.stage_index, self.pp, device, group=self.pp_group)
+        self._stage = TimedStage(runner, self.stage_index, self.pp, device, group=self.pp_group)
+        self._driving = False  # True while train_step or predict runs the stage
+        self.model.register_forward_pre_hook(self._refuse_direct_call)
         return self.model, self.optimizer
+
+    def _refuse_direct_call(self, _module, _args):
+        # A stage called by the user's own loop gets another stage's inputs (images
+        # for a middle stage, targets as class indices...) and fails with an error
+        # about those; say what is wrong instead.
+        if not self._driving:
+            raise UsageError(f"under {self.name} each process holds one stage of the model, and torch's"
+                             " pipeline schedule runs it: call fleet.train_step(inputs, targets, loss_fn)"
+                             " and fleet.predict(inputs) instead of the model")
+
+    def _trace(self, model) -> cutting.Cut:
+        """Cut a model that is not a Sequential by tracing it on one example micro-batch."""
+        example, grad_accum = self.example
+        if example is None:
+            raise UsageError(
+                f"{self.name} cuts a {type(model).__name__} into stages by tracing its forward and needs"
+                " one batch to trace: fleet.setup(model, optimizer, example_inputs=batch)")
+        per_step = batch_size(example) // grad_accum
+        if self._default_microbatches:
+            self._fit_default_microbatches(per_step)
+        if per_step % self.microbatches or per_step < self.microbatches:
+            raise UsageError(f"each pipeline's batch of {per_step} does not split into {self.microbatches}"
+                             f" micro-batches; use a batch size per replica that is a multiple of it")
+        micro = split_batch(example, batch_size(example) // (per_step // self.microbatches))[0]
+        args, kwargs = ((), dict(micro)) if isinstance(micro, dict) else ((micro,), {})
+        model.to(self.runtime.device)  # the example is there already
+        cut = cutting.trace(model, self.pp, self.stage_index, self.split_points, args, kwargs)
+        checkpointing, compile_mode = self.knobs
+        # The traced stage is one graph: checkpointed and compiled as a whole.
+        if checkpointing:
+            checkpoint_activations(cut.module)
+            self.notes.append("activation checkpointing: each pipeline stage as a whole (traced)")
+        if compile_mode:
+            compile_model(cut.module, "model")
+            self.notes.append("torch.compile: each pipeline stage as a whole (traced)")
+        return cut
+
+    def _tied_process_groups(self) -> list:
+        """For each tied parameter: the group of this replica's stages that hold a copy of it.
+
+        Every rank makes every group, in the same order (torch requires it).
+        """
+        place = {(self.dims.dp_rank(r), self.dims.coords(r)["pp"]): r for r in range(self.runtime.env.world_size)}
+        mine = []
+        for _, holders in self.tied:
+            chosen = None
+            for dp_rank in range(self.dp):
+                group = dist.new_group([place[(dp_rank, stage)] for stage in holders])
+                if dp_rank == self.dp_rank and self.stage_index in holders:
+                    chosen = group
+            mine.append(chosen)
+        return mine
+
+    def _sync_tied_gradients(self) -> None:
+        """Sum a tied parameter's gradient over the stages holding copies: the one parameter's gradient."""
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        for (names, _), group in zip(self.tied, self._tie_groups, strict=True):
+            if group is None:
+                continue
+            param = next(params[n] for n in names if n in params)
+            if param.grad is None:
+                param.grad = torch.zeroslike(param)
+            grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+            dist.all_reduce(grad, group=group)
 
     @property
     def is_first(self) -> bool:
@@ -131,6 +181,8 @@ class Pipeline(MeshStrategy):
 
     # -- training ---------------------------------------------------------
     def _loss(self, output, target):
+        if self.cut is not None:
+            output = self.cut.unflatten(output)  # what the model returns in serial
         with self.runtime.precision.autocast():
             loss = self._loss_fn(output, target) / self._loss_divisor
         scaler = self.runtime.precision.scaler
@@ -144,14 +196,20 @@ class Pipeline(MeshStrategy):
             self.microbatches = fits[0]
 
     def train_step(self, inputs, targets, loss_fn, grad_accum=1):
-        if self._schedule is None and self._default_microbatches and len(inputs) % grad_accum == 0:
-            self._fit_default_microbatches(len(inputs) // grad_accum)
+        size = batch_size(inputs)
+        if self._schedule is None and self._default_microbatches and size % grad_accum == 0:
+            self._fit_default_microbatches(size // grad_accum)
         per_run = grad_accum * self.microbatches
-        if len(inputs) % per_run:
+        if size % per_run:
             raise UsageError(
-                f"each pipeline's batch of {len(inputs)} does not split into {grad_accum} accumulation"
+                f"each pipeline's batch of {size} does not split into {grad_accum} accumulation"
                 f" steps x {self.microbatches} micro-batches; use a batch size per replica that is a"
                 f" multiple of {per_run}")
+        if self.cut is not None and size // per_run != self.cut.batch:
+            raise UsageError(
+                f"the pipeline's stages were traced for micro-batches of {self.cut.batch} samples and this"
+                f" batch of {size} makes micro-batches of {size // per_run}; keep every batch the size of"
+                " example_inputs (drop_last=True)")
         if self._schedule is None:
             self._schedule = SCHEDULES[self.schedule_name](
                 self._stage, self.microbatches, loss_fn=self._loss, scale_grads=False)
@@ -165,10 +223,18 @@ class Pipeline(MeshStrategy):
         self.optimizer.zero_grad(set_to_none=True)
         losses: list[torch.Tensor] = []  # one per micro-batch, as _loss returned them
         busy, tick = self._stage.busy, time.perf_counter()
-        for x, y in zip(inputs.tensor_split(grad_accum), targets.tensor_split(grad_accum), strict=True):
-            args = (x,) if self.is_first else ()
+        for x, y in zip(split_batch(inputs, grad_accum), targets.tensor_split(grad_accum), strict=True):
+            args, kwargs = ((), {})
+            if self.is_first:
+                args, kwargs = ((), dict(x)) if isinstance(x, dict) else ((x,), {})
             run: list[torch.Tensor] = []  # the schedule clears the list it is given
-            self._schedule.step(*args, **({"target": y, "losses": run} if self.is_last else {}))
+            if self.is_last:
+                kwargs.update(target=y, losses=run)
+            self._driving = True
+            try:
+                self._schedule.step(*args, **kwargs)
+            finally:
+                self._driving = False
             losses += run
         self._stage._sync()
         if self._steps:  # the first step also infers shapes: leave it out of the bubble
@@ -178,38 +244,76 @@ class Pipeline(MeshStrategy):
         loss = torch.zeros((), device=self.runtime.device)
         if self.is_last:  # undo the scaling: the mean loss of the batch
             loss = torch.stack(losses).detach().float().sum() / (scaler.get_scale() if scaler else 1.0)
+        self._sync_tied_gradients()
+        self.clip_gradients()
         self.runtime.precision.step(self.optimizer)
         dist.broadcast(loss, src=self._peer(self.pp - 1), group=self.pp_group)  # every stage reports it
         return loss
 
     # -- inference: activations passed stage to stage -----------------------
-    _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+    def clip_gradients(self):
+        """Clip to the global norm of the whole model: every stage's and every shard's gradients.
 
-    def _send(self, tensor: torch.Tensor, dst: int) -> None:
-        header = torch.zeros(8, dtype=torch.int64, device=tensor.device)
-        header[0], header[1] = tensor.dim(), self._DTYPES.index(tensor.dtype)
-        header[2:2 + tensor.dim()] = torch.tensor(tensor.shape)
-        dist.send(header, dst)
-        dist.send(tensor.contiguous(), dst)
-
-    def _recv(self, src: int) -> torch.Tensor:
-        device = self.runtime.device
-        header = torch.zeros(8, dtype=torch.int64, device=device)
-        dist.recv(header, src)
-        ndim, dtype = int(header[0]), self._DTYPES[int(header[1])]
-        tensor = torch.empty(header[2:2 + ndim].tolist(), dtype=dtype, device=device)
-        dist.recv(tensor, src)
-        return tensor
+        Each rank adds the squares of the gradient it holds; the sum over all
+        ranks counts each replica once per replica (divided out) and a tied
+        parameter once per stage holding it (only its first holder counts).
+        """
+        max_norm = self.runtime.max_grad_norm
+        if max_norm is None:
+            return None
+        self.runtime.precision.unscale(self.optimizer)
+        params = dict(self.model.named_parameters())
+        skip = {id(params[n]) for (names, holders) in self.tied if holders[0] != self.stage_index
+                for n in names if n in params}
+        held = [p for p in params.values() if p.grad is not None]
+        local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in held]
+        total = torch.zeros((), dtype=torch.float32, device=self.runtime.device)
+        for p, g in zip(held, local, strict=True):
+            if id(p) not in skip:  # counted once, scaled on every stage below
+                total += g.detach().float().pow(2).sum()
+        dist.all_reduce(total)
+        norm = (total / self.dims.dp_replicate).sqrt()
+        # torch's clip_grad_norm_ formula, so a pipeline clips as serial does.
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for g in local:
+            g.mul_(coef.to(g.dtype))
+        return norm
 
     @torch.no_grad()
     def predict(self, inputs):
         """The last stage returns the outputs; the other stages return None."""
-        x = inputs if self.is_first else self._recv(self._peer(self.stage_index - 1))
+        self._driving = True
+        try:
+            return self._predict(inputs)
+        finally:
+            self._driving = False
+
+    def _predict(self, inputs):
+        if self.cut is None:
+            return self._predict_chunk(inputs)
+        # Traced stages take micro-batches of the traced size only: pad the last chunk.
+        size, step = batch_size(inputs), self.cut.batch
+        outputs = []
+        for start in range(0, size, step):
+            chunk = rows(inputs, start, step)
+            out = self._predict_chunk(chunk)
+            if out is not None:
+                outputs.append(out)
+        if not self.is_last:
+            return None
+        merged = tuple(torch.cat(parts)[:size] for parts in zip(*outputs, strict=True))
+        return self.cut.unflatten(merged)
+
+    def _predict_chunk(self, inputs):
+        device = self.runtime.device
         with self.runtime.precision.autocast():
-            out = self.model(x)
+            if self.is_first:
+                out = forward(self.model, inputs)
+            else:
+                out = self.model(*recv_tensors(self._peer(self.stage_index - 1), device))
         if self.is_last:
-            return out
-        self._send(out, self._peer(self.stage_index + 1))
+            return (out,) if self.cut is not None and isinstance(out, torch.Tensor) else out
+        send_tensors(out if isinstance(out, tuple) else (out,), self._peer(self.stage_index + 1), device)
         return None
 
     # -- the full model's state on rank 0 (weights export, fleet.save(sharded=False)) --
@@ -224,7 +328,7 @@ class Pipeline(MeshStrategy):
     def state_dicts(self):
         """Every stage's state gathered to rank 0 (replica 0's), keyed as in the whole model."""
         # A sharded stage's tensors are gathered whole first, by every rank of its shard group.
-        mine = _to_cpu(_full((self.stage_index, self.dp_rank, self.model.state_dict(),
+        mine = to_cpu(full((self.stage_index, self.dp_rank, self.model.state_dict(),
                               self._named_optimizer_state())))
         every = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         dist.gather_object(mine, every, dst=0)
@@ -244,7 +348,7 @@ class Pipeline(MeshStrategy):
     def load_state_dicts(self, model_state, optimizer_state):
         """Each rank takes its own stage's entries from the full state (and its shards of them)."""
         current = self.model.state_dict()
-        self.model.load_state_dict({k: _like(model_state[k], v) for k, v in current.items()})
+        self.model.load_state_dict({k: like(model_state[k], v) for k, v in current.items()})
         names = {id(p): n for n, p in self.model.named_parameters()}
         params = dict(self.model.named_parameters())
         saved = {n: g for g in optimizer_state["param_groups"] for n in g["params"]}
@@ -255,7 +359,7 @@ class Pipeline(MeshStrategy):
             groups.append({**{k: v for k, v in source.items() if k != "params"},
                            "params": list(range(len(order), len(order) + len(group_names)))})
             order += group_names
-        state = {i: {k: _like(v, params[n]) for k, v in optimizer_state["state"][n].items()}
+        state = {i: {k: like(v, params[n]) for k, v in optimizer_state["state"][n].items()}
                  for i, n in enumerate(order) if n in optimizer_state["state"]}
         self.optimizer.load_state_dict({"state": state, "param_groups": groups})
 
@@ -275,32 +379,6 @@ class Pipeline(MeshStrategy):
             idle.append(round(1 - busy / wall, 3) if wall else float("nan"))
         p, m = self.pp, self.microbatches
         return {"schedule": self.schedule_name, "stages": p, "replicas": self.dp, "microbatches": m,
-                "layers_per_stage": [f"{a}-{b - 1}" for a, b in self.bounds],
+                "layers_per_stage": ([f"{a}-{b - 1}" for a, b in self.bounds] if self.bounds
+                                     else [f"{name}.." for name in ("input", *self.cut.starts)]),
                 "bubble_formula": round((p - 1) / (m + p - 1), 3), "bubble_measured": idle}
-
-
-def _map_tensors(tree, fn):
-    """`tree` (dicts, lists, tuples) with `fn` applied to every tensor in it."""
-    if isinstance(tree, torch.Tensor):
-        return fn(tree)
-    if isinstance(tree, dict):
-        return {k: _map_tensors(v, fn) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_map_tensors(v, fn) for v in tree)
-    return tree
-
-
-def _full(tree):
-    """`tree` with every DTensor gathered into a whole tensor (a collective over its mesh)."""
-    return _map_tensors(tree, lambda t: t.full_tensor() if isinstance(t, DTensor) else t)
-
-
-def _like(value, current):
-    """A whole saved tensor laid out as `current` is: this rank's shard where `current` is a DTensor."""
-    if isinstance(current, DTensor) and isinstance(value, torch.Tensor) and value.shape == current.shape:
-        return distribute_tensor(value.to(current.device), current.device_mesh, current.placements)
-    return value
-
-
-def _to_cpu(tree):
-    return _map_tensors(tree, lambda t: t.detach().cpu())

@@ -21,7 +21,8 @@ from torchfleet.env import DistEnv
 from torchfleet.errors import UsageError
 from torchfleet.launcher import failures
 from torchfleet.launcher.agent import LaunchError, run_command
-from torchfleet.strategies import data_readers, get_strategy
+from torchfleet.strategies import data_readers, get_strategy, resolve_dims
+from torchfleet.strategies.batchnorm import check_sync_batchnorm
 from torchfleet.train.config import TrainConfig
 from torchfleet.train.loop import train
 from torchfleet.train.planner import plan_processes
@@ -50,6 +51,9 @@ def run(cfg: TrainConfig, launch: LaunchConfig, nproc: int | None, argv: list[st
     # Before any process starts: the degrees multiply out, and the batch splits among
     # the processes that read data.
     check_global_batch(cfg.batch_size, data_readers(strategy, launch.world_size, cfg.strategy_options))
+    if cfg.strategy_options.get("sync_batchnorm"):  # refused for pipelines before they start
+        dims = resolve_dims(strategy, launch.world_size, options=cfg.strategy_options)
+        check_sync_batchnorm(dims.pp, sync_batchnorm=True)
     # Every worker re-enters this command; it finds torchrun's variables and
     # trains. The resolved strategy goes last so it wins over "auto".
     return run_command(launch, ["-m", "torchfleet", "train", *argv, "--strategy", strategy])

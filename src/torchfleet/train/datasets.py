@@ -1,9 +1,11 @@
 """Built-in data for `torchfleet train` and `torchfleet bench`.
 
 `digits` is real data shipped inside scikit-learn (1,797 8x8 hand-written
-digits), so the built-in job needs no download. `synthetic` is random data of
-any shape, and `MockLoader` yields one batch held in memory forever, as the
-benchmark notebook in the project's seeds does, so that loading is not timed.
+digits), so the built-in job needs no download; `text` (text.py) is a
+byte-level corpus from the same package, for `gpt`. `synthetic` is random
+data of any shape, and `MockLoader` (images) and `MockTokens` (token
+sequences) yield one batch held in memory forever, as the benchmark notebook
+in the project's seeds does, so that loading is not timed.
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ import torch
 from torch.utils.data import Dataset, TensorDataset
 
 from torchfleet.errors import UsageError
+from torchfleet.train.text import text
 
-DATASETS = ("digits", "synthetic")
+DATASETS = ("digits", "synthetic", "text")
+TOKEN_DATASETS = ("text",)  # token sequences, for the token models (gpt); the others hold images
 
 
 def digits(split: str = "train", val_fraction: float = 0.2, seed: int = 0) -> TensorDataset:
@@ -76,9 +80,28 @@ class MockLoader:
             yield self.inputs, self.targets
 
 
+class MockTokens:
+    """MockLoader for token models: one batch of random token sequences, yielded forever.
+
+    The target is the input shifted by one token, as in the text corpus; the
+    tokens are random, so the figures measure speed, not learning.
+    """
+
+    def __init__(self, batch: int, block_size: int, vocab_size: int, device="cpu", seed: int = 0):
+        gen = torch.Generator().manual_seed(seed)
+        tokens = torch.randint(0, vocab_size, (batch, block_size + 1), generator=gen).to(device)
+        self.inputs, self.targets = tokens[:, :-1], tokens[:, 1:]
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        while True:
+            yield self.inputs, self.targets
+
+
 def builtin_dataset(name: str, split: str, seed: int = 0, size: int = 4096,
-                    shape: tuple[int, ...] = (1, 8, 8), num_classes: int = 10) -> Dataset:
-    """The dataset `torchfleet train --data NAME` uses."""
+                    shape: tuple[int, ...] = (1, 8, 8), num_classes: int = 10, block_size: int = 64) -> Dataset:
+    """The dataset `torchfleet train --data NAME` uses (`block_size`: text's sequence length)."""
+    if name == "text":
+        return text(split, block_size)
     if name == "digits":
         return digits(split, seed=seed)
     if name == "synthetic":

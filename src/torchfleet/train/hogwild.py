@@ -19,12 +19,15 @@ from torchfleet.env import DistEnv
 from torchfleet.errors import UsageError
 from torchfleet.fleet import Fleet
 from torchfleet.launcher import hogwild
+from torchfleet.models import gpt_config
 from torchfleet.precision import Precision
 from torchfleet.strategies.base import Runtime
+from torchfleet.strategies.batchnorm import batchnorm_note
 from torchfleet.strategies.hogwild import Hogwild, worker_info
 from torchfleet.train import report
 from torchfleet.train.datasets import builtin_dataset
 from torchfleet.train.models import build_model, build_optimizer
+from torchfleet.train.tasks import task_for, validate
 
 
 def train_hogwild(cfg, workers: int) -> dict:
@@ -38,12 +41,19 @@ def train_hogwild(cfg, workers: int) -> dict:
     if cfg.checkpoint_dir or cfg.resume:
         raise UsageError("hogwild has no single state to checkpoint (each worker keeps its own optimizer"
                          " and updates without locks); drop --checkpoint-dir, or use serial or ddp")
+    if cfg.metrics_out or cfg.tensorboard:
+        raise UsageError("hogwild's workers keep no common record of their steps to log; drop --metrics-out"
+                         " and --tensorboard, or use serial or ddp")
     check_global_batch(cfg.batch_size, workers)
 
     torch.manual_seed(cfg.seed)  # the same initial weights as every other strategy
-    train_set = builtin_dataset(cfg.data, "train", cfg.seed, cfg.synthetic_size)
-    val_set = builtin_dataset(cfg.data, "val", cfg.seed, cfg.synthetic_size)
-    model = build_model(cfg.model, tuple(train_set[0][0].shape), num_classes=10)
+    block = gpt_config(cfg.gpt_preset).block_size  # read by --data text only
+    train_set = builtin_dataset(cfg.data, "train", cfg.seed, cfg.synthetic_size, block_size=block)
+    val_set = builtin_dataset(cfg.data, "val", cfg.seed, cfg.synthetic_size, block_size=block)
+    model = build_model(cfg.model, tuple(train_set[0][0].shape), num_classes=10, gpt_preset=cfg.gpt_preset)
+    note = batchnorm_note(model, "hogwild", synced=False)  # said here once, not by every worker
+    if note:
+        print(f"note: {note}", flush=True)
     start = time.perf_counter()
     done = hogwild.run(_train_worker, model, workers, args=(cfg, train_set, val_set),
                sharing_strategy=cfg.strategy_options.get("sharing_strategy"))
@@ -55,7 +65,7 @@ def train_hogwild(cfg, workers: int) -> dict:
         "precision": cfg.precision, "model": cfg.model, "data": cfg.data, "epochs": cfg.epochs,
         "steps": done[0]["steps"], "global_batch": cfg.batch_size,
         "final_loss": sum(d["loss"] for d in done) / workers,
-        "val_accuracy": accuracy(model, val_set),
+        **validate(model, val_set, task_for(cfg.model)),
         "samples_per_s": sum(d["samples"] for d in done) / train_seconds if train_seconds else 0.0,
         "wall_s": wall,
     }
@@ -63,18 +73,6 @@ def train_hogwild(cfg, workers: int) -> dict:
     if cfg.json_out:
         outputs.write_text(cfg.json_out, json.dumps(result, indent=2) + "\n", "--json-out")
     return result
-
-
-@torch.no_grad()
-def accuracy(model: nn.Module, dataset, batch_size: int = 512) -> float:
-    """Fraction of `dataset` the model classifies right, in one process."""
-    was_training = model.training
-    model.eval()
-    correct = 0
-    for inputs, targets in torch.utils.data.DataLoader(dataset, batch_size=batch_size):
-        correct += (model(inputs).argmax(1) == targets).sum().item()
-    model.train(was_training)
-    return correct / len(dataset)
 
 
 def _train_worker(model: nn.Module, cfg, train_set, val_set) -> dict:
@@ -89,14 +87,14 @@ def _train_worker(model: nn.Module, cfg, train_set, val_set) -> dict:
     total_steps = len(loader.batch_sampler) * cfg.epochs
     if cfg.max_steps is not None:
         total_steps = min(total_steps, cfg.max_steps)
-    loss_fn = nn.CrossEntropyLoss()
+    task = task_for(cfg.model)
     step = samples = 0
     loss = torch.tensor(float("nan"))
     tick = time.perf_counter()
     evaluating = 0.0  # worker 0's validation passes, kept out of the training time
     for epoch in range(cfg.epochs):
         for inputs, targets in loader:
-            loss = fleet.train_step(inputs, targets, loss_fn)
+            loss = fleet.train_step(inputs, targets, task.loss_fn)
             step += 1
             samples += len(inputs)
             if step >= total_steps:
@@ -104,7 +102,7 @@ def _train_worker(model: nn.Module, cfg, train_set, val_set) -> dict:
         if info.rank == 0 and cfg.progress:
             # Worker 0's view while the others may still be writing: that is hogwild.
             began = time.perf_counter()
-            print(f"epoch {epoch + 1}: validation accuracy {accuracy(model, val_set):.4f}", flush=True)
+            print(f"epoch {epoch + 1}: {report.describe(validate(model, val_set, task))}", flush=True)
             evaluating += time.perf_counter() - began
         if step >= total_steps:
             break

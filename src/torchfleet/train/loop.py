@@ -12,39 +12,38 @@ import json
 import time
 
 import torch
-from torch import nn
 
 from torchfleet import checkpoint, outputs
-from torchfleet.errors import TrainingError
 from torchfleet.fleet import Fleet
 from torchfleet.launcher.watchdog import Watchdog
+from torchfleet.models import gpt_config
 from torchfleet.train import faults, report
 from torchfleet.train.config import TrainConfig
 from torchfleet.train.datasets import builtin_dataset
 from torchfleet.train.hogwild import train_hogwild
+from torchfleet.train.losses import FP16_NONFINITE_LIMIT, LossWindow  # noqa: F401 - the limit stays importable from here
+from torchfleet.train.metrics import MetricsLog
 from torchfleet.train.models import build_model, build_optimizer
-
-# fp16: this many non-finite losses in a row mean the model diverged, not that
-# the scaler's scale needs lowering (each one halved it).
-FP16_NONFINITE_LIMIT = 8
+from torchfleet.train.tasks import CLASSIFY, Task, task_for
 
 
-def evaluate(fleet: Fleet, dataset, on_batch=None) -> float:
-    """Accuracy over the whole validation set, each sample counted once across ranks."""
+def evaluate(fleet: Fleet, dataset, on_batch=None, task: Task = CLASSIFY) -> dict:
+    """`task`'s validation figures over the whole validation set, each sample counted once
+    across ranks: {"val_accuracy": ...}, or val_loss and val_perplexity for gpt (train/tasks.py)."""
     model = fleet.strategy.model
     was_training = model.training
     model.eval()
-    correct = total = 0
+    numerator = count = 0.0
     for inputs, targets in fleet.eval_dataloader(dataset):
         outputs = fleet.predict(inputs)
         if on_batch:
             on_batch()  # the watchdog's heartbeat: a long evaluation is progress too
         if outputs is not None:  # pipeline stages other than the last return None
-            correct += (outputs.argmax(1).cpu() == targets).sum().item()
-            total += len(targets)
+            n, c = task.tally(outputs, targets)
+            numerator, count = numerator + n, count + c
     model.train(was_training)
-    counts = fleet.all_reduce(torch.tensor([correct, total], dtype=torch.float64), op="sum")
-    return (counts[0] / counts[1]).item() if counts[1] > 0 else float("nan")
+    sums = fleet.all_reduce(torch.tensor([numerator, count], dtype=torch.float64), op="sum")
+    return task.figures(sums[0].item(), sums[1].item())
 
 
 def train(cfg: TrainConfig, strategy: str, nproc: int = 1) -> dict:
@@ -56,24 +55,31 @@ def train(cfg: TrainConfig, strategy: str, nproc: int = 1) -> dict:
     if strategy == "hogwild":
         return train_hogwild(cfg, nproc)
     fleet = Fleet(strategy=strategy, precision=cfg.precision, backend=cfg.backend,
-                  grad_accum=cfg.grad_accum, **cfg.strategy_options)
-    for note in fleet.notes:
-        fleet.print(f"note: {note}")
+                  grad_accum=cfg.grad_accum, max_grad_norm=cfg.max_grad_norm,
+                  activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile,
+                  **cfg.strategy_options)
     if fleet.checkpoint_dir and not cfg.checkpoint_dir:
         # A SageMaker job with checkpoints: they go where SageMaker syncs them to S3,
         # and a restarted (Spot) job resumes from there.
         cfg = dataclasses.replace(cfg, checkpoint_dir=str(fleet.checkpoint_dir), resume=True)
 
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank and every run
-    train_set = builtin_dataset(cfg.data, "train", cfg.seed, cfg.synthetic_size)
-    val_set = builtin_dataset(cfg.data, "val", cfg.seed, cfg.synthetic_size)
+    block = gpt_config(cfg.gpt_preset).block_size  # read by --data text only
+    train_set = builtin_dataset(cfg.data, "train", cfg.seed, cfg.synthetic_size, block_size=block)
+    val_set = builtin_dataset(cfg.data, "val", cfg.seed, cfg.synthetic_size, block_size=block)
     in_shape = tuple(train_set[0][0].shape)
-    model = build_model(cfg.model, in_shape, num_classes=10)
+    model = build_model(cfg.model, in_shape, num_classes=10, gpt_preset=cfg.gpt_preset)
+    task = task_for(cfg.model)  # the loss, and what validation reports
     optimizer = build_optimizer(cfg.optimizer, model.parameters(), cfg.lr)
-    model, optimizer = fleet.setup(model, optimizer)
     loader = fleet.dataloader(train_set, cfg.batch_size, shuffle=True, seed=cfg.seed)
     sampler = loader.batch_sampler
-    loss_fn = nn.CrossEntropyLoss()
+    # A batch of this rank's shape, for pipelines that trace the model to cut it. Made from
+    # the data set, not the loader: a loader's iterator draws from its shuffling generator.
+    example = torch.stack([train_set[i][0] for i in range(sampler.local_batch)])
+    model, optimizer = fleet.setup(model, optimizer, example_inputs=example)
+    for note in fleet.notes:  # after setup: the BatchNorm note needs the model
+        fleet.print(f"note: {note}")
+    loss_fn = task.loss_fn
 
     step = saved = 0
     # After a restart by torchrun's agent (--max-restarts) the group resumes on its own.
@@ -85,13 +91,17 @@ def train(cfg: TrainConfig, strategy: str, nproc: int = 1) -> dict:
     if cfg.max_steps is not None:
         total_steps = min(total_steps, cfg.max_steps)
 
-    nonfinite_streak = 0
+    # The loss reaches the host every --log-every steps, not every step (train/losses.py).
+    window = LossWindow(cfg.log_every, fleet.rank, fleet.strategy.runtime.precision.scaler, fleet.all_reduce)
+    # The validation figures' names (a tally of nothing gives them) are the file's columns.
+    metrics = MetricsLog(cfg.metrics_out, cfg.tensorboard, tuple(task.figures(0.0, 0.0)), start_step=step) \
+        if fleet.is_main else MetricsLog()
     loss = torch.tensor(float("nan"))
-    val_accuracy = float("nan")
+    val = {}  # the newest validation figures (evaluate's)
     samples = 0
     train_seconds = 0.0
     start = time.perf_counter()
-    with report.progress(enabled=cfg.progress and fleet.is_main, total=total_steps, done=step) as bar:
+    with report.progress(enabled=cfg.progress and fleet.is_main, total=total_steps, done=step) as bar, metrics:
         while step < total_steps:
             epoch = sampler.epoch
             tick = time.perf_counter()
@@ -101,23 +111,28 @@ def train(cfg: TrainConfig, strategy: str, nproc: int = 1) -> dict:
                 samples += cfg.batch_size
                 if watchdog:
                     watchdog.beat(step)
-                nonfinite_streak = _check_finite(fleet, loss, step, faults.maybe_fire(fleet.rank, step),
-                                                 nonfinite_streak)
-                bar.advance(epoch=epoch + 1, loss=loss.item())
-                if cfg.checkpoint_dir and cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+                window.add(loss, step, injected=faults.maybe_fire(fleet.rank, step))
+                saving = cfg.checkpoint_dir and cfg.checkpoint_every and step % cfg.checkpoint_every == 0
+                shown = None
+                if step % cfg.log_every == 0 or saving:  # read before saving: never a diverged checkpoint
+                    shown = _log(window, metrics, step, epoch + 1, optimizer, samples)
+                bar.advance(epoch=epoch + 1, loss=shown)
+                if saving:
                     saved = _save(fleet, cfg, step, sampler)
                 if step >= total_steps:
                     break
-            train_seconds += time.perf_counter() - tick
+            bar.advance(epoch=epoch + 1, loss=_log(window, metrics, step, epoch + 1, optimizer, samples), steps=0)
+            train_seconds += time.perf_counter() - tick  # after the read: the GPU has finished the epoch
             beat = functools.partial(watchdog.beat, step, "evaluate") if watchdog else None
-            val_accuracy = evaluate(fleet, val_set, beat)
-            bar.epoch_done(epoch + 1, val_accuracy)
+            val = evaluate(fleet, val_set, beat, task)
+            bar.epoch_done(epoch + 1, val)
+            metrics.epoch(step, epoch + 1, val)
             if cfg.checkpoint_dir and not cfg.checkpoint_every:
                 saved = _save(fleet, cfg, step, sampler)
     if cfg.checkpoint_dir and saved != step:
         _save(fleet, cfg, step, sampler)  # the final weights, whatever the interval
-    if step == total_steps and val_accuracy != val_accuracy:  # NaN: resumed a run that had finished
-        val_accuracy = evaluate(fleet, val_set)
+    if step == total_steps and not val:  # resumed a run that had finished: no epoch ran
+        val = evaluate(fleet, val_set, task=task)
     if watchdog:
         watchdog.stop()
     wall = time.perf_counter() - start
@@ -135,10 +150,12 @@ def train(cfg: TrainConfig, strategy: str, nproc: int = 1) -> dict:
         "steps": step,
         "global_batch": cfg.batch_size,
         "final_loss": final_loss,
-        "val_accuracy": val_accuracy,
+        **val,
         "samples_per_s": samples / train_seconds if train_seconds else 0.0,
         "wall_s": wall,
     }
+    if task is not CLASSIFY:  # a sample is a sequence of `block` tokens
+        result.update(gpt_preset=cfg.gpt_preset, tokens_per_s=result["samples_per_s"] * block)
     memory = fleet.strategy.memory_report()
     if memory:
         result["memory_per_rank"] = memory
@@ -154,27 +171,12 @@ def train(cfg: TrainConfig, strategy: str, nproc: int = 1) -> dict:
     return result
 
 
-def _check_finite(fleet: Fleet, loss: torch.Tensor, step: int, injected: bool, streak: int) -> int:
-    """Stop on a non-finite loss, naming the step and rank; returns the fp16 streak.
-
-    Under fp16 the GradScaler skips a step whose gradients overflow and lowers
-    its scale: a non-finite loss there is routine, and only a run of
-    FP16_NONFINITE_LIMIT of them in a row stops training.
-    """
-    finite = not injected and torch.isfinite(loss).item()
-    if finite:
-        return 0
-    value = "nan" if injected else f"{loss.item()}"
-    scaler = fleet.strategy.runtime.precision.scaler
-    if scaler is None:
-        raise TrainingError(f"the loss is {value} at step {step} on rank {fleet.rank}; training stopped"
-                            " (lower --lr, or use --precision fp32 if it was bf16)")
-    streak += 1
-    if streak >= FP16_NONFINITE_LIMIT:
-        raise TrainingError(f"the loss has been {value} for {streak} steps in a row up to step {step} on rank"
-                            f" {fleet.rank}, though the fp16 scaler skipped each one and lowered its scale to"
-                            f" {scaler.get_scale():g}; training stopped (lower --lr, or use --precision bf16 or fp32)")
-    return streak
+def _log(window: LossWindow, metrics: MetricsLog, step: int, epoch: int, optimizer, samples: int) -> float | None:
+    """Read the loss window (the host sync of a log interval) and record its mean; None if it was empty."""
+    loss = window.read()
+    if loss is not None:
+        metrics.step(step, epoch, loss, optimizer.param_groups[0]["lr"], samples)
+    return loss
 
 
 def _save(fleet: Fleet, cfg: TrainConfig, step: int, sampler) -> int:

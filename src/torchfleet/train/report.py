@@ -16,13 +16,23 @@ class _Bar:
     def __init__(self, progress: Progress | None, task):
         self._progress, self._task = progress, task
 
-    def advance(self, epoch: int, loss: float) -> None:
+    def advance(self, epoch: int, loss: float | None = None, steps: int = 1) -> None:
+        """`steps` more done; `loss` only when the trainer read one (every --log-every steps)."""
         if self._progress is not None:
-            self._progress.update(self._task, advance=1, epoch=epoch, loss=f"{loss:.4f}")
+            shown = {} if loss is None else {"loss": f"{loss:.4f}"}
+            self._progress.update(self._task, advance=steps, epoch=epoch, **shown)
 
-    def epoch_done(self, epoch: int, val_accuracy: float) -> None:
+    def epoch_done(self, epoch: int, figures: dict) -> None:
         if self._progress is not None:
-            self._progress.console.print(f"epoch {epoch}: validation accuracy {val_accuracy:.4f}")
+            self._progress.console.print(f"epoch {epoch}: {describe(figures)}")
+
+
+def describe(figures: dict) -> str:
+    """Validation figures in words: 'validation accuracy 0.9712', or for gpt
+    'validation loss 2.1034, perplexity 8.19'."""
+    if "val_loss" in figures:
+        return f"validation loss {figures['val_loss']:.4f}, perplexity {figures['val_perplexity']:.2f}"
+    return f"validation accuracy {figures.get('val_accuracy', float('nan')):.4f}"
 
 
 @contextlib.contextmanager
@@ -66,9 +76,10 @@ def _bytes(n) -> str:
 
 _ROWS = (
     ("strategy", "strategy"), ("processes", "world_size"), ("backend", "backend"),
-    ("precision", "precision"), ("model", "model"), ("epochs", "epochs"), ("steps", "steps"),
-    ("global batch", "global_batch"), ("final loss", "final_loss"),
-    ("validation accuracy", "val_accuracy"), ("samples/s", "samples_per_s"),
+    ("precision", "precision"), ("model", "model"), ("gpt preset", "gpt_preset"), ("epochs", "epochs"),
+    ("steps", "steps"), ("global batch", "global_batch"), ("final loss", "final_loss"),
+    ("validation accuracy", "val_accuracy"), ("validation loss", "val_loss"),
+    ("validation perplexity", "val_perplexity"), ("samples/s", "samples_per_s"), ("tokens/s", "tokens_per_s"),
     ("wall time (s)", "wall_s"),
 )
 _PIPELINE_ROWS = (

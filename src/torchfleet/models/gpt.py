@@ -1,0 +1,193 @@
+"""`gpt`: a decoder-only transformer, GPT-2's architecture in our own code.
+
+Token and position embeddings, `n_layer` pre-norm blocks in an
+``nn.ModuleList`` (attention, then an MLP, each added to the residual
+stream), a final LayerNorm and a bias-free head to the vocabulary. It is the
+shape of model the sharding, pipeline and tensor-parallel strategies exist
+for, which the small digits classifiers are not.
+
+Three choices serve the strategies:
+- q, k and v are separate ``nn.Linear`` layers (GPT-2 fuses them into one
+  ``c_attn``): tensor parallelism shards each by columns, so every rank holds
+  whole heads; a fused projection sharded by columns would give rank 0 all of
+  q and half of k instead.
+- attention reshapes with the head size fixed and the head count inferred
+  (``view(B, T, -1, head_dim)``), so the same code runs on a rank that holds
+  ``n_head / tp`` heads.
+- dropout defaults to 0: with it, every strategy computes the same function
+  as serial, which the equivalence tests compare weight for weight.
+
+``tie_embeddings=True`` makes the head and the token embedding one parameter,
+as GPT-2 does (its 124M count includes the embedding once).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchfleet.errors import UsageError, choice_error
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 256  # bytes: the built-in text corpus is byte-level
+    block_size: int = 64  # the longest sequence, and the position table's length
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 64
+    dropout: float = 0.0
+    tie_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+            if getattr(self, name) < 1:
+                raise UsageError(f"GPTConfig {name}={getattr(self, name)} must be at least 1")
+        if self.n_embd % self.n_head:
+            raise UsageError(f"GPTConfig n_embd={self.n_embd} does not split into n_head={self.n_head} heads;"
+                             " choose n_embd a multiple of n_head")
+        if not 0.0 <= self.dropout < 1.0:
+            raise UsageError(f"GPTConfig dropout={self.dropout} must be in [0, 1)")
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+
+# Parameter counts are in tests/test_models.py; `tiny` trains in seconds on 2 CPU cores.
+PRESETS = {
+    "tiny": GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=64),  # 236,928
+    "small50m": GPTConfig(vocab_size=256, block_size=256, n_layer=8, n_head=12, n_embd=768),  # 57,294,336
+    "gpt2": GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768,
+                      tie_embeddings=True),  # 124,439,808: GPT-2 small
+}
+
+
+def gpt_config(preset: str) -> GPTConfig:
+    if preset not in PRESETS:
+        raise choice_error("gpt preset", preset, tuple(PRESETS))
+    return PRESETS[preset]
+
+
+class Attention(nn.Module):
+    """Causal self-attention with separate q, k, v projections (see the module doc)."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.q = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.k = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.v = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.dropout = cfg.dropout
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, _ = x.shape
+        # -1 heads: under tensor parallelism this rank's q, k and v hold n_head / tp of them.
+        q, k, v = (p(x).view(batch, length, -1, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
+                                           is_causal=True)
+        return self.resid_dropout(self.proj(y.transpose(1, 2).reshape(batch, length, -1)))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
+        self.gelu = nn.GELU(approximate="tanh")  # GPT-2's GELU
+        self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.proj(self.gelu(self.fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-norm: x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd)
+        self.attn = Attention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """forward(idx: LongTensor (B, T)) -> logits (B, T, vocab_size); T <= block_size."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.config = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.norm = nn.LayerNorm(cfg.n_embd)
+        self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.head.weight = self.tok_emb.weight
+        self.apply(self._init_weights)
+        # GPT-2: each residual projection scaled by 1/sqrt(2 n_layer), since 2 n_layer of them add
+        # into the residual stream and its variance would otherwise grow with depth.
+        for name, param in self.named_parameters():
+            if name.endswith("attn.proj.weight") or name.endswith("mlp.proj.weight"):
+                nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        length = idx.shape[1]
+        if length > self.config.block_size:
+            raise UsageError(f"a sequence of {length} tokens is longer than this GPT's block_size"
+                             f" {self.config.block_size}; cut the input or choose a larger block_size")
+        positions = torch.arange(length, device=idx.device)
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(positions))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+    def tp_plan(self, tp: int = 1) -> dict:
+        """Tensor-parallel styles by module name (relative to this model), Megatron's split:
+        q, k, v and the MLP's fc by columns (each rank whole heads, a slice of the hidden
+        units), the two output projections by rows, so each block needs one all-reduce per
+        sublayer. Embeddings, norms and the head stay replicated. `tp`, the degree, must
+        divide the heads: attention runs on whole heads."""
+        # Imported here: torch.distributed.tensor is slow to import and only TP needs it.
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        heads = self.config.n_head
+        if heads % tp:
+            raise UsageError(f"tensor parallelism over {tp} processes would split this GPT's {heads} attention"
+                             f" heads unevenly (each rank needs whole heads); choose a --tp that divides {heads}")
+
+        plan = {}
+        for i in range(len(self.blocks)):
+            for name in ("attn.q", "attn.k", "attn.v", "mlp.fc"):
+                plan[f"blocks.{i}.{name}"] = ColwiseParallel()
+            for name in ("attn.proj", "mlp.proj"):
+                plan[f"blocks.{i}.{name}"] = RowwiseParallel()
+        return plan
+
+
+def gpt(preset: str = "tiny") -> GPT:
+    return GPT(gpt_config(preset))
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over every position: logits (B, T, V), targets (B, T)."""
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))

@@ -1,0 +1,174 @@
+"""Cutting a model that is not an ``nn.Sequential`` into pipeline stages.
+
+A Sequential's children are cut where they stand (parallelize.py). Any other
+model (a transformer from a library, a ResNet) is cut by
+`torch.distributed.pipelining`'s tracer: torch.export captures the forward
+on one example micro-batch, and the graph is split where a named module
+begins (``split_points``, e.g. ``transformer.h.2``). Without split points the
+cut falls between the model's repeated blocks (strategies/blocks.py),
+balanced by the blocks' parameter counts.
+
+What the tracer does not do, done here:
+
+- **Tied parameters** (GPT-2's input embedding is its output head): each
+  stage that uses one gets its own copy. `tied_groups` finds them before the
+  cut; the Pipeline strategy sums their gradients across the stages that hold
+  them before each step, so every copy takes the same update and stays equal
+  to the others (what serial computes for the one parameter).
+- **The output's structure**: the last stage returns the forward's outputs
+  flattened (a Hugging Face ``ModelOutput`` becomes a tuple); `Cut.unflatten`
+  gives the loss function what the model returns in serial.
+- **Fixed shapes**: the traced stages are specialised to the example
+  micro-batch's shape, so every micro-batch must have it (`Cut.batch`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from torchfleet.errors import UsageError
+from torchfleet.strategies.blocks import describe, find_blocks
+from torchfleet.strategies.partition import partition
+from torchfleet.versions import release
+
+
+@dataclass
+class Cut:
+    """This rank's stage of a traced model, and what the strategy needs to run it."""
+
+    module: nn.Module  # the stage: a GraphModule holding the original parameter names
+    starts: list[str]  # the module each stage after the first begins at
+    batch: int  # the traced micro-batch size (the stages are specialised to it)
+    out_spec: pytree.TreeSpec  # the structure of the model's output
+    tied: list[list[str]] = field(default_factory=list)  # alias names of each tied parameter
+    holders: list[list[int]] = field(default_factory=list)  # the stages holding each tied parameter
+
+    def unflatten(self, output):
+        """The last stage's output in the structure the model's forward returns."""
+        leaves = list(output) if isinstance(output, (tuple, list)) else [output]
+        if len(leaves) == self.out_spec.num_leaves:
+            return pytree.tree_unflatten(leaves, self.out_spec)
+        return output
+
+
+def tied_groups(model: nn.Module) -> list[list[str]]:
+    """Names of each parameter the model holds under more than one name."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
+def stage_starts(model: nn.Module, stages: int, split_points: list[str] | None) -> list[str]:
+    """Where each stage after the first begins: the user's split points, or between blocks."""
+    kind = type(model).__name__
+    modules = dict(model.named_modules())
+    if split_points:
+        if len(split_points) != stages - 1:
+            raise UsageError(f"--split-points names {len(split_points)} points for {stages} stages;"
+                             f" give {stages - 1} (each stage after the first begins at one)")
+        for point in split_points:
+            if point not in modules or not point:
+                blocks = find_blocks(model)
+                hint = f" such as {blocks[len(blocks) // 2][0]}" if blocks else ""
+                raise UsageError(f"split point {point!r} is not a module of this {kind};"
+                                 f" name modules by their qualified names{hint}")
+        return list(split_points)
+    blocks = find_blocks(model)
+    if len(blocks) < stages:
+        raise UsageError(
+            f"cannot cut this {kind} into {stages} stages automatically: it has {len(blocks)} repeated"
+            f" blocks ({describe(blocks)}); pass split_points (--split-points) naming the module"
+            f" each stage after the first begins at")
+    sizes = partition([sum(p.numel() for p in b.parameters()) for _, b in blocks], stages)
+    starts, at = [], 0
+    for size in sizes[:-1]:
+        at += size
+        starts.append(blocks[at][0])
+    return starts
+
+
+def _retie(stage: nn.Module, groups: list[list[str]]) -> None:
+    """Within one stage, make every name of a tied parameter one Parameter again.
+
+    The tracer gives a stage one copy per name it keeps, and only one of
+    them is used; the others would train nothing and save stale values.
+    """
+    for group in groups:
+        present = [n for n in group if _has_parameter(stage, n)]
+        if len(present) > 1:
+            keep = stage.get_parameter(present[0])
+            for name in present[1:]:
+                owner, _, leaf = name.rpartition(".")
+                setattr(stage.get_submodule(owner) if owner else stage, leaf, keep)
+
+
+def _has_parameter(module: nn.Module, name: str) -> bool:
+    try:
+        module.get_parameter(name)
+    except AttributeError:
+        return False
+    return True
+
+
+def trace(model: nn.Module, stages: int, stage: int, split_points: list[str] | None,
+          example_args: tuple, example_kwargs: dict) -> Cut:
+    """Trace `model` on one example micro-batch and keep stage `stage` of `stages`."""
+    from torch.distributed.pipelining import SplitPoint, pipeline
+
+    starts = stage_starts(model, stages, split_points)
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False):
+        # A Hugging Face model returns its key/value cache by default, an object
+        # torch.export cannot carry between stages; training never reads it.
+        config.use_cache = False
+    groups = tied_groups(model)
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        _, out_spec = pytree.tree_flatten(model(*example_args, **example_kwargs))
+    try:
+        pipe = pipeline(model, mb_args=example_args, mb_kwargs=example_kwargs or None,
+                        split_spec={s: SplitPoint.BEGINNING for s in starts})
+    except Exception as error:  # torch.export's reasons are many; the first line says which
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise UsageError(f"could not trace this {type(model).__name__} to cut it into pipeline stages"
+                         f" ({reason}); pass an nn.Sequential, or use fsdp or ddp for this model") from None
+    if pipe.num_stages != stages:
+        raise UsageError(f"the split points {', '.join(starts)} cut this {type(model).__name__} into"
+                         f" {pipe.num_stages} stages, not {stages}; name modules the forward calls in order")
+    modules = [pipe.get_stage_module(s) for s in range(stages)]
+    if release() < (2, 14):
+        _refuse_integer_activations(modules, example_args, example_kwargs)
+    holders = [[s for s, m in enumerate(modules) if any(_has_parameter(m, n) for n in g)] for g in groups]
+    cut = Cut(modules[stage], starts, _batch_size(example_args, example_kwargs), out_spec,
+              [g for g, h in zip(groups, holders, strict=True) if len(h) > 1],
+              [h for h in holders if len(h) > 1])
+    _retie(cut.module, groups)
+    return cut
+
+
+def _refuse_integer_activations(modules, args: tuple, kwargs: dict) -> None:
+    """Before 2.14 torch sends a gradient back for every tensor a stage receives, and an
+    integer one (a mask, positions) has none: training fails inside the schedule with an
+    error about gradients. Found here, on every rank at once, by running the cut once."""
+    received: set[str] = set()
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        out = modules[0](*args, **kwargs)
+        for module in modules[1:]:  # a traced cut is a chain: each stage takes the last one's outputs
+            inputs = out if isinstance(out, tuple) else (out,)
+            received.update(str(t.dtype) for t in inputs if isinstance(t, torch.Tensor) and not t.is_floating_point())
+            out = module(*inputs)
+    if received:
+        raise UsageError(f"this cut sends {', '.join(sorted(received))} tensors between pipeline stages,"
+                         f" which torch {torch.__version__.split('+')[0]} cannot train through (2.14 can);"
+                         " upgrade torch, or use fsdp for this model")
+
+
+def _batch_size(args: tuple, kwargs: dict) -> int:
+    for leaf in pytree.tree_leaves((args, kwargs)):
+        if isinstance(leaf, torch.Tensor) and leaf.dim():
+            return leaf.shape[0]
+    raise UsageError("the example inputs hold no tensor with a batch dimension to trace the pipeline with")

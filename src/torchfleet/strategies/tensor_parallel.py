@@ -1,0 +1,121 @@
+"""tp: tensor parallelism, each layer of the model's plan split across one "tp" group of processes.
+
+A plan maps module names to torch.distributed.tensor.parallel's styles:
+``ColwiseParallel`` splits an ``nn.Linear``'s output features (each rank
+computes its slice of the outputs from the whole input), ``RowwiseParallel``
+its input features (each rank a partial sum of every output, all-reduced).
+Megatron's pairing, column-wise then row-wise (q/k/v then the attention's
+output projection, the MLP's fc then its projection), keeps the activation
+between the two split and costs one all-reduce per pair in forward and one
+in backward. The plan comes from the model (`model.tp_plan()`, which the
+built-in gpt has) or from the user (strategy option ``tp_plan=``).
+
+Why the weights equal serial's: a column-wise layer's outputs are serial's
+dot products, computed by whichever rank holds those columns; a row-wise
+layer's outputs are serial's sums, added in another order (float rounding,
+about 1e-7). Every rank of a tp group reads the same batch (`ParallelDims.dp`
+leaves tp out), and the layers outside the plan (embeddings, norms, head)
+stay plain tensors that every rank of the group computes alike: the
+gradient reaching them is all-reduced by the column-wise layers' backward,
+so their gradients and updates are equal on every rank of the group without
+further communication.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from fnmatch import fnmatchcase
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+
+from torchfleet.errors import UsageError
+
+PLAN_HINT = ("give the strategy option tp_plan={module name: ColwiseParallel() or RowwiseParallel(), ...}"
+             " (torch.distributed.tensor.parallel), or add a tp_plan() method to the model that returns one")
+
+
+def tp_plan_for(model: nn.Module, tp: int, given: dict | None = None) -> tuple[dict[str, ParallelStyle], str]:
+    """(the plan for `tp` ranks, where it came from): `given` if any, else the model's `tp_plan()`.
+
+    A model's `tp_plan` may take the degree (``tp_plan(tp)``) to check its
+    shape against it: the built-in gpt refuses a tp that splits a head.
+    Every name must match a module of `model` (``*`` matches any part, as in
+    torch's plans); torch would only warn and skip the layer.
+    """
+    kind = type(model).__name__
+    if given is not None:
+        plan, source = dict(given), "the tp_plan option"
+    elif callable(getattr(model, "tp_plan", None)):
+        method = model.tp_plan
+        plan = method(tp=tp) if "tp" in inspect.signature(method).parameters else method()
+        plan, source = dict(plan), f"{kind}.tp_plan()"
+    else:
+        raise UsageError(f"tensor parallelism needs a plan of which layers to split, and {kind} has none; "
+                         + PLAN_HINT)
+    if not plan:
+        raise UsageError(f"{source} is empty, so tensor parallelism would split nothing; " + PLAN_HINT)
+    names = [name for name, _ in model.named_modules()]
+    for key, style in plan.items():
+        if not isinstance(style, ParallelStyle):
+            raise UsageError(f"{source} maps {key!r} to {type(style).__name__}, not a ParallelStyle"
+                             " (ColwiseParallel, RowwiseParallel, ... from torch.distributed.tensor.parallel)")
+        if not any(fnmatchcase(name, key) for name in names):
+            raise UsageError(f"{source} names {key!r}, which is not a module of this {kind}")
+    return plan, source
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, ParallelStyle]) -> nn.Module:
+    """Split the planned layers of `model` over the 1-D `tp_mesh`, in place (their parameters become DTensors).
+
+    Every tensor is taken from the tp group's first rank: the split ones by
+    torch (``src_data_rank=0``), the rest broadcast here, so the group holds
+    one model even if each rank initialised its own (nothing later would
+    reconcile them: their gradients are equal, not averaged).
+    """
+    parallelize_module(model, tp_mesh, plan)
+    group = tp_mesh.get_group()
+    first = dist.get_global_rank(group, 0)
+    for tensor in (*model.parameters(), *model.buffers()):
+        if not isinstance(tensor, DTensor):
+            dist.broadcast(tensor.data, first, group=group)
+    return model
+
+
+def _copies(tensor: torch.Tensor, world: int) -> int:
+    """How many of the `world` ranks hold the values this rank holds of `tensor` (a plain one: all)."""
+    if not isinstance(tensor, DTensor):
+        return world
+    mesh = tensor.device_mesh
+    # Every placement but Replicate splits the values: Shard, and FSDP2's _StridedShard over
+    # a tp-split parameter, which is no Shard (is_shard() is False). Gradients are not Partial.
+    return world // math.prod(mesh.size(i) for i, p in enumerate(tensor.placements) if not p.is_replicate())
+
+
+@torch.no_grad()
+def clip_grad_norm(params, max_norm: float, device: torch.device) -> torch.Tensor:
+    """torch's clip_grad_norm_ for gradients that mix plain tensors and DTensors of several meshes.
+
+    Under tp the planned layers' gradients are DTensors on the "tp" mesh (2-D
+    with FSDP2's dimension), the rest plain tensors or DTensors of FSDP2's
+    mesh alone, and torch's foreach norm refuses to combine them. Each rank
+    adds the squares of the values it holds, each divided by how many ranks
+    hold the same values; summed over all ranks, that is the whole model's.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    world = dist.get_world_size()
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for g, mine in zip(grads, local, strict=True):
+        total += mine.float().pow(2).sum() / _copies(g, world)
+    dist.all_reduce(total)
+    norm = total.sqrt()
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # torch's formula, so tp clips as serial does
+    for mine in local:
+        mine.mul_(coef.to(mine.dtype))
+    return norm

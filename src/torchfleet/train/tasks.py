@@ -1,0 +1,70 @@
+"""What each built-in model learns: its loss, and the validation figures the trainer reports.
+
+A classifier (mlp, cnn, transformer, the ResNets) is scored by accuracy. A
+token model (gpt) predicts the next token at every position, so it is scored
+by the mean loss per token and its exponential, the perplexity (how many
+tokens the model is, in effect, choosing among). Both figures are ratios of
+sums over samples: each rank tallies its share of the validation set as
+(correct, samples) or (summed token loss, tokens), one all-reduce adds the
+tallies, and the ratio is taken once, so every sample counts once whatever
+the number of ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchfleet.models import TOKEN_MODELS, lm_loss
+
+
+@dataclass(frozen=True)
+class Task:
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    tally: Callable[[torch.Tensor, torch.Tensor], tuple[float, float]]  # one batch: (numerator, count)
+    figures: Callable[[float, float], dict]  # the summed tallies -> the result's validation entries
+
+
+def _correct(outputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, float]:
+    return float((outputs.argmax(-1).cpu() == targets.cpu()).sum()), float(targets.numel())
+
+
+def _token_loss(logits: torch.Tensor, targets: torch.Tensor) -> tuple[float, float]:
+    # fp32 and summed: bf16 logits, or a mean of means over batches of unequal size, would skew it.
+    summed = F.cross_entropy(logits.float().flatten(0, -2), targets.to(logits.device).flatten(), reduction="sum")
+    return summed.item(), float(targets.numel())
+
+
+def _accuracy(correct: float, total: float) -> dict:
+    return {"val_accuracy": correct / total if total else float("nan")}
+
+
+def _loss_and_perplexity(loss_sum: float, tokens: float) -> dict:
+    mean = loss_sum / tokens if tokens else float("nan")
+    # torch's exp, not math's: a diverged loss gives inf (math.exp raises) and NaN stays NaN.
+    return {"val_loss": mean, "val_perplexity": torch.tensor(mean, dtype=torch.float64).exp().item()}
+
+
+CLASSIFY = Task(nn.CrossEntropyLoss(), _correct, _accuracy)
+LANGUAGE = Task(lm_loss, _token_loss, _loss_and_perplexity)
+
+
+def task_for(model: str) -> Task:
+    return LANGUAGE if model in TOKEN_MODELS else CLASSIFY
+
+
+@torch.no_grad()
+def validate(model: nn.Module, dataset, task: Task, batch_size: int = 512) -> dict:
+    """`task`'s validation figures for `model` over `dataset`, in one process (hogwild's parent)."""
+    was_training = model.training
+    model.eval()
+    numerator = count = 0.0
+    for inputs, targets in torch.utils.data.DataLoader(dataset, batch_size=batch_size):
+        n, c = task.tally(model(inputs), targets)
+        numerator, count = numerator + n, count + c
+    model.train(was_training)
+    return task.figures(numerator, count)
