@@ -75,21 +75,40 @@ def test_single_process_strategies_match_serial(strategy):
     _check(strategy, CASES, [train_real_model(strategy, **case) for case in CASES])
 
 
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "pipeline"])
-def test_two_processes_match_serial(strategy):
-    cases = _for(strategy, CASES)
-    results = launch(real_model_matrix, nprocs=2, args=(strategy, cases))
-    assert results[1] == [None] * len(cases)
-    _check(strategy, cases, results[0])
+COMPILED = {"model": "gpt", "fleet_options": {"compile": True}}
+TWO = ["ddp", "fsdp", "pipeline"]
+FOUR_WAYS = ["hsdp", "ddp+pipeline", "fsdp+pipeline"]
+
+
+@functools.lru_cache(maxsize=None)
+def _launched(nprocs: int) -> dict:
+    """Every strategy of one size in one launch (process start-up is most of a small job)."""
+    strategies, cases = (TWO, CASES) if nprocs == 2 else (FOUR_WAYS, FOUR)
+    jobs = [(s, _for(s, cases)) for s in strategies]
+    if nprocs == 2:
+        jobs.append(("ddp", [COMPILED]))
+    results = launch(real_model_matrix, nprocs=nprocs, args=(jobs,))
+    assert all(r is None for job in results[1] for r in job)  # only the main rank reports weights
+    return {"compiled" if job == ("ddp", [COMPILED]) else job[0]: (job[1], got)
+            for job, got in zip(jobs, results[0], strict=True)}
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("strategy", ["hsdp", "ddp+pipeline", "fsdp+pipeline"])
+@pytest.mark.parametrize("strategy", TWO)
+def test_two_processes_match_serial(strategy):
+    _check(strategy, *_launched(2)[strategy])
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy", FOUR_WAYS)
 def test_four_processes_match_serial(strategy):
-    cases = _for(strategy, FOUR)
-    results = launch(real_model_matrix, nprocs=4, args=(strategy, cases))
-    _check(strategy, cases, results[0])
+    _check(strategy, *_launched(4)[strategy])
+
+
+@pytest.mark.timeout(300)
+def test_compiled_blocks_reach_the_same_loss():
+    (_, [got]) = _launched(2)["compiled"]
+    assert _max_diff(_serial(0), got) < 1e-4
 
 
 @pytest.mark.skipif(not OLD_PIPELINES, reason="torch 2.14 and later train through a bool tensor between stages")
@@ -97,14 +116,7 @@ def test_four_processes_match_serial(strategy):
 def test_a_cut_older_torch_cannot_train_is_refused_in_one_sentence():
     with pytest.raises(LaunchError, match=r"sends torch.bool tensors between pipeline stages, which torch 2\.\d+"
                                           r"\S* cannot train through \(2.14 can\)"):
-        launch(real_model_matrix, nprocs=2, args=("pipeline", [CASES[3]]))
-
-
-@pytest.mark.timeout(240)
-def test_compiled_blocks_reach_the_same_loss():
-    case = {"model": "gpt", "fleet_options": {"compile": True}}
-    results = launch(real_model_matrix, nprocs=2, args=("ddp", [case]))
-    assert _max_diff(_serial(0), results[0][0]) < 1e-4
+        launch(real_model_matrix, nprocs=2, args=([("pipeline", [CASES[3]])],))
 
 
 def test_a_model_compiled_before_setup_saves_its_own_keys(tmp_path):

@@ -181,9 +181,12 @@ def tp_job(strategy: str, cases: list[dict]) -> tuple[list[dict | None], str | N
     return results, said
 
 
-def real_model_matrix(strategy: str, cases: list[dict]) -> list[dict | None]:
-    """Several `train_real_model` jobs in one set of processes (one launch, many checks)."""
-    results = [train_real_model(strategy, **case) for case in cases]
+def real_model_matrix(jobs: list[tuple[str, list[dict]]]) -> list[list[dict | None]]:
+    """`train_real_model` for each (strategy, cases) of `jobs`, in one set of processes.
+
+    One launch for many strategies: they share the process group, each building its own mesh.
+    """
+    results = [[train_real_model(strategy, **case) for case in cases] for strategy, cases in jobs]
     if torch.distributed.is_initialized():
         torch.distributed.barrier()  # see Fleet.close: tear down together
         torch.distributed.destroy_process_group()
