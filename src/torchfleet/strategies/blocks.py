@@ -18,6 +18,14 @@ from torch import nn
 from torchfleet.errors import UsageError
 
 
+def parameter_names(model: nn.Module) -> dict[int, list[str]]:
+    """id(parameter) -> every name `model` holds it under (a tied parameter has several)."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return names
+
+
 def _params(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 

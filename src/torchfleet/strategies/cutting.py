@@ -31,7 +31,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from torchfleet.errors import UsageError
-from torchfleet.strategies.blocks import describe, find_blocks
+from torchfleet.strategies.blocks import describe, find_blocks, parameter_names
 from torchfleet.strategies.partition import partition
 from torchfleet.versions import release
 
@@ -57,10 +57,7 @@ class Cut:
 
 def tied_groups(model: nn.Module) -> list[list[str]]:
     """Names of each parameter the model holds under more than one name."""
-    names: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    return [group for group in names.values() if len(group) > 1]
+    return [group for group in parameter_names(model).values() if len(group) > 1]
 
 
 def stage_starts(model: nn.Module, stages: int, split_points: list[str] | None) -> list[str]:

@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from torchfleet.strategies.blocks import parameter_names
 from torchfleet.strategies.distributed import MeshStrategy
 from torchfleet.strategies.parallelize import fsdp_units, parallelize
 from torchfleet.strategies.tensor_parallel import clip_grad_norm, tp_plan_for
@@ -60,14 +61,6 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 def _nbytes(tensors) -> int:
     return sum(_local(t).numel() * _local(t).element_size() for t in tensors if t is not None)
-
-
-def parameter_names(model: nn.Module) -> dict[int, list[str]]:
-    """id(parameter) -> every name `model` holds it under (a tied parameter has several)."""
-    names: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    return names
 
 
 def rebuild_optimizer(optimizer: torch.optim.Optimizer, old_names: dict[int, list[str]],

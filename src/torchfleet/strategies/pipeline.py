@@ -41,8 +41,9 @@ from torch.distributed.tensor import DTensor
 from torchfleet.errors import UsageError, choice_error
 from torchfleet.strategies import cutting
 from torchfleet.strategies.base import batch_size, forward, split_batch
+from torchfleet.strategies.blocks import parameter_names
 from torchfleet.strategies.distributed import MeshStrategy
-from torchfleet.strategies.fsdp import memory_per_rank, parameter_names, rebuild_optimizer
+from torchfleet.strategies.fsdp import memory_per_rank, rebuild_optimizer
 from torchfleet.strategies.knobs import checkpoint_activations, compile_model
 from torchfleet.strategies.parallelize import parallelize, split_balanced
 from torchfleet.strategies.stages import TimedStage, rows, sequential_ties

@@ -27,38 +27,19 @@ class TimedStage(PipelineStage):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # device time, not launch time
 
-    def _prepare_forward_infra(self, *args, **kwargs):
-        # Before 2.14, torch marks every tensor a stage receives as needing a gradient,
-        # and an integer one cannot: mark the floating ones only, as 2.14 does.
-        backward = self.has_backward
-        self.has_backward = False
-        try:
-            out = super()._prepare_forward_infra(*args, **kwargs)
-        finally:
-            self.has_backward = backward
-        # (an integer tensor between stages is refused before 2.14: cutting.py)
-        received = [getattr(info, "buffer", None) for infos in self.args_recv_info.values() for info in infos]
-        received = [b for b in received if isinstance(b, torch.Tensor)]
-        for buffer in received if backward else ():
-            if buffer.is_floating_point():
-                buffer.requires_grad_(True)
+    def _timed(self, run, *args, **kwargs):
+        self._sync()
+        tick = time.perf_counter()
+        out = run(*args, **kwargs)
+        self._sync()
+        self.busy += time.perf_counter() - tick
         return out
 
     def forward_one_chunk(self, *args, **kwargs):
-        self._sync()
-        tick = time.perf_counter()
-        out = super().forward_one_chunk(*args, **kwargs)
-        self._sync()
-        self.busy += time.perf_counter() - tick
-        return out
+        return self._timed(super().forward_one_chunk, *args, **kwargs)
 
     def backward_one_chunk(self, *args, **kwargs):
-        self._sync()
-        tick = time.perf_counter()
-        out = super().backward_one_chunk(*args, **kwargs)
-        self._sync()
-        self.busy += time.perf_counter() - tick
-        return out
+        return self._timed(super().backward_one_chunk, *args, **kwargs)
 
 
 def rows(batch, start: int, size: int):
