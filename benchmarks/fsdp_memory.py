@@ -4,11 +4,15 @@
     torchfleet run -n 2 benchmarks/fsdp_memory.py --strategy fsdp --worker   # one of them
 
 The job: the built-in `gpt` preset small50m (57M parameters), fp32 AdamW,
-3 steps of 2 x 2 sequences of 256 tokens. Each rank reports the parameter,
-gradient and optimizer-state bytes it holds (from its own tensors) and its
-peak resident memory above what the process held before the model was
-built (the interpreter, torch, the process group). On a GPU the same job's
-figures are `torch.cuda.max_memory_allocated`.
+3 steps of 2 x 2 sequences of 256 tokens. Each rank reports:
+- the parameter, gradient and optimizer-state bytes it holds (from its own
+  tensors) after the steps;
+- its peak tensor memory over the steps (`torchfleet.tensor_memory`: every
+  tensor alive at once, the figure `torch.cuda.max_memory_allocated` gives
+  on a GPU);
+- its peak resident memory above what the process held before the model
+  was built, which on CPU also counts the allocator's retained pages and
+  Gloo's buffers.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ def worker(strategy: str, preset: str, steps: int) -> None:
 
     from torchfleet import Fleet
     from torchfleet.models import gpt, lm_loss
+    from torchfleet.tensor_memory import TensorMemory
 
     fleet = Fleet(strategy=strategy)
     before = rss_peak_bytes()
@@ -39,9 +44,11 @@ def worker(strategy: str, preset: str, steps: int) -> None:
     model, optimizer = fleet.setup(model, optimizer)
     block = model.config.block_size if hasattr(model, "config") else 256
     tokens = torch.randint(0, 256, (2 * fleet.world_size, block + 1), generator=torch.Generator().manual_seed(0))
-    for _ in range(steps):
-        fleet.train_step(tokens[:, :-1][fleet.rank * 2:(fleet.rank + 1) * 2],
-                         tokens[:, 1:][fleet.rank * 2:(fleet.rank + 1) * 2], lm_loss)
+    mine = tokens[fleet.rank * 2:(fleet.rank + 1) * 2]
+    with TensorMemory(model, optimizer) as tensors:
+        for _ in range(steps):
+            tensors.next_step()
+            fleet.train_step(mine[:, :-1], mine[:, 1:], lm_loss)
     held = fleet.strategy.memory_report()
     if held is None:  # ddp keeps whole copies: count them the same way
         from torchfleet.strategies.fsdp import memory_per_rank
@@ -49,9 +56,10 @@ def worker(strategy: str, preset: str, steps: int) -> None:
         ps = list(model.parameters())
         held = memory_per_rank(ps, [p.grad for p in ps], optimizer)
     peak = fleet.all_reduce(rss_peak_bytes() - before, op="max").item()
+    tensor_peak = fleet.all_reduce(tensors.peak_bytes(fleet.device), op="max").item()
     if fleet.is_main:
         print(json.dumps({"strategy": strategy, "parameters": params, "held": held["rank 0"],
-                          "peak_above_start": peak}))
+                          "tensor_peak": tensor_peak, "peak_above_start": peak}))
     fleet.close()
 
 
@@ -77,10 +85,13 @@ def main() -> None:
         ideal = 16 * row["parameters"] / (2 if strategy == "fsdp" else 1)
         print(f"{strategy:5s} {row['parameters'] / 1e6:.1f}M parameters: held {held / mib:8.1f} MiB per rank"
               f" ({held / ideal:.3f} x 16 B x P{' / 2' if strategy == 'fsdp' else ''}),"
-              f" peak {row['peak_above_start'] / mib:8.1f} MiB above start")
+              f" tensor peak {row['tensor_peak'] / mib:8.1f} MiB,"
+              f" resident peak {row['peak_above_start'] / mib:8.1f} MiB above start")
     if len(rows) == 2:
-        print(f"fsdp / ddp: held {sum(rows['fsdp']['held'].values()) / sum(rows['ddp']['held'].values()):.3f},"
-              f" peak {rows['fsdp']['peak_above_start'] / rows['ddp']['peak_above_start']:.3f}")
+        fsdp, ddp = rows["fsdp"], rows["ddp"]
+        print(f"fsdp / ddp: held {sum(fsdp['held'].values()) / sum(ddp['held'].values()):.3f},"
+              f" tensor peak {fsdp['tensor_peak'] / ddp['tensor_peak']:.3f},"
+              f" resident peak {fsdp['peak_above_start'] / ddp['peak_above_start']:.3f}")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ Functions here are module-level so `launch` can start them in new processes.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -15,6 +17,9 @@ from torchfleet.errors import UsageError
 from torchfleet.fleet import Fleet
 from torchfleet.train.datasets import synthetic
 from torchfleet.train.models import build_model, build_optimizer
+
+if TYPE_CHECKING:
+    from torchfleet.models import GPTConfig
 
 
 def flat_weights(model: nn.Module) -> torch.Tensor:
@@ -235,20 +240,42 @@ def misuse_job(kind: str, **options) -> str | None:
     return message
 
 
-def held_bytes_job(strategy: str, preset: str = "tiny") -> tuple[int, dict] | None:
-    """(parameters, bytes each rank holds) after one fp32 AdamW step of the built-in gpt."""
-    from torchfleet.models import gpt, lm_loss
+def memory_job(strategies: list[str], config: GPTConfig | str = "tiny", steps: int = 2,
+               sequences: int = 2) -> dict | None:
+    """What each rank holds after fp32 AdamW steps of the built-in gpt, per strategy, in one launch.
 
-    fleet = Fleet(strategy=strategy)
-    torch.manual_seed(0)
-    net = gpt(preset)
-    params = sum(p.numel() for p in net.parameters())
-    model, opt = fleet.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-3))
-    tokens = torch.randint(0, 256, (2, 65), generator=torch.Generator().manual_seed(0))
-    fleet.train_step(tokens[:, :-1], tokens[:, 1:], lm_loss)
-    held = fleet.strategy.memory_report()
-    fleet.close()
-    return (params, held) if fleet.is_main else None
+    {strategy: {"parameters": P, "held": {rank: {params, grads, optimizer}},
+    "peak": [each rank's peak tensor bytes over the steps]}}. `sequences` per rank.
+    """
+    from torchfleet.models import GPT, gpt_config, lm_loss
+    from torchfleet.strategies.fsdp import memory_per_rank
+    from torchfleet.tensor_memory import TensorMemory
+
+    config = gpt_config(config) if isinstance(config, str) else config
+    figures = {}
+    for strategy in strategies:
+        fleet = Fleet(strategy=strategy)
+        torch.manual_seed(0)
+        net = GPT(config)
+        params = sum(p.numel() for p in net.parameters())
+        model, opt = fleet.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-3))
+        tokens = torch.randint(0, config.vocab_size, (sequences, config.block_size + 1),
+                               generator=torch.Generator().manual_seed(fleet.rank))
+        with TensorMemory(model, opt) as memory:
+            for _ in range(steps):
+                memory.next_step()
+                fleet.train_step(tokens[:, :-1], tokens[:, 1:], lm_loss)
+        held = fleet.strategy.memory_report()
+        if held is None:  # whole copies (ddp): counted the same way
+            local = list(model.parameters())
+            held = memory_per_rank(local, [p.grad for p in local], opt)
+        peaks = [torch.zeros((), dtype=torch.int64) for _ in range(fleet.world_size)]
+        torch.distributed.all_gather(peaks, torch.tensor(memory.peak_bytes(fleet.device), dtype=torch.int64))
+        figures[strategy] = {"parameters": params, "held": held, "peak": [int(p) for p in peaks]}
+    main = torch.distributed.get_rank() == 0
+    torch.distributed.barrier()  # see Fleet.close: tear down together
+    torch.distributed.destroy_process_group()
+    return figures if main else None
 
 
 def train_resnet(strategy: str, steps: int = 5, batch_size: int = 32, seed: int = 0, lr: float = 1e-3,
