@@ -242,6 +242,25 @@ def test_bench_gpt_reports_tokens_per_second(tmp_path):
     assert "tokens/s" in result.stdout and "samples/s" not in result.stdout
 
 
+@pytest.mark.timeout(300)
+def test_bench_resnet50_reports_images_per_second(tmp_path):
+    # --quick: 32 x 32 images, batch 64; ddp is there so that one cell has two ranks
+    result = torchfleet("bench", "--quick", "--model", "resnet50", "--strategies", "serial,ddp",
+                        "--out", str(tmp_path), timeout=280)
+    assert result.returncode == 0, result.stderr
+    doc = json.loads((tmp_path / "results.json").read_text())
+    cells = {c["strategy"]: c for c in doc["cells"]}
+    assert sorted(cells) == ["ddp", "serial"] and all(c["status"] == "ok" for c in cells.values())
+    for cell in cells.values():
+        assert cell["samples_per_s"] == pytest.approx(64 / cell["step_time_median_s"], rel=1e-12)
+        assert cell["tokens_per_s"] is None
+        # resnet50's weights, gradients and SGD momentum alone are 3 x 94 MiB (23.5M parameters at 10 classes)
+        assert min(cell["peak_memory_bytes"]) > 3 * 23_500_000 * 4 * 0.9  # one figure per rank
+    assert cells["ddp"]["processes"] == 2 and cells["ddp"]["speedup"] == pytest.approx(
+        cells["serial"]["step_time_median_s"] / cells["ddp"]["step_time_median_s"], rel=1e-12)
+    assert "images/s" in result.stdout and "samples/s" not in result.stdout
+
+
 def test_bench_sizes_gpt_and_the_resnets_for_the_machine():
     cpu, gpu = bench.resolve(BenchConfig(model="gpt"), gpus=0), bench.resolve(BenchConfig(model="gpt"), gpus=1)
     assert (cpu.gpt_preset, cpu.batch_sizes) == ("tiny", (16, 64))

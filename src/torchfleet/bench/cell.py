@@ -40,14 +40,20 @@ from torch import nn
 from torchfleet.bench import user_model
 from torchfleet.data import check_global_batch
 from torchfleet.fleet import Fleet
-from torchfleet.models import DIGITS_INPUT, TOKEN_MODELS, build_model, gpt_config, lm_loss
+from torchfleet.models import (
+    DIGITS_INPUT,
+    IMAGE_MODELS,
+    TOKEN_MODELS,
+    build_model,
+    gpt_config,
+    lm_loss,
+)
 from torchfleet.strategies import Strategy
 from torchfleet.train.datasets import MockLoader, MockTokens
 
 # Input shape of each model's mock batch: the digits' 8x8 for the small models,
 # ImageNet's 224x224 for the ResNets (or --image-size), as in the benchmark
 # notebook of the seeds. gpt's batch is random tokens, its preset's block long.
-IMAGE_MODELS = ("resnet18", "resnet50")
 DEFAULT_INPUT = DIGITS_INPUT
 
 CPU_MEMORY_METHOD = ("peak resident set growth from just before the model was built, less file-backed"

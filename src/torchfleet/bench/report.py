@@ -13,6 +13,8 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from torchfleet.models import IMAGE_MODELS, TOKEN_MODELS
+
 # Every cell object in results.json has exactly these fields (None where a
 # figure does not apply or the cell did not run), in this order in results.csv.
 FIELDS = (
@@ -35,11 +37,15 @@ def _cell_name(row: dict) -> str:
     return f"{label(row)}, batch {row['global_batch']}, {row['precision']}"
 
 
+def _unit(model: str) -> str:
+    """Throughput's unit for a model: tokens/s for gpt (a sample is a sequence), images/s for the ResNets."""
+    return "tokens/s" if model in TOKEN_MODELS else "images/s" if model in IMAGE_MODELS else "samples/s"
+
+
 def _rate(row: dict) -> str:
-    """Throughput in the model's own unit: tokens/s for gpt (a sample is a sequence), else samples/s."""
     if row.get("tokens_per_s") is not None:
         return f"{row['tokens_per_s']:,.0f} tokens/s"
-    return f"{row['samples_per_s']:,.0f} samples/s"
+    return f"{row['samples_per_s']:,.0f} {_unit(row.get('model', ''))}"
 
 
 def _comm(row: dict) -> str:
@@ -178,7 +184,7 @@ def table(doc: dict) -> Table:
     t = Table(title=f"torchfleet bench: {doc['config']['model']} ({machine_line(doc['machine'])})",
               title_justify="left", caption_justify="left")
     tokens = any(r.get("tokens_per_s") is not None for r in doc["cells"])  # gpt: a sample is a sequence
-    rate = "tokens/s" if tokens else "samples/s"
+    rate = "tokens/s" if tokens else _unit(doc["config"]["model"])
     for name in ("strategy", "threads", "batch", "precision", "ms/step", "IQR ms", rate,
                  "speedup", "effic.", "mem/rank", "comm", "status"):
         t.add_column(name, justify="left" if name in ("strategy", "precision", "status") else "right")

@@ -24,12 +24,13 @@ from torchfleet.models.resnet import ResNet, resnet18, resnet50
 
 MODELS = ("mlp", "cnn", "transformer", "gpt", "resnet18", "resnet50")
 TOKEN_MODELS = ("gpt",)  # these read token sequences (B, T) and predict the next token at every position
+IMAGE_MODELS = ("resnet18", "resnet50")  # these read 3-channel images of any size (224 x 224 by default)
 IMAGE_INPUT = (3, 224, 224)  # ImageNet's, as in the seed notebook's ResNet-50 benchmark
 
 _IMAGE_BUILDERS = {"mlp": mlp, "cnn": cnn, "transformer": transformer, "resnet18": resnet18,
                    "resnet50": resnet50}
 
-__all__ = ["DIGITS_INPUT", "GPT", "GPTConfig", "GPT_PRESETS", "IMAGE_INPUT", "MODELS", "ResNet", "TOKEN_MODELS",
+__all__ = ["DIGITS_INPUT", "GPT", "GPTConfig", "GPT_PRESETS", "IMAGE_INPUT", "IMAGE_MODELS", "MODELS", "ResNet", "TOKEN_MODELS",
            "build_model", "cnn", "gpt", "gpt_config", "lm_loss", "mlp", "resnet18", "resnet50", "transformer"]
 
 
