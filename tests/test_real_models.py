@@ -77,6 +77,7 @@ def test_single_process_strategies_match_serial(strategy):
 
 
 COMPILED = {"model": "gpt", "fleet_options": {"compile": True}}
+COMPILED_AFTER = {"model": "gpt", "compile_after_setup": True}  # torch.compile(model) after setup
 TWO = ["ddp", "fsdp", "pipeline"]
 FOUR_WAYS = ["hsdp", "ddp+pipeline", "fsdp+pipeline"]
 
@@ -87,11 +88,13 @@ def _launched(nprocs: int) -> dict:
     strategies, cases = (TWO, CASES) if nprocs == 2 else (FOUR_WAYS, FOUR)
     jobs = [(s, _for(s, cases)) for s in strategies]
     if nprocs == 2:
-        jobs.append(("ddp", [COMPILED]))
+        jobs += [("ddp", [COMPILED]), ("fsdp", [COMPILED_AFTER])]
     results = launch(real_model_matrix, nprocs=nprocs, args=(jobs,))
     assert all(r is None for job in results[1] for r in job)  # only the main rank reports weights
-    return {"compiled" if job == ("ddp", [COMPILED]) else job[0]: (job[1], got)
-            for job, got in zip(jobs, results[0], strict=True)}
+    def name(job):
+        return {id(COMPILED): "compiled", id(COMPILED_AFTER): "compiled after setup"}.get(id(job[1][0]), job[0])
+
+    return {name(job): (job[1], got) for job, got in zip(jobs, results[0], strict=True)}
 
 
 @pytest.mark.timeout(300)
@@ -109,6 +112,19 @@ def test_four_processes_match_serial(strategy):
 @pytest.mark.timeout(300)
 def test_compiled_blocks_reach_the_same_loss():
     (_, [got]) = _launched(2)["compiled"]
+    assert _max_diff(_serial(0), got) < 1e-4
+
+
+@pytest.mark.timeout(300)
+def test_a_model_compiled_after_setup_is_what_train_step_runs():
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    got = train_real_model("serial", compile_after_setup=True)
+    assert counters["stats"]["unique_graphs"] > 0  # the compiled code ran, not the module beside it
+    assert _max_diff(_serial(0), got) < 1e-4
+    (_, [got]) = _launched(2)["compiled after setup"]  # fsdp
     assert _max_diff(_serial(0), got) < 1e-4
 
 

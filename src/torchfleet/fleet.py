@@ -34,6 +34,7 @@ from torchfleet.strategies.knobs import (
     COMPILE_MODES,
     checkpoint_activations,
     compile_model,
+    compiled_after_setup,
     unwrap_compiled,
 )
 
@@ -76,6 +77,7 @@ class Fleet:
             relaunch_per_gpu(self.env)
         self.grad_accum = grad_accum
         self.notes: list[str] = []
+        self._returned: torch.nn.Module | None = None  # what setup returned, until train_step's first check
 
         hardware = probe_hardware()
         self.backend, self.backend_reason = choose_backend(hardware, backend)
@@ -166,6 +168,7 @@ class Fleet:
                 self.notes.append("torch.compile: " + _span(compile_model(model, compile_mode)))
         wrapped = self.strategy.wrap(model, optimizer)
         self.notes.extend(n for n in self.strategy.notes if n not in self.notes)  # what wrap found
+        self._returned = wrapped[0]
         return wrapped
 
     def dataloader(self, dataset: Dataset, batch_size: int, shuffle: bool = True, seed: int = 0,
@@ -197,7 +200,19 @@ class Fleet:
 
     # -- training ---------------------------------------------------------
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn) -> torch.Tensor:
-        """Forward, backward and optimizer step for one global batch; returns this rank's loss."""
+        """Forward, backward and optimizer step for one global batch; returns this rank's loss.
+
+        A ``torch.compile(model)`` of the module setup returned, made after
+        setup, is a new module that this method would not call: on the first
+        step the module is compiled in place instead (``nn.Module.compile``,
+        torch's default options; call ``model.compile(...)`` yourself for others).
+        """
+        if self._returned is not None:
+            if compiled_after_setup(self._returned):
+                self._returned.compile()
+                self.notes.append("torch.compile after setup: train_step compiles the module it runs in place"
+                                  " (nn.Module.compile, default options)")
+            self._returned = None
         inputs, targets = self.to_device(inputs), self.to_device(targets)
         return self.strategy.train_step(inputs, targets, loss_fn, self.grad_accum)
 

@@ -149,10 +149,13 @@ def _lm_loss(output, targets):
 
 def train_real_model(strategy: str, model: str = "gpt", steps: int = 5, batch_size: int = 8, seed: int = 0,
                      lr: float = 1e-2, tie: bool = False, keywords: bool = False, optimizer: str = "sgd",
-                     fleet_options: dict | None = None, **strategy_options) -> dict | None:
+                     fleet_options: dict | None = None, compile_after_setup: bool = False,
+                     **strategy_options) -> dict | None:
     """{name: weight} of `model` after `steps` steps on random tokens (None on ranks without them).
 
     `keywords` feeds the inputs as ``model(input_ids=...)``, as Hugging Face models are called.
+    `compile_after_setup` holds a ``torch.compile`` of the module setup returned, as a user
+    would, while train_step trains.
     """
     fleet = Fleet(strategy=strategy, **(fleet_options or {}), **strategy_options)
     torch.manual_seed(seed)
@@ -162,7 +165,8 @@ def train_real_model(strategy: str, model: str = "gpt", steps: int = 5, batch_si
     opt = build_optimizer(optimizer, net.parameters(), lr)
     loader = fleet.dataloader(data, batch_size, shuffle=False)
     first = next(iter(loader))[0]
-    fleet.setup(net, opt, example_inputs={"input_ids": first} if keywords else first)
+    model, _ = fleet.setup(net, opt, example_inputs={"input_ids": first} if keywords else first)
+    compiled = torch.compile(model) if compile_after_setup else None  # noqa: F841 (alive, as a user's is)
     for inputs, targets in loader:
         fleet.train_step({"input_ids": inputs} if keywords else inputs, targets, _lm_loss)
     state, _ = fleet.strategy.state_dicts()

@@ -12,6 +12,7 @@ FSDP2 or a pipeline cut wrap the block as they would the plain one.
 from __future__ import annotations
 
 import functools
+import gc
 
 import torch
 from torch import nn
@@ -34,6 +35,25 @@ def unwrap_compiled(model: nn.Module) -> tuple[nn.Module, bool]:
     if isinstance(inner, nn.Module):
         return inner, True
     return model, False
+
+
+def compiled_after_setup(module: nn.Module) -> bool:
+    """Whether a ``torch.compile(module)`` wrapper of `module` is alive (its user holds it).
+
+    Such a wrapper is a new module around the one setup returned, and
+    ``train_step`` calls the module it has: the compiled code would never
+    run. Found through the garbage collector's referrers (the wrapper keeps
+    `module` in its ``_modules`` dict); a scan of every tracked object, so
+    call it once, not per step.
+    """
+    # wrapper -> its instance dict (or inline attributes) -> its _modules dict -> module
+    frontier = [h for h in gc.get_referrers(module) if isinstance(h, dict) and h.get("_orig_mod") is module]
+    for _ in range(2):
+        above = [r for h in frontier for r in gc.get_referrers(h)]
+        if any(isinstance(r, nn.Module) and getattr(r, "_orig_mod", None) is module for r in above):
+            return True
+        frontier = [r for r in above if isinstance(r, dict)]
+    return False
 
 
 def checkpoint_activations(model: nn.Module) -> list[str]:
