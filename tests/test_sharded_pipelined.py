@@ -18,7 +18,7 @@ from torchfleet.fleet import Fleet
 from torchfleet.strategies.dims import ParallelDims
 from torchfleet.strategies.parallelize import split_balanced
 from torchfleet.strategies.pipeline import Pipeline
-from torchfleet.testing import full_weights, train_k_steps
+from torchfleet.testing import default_microbatches_job, full_weights, train_k_steps
 from torchfleet.train.datasets import synthetic
 from torchfleet.train.models import build_model, build_optimizer
 
@@ -265,3 +265,12 @@ def test_a_two_stage_checkpoint_resumes_as_three_stages_from_the_cli(tmp_path):
     assert 0.2 < result["val_accuracy"] <= 1  # 10 classes: trained, not chance
     manifest = json.loads((tmp_path / "ck" / "step-00000015" / "manifest.json").read_text())
     assert (manifest["world_size"], manifest["layout"]) == (3, "sharded")
+
+
+@pytest.mark.timeout(120)
+def test_default_microbatches_stay_at_16_samples_for_pointwise_convolutions_on_one_thread():
+    # ATen runs 1x1 convolutions natively, 2.3x slower a sample for ResNet-50, below 16
+    # samples on a one-thread CPU process; 3x3 ones always go to oneDNN.
+    threads, chosen = launch(default_microbatches_job, nprocs=2)[0]
+    assert chosen[3] == 4  # 2 x stages, the usual default
+    assert chosen[1] == (2 if threads == 1 else 4), f"{threads} threads per process"

@@ -214,6 +214,22 @@ class WithUnusedHead(nn.Module):
         return self.body(x.flatten(1))
 
 
+def default_microbatches_job() -> tuple[int, dict[int, int]]:
+    """(threads per process, {conv kernel: micro-batches chosen}) for a pipeline's batch of 32."""
+    chosen = {}
+    for kernel in (1, 3):
+        fleet = Fleet(strategy="pipeline")
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Conv2d(3, 8, kernel, padding=kernel // 2), nn.ReLU(),
+                            nn.Conv2d(8, 8, kernel, padding=kernel // 2), nn.Flatten(), nn.Linear(128, 10))
+        fleet.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        fleet.train_step(torch.randn(32, 3, 4, 4), torch.randint(0, 10, (32,)), nn.functional.cross_entropy)
+        chosen[kernel] = fleet.strategy.microbatches
+    torch.distributed.barrier()  # see Fleet.close: tear down together
+    torch.distributed.destroy_process_group()
+    return torch.get_num_threads(), chosen
+
+
 def misuse_job(kind: str, **options) -> str | None:
     """The UsageError a misuse gives (its message), or None when the job trains.
 

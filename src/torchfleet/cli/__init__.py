@@ -18,7 +18,8 @@ EPILOG = "Docs: README.md. Every command takes --help."
 STRATEGY_FLAGS = (
     ("--devices", str, "mp: comma-separated devices for the stages, e.g. cuda:0,cuda:1 or cpu,cpu"),
     ("--microbatches", int, "mp, pipeline, ddp+pipeline: micro-batches per batch, so stages overlap"
-                            " (pipelines default to 2 per stage, or fewer that divide the batch)"),
+                            " (pipelines default to 2 per stage, or fewer that divide the batch; fewer"
+                            " still for 1x1 convolutions on one-thread CPU processes, to keep 16 samples)"),
     ("--schedule", str, "pipeline, ddp+pipeline: gpipe or 1f1b (default 1f1b)"),
     ("--pp", int, "pipeline stages (the pp degree): ddp+pipeline and fsdp+pipeline default to 2"),
     ("--dp-replicate", int, "replicas (the dp_replicate degree); hsdp defaults to 2, or one per machine"),
