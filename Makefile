@@ -13,7 +13,7 @@ TORCH ?=
 # pip's own progress bars and the "location ignored" notes of local indexes are noise here.
 PIP    := $(BIN)/python -m pip install --quiet --disable-pip-version-check
 
-.PHONY: demo test test-floor lint doctor bench parity clean system-deps
+.PHONY: demo test test-floor lint doctor bench parity gpu-check clean system-deps
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -87,6 +87,27 @@ bench: $(VENV)/.dev
 # Not part of `make test`: minutes of timing, printed as medians and ratios (docs/benchmarks.md).
 parity: $(VENV)/.parity
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python benchmarks/parity.py
+
+# On a machine with a CUDA GPU: the GPU suite (tests/test_cuda.py), the seed
+# notebook's rows on that GPU, and ddp's scaling over the machine's CPU cores,
+# each written under GPU_OUT. It runs the interpreter that already has torch
+# (GPU_PYTHON) with torchfleet taken from src/, installing nothing, since such
+# machines often have no package index; it needs pytest, rich and scikit-learn
+# there. About 10 minutes on one H100 with 16 cores.
+GPU_PYTHON ?= python3
+GPU_OUT    ?= runs/gpu-check
+GPU_RUN    := PYTHONPATH=$(abspath src) $(GPU_PYTHON)
+
+gpu-check:
+	mkdir -p $(GPU_OUT)
+	$(GPU_RUN) -c "import torch, sys; torch.cuda.is_available() or sys.exit('make gpu-check needs a CUDA GPU, and torch here sees none'); print('gpu-check:', torch.cuda.get_device_name(0), 'torch', torch.__version__)"
+	$(GPU_RUN) -m torchfleet doctor | tee $(GPU_OUT)/doctor.txt
+	$(GPU_RUN) -m pytest tests/test_cuda.py -p no:cacheprovider -ra -o addopts= | tee $(GPU_OUT)/suite.txt
+	$(GPU_RUN) -m torchfleet bench --model resnet50 --strategies serial --batch-sizes 128,512 \
+		--precisions fp32,bf16,fp16 --out $(GPU_OUT)/resnet50
+	$(GPU_RUN) -m torchfleet bench --model gpt --strategies serial --precisions fp32,bf16,fp16 --out $(GPU_OUT)/gpt
+	CUDA_VISIBLE_DEVICES= $(GPU_RUN) -m torchfleet bench --model cnn --strategies serial,ddp --nproc 2,4,8 \
+		--threads 1 --batch-sizes 2048 --out $(GPU_OUT)/cpu-scaling
 
 clean:
 	rm -rf $(VENV) .venv-floor .pytest_cache

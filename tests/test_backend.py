@@ -78,6 +78,20 @@ def test_gpus_without_nccl_build_fall_back_to_gloo() -> None:
     assert "2 CUDA GPUs" in reason and "no NCCL" in reason
 
 
+@pytest.mark.parametrize("gpus, procs", [(1, 2), (2, 4)])
+def test_more_processes_than_gpus_share_them_over_gloo(gpus: int, procs: int) -> None:
+    name, reason = choose_backend(hardware(gpus=gpus), local_procs=procs)
+    assert name == "gloo"
+    assert f"for {procs} processes on this host" in reason and "a GPU of its own" in reason
+    assert choose_backend(hardware(gpus=gpus), local_procs=gpus)[0] == "nccl"  # one each: NCCL
+
+
+def test_nccl_asked_for_more_processes_than_gpus_says_how_many_fit() -> None:
+    with pytest.raises(BackendError, match=r"--backend nccl: 2 processes on this host would share 1 GPU,"
+                                           r" .* start at most 1 per host \(-n 1\) or use gloo"):
+        choose_backend(hardware(gpus=1), "nccl", local_procs=2)
+
+
 def test_no_usable_backend_built_is_an_error() -> None:
     with pytest.raises(BackendError, match="no gloo backend"):
         choose_backend(hardware(built=frozenset()))

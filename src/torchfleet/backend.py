@@ -100,16 +100,33 @@ _NOT_BUILT = {
 }
 
 
-def _check_explicit(hw: Hardware, name: str) -> None:
+def _check_explicit(hw: Hardware, name: str, local_procs: int) -> None:
     """Raise BackendError if an explicitly requested backend cannot work here."""
     if name not in hw.built:
         raise BackendError(f"--backend {name}: {_NOT_BUILT[name]}")
     if name == "nccl" and hw.gpus == 0:
         raise BackendError("--backend nccl: nccl needs a CUDA GPU and none is visible; use gloo")
+    if name == "nccl" and local_procs > hw.gpus:
+        raise BackendError(
+            f"--backend nccl: {local_procs} processes on this host would share"
+            f" {_plural(hw.gpus, 'GPU')}, and NCCL needs a GPU of its own for each process;"
+            f" start at most {hw.gpus} per host (-n {hw.gpus}) or use gloo"
+        )
 
 
-def _choose_for_gpus(hw: Hardware) -> tuple[str, str]:
+def shares_gpus(hw: Hardware, local_procs: int) -> bool:
+    """More processes on this host than GPUs: some processes share a GPU, which NCCL refuses."""
+    return 0 < hw.gpus < local_procs
+
+
+def _choose_for_gpus(hw: Hardware, local_procs: int) -> tuple[str, str]:
     found = f"found {_plural(hw.gpus, 'CUDA GPU')}"
+    if shares_gpus(hw, local_procs):
+        # NCCL stops at init ("Duplicate GPU detected") when two ranks hold one device.
+        return "gloo", (
+            f"{found} for {local_procs} processes on this host; NCCL needs a GPU of its own for each"
+            " process, so they share the GPUs over Gloo, which all-reduces GPU tensors (only slower)"
+        )
     if "nccl" not in hw.built:
         # The docs name Gloo as NCCL's fallback for GPUs: it works, only slower.
         return "gloo", (
@@ -142,15 +159,18 @@ def _choose_for_cpus(hw: Hardware) -> tuple[str, str]:
     return "gloo", base
 
 
-def choose_backend(hw: Hardware, requested: str = "auto") -> tuple[str, str]:
-    """The backend for this hardware as (name, reason); `requested` may force one."""
+def choose_backend(hw: Hardware, requested: str = "auto", local_procs: int = 1) -> tuple[str, str]:
+    """The backend for this hardware as (name, reason); `requested` may force one.
+
+    `local_procs`: the processes of the job on this host (LOCAL_WORLD_SIZE).
+    """
     name = requested.strip().lower()
     if name not in CHOICES:
         raise BackendError(f"unknown backend {requested!r}; choose one of {', '.join(CHOICES)}")
     if name != "auto":
-        _check_explicit(hw, name)
+        _check_explicit(hw, name, local_procs)
         return name, "chosen explicitly"
-    name, reason = _choose_for_gpus(hw) if hw.gpus else _choose_for_cpus(hw)
+    name, reason = _choose_for_gpus(hw, local_procs) if hw.gpus else _choose_for_cpus(hw)
     if name not in hw.built:
         raise BackendError(
             f"this PyTorch build has no {name} backend, which this host needs ({reason}); "

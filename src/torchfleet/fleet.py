@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from torchfleet import allocator, checkpoint, versions
-from torchfleet.backend import choose_backend, probe_hardware
+from torchfleet.backend import choose_backend, probe_hardware, shares_gpus
 from torchfleet.data import GlobalBatchSampler, ShardSampler, TensorBatches, as_batch
 from torchfleet.env import DistEnv
 from torchfleet.env.sagemaker import TrainingEnv
@@ -80,7 +80,11 @@ class Fleet:
         self._returned: torch.nn.Module | None = None  # what setup returned, until train_step's first check
 
         hardware = probe_hardware()
-        self.backend, self.backend_reason = choose_backend(hardware, backend)
+        local_procs = self.env.local_world_size if self.env.is_distributed else 1
+        self.backend, self.backend_reason = choose_backend(hardware, backend, local_procs)
+        # More processes than GPUs here, and Gloo chosen for it: the processes share the GPUs.
+        self._gpus_shared = (backend.strip().lower() == "auto" and self.backend == "gloo"
+                             and shares_gpus(hardware, local_procs))
         if strategy_cls.distributed and not self.env.is_distributed:
             self.notes.append(f"{strategy} with one process has nothing to share; running it as serial")
             strategy_cls = get_strategy("serial")
@@ -104,11 +108,19 @@ class Fleet:
             self.strategy = class_for(dims)(runtime, dims=dims, **strategy_options)
         else:
             self.strategy = strategy_cls(runtime, **strategy_options)
+        if self._gpus_shared and self.strategy.name != "ddp":
+            raise UsageError(
+                f"{self.strategy.name} on {local_procs} processes sharing {hardware.gpus} GPU(s) needs"
+                " collectives that Gloo does not run on GPU tensors (it all-reduces and broadcasts only),"
+                f" and NCCL needs a GPU of its own for each process; start at most {hardware.gpus}"
+                " process(es) per host, or use ddp"
+            )
         self.notes.extend(self.strategy.notes)
 
     # -- set-up -----------------------------------------------------------
     def _pick_device(self) -> torch.device:
-        if self.backend == "nccl" or (torch.cuda.is_available() and not self.env.is_distributed):
+        if (self.backend == "nccl" or self._gpus_shared
+                or (torch.cuda.is_available() and not self.env.is_distributed)):
             index = self.env.local_rank % max(1, torch.cuda.device_count())
             torch.cuda.set_device(index)
             return torch.device("cuda", index)

@@ -1,0 +1,110 @@
+"""The GPU suite, run by `make gpu-check` on a machine with a CUDA GPU; skipped elsewhere.
+
+Every path one GPU allows, each against the CPU run of the same job (a fresh
+process that sees no GPU, `testing.on_cpu`):
+- serial, dp and mp on CUDA;
+- ddp on 2 processes sharing the GPU: NCCL refuses two ranks on one device,
+  so torchfleet picks Gloo, which all-reduces CUDA tensors; fsdp there is
+  refused in one sentence (Gloo has no all-gather or reduce-scatter for them);
+- bf16 autocast, fp16 with the GradScaler and a skipped step;
+- checkpoint and resume on CUDA; `torchfleet doctor` naming NCCL and why.
+
+Tolerances. fp32 on a GPU runs other kernels than on the CPU (cuBLAS against
+MKL, other summation orders), and torch keeps TF32 off for matmuls by
+default, so the MLP's weights after 5 SGD steps differ by rounding only: 1e-4
+bounds that with room. Convolutions would use TF32 (cuDNN's default), which
+is why these jobs use the MLP. bf16 keeps 8 bits of mantissa, so its bound is
+2e-2; that it differs from fp32 at all (above 1e-6) shows bf16 really ran.
+These bounds were set before any GPU ran this suite; the first run's figures
+go in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from torchfleet import launch
+from torchfleet.launcher import LaunchError
+from torchfleet.testing import (
+    fleet_facts,
+    fp16_skip_job,
+    on_cpu,
+    resumed_equals_straight,
+    train_k_steps,
+)
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="needs a CUDA GPU: `make gpu-check` runs this suite on a GPU machine")
+
+FP32_BOUND, BF16_BOUND = 1e-4, 2e-2
+
+
+def _cpu_serial() -> torch.Tensor:
+    return on_cpu(train_k_steps, "serial")
+
+
+def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy, options", [("serial", {}), ("dp", {}), ("mp", {"devices": "cuda:0,cuda:0"})])
+def test_single_process_strategies_on_cuda_match_the_cpu(strategy, options):
+    assert fleet_facts(strategy, **options)["device"].startswith("cuda")
+    got = train_k_steps(strategy, **options)
+    assert _diff(got, _cpu_serial()) < FP32_BOUND
+
+
+@pytest.mark.timeout(300)
+def test_ddp_on_two_processes_shares_the_gpu_over_gloo():
+    if torch.cuda.device_count() > 1:
+        pytest.skip("with 2 GPUs each process has its own: NCCL, covered by the multi-process suites")
+    facts = launch(fleet_facts, nprocs=2, args=("ddp",))
+    assert [f["device"] for f in facts] == ["cuda:0", "cuda:0"]
+    assert all(f["backend"] == "gloo" and "a GPU of its own" in f["reason"] for f in facts)
+    got = launch(train_k_steps, nprocs=2, args=("ddp",))[0]
+    assert _diff(got, _cpu_serial()) < FP32_BOUND
+
+
+@pytest.mark.timeout(300)
+def test_fsdp_on_processes_sharing_the_gpu_is_refused_in_one_sentence():
+    if torch.cuda.device_count() > 1:
+        pytest.skip("with 2 GPUs each process has its own")
+    with pytest.raises(LaunchError, match="fsdp on 2 processes sharing 1 GPU.* Gloo does not run on GPU tensors"):
+        launch(fleet_facts, nprocs=2, args=("fsdp",))
+
+
+@pytest.mark.timeout(300)
+def test_bf16_autocast_on_cuda_stays_near_fp32():
+    got = train_k_steps("serial", precision="bf16")
+    diff = _diff(got, _cpu_serial())
+    assert 1e-6 < diff < BF16_BOUND, f"bf16 against fp32 on the CPU: {diff:.3g}"
+
+
+@pytest.mark.timeout(300)
+def test_fp16_with_the_grad_scaler_skips_an_overflowing_step():
+    result = fp16_skip_job(steps=5, poisoned=3)
+    assert result["device"].startswith("cuda")
+    assert result["scales"] == [65536.0] * 2 + [32768.0] * 3  # halved once, at the skipped step
+    weights = result["weights"]
+    for step in range(1, 6):
+        moved = _diff(weights[step], weights[step - 1])
+        assert (moved == 0) if step == 3 else (moved > 1e-4), f"step {step}: weights moved {moved:.3g}"
+
+
+@pytest.mark.timeout(300)
+def test_checkpoint_and_resume_on_cuda_equal_the_straight_run(tmp_path):
+    straight, resumed = resumed_equals_straight("serial", str(tmp_path / "ckpt"))
+    assert _diff(straight, resumed) == 0  # model, optimizer and the CUDA generator all restored
+
+
+@pytest.mark.timeout(120)
+def test_doctor_names_nccl_and_why():
+    out = subprocess.run([sys.executable, "-m", "torchfleet", "doctor"], capture_output=True, text=True,
+                         timeout=100)
+    assert out.returncode == 0, out.stderr
+    assert "nccl" in out.stdout.lower() and "CUDA GPU" in out.stdout and "fastest" in out.stdout
