@@ -55,6 +55,11 @@ def test_quick_bench_figures_are_complete_and_consistent(tmp_path):
         assert len(cell["peak_memory_bytes"]) == cell["processes"]
         assert all(isinstance(b, int) and 0 <= b < 2**31 for b in cell["peak_memory_bytes"])
         assert "VmHWM" in cell["memory_method"]
+        # the mlp's Linear layers (64-128-128-10): 2 FLOPs per weight per sample forward, 2 for the
+        # weight's gradient, 2 for the input's gradient except at the first layer, whose input needs none
+        assert cell["flops_per_sample"] == 4 * 64 * 128 + 6 * (128 * 128 + 128 * 10)
+        assert cell["model_tflops"] == pytest.approx(cell["flops_per_sample"] * cell["samples_per_s"] / 1e12)
+        assert cell["mfu"] is None and cell["device_name"] is None  # no known peak on a CPU
 
     for batch in (64, 3):
         serial = cells[("serial", batch)]
@@ -147,6 +152,51 @@ def test_derived_figures_and_verdict():
     assert "1.70x serial at the same batch (communication is 8% of the step)" in text
     assert "at batch 32 it is 0.80x serial (communication is 40% of the step)" in text
     assert statistics.median([1.0, 2.0]) == 1.5  # the spread helper's median is statistics'
+
+
+def test_mixed_precision_gain_and_mfu_on_a_known_gpu():
+    def ok(strategy, processes, precision, median):
+        return {"model": "resnet50", "strategy": strategy, "processes": processes, "global_batch": 512,
+                "precision": precision, "status": "ok", "step_time_median_s": median, "comm_share": None,
+                "flops_per_sample": 24.3e9, "device_name": "NVIDIA H100 80GB HBM3"}
+
+    rows = [ok("serial", 1, "fp32", 0.40), ok("serial", 1, "bf16", 0.25), ok("ddp", 2, "bf16", 0.15),
+            ok("dp", 1, "bf16", 0.20)]
+    bench.derive(rows, gpus=2)
+    assert rows[0]["vs_fp32"] is None and rows[1]["vs_fp32"] == pytest.approx(1.6)
+    assert rows[2]["vs_fp32"] is None  # no fp32 cell of ddp to compare with
+    assert rows[1]["model_tflops"] == pytest.approx(24.3e9 * 512 / 0.25 / 1e12)
+    assert rows[0]["mfu"] == pytest.approx(24.3e9 * 512 / 0.40 / 494.7e12)  # fp32 against TF32's peak
+    assert rows[1]["mfu"] == pytest.approx(24.3e9 * 512 / 0.25 / 989.4e12)
+    assert rows[2]["mfu"] == pytest.approx(24.3e9 * 512 / 0.15 / (2 * 989.4e12))  # two GPUs, one each
+    assert rows[3]["mfu"] == pytest.approx(24.3e9 * 512 / 0.20 / (2 * 989.4e12))  # dp spans both
+    assert "1.60x its fp32 cell, MFU " in bench_report.line(rows[1])
+
+
+def test_model_flops_are_counted_on_shapes_alone():
+    import torch
+    from torch import nn
+
+    from torchfleet.bench.flops import flops_per_sample, peak_flops
+    from torchfleet.models import gpt, lm_loss, resnet50
+
+    layer = nn.Linear(100, 10)
+    before = layer.weight.detach().clone()
+    x, y = torch.randn(4, 100), torch.randint(0, 10, (4,))
+    assert flops_per_sample(layer, x, y, nn.functional.cross_entropy) == 4 * 100 * 10  # x needs no gradient
+    assert torch.equal(layer.weight, before) and layer.weight.grad is None  # the model itself untouched
+    # ResNet-50 at 224 x 224: 4.1 GMACs forward, so about 3 x 8.1 GFLOPs with backward
+    big = flops_per_sample(resnet50(num_classes=1000), torch.randn(2, 3, 224, 224), torch.randint(0, 1000, (2,)),
+                           nn.functional.cross_entropy)
+    assert 23e9 < big < 25e9
+    tokens = torch.randint(0, 256, (2, 65))
+    small = gpt("tiny")
+    params = sum(p.numel() for p in small.parameters())
+    # 6 FLOPs per weight per token, less the embeddings (looked up, not multiplied), plus attention
+    assert flops_per_sample(small, tokens[:, :-1], tokens[:, 1:], lm_loss) >= 6 * 64 * (params - 64 * 64 - 64 * 256)
+    assert flops_per_sample(nn.Linear(2, 2), "not a tensor", y, nn.functional.cross_entropy) is None
+    assert peak_flops("NVIDIA H100 PCIe", "bf16") == 756e12 and peak_flops("NVIDIA H200", "fp16") == 989.4e12
+    assert peak_flops("Tesla V100-SXM2-16GB", "bf16") is None and peak_flops(None, "fp32") is None
     assert bench.bench_cell.spread([1.0, 2.0, 3.0, 4.0, 5.0])["step_time_median_s"] == 3.0
 
 

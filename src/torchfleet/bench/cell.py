@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchfleet.bench import user_model
+from torchfleet.bench import flops, user_model
 from torchfleet.data import check_global_batch
 from torchfleet.fleet import Fleet
 from torchfleet.models import (
@@ -192,6 +192,8 @@ def _measure(fleet: Fleet, spec: dict) -> dict | None:
         inputs, targets = next(iter(MockLoader((local_batch, *shape), device=fleet.device,
                                                seed=spec["seed"] + rank)))
         loss_fn = nn.CrossEntropyLoss()
+    # Counted on a meta copy (shapes only), before setup splits or shards the model.
+    model_flops = flops.flops_per_sample(model, inputs, targets, loss_fn) if fleet.is_main else None
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     fleet.setup(model, optimizer, example_inputs=inputs)  # pipelines trace a model that is not a Sequential
 
@@ -226,6 +228,8 @@ def _measure(fleet: Fleet, spec: dict) -> dict | None:
         "local_batch": local_batch,
         "threads_per_process": torch.get_num_threads(),
         "device": str(fleet.device),
+        "device_name": torch.cuda.get_device_name(fleet.device) if fleet.device.type == "cuda" else None,
+        "flops_per_sample": model_flops,
         "backend": fleet.strategy.runtime.backend or "none",
         "peak_memory_bytes": [p for _, _, p in per_rank],
         "memory_method": memory.method,

@@ -16,6 +16,9 @@ Derived figures, for each cell that ran:
   speedup       = serial's median step time / this cell's, at the same global batch and precision
   efficiency    = speedup / processes
   tokens_per_s  = samples_per_s * the preset's block size (gpt: a sample is a sequence)
+  vs_fp32       = the same cell's median step time at fp32 / this cell's (mixed precision's gain)
+  model_tflops  = model FLOPs per sample (flops.py) * samples_per_s / 1e12
+  mfu           = model FLOP/s / (one GPU's dense peak at this precision * processes), on known GPUs
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from pathlib import Path
 
 from torchfleet.bench import cell as bench_cell
 from torchfleet.bench.config import BenchConfig
+from torchfleet.bench.flops import peak_flops
 from torchfleet.doctor import strategy_availability
 from torchfleet.errors import UsageError
 from torchfleet.launcher.agent import LaunchError, launch
@@ -256,12 +260,18 @@ def run_one(cell: Cell, cfg: BenchConfig) -> dict:
 # ---- derived figures ---------------------------------------------------------------------
 
 
-def derive(rows: list[dict]) -> None:
-    """Fill samples_per_s, tokens_per_s, speedup and efficiency in place (None where not measurable)."""
-    serial = {(r["global_batch"], r["precision"]): r["step_time_median_s"]
-              for r in rows if r["strategy"] == "serial" and r["status"] == "ok"}
+def derive(rows: list[dict], gpus: int = 0) -> None:
+    """Fill the derived figures of the module doc in place (None where not measurable).
+
+    `gpus`: the GPUs here, which dp and mp (one process) spread their work over.
+    """
+    ok = [r for r in rows if r["status"] == "ok"]
+    serial = {(r["global_batch"], r["precision"]): r["step_time_median_s"] for r in ok if r["strategy"] == "serial"}
+    fp32 = {(r["strategy"], r["processes"], r["global_batch"]): r["step_time_median_s"]
+            for r in ok if r["precision"] == "fp32"}
     for r in rows:
-        r["samples_per_s"] = r["tokens_per_s"] = r["speedup"] = r["efficiency"] = None
+        for field in ("samples_per_s", "tokens_per_s", "speedup", "efficiency", "vs_fp32", "model_tflops", "mfu"):
+            r[field] = None
         if r["status"] != "ok":
             continue
         r["samples_per_s"] = r["global_batch"] / r["step_time_median_s"]
@@ -271,6 +281,16 @@ def derive(rows: list[dict]) -> None:
         if base is not None:
             r["speedup"] = base / r["step_time_median_s"]
             r["efficiency"] = r["speedup"] / r["processes"]
+        full = fp32.get((r["strategy"], r["processes"], r["global_batch"]))
+        if full is not None and r["precision"] != "fp32":
+            r["vs_fp32"] = full / r["step_time_median_s"]
+        if r.get("flops_per_sample"):
+            achieved = r["flops_per_sample"] * r["samples_per_s"]
+            r["model_tflops"] = achieved / 1e12
+            peak = peak_flops(r.get("device_name"), r["precision"])
+            devices = max(1, gpus) if r["strategy"] in ("dp", "mp") else r["processes"]
+            if peak:
+                r["mfu"] = achieved / (peak * devices)
 
 
 # ---- the whole command -------------------------------------------------------------------
@@ -307,7 +327,7 @@ def run_bench(cfg: BenchConfig, console=None) -> dict:
         for cell in cells:
             bar.start(cell)
             rows.append(run_one(cell, cfg))
-            derive(rows)
+            derive(rows, hw.gpus)
             bar.done(rows[-1])
     document = bench_report.document(cfg, machine, rows, notes)
     bench_report.write_json(document, out / "results.json")

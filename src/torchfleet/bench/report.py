@@ -21,9 +21,10 @@ FIELDS = (
     "model", "strategy", "processes", "global_batch", "local_batch", "precision",
     "threads_per_process", "warmup", "steps", "status", "error",
     "step_time_median_s", "step_time_q1_s", "step_time_q3_s", "step_time_min_s", "step_time_max_s",
-    "samples_per_s", "tokens_per_s", "speedup", "efficiency",
+    "samples_per_s", "tokens_per_s", "speedup", "efficiency", "vs_fp32",
+    "flops_per_sample", "model_tflops", "mfu",
     "peak_memory_bytes", "memory_method", "comm_share", "comm_method",
-    "device", "backend", "notes", "wall_s",
+    "device", "device_name", "backend", "notes", "wall_s",
 )
 SCHEMA = "torchfleet-bench/1"
 
@@ -85,6 +86,10 @@ def line(row: dict) -> str:
     text = f"{_cell_name(row)}: {row['step_time_median_s'] * 1e3:.2f} ms/step, {_rate(row)}"
     if row["speedup"] is not None and row["strategy"] != "serial":
         text += f", {row['speedup']:.2f}x serial"
+    if row.get("vs_fp32") is not None:
+        text += f", {row['vs_fp32']:.2f}x its fp32 cell"
+    if row.get("mfu") is not None:
+        text += f", MFU {row['mfu']:.1%}"
     return text + _comm(row)
 
 
@@ -185,8 +190,12 @@ def table(doc: dict) -> Table:
               title_justify="left", caption_justify="left")
     tokens = any(r.get("tokens_per_s") is not None for r in doc["cells"])  # gpt: a sample is a sequence
     rate = "tokens/s" if tokens else _unit(doc["config"]["model"])
-    for name in ("strategy", "threads", "batch", "precision", "ms/step", "IQR ms", rate,
-                 "speedup", "effic.", "mem/rank", "comm", "status"):
+    # Columns that only some runs fill: mixed precision's gain, and MFU on a GPU torchfleet knows.
+    mixed = any(r.get("vs_fp32") is not None for r in doc["cells"])
+    mfu = any(r.get("mfu") is not None for r in doc["cells"])
+    names = ("strategy", "threads", "batch", "precision", "ms/step", "IQR ms", rate, "speedup", "effic.",
+             *(("vs fp32",) if mixed else ()), "TFLOP/s", *(("MFU",) if mfu else ()), "mem/rank", "comm", "status")
+    for name in names:
         t.add_column(name, justify="left" if name in ("strategy", "precision", "status") else "right")
     reasons = []
     for r in doc["cells"]:
@@ -200,7 +209,9 @@ def table(doc: dict) -> Table:
         t.add_row(
             escape(name), str(r["threads_per_process"]), str(r["global_batch"]), r["precision"],
             _num(median_ms, ".2f"), _num(iqr, ".2f"), _num(r["tokens_per_s" if tokens else "samples_per_s"], ",.0f"),
-            _num(r["speedup"], ".2f"), _num(r["efficiency"], ".2f"), _mib(r["peak_memory_bytes"]),
+            _num(r["speedup"], ".2f"), _num(r["efficiency"], ".2f"),
+            *((_num(r.get("vs_fp32"), ".2f"),) if mixed else ()), _num(r.get("model_tflops"), ".3g"),
+            *((_num(r.get("mfu"), ".1%"),) if mfu else ()), _mib(r["peak_memory_bytes"]),
             _num(r["comm_share"], ".0%"), "ok" if ok else f"[red]{r['status']} [{len(reasons)}][/]",
         )
     if reasons:
