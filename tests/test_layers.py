@@ -17,7 +17,8 @@ PACKAGE = ROOT / "src" / "torchfleet"
 # Bottom to top. A module may import its own layer and the layers below it.
 LAYERS = [
     ("errors", "versions", "outputs", "allocator", "netif", "config"),  # no torch knowledge needed
-    ("env", "backend", "precision", "data", "models"),  # what a process finds, core rules, built-in models
+    # what a process finds, core rules, built-in models, tensor memory
+    ("env", "backend", "precision", "data", "models", "tensor_memory"),
     ("strategies",),  # how a model is wrapped; the parallel dimensions
     ("checkpoint",),  # verified directories, DCP
     ("launcher",),  # starting processes, their failures and hangs

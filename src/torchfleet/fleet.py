@@ -32,9 +32,9 @@ from torchfleet.strategies.batchnorm import batchnorm_note
 from torchfleet.strategies.dims import DIM_NAMES
 from torchfleet.strategies.knobs import (
     COMPILE_MODES,
+    adopt_late_compile,
     checkpoint_activations,
     compile_model,
-    compiled_after_setup,
     unwrap_compiled,
 )
 
@@ -214,16 +214,12 @@ class Fleet:
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn) -> torch.Tensor:
         """Forward, backward and optimizer step for one global batch; returns this rank's loss.
 
-        A ``torch.compile(model)`` of the module setup returned, made after
-        setup, is a new module that this method would not call: on the first
-        step the module is compiled in place instead (``nn.Module.compile``,
-        torch's default options; call ``model.compile(...)`` yourself for others).
+        ``torch.compile(model)`` after setup makes a module this method would not
+        call: the first step compiles the module it runs in place instead.
         """
         if self._returned is not None:
-            if compiled_after_setup(self._returned):
-                self._returned.compile()
-                self.notes.append("torch.compile after setup: train_step compiles the module it runs in place"
-                                  " (nn.Module.compile, default options)")
+            if adopt_late_compile(self._returned):
+                self.notes.append("torch.compile after setup: train_step compiles the module it runs, in place")
             self._returned = None
         inputs, targets = self.to_device(inputs), self.to_device(targets)
         return self.strategy.train_step(inputs, targets, loss_fn, self.grad_accum)

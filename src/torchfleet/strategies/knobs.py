@@ -37,7 +37,7 @@ def unwrap_compiled(model: nn.Module) -> tuple[nn.Module, bool]:
     return model, False
 
 
-def compiled_after_setup(module: nn.Module) -> bool:
+def _compiled_after_setup(module: nn.Module) -> bool:
     """Whether a ``torch.compile(module)`` wrapper of `module` is alive (its user holds it).
 
     Such a wrapper is a new module around the one setup returned, and
@@ -54,6 +54,18 @@ def compiled_after_setup(module: nn.Module) -> bool:
             return True
         frontier = [r for r in above if isinstance(r, dict)]
     return False
+
+
+def adopt_late_compile(module: nn.Module) -> bool:
+    """Compile `module` in place if a ``torch.compile`` wrapper of it is alive; True if so.
+
+    ``nn.Module.compile`` with torch's default options: the wrapper's own
+    options cannot be read back (call ``model.compile(...)`` for others).
+    """
+    if not _compiled_after_setup(module):
+        return False
+    module.compile()
+    return True
 
 
 def checkpoint_activations(model: nn.Module) -> list[str]:

@@ -46,24 +46,17 @@ from torchfleet.strategies.distributed import MeshStrategy
 from torchfleet.strategies.fsdp import memory_per_rank, rebuild_optimizer
 from torchfleet.strategies.knobs import checkpoint_activations, compile_model
 from torchfleet.strategies.parallelize import parallelize, split_balanced
-from torchfleet.strategies.stages import TimedStage, rows, sequential_ties
+from torchfleet.strategies.stages import (
+    TimedStage,
+    default_microbatches,
+    has_pointwise_convs,
+    rows,
+    sequential_ties,
+)
 from torchfleet.strategies.transfer import full, like, recv_tensors, send_tensors, to_cpu
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 __all__ = ["SCHEDULES", "Pipeline", "split_balanced"]
-
-
-# ATen's CPU convolution takes its native path instead of oneDNN for 1x1 kernels
-# when a process has one thread and a batch has fewer than 16 samples (use_mkldnn
-# in Convolution.cpp). A bottleneck ResNet is mostly 1x1 convolutions: ResNet-50
-# took 46 ms a sample at 8 and 20 ms at 16 with one thread (docs/benchmarks.md).
-SLOW_CONV_BELOW = 16
-
-
-def _slow_when_small(module: nn.Module) -> bool:
-    """A 1x1 convolution without stride or dilation: what ATen runs natively below 16 samples."""
-    return (isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) and set(module.kernel_size) == {1}
-            and set(module.stride) == {1} and set(module.dilation) == {1})
 
 
 class Pipeline(MeshStrategy):
@@ -100,7 +93,7 @@ class Pipeline(MeshStrategy):
         mesh = self.build_mesh()
         self.pp_group = mesh["pp"].get_group()
         old_names = parameter_names(model)
-        self._pointwise_convs = any(_slow_when_small(m) for m in model.modules())  # before the trace sizes them
+        self._pointwise_convs = has_pointwise_convs(model)  # before the trace sizes the micro-batches
         self.cut = self._trace(model) if self.cuts_by_tracing(model) else None
         # The stage (sharded by FSDP2 in place with replicas or shards), and what runs it: the stage.
         self.model, runner, self.bounds = parallelize(
@@ -205,18 +198,9 @@ class Pipeline(MeshStrategy):
         return scaler.scale(loss) if scaler is not None else loss
 
     def _fit_default_microbatches(self, batch: int) -> None:
-        """Without --microbatches: the most micro-batches, from 2 x stages down, that divide the batch.
-
-        A model with 1x1 convolutions, on a one-thread CPU process, keeps its
-        micro-batches at 16 samples or more where the batch allows (SLOW_CONV_BELOW).
-        """
-        lowest = self.pp if self.schedule_name == "1f1b" else 1
-        fits = [m for m in range(2 * self.pp, lowest - 1, -1) if batch % m == 0]
-        if (fits and self._pointwise_convs and self.runtime.device.type == "cpu"
-                and torch.get_num_threads() == 1):
-            fits = [m for m in fits if batch // m >= SLOW_CONV_BELOW] or fits[-1:]
-        if fits:
-            self.microbatches = fits[0]
+        fitted = default_microbatches(batch, self.pp, self.schedule_name == "1f1b", self._pointwise_convs
+                                      and self.runtime.device.type == "cpu" and torch.get_num_threads() == 1)
+        self.microbatches = fitted or self.microbatches
 
     def train_step(self, inputs, targets, loss_fn, grad_accum=1):
         size = batch_size(inputs)

@@ -1,4 +1,4 @@
-"""A pipeline stage that times its compute, and helpers for cutting and feeding stages."""
+"""A pipeline stage that times its compute, and helpers for cutting, sizing and feeding stages."""
 
 from __future__ import annotations
 
@@ -62,3 +62,31 @@ def sequential_ties(model: nn.Module, bounds) -> list[tuple[list[str], list[int]
         if len(holders) > 1:
             out.append((names, holders))
     return out
+
+
+# ATen's CPU convolution takes its native path instead of oneDNN for 1x1 kernels
+# when a process has one thread and a batch has fewer than 16 samples (use_mkldnn
+# in Convolution.cpp). A bottleneck ResNet is mostly 1x1 convolutions: ResNet-50
+# took 46 ms a sample at 8 and 20 ms at 16 with one thread (docs/benchmarks.md).
+SLOW_CONV_BELOW = 16
+
+
+def has_pointwise_convs(model: nn.Module) -> bool:
+    """Whether the model has a 1x1 convolution without stride or dilation (see SLOW_CONV_BELOW)."""
+    return any(isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) and set(m.kernel_size) == {1}
+               and set(m.stride) == {1} and set(m.dilation) == {1} for m in model.modules())
+
+
+def default_microbatches(batch: int, stages: int, one_f_one_b: bool, slow_small_convs: bool) -> int | None:
+    """Without --microbatches: the most micro-batches, from 2 x stages down, that divide the batch.
+
+    1F1B needs at least one per stage. Where small batches make convolutions
+    slow (`slow_small_convs`), micro-batches keep SLOW_CONV_BELOW samples or
+    more where the batch allows, else as many as the fewest count gives.
+    None when no count fits (the step then says what would).
+    """
+    lowest = stages if one_f_one_b else 1
+    fits = [m for m in range(2 * stages, lowest - 1, -1) if batch % m == 0]
+    if fits and slow_small_convs:
+        fits = [m for m in fits if batch // m >= SLOW_CONV_BELOW] or fits[-1:]
+    return fits[0] if fits else None
