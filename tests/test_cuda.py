@@ -21,6 +21,7 @@ go in docs/benchmarks.md.
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 
@@ -43,8 +44,9 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
 FP32_BOUND, BF16_BOUND = 1e-4, 2e-2
 
 
+@functools.lru_cache(maxsize=None)
 def _cpu_serial() -> torch.Tensor:
-    return on_cpu(train_k_steps, "serial")
+    return on_cpu(train_k_steps, "serial")  # one spawned process for the whole suite
 
 
 def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
