@@ -8,68 +8,23 @@ for real on a machine without a GPU.
 
 import pytest
 import torch
-from torch import nn
 
-from torchfleet import Fleet, launch, precision
+from torchfleet import launch, precision
 from torchfleet.errors import TrainingError
-from torchfleet.testing import full_weights
+from torchfleet.testing_devices import fp16_skip_job
 from torchfleet.train.config import TrainConfig
-from torchfleet.train.datasets import synthetic
 from torchfleet.train.loop import FP16_NONFINITE_LIMIT, train
-from torchfleet.train.models import build_model
 
 STEPS, POISONED = 5, 3  # steps are counted from 1
 INITIAL_SCALE = 65536.0  # GradScaler's default; it grows only after 2000 clean steps
 
 
-def _poison_rank_1(fleet: Fleet, step: list[int]) -> None:
-    """Make one element of rank 1's own gradients inf at step POISONED, after any reduction.
-
-    For fsdp and the pipeline, ranks hold different gradients (shards,
-    stages), so only rank 1's scaler would see the overflow unless the
-    verdict is shared: without it rank 0 would take a step that rank 1 skips.
-    (Checked: with `Precision.sync_overflow` switched off the pipeline case
-    fails so; fsdp's DTensor gradients share the verdict by themselves.)
-    """
-    prec = fleet.strategy.runtime.precision
-    original = prec.step
-
-    def step_with_poison(optimizer):
-        if step[0] == POISONED and fleet.rank == 1:
-            grad = next(p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None)
-            local = grad.to_local() if hasattr(grad, "to_local") else grad  # fsdp's grads are DTensors
-            local.view(-1)[0] = float("inf")
-        original(optimizer)
-
-    prec.step = step_with_poison
-
-
-def _skip_job(strategy: str, options: dict) -> dict:
-    precision.FP16_DEVICES = ("cuda", "cpu")
-    fleet = Fleet(strategy=strategy, precision="fp16", **options)
-    torch.manual_seed(0)
-    net = build_model("mlp", (1, 8, 8), 10)
-    fleet.setup(net, torch.optim.SGD(net.parameters(), lr=0.05))
-    step = [0]
-    if strategy != "ddp":
-        _poison_rank_1(fleet, step)
-    scales, weights = [], [full_weights(fleet)]
-    for x, y in fleet.dataloader(synthetic(32 * STEPS, seed=1), 32, seed=1):
-        step[0] += 1
-        if strategy == "ddp" and step[0] == POISONED and fleet.rank == 1:
-            x = x.clone()
-            x[0, 0, 0, 0] = float("inf")  # an overflow in rank 1's forward: DDP's all-reduce spreads it
-        fleet.train_step(x, y, nn.CrossEntropyLoss())
-        scales.append(fleet.strategy.runtime.precision.scaler.get_scale())
-        weights.append(full_weights(fleet))
-    fleet.close()
-    return {"scales": scales, "weights": weights}
-
-
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("strategy, options", [("ddp", {}), ("fsdp", {}), ("pipeline", {"microbatches": 2})])
 def test_an_overflow_on_one_rank_skips_that_step_on_every_rank(strategy, options):
-    ranks = launch(_skip_job, nprocs=2, args=(strategy, options))
+    # (Checked: with `Precision.sync_overflow` switched off the pipeline case fails, rank 0
+    # taking the step rank 1 skips; fsdp's DTensor gradients share the verdict by themselves.)
+    ranks = launch(fp16_skip_job, nprocs=2, args=(strategy, options, STEPS, POISONED, True))
     halved = INITIAL_SCALE / 2
     for result in ranks:  # every rank's scaler saw the overflow, once
         assert result["scales"] == [INITIAL_SCALE] * (POISONED - 1) + [halved] * (STEPS - POISONED + 1)

@@ -24,7 +24,7 @@ LAYERS = [
     ("launcher",),  # starting processes, their failures and hangs
     ("fleet", "hogwild"),  # the API a script holds
     ("doctor", "train"),  # the machine report; the built-in job
-    ("testing", "bench"),  # reference jobs; the strategy matrix
+    ("testing", "testing_devices", "bench"),  # reference jobs; the strategy matrix
     ("clusters",),  # job writers for schedulers
     ("cli", "__main__"),  # the commands
 ]

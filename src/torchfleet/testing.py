@@ -230,63 +230,6 @@ def default_microbatches_job() -> tuple[int, dict[int, int]]:
     return torch.get_num_threads(), chosen
 
 
-def on_cpu(fn, *args):
-    """`fn(*args)` in a fresh process that sees no GPU: the CPU run a GPU run is compared with.
-
-    The child is spawned with CUDA_VISIBLE_DEVICES empty, so torch there finds
-    no device and every Fleet in it picks the CPU, whatever this process holds.
-    """
-    import multiprocessing
-    import os
-
-    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # read by the child at its start
-    try:
-        with multiprocessing.get_context("spawn").Pool(1) as pool:
-            return pool.apply(fn, args)
-    finally:
-        if saved is None:
-            del os.environ["CUDA_VISIBLE_DEVICES"]
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = saved
-
-
-def fleet_facts(strategy: str, **options) -> dict:
-    """The device, backend and the backend's reason a Fleet picks here (one per rank)."""
-    fleet = Fleet(strategy=strategy, **options)
-    facts = {"device": str(fleet.device), "backend": fleet.backend, "reason": fleet.backend_reason}
-    if torch.distributed.is_initialized():
-        fleet.close()
-    return facts
-
-
-def fp16_skip_job(steps: int = 5, poisoned: int = 3) -> dict:
-    """fp16 serial training where one gradient is made inf at step `poisoned` (counted from 1).
-
-    {"device", "scales": the scaler's scale after each step, "weights": before and after each}.
-    """
-    fleet = Fleet(strategy="serial", precision="fp16")
-    torch.manual_seed(0)
-    net = build_model("mlp", (1, 8, 8), 10)
-    fleet.setup(net, torch.optim.SGD(net.parameters(), lr=0.05))
-    prec = fleet.strategy.runtime.precision
-    original, step = prec.step, [0]
-
-    def step_with_poison(optimizer):
-        if step[0] == poisoned:
-            next(p.grad for g in optimizer.param_groups for p in g["params"]).view(-1)[0] = float("inf")
-        original(optimizer)
-
-    prec.step = step_with_poison
-    scales, weights = [], [full_weights(fleet)]
-    for x, y in fleet.dataloader(synthetic(32 * steps, seed=1), 32, seed=1):
-        step[0] += 1
-        fleet.train_step(x, y, nn.CrossEntropyLoss())
-        scales.append(prec.scaler.get_scale())
-        weights.append(full_weights(fleet))
-    return {"device": str(fleet.device), "scales": scales, "weights": weights}
-
-
 def misuse_job(kind: str, **options) -> str | None:
     """The UsageError a misuse gives (its message), or None when the job trains.
 
@@ -322,16 +265,25 @@ def memory_job(strategies: list[str], config: GPTConfig | str = "tiny", steps: i
     """What each rank holds after fp32 AdamW steps of the built-in gpt, per strategy, in one launch.
 
     {strategy: {"parameters": P, "held": {rank: {params, grads, optimizer}},
-    "peak": [each rank's peak tensor bytes over the steps]}}. `sequences` per rank.
+    "peak": [each rank's peak tensor bytes over the steps],
+    "resident": [each rank's growth of its peak resident set from just before the model was
+    built]}}. `sequences` per rank. A process's resident peak cannot be reset, so "resident"
+    reads true only for the first strategy of a launch (benchmarks/fsdp_memory.py runs one).
     """
+    import resource
+
     from torchfleet.models import GPT, gpt_config, lm_loss
     from torchfleet.strategies.fsdp import memory_per_rank
     from torchfleet.tensor_memory import TensorMemory
+
+    def resident_peak() -> int:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
     config = gpt_config(config) if isinstance(config, str) else config
     figures = {}
     for strategy in strategies:
         fleet = Fleet(strategy=strategy)
+        before = resident_peak()
         torch.manual_seed(0)
         net = GPT(config)
         params = sum(p.numel() for p in net.parameters())
@@ -346,9 +298,11 @@ def memory_job(strategies: list[str], config: GPTConfig | str = "tiny", steps: i
         if held is None:  # whole copies (ddp): counted the same way
             local = list(model.parameters())
             held = memory_per_rank(local, [p.grad for p in local], opt)
-        peaks = [torch.zeros((), dtype=torch.int64) for _ in range(fleet.world_size)]
-        torch.distributed.all_gather(peaks, torch.tensor(memory.peak_bytes(fleet.device), dtype=torch.int64))
-        figures[strategy] = {"parameters": params, "held": held, "peak": [int(p) for p in peaks]}
+        mine = torch.tensor([memory.peak_bytes(fleet.device), resident_peak() - before], dtype=torch.int64)
+        every = [torch.zeros_like(mine) for _ in range(fleet.world_size)]
+        torch.distributed.all_gather(every, mine)
+        figures[strategy] = {"parameters": params, "held": held, "peak": [int(e[0]) for e in every],
+                             "resident": [int(e[1]) for e in every]}
     main = torch.distributed.get_rank() == 0
     torch.distributed.barrier()  # see Fleet.close: tear down together
     torch.distributed.destroy_process_group()
