@@ -35,6 +35,23 @@ def torchfleet(*args: str, timeout: float = 120, env: dict | None = None) -> sub
     return run([sys.executable, "-m", "torchfleet", *args], timeout=timeout, env=env)
 
 
+def forked_torchfleet(*args: str, timeout: float = 60, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`torchfleet` as `torchfleet()` runs it, in a child forked from a process that imported torch once.
+
+    For the many rows that check a help page or a refusal: each is still a
+    process of its own with its own exit status and stderr (see
+    torchfleet.testing_cli), two seconds sooner. A few tests keep the real
+    `python -m torchfleet`, so the entry point itself stays covered.
+    """
+    import multiprocessing
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():  # not on Windows
+        return torchfleet(*args, timeout=timeout, env=env)
+    from torchfleet.testing_cli import forked_cli
+
+    return forked_cli(list(args), env or clean_env(), str(ROOT), timeout=timeout)
+
+
 @pytest.fixture
 def cli():
     return torchfleet

@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from conftest import torchfleet, tree_digest
+from conftest import clean_env, forked_torchfleet, torchfleet, tree_digest
 from torchfleet.cli import build_parser
 from torchfleet.launcher.torchrun_flags import torchrun_actions
 
@@ -61,7 +61,7 @@ def test_surface_is_frozen():
 
 @pytest.mark.parametrize("command", [[], *[[c] for c in SURFACE]])
 def test_every_help(command):
-    result = torchfleet(*command, "--help")
+    result = forked_torchfleet(*command, "--help")
     assert result.returncode == 0
     assert "usage: torchfleet" in result.stdout
     for flag in SURFACE.get(command[0], []) if command else []:
@@ -105,7 +105,7 @@ def test_bad_input_is_one_sentence_and_status_2(args, sentence, good_checkpoint,
     ckpt = shutil.copytree(good_checkpoint, tmp_path / "ckpt")
     before = tree_digest(ckpt)
     extra = ["--checkpoint-dir", str(ckpt)] if args[0] == "train" and "--resume" not in args else []
-    result = torchfleet(*args, *extra, timeout=60)
+    result = forked_torchfleet(*args, *extra, timeout=60)
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
     lines = result.stderr.strip().splitlines()
@@ -126,3 +126,20 @@ def test_unwritable_checkpoint_dir_is_refused_before_work(tmp_path):
 def test_version():
     result = torchfleet("--version")
     assert result.returncode == 0 and result.stdout.startswith("torchfleet ")
+
+
+def test_the_real_entry_point_refuses_and_helps_as_the_forked_rows_do():
+    """The rows above run in forked children (conftest.forked_torchfleet); here `python -m torchfleet` itself."""
+    for args in (["train", "--strategy", "warp"], ["bench", "--steps", "1"], ["train", "--help"]):
+        real, forked = torchfleet(*args, timeout=60), forked_torchfleet(*args)
+        assert (real.returncode, real.stdout, real.stderr) == (forked.returncode, forked.stdout, forked.stderr)
+    assert real.returncode == 0 and "--strategy" in real.stdout
+
+
+def test_a_forked_row_shows_a_crash_as_a_process_would(tmp_path):
+    """So that the rows' `"Traceback" not in stderr` can fail: an uncaught error reaches stderr, status 1."""
+    from torchfleet.testing_cli import forked_cli
+
+    result = forked_cli(["--version"], clean_env(), str(tmp_path / "no-such-directory"))  # chdir fails
+    assert result.returncode == 1
+    assert "Traceback" in result.stderr and "FileNotFoundError" in result.stderr

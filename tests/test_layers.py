@@ -26,7 +26,7 @@ LAYERS = [
     ("doctor", "train"),  # the machine report; the built-in job
     ("testing", "testing_devices", "bench"),  # reference jobs; the strategy matrix
     ("clusters",),  # job writers for schedulers
-    ("cli", "__main__"),  # the commands
+    ("cli", "__main__", "testing_cli"),  # the commands; the command line run for tests
 ]
 LAYER_OF = {name: i for i, names in enumerate(LAYERS) for name in names}
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from conftest import torchfleet
+from conftest import forked_torchfleet, torchfleet
 from torchfleet.errors import UsageError
 from torchfleet.outputs import check_writable_file, write_text
 
@@ -39,7 +39,7 @@ def paths(tmp_path):
 def test_unwritable_output_is_refused_before_any_work(name, args, flag, paths, tmp_path):
     args = [a.format(**paths) for a in args]
     path = next(a for a in args if a.startswith(paths["blocked"]))
-    result = torchfleet(*args, timeout=60)
+    result = forked_torchfleet(*args, timeout=60)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
@@ -49,7 +49,7 @@ def test_unwritable_output_is_refused_before_any_work(name, args, flag, paths, t
 
 
 def test_json_out_that_is_a_directory_is_refused(tmp_path):
-    result = torchfleet("train", "--strategy", "serial", "--json-out", str(tmp_path), timeout=60)
+    result = forked_torchfleet("train", "--strategy", "serial", "--json-out", str(tmp_path), timeout=60)
     assert result.returncode == 2
     assert "is a directory; give a file name" in result.stderr and result.stdout == ""
 
