@@ -13,7 +13,7 @@ TORCH ?=
 # pip's own progress bars and the "location ignored" notes of local indexes are noise here.
 PIP    := $(BIN)/python -m pip install --quiet --disable-pip-version-check
 
-.PHONY: demo test test-floor lint doctor bench parity gpu-check clean system-deps
+.PHONY: demo test test-floor lint doctor bench parity gpu-check cpu-scaling clean system-deps
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -108,6 +108,17 @@ gpu-check:
 	$(GPU_RUN) -m torchfleet bench --model gpt --strategies serial --precisions fp32,bf16,fp16 --out $(GPU_OUT)/gpt
 	CUDA_VISIBLE_DEVICES= $(GPU_RUN) -m torchfleet bench --model cnn --strategies serial,ddp --nproc 2,4,8 \
 		--threads 1 --batch-sizes 2048 --out $(GPU_OUT)/cpu-scaling
+
+# Where ddp's CPU scaling goes, on a machine of many cores (the GPU box's 16): at
+# 2, 4 and 8 processes, torchfleet against the hand-written DDP loop, processes
+# that never communicate (what the machine's cores and memory allow) and processes
+# that only meet once per step (the floor of any synchronous step). A few minutes
+# on 16 cores; a second device call after gpu-check. Installs nothing, as gpu-check.
+cpu-scaling:
+	mkdir -p $(GPU_OUT)
+	CUDA_VISIBLE_DEVICES= $(GPU_RUN) benchmarks/parity.py --only scaling --nprocs 2,4,8 \
+		--scaling-ways free,lockstep,hand,torchfleet --rounds 3 --out $(GPU_OUT)/scaling-parts \
+		| tee $(GPU_OUT)/scaling-parts.txt
 
 clean:
 	rm -rf $(VENV) .venv-floor .pytest_cache
