@@ -186,3 +186,19 @@ def test_interface_for_loopback_is_lo(dest: str) -> None:
 
 def test_interface_for_unresolvable_host_is_none() -> None:
     assert netif.interface_for("no-such-host.invalid") is None
+
+
+@pytest.mark.parametrize("gpus, cores, want", [
+    (4, 16, ("ddp", 4)),  # one process per GPU
+    (1, 16, ("serial", 1)),  # one GPU: two processes would take turns on it
+    (0, 16, ("ddp", 2)),  # CPU cores, no GPU
+    (0, 1, ("serial", 1)),
+])
+def test_auto_plans_processes_for_the_hardware(monkeypatch, gpus: int, cores: int, want: tuple) -> None:
+    from torchfleet.train import planner
+
+    monkeypatch.setattr(planner, "_gpus", lambda: gpus)
+    monkeypatch.setattr(planner, "_cpu_cores", lambda: cores)
+    strategy, nproc, why = planner.plan_processes("auto", None)
+    assert (strategy, nproc) == want and why.startswith("strategy auto: ")
+    assert planner.plan_processes("auto", 3)[:2] == ("ddp", 3)  # -n given: ddp on that many, whatever is here

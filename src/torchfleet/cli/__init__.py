@@ -102,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     d = TrainConfig()
     train = sub.add_parser("train", help="train the built-in job (a CNN on digits by default)")
     train.add_argument("--strategy", default="auto",
-                       help="serial, ddp, ... or auto: ddp on 2+ cores or GPUs, else serial (default auto)")
+                       help="serial, ddp, ... or auto: ddp on 2+ GPUs, serial on one GPU, ddp on 2+ CPU cores"
+                            " without a GPU, else serial (default auto)")
     train.add_argument("--model", choices=MODELS, default=d.model,
                        help=f"built-in model (default {d.model}): mlp, cnn, transformer classify digits; gpt is a"
                        " decoder-only transformer (--gpt-preset); resnet18, resnet50 are torchvision's ResNets,"

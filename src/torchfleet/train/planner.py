@@ -32,8 +32,12 @@ def plan_processes(strategy: str, nproc: int | None) -> tuple[str, int, str]:
             return ("ddp" if nproc > 1 else "serial"), nproc, ""
         if gpus >= 2:
             return "ddp", gpus, f"strategy auto: ddp on {gpus} processes, one per GPU"
+        if gpus == 1:
+            # Two processes on one GPU would take turns on it and all-reduce through the host
+            # (Gloo): one process, with a bigger batch or bf16, is what makes one GPU faster.
+            return "serial", 1, "strategy auto: serial on the one GPU (processes sharing it would take turns)"
         if cores >= 2:
-            return "ddp", 2, f"strategy auto: ddp on 2 processes ({cores} CPU cores, {gpus} GPUs)"
+            return "ddp", 2, f"strategy auto: ddp on 2 processes ({cores} CPU cores, no GPU)"
         return "serial", 1, "strategy auto: serial (one CPU core: more processes would only compete)"
     cls = get_strategy(strategy)
     if strategy == "hogwild":
