@@ -108,6 +108,15 @@ gpu-check:
 	$(GPU_RUN) -m torchfleet bench --model gpt --strategies serial --precisions fp32,bf16,fp16 --out $(GPU_OUT)/gpt
 	CUDA_VISIBLE_DEVICES= $(GPU_RUN) -m torchfleet bench --model cnn --strategies serial,ddp --nproc 2,4,8 \
 		--threads 1 --batch-sizes 2048 --out $(GPU_OUT)/cpu-scaling
+	# The host syncs of the hot path: reading the loss every step (--log-every 1, what every step
+	# did before the loss window) against every 100 steps, serial on the GPU, the rest the same.
+	mkdir -p $(GPU_OUT)/host-sync
+	for n in 1 100; do $(GPU_RUN) -m torchfleet train --strategy serial --model cnn --data synthetic \
+		--synthetic-size 131072 --batch-size 256 --epochs 1 --max-steps 500 --log-every $$n --no-progress \
+		--json-out $(GPU_OUT)/host-sync/log-every-$$n.json > /dev/null; done
+	$(GPU_RUN) -c "import json; r = [json.load(open('$(GPU_OUT)/host-sync/log-every-%d.json' % n))['samples_per_s'] \
+		for n in (1, 100)]; print('host sync: %.0f samples/s reading every step, %.0f every 100 steps: x%.3f' \
+		% (r[0], r[1], r[1] / r[0]))" | tee $(GPU_OUT)/host-sync/summary.txt
 
 # Where ddp's CPU scaling goes, on a machine of many cores (the GPU box's 16): at
 # 2, 4 and 8 processes, torchfleet against the hand-written DDP loop, processes
