@@ -92,6 +92,19 @@ def test_multi_gpu_host_rules() -> None:
     assert "oversubscribe" not in found["ddp+pipeline"]["why"]
 
 
+def test_one_gpu_host_offers_only_what_runs_on_processes_sharing_it() -> None:
+    # As Fleet does: 2 processes on 1 GPU share it over Gloo, which runs ddp's all-reduce and
+    # refuses the collectives of the others; the 2 x 2 presets share 2 GPUs the same way.
+    for gpus, need in ((1, 2), (2, 4)):
+        found = by_name(gpu_host(gpus), cores=16)
+        offered = {n for n, s in found.items() if s["available"]}
+        assert offered == ({"serial", "hogwild", "mp", "ddp"} | ({"dp", "fsdp", "pipeline", "tp"} if gpus == 2 else set()))
+        if gpus == 1:
+            assert "2 processes share the one GPU over Gloo" in found["ddp"]["why"]
+        refused = found["fsdp" if gpus == 1 else "hsdp"]["why"]
+        assert refused.startswith(f"needs {need} GPUs, one per process (NCCL)") and "CUDA_VISIBLE_DEVICES=" in refused
+
+
 def test_render_report_shows_the_backend_and_reason(report: dict) -> None:
     buffer = io.StringIO()
     render_report(report, Console(file=buffer))

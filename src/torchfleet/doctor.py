@@ -61,12 +61,27 @@ def _mp(hw: Hardware, cores: int) -> tuple[bool, str]:
     return True, f"runs, but its stages share {where}; pays with >= 2 GPUs"
 
 
-def _world(need: int, oversubscribe: bool = False) -> Rule:
-    """A rule for strategies that need a world of `need` processes."""
+def _gpus(hw: Hardware) -> str:
+    return "one GPU" if hw.gpus == 1 else f"{hw.gpus} GPUs"
+
+
+def _world(need: int, oversubscribe: bool = False, shares_gpus: bool = False) -> Rule:
+    """A rule for strategies that need a world of `need` processes.
+
+    With GPUs, but fewer than `need`, the processes would share them over Gloo
+    (Fleet does what backend.choose_backend says): only ddp's all-reduce runs
+    there (`shares_gpus`), the others are refused, so they are not offered.
+    """
 
     def rule(hw: Hardware, cores: int) -> tuple[bool, str]:
         if hw.gpus >= need:
             return True, f"{need} or more processes, one per GPU ({hw.gpus} GPUs)"
+        if hw.gpus and shares_gpus:
+            return True, (f"{need} processes share the {_gpus(hw)} over Gloo (NCCL needs a GPU for each);"
+                          f" pays with {need} GPUs")
+        if hw.gpus:
+            return False, (f"needs {need} GPUs, one per process (NCCL), and {_gpus(hw)} here; processes"
+                           " sharing a GPU run ddp only. CUDA_VISIBLE_DEVICES= runs it on the CPU cores")
         if cores >= need:
             return True, f"{need} or more CPU processes with gloo ({cores} cores)"
         if oversubscribe:
@@ -88,7 +103,7 @@ _RULES: dict[str, Rule] = {
     "hogwild": _hogwild,
     "dp": _dp,
     "mp": _mp,
-    "ddp": _world(2),
+    "ddp": _world(2, shares_gpus=True),
     "fsdp": _world(2),
     "pipeline": _world(2),
     # Two dimensions of 2: on CPU with gloo they oversubscribe 2 cores, correct but slow.

@@ -113,7 +113,7 @@ class Fleet:
                 f"{self.strategy.name} on {local_procs} processes sharing {hardware.gpus} GPU(s) needs"
                 " collectives that Gloo does not run on GPU tensors (it all-reduces and broadcasts only),"
                 f" and NCCL needs a GPU of its own for each process; start at most {hardware.gpus}"
-                " process(es) per host, or use ddp"
+                " process(es) per host, use ddp, or hide the GPUs (CUDA_VISIBLE_DEVICES=) to run on CPU cores"
             )
         self.notes.extend(self.strategy.notes)
 
