@@ -3,6 +3,7 @@
 Every path one GPU allows, each against the CPU run of the same job (a fresh
 process that sees no GPU, `testing_devices.on_cpu`):
 - serial, dp and mp on CUDA;
+- ddp and fsdp in one process that a launcher started: a group of one on NCCL;
 - ddp on 2 processes sharing the GPU: NCCL refuses two ranks on one device,
   so torchfleet picks Gloo, which all-reduces CUDA tensors; fsdp there is
   refused in one sentence (Gloo has no all-gather or reduce-scatter for them);
@@ -31,7 +32,7 @@ import torch
 from torchfleet import launch
 from torchfleet.launcher import LaunchError
 from torchfleet.testing import resumed_equals_straight, train_k_steps
-from torchfleet.testing_devices import fleet_facts, fp16_skip_job, on_cpu
+from torchfleet.testing_devices import fleet_facts, fp16_skip_job, on_cpu, trained_facts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU: `make gpu-check` runs this suite on a GPU machine")
@@ -53,6 +54,15 @@ def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_single_process_strategies_on_cuda_match_the_cpu(strategy, options):
     assert fleet_facts(strategy, **options)["device"].startswith("cuda")
     got = train_k_steps(strategy, **options)
+    assert _diff(got, _cpu_serial()) < FP32_BOUND
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy, wrapper", [("ddp", "DistributedDataParallel"), ("fsdp", "FSDPSequential")])
+def test_one_process_of_ddp_or_fsdp_runs_on_nccl_and_matches_the_cpu(strategy, wrapper):
+    ((facts, got),) = launch(trained_facts, nprocs=1, args=(strategy,))  # torchrun -n 1: a group of one
+    assert (facts["device"], facts["backend"], facts["group"]) == ("cuda:0", "nccl", 1)
+    assert (facts["strategy"], facts["wrapper"]) == (strategy, wrapper)
     assert _diff(got, _cpu_serial()) < FP32_BOUND
 
 

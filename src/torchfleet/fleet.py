@@ -1,8 +1,8 @@
 """Fleet: the one object a training script holds.
 
 It reads the environment once (`DistEnv.detect()`), picks the backend and
-says why, starts the process group when there is more than one process, and
-hands the model to the chosen strategy. The same script therefore runs under
+says why, starts the process group when there is more than one process (or
+a launcher started one for ddp or fsdp), and hands the model to the chosen strategy. The same script therefore runs under
 ``python``, ``torchfleet run``, ``torchrun``, Slurm, mpirun, a SageMaker
 training job or a Kubeflow PyTorchJob unchanged.
 """
@@ -85,7 +85,11 @@ class Fleet:
         # More processes than GPUs here, and Gloo chosen for it: the processes share the GPUs.
         self._gpus_shared = (backend.strip().lower() == "auto" and self.backend == "gloo"
                              and shares_gpus(hardware, local_procs))
-        if strategy_cls.distributed and not self.env.is_distributed:
+        # A launcher (torchrun, launch) started one process for ddp or fsdp: a group of one, as
+        # torch runs it (NCCL on one GPU); alone elsewhere, or to split a model, one runs serial.
+        alone = self.env.source == "torchrun" and self.env.world_size == 1 and strategy in ("ddp", "fsdp")
+        grouped = self.env.is_distributed or alone
+        if strategy_cls.distributed and not grouped:
             self.notes.append(f"{strategy} with one process has nothing to share; running it as serial")
             strategy_cls = get_strategy("serial")
             strategy_options = {}
@@ -97,15 +101,15 @@ class Fleet:
         self.device = torch.device("cpu") if strategy_cls.cpu_only else self._pick_device()
         if self.device.type == "cpu":
             allocator.keep_freed_memory()  # a step's memory stays for the next step
-        if self.env.is_distributed:
+        if grouped:
             self._init_process_group()
         runtime = Runtime(self.env, self.device, Precision(precision, self.device),
-                          self.backend if self.env.is_distributed else None, max_grad_norm)
-        if strategy_cls.distributed:  # (one process was made serial above: no degrees to resolve)
+                          self.backend if grouped else None, max_grad_norm)
+        if strategy_cls.distributed:  # (still distributed: several processes, or a group of one)
             dims = resolve_dims(strategy, self.env.world_size, self.env.nnodes, strategy_options)
             # The degrees pick the class: ddp with --pp 2 runs as ddp+pipeline.
             strategy_options = {k: v for k, v in strategy_options.items() if k not in DIM_NAMES}
-            self.strategy = class_for(dims)(runtime, dims=dims, **strategy_options)
+            self.strategy = (strategy_cls if alone else class_for(dims))(runtime, dims=dims, **strategy_options)
         else:
             self.strategy = strategy_cls(runtime, **strategy_options)
         if self._gpus_shared and self.strategy.name != "ddp":
@@ -140,16 +144,11 @@ class Fleet:
             dist.init_process_group(self.backend, store=store, rank=env.rank, world_size=env.world_size,
                                     timeout=_PG_TIMEOUT)
             return
-        if env.source == "torchrun":
-            # torchrun's agent already hosts the store at MASTER_ADDR:MASTER_PORT.
-            init_method = "env://"
-        else:
-            init_method = f"tcp://{env.master_addr}:{env.master_port}"
+        # torchrun's agent already hosts the store at MASTER_ADDR:MASTER_PORT.
+        init_method = "env://" if env.source == "torchrun" else f"tcp://{env.master_addr}:{env.master_port}"
         _choose_socket_interface(env)
-        dist.init_process_group(
-            self.backend, init_method=init_method, rank=env.rank,
-            world_size=env.world_size, timeout=_PG_TIMEOUT,
-        )
+        dist.init_process_group(self.backend, init_method=init_method, rank=env.rank, world_size=env.world_size,
+                                timeout=_PG_TIMEOUT)
 
     def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, example_inputs=None):
         """Wrap `model` and `optimizer` for the strategy; use what it returns.

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from torchfleet.fleet import Fleet
-from torchfleet.testing import full_weights
+from torchfleet.testing import full_weights, train_k_steps
 from torchfleet.train.datasets import synthetic
 from torchfleet.train.models import build_model
 
@@ -38,12 +38,24 @@ def on_cpu(fn, *args):
 
 
 def fleet_facts(strategy: str, **options) -> dict:
-    """The device, backend and the backend's reason a Fleet picks here (one per rank)."""
+    """What a Fleet picks here (one per rank): device, backend and its reason, the strategy it
+    runs, the process group's size (0: none) and the class of the model it trains (its wrapper)."""
     fleet = Fleet(strategy=strategy, **options)
-    facts = {"device": str(fleet.device), "backend": fleet.backend, "reason": fleet.backend_reason}
+    facts = {"device": str(fleet.device), "backend": fleet.backend, "reason": fleet.backend_reason,
+             "strategy": fleet.strategy_name,
+             "group": torch.distributed.get_world_size() if torch.distributed.is_initialized() else 0}
+    net = build_model("mlp", (1, 8, 8), 10)
+    fleet.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    facts["wrapper"] = type(fleet.strategy.model).__name__
     if torch.distributed.is_initialized():
         fleet.close()
     return facts
+
+
+def trained_facts(strategy: str, **options) -> tuple[dict, torch.Tensor | None]:
+    """(`fleet_facts`, `train_k_steps`'s weights) from one set of processes: one launch, not two."""
+    weights = train_k_steps(strategy, **options)  # leaves the process group up for the facts
+    return fleet_facts(strategy, **options), weights
 
 
 def fp16_skip_job(strategy: str = "serial", options: dict | None = None, steps: int = 5, poisoned: int = 3,

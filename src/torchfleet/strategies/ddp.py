@@ -17,7 +17,7 @@ import functools
 
 from torchfleet.errors import UsageError, choice_error
 from torchfleet.strategies.distributed import MeshStrategy
-from torchfleet.strategies.parallelize import parallelize
+from torchfleet.strategies.parallelize import apply_ddp, parallelize
 
 COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
 # PowerSGD runs plain all-reduce before this step; with error feedback torch
@@ -73,6 +73,9 @@ class DataParallelDistributed(MeshStrategy):
         mesh = self.build_mesh()
         _, self.model, _ = parallelize(model, self.dims, mesh, self.runtime.device, self.runtime.precision,
                                        find_unused_parameters=self.find_unused_parameters)
+        if self.alone:  # parallelize wraps from 2 replicas on; one that was asked for is wrapped too
+            self.model = apply_ddp(self.model, mesh["dp_replicate"], self.runtime.device,
+                                   self.find_unused_parameters)
         self._register_hook(mesh["dp_replicate"].get_group())
         self.optimizer = optimizer
         return self.model, self.optimizer

@@ -55,13 +55,17 @@ class MeshStrategy(Strategy):
         self.dims = dims
         self.fsdp_units = names_option(fsdp_units)
         self.split_points = names_option(split_points)
-        if self.fsdp_units and dims.dp_shard == 1:
+        # One process that a launcher started for ddp or fsdp (Fleet keeps it a group of
+        # one): the class wraps the model as at any size, which degrees of 1 would skip.
+        self.alone = dims.world_size == 1
+        if self.fsdp_units and dims.dp_shard == 1 and not (self.alone and self.name == "fsdp"):
             raise UsageError(f"--fsdp-units applies where parameters are sharded (fsdp, hsdp, fsdp+pipeline);"
                              f" {dims.name} does not shard them")
         if self.split_points and dims.pp == 1:
             raise UsageError(f"--split-points cuts pipeline stages (pipeline, ddp+pipeline, fsdp+pipeline, mp);"
                              f" {dims.name} has none")
-        self.name = dims.name  # the preset the degrees make ("ddp" with --pp 2 is ddp+pipeline)
+        if not self.alone:
+            self.name = dims.name  # the preset the degrees make ("ddp" with --pp 2 is ddp+pipeline)
         # The mesh is row-major: this rank's place is known before the mesh is built,
         # so a loader made before setup reads the right share.
         self.rank = env.rank

@@ -42,7 +42,7 @@ from torch.distributed.tensor import DTensor
 
 from torchfleet.strategies.blocks import parameter_names
 from torchfleet.strategies.distributed import MeshStrategy
-from torchfleet.strategies.parallelize import fsdp_units, parallelize
+from torchfleet.strategies.parallelize import apply_fsdp, fsdp_units, parallelize
 from torchfleet.strategies.tensor_parallel import clip_grad_norm, tp_plan_for
 
 
@@ -110,12 +110,14 @@ class FullyShardedDataParallel(MeshStrategy):
             plan, source = tp_plan_for(model, self.dims.tp, self.tp_plan)
             self.notes.append(f"{self.name} splits {len(plan)} layers over tp({self.dims.tp}) processes"
                               f" ({source}); each rank of a tp group holds the other layers whole")
-        if self.dims.dp_shard > 1:
+        if self.dims.dp_shard > 1 or self.alone:
             units = fsdp_units(model, self.fsdp_units)
             self.notes.append(f"{self.name} shards {len(units)} units, one block each unless tied"
                               f" ({_describe_units(model, units)}), then the root with the rest")
         self.model, _, _ = parallelize(model, self.dims, self.build_mesh(), self.runtime.device,
                                        self.runtime.precision, fsdp_classes=self.fsdp_units, tp_plan=plan)
+        if self.alone:  # one shard, as FSDP2 runs on a group of one (parallelize shards from 2)
+            apply_fsdp(self.model, self.mesh["dp_shard"], self.fsdp_units)
         self.optimizer = rebuild_optimizer(optimizer, old_names, self.model)
         if self.dims.tp > 1 and not isinstance(self.model, FSDPModule):
             # tp alone leaves the parameters outside the plan plain tensors beside the DTensors,

@@ -63,7 +63,7 @@ def _train_here(cfg: TrainConfig, env: DistEnv) -> int:
     """One of many processes already (torchrun, Slurm, mpirun, SageMaker): train in this one."""
     strategy = cfg.strategy if cfg.strategy != "auto" else ("ddp" if env.is_distributed else "serial")
     failures.call_recorded(train, cfg, strategy)
-    if env.is_distributed:
+    if env.is_distributed or env.source == "torchrun":  # torchrun's one process may hold a group of one
         # Work done, results written, process group closed. Gloo's threads can
         # still abort in C++ destructors during interpreter teardown ("terminate
         # called without an active exception", seen about 1 run in 10 here), which
