@@ -108,8 +108,8 @@ gpu-check:
 	$(GPU_RUN) -m torchfleet bench --model gpt --strategies serial --precisions fp32,bf16,fp16 --out $(GPU_OUT)/gpt
 	CUDA_VISIBLE_DEVICES= $(GPU_RUN) -m torchfleet bench --model cnn --strategies serial,ddp --nproc 2,4,8 \
 		--threads 1 --batch-sizes 2048 --out $(GPU_OUT)/cpu-scaling
-	# The host syncs of the hot path: reading the loss every step (--log-every 1, what every step
-	# did before the loss window) against every 100 steps, serial on the GPU, the rest the same.
+# The host syncs of the hot path: reading the loss every step (--log-every 1, what every step
+# did before the loss window) against every 100 steps, serial on the GPU, the rest the same.
 	mkdir -p $(GPU_OUT)/host-sync
 	for n in 1 100; do $(GPU_RUN) -m torchfleet train --strategy serial --model cnn --data synthetic \
 		--synthetic-size 131072 --batch-size 256 --epochs 1 --max-steps 500 --log-every $$n --no-progress \

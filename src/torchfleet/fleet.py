@@ -2,9 +2,10 @@
 
 It reads the environment once (`DistEnv.detect()`), picks the backend and
 says why, starts the process group when there is more than one process (or
-a launcher started one for ddp or fsdp), and hands the model to the chosen strategy. The same script therefore runs under
-``python``, ``torchfleet run``, ``torchrun``, Slurm, mpirun, a SageMaker
-training job or a Kubeflow PyTorchJob unchanged.
+a launcher started one for ddp or fsdp), and hands the model to the chosen
+strategy. The same script therefore runs under ``python``, ``torchfleet
+run``, ``torchrun``, Slurm, mpirun, a SageMaker training job or a Kubeflow
+PyTorchJob unchanged.
 """
 
 from __future__ import annotations

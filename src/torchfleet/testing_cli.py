@@ -39,7 +39,7 @@ def _child(argv: list[str], env: dict[str, str], cwd: str, out: str, err: str) -
         handle = os.open(path, os.O_WRONLY | os.O_TRUNC)
         os.dup2(handle, fd)
         os.close(handle)
-    # Fresh streams over the new descriptors, unbuffered as PYTHONUNBUFFERED makes them.
+    # Fresh streams over the new descriptors, line-buffered, so nothing waits in them at exit.
     sys.stdout = open(1, "w", closefd=False, buffering=1)
     sys.stderr = open(2, "w", closefd=False, buffering=1)
     os.environ.clear()
