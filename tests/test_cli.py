@@ -143,3 +143,37 @@ def test_a_forked_row_shows_a_crash_as_a_process_would(tmp_path):
     result = forked_cli(["--version"], clean_env(), str(tmp_path / "no-such-directory"))  # chdir fails
     assert result.returncode == 1
     assert "Traceback" in result.stderr and "FileNotFoundError" in result.stderr
+
+
+def test_a_train_option_is_declared_once_on_its_field():
+    """TrainConfig's fields are the train flags: parsing nothing gives its defaults, and a new field is a new flag."""
+    from dataclasses import dataclass
+
+    from torchfleet.cli.flags import add_flags, from_args
+    from torchfleet.config import option
+    from torchfleet.train.config import TrainConfig
+
+    assert from_args(TrainConfig, build_parser().parse_args(["train"]), strategy_options={}) == TrainConfig()
+
+    @dataclass
+    class Job:
+        warmup: int = option(5, "steps before timing (default %(default)s)")
+        scale: float | None = option(None, "a factor", metavar="X")
+        mode: str = option("fast", "default %(default)s", choices=("fast", "slow"))
+        dry_run: bool = option(False, "plan only")
+        colour: bool = option(True, "plain output")
+
+    parser = argparse.ArgumentParser(prog="job")
+    add_flags(parser, Job)
+    assert from_args(Job, parser.parse_args([])) == Job()
+    given = parser.parse_args(["--warmup", "7", "--scale", "0.5", "--mode", "slow", "--dry-run", "--no-colour"])
+    assert from_args(Job, given) == Job(warmup=7, scale=0.5, mode="slow", dry_run=True, colour=False)
+    text = parser.format_help()
+    assert "steps before timing (default 5)" in text and "--scale X" in text and "--no-colour" in text
+
+    @dataclass
+    class Untyped:
+        sizes: tuple = option((1, 2), "sizes")
+
+    with pytest.raises(TypeError, match="Untyped.sizes: a flag of type <class 'tuple'> needs type= or nargs="):
+        add_flags(argparse.ArgumentParser(), Untyped)

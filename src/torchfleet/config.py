@@ -8,11 +8,24 @@ bench/config.py) and share the rules here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from torchfleet.errors import UsageError
 
 BACKENDS = ("auto", "gloo", "nccl", "mpi")
+
+T = TypeVar("T")
+
+
+def option(default: T, help: str, **flag: Any) -> T:
+    """A config field that is also a command-line flag, declared once (cli/flags.py derives the flag).
+
+    The flag's name, type, default and switch follow from the field; `flag` adds what
+    they cannot (choices, metavar, nargs, const). `%(default)s` in `help` is argparse's
+    own expansion of the field's default, so the text cannot fall behind it.
+    """
+    return field(default=default, metadata={"help": help, **flag})
 
 
 def at_least(name: str, value: int | float, low: int | float) -> None:

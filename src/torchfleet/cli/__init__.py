@@ -83,11 +83,8 @@ def _add_node_flags(g, underscores: bool = False) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from torchfleet.config import BACKENDS
-    from torchfleet.precision import PRECISIONS
-    from torchfleet.train.config import OPTIMIZERS, TrainConfig
-    from torchfleet.train.datasets import DATASETS
-    from torchfleet.train.models import GPT_PRESETS, MODELS
+    from torchfleet.cli.flags import add_flags
+    from torchfleet.train.config import TrainConfig
 
     parser = _Parser(prog="torchfleet", description="Train one PyTorch model on one process, "
                      "many processes, many devices or many machines.", epilog=EPILOG)
@@ -99,62 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_node_flags(doctor.add_argument_group(
         "many machines: with --master-addr, show the interface to it; with --master-port too, run the preflight"))
 
-    d = TrainConfig()
     train = sub.add_parser("train", help="train the built-in job (a CNN on digits by default)")
-    train.add_argument("--strategy", default="auto",
-                       help="serial, ddp, ... or auto: ddp on 2+ GPUs, serial on one GPU, ddp on 2+ CPU cores"
-                            " without a GPU, else serial (default auto)")
-    train.add_argument("--model", choices=MODELS, default=d.model,
-                       help=f"built-in model (default {d.model}): mlp, cnn, transformer classify digits; gpt is a"
-                       " decoder-only transformer (--gpt-preset); resnet18, resnet50 are torchvision's ResNets,"
-                       " built in (torchvision not needed)")
-    train.add_argument("--data", choices=DATASETS, default=None,
-                       help="built-in data (default: text for gpt, a byte-level corpus from scikit-learn's"
-                       " data-set descriptions; digits for the others)")
-    train.add_argument("--gpt-preset", choices=tuple(GPT_PRESETS), default=d.gpt_preset,
-                       help=f"--model gpt's size (default {d.gpt_preset}): tiny (237K parameters, CPU),"
-                       " small50m (57M), gpt2 (124M, GPT-2 small, for GPUs)")
-    train.add_argument("--epochs", type=int, default=d.epochs, help=f"default {d.epochs}")
-    train.add_argument("--batch-size", type=int, default=d.batch_size,
-                       help=f"GLOBAL batch, shared by all processes (default {d.batch_size})")
-    train.add_argument("--lr", type=float, default=d.lr, help=f"learning rate (default {d.lr})")
-    train.add_argument("--optimizer", choices=OPTIMIZERS, default=d.optimizer, help=f"default {d.optimizer}")
-    train.add_argument("--seed", type=int, default=d.seed, help=f"default {d.seed}")
-    train.add_argument("--precision", choices=PRECISIONS, default=d.precision, help=f"default {d.precision}")
-    train.add_argument("--backend", choices=BACKENDS, default=d.backend,
-                       help="process-group backend (default auto: nccl for GPUs, gloo for CPUs)")
-    train.add_argument("--grad-accum", type=int, default=d.grad_accum,
-                       help="split each batch into this many micro-steps, syncing gradients once (default 1)")
-    train.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
-    train.add_argument("--synthetic-size", type=int, default=d.synthetic_size,
-                       help=f"samples in --data synthetic (default {d.synthetic_size})")
-    train.add_argument("--checkpoint-dir", default=None, help="save checkpoints here")
-    train.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every,
-                       help="save every N steps (default 0: at the end of each epoch)")
-    train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
-    train.add_argument("--resume-fallback", action="store_true",
-                       help="like --resume, but step back to the previous intact checkpoint when the newest is damaged")
-    train.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints,
-                       help=f"keep the newest K checkpoints (default {d.keep_checkpoints})")
-    train.add_argument("--hang-timeout", type=float, default=d.hang_timeout, metavar="SECONDS",
-                       help="no progress on any rank for this long: print every rank's stack and stop"
-                       f" (default {d.hang_timeout:.0f}; 0 turns the watchdog off)")
-    train.add_argument("--json-out", default=None, metavar="FILE", help="write the final figures as JSON")
-    train.add_argument("--log-every", type=int, default=d.log_every, metavar="N",
-                       help=f"read the loss on the host every N steps (default {d.log_every}): each read waits"
-                       " for the GPU, so the steps between run without a pause; every step's loss is checked")
-    train.add_argument("--metrics-out", default=None, metavar="FILE",
-                       help="a row per logged step (loss, lr, samples/s) and per epoch (validation figures):"
-                       " FILE.csv or FILE.jsonl")
-    train.add_argument("--tensorboard", default=None, metavar="DIR",
-                       help="TensorBoard event files in DIR, the same figures (needs `pip install tensorboard`)")
-    train.add_argument("--max-grad-norm", type=float, default=None, metavar="NORM",
-                       help="clip gradients to this global norm (over every shard and stage)")
-    train.add_argument("--activation-checkpointing", action="store_true",
-                       help="recompute each block's activations in backward: less memory, more compute")
-    train.add_argument("--compile", nargs="?", const="blocks", default=None, choices=("blocks", "model"),
-                       help="torch.compile each block (default) or the whole model")
-    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_flags(train, TrainConfig)
     opts = train.add_argument_group("strategy options (each applies to some strategies only)")
     for flag, kind, text in STRATEGY_FLAGS:  # a bool is a switch: given means True
         opts.add_argument(flag, **({"action": "store_true"} if kind is bool else {"type": kind}),
@@ -208,22 +151,11 @@ def cmd_doctor(args) -> int:
 
 
 def cmd_train(args, argv: list[str]) -> int:
+    from torchfleet.cli.flags import from_args
     from torchfleet.train import command
     from torchfleet.train.config import TrainConfig
 
-    cfg = TrainConfig(
-        strategy=args.strategy, model=args.model, data=args.data, gpt_preset=args.gpt_preset, epochs=args.epochs,
-        batch_size=args.batch_size, lr=args.lr, optimizer=args.optimizer, seed=args.seed,
-        precision=args.precision, backend=args.backend, grad_accum=args.grad_accum,
-        max_steps=args.max_steps, synthetic_size=args.synthetic_size,
-        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-        resume=args.resume, resume_fallback=args.resume_fallback, keep_checkpoints=args.keep_checkpoints,
-        hang_timeout=args.hang_timeout, json_out=args.json_out, log_every=args.log_every,
-        metrics_out=args.metrics_out, tensorboard=args.tensorboard, progress=not args.no_progress,
-        max_grad_norm=args.max_grad_norm, activation_checkpointing=args.activation_checkpointing,
-        compile=args.compile or False,
-        strategy_options=_strategy_options(args),
-    )
+    cfg = from_args(TrainConfig, args, strategy_options=_strategy_options(args))
     return command.run(cfg, _launch_config(args), args.nproc_per_node, argv)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from torchfleet.config import BACKENDS, at_least
+from torchfleet.config import BACKENDS, at_least, option
 from torchfleet.errors import UsageError, choice_error
 from torchfleet.outputs import check_writable_dir, check_writable_file
 from torchfleet.precision import PRECISIONS
@@ -18,36 +18,60 @@ OPTIMIZERS = ("sgd", "adamw")
 
 @dataclass
 class TrainConfig:
-    """Everything `torchfleet train` needs to run one job."""
+    """Everything `torchfleet train` needs to run one job.
 
-    strategy: str = "auto"
-    model: str = "cnn"
-    data: str | None = None  # None: the model's own, text for gpt and digits for the others
-    gpt_preset: str = "tiny"  # --model gpt's size (torchfleet.models.GPT_PRESETS)
-    epochs: int = 8
-    batch_size: int = 64  # global: shared by all processes
-    lr: float = 2e-3
-    optimizer: str = "adamw"
-    seed: int = 0
-    precision: str = "fp32"
-    backend: str = "auto"
-    grad_accum: int = 1
-    max_steps: int | None = None  # stop early after this many optimizer steps
-    synthetic_size: int = 4096
-    checkpoint_dir: str | None = None
-    checkpoint_every: int = 0  # optimizer steps; 0 saves only at the end of each epoch
-    resume: bool = False
-    resume_fallback: bool = False  # a damaged newest checkpoint: step back instead of stopping
-    keep_checkpoints: int = 3
-    hang_timeout: float = 300.0  # seconds without progress on any rank before the watchdog's verdict; 0: off
-    json_out: str | None = None
-    log_every: int = 10  # steps between host reads of the loss (each waits for the GPU)
-    metrics_out: str | None = None  # .csv or .jsonl: a row per logged step and per epoch
-    tensorboard: str | None = None  # a directory for TensorBoard's event files
-    progress: bool = True
-    max_grad_norm: float | None = None
-    activation_checkpointing: bool = False
-    compile: bool | str = False  # "blocks" or "model" (True: blocks)
+    Each `option` field is also its `train` flag (--batch-size for batch_size), with
+    the help text written here: adding a field adds the flag (cli/flags.py). The
+    fields' order is the order of `train --help`.
+    """
+
+    # No argparse choices: the check below refuses an unknown strategy naming every one, in torchfleet's words.
+    strategy: str = option("auto", "serial, ddp, ... or auto: ddp on 2+ GPUs, serial on one GPU, ddp on 2+ CPU"
+                           " cores without a GPU, else serial (default %(default)s)")
+    model: str = option("cnn", "built-in model (default %(default)s): mlp, cnn, transformer classify digits; gpt is"
+                        " a decoder-only transformer (--gpt-preset); resnet18, resnet50 are torchvision's ResNets,"
+                        " built in (torchvision not needed)", choices=MODELS)
+    data: str | None = option(None, "built-in data (default: text for gpt, a byte-level corpus from scikit-learn's"
+                              " data-set descriptions; digits for the others)", choices=DATASETS)
+    gpt_preset: str = option("tiny", "--model gpt's size (default %(default)s): tiny (237K parameters, CPU),"
+                             " small50m (57M), gpt2 (124M, GPT-2 small, for GPUs)", choices=tuple(GPT_PRESETS))
+    epochs: int = option(8, "default %(default)s")
+    batch_size: int = option(64, "GLOBAL batch, shared by all processes (default %(default)s)")
+    lr: float = option(2e-3, "learning rate (default %(default)s)")
+    optimizer: str = option("adamw", "default %(default)s", choices=OPTIMIZERS)
+    seed: int = option(0, "default %(default)s")
+    precision: str = option("fp32", "default %(default)s", choices=PRECISIONS)
+    backend: str = option("auto", "process-group backend (default %(default)s: nccl for GPUs, gloo for CPUs)",
+                          choices=BACKENDS)
+    grad_accum: int = option(1, "split each batch into this many micro-steps, syncing gradients once"
+                             " (default %(default)s)")
+    max_steps: int | None = option(None, "stop after this many optimizer steps")
+    synthetic_size: int = option(4096, "samples in --data synthetic (default %(default)s)")
+    checkpoint_dir: str | None = option(None, "save checkpoints here")
+    checkpoint_every: int = option(0, "save every N steps (default %(default)s: at the end of each epoch)")
+    resume: bool = option(False, "continue from the newest checkpoint")
+    resume_fallback: bool = option(False, "like --resume, but step back to the previous intact checkpoint when the"
+                                   " newest is damaged")
+    keep_checkpoints: int = option(3, "keep the newest K checkpoints (default %(default)s)")
+    hang_timeout: float = option(300.0, "no progress on any rank for this long: print every rank's stack and stop"
+                                 " (default %(default).0f; 0 turns the watchdog off)", metavar="SECONDS")
+    json_out: str | None = option(None, "write the final figures as JSON", metavar="FILE")
+    log_every: int = option(10, "read the loss on the host every N steps (default %(default)s): each read waits"
+                            " for the GPU, so the steps between run without a pause; every step's loss is checked",
+                            metavar="N")
+    metrics_out: str | None = option(None, "a row per logged step (loss, lr, samples/s) and per epoch (validation"
+                                     " figures): FILE.csv or FILE.jsonl", metavar="FILE")
+    tensorboard: str | None = option(None, "TensorBoard event files in DIR, the same figures (needs `pip install"
+                                     " tensorboard`)", metavar="DIR")
+    max_grad_norm: float | None = option(None, "clip gradients to this global norm (over every shard and stage)",
+                                         metavar="NORM")
+    activation_checkpointing: bool = option(False, "recompute each block's activations in backward: less memory,"
+                                            " more compute")
+    # --compile alone means "blocks"; Python callers may also pass True for it.
+    compile: bool | str = option(False, "torch.compile each block (default) or the whole model",
+                                 nargs="?", const="blocks", choices=("blocks", "model"))
+    progress: bool = option(True, "no progress bar")  # on by default, so its flag is --no-progress
+    # Not flags of their own: STRATEGY_FLAGS in the CLI, shared with bench, each passed only when given.
     strategy_options: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
