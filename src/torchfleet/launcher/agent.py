@@ -238,7 +238,10 @@ def run_script(cfg: LaunchConfig, script: str, script_args: list[str],
     if torchrun.get("no_python"):
         return run_command(cfg, script_args, program=script, overrides=overrides)
     target = ["-m", script] if torchrun.get("module") else [script]
-    return run_command(cfg, ["-m", "torchfleet.launcher.bootstrap", *target, *script_args], overrides=overrides)
+    # Not `python -u`: the bootstrap makes the streams line-buffered instead, so each
+    # rank's lines reach the shared terminal whole and at once (bootstrap.line_buffered).
+    return run_command(cfg, ["-m", "torchfleet.launcher.bootstrap", *target, *script_args],
+                       program=sys.executable, overrides=overrides)
 
 
 def launch(fn: Callable, nprocs: int = 2, args: tuple = (), max_restarts: int = 0) -> list[Any]:

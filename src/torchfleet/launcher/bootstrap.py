@@ -11,7 +11,23 @@ import sys
 from torchfleet.launcher.failures import call_recorded
 
 
+def line_buffered() -> None:
+    """Make stdout and stderr write each whole line at once, as soon as it ends.
+
+    The ranks share one terminal or pipe. Unbuffered (`python -u`, PYTHONUNBUFFERED)
+    a print is several writes (each argument, each separator, the newline), so two
+    ranks' lines cut into each other ("rankrank  10"); block-buffered, as Python
+    writes to a pipe by default, output waits and is cut every 8 KiB, mid-line.
+    Line-buffered, each line is one write, and one write of up to 4 KiB to a pipe
+    is never mixed with another process's.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):  # None when the process was started without it
+            stream.reconfigure(line_buffering=True, write_through=False)
+
+
 def main() -> None:
+    line_buffered()
     if sys.argv[1] == "-m":  # `torchfleet run -m package.module`, as `python -m` runs it
         module, *args = sys.argv[2:]
         sys.argv = [module, *args]

@@ -1,0 +1,62 @@
+"""What `torchfleet run` shows the user: whole lines, as soon as they end.
+
+Every test starts real `torchfleet run` processes, as a user would.
+"""
+
+import re
+import select
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+
+from conftest import ROOT, clean_env, run
+
+SCRIPTS = ROOT / "tests" / "scripts"
+LINE = re.compile(r"rank ([01]) line (\d+)( w){20}")
+RUN = [sys.executable, "-m", "torchfleet", "run"]
+
+
+def _without_unbuffered() -> dict[str, str]:
+    """The user's usual environment: no PYTHONUNBUFFERED, so Python would buffer a pipe by blocks."""
+    env = clean_env()
+    env.pop("PYTHONUNBUFFERED")
+    return env
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("env", [clean_env, _without_unbuffered], ids=["PYTHONUNBUFFERED", "default"])
+def test_two_ranks_printing_at_once_give_whole_lines(env):
+    result = run([*RUN, "-n", "2", str(SCRIPTS / "print_lines.py"), "1000"], timeout=150, env=env())
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    broken = [line for line in lines if not LINE.fullmatch(line)]
+    assert broken == [], f"{len(broken)} of {len(lines)} lines cut or mixed, e.g. {broken[:3]}"
+    assert len(lines) == 2000
+    numbers = {(m[1], int(m[2])) for m in map(LINE.fullmatch, lines)}
+    assert Counter(rank for rank, _ in numbers) == {"0": 1000, "1": 1000}  # each line once
+    # The ranks' output did overlap (the rank changes from one line to the next),
+    # or whole lines would prove nothing.
+    switches = sum(a[:6] != b[:6] for a, b in zip(lines, lines[1:], strict=False))
+    assert switches >= 10, switches
+
+
+@pytest.mark.timeout(120)
+def test_a_line_arrives_while_its_rank_still_runs(tmp_path):
+    """Line-buffered, not block-buffered: the line is there before the worker exits."""
+    release = tmp_path / "release"
+    proc = subprocess.Popen([*RUN, "-n", "2", str(SCRIPTS / "print_then_wait.py"), str(release)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_without_unbuffered(), cwd=ROOT)
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 50)
+        first = proc.stdout.readline() if ready else ""
+        still_running = proc.poll() is None
+    finally:
+        release.touch()
+        out, err = proc.communicate(timeout=60)
+    assert re.fullmatch(r"rank [01] started\n", first), (first, err)
+    assert still_running
+    assert proc.returncode == 0, err
+    assert sorted([first.strip(), *out.splitlines()]) == ["rank 0 started", "rank 1 started"]
