@@ -1,8 +1,9 @@
-"""What `torchfleet run` shows the user: whole lines, as soon as they end.
+"""What `torchfleet run` shows the user: whole lines, the port it exposes.
 
 Every test starts real `torchfleet run` processes, as a user would.
 """
 
+import json
 import re
 import select
 import subprocess
@@ -12,6 +13,7 @@ from collections import Counter
 import pytest
 
 from conftest import ROOT, clean_env, run
+from torchfleet.launcher.agent import free_port
 
 SCRIPTS = ROOT / "tests" / "scripts"
 LINE = re.compile(r"rank ([01]) line (\d+)( w){20}")
@@ -60,3 +62,17 @@ def test_a_line_arrives_while_its_rank_still_runs(tmp_path):
     assert still_running
     assert proc.returncode == 0, err
     assert sorted([first.strip(), *out.splitlines()]) == ["rank 0 started", "rank 1 started"]
+
+
+@pytest.mark.timeout(120)
+def test_the_exposure_notice_names_the_port_the_store_listens_on():
+    port = free_port()
+    result = run([*RUN, "--rdzv_endpoint", f"127.0.0.1:{port}", "-n", "1", str(SCRIPTS / "agent_ports.py")],
+                 timeout=100)
+    assert result.returncode == 0, result.stderr
+    notice = re.search(r"torchfleet: this machine exposes the rendezvous store on every interface, port (\d+)",
+                       result.stderr)
+    assert notice, result.stderr
+    listening = json.loads(result.stdout.splitlines()[-1])["agent_listens_on"]
+    assert int(notice[1]) == port
+    assert port in listening, listening

@@ -75,12 +75,16 @@ def wait_for_master(addr: str, port: int, wait: float = MASTER_WAIT) -> None:
 
 def exposure(cfg: LaunchConfig) -> str:
     """The sentence a multi-machine run prints: what it opens to the network."""
-    port = cfg.master_port or 29500
-    if cfg.node_rank == 0:
-        return (f"torchfleet: node 0 exposes the rendezvous store on every interface, port {port} (TCP, no"
+    # The store listens where the rendezvous says: the c10d endpoint (--rdzv-endpoint,
+    # on whichever machine it names), else the master's port on node 0.
+    host, port = cfg.endpoint
+    hosts_store = netif.is_local(host) if cfg.elastic else cfg.node_rank == 0
+    who = "this machine" if cfg.elastic else f"node {cfg.node_rank}"
+    if hosts_store:
+        return (f"torchfleet: {who} exposes the rendezvous store on every interface, port {port} (TCP, no"
                 f" authentication), and Gloo/NCCL ports chosen by the OS; anyone who reaches them can join or"
                 f" disturb the job: run it on a private network (docs/security.md)")
-    return f"torchfleet: node {cfg.node_rank} joins the rendezvous at {cfg.master_addr}:{port} (docs/security.md)"
+    return f"torchfleet: {who} joins the rendezvous at {host}:{port} (docs/security.md)"
 
 
 def agent_config(cfg: LaunchConfig, overrides: dict[str, Any] | None = None) -> AgentConfig:
