@@ -1,4 +1,4 @@
-"""What `torchfleet run` shows the user: whole lines, the port it exposes.
+"""What `torchfleet run` shows the user: whole lines, the port it exposes, why a rank died.
 
 Every test starts real `torchfleet run` processes, as a user would.
 """
@@ -76,3 +76,21 @@ def test_the_exposure_notice_names_the_port_the_store_listens_on():
     listening = json.loads(result.stdout.splitlines()[-1])["agent_listens_on"]
     assert int(notice[1]) == port
     assert port in listening, listening
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("when", ["after", "during"])
+def test_the_summary_says_whether_the_script_had_run_to_its_end(when):
+    result = run([*RUN, "-n", "2", str(SCRIPTS / "abort_at_exit.py"), when], timeout=100)
+    assert result.returncode == 128 + 6, result.stderr  # SIGABRT
+    err = result.stderr
+    assert re.search(r"rank 1 \(local rank 1 on .*\) failed first: killed by SIGABRT", err), err
+    ends = result.stdout.count("reached the end of the script")
+    if when == "after":
+        assert ends == 2
+        assert "it had run its script to the end and died afterwards, while the process exited" in err
+        assert "left no error report" not in err
+    else:
+        assert ends == 1
+        assert "it left no error report" in err
+        assert "run its script to the end" not in err

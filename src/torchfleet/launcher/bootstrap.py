@@ -1,14 +1,15 @@
 """Worker entry for `torchfleet run script.py` (or `-m module`): run it as __main__.
 
 Exceptions are recorded for the launcher's failure summary (see failures.py),
-so user scripts need no ``@record`` decorator.
+so user scripts need no ``@record`` decorator; a script that ran to its end is
+recorded too, so a rank that dies afterwards, in teardown, is told apart.
 """
 
 import os
 import runpy
 import sys
 
-from torchfleet.launcher.failures import call_recorded
+from torchfleet.launcher.failures import call_recorded, record_finished
 
 
 def line_buffered() -> None:
@@ -32,12 +33,19 @@ def main() -> None:
         module, *args = sys.argv[2:]
         sys.argv = [module, *args]
         sys.path.insert(0, os.getcwd())
-        call_recorded(runpy.run_module, module, None, "__main__", True)
-        return
-    script, *args = sys.argv[1:]
-    sys.argv = [script, *args]
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as `python script.py` does
-    call_recorded(runpy.run_path, script, None, "__main__")
+        run, target, extra = runpy.run_module, module, (None, "__main__", True)
+    else:
+        script, *args = sys.argv[1:]
+        sys.argv = [script, *args]
+        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as `python script.py` does
+        run, target, extra = runpy.run_path, script, (None, "__main__")
+    try:
+        call_recorded(run, target, *extra)
+    except SystemExit as exc:
+        if exc.code in (None, 0):  # sys.exit() or sys.exit(0): the script ended as it meant to
+            record_finished()
+        raise
+    record_finished()
 
 
 if __name__ == "__main__":

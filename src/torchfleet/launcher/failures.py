@@ -34,6 +34,7 @@ class RankFailure:
     traceback: str = ""
     usage_error: bool = False
     verdict: bool = False  # error is the watchdog's hang verdict, traceback every rank's stack
+    finished: bool = False  # its script had run to its end: it died afterwards, while exiting
 
     @property
     def how(self) -> str:
@@ -62,10 +63,13 @@ class FailureSummary:
             lines.append(f.traceback.rstrip())
         elif f.error:
             lines.append(f.error)
+        elif f.finished:
+            lines.append(f"it had run its script to the end and {_DIED_AFTER}")
         else:
             lines.append("it left no error report: it was killed, or exited before Python could record why")
         for o in self.others:
-            lines.append(f"rank {o.rank} on {o.host} also failed: {o.how}" + (f" ({o.error})" if o.error else ""))
+            note = o.error or ("after its script had run to the end" if o.finished else "")
+            lines.append(f"rank {o.rank} on {o.host} also failed: {o.how}" + (f" ({note})" if note else ""))
         return "\n".join(lines)
 
     @property
@@ -74,6 +78,11 @@ class FailureSummary:
             return USAGE_EXIT
         code = self.first.exitcode
         return 128 + (-code) if code < 0 else (code or 1)
+
+
+# What comes after a script's end and can still kill the process, leaving no report of its own.
+_DIED_AFTER = ("died afterwards, while the process exited (in an atexit handler, or in torch's own teardown"
+               " such as a process group's destructor)")
 
 
 # What a rank says when it fails only because a peer died first.
@@ -92,7 +101,9 @@ def summarize(exc) -> FailureSummary:
 
     The agent's timestamps have one-second resolution, so two ranks often
     fail "at once"; a rank that failed because its peer vanished is an echo,
-    and the rank that failed on its own comes first.
+    and the rank that failed on its own comes first. A rank that had finished
+    its script comes after those that failed in theirs: its record's time is
+    when the script ended, not when the process died.
     """
     found = []
     for rank, failure in exc.failures.items():
@@ -103,9 +114,9 @@ def summarize(exc) -> FailureSummary:
             rank=rank, local_rank=failure.local_rank, host=info.get("host", socket.gethostname()),
             pid=failure.pid, exitcode=failure.exitcode, error="" if message == "<NONE>" else message,
             traceback=info.get("py_callstack", ""), usage_error=bool(info.get("usage_error")),
-            verdict=bool(info.get("verdict")),
+            verdict=bool(info.get("verdict")), finished=bool(info.get("finished")),
         )))
-    found.sort(key=lambda pair: (_is_echo(pair[1]), pair[0], pair[1].rank))
+    found.sort(key=lambda pair: (_is_echo(pair[1]), pair[1].finished, pair[0], pair[1].rank))
     ranked = [f for _, f in found]
     return FailureSummary(ranked[0], ranked[1:])
 
@@ -151,6 +162,17 @@ def record_exception(exc: BaseException) -> bool:
 def record_verdict(verdict: str, stacks: str) -> bool:
     """Write the watchdog's hang verdict and every rank's stack to the agent's error file."""
     return _record(verdict, stacks, verdict=True)
+
+
+def record_finished() -> bool:
+    """Note in the agent's error file that the script ran to its end; False when not under the agent.
+
+    A rank that then dies while exiting (an atexit handler, a Gloo abort in
+    torch's teardown) is still a failure to the agent, which reads this file
+    for every failed rank; the summary can then say the script's work was done.
+    A rank that exits cleanly is never asked about it.
+    """
+    return _record("", "", finished=True)
 
 
 def _record(message: str, callstack: str, **flags: bool) -> bool:
