@@ -1,4 +1,4 @@
-"""What `torchfleet run` shows the user: whole lines, the port it exposes, why a rank died.
+"""What `torchfleet run` shows the user: whole lines, the port it exposes, why a rank died, and where.
 
 Every test starts real `torchfleet run` processes, as a user would.
 """
@@ -94,3 +94,19 @@ def test_the_summary_says_whether_the_script_had_run_to_its_end(when):
         assert ends == 1
         assert "it left no error report" in err
         assert "run its script to the end" not in err
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["script", "module"])
+def test_a_traceback_starts_at_the_users_frame(how):
+    target = [str(SCRIPTS / "raise_nested.py")] if how == "script" else ["-m", "raise_nested"]
+    result = run([*RUN, "-n", "1", *target], timeout=100, cwd=SCRIPTS)
+    assert result.returncode == 1, result.stderr
+    err = result.stderr
+    assert err.count("Traceback (most recent call last):") == 1, err
+    trace = err[err.index("Traceback (most recent call last):"):].splitlines()
+    frames = [line.strip() for line in trace if line.strip().startswith("File ")]
+    assert [re.sub(r"^File \"(.*)\", line \d+, in (.*)$", lambda m: f"{m[1].rsplit('/', 1)[-1]} {m[2]}", f)
+            for f in frames] == ["raise_nested.py <module>", "raise_nested.py inner"], err
+    assert trace[-1] == "ValueError: raised by the user's code"
+    assert "runpy" not in err and "torchfleet/launcher" not in err, err

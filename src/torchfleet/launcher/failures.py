@@ -151,10 +151,24 @@ def describe(exc: BaseException) -> str:
     return text
 
 
+# Modules whose frames lie between a worker's start and the user's code: runpy runs the
+# script as __main__ (its frames are "<frozen runpy>" on Python 3.11+), and this one's
+# call_recorded catches what the script raised.
+_LAUNCH_MODULES = {"runpy", __name__}
+
+
+def user_traceback(exc: BaseException) -> str:
+    """`exc`'s traceback as Python prints it, starting at the user's frame, not the launcher's."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_globals.get("__name__") in _LAUNCH_MODULES:
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, tb))
+
+
 def record_exception(exc: BaseException) -> bool:
     """Write `exc` to the agent's error file; False when not under torchrun's agent."""
     # A TrainingError's sentence says all (step and rank): no traceback to go with it.
-    callstack = "" if isinstance(exc, TrainingError) else "".join(traceback.format_exception(exc))
+    callstack = "" if isinstance(exc, TrainingError) else user_traceback(exc)
     root = first_cause(exc)
     return _record(describe(exc), callstack, usage_error=isinstance(root, UsageError))
 
