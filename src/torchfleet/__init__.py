@@ -11,7 +11,16 @@ The same script runs with ``python script.py`` (one process),
 ``torchfleet run -n 2 script.py`` and ``torchrun --nproc-per-node 2 script.py``.
 """
 
+from typing import TYPE_CHECKING
+
 from torchfleet.errors import UsageError
+
+if TYPE_CHECKING:  # what __getattr__ below loads, named for type checkers and editors
+    from torchfleet.fleet import Fleet
+    from torchfleet.launcher.agent import launch
+    from torchfleet.launcher.notebook import notebook_launch
+
+    __version__: str
 
 __all__ = ["Fleet", "UsageError", "launch", "notebook_launch", "__version__"]
 

@@ -137,7 +137,7 @@ def addresses_of(host: str) -> list[str]:
     except (socket.gaierror, UnicodeError):
         return []
     infos.sort(key=lambda info: info[0] != socket.AF_INET)
-    return list(dict.fromkeys(info[4][0].split("%")[0] for info in infos))
+    return list(dict.fromkeys(str(info[4][0]).split("%")[0] for info in infos))
 
 
 def is_loopback(address: str) -> bool:

@@ -78,6 +78,7 @@ def fp16_skip_job(strategy: str = "serial", options: dict | None = None, steps: 
     net = build_model("mlp", (1, 8, 8), 10)
     fleet.setup(net, torch.optim.SGD(net.parameters(), lr=0.05))
     prec, step = fleet.strategy.runtime.precision, [0]
+    assert prec.scaler is not None  # fp16's loss scaler, whose scale this job records
     poisons = fleet.rank == fleet.world_size - 1
     original = prec.step
 

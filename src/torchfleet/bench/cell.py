@@ -32,6 +32,7 @@ import re
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -139,7 +140,7 @@ def _gathered(value):
     """`value` from every rank, in rank order (just [value] in one process)."""
     if not dist.is_initialized():
         return [value]
-    found = [None] * dist.get_world_size()
+    found: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(found, value)
     return found
 

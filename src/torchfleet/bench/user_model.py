@@ -40,7 +40,7 @@ def _function(name: str) -> Callable:
     try:
         if where.endswith(".py"):
             spec = importlib.util.spec_from_file_location(Path(where).stem, where)
-            if spec is None or not Path(where).is_file():
+            if spec is None or spec.loader is None or not Path(where).is_file():
                 raise ImportError(f"no file {where}")
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)

@@ -78,7 +78,8 @@ class SafePlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         obj = torch.load(value, weights_only=True)
         if self.flatten_state_dict:
-            from torch.distributed.checkpoint._nested_dict import set_element
+            # _traverse defines it (_nested_dict, where this came from before, only imports it)
+            from torch.distributed.checkpoint._traverse import set_element
 
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:

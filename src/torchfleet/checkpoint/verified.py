@@ -26,7 +26,7 @@ import random
 import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -47,7 +47,10 @@ _STALE = re.compile(r"^\.step-\d{8}\.(partial|old)$")
 # -- random generators ---------------------------------------------------------
 def rng_state() -> dict:
     """Every random generator a training step may draw from, as plain tensors."""
-    np_state = np.random.get_state()
+    np_state = np.random.get_state(legacy=True)
+    # The legacy form is a tuple for numpy's global generator (MT19937); numpy's stub says a
+    # dict may come, which only other bit generators give.
+    assert isinstance(np_state, tuple)
     state = {
         "python": random.getstate(),
         "numpy": {"key": torch.from_numpy(np_state[1].astype(np.int64)), "pos": int(np_state[2]),
@@ -224,7 +227,7 @@ def verify(path: str | os.PathLike) -> dict:
 
 def verify_together(fleet, path: str | os.PathLike) -> dict:
     """`verify` on the main rank, its verdict shared, so every rank raises the same error or none."""
-    outcome: list = [None]
+    outcome: list[Any] = [None]
     if fleet.is_main:
         try:
             outcome[0] = ("ok", verify(path))
@@ -235,7 +238,7 @@ def verify_together(fleet, path: str | os.PathLike) -> dict:
     kind, value = outcome[0]
     if kind == "error":
         raise UsageError(value)
-    return value
+    return cast(dict, value)  # "ok": verify's report (the checker cannot tie value's type to kind's)
 
 
 def check_fits(fleet, path: Path, manifest: dict, strategy_name: str | None = None) -> None:

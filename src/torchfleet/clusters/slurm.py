@@ -59,6 +59,7 @@ class SlurmJob:
 
     @property
     def world_size(self) -> int:
+        assert self.ntasks_per_node is not None  # __post_init__ sets the default
         return self.nodes * self.ntasks_per_node
 
     @property
@@ -92,7 +93,7 @@ def batch_script(job: SlurmJob) -> str:
         "# 15000 + SLURM_JOB_ID % 10000. Export MASTER_ADDR / MASTER_PORT here to override.",
         "set -euo pipefail",
     ]
-    if job.ntasks_per_node > 1:
+    if job.world_size > job.nodes:  # more than one task per node
         # As torchrun does: tasks sharing a node get one intra-op thread each
         # unless the user chose, or they fight over the same cores.
         lines.append('export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"')

@@ -15,6 +15,8 @@ powersgd sends a rank-`powersgd_rank` approximation of each gradient matrix
 
 import functools
 
+from torch.nn.parallel import DistributedDataParallel
+
 from torchfleet.errors import UsageError, choice_error
 from torchfleet.strategies.distributed import MeshStrategy
 from torchfleet.strategies.parallelize import apply_ddp, parallelize
@@ -50,6 +52,7 @@ def _in_bucket_order(hook):
 class DataParallelDistributed(MeshStrategy):
     name = "ddp"
     options = (*MeshStrategy.options, "grad_compression", "powersgd_rank", "find_unused_parameters")
+    model: DistributedDataParallel  # what wrap makes: its .module, comm hooks and no_sync are used below
 
     def __init__(self, runtime, **options):
         # Its own options first: they are checked before any process group exists.
@@ -71,11 +74,11 @@ class DataParallelDistributed(MeshStrategy):
     def wrap(self, model, optimizer):
         model = self.synchronise_batchnorm(model)  # before DDP: it registers the modules' parameters
         mesh = self.build_mesh()
-        _, self.model, _ = parallelize(model, self.dims, mesh, self.runtime.device, self.runtime.precision,
-                                       find_unused_parameters=self.find_unused_parameters)
-        if self.alone:  # parallelize wraps from 2 replicas on; one that was asked for is wrapped too
-            self.model = apply_ddp(self.model, mesh["dp_replicate"], self.runtime.device,
-                                   self.find_unused_parameters)
+        _, runner, _ = parallelize(model, self.dims, mesh, self.runtime.device, self.runtime.precision,
+                                   find_unused_parameters=self.find_unused_parameters)
+        # parallelize wraps from 2 replicas on; one that was asked for (alone) is wrapped too
+        self.model = runner if isinstance(runner, DistributedDataParallel) else apply_ddp(
+            runner, mesh["dp_replicate"], self.runtime.device, self.find_unused_parameters)
         self._register_hook(mesh["dp_replicate"].get_group())
         self.optimizer = optimizer
         return self.model, self.optimizer

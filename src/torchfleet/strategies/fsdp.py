@@ -114,10 +114,11 @@ class FullyShardedDataParallel(MeshStrategy):
             units = fsdp_units(model, self.fsdp_units)
             self.notes.append(f"{self.name} shards {len(units)} units, one block each unless tied"
                               f" ({_describe_units(model, units)}), then the root with the rest")
-        self.model, _, _ = parallelize(model, self.dims, self.build_mesh(), self.runtime.device,
+        mesh = self.build_mesh()
+        self.model, _, _ = parallelize(model, self.dims, mesh, self.runtime.device,
                                        self.runtime.precision, fsdp_classes=self.fsdp_units, tp_plan=plan)
         if self.alone:  # one shard, as FSDP2 runs on a group of one (parallelize shards from 2)
-            apply_fsdp(self.model, self.mesh["dp_shard"], self.fsdp_units)
+            apply_fsdp(self.model, mesh["dp_shard"], self.fsdp_units)
         self.optimizer = rebuild_optimizer(optimizer, old_names, self.model)
         if self.dims.tp > 1 and not isinstance(self.model, FSDPModule):
             # tp alone leaves the parameters outside the plan plain tensors beside the DTensors,

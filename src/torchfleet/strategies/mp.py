@@ -17,6 +17,7 @@ gradient are the whole batch's, exactly as in serial.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -85,7 +86,7 @@ def split_sequential(model: nn.Sequential, parts: int) -> list[nn.Sequential]:
 class MicroBatchPipe(nn.Module):
     """Stages on devices, fed micro-batches as a wavefront; returns the whole batch's output."""
 
-    def __init__(self, stages: list[nn.Module], devices: list[torch.device], microbatches: int):
+    def __init__(self, stages: Sequence[nn.Module], devices: list[torch.device], microbatches: int):
         super().__init__()
         self.stages = nn.ModuleList(stages)
         self.devices = list(devices)
@@ -171,6 +172,7 @@ class ModelParallel(Strategy):
 
     def unwrapped(self) -> nn.Module:
         # The user's Sequential (or the stages in one): checkpoints keep serial's keys.
+        assert self.whole is not None, "mp: unwrapped() before wrap()"
         return self.whole
 
     def train_step(self, inputs, targets, loss_fn, grad_accum: int = 1):

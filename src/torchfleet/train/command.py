@@ -53,7 +53,8 @@ def run(cfg: TrainConfig, launch: LaunchConfig, nproc: int | None, argv: list[st
     check_global_batch(cfg.batch_size, data_readers(strategy, launch.world_size, cfg.strategy_options))
     if cfg.strategy_options.get("sync_batchnorm"):  # refused for pipelines before they start
         dims = resolve_dims(strategy, launch.world_size, options=cfg.strategy_options)
-        check_sync_batchnorm(dims.pp, sync_batchnorm=True)
+        if dims is not None:  # None: a single-process strategy, which refuses the option itself
+            check_sync_batchnorm(dims.pp, sync_batchnorm=True)
     # Every worker re-enters this command; it finds torchrun's variables and
     # trains. The resolved strategy goes last so it wins over "auto".
     return run_command(launch, ["-m", "torchfleet", "train", *argv, "--strategy", strategy])

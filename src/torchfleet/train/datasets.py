@@ -32,9 +32,10 @@ def digits(split: str = "train", val_fraction: float = 0.2, seed: int = 0) -> Te
 
     if split not in ("train", "val"):
         raise UsageError(f"unknown split {split!r}; choose train or val")
-    raw = load_digits()
-    images = torch.tensor(raw.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    labels = torch.tensor(raw.target, dtype=torch.int64)
+    # (pixels, labels): the 8x8 images flattened, row by row, which view() folds back
+    pixels, target = load_digits(return_X_y=True)
+    images = torch.tensor(pixels, dtype=torch.float32).view(-1, 1, 8, 8) / 16.0
+    labels = torch.tensor(target, dtype=torch.int64)
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))
     n_val = int(len(labels) * val_fraction)
     idx = order[:n_val] if split == "val" else order[n_val:]
@@ -70,7 +71,8 @@ class MockLoader:
     Benchmarks use it so the figures measure training, not data loading.
     """
 
-    def __init__(self, shape: tuple[int, ...], num_classes: int = 10, device="cpu", seed: int = 0):
+    def __init__(self, shape: tuple[int, ...], num_classes: int = 10, device: str | torch.device = "cpu",
+                 seed: int = 0):
         gen = torch.Generator().manual_seed(seed)
         self.inputs = torch.rand(shape, generator=gen).to(device)
         self.targets = torch.randint(0, num_classes, (shape[0],), generator=gen).to(device)
@@ -87,7 +89,8 @@ class MockTokens:
     tokens are random, so the figures measure speed, not learning.
     """
 
-    def __init__(self, batch: int, block_size: int, vocab_size: int, device="cpu", seed: int = 0):
+    def __init__(self, batch: int, block_size: int, vocab_size: int, device: str | torch.device = "cpu",
+                 seed: int = 0):
         gen = torch.Generator().manual_seed(seed)
         tokens = torch.randint(0, vocab_size, (batch, block_size + 1), generator=gen).to(device)
         self.inputs, self.targets = tokens[:, :-1], tokens[:, 1:]

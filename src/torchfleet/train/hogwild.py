@@ -78,13 +78,14 @@ def train_hogwild(cfg, workers: int) -> dict:
 def _train_worker(model: nn.Module, cfg, train_set, val_set) -> dict:
     """One worker's loop: its own optimizer, its share of each global batch, no locks."""
     info = worker_info()
+    assert info is not None  # this runs in a hogwild worker, which has its info
     fleet = Fleet(strategy="hogwild", precision=cfg.precision, grad_accum=cfg.grad_accum,
                   **cfg.strategy_options)
     torch.manual_seed(cfg.seed + info.rank)
     optimizer = build_optimizer(cfg.optimizer, model.parameters(), cfg.lr)
     model, optimizer = fleet.setup(model, optimizer)
     loader = fleet.dataloader(train_set, cfg.batch_size, shuffle=True, seed=cfg.seed)
-    total_steps = len(loader.batch_sampler) * cfg.epochs
+    total_steps = len(loader) * cfg.epochs
     if cfg.max_steps is not None:
         total_steps = min(total_steps, cfg.max_steps)
     task = task_for(cfg.model)

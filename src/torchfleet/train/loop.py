@@ -14,6 +14,7 @@ import time
 import torch
 
 from torchfleet import checkpoint, outputs
+from torchfleet.data import GlobalBatchSampler
 from torchfleet.fleet import Fleet
 from torchfleet.launcher.watchdog import Watchdog
 from torchfleet.models import gpt_config
@@ -65,6 +66,7 @@ def train(cfg: TrainConfig, strategy: str, nproc: int = 1) -> dict:
 
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank and every run
     block = gpt_config(cfg.gpt_preset).block_size  # read by --data text only
+    assert cfg.data is not None  # TrainConfig.__post_init__ puts the model's default there
     train_set = builtin_dataset(cfg.data, "train", cfg.seed, cfg.synthetic_size, block_size=block)
     val_set = builtin_dataset(cfg.data, "val", cfg.seed, cfg.synthetic_size, block_size=block)
     in_shape = tuple(train_set[0][0].shape)
@@ -73,6 +75,7 @@ def train(cfg: TrainConfig, strategy: str, nproc: int = 1) -> dict:
     optimizer = build_optimizer(cfg.optimizer, model.parameters(), cfg.lr)
     loader = fleet.dataloader(train_set, cfg.batch_size, shuffle=True, seed=cfg.seed)
     sampler = loader.batch_sampler
+    assert isinstance(sampler, GlobalBatchSampler)  # fleet.dataloader's own: local_batch, epoch, state
     # A batch of this rank's shape, for pipelines that trace the model to cut it. Made from
     # the data set, not the loader: a loader's iterator draws from its shuffling generator.
     example = torch.stack([train_set[i][0] for i in range(sampler.local_batch)])
@@ -159,8 +162,9 @@ def train(cfg: TrainConfig, strategy: str, nproc: int = 1) -> dict:
     memory = fleet.strategy.memory_report()
     if memory:
         result["memory_per_rank"] = memory
-    if hasattr(fleet.strategy, "pipeline_report"):  # a collective: every rank calls it
-        result["pipeline"] = fleet.strategy.pipeline_report()
+    pipeline_report = getattr(fleet.strategy, "pipeline_report", None)  # pipelines' only
+    if pipeline_report is not None:  # a collective: every rank calls it
+        result["pipeline"] = pipeline_report()
     if fleet.is_main:
         report.summary(result)
         if cfg.json_out:
@@ -180,6 +184,7 @@ def _log(window: LossWindow, metrics: MetricsLog, step: int, epoch: int, optimiz
 
 
 def _save(fleet: Fleet, cfg: TrainConfig, step: int, sampler) -> int:
+    assert cfg.checkpoint_dir is not None  # called only with --checkpoint-dir
     fleet.save(checkpoint.step_path(cfg.checkpoint_dir, step), step=step, sampler=sampler.state_dict())
     if fleet.is_main:
         checkpoint.prune(cfg.checkpoint_dir, cfg.keep_checkpoints)
@@ -187,6 +192,7 @@ def _save(fleet: Fleet, cfg: TrainConfig, step: int, sampler) -> int:
 
 
 def _resume(fleet: Fleet, cfg: TrainConfig, sampler) -> int:
+    assert cfg.checkpoint_dir is not None  # called only with --checkpoint-dir
     found = checkpoint.newest_good(fleet, cfg.checkpoint_dir, fallback=cfg.resume_fallback)
     if found is None:
         fleet.print(f"note: no checkpoint in {cfg.checkpoint_dir}; starting from the beginning")

@@ -66,6 +66,7 @@ class LossWindow:
         """
         if self._size == 0:
             return None
+        assert self._buffer is not None  # made by the first add
         local = self._buffer[:self._size]
         mean = self._reduce(local).to(local.device, torch.float64)
         values, means = torch.stack([local.double(), mean]).tolist()  # the one host sync

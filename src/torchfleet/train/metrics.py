@@ -55,7 +55,7 @@ class MetricsLog:
                  start_step: int = 0):
         self._columns = TRAIN_COLUMNS + tuple(f for f in figures if f not in TRAIN_COLUMNS)
         self._file = self._csv = self._tb = None
-        self._evaluated: set[int] = set()  # steps whose "val" row the resumed file already holds
+        self._evaluated: set[float] = set()  # steps whose "val" row the resumed file already holds
         if path:
             self._format = FORMATS[Path(path).suffix.lower()]
             if start_step:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -19,7 +20,7 @@ class _Bar:
     def advance(self, epoch: int, loss: float | None = None, steps: int = 1) -> None:
         """`steps` more done; `loss` only when the trainer read one (every --log-every steps)."""
         if self._progress is not None:
-            shown = {} if loss is None else {"loss": f"{loss:.4f}"}
+            shown: dict[str, Any] = {} if loss is None else {"loss": f"{loss:.4f}"}  # a column's field
             self._progress.update(self._task, advance=steps, epoch=epoch, **shown)
 
     def epoch_done(self, epoch: int, figures: dict) -> None:
