@@ -75,8 +75,11 @@ FLOOR_SKIP := test_mpi test_slurm test_kubernetes test_sagemaker test_notebook t
 test-floor:
 	$(MAKE) test VENV=.venv-floor TORCH=$(TORCH_FLOOR) PYTEST_ARGS="$(foreach t,$(FLOOR_SKIP),--ignore=tests/$(t).py)"
 
+# ruff, then basedpyright over src/ (pyproject's [tool.basedpyright]): it sees what ruff
+# cannot, such as a call of an attribute torch does not have. --pythonpath: this venv's torch.
 lint: $(VENV)/.dev
 	$(BIN)/ruff check src tests
+	$(BIN)/basedpyright --pythonpath $(BIN)/python
 
 doctor: $(VENV)/.base
 	$(BIN)/torchfleet doctor
