@@ -36,10 +36,24 @@ def _module(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def _runs(tree: ast.AST) -> list[ast.AST]:
+    """Every node of `tree` but those under ``if TYPE_CHECKING:``, which never run: the package
+    root names what it loads lazily there for type checkers (its __getattr__ imports them)."""
+    nodes, stack = [], [tree]
+    while stack:
+        node = stack.pop()
+        nodes.append(node)
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            stack.extend(node.orelse)
+            continue
+        stack.extend(ast.iter_child_nodes(node))
+    return nodes
+
+
 def _imports(path: Path, module: str) -> set[str]:
-    """Every torchfleet module `path` imports, anywhere in the file."""
+    """Every torchfleet module `path` imports when it runs, anywhere in the file."""
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in _runs(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name.startswith("torchfleet."))
         elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("torchfleet"):

@@ -81,10 +81,14 @@ class GlobalBatchSampler(Sampler[list[int]]):
         self.drop_last = drop_last
         self.epoch = 0
         self.position = 0  # batches of this epoch already handed out
+        # Where the next pass over the loader begins: a loaded checkpoint's position, else 0.
+        # Kept apart from `position` so that an iterator left mid-epoch (next(iter(loader))
+        # to get example inputs) does not make the next pass skip what it handed out.
+        self._start = 0
 
     def set_epoch(self, epoch: int) -> None:
         if epoch != self.epoch:
-            self.position = 0
+            self.position = self._start = 0
         self.epoch = epoch
 
     def _order(self) -> torch.Tensor:
@@ -98,8 +102,10 @@ class GlobalBatchSampler(Sampler[list[int]]):
         return full if self.drop_last or rest == 0 else full + 1
 
     def __iter__(self) -> Iterator[list[int]]:
+        start, self._start = self._start, 0
+        self.position = start
         order = self._order().tolist()
-        for step in range(self.position, len(self)):
+        for step in range(start, len(self)):
             start = step * self.global_batch
             chunk = order[start : start + self.global_batch]
             # An incomplete last batch (drop_last=False) is split as evenly as it goes.
@@ -115,6 +121,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.position, self.seed = state["epoch"], state["position"], state["seed"]
+        self._start = self.position
 
 
 class ShardSampler(Sampler[int]):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Sized
 from pathlib import Path
 from typing import Any
 
@@ -28,16 +29,10 @@ from torchfleet.errors import UsageError
 from torchfleet.launcher.sagemaker import relaunch_per_gpu
 from torchfleet.precision import Precision
 from torchfleet.strategies import Runtime, class_for, get_strategy, resolve_dims
-from torchfleet.strategies.base import LossFn
+from torchfleet.strategies.base import Batch, LossFn, SetupArgs
 from torchfleet.strategies.batchnorm import batchnorm_note
 from torchfleet.strategies.dims import DIM_NAMES
-from torchfleet.strategies.knobs import (
-    COMPILE_MODES,
-    adopt_late_compile,
-    checkpoint_activations,
-    compile_model,
-    unwrap_compiled,
-)
+from torchfleet.strategies.knobs import COMPILE_MODES, adopt_late_compile, unwrap_compiled
 
 # How long a collective may wait before the process group gives up. Long
 # enough for a slow first step; issue-level hang detection is the watchdog's job.
@@ -74,7 +69,7 @@ class Fleet:
         self.sagemaker = TrainingEnv.read()  # None outside a SageMaker training job
         # Ranks from SM_* alone (not torchrun's or mpirun's) on a multi-GPU host: the toolkit
         # started this one process, so it starts one worker per GPU and exits here.
-        if self.env.source == "sagemaker" and self.sagemaker.needs_per_gpu_launch():
+        if self.env.source == "sagemaker" and self.sagemaker is not None and self.sagemaker.needs_per_gpu_launch():
             relaunch_per_gpu(self.env)
         self.grad_accum = grad_accum
         self.notes: list[str] = []
@@ -108,6 +103,7 @@ class Fleet:
                           self.backend if grouped else None, max_grad_norm)
         if strategy_cls.distributed:  # (still distributed: several processes, or a group of one)
             dims = resolve_dims(strategy, self.env.world_size, self.env.nnodes, strategy_options)
+            assert dims is not None  # a distributed strategy always has degrees
             # The degrees pick the class: ddp with --pp 2 runs as ddp+pipeline.
             strategy_options = {k: v for k, v in strategy_options.items() if k not in DIM_NAMES}
             self.strategy = (strategy_cls if alone else class_for(dims))(runtime, dims=dims, **strategy_options)
@@ -167,18 +163,9 @@ class Fleet:
         note = batchnorm_note(model, self.strategy.name, self.strategy.sync_batchnorm)
         if note and note not in self.notes:
             self.notes.append(note)
-        if example_inputs is not None:
-            example_inputs = self.to_device(example_inputs)
-        self.strategy.example = (example_inputs, self.grad_accum)
-        if self.strategy.cuts_by_tracing(model):
-            # Tracing needs the plain forward: the strategy applies both to its stage after the cut.
-            self.strategy.knobs = (self.activation_checkpointing, compile_mode)
-        else:
-            if self.activation_checkpointing:
-                self.notes.append("activation checkpointing: " + _span(checkpoint_activations(model)))
-            if compile_mode:
-                self.notes.append("torch.compile: " + _span(compile_model(model, compile_mode)))
-        wrapped = self.strategy.wrap(model, optimizer)
+        args = SetupArgs(None if example_inputs is None else self.to_device(example_inputs), self.grad_accum,
+                         self.activation_checkpointing, compile_mode)
+        wrapped = self.strategy.setup(model, optimizer, args)
         self.notes.extend(n for n in self.strategy.notes if n not in self.notes)  # what wrap found
         self._returned = wrapped[0]
         return wrapped
@@ -186,9 +173,9 @@ class Fleet:
     def dataloader(self, dataset: Dataset, batch_size: int, shuffle: bool = True, seed: int = 0,
                    drop_last: bool = True, num_workers: int = 0) -> DataLoader:
         """A loader of this rank's share of each global batch of `batch_size` samples."""
-        _expect_dataset(dataset, "dataloader")
+        size = _expect_dataset(dataset, "dataloader")
         rank, world = self.strategy.data_coords()
-        sampler = GlobalBatchSampler(len(dataset), batch_size, rank, world, shuffle, seed, drop_last)
+        sampler = GlobalBatchSampler(size, batch_size, rank, world, shuffle, seed, drop_last)
         if sampler.local_batch % self.grad_accum:
             raise UsageError(
                 f"each process's batch of {sampler.local_batch} (batch size {batch_size} / {world}"
@@ -206,12 +193,12 @@ class Fleet:
 
     def eval_dataloader(self, dataset: Dataset, batch_size: int = 256) -> DataLoader:
         """Every sample exactly once across ranks; combine results with `all_reduce`."""
-        _expect_dataset(dataset, "eval_dataloader")
+        size = _expect_dataset(dataset, "eval_dataloader")
         rank, world = self.strategy.data_coords()
-        return DataLoader(dataset, batch_size=batch_size, sampler=ShardSampler(len(dataset), rank, world))
+        return DataLoader(dataset, batch_size=batch_size, sampler=ShardSampler(size, rank, world))
 
     # -- training ---------------------------------------------------------
-    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn) -> torch.Tensor:
+    def train_step(self, inputs: Batch, targets: torch.Tensor, loss_fn: LossFn) -> torch.Tensor:
         """Forward, backward and optimizer step for one global batch; returns this rank's loss.
 
         ``torch.compile(model)`` after setup makes a module this method would not
@@ -250,10 +237,10 @@ class Fleet:
         """For hand-written accumulation: backward inside skips the gradient all-reduce."""
         return self.strategy.no_sync()
 
-    def predict(self, inputs: torch.Tensor) -> torch.Tensor:
+    def predict(self, inputs: Batch):
         return self.strategy.predict(self.to_device(inputs))
 
-    def to_device(self, tensor):
+    def to_device(self, tensor: Any) -> Any:
         """A tensor, or a dict of tensors (keyword inputs), on this rank's device."""
         if isinstance(tensor, dict):
             return {k: self.to_device(v) for k, v in tensor.items()}
@@ -365,14 +352,15 @@ class Fleet:
             dist.destroy_process_group()
 
 
-def _span(names: list[str]) -> str:
-    return names[0] if len(names) == 1 else f"{len(names)} blocks, {names[0]}..{names[-1]}"
-
-
-def _expect_dataset(dataset, method: str) -> None:
+def _expect_dataset(dataset, method: str) -> int:
+    """The data set's length, after refusing what is not a data set of known length."""
     if isinstance(dataset, DataLoader):
         raise UsageError(f"fleet.{method} takes a Dataset, not a DataLoader: it builds the loader itself,"
                          " giving each process its share of every batch; pass the loader's .dataset")
+    if not isinstance(dataset, Sized):
+        raise UsageError(f"fleet.{method} splits a data set by index and needs its length;"
+                         f" {type(dataset).__name__} has no __len__")
+    return len(dataset)
 
 
 # See Fleet.close: Gloo work objects whose last reference must not be Gloo's.

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from torchfleet.data import GlobalBatchSampler
 from torchfleet.errors import UsageError
 from torchfleet.fleet import Fleet
 from torchfleet.train.datasets import synthetic
@@ -115,9 +116,11 @@ def resumed_equals_straight(strategy: str, directory: str, steps: int = 8, stop_
     loader = start(seed)
     run(loader, 0, stop_at)
     path = f"{directory}/step-{stop_at:08d}"
+    assert isinstance(loader.batch_sampler, GlobalBatchSampler)  # fleet.dataloader's, which has a state
     fleet.save(path, sharded=sharded, step=stop_at, sampler=loader.batch_sampler.state_dict())
     loader = start(seed + 1)  # other weights, other RNG: the checkpoint must restore both
     extra = fleet.load(path)
+    assert isinstance(loader.batch_sampler, GlobalBatchSampler)
     loader.batch_sampler.load_state_dict(extra["sampler"])
     run(loader, extra["step"], steps)
     return straight, full_weights(fleet)
@@ -165,8 +168,8 @@ def train_real_model(strategy: str, model: str = "gpt", steps: int = 5, batch_si
     opt = build_optimizer(optimizer, net.parameters(), lr)
     loader = fleet.dataloader(data, batch_size, shuffle=False)
     first = next(iter(loader))[0]
-    model, _ = fleet.setup(net, opt, example_inputs={"input_ids": first} if keywords else first)
-    compiled = torch.compile(model) if compile_after_setup else None  # noqa: F841 (alive, as a user's is)
+    module, _ = fleet.setup(net, opt, example_inputs={"input_ids": first} if keywords else first)
+    compiled = torch.compile(module) if compile_after_setup else None  # noqa: F841 (alive, as a user's is)
     for inputs, targets in loader:
         fleet.train_step({"input_ids": inputs} if keywords else inputs, targets, _lm_loss)
     state, _ = fleet.strategy.state_dicts()
@@ -224,6 +227,9 @@ def default_microbatches_job() -> tuple[int, dict[int, int]]:
                             nn.Conv2d(8, 8, kernel, padding=kernel // 2), nn.Flatten(), nn.Linear(128, 10))
         fleet.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
         fleet.train_step(torch.randn(32, 3, 4, 4), torch.randint(0, 10, (32,)), nn.functional.cross_entropy)
+        from torchfleet.strategies.pipeline import Pipeline
+
+        assert isinstance(fleet.strategy, Pipeline)
         chosen[kernel] = fleet.strategy.microbatches
     torch.distributed.barrier()  # see Fleet.close: tear down together
     torch.distributed.destroy_process_group()

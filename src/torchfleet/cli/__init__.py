@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Any
 
 from torchfleet.errors import TrainingError, UsageError
 
@@ -100,8 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(train, TrainConfig)
     opts = train.add_argument_group("strategy options (each applies to some strategies only)")
     for flag, kind, text in STRATEGY_FLAGS:  # a bool is a switch: given means True
-        opts.add_argument(flag, **({"action": "store_true"} if kind is bool else {"type": kind}),
-                          default=None, help=text)
+        how: dict[str, Any] = {"action": "store_true"} if kind is bool else {"type": kind}
+        opts.add_argument(flag, **how, default=None, help=text)
     _add_launch_flags(train)
 
     from torchfleet.launcher.torchrun_flags import add_torchrun_flags

@@ -23,8 +23,9 @@ def line_buffered() -> None:
     is never mixed with another process's.
     """
     for stream in (sys.stdout, sys.stderr):
-        if hasattr(stream, "reconfigure"):  # None when the process was started without it
-            stream.reconfigure(line_buffering=True, write_through=False)
+        reconfigure = getattr(stream, "reconfigure", None)  # TextIO's type has none; a stream may be None
+        if reconfigure is not None:
+            reconfigure(line_buffering=True, write_through=False)
 
 
 def main() -> None:

@@ -73,6 +73,7 @@ def run(fn: Callable, model: nn.Module, nprocs: int = 2, args: tuple = (),
         context = mp.start_processes(
             _worker, args=(fn, model, nprocs, strategy, [w for _, w in pipes], args),
             nprocs=nprocs, join=False, start_method="spawn")
+        assert context is not None  # join=False: start_processes returns the context
         for _, writer in pipes:
             writer.close()  # the workers hold their own copies now
         got: dict[int, tuple[str, Any]] = {}
@@ -91,7 +92,9 @@ def run(fn: Callable, model: nn.Module, nprocs: int = 2, args: tuple = (),
         return [got[rank][1] for rank in range(nprocs)]
     finally:
         if context is not None:
-            for process in context.processes:
+            # list[Any]: torch's ProcessContext is unannotated and the checker reads its list as list[None]
+            processes: list[Any] = context.processes
+            for process in processes:
                 if process.is_alive():  # only when this process was interrupted
                     process.terminate()
                 process.join()

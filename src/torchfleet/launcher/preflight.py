@@ -226,10 +226,10 @@ def _all_reduce(store, facts: Facts, nnodes: int, iface: str) -> float:
     try:
         group = dist.ProcessGroupGloo(group_store, facts.node, nnodes, datetime.timedelta(seconds=10))
         warm = torch.ones(8)
-        group.allreduce([warm]).wait()
+        group.allreduce([warm]).wait()  # pyright: ignore[reportAttributeAccessIssue] (torch's Backend stub omits allreduce)
         data = torch.full((ALLREDUCE_BYTES // 4,), float(facts.node + 1))
         start = time.perf_counter()
-        group.allreduce([data]).wait()
+        group.allreduce([data]).wait()  # pyright: ignore[reportAttributeAccessIssue] (as above)
         seconds = time.perf_counter() - start
     except RuntimeError as exc:
         first = str(exc).strip().splitlines()[0][:160]
@@ -254,7 +254,7 @@ class Outcome:
 
     def sentence(self, node: int) -> str:
         first = self.nodes[0] if self.nodes else None
-        if len(self.nodes) > 1:
+        if first is not None and len(self.nodes) > 1:
             agree = (f"torch {first.torch}, torchfleet {first.torchfleet} and {first.backend} on all"
                      f" {len(self.nodes)} nodes")
         else:

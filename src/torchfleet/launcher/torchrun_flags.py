@@ -48,8 +48,8 @@ def add_torchrun_flags(parser: argparse.ArgumentParser) -> None:
         if action.nargs == 0:  # a switch: --standalone, -m, --no-python, --run-path
             group.add_argument(*flags, action="store_true", **common)
         else:
-            group.add_argument(*flags, type=action.type if action.type is not str else None,
-                               choices=action.choices, metavar=action.metavar, **common)
+            typed = {"type": action.type} if action.type not in (None, str) else {}
+            group.add_argument(*flags, **typed, choices=action.choices, metavar=action.metavar, **common)
 
 
 def given(args: argparse.Namespace) -> dict[str, Any]:

@@ -99,7 +99,7 @@ class Watchdog:
         return found
 
     def _my_report(self) -> dict:
-        frame = sys._current_frames().get(self._main)
+        frame = sys._current_frames().get(self._main) if self._main is not None else None
         stack = [(f.filename, f.lineno, f.name) for f in traceback.extract_stack(frame)] if frame else []
         return {"rank": self.rank, "host": self.host, "pid": os.getpid(), "step": self.step,
                 "phase": self.phase, "stack": stack}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Callable, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 from torch import nn
@@ -19,8 +19,10 @@ from torch import nn
 from torchfleet.env import DistEnv
 from torchfleet.errors import UsageError
 from torchfleet.precision import Precision
+from torchfleet.strategies.knobs import checkpoint_activations, compile_model
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# (what the model returns: a tensor, or a library model's output object; targets) -> loss
+LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 # A batch of inputs: one tensor (``model(x)``) or a dict of tensors (``model(**x)``,
 # how Hugging Face models are called), each split along its first dimension.
 Batch = torch.Tensor | Mapping[str, torch.Tensor]
@@ -38,9 +40,24 @@ def batch_size(batch: Batch) -> int:
     return len(next(iter(batch.values()))) if isinstance(batch, Mapping) else len(batch)
 
 
+def span(names: list[str]) -> str:
+    """The blocks a knob went to, for a note: one name, or the first and last of several."""
+    return names[0] if len(names) == 1 else f"{len(names)} blocks, {names[0]}..{names[-1]}"
+
+
 def forward(model: nn.Module, batch: Batch):
     """The model on one batch: keyword arguments for a dict, one argument otherwise."""
     return model(**batch) if isinstance(batch, Mapping) else model(batch)
+
+
+@dataclass(frozen=True)
+class SetupArgs:
+    """What `Fleet.setup` hands a strategy's `wrap` besides the model and optimizer."""
+
+    example: Batch | None = None  # one batch as train_step will get it: a pipeline traces with it
+    grad_accum: int = 1  # accumulation steps per batch: a pipeline's micro-batches are cut from each
+    activation_checkpointing: bool = False  # recompute each block's activations in backward
+    compile: bool | str = False  # torch.compile each block (True, "blocks") or the whole model ("model")
 
 
 @dataclass
@@ -55,7 +72,8 @@ class Runtime:
 
 
 class Strategy:
-    name: ClassVar[str]
+    # The preset's name; a MeshStrategy instance sets the one its degrees make (ddp+pipeline).
+    name: str
     # True when the strategy needs one process per replica or stage and a
     # process group joining them; False for single-process strategies.
     distributed: ClassVar[bool] = False
@@ -78,17 +96,31 @@ class Strategy:
             )
         self.runtime = runtime
         self.notes: list[str] = []  # said once to the user by Fleet's owner (the trainer prints them)
-        self.model: nn.Module | None = None
-        self.optimizer: torch.optim.Optimizer | None = None
-        self.example = (None, 1)  # (one batch as train_step gets it, grad_accum): set by Fleet.setup
-        self.knobs = (False, False)  # (activation checkpointing, compile) for a strategy that cuts by tracing
+
+    # Set by wrap, before anything reads them.
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
 
     def cuts_by_tracing(self, model: nn.Module) -> bool:
-        """True when `wrap` traces `model` to cut it (and applies the knobs to its part itself)."""
+        """True when `wrap` cuts `model` into stages (and applies checkpointing and compile to its stage itself)."""
         return False
 
     # -- wrapping ---------------------------------------------------------
-    def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, args: SetupArgs):
+        """`Fleet.setup`'s call: checkpointing and compile on the model's blocks, then `wrap`.
+
+        Both change the blocks in place before any wrapper sees them (strategies/knobs.py);
+        a strategy that cuts the model needs its plain forward first, and applies them
+        to its stage after the cut.
+        """
+        if not self.cuts_by_tracing(model):
+            if args.activation_checkpointing:
+                self.notes.append("activation checkpointing: " + span(checkpoint_activations(model)))
+            if args.compile:
+                self.notes.append("torch.compile: " + span(compile_model(model, args.compile)))
+        return self.wrap(model, optimizer, args)
+
+    def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer, args: SetupArgs):
         self.model = model.to(self.runtime.device)
         self.optimizer = optimizer
         return self.model, self.optimizer
@@ -115,7 +147,7 @@ class Strategy:
         return self.runtime.env.rank, self.runtime.env.world_size
 
     # -- training ---------------------------------------------------------
-    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn,
+    def train_step(self, inputs: Batch, targets: torch.Tensor, loss_fn: LossFn,
                    grad_accum: int = 1) -> torch.Tensor:
         """Forward, backward and optimizer step on this rank's share of one global batch.
 

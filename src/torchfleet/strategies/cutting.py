@@ -24,7 +24,9 @@ What the tracer does not do, done here:
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -38,21 +40,35 @@ from torchfleet.versions import release
 
 @dataclass
 class Cut:
-    """This rank's stage of a traced model, and what the strategy needs to run it."""
+    """This rank's stage of a cut model, and what the strategy needs to run it."""
 
-    module: nn.Module  # the stage: a GraphModule holding the original parameter names
+    module: nn.Module  # the stage, holding the original parameter names
     starts: list[str]  # the module each stage after the first begins at
-    batch: int  # the traced micro-batch size (the stages are specialised to it)
+    batch: int  # the example micro-batch size (traced stages are specialised to it)
     out_spec: pytree.TreeSpec  # the structure of the model's output
+    # Each leaf of the model's output: ("out", i), the last stage's i-th output (None: the stage
+    # returns one value), or ("const", value), a leaf the forward returns as it is (a None loss).
+    slots: list[tuple[str, Any]]
+    # The model's inputs this stage takes, by keyword: {stage parameter: input name}; None
+    # takes every input but `first_only` (a stage built from a plan calls the model's forward).
+    inputs: dict[str, str] | None
+    input_names: tuple[str, ...]  # the forward's parameters: a lone tensor input is the first
+    first_only: frozenset[str] = frozenset()  # inputs only the first stage reads (token ids)
     tied: list[list[str]] = field(default_factory=list)  # alias names of each tied parameter
     holders: list[list[int]] = field(default_factory=list)  # the stages holding each tied parameter
 
+    def stage_inputs(self, batch, first: bool) -> dict:
+        """The keyword arguments this stage takes from one (micro-)batch of the model's inputs."""
+        named = dict(batch) if isinstance(batch, Mapping) else {self.input_names[0]: batch}
+        if self.inputs is None:
+            return {k: v for k, v in named.items() if first or k not in self.first_only}
+        return {param: named[name] for param, name in self.inputs.items() if name in named}
+
     def unflatten(self, output):
-        """The last stage's output in the structure the model's forward returns."""
-        leaves = list(output) if isinstance(output, (tuple, list)) else [output]
-        if len(leaves) == self.out_spec.num_leaves:
-            return pytree.tree_unflatten(leaves, self.out_spec)
-        return output
+        """The last stage's output in the structure the model's forward returns in serial."""
+        outputs = output if isinstance(output, tuple) else (output,)
+        leaves = [value if kind == "const" else outputs[value or 0] for kind, value in self.slots]
+        return pytree.tree_unflatten(leaves, self.out_spec)
 
 
 def tied_groups(model: nn.Module) -> list[list[str]]:
@@ -60,7 +76,7 @@ def tied_groups(model: nn.Module) -> list[list[str]]:
     return [group for group in parameter_names(model).values() if len(group) > 1]
 
 
-def stage_starts(model: nn.Module, stages: int, split_points: list[str] | None) -> list[str]:
+def stage_starts(model: nn.Module, stages: int, split_points: Sequence[str] | None) -> list[str]:
     """Where each stage after the first begins: the user's split points, or between blocks."""
     kind = type(model).__name__
     modules = dict(model.named_modules())
@@ -112,20 +128,19 @@ def _has_parameter(module: nn.Module, name: str) -> bool:
     return True
 
 
-def trace(model: nn.Module, stages: int, stage: int, split_points: list[str] | None,
+def trace(model: nn.Module, stages: int, stage: int, split_points: Sequence[str] | None,
           example_args: tuple, example_kwargs: dict) -> Cut:
     """Trace `model` on one example micro-batch and keep stage `stage` of `stages`."""
     from torch.distributed.pipelining import SplitPoint, pipeline
 
     starts = stage_starts(model, stages, split_points)
     config = getattr(model, "config", None)
-    if getattr(config, "use_cache", False):
+    if config is not None and getattr(config, "use_cache", False):
         # A Hugging Face model returns its key/value cache by default, an object
         # torch.export cannot carry between stages; training never reads it.
         config.use_cache = False
     groups = tied_groups(model)
-    with torch.no_grad(), torch.random.fork_rng(devices=[]):
-        _, out_spec = pytree.tree_flatten(model(*example_args, **example_kwargs))
+    _, out_spec = flat_output(model, example_args, example_kwargs)
     try:
         pipe = pipeline(model, mb_args=example_args, mb_kwargs=example_kwargs or None,
                         split_spec={s: SplitPoint.BEGINNING for s in starts})
@@ -137,34 +152,103 @@ def trace(model: nn.Module, stages: int, stage: int, split_points: list[str] | N
         raise UsageError(f"the split points {', '.join(starts)} cut this {type(model).__name__} into"
                          f" {pipe.num_stages} stages, not {stages}; name modules the forward calls in order")
     modules = [pipe.get_stage_module(s) for s in range(stages)]
+    kind = type(model).__name__
+    roots = [n.name for n in pipe.split_gm.graph.nodes if n.op == "placeholder"]
+    inputs = [_traced_inputs(pipe.split_gm, s, kind, starts) for s in range(stages)]
     if release() < (2, 14):
-        _refuse_integer_activations(modules, example_args, example_kwargs)
+        named = dict(zip(roots, example_args, strict=False)) | example_kwargs
+        _refuse_integer_activations(modules, [{p: named[n] for p, n in i.items()} for i in inputs])
     holders = [[s for s, m in enumerate(modules) if any(_has_parameter(m, n) for n in g)] for g in groups]
-    cut = Cut(modules[stage], starts, _batch_size(example_args, example_kwargs), out_spec,
-              [g for g, h in zip(groups, holders, strict=True) if len(h) > 1],
-              [h for h in holders if len(h) > 1])
+    cut = Cut(modules[stage], starts, example_rows(example_args, example_kwargs), out_spec,
+              _traced_slots(pipe.split_gm, stages, out_spec, kind, starts),
+              inputs[stage], tuple(roots),
+              tied=[g for g, h in zip(groups, holders, strict=True) if len(h) > 1],
+              holders=[h for h in holders if len(h) > 1])
     _retie(cut.module, groups)
+    keep_frozen(cut.module, model)
     return cut
 
 
-def _refuse_integer_activations(modules, args: tuple, kwargs: dict) -> None:
+def flat_output(model: nn.Module, args: tuple, kwargs: dict) -> tuple[list, pytree.TreeSpec]:
+    """The leaves and structure of what `model` returns for these inputs (one forward, no gradients)."""
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        return pytree.tree_flatten(model(*args, **kwargs))
+
+
+def keep_frozen(stage: nn.Module, model: nn.Module) -> None:
+    """A stage's parameters train where the model's do: a frozen parameter stays frozen."""
+    trains = {name: p.requires_grad for name, p in model.named_parameters(remove_duplicate=False)}
+    for name, p in stage.named_parameters(remove_duplicate=False):
+        if name in trains:
+            p.requires_grad_(trains[name])
+
+
+def _stage_calls(split_gm) -> list:
+    return [n for n in split_gm.graph.nodes if n.op == "call_module" and n.target.startswith("submod_")]
+
+
+def _traced_slots(split_gm, stages: int, out_spec, kind: str, starts: list[str]) -> list[tuple[str, Any]]:
+    """Where each leaf of the model's output comes from in the traced graph (see Cut.slots)."""
+    last = _stage_calls(split_gm)[stages - 1]
+    (returned,) = [n.args[0] for n in split_gm.graph.nodes if n.op == "output"]
+    leaves = list(returned) if isinstance(returned, (tuple, list)) else [returned]
+    slots: list[tuple[str, Any]] = []
+    for leaf in leaves:
+        if not isinstance(leaf, torch.fx.Node):
+            slots.append(("const", leaf))
+        elif leaf is last:
+            slots.append(("out", None))
+        elif leaf.op == "call_function" and leaf.args and leaf.args[0] is last:
+            slots.append(("out", leaf.args[1]))
+        else:
+            raise UsageError(f"this {kind} returns a value computed before its last pipeline stage ({leaf.name}),"
+                             f" which the cut at {', '.join(starts)} cannot hand to the loss; cut it later"
+                             " (--split-points) or use fsdp or ddp for this model")
+    if len(slots) != out_spec.num_leaves:
+        raise UsageError(f"the traced {kind} returns {len(slots)} values where its forward returns"
+                         f" {out_spec.num_leaves}; use fsdp or ddp for this model")
+    return slots
+
+
+def _traced_inputs(split_gm, stage: int, kind: str, starts: list[str]) -> dict[str, str]:
+    """{stage parameter: model input} for the model's inputs the traced stage reads itself.
+
+    The tracer hands a later stage an input of the model (nanoGPT's `targets`, read by
+    the loss in the last stage) straight from the caller, after the activations it
+    receives; it is passed to that stage by keyword.
+    """
+    call = _stage_calls(split_gm)[stage]
+    module = split_gm.get_submodule(call.target)
+    params = [n.name for n in module.graph.nodes if n.op == "placeholder"]
+    taken: dict[str, str] = {}
+    for param, arg in zip(params, call.args, strict=True):
+        if isinstance(arg, torch.fx.Node) and arg.op == "placeholder":
+            taken[param] = arg.name
+        elif taken and stage:  # an activation after an input: torch passes activations first
+            raise UsageError(f"the cut at {', '.join(starts)} gives stage {stage} of this {kind} an input"
+                             f" of the model ({', '.join(taken.values())}) before the activations it receives,"
+                             " which torch's schedules cannot pass; cut elsewhere (--split-points)")
+    return taken
+
+
+def _refuse_integer_activations(modules, inputs: list[dict]) -> None:
     """Before 2.14 torch sends a gradient back for every tensor a stage receives, and an
     integer one (a mask, positions) has none: training fails inside the schedule with an
     error about gradients. Found here, on every rank at once, by running the cut once."""
     received: set[str] = set()
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
-        out = modules[0](*args, **kwargs)
-        for module in modules[1:]:  # a traced cut is a chain: each stage takes the last one's outputs
-            inputs = out if isinstance(out, tuple) else (out,)
-            received.update(str(t.dtype) for t in inputs if isinstance(t, torch.Tensor) and not t.is_floating_point())
-            out = module(*inputs)
+        out = modules[0](**inputs[0])
+        for module, taken in zip(modules[1:], inputs[1:], strict=True):  # each takes the last one's outputs
+            sent = out if isinstance(out, tuple) else (out,)
+            received.update(str(t.dtype) for t in sent if isinstance(t, torch.Tensor) and not t.is_floating_point())
+            out = module(*sent, **taken)
     if received:
         raise UsageError(f"this cut sends {', '.join(sorted(received))} tensors between pipeline stages,"
                          f" which torch {torch.__version__.split('+')[0]} cannot train through (2.14 can);"
                          " upgrade torch, or use fsdp for this model")
 
 
-def _batch_size(args: tuple, kwargs: dict) -> int:
+def example_rows(args: tuple, kwargs: dict) -> int:
     for leaf in pytree.tree_leaves((args, kwargs)):
         if isinstance(leaf, torch.Tensor) and leaf.dim():
             return leaf.shape[0]

@@ -71,11 +71,12 @@ class DataParallelDistributed(MeshStrategy):
         self.grad_compression = grad_compression
         self.powersgd_rank = powersgd_rank or 2
 
-    def wrap(self, model, optimizer):
+    def wrap(self, model, optimizer, args):
         model = self.synchronise_batchnorm(model)  # before DDP: it registers the modules' parameters
         mesh = self.build_mesh()
-        _, runner, _ = parallelize(model, self.dims, mesh, self.runtime.device, self.runtime.precision,
-                                   find_unused_parameters=self.find_unused_parameters)
+        runner = parallelize(model, dims=self.dims, mesh=mesh, device=self.runtime.device,
+                             precision=self.runtime.precision,
+                             find_unused_parameters=self.find_unused_parameters).runner
         # parallelize wraps from 2 replicas on; one that was asked for (alone) is wrapped too
         self.model = runner if isinstance(runner, DistributedDataParallel) else apply_ddp(
             runner, mesh["dp_replicate"], self.runtime.device, self.find_unused_parameters)

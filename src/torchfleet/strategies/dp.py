@@ -41,7 +41,7 @@ class DataParallelSingleProcess(Strategy):
                 f" so nn.DataParallel has nothing to split; running on {runtime.device} alone"
             )
 
-    def wrap(self, model, optimizer):
+    def wrap(self, model, optimizer, args):
         model = model.to(self.runtime.device)
         # No device ids (CPU): DataParallel's forward calls the module directly.
         self.model = nn.DataParallel(model, device_ids=self.device_ids or None)

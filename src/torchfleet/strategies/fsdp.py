@@ -102,7 +102,7 @@ class FullyShardedDataParallel(MeshStrategy):
     name = "fsdp"
     sharded_checkpoint = True  # each rank saves its own shards through torch.distributed.checkpoint
 
-    def wrap(self, model, optimizer):
+    def wrap(self, model, optimizer, args):
         model = self.synchronise_batchnorm(model)  # before sharding replaces the parameters
         old_names = parameter_names(model)
         plan = None
@@ -115,8 +115,9 @@ class FullyShardedDataParallel(MeshStrategy):
             self.notes.append(f"{self.name} shards {len(units)} units, one block each unless tied"
                               f" ({_describe_units(model, units)}), then the root with the rest")
         mesh = self.build_mesh()
-        self.model, _, _ = parallelize(model, self.dims, mesh, self.runtime.device,
-                                       self.runtime.precision, fsdp_classes=self.fsdp_units, tp_plan=plan)
+        self.model = parallelize(model, dims=self.dims, mesh=mesh, device=self.runtime.device,
+                                 precision=self.runtime.precision, fsdp_classes=self.fsdp_units,
+                                 tp_plan=plan).module
         if self.alone:  # one shard, as FSDP2 runs on a group of one (parallelize shards from 2)
             apply_fsdp(self.model, mesh["dp_shard"], self.fsdp_units)
         self.optimizer = rebuild_optimizer(optimizer, old_names, self.model)

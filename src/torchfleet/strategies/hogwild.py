@@ -59,7 +59,7 @@ class Hogwild(Strategy):
         if self.worker is None:
             self.notes.append("hogwild outside torchfleet.hogwild.run has one worker; running it as serial")
 
-    def wrap(self, model, optimizer):
+    def wrap(self, model, optimizer, args):
         if self.worker is not None:
             private = [n for n, t in model.state_dict().items() if not t.is_shared()]
             if private:
@@ -67,7 +67,7 @@ class Hogwild(Strategy):
                     f"hogwild worker {self.worker.rank} got a model whose {private[0]!r} is not in shared"
                     " memory; train the model passed to torchfleet.hogwild.run, not a new one"
                 )
-        return super().wrap(model, optimizer)
+        return super().wrap(model, optimizer, args)
 
     def data_coords(self) -> tuple[int, int]:
         # Each worker takes its slice of every global batch: the workers see, together,

@@ -128,7 +128,7 @@ class ModelParallel(Strategy):
                               " overlap; this checks the split and the micro-batches, give two GPUs for speed")
         self.whole: nn.Module | None = None
 
-    def wrap(self, model, optimizer):
+    def wrap(self, model, optimizer, args):
         if isinstance(model, (list, tuple, nn.ModuleList)):
             stages = list(model)
             if len(stages) != len(self.devices):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import warnings
 from collections import OrderedDict
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -107,7 +108,7 @@ def fsdp_units(model: nn.Module, classes: tuple[str, ...] | None = None) -> list
     named = find_blocks(model, classes)
     blocks = [module for _, module in named]
     prefixes = tuple(name + "." for name, _ in named)
-    holders: dict[int, set[int]] = {}  # parameter -> the blocks that use it
+    holders: dict[int, set[int | None]] = {}  # parameter -> the blocks that use it (None: no block)
     with_root: set[int] = set()  # blocks sharing a parameter with a module in no block
     for name, p in model.named_parameters(remove_duplicate=False):
         owner = next((i for i, prefix in enumerate(prefixes) if name.startswith(prefix)), None)
@@ -169,28 +170,35 @@ def data_parallel_mesh(dims: ParallelDims, mesh: DeviceMesh) -> DeviceMesh:
     return mesh["dp_shard"]
 
 
-def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, device: torch.device,
-                precision, stage: int = 0, traced_stage: nn.Module | None = None,
-                fsdp_classes: tuple[str, ...] | None = None, find_unused_parameters: bool = False,
-                tp_plan: dict | None = None):
-    """Apply every parallelism of `dims`, in the fixed order; returns (module, runner, bounds).
+class Parallelized(NamedTuple):
+    """What `parallelize` made of a model on this rank."""
 
-    `module` is what this rank holds and trains (the stage, sharded or not);
-    `runner` is what computes with it: DDP's wrapper around `module`, or
-    `module` itself (FSDP2 shards in place). `bounds` is every pipeline stage's children (None
-    without a pipeline, or when the stage was cut by tracing: `traced_stage`, strategies/cutting.py).
+    module: nn.Module  # what this rank holds and trains: the model, or its stage; sharded or not
+    runner: nn.Module  # what computes with it: DDP's wrapper around `module`, or `module` (FSDP2 shards in place)
+    bounds: list[tuple[int, int]] | None  # every pipeline stage's children: a Sequential cut by children only
+
+
+def parallelize(model: nn.Module, *, dims: ParallelDims, mesh: DeviceMesh, device: torch.device,
+                precision, stage: int = 0, cut_stage: nn.Module | None = None,
+                fsdp_classes: tuple[str, ...] | None = None, find_unused_parameters: bool = False,
+                tp_plan: dict | None = None) -> Parallelized:
+    """Apply every parallelism of `dims` to `model`, in the fixed order.
+
+    `cut_stage` is this rank's stage when the pipeline cut the model itself (by tracing it,
+    or by its own plan: strategies/cutting.py); a Sequential is cut here, by its children.
     `fsdp_classes` names the block classes FSDP2 shards as units (default: the repeated blocks).
     `tp_plan` is the tensor-parallel plan (`tensor_parallel.tp_plan_for`), needed when ``dims.tp > 1``.
     """
     bounds = None
-    if traced_stage is not None:
-        model = traced_stage
+    if cut_stage is not None:
+        model = cut_stage
     elif dims.pp > 1:
         model, bounds = apply_pipeline(model, dims.pp, stage)
     model = model.to(device)
     if dims.pp > 1:
         apply_autocast(model, precision)  # a plain step enters autocast itself
     if dims.tp > 1:
+        assert tp_plan is not None, "parallelize: dims.tp > 1 needs tp_plan"
         apply_tp(model, mesh["tp"], tp_plan)
     if dims.dp_shard > 1 or ((dims.pp > 1 or dims.tp > 1) and dims.dp_replicate > 1):
         # Inside a pipeline or beside tp, replicas too go through FSDP2 (a 2-D mesh whose
@@ -206,7 +214,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, device: 
             # in-place op on it would skip its hook; the schedule only sends it or takes
             # its loss, never writes into it.
             warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
-        return model, model, bounds
+        return Parallelized(model, model, bounds)
     if dims.dp_replicate > 1:
-        return model, apply_ddp(model, mesh["dp_replicate"], device, find_unused_parameters), bounds
-    return model, model, bounds
+        return Parallelized(model, apply_ddp(model, mesh["dp_replicate"], device, find_unused_parameters), bounds)
+    return Parallelized(model, model, bounds)

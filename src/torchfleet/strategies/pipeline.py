@@ -31,6 +31,7 @@ other cut of the same model.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -40,12 +41,15 @@ from torch.distributed.tensor import DTensor
 
 from torchfleet.errors import UsageError, choice_error
 from torchfleet.strategies import cutting
-from torchfleet.strategies.base import batch_size, forward, split_batch
+from torchfleet.strategies.base import SetupArgs, batch_size, split_batch
 from torchfleet.strategies.blocks import parameter_names
+from torchfleet.strategies.cutting import tied_groups
 from torchfleet.strategies.distributed import MeshStrategy
 from torchfleet.strategies.fsdp import memory_per_rank, rebuild_optimizer
 from torchfleet.strategies.knobs import checkpoint_activations, compile_model
 from torchfleet.strategies.parallelize import parallelize, split_balanced
+from torchfleet.strategies.plan_cut import cut_by_plan, declared_plan
+from torchfleet.strategies.stage_state import ModelKeys, gather_stages, load_stage
 from torchfleet.strategies.stages import (
     TimedStage,
     default_microbatches,
@@ -53,7 +57,7 @@ from torchfleet.strategies.stages import (
     rows,
     sequential_ties,
 )
-from torchfleet.strategies.transfer import full, like, recv_tensors, send_tensors, to_cpu
+from torchfleet.strategies.transfer import recv_tensors, send_tensors
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 __all__ = ["SCHEDULES", "Pipeline", "split_balanced"]
@@ -88,17 +92,20 @@ class Pipeline(MeshStrategy):
     def cuts_by_tracing(self, model) -> bool:
         return not isinstance(model, nn.Sequential) or bool(self.split_points)
 
-    def wrap(self, model, optimizer):
+    def wrap(self, model, optimizer, args):
         device = self.runtime.device
         mesh = self.build_mesh()
         self.pp_group = mesh["pp"].get_group()
         old_names = parameter_names(model)
+        # What save_model and checkpoints hold: the model's own keys, whatever a cut adds or drops.
+        self.model_keys = ModelKeys(list(model.state_dict()), tied_groups(model))
         self._pointwise_convs = has_pointwise_convs(model)  # before the trace sizes the micro-batches
-        self.cut = self._trace(model) if self.cuts_by_tracing(model) else None
+        self.cut = self._cut(model, args) if self.cuts_by_tracing(model) else None
         # The stage (sharded by FSDP2 in place with replicas or shards), and what runs it: the stage.
         self.model, runner, self.bounds = parallelize(
-            model, self.dims, mesh, device, self.runtime.precision, stage=self.stage_index,
-            traced_stage=self.cut.module if self.cut else None, fsdp_classes=self.fsdp_units)
+            model, dims=self.dims, mesh=mesh, device=device, precision=self.runtime.precision,
+            stage=self.stage_index, cut_stage=self.cut.module if self.cut else None,
+            fsdp_classes=self.fsdp_units)
         if self.cut is None:
             self.tied = sequential_ties(model, self.bounds)
         else:
@@ -121,9 +128,9 @@ class Pipeline(MeshStrategy):
                              " pipeline schedule runs it: call fleet.train_step(inputs, targets, loss_fn)"
                              " and fleet.predict(inputs) instead of the model")
 
-    def _trace(self, model) -> cutting.Cut:
-        """Cut a model that is not a Sequential by tracing it on one example micro-batch."""
-        example, grad_accum = self.example
+    def _cut(self, model, setup: SetupArgs) -> cutting.Cut:
+        """Cut a model that is not a Sequential: by its own pipeline plan, or by tracing one example micro-batch."""
+        example, grad_accum = setup.example, setup.grad_accum
         if example is None:
             raise UsageError(
                 f"{self.name} cuts a {type(model).__name__} into stages by tracing its forward and needs"
@@ -137,15 +144,22 @@ class Pipeline(MeshStrategy):
         micro = split_batch(example, batch_size(example) // (per_step // self.microbatches))[0]
         args, kwargs = ((), dict(micro)) if isinstance(micro, dict) else ((micro,), {})
         model.to(self.runtime.device)  # the example is there already
-        cut = cutting.trace(model, self.pp, self.stage_index, self.split_points, args, kwargs)
-        checkpointing, compile_mode = self.knobs
-        # The traced stage is one graph: checkpointed and compiled as a whole.
+        plan = declared_plan(model)
+        if plan is not None:
+            cut = cut_by_plan(model, plan, self.pp, self.stage_index, self.split_points, args, kwargs)
+            self.notes.append(f"pipeline stages from {type(model).__name__}'s own pipeline plan"
+                              f" ({', '.join(plan)}), cut at {', '.join(cut.starts)}")
+        else:
+            cut = cutting.trace(model, self.pp, self.stage_index, self.split_points, args, kwargs)
+        checkpointing, compile_mode = setup.activation_checkpointing, setup.compile
+        # A traced stage is one graph: checkpointed and compiled as a whole; a plan's keeps its blocks.
+        how = "each pipeline stage as a whole (traced)" if plan is None else "each block of each pipeline stage"
         if checkpointing:
             checkpoint_activations(cut.module)
-            self.notes.append("activation checkpointing: each pipeline stage as a whole (traced)")
+            self.notes.append(f"activation checkpointing: {how}")
         if compile_mode:
-            compile_model(cut.module, "model")
-            self.notes.append("torch.compile: each pipeline stage as a whole (traced)")
+            compile_model(cut.module, "model" if plan is None else "blocks")
+            self.notes.append(f"torch.compile: {how}")
         return cut
 
     def _tied_process_groups(self) -> list:
@@ -171,8 +185,10 @@ class Pipeline(MeshStrategy):
             if group is None:
                 continue
             param = next(params[n] for n in names if n in params)
-            if param.grad is None:
-                param.grad = torch.zeroslike(param)
+            if not param.requires_grad:  # frozen (a fine-tuned model's tied embedding): nothing to sum
+                continue
+            if param.grad is None:  # this stage's copy took no part in the step: it adds nothing
+                param.grad = torch.zeros_like(param)
             grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
             dist.all_reduce(grad, group=group)
 
@@ -196,6 +212,16 @@ class Pipeline(MeshStrategy):
             loss = self._loss_fn(output, target) / self._loss_divisor
         scaler = self.runtime.precision.scaler
         return scaler.scale(loss) if scaler is not None else loss
+
+    def _stage_inputs(self, batch) -> tuple[tuple, dict]:
+        """What this stage takes from the model's inputs: the first stage all it reads, a later
+        one the inputs it reads itself (a mask, nanoGPT's `targets`); the rest arrives from the
+        stage before."""
+        if self.cut is not None:
+            return (), self.cut.stage_inputs(batch, self.is_first)
+        if not self.is_first:
+            return (), {}
+        return ((), dict(batch)) if isinstance(batch, dict) else ((batch,), {})
 
     def _fit_default_microbatches(self, batch: int) -> None:
         fitted = default_microbatches(batch, self.pp, self.schedule_name == "1f1b", self._pointwise_convs
@@ -231,12 +257,12 @@ class Pipeline(MeshStrategy):
         losses: list[torch.Tensor] = []  # one per micro-batch, as _loss returned them
         busy, tick = self._stage.busy, time.perf_counter()
         for x, y in zip(split_batch(inputs, grad_accum), targets.tensor_split(grad_accum), strict=True):
-            args, kwargs = ((), {})
-            if self.is_first:
-                args, kwargs = ((), dict(x)) if isinstance(x, dict) else ((x,), {})
+            args, kwargs = self._stage_inputs(x)
             run: list[torch.Tensor] = []  # the schedule clears the list it is given
             if self.is_last:
-                kwargs.update(target=y, losses=run)
+                # The losses are all train_step needs; merging the outputs would also fail on
+                # a model that returns its own scalar loss (nanoGPT's (logits, loss)).
+                kwargs.update(target=y, losses=run, return_outputs=False)
             self._driving = True
             try:
                 self._schedule.step(*args, **kwargs)
@@ -272,10 +298,10 @@ class Pipeline(MeshStrategy):
         params = dict(self.model.named_parameters())
         skip = {id(params[n]) for (names, holders) in self.tied if holders[0] != self.stage_index
                 for n in names if n in params}
-        held = [p for p in params.values() if p.grad is not None]
-        local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in held]
+        held = [(p, p.grad) for p in params.values() if p.grad is not None]
+        local = [g.to_local() if isinstance(g, DTensor) else g for _, g in held]
         total = torch.zeros((), dtype=torch.float32, device=self.runtime.device)
-        for p, g in zip(held, local, strict=True):
+        for (p, _), g in zip(held, local, strict=True):
             if id(p) not in skip:  # counted once, scaled on every stage below
                 total += g.detach().float().pow(2).sum()
         dist.all_reduce(total)
@@ -313,62 +339,24 @@ class Pipeline(MeshStrategy):
 
     def _predict_chunk(self, inputs):
         device = self.runtime.device
+        args, kwargs = self._stage_inputs(inputs)
         with self.runtime.precision.autocast():
-            if self.is_first:
-                out = forward(self.model, inputs)
-            else:
-                out = self.model(*recv_tensors(self._peer(self.stage_index - 1), device))
+            if not self.is_first:
+                args = recv_tensors(self._peer(self.stage_index - 1), device)
+            out = self.model(*args, **kwargs)
         if self.is_last:
             return (out,) if self.cut is not None and isinstance(out, torch.Tensor) else out
         send_tensors(out if isinstance(out, tuple) else (out,), self._peer(self.stage_index + 1), device)
         return None
 
     # -- the full model's state on rank 0 (weights export, fleet.save(sharded=False)) --
-    def _named_optimizer_state(self) -> dict:
-        """This stage's optimizer state keyed by parameter name, not position."""
-        names = {id(p): n for n, p in self.model.named_parameters()}
-        order = [names[id(p)] for g in self.optimizer.param_groups for p in g["params"]]
-        sd = self.optimizer.state_dict()
-        return {"state": {order[i]: s for i, s in sd["state"].items()},
-                "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in sd["param_groups"]]}
-
     def state_dicts(self):
         """Every stage's state gathered to rank 0 (replica 0's), keyed as in the whole model."""
-        # A sharded stage's tensors are gathered whole first, by every rank of its shard group.
-        mine = to_cpu(full((self.stage_index, self.dp_rank, self.model.state_dict(),
-                              self._named_optimizer_state())))
-        every = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object(mine, every, dst=0)
-        if every is None:
-            return {}, {}
-        stages = sorted((s for s in every if s[1] == 0), key=lambda s: s[0])
-        model_state, state, groups = {}, {}, []
-        for _, _, stage_model, stage_optim in stages:
-            model_state.update(stage_model)
-            state.update(stage_optim["state"])
-            for i, g in enumerate(stage_optim["param_groups"]):
-                if i == len(groups):
-                    groups.append({**g, "params": []})
-                groups[i]["params"] += g["params"]
-        return model_state, {"state": state, "param_groups": groups}
+        return gather_stages(self.model, self.optimizer, self.stage_index, self.dp_rank, self.model_keys)
 
     def load_state_dicts(self, model_state, optimizer_state):
         """Each rank takes its own stage's entries from the full state (and its shards of them)."""
-        current = self.model.state_dict()
-        self.model.load_state_dict({k: like(model_state[k], v) for k, v in current.items()})
-        names = {id(p): n for n, p in self.model.named_parameters()}
-        params = dict(self.model.named_parameters())
-        saved = {n: g for g in optimizer_state["param_groups"] for n in g["params"]}
-        order, groups = [], []
-        for g in self.optimizer.param_groups:
-            group_names = [names[id(p)] for p in g["params"]]
-            source = saved[group_names[0]] if group_names else g
-            groups.append({**{k: v for k, v in source.items() if k != "params"},
-                           "params": list(range(len(order), len(order) + len(group_names)))})
-            order += group_names
-        state = {i: {k: like(v, params[n]) for k, v in optimizer_state["state"][n].items()}
-                 for i, n in enumerate(order) if n in optimizer_state["state"]}
-        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+        load_stage(self.model, self.optimizer, model_state, optimizer_state, self.model_keys)
 
     # -- reports ------------------------------------------------------------
     def memory_report(self):
@@ -377,7 +365,7 @@ class Pipeline(MeshStrategy):
 
     def pipeline_report(self) -> dict:
         """Measured idle fraction of each stage next to GPipe/1F1B's (p-1)/(m+p-1)."""
-        every = [None] * dist.get_world_size()
+        every: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(every, (self.stage_index, *self._busy_wall))
         idle = []
         for stage in range(self.pp):
@@ -387,5 +375,6 @@ class Pipeline(MeshStrategy):
         p, m = self.pp, self.microbatches
         return {"schedule": self.schedule_name, "stages": p, "replicas": self.dp, "microbatches": m,
                 "layers_per_stage": ([f"{a}-{b - 1}" for a, b in self.bounds] if self.bounds
-                                     else [f"{name}.." for name in ("input", *self.cut.starts)]),
+                                     else [f"{name}.." for name in ("input", *self.cut.starts)] if self.cut
+                                     else []),
                 "bubble_formula": round((p - 1) / (m + p - 1), 3), "bubble_measured": idle}

@@ -7,6 +7,7 @@ import time
 import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
+from torch.utils import _pytree as pytree
 
 from torchfleet.strategies.cutting import tied_groups
 
@@ -22,6 +23,19 @@ class TimedStage(PipelineStage):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.busy = 0.0
+        # Gloo and NCCL send only contiguous tensors, and a stage may end in a view (a
+        # transpose in ViT's or GPT-2's attention, an expand of a mask): "input tensor has
+        # to be contiguous" in the schedule's send. Outputs are made contiguous as they
+        # leave the stage (a copy in the autograd graph, so backward still reaches the
+        # view), and so are the input gradients sent back (get_bwd_send_ops).
+        self.submod.register_forward_hook(_contiguous_outputs)
+
+    def get_bwd_send_ops(self, bwd_chunk_id: int):
+        grads = getattr(self, "bwd_cache", {}).get(bwd_chunk_id)
+        if grads is not None:
+            self.bwd_cache[bwd_chunk_id] = type(grads)(
+                g.contiguous() if isinstance(g, torch.Tensor) else g for g in grads)
+        return super().get_bwd_send_ops(bwd_chunk_id)
 
     def _sync(self):
         if self.device.type == "cuda":
@@ -40,6 +54,10 @@ class TimedStage(PipelineStage):
 
     def backward_one_chunk(self, *args, **kwargs):
         return self._timed(super().backward_one_chunk, *args, **kwargs)
+
+
+def _contiguous_outputs(_module, _args, output):
+    return pytree.tree_map_only(torch.Tensor, lambda t: t.contiguous(), output)
 
 
 def rows(batch, start: int, size: int):

@@ -7,8 +7,10 @@ its input features (each rank a partial sum of every output, all-reduced).
 Megatron's pairing, column-wise then row-wise (q/k/v then the attention's
 output projection, the MLP's fc then its projection), keeps the activation
 between the two split and costs one all-reduce per pair in forward and one
-in backward. The plan comes from the model (`model.tp_plan()`, which the
-built-in gpt has) or from the user (strategy option ``tp_plan=``).
+in backward. The plan comes from the user (strategy option ``tp_plan=``), or
+from the model: a ``tp_plan()`` method (the built-in gpt has one), or the
+``base_model_tp_plan`` a transformers config declares (Llama and most decoder
+families), its ``colwise``/``rowwise`` entries taken as torch's two styles.
 
 Why the weights equal serial's: a column-wise layer's outputs are serial's
 dot products, computed by whichever rank holds those columns; a row-wise
@@ -26,22 +28,30 @@ from __future__ import annotations
 import inspect
 import math
 from fnmatch import fnmatchcase
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    parallelize_module,
+)
 
 from torchfleet.errors import UsageError
 
 PLAN_HINT = ("give the strategy option tp_plan={module name: ColwiseParallel() or RowwiseParallel(), ...}"
-             " (torch.distributed.tensor.parallel), or add a tp_plan() method to the model that returns one")
+             " (torch.distributed.tensor.parallel), or add a tp_plan() method to the model that returns one"
+             " (a transformers model's config may declare base_model_tp_plan)")
 
 
 def tp_plan_for(model: nn.Module, tp: int, given: dict | None = None) -> tuple[dict[str, ParallelStyle], str]:
-    """(the plan for `tp` ranks, where it came from): `given` if any, else the model's `tp_plan()`.
+    """(the plan for `tp` ranks, where it came from): `given` if any, else the model's `tp_plan()`,
+    else a transformers config's ``base_model_tp_plan`` (`declared_tp_plan`).
 
     A model's `tp_plan` may take the degree (``tp_plan(tp)``) to check its
     shape against it: the built-in gpt refuses a tp that splits a head.
@@ -52,9 +62,11 @@ def tp_plan_for(model: nn.Module, tp: int, given: dict | None = None) -> tuple[d
     if given is not None:
         plan, source = dict(given), "the tp_plan option"
     elif callable(getattr(model, "tp_plan", None)):
-        method = model.tp_plan
+        method: Any = model.tp_plan  # a method of the model's class; nn.Module's __getattr__ says Tensor | Module
         plan = method(tp=tp) if "tp" in inspect.signature(method).parameters else method()
         plan, source = dict(plan), f"{kind}.tp_plan()"
+    elif getattr(getattr(model, "config", None), "base_model_tp_plan", None):
+        plan, source = declared_tp_plan(model, tp), f"{kind}'s own base_model_tp_plan (transformers)"
     else:
         raise UsageError(f"tensor parallelism needs a plan of which layers to split, and {kind} has none; "
                          + PLAN_HINT)
@@ -68,6 +80,37 @@ def tp_plan_for(model: nn.Module, tp: int, given: dict | None = None) -> tuple[d
         if not any(fnmatchcase(name, key) for name in names):
             raise UsageError(f"{source} names {key!r}, which is not a module of this {kind}")
     return plan, source
+
+
+# transformers' names for the two Megatron styles. Its other styles (gathered, local, packed,
+# expert and sequence-parallel variants) have no one-to-one torch style, so a plan using
+# them is refused rather than half applied: a column-wise layer whose row-wise partner is
+# left whole would hand it a slice of the activations.
+LIBRARY_STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+
+
+def declared_tp_plan(model: nn.Module, tp: int) -> dict[str, ParallelStyle]:
+    """A transformers model's own plan (its config's ``base_model_tp_plan``) as torch's styles.
+
+    Its keys name the base model's modules (``layers.*.self_attn.q_proj``); prefixed here with
+    the base model's name in `model` (``model.`` in LlamaForCausalLM). The embeddings and the
+    head, which the plan leaves out, stay whole on every rank of the group.
+    """
+    kind = type(model).__name__
+    config = getattr(model, "config", None)
+    base = getattr(model, "base_model", model)
+    prefix = next((name for name, m in model.named_modules() if m is base), "")
+    declared = dict(getattr(config, "base_model_tp_plan", None) or {})
+    unknown = sorted({str(style) for style in declared.values() if style not in LIBRARY_STYLES})
+    if unknown:
+        raise UsageError(f"{kind}'s base_model_tp_plan uses {', '.join(unknown)}, which torchfleet does not map"
+                         " to torch's styles (it maps colwise and rowwise); " + PLAN_HINT)
+    for field in ("num_attention_heads", "num_key_value_heads"):
+        heads = getattr(config, field, None)
+        if isinstance(heads, int) and heads % tp:
+            raise UsageError(f"tp {tp} does not divide {kind}'s {heads} {field.replace('_', ' ')}, which the"
+                             f" column-wise attention projections split; use a tp that divides {heads}")
+    return {(f"{prefix}.{key}" if prefix else key): LIBRARY_STYLES[style]() for key, style in declared.items()}
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, ParallelStyle]) -> nn.Module:

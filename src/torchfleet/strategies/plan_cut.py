@@ -1,0 +1,148 @@
+"""Cutting a model that declares its own pipeline plan, as transformers' models do.
+
+Llama and most decoder families in transformers carry ``base_model_pp_plan``
+in their config: the base model's children in forward order with what flows
+between them, e.g. ``embed_tokens: (input_ids -> inputs_embeds)``, ``layers:
+(hidden_states, attention_mask -> hidden_states)``, ``norm``; the task model
+adds its head (``LlamaForCausalLM._pp_plan``: ``lm_head -> logits``). Such
+models need no tracing (torch.export fails on Llama's rotary embedding in
+torch's pipeline tracer). As torchtitan builds stages, each stage keeps its
+own modules and drops the others, and the model's own forward runs:
+
+- the entries before the layers (the embeddings) stay on the first stage;
+  a later stage drops them and hands its received activation to the forward
+  through the keyword the plan names (``inputs_embeds``);
+- the layers are cut between blocks; a stage keeps its blocks under their
+  original indices, so parameter names (and state-dict keys) stay the model's;
+- the entries after the layers and the head stay on the last stage; earlier
+  stages replace them with ``nn.Identity``, so their forward returns the
+  hidden states where the last returns logits.
+
+Every other input (``attention_mask``, ``position_ids``) reaches every stage,
+since each stage's layers read it. A training forward asks for no cache.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from torchfleet.errors import UsageError
+from torchfleet.strategies.cutting import Cut, example_rows, flat_output, stage_starts, tied_groups
+
+
+def declared_plan(model: nn.Module) -> dict[str, tuple] | None:
+    """The model's pipeline plan as {qualified module name: (inputs, outputs)}, in forward order; None without one."""
+    config = getattr(model, "config", None)
+    base_plan = getattr(config, "base_model_pp_plan", None)
+    if not base_plan:
+        return None
+    base = getattr(model, "base_model", model)
+    prefix = next((name for name, m in model.named_modules() if m is base), "")
+    plan = {(f"{prefix}.{k}" if prefix else k): v for k, v in base_plan.items()}
+    if base is not model:
+        plan.update(getattr(type(model), "_pp_plan", None) or {})
+    return plan
+
+
+def _shape(model: nn.Module, plan: dict[str, tuple]) -> tuple[str, list[str], list[str], str]:
+    """(the layers' name, the modules before them, after them, the keyword that takes an activation)."""
+    kind = type(model).__name__
+    names = list(plan)
+    lists = [n for n in names if isinstance(model.get_submodule(n), nn.ModuleList)]
+    if len(lists) != 1:
+        raise UsageError(f"{kind}'s pipeline plan ({', '.join(names)}) names {len(lists)} lists of layers where"
+                         " torchfleet cuts between the layers of one; pass split_points to cut it by tracing"
+                         " instead, or use fsdp or ddp for this model")
+    layers = lists[0]
+    before, after = names[: names.index(layers)], names[names.index(layers) + 1:]
+    base = getattr(model, "base_model", model)
+    takes = inspect.signature(base.forward).parameters
+    embeds = plan[before[-1]][1][0] if before else None
+    if embeds is None or embeds not in takes:  # None: nothing before the layers
+        raise UsageError(f"{kind}'s pipeline plan gives its layers {embeds or 'nothing'}, which its forward does"
+                         " not take by keyword; use fsdp or ddp for this model")
+    return layers, before, after, embeds
+
+
+def _holds(stage: int, stages: int, bounds: list[tuple[int, int]], layers: str,
+           before: list[str], after: list[str], name: str) -> bool:
+    """Whether `stage` keeps the parameter or module `name`."""
+    if name.startswith(layers + "."):
+        index = int(name[len(layers) + 1:].split(".", 1)[0])
+        start, end = bounds[stage]
+        return start <= index < end
+    if any(name == m or name.startswith(m + ".") for m in before):
+        return stage == 0
+    if any(name == m or name.startswith(m + ".") for m in after):
+        return stage == stages - 1
+    return True  # modules outside the plan (rotary tables): every stage computes them
+
+
+def cut_by_plan(model: nn.Module, plan: dict[str, tuple], stages: int, stage: int,
+                split_points: Sequence[str] | None, example_args: tuple, example_kwargs: dict) -> Cut:
+    """Stage `stage` of `stages` of a model with a declared plan: the model itself, its other stages' modules dropped."""
+    kind = type(model).__name__
+    layers, before, after, embeds = _shape(model, plan)
+    blocks = model.get_submodule(layers)
+    assert isinstance(blocks, nn.ModuleList)  # _shape took the plan's one ModuleList
+    starts = stage_starts(model, stages, split_points)
+    names = [f"{layers}.{i}" for i in range(len(blocks))]
+    for start in starts:
+        if start not in names:
+            raise UsageError(f"split point {start!r} is not one of {kind}'s layers ({names[0]}..{names[-1]}),"
+                             " between which a model with a pipeline plan is cut; name one of them")
+    cuts = [0, *(names.index(s) for s in starts), len(names)]
+    bounds = list(zip(cuts, cuts[1:], strict=False))
+    if any(a >= b for a, b in bounds):
+        raise UsageError(f"the split points {', '.join(starts)} leave a stage of {kind} without layers;"
+                         " name layers in forward order")
+    config = getattr(model, "config", None)
+    if config is not None and getattr(config, "use_cache", False):
+        config.use_cache = False  # no key/value cache in a training forward (see cutting.trace)
+    leaves, out_spec = flat_output(model, example_args, example_kwargs)  # the whole model's, before the cut
+    groups = tied_groups(model)
+    holders = [[s for s in range(stages) if any(_holds(s, stages, bounds, layers, before, after, n) for n in g)]
+               for g in groups]
+    first, last = stage == 0, stage == stages - 1
+    start, end = bounds[stage]
+    kept = nn.ModuleList()
+    for index in range(start, end):  # under their own indices: names stay the model's
+        kept.add_module(str(index), blocks[index])
+    _replace(model, layers, kept)
+    for name in before if not first else ():
+        _replace(model, name, None)  # the forward skips it: the activation comes by keyword
+    for name in after if not last else ():
+        _replace(model, name, nn.Identity())
+    slots, at = [], 0
+    for leaf in leaves:  # the last stage returns the tensors among the output's leaves, in order
+        slots.append(("out", at) if isinstance(leaf, torch.Tensor) else ("const", leaf))
+        at += isinstance(leaf, torch.Tensor)
+    model.forward = functools.partial(_stage_forward, model.forward, first, last, embeds)
+    signature = tuple(inspect.signature(type(model).forward).parameters)[1:]
+    return Cut(model, starts, example_rows(example_args, example_kwargs), out_spec, slots,
+               inputs=None, input_names=signature, first_only=frozenset(plan[before[0]][0]),
+               tied=[g for g, h in zip(groups, holders, strict=True) if len(h) > 1],
+               holders=[h for h in holders if len(h) > 1])
+
+
+def _replace(model: nn.Module, name: str, module: nn.Module | None) -> None:
+    owner, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(owner) if owner else model, leaf, module)
+
+
+def _stage_forward(forward, first: bool, last: bool, embeds: str, *args, **kwargs):
+    """The model's forward on one stage: a later stage's activation arrives as `embeds`."""
+    if not first:
+        (hidden, *args) = args
+        kwargs[embeds] = hidden
+    out = forward(*args, use_cache=False, **kwargs)
+    tensors = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+    if last:
+        return tuple(tensors)
+    return tensors[0].contiguous()  # the hidden states: the head and final norm are nn.Identity here
