@@ -14,13 +14,26 @@ CASES = [
 ]
 
 
+def _micro_batches(local_batch: int, case: dict, steps: int) -> list[int]:
+    """The forwards one rank runs: each step's share cut into grad_accum equal micro-batches."""
+    accum = case["grad_accum"]
+    return [local_batch // accum] * (steps * accum)
+
+
 @pytest.mark.timeout(180)
 def test_ddp_two_processes_match_serial():
-    serial = [train_k_steps("serial", steps=6, **case) for case in CASES]
+    serial = []
+    for case in CASES:
+        forwards: list[int] = []
+        serial.append(train_k_steps("serial", steps=6, forwards=forwards, **case))
+        # Equal weights alone would not show accumulation: one unsplit step computes the same.
+        assert forwards == _micro_batches(32, case, 6), f"serial {case}: forward batch sizes {forwards}"
     ddp = launch(train_matrix, nprocs=2, args=("ddp", [dict(case, steps=6) for case in CASES]))
-    rank0 = ddp[0]
-    assert ddp[1] == [None] * len(CASES)  # only the main rank reports weights
-    for case, want, got in zip(CASES, serial, rank0, strict=True):
+    assert [w for w, _ in ddp[1]] == [None] * len(CASES)  # only the main rank reports weights
+    for rank, jobs in enumerate(ddp):
+        for case, (_, forwards) in zip(CASES, jobs, strict=True):
+            assert forwards == _micro_batches(16, case, 6), f"ddp rank {rank} {case}: forward batch sizes {forwards}"
+    for case, want, (got, _) in zip(CASES, serial, ddp[0], strict=True):
         assert got.shape == want.shape
         diff = (got - want).abs().max().item()
         assert diff < 1e-5, f"{case}: max weight difference {diff:.3g}"
@@ -30,9 +43,14 @@ def test_ddp_two_processes_match_serial():
 
 
 def test_accumulation_changes_nothing_but_memory():
-    plain = train_k_steps("serial", steps=4, grad_accum=1)
-    accumulated = train_k_steps("serial", steps=4, grad_accum=4)
+    plain_forwards: list[int] = []
+    accumulated_forwards: list[int] = []
+    plain = train_k_steps("serial", steps=4, grad_accum=1, forwards=plain_forwards)
+    accumulated = train_k_steps("serial", steps=4, grad_accum=4, forwards=accumulated_forwards)
     assert (plain - accumulated).abs().max().item() < 1e-5
+    # ...and the accumulated run did split: 4 forwards of 8 per step, not one of 32.
+    assert plain_forwards == [32] * 4
+    assert accumulated_forwards == [8] * 16, f"grad_accum=4: forward batch sizes {accumulated_forwards}"
 
 
 @pytest.mark.timeout(180)

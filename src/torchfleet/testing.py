@@ -29,11 +29,14 @@ def flat_weights(model: nn.Module) -> torch.Tensor:
 
 def train_k_steps(strategy: str, model: str = "mlp", optimizer: str = "sgd", steps: int = 5,
                   batch_size: int = 32, grad_accum: int = 1, seed: int = 0, lr: float = 0.05,
-                  precision: str = "fp32", loader_first: bool = False,
+                  precision: str = "fp32", loader_first: bool = False, forwards: list[int] | None = None,
                   **strategy_options) -> torch.Tensor | None:
     """Weights after `steps` optimizer steps on synthetic data (None on ranks without them).
 
     `loader_first` builds the data loader before `fleet.setup`, as many scripts do.
+    `forwards`, when given, gets the batch size of each forward of the model on this rank:
+    equal weights cannot show that `grad_accum` split the batch, since an accumulated
+    step computes what one big step computes.
     The process group stays up afterwards, so several jobs can share one launch.
     """
     fleet = Fleet(strategy=strategy, precision=precision, grad_accum=grad_accum, **strategy_options)
@@ -42,6 +45,8 @@ def train_k_steps(strategy: str, model: str = "mlp", optimizer: str = "sgd", ste
     if loader_first:
         loader = fleet.dataloader(data, batch_size, shuffle=True, seed=seed)
     net = build_model(model, (1, 8, 8), 10)
+    if forwards is not None:  # on the model itself: the strategy's wrapper calls it once per micro-batch
+        net.register_forward_pre_hook(lambda _module, args: forwards.append(len(args[0])))
     opt = build_optimizer(optimizer, net.parameters(), lr)
     fleet.setup(net, opt)
     if not loader_first:
@@ -60,9 +65,15 @@ def full_weights(fleet: Fleet) -> torch.Tensor | None:
     return torch.cat([t.detach().float().cpu().flatten() for t in state.values()])
 
 
-def train_matrix(strategy: str, cases: list[dict]) -> list[torch.Tensor | None]:
-    """Several `train_k_steps` jobs in one set of processes (one launch, many checks)."""
-    results = [train_k_steps(strategy, **case) for case in cases]
+def train_matrix(strategy: str, cases: list[dict]) -> list[tuple[torch.Tensor | None, list[int]]]:
+    """Several `train_k_steps` jobs in one set of processes (one launch, many checks).
+
+    Each job gives (its weights, the batch size of each forward on this rank).
+    """
+    results = []
+    for case in cases:
+        forwards: list[int] = []
+        results.append((train_k_steps(strategy, forwards=forwards, **case), forwards))
     if torch.distributed.is_initialized():
         torch.distributed.barrier()  # see Fleet.close: tear down together
         torch.distributed.destroy_process_group()
