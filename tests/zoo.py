@@ -1,0 +1,296 @@
+"""Models other people wrote, built from configs at their libraries' defaults (no download).
+
+Only the sizes are set small and dropout off (every strategy must compute
+serial's function, and dropout draws differ between process layouts); every
+other setting is the library's own: GPT-2's ``use_cache``, Llama's tied or
+untied head, BERT's non-persistent buffers and tied decoder bias. Besides
+the transformers models: a model whose forward returns a dict, one whose
+forward reads buffers, and nanoGPT's calling convention
+(``model(idx, targets)`` returning ``(logits, loss)``).
+
+Each entry gives a model, a batch maker (inputs as ``train_step`` gets them,
+and targets) and a loss function over what the model returns in serial.
+Workers started by `torchfleet.launch` import this module by name (spawn
+hands them the parent's ``sys.path``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+VOCAB, SEQ, CLASSES = 64, 16, 10
+
+
+def _lm_loss(output, targets):
+    logits = output["logits"] if isinstance(output, dict) else getattr(output, "logits", output)
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def _tokens(batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, VOCAB, (batch, SEQ + 1), generator=torch.Generator().manual_seed(seed))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def hf_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=4, n_head=4,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+
+
+def hf_llama(tie: bool):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=4, num_attention_heads=4,
+                                        max_position_embeddings=SEQ, tie_word_embeddings=tie))
+
+
+def hf_bert():
+    from transformers import BertConfig, BertForMaskedLM
+
+    return BertForMaskedLM(BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4,
+                                      num_attention_heads=4, intermediate_size=64, max_position_embeddings=SEQ,
+                                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+
+
+def hf_vit():
+    from transformers import ViTConfig, ViTForImageClassification
+
+    return ViTForImageClassification(ViTConfig(image_size=16, patch_size=4, hidden_size=32, num_hidden_layers=4,
+                                               num_attention_heads=4, intermediate_size=64, num_labels=CLASSES,
+                                               hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+
+
+class _Block(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.norm, self.fc = nn.LayerNorm(width), nn.Linear(width, width)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(self.norm(x)))
+
+
+class AdapterBlock(_Block):
+    """A block with a small trainable adapter beside its (frozen) layers, as adapter fine-tuning adds."""
+
+    def __init__(self, width: int):
+        super().__init__(width)
+        self.adapter = nn.Linear(width, 4)
+        self.up = nn.Linear(4, width)
+
+    def forward(self, x):
+        return super().forward(x) + self.up(torch.relu(self.adapter(x)))
+
+
+class DictOut(nn.Module):
+    """A classifier that returns ``{"logits": ..., "features": ...}``, as many research models do."""
+
+    def __init__(self, width: int = 32, depth: int = 4, block=_Block):
+        super().__init__()
+        self.embed = nn.Linear(64, width)
+        self.blocks = nn.ModuleList(block(width) for _ in range(depth))
+        self.head = nn.Linear(width, CLASSES)
+
+    def forward(self, x):
+        h = self.embed(x.flatten(1))
+        for block in self.blocks:
+            h = block(h)
+        return {"logits": self.head(h), "features": h}
+
+
+class WithBuffers(nn.Module):
+    """A model whose forward reads its buffers: a persistent input normaliser and a non-persistent table."""
+
+    def __init__(self, width: int = 32, depth: int = 4):
+        super().__init__()
+        self.register_buffer("mean", torch.linspace(-0.5, 0.5, 64))
+        self.register_buffer("scale", torch.full((64,), 2.0))
+        self.register_buffer("phase", torch.arange(width, dtype=torch.float32) / width, persistent=False)
+        self.embed = nn.Linear(64, width)
+        self.blocks = nn.ModuleList(_Block(width) for _ in range(depth))
+        self.head = nn.Linear(width, CLASSES)
+
+    def forward(self, x):
+        h = self.embed((x.flatten(1) - self.mean) * self.scale)
+        for i, block in enumerate(self.blocks):
+            h = block(h + self.phase * (i + 1))
+        return self.head(h)
+
+
+class NanoBlock(nn.Module):
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        self.ln_1, self.ln_2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.attn = nn.MultiheadAttention(width, heads, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+        self.register_buffer("mask", torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), 1), persistent=False)
+
+    def forward(self, x):
+        h = self.ln_1(x)
+        x = x + self.attn(h, h, h, attn_mask=self.mask[: x.size(1), : x.size(1)], need_weights=False)[0]
+        return x + self.mlp(self.ln_2(x))
+
+
+class NanoGPT(nn.Module):
+    """nanoGPT's interface: ``model(idx, targets=None) -> (logits, loss)``, tied embeddings, ``transformer.h``."""
+
+    def __init__(self, width: int = 32, depth: int = 4, heads: int = 4):
+        super().__init__()
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(VOCAB, width), wpe=nn.Embedding(SEQ, width),
+            h=nn.ModuleList(NanoBlock(width, heads) for _ in range(depth)), ln_f=nn.LayerNorm(width)))
+        self.lm_head = nn.Linear(width, VOCAB, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight
+        for p in self.parameters():
+            if p.dim() > 1:
+                nn.init.normal_(p, std=0.02 / math.sqrt(depth))
+
+    def forward(self, idx, targets=None):
+        pos = torch.arange(idx.size(1), device=idx.device)
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        for block in self.transformer.h:
+            x = block(x)
+        logits = self.lm_head(self.transformer.ln_f(x))
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+        return logits, loss
+
+
+def frozen(build: Callable[[], nn.Module], trains: Callable[[str], bool]) -> Callable[[], nn.Module]:
+    """`build`, with every parameter whose name `trains` refuses frozen (requires_grad False)."""
+    def make():
+        net = build()
+        for name, p in net.named_parameters(remove_duplicate=False):
+            p.requires_grad_(trains(name))
+        return net
+    return make
+
+
+@dataclass(frozen=True)
+class Entry:
+    build: Callable[[], nn.Module]
+    batch: Callable[[int, int], tuple]  # (batch size, seed) -> (inputs, targets)
+    loss: Callable
+
+
+def _ids(batch, seed):
+    x, y = _tokens(batch, seed)
+    return {"input_ids": x}, y
+
+
+def _masked(batch, seed):
+    x, y = _tokens(batch, seed)
+    mask = torch.ones_like(x)
+    mask[:, -3:] = 0  # padding at the end of every sequence: the mask changes the result
+    return {"input_ids": x, "attention_mask": mask}, y
+
+
+def _images(batch, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, 3, 16, 16, generator=g), torch.randint(0, CLASSES, (batch,), generator=g)
+
+
+def _digits(batch, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, 1, 8, 8, generator=g), torch.randint(0, CLASSES, (batch,), generator=g)
+
+
+def _idx_targets(batch, seed):
+    x, y = _tokens(batch, seed)
+    return {"idx": x, "targets": y}, y
+
+
+def _nano_loss(output, _targets):
+    return output[1]  # the model computed it, as nanoGPT's train.py uses it
+
+
+def _nano_logits_loss(output, targets):
+    logits, none = output  # serial gives (logits, None) without targets
+    assert none is None, "the loss function must receive what the model returns"
+    return _lm_loss(logits, targets)
+
+
+def _positional_ids(batch, seed):
+    return _tokens(batch, seed)
+
+
+ZOO: dict[str, Entry] = {
+    "hf-gpt2": Entry(hf_gpt2, _ids, _lm_loss),
+    "hf-llama": Entry(lambda: hf_llama(False), _ids, _lm_loss),
+    "hf-llama-tied": Entry(lambda: hf_llama(True), _ids, _lm_loss),
+    "hf-bert": Entry(hf_bert, _masked, _lm_loss),
+    "hf-vit": Entry(hf_vit, lambda b, s: ({"pixel_values": _images(b, s)[0]}, _images(b, s)[1]),
+                    lambda out, y: F.cross_entropy(out.logits, y)),
+    "dict-out": Entry(DictOut, _digits, lambda out, y: F.cross_entropy(out["logits"], y)),
+    "buffers": Entry(WithBuffers, _digits, F.cross_entropy),
+    "nanogpt": Entry(NanoGPT, _idx_targets, _nano_loss),
+    "nanogpt-idx": Entry(NanoGPT, _positional_ids, _nano_logits_loss),
+    # Fine-tuning set-ups: a frozen tied embedding (GPT-2's wte is its head), a frozen untied
+    # one, and adapters (every block's own layers frozen, a small trainable layer in each).
+    "frozen-tied": Entry(frozen(hf_gpt2, lambda n: "wte" not in n and "lm_head" not in n), _ids, _lm_loss),
+    "frozen-embed": Entry(frozen(lambda: hf_llama(False), lambda n: "embed_tokens" not in n), _ids, _lm_loss),
+    "adapters": Entry(frozen(lambda: DictOut(block=AdapterBlock), lambda n: "adapter" in n or ".up." in n),
+                      _digits, lambda out, y: F.cross_entropy(out["logits"], y)),
+}
+
+
+def train_zoo(strategy: str, name: str, steps: int = 5, batch_size: int = 8, lr: float = 1e-2,
+              save_to: str | None = None, memory: bool = False) -> dict | None:
+    """Zoo model `name` after `steps` SGD steps under `strategy`, as the main rank reports it.
+
+    {"weights": {name: tensor}, "notes": fleet.notes, "memory": the strategy's memory report
+    (with `memory`)}, or {"refused": the sentence} when setup or a step refuses the job;
+    None on the other ranks. `save_to` also writes ``fleet.save_model`` there.
+    The optimizer holds only the trainable parameters, as a fine-tuning script builds it.
+    """
+    from torchfleet import Fleet
+    from torchfleet.errors import UsageError
+
+    entry = ZOO[name]
+    fleet = None
+    try:
+        fleet = Fleet(strategy=strategy)
+        torch.manual_seed(0)
+        net = entry.build()
+        opt = torch.optim.SGD([p for p in net.parameters() if p.requires_grad], lr=lr)
+        batches = [entry.batch(batch_size, seed) for seed in range(steps)]
+        share = fleet.strategy.data_coords()
+        fleet.setup(net, opt, example_inputs=_rows(batches[0], *share)[0])
+        for batch in batches:
+            fleet.train_step(*_rows(batch, *share), entry.loss)
+        if save_to:
+            fleet.save_model(save_to)
+        state, _ = fleet.strategy.state_dicts()
+        report = fleet.strategy.memory_report() if memory else None
+    except UsageError as error:  # every rank refuses alike, before training
+        return {"refused": str(error)} if fleet is None or fleet.is_main else None
+    if not fleet.is_main:
+        return None
+    return {"weights": {k: v.detach().float().cpu().clone() for k, v in state.items()},
+            "notes": list(fleet.notes), "memory": report}
+
+
+def _rows(batch, rank: int, world: int):
+    """This data rank's rows of a global batch, as fleet.dataloader would give them."""
+    inputs, targets = batch
+    per = len(targets) // world
+    part = slice(rank * per, (rank + 1) * per)
+    inputs = {k: v[part] for k, v in inputs.items()} if isinstance(inputs, dict) else inputs[part]
+    return inputs, targets[part]
+
+
+def zoo_matrix(jobs: list[tuple[str, str, dict]]) -> list:
+    """`train_zoo` for each (strategy, model, options) in one set of processes."""
+    results = [train_zoo(strategy, name, **options) for strategy, name, options in jobs]
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    return results
