@@ -128,6 +128,12 @@ class Network:
         self.procs.append(proc)
         return proc
 
+    def lose(self, i: int) -> None:
+        """SIGKILL every process in host i at once, as when the machine dies: the agent and its
+        workers alike (torch's agent starts each worker in a session of its own, so killing the
+        agent's process group would leave them running). Its address stays on the bridge."""
+        _kill_namespace_processes(self.names[i])
+
     def remove(self) -> None:
         for proc in self.procs:
             if proc.poll() is None:

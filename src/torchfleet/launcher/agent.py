@@ -129,7 +129,16 @@ def agent_config(cfg: LaunchConfig, overrides: dict[str, Any] | None = None) -> 
         logs_specs=DefaultLogsSpecs(),
     )
     # torchrun flags torchfleet does not handle itself, as torchrun would apply them.
-    return AgentConfig(**{**fields, **(overrides or {})})
+    overrides = dict(overrides or {})
+    if "rdzv_configs" in overrides:
+        # --rdzv-conf adds to the rendezvous options above instead of replacing them: replaced,
+        # the c10d host lost `is_host` and, as its host name resolves to 127.0.0.1 on many
+        # machines, nobody hosted the store and every node timed out connecting to it. "rank"
+        # is torchrun's own parse of its --node-rank, which torchfleet reads itself (it is 0
+        # there on every node), so the static rendezvous keeps ours.
+        theirs = {k: v for k, v in overrides.pop("rdzv_configs").items() if k != "rank"}
+        fields["rdzv_configs"] = {**rdzv_configs, **theirs}
+    return AgentConfig(**{**fields, **overrides})
 
 
 def socket_env(cfg: LaunchConfig) -> dict[str, str]:
