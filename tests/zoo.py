@@ -193,6 +193,11 @@ def _masked(batch, seed):
     return {"input_ids": x, "attention_mask": mask}, y
 
 
+def _ids_labels(batch, seed):
+    x, _ = _tokens(batch, seed)
+    return {"input_ids": x, "labels": x}, x  # the model shifts the labels and computes its own loss
+
+
 def _images(batch, seed):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(batch, 3, 16, 16, generator=g), torch.randint(0, CLASSES, (batch,), generator=g)
@@ -226,6 +231,7 @@ ZOO: dict[str, Entry] = {
     "hf-gpt2": Entry(hf_gpt2, _ids, _lm_loss),
     "hf-llama": Entry(lambda: hf_llama(False), _ids, _lm_loss),
     "hf-llama-tied": Entry(lambda: hf_llama(True), _ids, _lm_loss),
+    "hf-llama-labels": Entry(lambda: hf_llama(False), _ids_labels, lambda out, _targets: out.loss),
     "hf-bert": Entry(hf_bert, _masked, _lm_loss),
     "hf-vit": Entry(hf_vit, lambda b, s: ({"pixel_values": _images(b, s)[0]}, _images(b, s)[1]),
                     lambda out, y: F.cross_entropy(out.logits, y)),

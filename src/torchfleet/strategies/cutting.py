@@ -54,14 +54,16 @@ class Cut:
     inputs: dict[str, str] | None
     input_names: tuple[str, ...]  # the forward's parameters: a lone tensor input is the first
     first_only: frozenset[str] = frozenset()  # inputs only the first stage reads (token ids)
+    last_only: frozenset[str] = frozenset()  # inputs only the last stage reads (a head's labels)
     tied: list[list[str]] = field(default_factory=list)  # alias names of each tied parameter
     holders: list[list[int]] = field(default_factory=list)  # the stages holding each tied parameter
 
-    def stage_inputs(self, batch, first: bool) -> dict:
+    def stage_inputs(self, batch, first: bool, last: bool) -> dict:
         """The keyword arguments this stage takes from one (micro-)batch of the model's inputs."""
         named = dict(batch) if isinstance(batch, Mapping) else {self.input_names[0]: batch}
         if self.inputs is None:
-            return {k: v for k, v in named.items() if first or k not in self.first_only}
+            return {k: v for k, v in named.items()
+                    if (first or k not in self.first_only) and (last or k not in self.last_only)}
         return {param: named[name] for param, name in self.inputs.items() if name in named}
 
     def unflatten(self, output):

@@ -218,7 +218,7 @@ class Pipeline(MeshStrategy):
         one the inputs it reads itself (a mask, nanoGPT's `targets`); the rest arrives from the
         stage before."""
         if self.cut is not None:
-            return (), self.cut.stage_inputs(batch, self.is_first)
+            return (), self.cut.stage_inputs(batch, self.is_first, self.is_last)
         if not self.is_first:
             return (), {}
         return ((), dict(batch)) if isinstance(batch, dict) else ((batch,), {})

@@ -19,7 +19,8 @@ own modules and drops the others, and the model's own forward runs:
   hidden states where the last returns logits.
 
 Every other input (``attention_mask``, ``position_ids``) reaches every stage,
-since each stage's layers read it. A training forward asks for no cache.
+since each stage's layers read it; ``labels`` only the last, whose head
+computes the loss from them. A training forward asks for no cache.
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ from torch.utils import _pytree as pytree
 
 from torchfleet.errors import UsageError
 from torchfleet.strategies.cutting import Cut, example_rows, flat_output, stage_starts, tied_groups
+
+# The inputs a transformers model computes its loss from, in its head: only the last stage
+# has the head, and an earlier stage's forward would compute a loss on its hidden states.
+LOSS_INPUTS = frozenset({"labels"})
 
 
 def declared_plan(model: nn.Module) -> dict[str, tuple] | None:
@@ -57,8 +62,7 @@ def _shape(model: nn.Module, plan: dict[str, tuple]) -> tuple[str, list[str], li
     lists = [n for n in names if isinstance(model.get_submodule(n), nn.ModuleList)]
     if len(lists) != 1:
         raise UsageError(f"{kind}'s pipeline plan ({', '.join(names)}) names {len(lists)} lists of layers where"
-                         " torchfleet cuts between the layers of one; pass split_points to cut it by tracing"
-                         " instead, or use fsdp or ddp for this model")
+                         " torchfleet cuts between the layers of one; use fsdp or ddp for this model")
     layers = lists[0]
     before, after = names[: names.index(layers)], names[names.index(layers) + 1:]
     base = getattr(model, "base_model", model)
@@ -127,6 +131,7 @@ def cut_by_plan(model: nn.Module, plan: dict[str, tuple], stages: int, stage: in
     signature = tuple(inspect.signature(type(model).forward).parameters)[1:]
     return Cut(model, starts, example_rows(example_args, example_kwargs), out_spec, slots,
                inputs=None, input_names=signature, first_only=frozenset(plan[before[0]][0]),
+               last_only=LOSS_INPUTS,
                tied=[g for g, h in zip(groups, holders, strict=True) if len(h) > 1],
                holders=[h for h in holders if len(h) > 1])
 
