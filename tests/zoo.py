@@ -284,6 +284,33 @@ def train_zoo(strategy: str, name: str, steps: int = 5, batch_size: int = 8, lr:
             "notes": list(fleet.notes), "memory": report}
 
 
+def checkpoint_job(strategy: str, name: str, directory: str) -> dict | None:
+    """Save a sharded checkpoint after 2 steps, train 2 more, load it back.
+
+    On the main rank: the weights at the save, after loading, and the model keys the checkpoint holds.
+    """
+    from torchfleet import Fleet
+    from torchfleet.checkpoint.sharded import SafeReader
+
+    entry = ZOO[name]
+    fleet = Fleet(strategy=strategy)
+    torch.manual_seed(0)
+    net = entry.build()
+    fleet.setup(net, torch.optim.SGD(net.parameters(), lr=1e-2), example_inputs=_rows(entry.batch(8, 0), 0, 1)[0])
+    for seed in range(4):
+        if seed == 2:
+            fleet.save(f"{directory}/step-2", sharded=True)
+            saved, _ = fleet.strategy.state_dicts()
+        fleet.train_step(*_rows(entry.batch(8, seed), 0, 1), entry.loss)
+    fleet.load(f"{directory}/step-2")
+    loaded, _ = fleet.strategy.state_dicts()
+    held = SafeReader(f"{directory}/step-2/model").read_metadata().state_dict_metadata
+    fleet.close()
+    if not fleet.is_main:
+        return None
+    return {"saved": saved, "loaded": loaded, "keys": sorted(k[len("model."):] for k in held if k.startswith("model."))}
+
+
 def _rows(batch, rank: int, world: int):
     """This data rank's rows of a global batch, as fleet.dataloader would give them."""
     inputs, targets = batch

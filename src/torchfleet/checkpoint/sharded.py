@@ -46,6 +46,7 @@ _ALLOWED = {
 # otherwise share the key "param_groups.0" and DCP would keep only one.
 # Keys by name also let a checkpoint cut into 2 stages load into 4, or 1.
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+_LENIENT = StateDictOptions(flatten_optimizer_state_dict=True, strict=False)
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -86,9 +87,22 @@ class SafePlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
+def _own_entries(strategy, model_state: dict) -> dict:
+    """The entries of `model_state` that are the model's own state-dict keys.
+
+    A traced pipeline stage holds more: the tracer registers the model's non-persistent
+    buffers (BERT's position_ids) and constants (lifted_tensor_0) as entries of its own,
+    named by the cut, which would not load into another cut. Such a strategy says which
+    keys are the model's (`is_model_key`); the others keep the values the stage has.
+    """
+    own = getattr(strategy, "is_model_key", None)
+    return model_state if own is None else {k: v for k, v in model_state.items() if own(k)}
+
+
 def save(strategy, directory: Path) -> None:
     """Every rank writes its shards of model and optimizer into `directory` (collective)."""
     model_state, optimizer_state = get_state_dict(strategy.model, strategy.optimizer, options=_OPTIONS)
+    model_state = _own_entries(strategy, model_state)
     # sync_files (the default) fsyncs every shard before DCP reports success.
     try:
         dcp.save({"model": model_state, "optimizer": optimizer_state}, no_dist=not dist.is_initialized(),
@@ -102,14 +116,17 @@ def load(strategy, directory: Path) -> None:
     # get_state_dict creates the optimizer's state when it has none yet, so
     # DCP has tensors of the right shapes and placements to read into.
     model_state, optimizer_state = get_state_dict(strategy.model, strategy.optimizer, options=_OPTIONS)
-    state = {"model": model_state, "optimizer": optimizer_state}
+    own = _own_entries(strategy, model_state)
+    state = {"model": own, "optimizer": optimizer_state}
     try:
         dcp.load(state, storage_reader=SafeReader(str(directory)), planner=SafePlanner(),
                  no_dist=not dist.is_initialized())
     except CheckpointException as exc:
         raise _first_failure(exc) from None
+    # Entries left out above keep their values: only then is a missing key expected.
+    options = _OPTIONS if len(own) == len(model_state) else _LENIENT
     set_state_dict(strategy.model, strategy.optimizer,
-                   model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=_OPTIONS)
+                   model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=options)
 
 
 def _first_failure(exc: CheckpointException) -> BaseException:

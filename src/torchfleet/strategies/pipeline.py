@@ -354,6 +354,10 @@ class Pipeline(MeshStrategy):
         """Every stage's state gathered to rank 0 (replica 0's), keyed as in the whole model."""
         return gather_stages(self.model, self.optimizer, self.stage_index, self.dp_rank, self.model_keys)
 
+    def is_model_key(self, key: str) -> bool:
+        """Whether this stage's state-dict `key` is one of the model's own (a sharded checkpoint holds only those)."""
+        return key in self.model_keys.names
+
     def load_state_dicts(self, model_state, optimizer_state):
         """Each rank takes its own stage's entries from the full state (and its shards of them)."""
         load_stage(self.model, self.optimizer, model_state, optimizer_state, self.model_keys)

@@ -12,6 +12,7 @@ optimizer state is keyed by parameter name, so it loads into any other cut.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +29,10 @@ class ModelKeys:
 
     keys: list[str]
     tied: list[list[str]]
+
+    @functools.cached_property
+    def names(self) -> frozenset[str]:
+        return frozenset(self.keys)
 
     def find(self, key: str, state: dict) -> str | None:
         """`key`, or another name of the same tied parameter, as `state` holds it; None if neither."""
