@@ -4,10 +4,11 @@ The flags come from torchrun's own parser (`torch.distributed.run.get_args_parse
 so a newer torch's new flag is accepted without a change here. torchfleet handles
 some itself (processes, nodes, the master, restarts, the rendezvous endpoint and
 id: `LaunchConfig`); the rest are handed to torchrun's own `config_from_args`,
-and whatever they change in torchrun's agent configuration (log directory,
-redirects, tee, rank filters, start method, rendezvous backend and options...)
-is carried into the agent torchfleet starts. `-m`, `--no-python` and
-`--run-path` choose how each worker runs the script, as under torchrun.
+and torchrun's agent configuration (log directory, redirects, tee, rank filters,
+start method, role, rendezvous backend and options...) is carried into the agent
+torchfleet starts; tests/test_torchrun_compat.py compares the two, field by field,
+flag by flag. `-m`, `--no-python` and `--run-path` choose how each worker runs
+the script, as under torchrun.
 """
 
 from __future__ import annotations
@@ -24,6 +25,11 @@ from torch.distributed.run import config_from_args, get_args_parser
 PREFIX = "torchrun__"  # namespace attributes of the flags passed through to torchrun
 # Agent fields torchfleet sets from its own LaunchConfig (the flags it handles itself).
 OWN_FIELDS = {"min_nodes", "max_nodes", "nproc_per_node", "run_id", "rdzv_endpoint", "max_restarts"}
+
+
+# The rendezvous torchfleet chooses (agent.agent_config): torchrun's values only where the
+# user's flags changed them, and never on one machine, whose rendezvous stays on loopback.
+RENDEZVOUS_FIELDS = {"rdzv_backend", "rdzv_configs", "local_addr"}
 
 
 # Not launch flags: torchrun prints a shell-completion script for itself.
@@ -67,15 +73,14 @@ def _namespace(flags: dict[str, Any], script: str, script_args: list[str]) -> ar
 
 def agent_overrides(flags: dict[str, Any], script: str, script_args: list[str],
                     one_machine: bool) -> dict[str, Any]:
-    """What the given torchrun flags change in torchrun's agent configuration.
+    """torchrun's agent configuration for the given flags, less what torchfleet decides itself.
 
-    Both configurations are torchrun's own, built by `config_from_args` with
-    and without the flags; the fields that differ are the flags' effect. On
-    one machine the rendezvous stays torchfleet's (loopback only, a free
-    port), which is what `--standalone` asks of torchrun too.
+    Built by torchrun's own `config_from_args`, so every field torchfleet leaves to torchrun
+    is torchrun's, given or not (its role "default", its empty duplicate filters, its log
+    specs...). The rendezvous fields come from it only where the flags changed them (a
+    baseline without flags tells); on one machine the rendezvous stays torchfleet's
+    (loopback only, a free port), which is what `--standalone` asks of torchrun too.
     """
-    if not flags:
-        return {}
     quiet = logging.getLogger("torch.distributed.run")
     level = quiet.level
     quiet.setLevel(logging.ERROR)  # its OMP_NUM_THREADS notice: torchfleet's agent decides that
@@ -89,17 +94,13 @@ def agent_overrides(flags: dict[str, Any], script: str, script_args: list[str],
             os.environ.pop("OMP_NUM_THREADS", None)
         else:
             os.environ["OMP_NUM_THREADS"] = saved
-    changed = {}
+    overrides = {}
     for field in dataclasses.fields(AgentConfig):
         if field.name in OWN_FIELDS:
             continue
         mine, base = getattr(theirs, field.name), getattr(baseline, field.name)
-        if field.name == "logs_specs":
-            if any(k in flags for k in ("log_dir", "redirects", "tee", "local_ranks_filter", "logs_specs")):
-                changed[field.name] = mine
-        elif mine != base:
-            changed[field.name] = mine
-    if one_machine:
-        for name in ("rdzv_backend", "rdzv_configs", "local_addr"):
-            changed.pop(name, None)
-    return changed
+        if field.name not in RENDEZVOUS_FIELDS:
+            overrides[field.name] = mine
+        elif mine != base and not one_machine:
+            overrides[field.name] = mine
+    return overrides
