@@ -111,6 +111,9 @@ def test_a_host_of_three_is_lost_and_two_finish_with_the_uninterrupted_weights(t
     assert _manifest(ckpt, EVERY)["world_size"] == 3
     assert _manifest(ckpt, STEPS)["world_size"] == 2
     assert f"resumed from {ckpt / f'step-{EVERY:08d}'} at step {EVERY}" in outputs[0], outputs[0]
+    # Before the rendezvous no machine has a node rank: none may call itself "node 0".
+    for i in (0, 1):
+        assert f"preflight ok on this machine ({net.addr(i)}) via eth0" in outputs[i], outputs[i]
     summary = json.loads((tmp_path / "host0.json").read_text())
     assert (summary["world_size"], summary["steps"]) == (2, STEPS)
     name, state = newest_checkpoint_model(ckpt)
@@ -132,3 +135,23 @@ def test_rdzv_conf_adds_to_the_rendezvous_options_torchfleet_chose():
     assert "rank" not in elastic.rdzv_configs
     static = agent.agent_config(LaunchConfig(nnodes=2, node_rank=1, master_addr="127.0.0.1"), given)
     assert (static.rdzv_configs["rank"], static.rdzv_configs["last_call_timeout"]) == (1, "5")
+
+
+def test_an_elastic_machine_checks_the_endpoints_port_not_the_master_port():
+    """Every elastic machine is node_rank 0 until the rendezvous, and each used to refuse to start
+    when the master port (which an elastic job never opens) was taken on it."""
+    import socket
+
+    from torchfleet.config import LaunchConfig
+    from torchfleet.errors import UsageError
+    from torchfleet.launcher import agent
+
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        # The store is elsewhere (192.0.2.1, TEST-NET: never this machine); the taken port is only
+        # --master-port, which the c10d rendezvous does not use.
+        agent._preflight(LaunchConfig(nnodes="2:3", rdzv_endpoint="192.0.2.1:29400", master_port=port))
+        with pytest.raises(UsageError, match=f"--rdzv-endpoint 127.0.0.1:{port}: port {port} is already in use"):
+            agent._preflight(LaunchConfig(nnodes="2:3", rdzv_endpoint=f"127.0.0.1:{port}"))

@@ -45,12 +45,16 @@ def free_port(host: str = LOOPBACK) -> int:
         return sock.getsockname()[1]
 
 
-def check_port_free(host: str, port: int) -> None:
-    """UsageError when `port` is taken, before any process starts."""
+def check_port_free(host: str, port: int, endpoint: str | None = None) -> None:
+    """UsageError when `port` is taken, before any process starts (`endpoint`: the
+    --rdzv-endpoint that names it, where that flag chose the port)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         try:
             sock.bind((host, port))
         except OSError as exc:
+            if endpoint:
+                raise UsageError(f"--rdzv-endpoint {endpoint}: port {port} is already in use on this machine"
+                                 f" ({exc.strerror}); choose another port") from None
             raise UsageError(f"--master-port {port} is already in use on {host} ({exc.strerror}); choose another"
                              " port, or leave --master-port out on one machine for a free one") from None
 
@@ -150,18 +154,24 @@ def socket_env(cfg: LaunchConfig) -> dict[str, str]:
     listens on the network.
     """
     if cfg.multi_node:
-        return preflight.route_env(cfg.node_rank, cfg.endpoint[0])
+        return preflight.route_env(_node(cfg), cfg.endpoint[0])
     else:
         lo = next((i.name for i in netif.list_interfaces() if i.is_loopback), None)
         wanted = {"GLOO_SOCKET_IFNAME": lo} if lo else {}
     return {k: v for k, v in wanted.items() if not os.environ.get(k)}
 
 
+def _node(cfg: LaunchConfig) -> int | None:
+    """This machine's node rank for messages; None where the c10d rendezvous assigns it later
+    (every elastic machine would otherwise call itself node 0)."""
+    return None if cfg.elastic else cfg.node_rank
+
+
 def check_nodes(cfg: LaunchConfig) -> preflight.Outcome:
     """The preflight for this machine of a multi-machine job (see preflight.py)."""
     if cfg.elastic:
         host, port = cfg.endpoint
-        return preflight.reach(cfg.node_rank, host, port)
+        return preflight.reach(None, host, port)
     return preflight.run(cfg.master_addr, cfg.master_port or 29500, cfg.node_rank, cfg.max_nodes)
 
 
@@ -188,6 +198,14 @@ def _preflight(cfg: LaunchConfig) -> None:
         if cfg.master_port:
             check_port_free(LOOPBACK, cfg.master_port)
         return
+    if cfg.elastic:
+        # Not node_rank, which is 0 on every elastic machine until the rendezvous assigns it: that
+        # had each machine check the master port (29500), which the job never opens. The store
+        # opens on the endpoint's port, on the machine the endpoint names.
+        host, port = cfg.endpoint
+        if netif.is_local(host):
+            check_port_free("0.0.0.0", port, endpoint=f"{host}:{port}")
+        return
     if cfg.node_rank == 0:
         check_port_free("0.0.0.0", cfg.master_port or 29500)
     elif not cfg.preflight:
@@ -207,7 +225,7 @@ def _start(cfg: LaunchConfig, entrypoint: Callable | str, args: list,
     try:
         if cfg.multi_node and cfg.preflight:
             checked = check_nodes(cfg)
-            print(f"torchfleet: {checked.sentence(cfg.node_rank)}", flush=True)
+            print(f"torchfleet: {checked.sentence(_node(cfg))}", flush=True)
         if cfg.multi_node:
             print(exposure(cfg), file=sys.stderr, flush=True)  # once the checks have passed
         return elastic_launch(agent_config(cfg, overrides), entrypoint)(*args)

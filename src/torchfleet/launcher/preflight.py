@@ -76,11 +76,12 @@ def local_facts(node: int, address: str) -> Facts:
                  torchfleet=fleet_version, backend=choose_backend(probe_hardware())[0])
 
 
-def label(node: int, address: str | None) -> str:
-    return f"node {node}" + (f" ({address})" if address else "")
+def label(node: int | None, address: str | None) -> str:
+    # None: an elastic (c10d) machine, whose node rank the rendezvous assigns only after these checks.
+    return ("this machine" if node is None else f"node {node}") + (f" ({address})" if address else "")
 
 
-def route(node: int, master: str) -> netif.Interface:
+def route(node: int | None, master: str) -> netif.Interface:
     """The interface this machine reaches the master through, or PreflightError."""
     try:
         socket.getaddrinfo(master, None)
@@ -94,7 +95,7 @@ def route(node: int, master: str) -> netif.Interface:
     return iface
 
 
-def route_env(node: int, master: str) -> dict[str, str]:
+def route_env(node: int | None, master: str) -> dict[str, str]:
     """GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME naming the interface to `master`, where unset."""
     iface = route(node, master)
     wanted = {"GLOO_SOCKET_IFNAME": iface.name, "NCCL_SOCKET_IFNAME": iface.name}
@@ -118,7 +119,7 @@ def check_master_is_here(master: str, nnodes: int) -> None:
                              " machine that has it, or fix --master-addr")
 
 
-def knock(node: int, address: str, master: str, port: int, seconds: float = CONNECT_SECONDS) -> float:
+def knock(node: int | None, address: str, master: str, port: int, seconds: float = CONNECT_SECONDS) -> float:
     """Connect to master:port, retrying while nothing listens yet; seconds it took."""
     start = time.monotonic()
     deadline = start + seconds
@@ -252,7 +253,7 @@ class Outcome:
     allreduce_s: float | None
     store: object | None = None
 
-    def sentence(self, node: int) -> str:
+    def sentence(self, node: int | None) -> str:
         first = self.nodes[0] if self.nodes else None
         if first is not None and len(self.nodes) > 1:
             agree = (f"torch {first.torch}, torchfleet {first.torchfleet} and {first.backend} on all"
@@ -286,7 +287,7 @@ def run(master: str, port: int, node: int, nnodes: int) -> Outcome:
     return Outcome(iface.name, address, every, seconds, store if node == 0 else None)
 
 
-def reach(node: int, host: str, port: int) -> Outcome:
+def reach(node: int | None, host: str, port: int) -> Outcome:
     """The checks an elastic (c10d) machine can make alone: a route and an answering port."""
     iface = route(node, host)
     address = netif.source_address(host) or "?"
