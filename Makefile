@@ -43,7 +43,7 @@ demo: $(VENV)/.base
 # Programs some tests drive for real: mpirun (openmpi-bin), a Slurm cluster
 # with munge, network namespaces and tbf (iproute2). Best-effort: installed
 # only where we are root and have apt-get, and only what is missing; elsewhere
-# those tests skip and say why.
+# those tests skip and say why (fail, under TORCHFLEET_REQUIRE_SYSTEM_TESTS=1, as in CI).
 SYSTEM_PACKAGES := openmpi-bin slurm-wlm munge iproute2
 
 system-deps:

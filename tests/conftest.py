@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 
@@ -16,6 +17,21 @@ EXAMPLES = ROOT / "examples"
 _CLUSTER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
                  "MASTER_PORT", "TORCHELASTIC_RUN_ID", "SLURM_PROCID", "SLURM_NTASKS", "OMPI_COMM_WORLD_RANK",
                  "PMI_RANK", "SM_HOSTS", "SM_CURRENT_HOST")
+
+
+# Set by .ci/run: a test that needs something of the machine (root, network namespaces,
+# mpirun, a Slurm cluster, mounts) fails where it would skip, so that CI cannot go green
+# with the multi-host, MPI or Slurm tests silently left out ("-ra" only lists skips).
+REQUIRE_SYSTEM = "TORCHFLEET_REQUIRE_SYSTEM_TESTS"
+
+
+def require_system(reason: str) -> NoReturn:
+    """Skip the calling test for `reason` (what the machine lacks), or fail it when
+    TORCHFLEET_REQUIRE_SYSTEM_TESTS is set to anything but "" or "0"."""
+    if os.environ.get(REQUIRE_SYSTEM, "") not in ("", "0"):
+        pytest.fail(f"{reason}; {REQUIRE_SYSTEM} is set, so this test must run here, not skip",
+                    pytrace=False)
+    pytest.skip(reason)
 
 
 def clean_env(**extra: str) -> dict[str, str]:

@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import test_outputs
-from conftest import _CLUSTER_VARS, ROOT, torchfleet, tree_digest
+from conftest import _CLUSTER_VARS, ROOT, require_system, torchfleet, tree_digest
 from test_cli import BAD
 from torchfleet import Fleet, UsageError, cli
 from torchfleet.config import LaunchConfig
@@ -68,8 +68,8 @@ def _mount(args: list[str]) -> None:
     try:
         subprocess.run(args, check=True, capture_output=True)
     except (OSError, subprocess.CalledProcessError) as exc:
-        pytest.skip(f"mount is not permitted here ({getattr(exc, 'stderr', b'') or exc!s}); it needs root in a"
-                    " container that allows mounts")
+        require_system(f"mount is not permitted here ({getattr(exc, 'stderr', b'') or exc!s}); it needs root"
+                       " in a container that allows mounts")
 
 
 def _read_only(ckpt: Path, cleanups: list) -> None:

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, clean_env, run, torchfleet
+from conftest import ROOT, clean_env, require_system, run, torchfleet
 from torchfleet.launcher.agent import free_port
 
 JOB = str(ROOT / "tests" / "scripts" / "fleet_job.py")
@@ -30,7 +30,7 @@ def _mpirun_job(out, timeout: float):
     """fleet_job.py under `mpirun -np 2` on this machine, writing its weights to `out`."""
     mpirun = shutil.which("mpirun")
     if mpirun is None:
-        pytest.skip("mpirun is not installed (Debian: apt-get install openmpi-bin; `make system-deps`)")
+        require_system("mpirun is not installed (Debian: apt-get install openmpi-bin; `make system-deps`)")
     # OpenMPI refuses root unless told; -x passes the variables the ranks need.
     env = clean_env(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                     MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
