@@ -4,6 +4,7 @@ import random
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -50,28 +51,45 @@ def test_stopped_and_resumed_equals_straight_bit_for_bit(strategy, tmp_path):
 
 
 @pytest.mark.timeout(240)
-def test_kill_9_at_random_moments_of_saving_leaves_the_newest_complete_one_loadable(tmp_path):
+def test_kill_9_during_saves_leaves_the_newest_complete_one_loadable(tmp_path):
+    """save_loop.py saves step after step (file and DCP layouts in turn) until a SIGKILL: from
+    the save path's test hook, in the middle of a given step's save (every time), or at a random
+    moment. Afterwards the checkpoint found is the newest that completed, whole and loadable."""
     rng = random.Random(6)
     fleet = Fleet(strategy="serial")
     net = torch.nn.Sequential(torch.nn.Linear(2048, 2048), torch.nn.Linear(2048, 2048))
     fleet.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
-    first, interrupted = 1, 0
-    for _ in range(3):
+    first, inside = 1, 0
+    for how, layout in (("hook", "full"), ("random", None), ("hook", "sharded")):
+        # The hook's step: the first after `first` whose save has the layout (save_loop: even steps shard).
+        doomed = first + 1 if ((first + 1) % 2 == 0) == (layout == "sharded") else first + 2
+        env = clean_env(**{checkpoint.KILL_IN_SAVE: str(doomed)}) if how == "hook" else clean_env()
         proc = subprocess.Popen([sys.executable, SAVE_LOOP, str(tmp_path), str(first)],
-                                stdout=subprocess.PIPE, text=True, env=clean_env())
-        assert proc.stdout.readline().startswith("saved")  # one complete save, then a kill at random
-        subprocess.run(["sleep", f"{rng.uniform(0.0, 0.8):.3f}"])
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        interrupted += any(p.name.endswith((".partial", ".old")) for p in tmp_path.iterdir())
-        found = checkpoint.list_checkpoints(tmp_path)
-        assert found, "a kill left no loadable checkpoint"
-        for path in found:
+                                stdout=subprocess.PIPE, text=True, env=env)
+        assert proc.stdout.readline() == f"saved {first}\n"  # one complete save, then the kill
+        if how == "random":
+            time.sleep(rng.uniform(0.0, 0.8))
+            proc.send_signal(signal.SIGKILL)
+        rest, _ = proc.communicate(timeout=60)
+        assert proc.returncode == -signal.SIGKILL
+        printed = [first, *(int(line.split()[1]) for line in rest.splitlines())]
+        if how == "hook":  # it fires inside step `doomed`'s save only: the loop got no further
+            assert printed[-1] == doomed - 1, f"the hook did not stop the save of step {doomed}: saved {printed}"
+            newest = doomed - 1
+            inside += 1
+        else:  # a kill after a save's last rename and before its "saved" line: that one completed too
+            newest = printed[-1] + checkpoint.step_path(tmp_path, printed[-1] + 1).is_dir()
+            inside += any(p.name.endswith((".partial", ".old")) for p in tmp_path.iterdir())
+        for path in checkpoint.list_checkpoints(tmp_path):
             checkpoint.verify(path)  # every published checkpoint is whole
-        extra = fleet.load(found[-1])
-        assert all(torch.all(p == extra["step"]) for p in net.parameters())
-        first = extra["step"] + 1
-    print(f"{interrupted} of 3 kills landed inside a save")
+        found = checkpoint.newest_good(fleet, tmp_path)  # what --resume takes
+        assert found, "a kill left no loadable checkpoint"
+        assert found[0] == checkpoint.step_path(tmp_path, newest), f"{how}: found {found[0].name}, newest {newest}"
+        extra = fleet.load(found[0])
+        assert extra["step"] == newest and all(torch.all(p == newest) for p in net.parameters())
+        first = newest + 1
+    assert inside >= 2  # the hook's two at least; the random one may land between saves
+    print(f"{inside} of 3 kills landed inside a save")
 
 
 def test_damaged_files_are_named_and_fallback_steps_back(tmp_path):

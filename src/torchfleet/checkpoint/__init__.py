@@ -6,6 +6,7 @@ another where the shapes allow: the format is the same for every strategy.
 
 from torchfleet.checkpoint.verified import (
     FORMAT,
+    KILL_IN_SAVE,
     MANIFEST,
     atomic_write,
     list_checkpoints,
@@ -18,5 +19,5 @@ from torchfleet.checkpoint.verified import (
     verify,
 )
 
-__all__ = ["FORMAT", "MANIFEST", "atomic_write", "list_checkpoints", "load", "newest_good", "prune", "save",
+__all__ = ["FORMAT", "KILL_IN_SAVE", "MANIFEST", "atomic_write", "list_checkpoints", "load", "newest_good", "prune", "save",
            "sha256", "step_path", "verify"]

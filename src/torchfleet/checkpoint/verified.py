@@ -25,6 +25,7 @@ import pickle
 import random
 import re
 import shutil
+import signal
 from pathlib import Path
 from typing import Any, cast
 
@@ -40,6 +41,11 @@ from torchfleet.errors import UsageError
 
 FORMAT = 2
 MANIFEST = "manifest.json"
+# A test hook, as train/faults.py's TORCHFLEET_FAULT is for training steps (that layer sits
+# above this one): TORCHFLEET_KILL_IN_SAVE=STEP makes the main rank SIGKILL itself in the
+# middle of saving step STEP, its model written and its manifest not, so a crash-safety test
+# lands a kill -9 inside a save every time instead of by luck. For tests and drills only.
+KILL_IN_SAVE = "TORCHFLEET_KILL_IN_SAVE"
 _NAME = re.compile(r"^step-(\d{8})$")
 _STALE = re.compile(r"^\.step-\d{8}\.(partial|old)$")
 
@@ -164,6 +170,8 @@ def save(fleet, path: str | os.PathLike, extra: dict | None = None,
             shapes = model_shapes(model_state)
             if fleet.is_main:
                 _write({"model": model_state, "optimizer": optimizer_state}, tmp / "state.pt")
+        if fleet.is_main and os.environ.get(KILL_IN_SAVE) == str((extra or {}).get("step")):
+            os.kill(os.getpid(), signal.SIGKILL)  # the test hook above
         ranks = [None] * fleet.world_size
         if dist.is_initialized():
             dist.all_gather_object(ranks, per_rank)
