@@ -13,6 +13,7 @@ from torchfleet.launcher.torchrun_flags import torchrun_actions
 SURFACE = {
     "doctor": ["--json", "--master-addr", "--master-port", "--nnodes", "--node-rank"],
     "train": ["--backend", "--batch-size", "--checkpoint-dir", "--checkpoint-every", "--data", "--epochs",
+              "--preempt-signals",
               "--gpt-preset",
               "--grad-accum", "--json-out", "--lr", "--devices", "--microbatches", "--schedule", "--pp",
               "--dp-replicate", "--dp-shard", "--tp", "--sharing-strategy", "--grad-compression", "--powersgd-rank",
@@ -82,6 +83,7 @@ BAD = [
     (["train", "--precision", "fp16", "--strategy", "serial"], "fp16 needs a CUDA device"),
     (["train", "--backend", "mpi", "--strategy", "serial"], "no MPI backend"),
     (["train", "--resume"], "--resume needs --checkpoint-dir"),
+    (["train", "--preempt-signals", "TERM,FOO"], "--preempt-signals 'TERM,FOO': FOO is not a signal name"),
     (["train", "--model", "gpt9"], "invalid choice: 'gpt9'"),
     (["train", "--node-rank", "2", "--nnodes", "2"], "--node-rank 2 is out of range for --nnodes 2"),
     (["run", "-n", "2", "no/such/script.py"], "script 'no/such/script.py' does not exist"),

@@ -21,6 +21,11 @@ from torchfleet.errors import TrainingError, UsageError
 
 # Exit status of a worker that failed on bad input: the launcher exits 2 as well.
 USAGE_EXIT = 2
+# Exit status of a job that was told to leave (SIGTERM, SIGUSR1: train/preempt.py) and saved its
+# checkpoint first: sysexits.h's EX_TEMPFAIL, "a temporary failure, retry later". It is neither 1
+# (a failure), 2 (bad input) nor 128+N (killed by signal N), so a Kubernetes podFailurePolicy
+# (onExitCodes) or a Slurm script can tell it apart and requeue.
+PREEMPTED_EXIT = 75
 
 
 @dataclass
@@ -35,6 +40,7 @@ class RankFailure:
     usage_error: bool = False
     verdict: bool = False  # error is the watchdog's hang verdict, traceback every rank's stack
     finished: bool = False  # its script had run to its end: it died afterwards, while exiting
+    preempted: bool = False  # told to leave, it saved a checkpoint: error is the sentence saying where
 
     @property
     def how(self) -> str:
@@ -56,6 +62,8 @@ class FailureSummary:
         f = self.first
         if f.usage_error:
             return f.error.split(": ", 1)[-1]
+        if f.preempted:
+            return f.error
         if f.verdict:
             return f"hang: {f.error}\n{f.traceback}"
         lines = [f"rank {f.rank} (local rank {f.local_rank} on {f.host}, pid {f.pid}) failed first: {f.how}"]
@@ -76,6 +84,8 @@ class FailureSummary:
     def exit_status(self) -> int:
         if self.first.usage_error:
             return USAGE_EXIT
+        if self.first.preempted:
+            return PREEMPTED_EXIT
         code = self.first.exitcode
         return 128 + (-code) if code < 0 else (code or 1)
 
@@ -115,6 +125,7 @@ def summarize(exc) -> FailureSummary:
             pid=failure.pid, exitcode=failure.exitcode, error="" if message == "<NONE>" else message,
             traceback=info.get("py_callstack", ""), usage_error=bool(info.get("usage_error")),
             verdict=bool(info.get("verdict")), finished=bool(info.get("finished")),
+            preempted=bool(info.get("preempted")) and failure.exitcode == PREEMPTED_EXIT,
         )))
     found.sort(key=lambda pair: (_is_echo(pair[1]), pair[1].finished, pair[0], pair[1].rank))
     ranked = [f for _, f in found]
@@ -123,7 +134,9 @@ def summarize(exc) -> FailureSummary:
 
 def report(summary: FailureSummary) -> int:
     """Print the summary on stderr; return the exit status for the shell."""
-    print(f"torchfleet: error: {summary.render()}", file=sys.stderr, flush=True)
+    # A preemption with its checkpoint saved is no error: the job is to be resumed.
+    kind = "" if summary.first.preempted else "error: "
+    print(f"torchfleet: {kind}{summary.render()}", file=sys.stderr, flush=True)
     return summary.exit_status
 
 
@@ -187,6 +200,12 @@ def record_finished() -> bool:
     A rank that exits cleanly is never asked about it.
     """
     return _record("", "", finished=True)
+
+
+def record_preempted(message: str) -> bool:
+    """Note in the agent's error file that this rank saved and leaves with PREEMPTED_EXIT, and why
+    (`message`); False when not under the agent."""
+    return _record(message, "", preempted=True)
 
 
 def _record(message: str, callstack: str, **flags: bool) -> bool:

@@ -12,8 +12,13 @@ its workers itself, since they must share this process's memory.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import sys
+import tempfile
+from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing import SignalException
 
 from torchfleet.config import LaunchConfig
 from torchfleet.data import check_global_batch
@@ -21,8 +26,10 @@ from torchfleet.env import DistEnv
 from torchfleet.errors import UsageError
 from torchfleet.launcher import failures
 from torchfleet.launcher.agent import LaunchError, run_command
+from torchfleet.launcher.failures import PREEMPTED_EXIT
 from torchfleet.strategies import data_readers, get_strategy, resolve_dims
 from torchfleet.strategies.batchnorm import check_sync_batchnorm
+from torchfleet.train import preempt
 from torchfleet.train.config import TrainConfig
 from torchfleet.train.loop import train
 from torchfleet.train.planner import plan_processes
@@ -57,13 +64,40 @@ def run(cfg: TrainConfig, launch: LaunchConfig, nproc: int | None, argv: list[st
             check_sync_batchnorm(dims.pp, sync_batchnorm=True)
     # Every worker re-enters this command; it finds torchrun's variables and
     # trains. The resolved strategy goes last so it wins over "auto".
-    return run_command(launch, ["-m", "torchfleet", "train", *argv, "--strategy", strategy])
+    return _run_workers(cfg, launch, ["-m", "torchfleet", "train", *argv, "--strategy", strategy])
+
+
+def _run_workers(cfg: TrainConfig, launch: LaunchConfig, argv: list[str]) -> int:
+    """Start the workers through torchrun's agent; a preemption signal to this process ends in
+    PREEMPTED_EXIT once the workers have saved (train/preempt.py), not in a traceback."""
+    with tempfile.TemporaryDirectory(prefix="torchfleet-preempt-") as folder:
+        note = Path(folder) / "note"
+        saved = os.environ.get(preempt.NOTE_VARIABLE)
+        os.environ[preempt.NOTE_VARIABLE] = str(note)  # the workers inherit it
+        if not os.environ.get("TORCHFLEET_VERBOSE"):
+            # The agent warns "Received 15 death signal, shutting down workers" from a logger with a
+            # level of its own (the launcher quiets its parent); the line `report` prints says it.
+            logging.getLogger("torch.distributed.elastic.agent.server.api").setLevel(logging.ERROR)
+        try:
+            return run_command(launch, argv, overrides={"signals_to_handle": preempt.agent_signals(cfg.preempt_signals)})
+        except SignalException as exc:
+            # The agent has passed the signal on to the workers and waited for them (preempt.py).
+            return preempt.report(note, exc.sigval)
+        finally:
+            if saved is None:
+                os.environ.pop(preempt.NOTE_VARIABLE, None)
+            else:
+                os.environ[preempt.NOTE_VARIABLE] = saved
 
 
 def _train_here(cfg: TrainConfig, env: DistEnv) -> int:
     """One of many processes already (torchrun, Slurm, mpirun, SageMaker): train in this one."""
     strategy = cfg.strategy if cfg.strategy != "auto" else ("ddp" if env.is_distributed else "serial")
-    failures.call_recorded(train, cfg, strategy)
+    code = 0
+    try:
+        failures.call_recorded(train, cfg, strategy)
+    except preempt.Preempted:  # saved and told to leave; under torchrun's agent call_recorded has exited
+        code = PREEMPTED_EXIT
     if env.is_distributed or env.source == "torchrun":  # torchrun's one process may hold a group of one
         # Work done, results written, process group closed. Gloo's threads can
         # still abort in C++ destructors during interpreter teardown ("terminate
@@ -71,8 +105,8 @@ def _train_here(cfg: TrainConfig, env: DistEnv) -> int:
         # would turn a finished job into a failure: leave without that teardown.
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
-    return 0
+        os._exit(code)
+    return code
 
 
 def _train_hogwild(cfg: TrainConfig, launch: LaunchConfig) -> int:

@@ -12,6 +12,7 @@ from torchfleet.strategies import STRATEGY_NAMES
 from torchfleet.train.datasets import DATASETS, TOKEN_DATASETS
 from torchfleet.train.metrics import check_metrics_out, check_tensorboard
 from torchfleet.train.models import GPT_PRESETS, MODELS, TOKEN_MODELS
+from torchfleet.train.preempt import parse_signals
 
 OPTIMIZERS = ("sgd", "adamw")
 
@@ -52,6 +53,10 @@ class TrainConfig:
     resume: bool = option(False, "continue from the newest checkpoint")
     resume_fallback: bool = option(False, "like --resume, but step back to the previous intact checkpoint when the"
                                    " newest is damaged")
+    preempt_signals: str = option("TERM,USR1", "with --checkpoint-dir: on these signals every rank finishes its"
+                                  " step, one checkpoint is saved and the job exits with status 75 (preempted,"
+                                  " checkpointed; resume with --resume); comma-separated, or none (default"
+                                  " %(default)s)", metavar="SIGNALS")
     keep_checkpoints: int = option(3, "keep the newest K checkpoints (default %(default)s)")
     hang_timeout: float = option(300.0, "no progress on any rank for this long: print every rank's stack and stop"
                                  " (default %(default).0f; 0 turns the watchdog off)", metavar="SECONDS")
@@ -114,6 +119,7 @@ class TrainConfig:
             raise UsageError(f"--max-grad-norm {self.max_grad_norm} must be a positive number")
         if not self.lr > 0:
             raise UsageError(f"--lr {self.lr} must be a positive number")
+        parse_signals(self.preempt_signals)  # an unknown name is refused here, before any process starts
         if (self.resume or self.resume_fallback) and not self.checkpoint_dir:
             flag = "--resume" if self.resume else "--resume-fallback"
             raise UsageError(f"{flag} needs --checkpoint-dir to say where the checkpoints are")

@@ -18,7 +18,7 @@ from torchfleet.data import GlobalBatchSampler
 from torchfleet.fleet import Fleet
 from torchfleet.launcher.watchdog import Watchdog
 from torchfleet.models import gpt_config
-from torchfleet.train import faults, report
+from torchfleet.train import faults, preempt, report
 from torchfleet.train.config import TrainConfig
 from torchfleet.train.datasets import builtin_dataset
 from torchfleet.train.hogwild import train_hogwild
@@ -55,6 +55,13 @@ def train(cfg: TrainConfig, strategy: str, nproc: int = 1) -> dict:
     """
     if strategy == "hogwild":
         return train_hogwild(cfg, nproc)
+    # Listening from the start: a signal during setup is acted on after the first steps, not fatal.
+    # Without --checkpoint-dir there is nothing to save, and a signal ends the job as it always did.
+    with preempt.listening(cfg.preempt_signals if cfg.checkpoint_dir else None) as listener:
+        return _train(cfg, strategy, listener)
+
+
+def _train(cfg: TrainConfig, strategy: str, listener: preempt.Listener) -> dict:
     fleet = Fleet(strategy=strategy, precision=cfg.precision, backend=cfg.backend,
                   grad_accum=cfg.grad_accum, max_grad_norm=cfg.max_grad_norm,
                   activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile,
@@ -104,6 +111,23 @@ def train(cfg: TrainConfig, strategy: str, nproc: int = 1) -> dict:
     samples = 0
     train_seconds = 0.0
     start = time.perf_counter()
+
+    def leave_if_asked() -> None:
+        """After a step or an epoch's read: when told to leave, save (unless just saved) and go.
+        One process acts on its own flag at once; many act on the flag their last read agreed on
+        (LossWindow.read), at most --log-every steps after the signal, all at the same step."""
+        if not (listener.requested if fleet.world_size == 1 else window.leave):
+            return
+        nonlocal saved
+        if saved != step:
+            if fleet.world_size == 1:  # the read that checks the losses: never a diverged checkpoint
+                _log(window, metrics, step, sampler.epoch + 1, optimizer, samples, listener.requested)
+            saved = _save(fleet, cfg, step, sampler)
+        if watchdog:
+            watchdog.stop()
+        assert cfg.checkpoint_dir is not None  # listening only with --checkpoint-dir
+        raise preempt.leave(fleet, listener, step, checkpoint.step_path(cfg.checkpoint_dir, step))
+
     with report.progress(enabled=cfg.progress and fleet.is_main, total=total_steps, done=step) as bar, metrics:
         while step < total_steps:
             epoch = sampler.epoch
@@ -118,13 +142,16 @@ def train(cfg: TrainConfig, strategy: str, nproc: int = 1) -> dict:
                 saving = cfg.checkpoint_dir and cfg.checkpoint_every and step % cfg.checkpoint_every == 0
                 shown = None
                 if step % cfg.log_every == 0 or saving:  # read before saving: never a diverged checkpoint
-                    shown = _log(window, metrics, step, epoch + 1, optimizer, samples)
+                    shown = _log(window, metrics, step, epoch + 1, optimizer, samples, listener.requested)
                 bar.advance(epoch=epoch + 1, loss=shown)
                 if saving:
                     saved = _save(fleet, cfg, step, sampler)
+                leave_if_asked()
                 if step >= total_steps:
                     break
-            bar.advance(epoch=epoch + 1, loss=_log(window, metrics, step, epoch + 1, optimizer, samples), steps=0)
+            bar.advance(epoch=epoch + 1, loss=_log(window, metrics, step, epoch + 1, optimizer, samples,
+                                                   listener.requested), steps=0)
+            leave_if_asked()  # before the evaluation, which the time left may not allow
             train_seconds += time.perf_counter() - tick  # after the read: the GPU has finished the epoch
             beat = functools.partial(watchdog.beat, step, "evaluate") if watchdog else None
             val = evaluate(fleet, val_set, beat, task)
@@ -175,9 +202,11 @@ def train(cfg: TrainConfig, strategy: str, nproc: int = 1) -> dict:
     return result
 
 
-def _log(window: LossWindow, metrics: MetricsLog, step: int, epoch: int, optimizer, samples: int) -> float | None:
-    """Read the loss window (the host sync of a log interval) and record its mean; None if it was empty."""
-    loss = window.read()
+def _log(window: LossWindow, metrics: MetricsLog, step: int, epoch: int, optimizer, samples: int,
+         leave: bool = False) -> float | None:
+    """Read the loss window (the host sync of a log interval) and record its mean; None if it was empty.
+    `leave`, this rank's preemption flag, is agreed on in the same read (window.leave)."""
+    loss = window.read(leave)
     if loss is not None:
         metrics.step(step, epoch, loss, optimizer.param_groups[0]["lr"], samples)
     return loss

@@ -43,6 +43,9 @@ class LossWindow:
         self._size = 0
         self._first = 0  # the step of the buffer's first slot
         self._streak = 0  # fp16: non-finite losses in a row, carried across windows
+        # Whether any rank has asked to leave (train/preempt.py), as of the last read: every rank
+        # reads at the same steps and gets the same sum, so all turn True at the same step.
+        self.leave = False
 
     def add(self, loss: torch.Tensor, step: int, injected: bool = False) -> None:
         """Keep `step`'s loss without reading it; `injected`: the fault hook's NaN (faults.py)."""
@@ -56,20 +59,27 @@ class LossWindow:
         slot.fill_(float("nan")) if injected else slot.copy_(loss)
         self._size += 1
 
-    def read(self) -> float | None:
+    def read(self, leave: bool = False) -> float | None:
         """Bring the window to the host (one sync), check every step's loss, start a new window.
 
         Returns the mean finite loss of the window over all ranks, or None
         when no step ran since the last read. Raises TrainingError for a
         non-finite loss: at once under fp32 or bf16; under fp16, whose scaler
         skips such steps, after FP16_NONFINITE_LIMIT in a row.
+
+        `leave` is this rank's preemption flag. It rides in the same all-reduce as the losses, one
+        more slot, so agreeing on it costs no collective and no host sync of its own; the mean of
+        the flags is above zero when any rank has one, and then `self.leave` turns True.
         """
         if self._size == 0:
             return None
         assert self._buffer is not None  # made by the first add
         local = self._buffer[:self._size]
-        mean = self._reduce(local).to(local.device, torch.float64)
-        values, means = torch.stack([local.double(), mean]).tolist()  # the one host sync
+        sent = torch.cat([local, local.new_full((1,), float(leave))])
+        reduced = self._reduce(sent).to(local.device, torch.float64)
+        *values, flags = torch.cat([local.double(), reduced]).tolist()  # the one host sync
+        values, means = values[:self._size], values[self._size:]
+        self.leave = self.leave or flags > 0
         first, last = self._first, self._first + self._size - 1
         self._size = 0
         for step, value in enumerate(values, start=first):
