@@ -55,13 +55,6 @@ def train(cfg: TrainConfig, strategy: str, nproc: int = 1) -> dict:
     """
     if strategy == "hogwild":
         return train_hogwild(cfg, nproc)
-    # Listening from the start: a signal during setup is acted on after the first steps, not fatal.
-    # Without --checkpoint-dir there is nothing to save, and a signal ends the job as it always did.
-    with preempt.listening(cfg.preempt_signals if cfg.checkpoint_dir else None) as listener:
-        return _train(cfg, strategy, listener)
-
-
-def _train(cfg: TrainConfig, strategy: str, listener: preempt.Listener) -> dict:
     fleet = Fleet(strategy=strategy, precision=cfg.precision, backend=cfg.backend,
                   grad_accum=cfg.grad_accum, max_grad_norm=cfg.max_grad_norm,
                   activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile,
@@ -70,7 +63,14 @@ def _train(cfg: TrainConfig, strategy: str, listener: preempt.Listener) -> dict:
         # A SageMaker job with checkpoints: they go where SageMaker syncs them to S3,
         # and a restarted (Spot) job resumes from there.
         cfg = dataclasses.replace(cfg, checkpoint_dir=str(fleet.checkpoint_dir), resume=True)
+    # Once the checkpoint directory is known (SageMaker's spot jobs get one here), before the model
+    # is built: a signal during setup is acted on after the first step. Without a directory there
+    # is nothing to save, and a signal must end the job as it always did, not be swallowed.
+    with preempt.listening(cfg.preempt_signals if cfg.checkpoint_dir else None) as listener:
+        return _train(cfg, fleet, listener)
 
+
+def _train(cfg: TrainConfig, fleet: Fleet, listener: preempt.Listener) -> dict:
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank and every run
     block = gpt_config(cfg.gpt_preset).block_size  # read by --data text only
     assert cfg.data is not None  # TrainConfig.__post_init__ puts the model's default there

@@ -24,6 +24,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 from torchfleet.errors import UsageError
 from torchfleet.launcher.failures import PREEMPTED_EXIT, record_preempted
@@ -61,7 +62,7 @@ class Listener:
     def __init__(self, signals: tuple[signal.Signals, ...]):
         self.signals = signals
         self.received: signal.Signals | None = None
-        self._previous: dict[signal.Signals, object] = {}
+        self._previous: dict[signal.Signals, Any] = {}  # whatever signal.signal returned
 
     @property
     def requested(self) -> bool:
@@ -80,7 +81,8 @@ class Listener:
 
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)  # type: ignore[arg-type] - what signal.signal returned
+            # None: the previous handler was not set from Python; the default is the nearest to it.
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
 
 
 def listening(text: str | None) -> Listener:
