@@ -122,6 +122,21 @@ def test_sigusr1_to_one_worker_alone_stops_every_rank_at_the_same_step(tmp_path)
 
 
 @pytest.mark.timeout(90)
+def test_without_a_checkpoint_dir_sigterm_ends_the_job_in_one_line_and_128_plus_15(tmp_path):
+    # Nothing to save: the workers die of the signal as before, and the launcher says so in one
+    # line instead of torchrun's SignalException traceback.
+    marker = tmp_path / "fired"
+    env = clean_env(TORCHFLEET_FAULT=f"sleep:rank=0:step=6:seconds=1:once={marker}")
+    args = [sys.executable, "-m", "torchfleet", *JOB, "--strategy", "ddp", "-n", "2", "--max-steps", "1000"]
+    result, seconds = _signalled(args, signal.SIGTERM, marker, env)
+    assert result.returncode == 128 + signal.SIGTERM, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "torchfleet: error: stopped by SIGTERM before a checkpoint was saved (without --checkpoint-dir, or before"
+        " the first step, or the save outlasted the agent's 30 s)"]
+    assert seconds < 30
+
+
+@pytest.mark.timeout(90)
 def test_sigusr1_on_a_serial_run_saves_the_step_in_flight_and_resumes_exactly(tmp_path):
     # One process acts on its own flag after the step in flight: step 6, the one it slept in.
     run = [*JOB, "--strategy", "serial"]
