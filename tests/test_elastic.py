@@ -1,12 +1,15 @@
 """Elastic membership for real: three hosts, one is lost, the job finishes on two.
 
 Three network-namespace hosts (netns.py) run one `torchfleet run --nnodes 2:3`
-each, torchrun's c10d rendezvous at host 0. After the checkpoint at step 4,
-host 2 is lost: every process on it (agent and worker) gets SIGKILL. The
-survivors' workers fail in their next all-reduce, their agents restart them
+each, torchrun's c10d rendezvous at host 0 (or 1). After the checkpoint at
+step 4, one host is lost: every process on it (agent and worker) gets SIGKILL.
+The survivors' workers fail in their next all-reduce, their agents restart them
 (--max-restarts), the rendezvous completes again with 2 nodes, and the trainer
 resumes from the step-4 checkpoint and finishes. Its weights must equal a run
-that was never interrupted.
+that was never interrupted. The rendezvous ranks the machines by address, so
+host i is node rank i: losing host 2 loses the last rank, losing host 0 (with
+the rendezvous store on host 1) loses rank 0, whose machine held the workers'
+store and is the main rank's.
 """
 
 from __future__ import annotations
@@ -46,37 +49,44 @@ def _listening(net, i: int, port: int) -> bool:
     return bool(ss.stdout.strip())
 
 
-def _wait_for(what: str, ready, procs, timeout: float) -> None:
+def _wait_for(what: str, ready, net, procs: dict, timeout: float) -> None:
     """Poll `ready()` until true; fail at once if a host's command ended, or after `timeout`."""
     deadline = time.monotonic() + timeout
     while not ready():
-        ended = [i for i, p in enumerate(procs) if p.poll() is not None]
+        ended = [i for i, p in procs.items() if p.poll() is not None]
         if ended or time.monotonic() > deadline:
-            for p in procs:
-                p.kill()
-            outputs = "".join(f"\n--- host {i}:\n{p.communicate(timeout=30)[0]}" for i, p in enumerate(procs))
+            for i in range(len(net.names)):
+                net.lose(i)  # the workers too, which hold the output pipes open
+            outputs = "".join(f"\n--- host {i}:\n{p.communicate(timeout=30)[0]}" for i, p in procs.items())
             pytest.fail(f"waiting for {what}: hosts {ended} ended, or {timeout:.0f} s passed{outputs}")
         time.sleep(0.2)
 
 
+# (lost host, rendezvous host): the store's host cannot be lost (it holds the rendezvous).
+LOSSES = {"node-2-of-3": (2, 0), "node-0-of-3": (0, 1)}
+
+
 @pytest.mark.timeout(120)
-def test_a_host_of_three_is_lost_and_two_finish_with_the_uninterrupted_weights(tmp_path):
+@pytest.mark.parametrize("lost,store", LOSSES.values(), ids=LOSSES.keys())
+def test_a_host_of_three_is_lost_and_two_finish_with_the_uninterrupted_weights(lost, store, tmp_path):
     start = time.monotonic()
     ckpt, fired = tmp_path / "ckpt", tmp_path / "fired"
-    # Host 2 sleeps after step 5 (the checkpoint of step 4 is complete by then) and writes
+    survivors = [i for i in range(3) if i != lost]
+    main = survivors[0]  # the lowest address left: rank 0 after the loss, which prints and writes
+    # The lost host sleeps after step 5 (the checkpoint of step 4 is complete by then) and writes
     # `fired` first, so the loss lands at a known step however slow this machine is.
-    stall = f"sleep:rank=2:step={LOST_AFTER}:once={fired}"
+    stall = f"sleep:rank={lost}:step={LOST_AFTER}:once={fired}"
 
     def command(i: int) -> list[str]:
         return [sys.executable, "-m", "torchfleet", "run", "--nnodes", "2:3", "-n", "1",
-                "--rdzv-endpoint", f"{net.addr(0)}:{PORT}", "--rdzv-conf", RDZV_CONF,
+                "--rdzv-endpoint", f"{net.addr(store)}:{PORT}", "--rdzv-conf", RDZV_CONF,
                 "--max-restarts", "2", "-m", "torchfleet", *JOB,
                 "--checkpoint-dir", str(ckpt), "--checkpoint-every", str(EVERY),
                 "--json-out", str(tmp_path / f"host{i}.json")]
 
     with hosts(3) as net:
         def start_host(i: int) -> subprocess.Popen:
-            env = clean_env(**({"TORCHFLEET_FAULT": stall} if i == 2 else {}))
+            env = clean_env(**({"TORCHFLEET_FAULT": stall} if i == lost else {}))
             return net.popen(i, command(i), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              text=True)
 
@@ -90,31 +100,31 @@ def test_a_host_of_three_is_lost_and_two_finish_with_the_uninterrupted_weights(t
                                      stderr=subprocess.STDOUT, text=True)
         net.procs.append(reference)  # killed with the hosts if the test fails first
 
-        # Host 0 first: the others' preflight knocks on its rendezvous port for a few
-        # seconds only, and on a loaded machine host 0 may take longer to start torch.
-        procs = [start_host(0)]
-        _wait_for("host 0's rendezvous store", lambda: _listening(net, 0, PORT), procs, 60)
-        procs += [start_host(1), start_host(2)]
-        _wait_for("host 2 to stall after step 5", fired.exists, procs, 60)
+        # The store's host first: the others' preflight knocks on its rendezvous port for a
+        # few seconds only, and on a loaded machine that host may take longer to start torch.
+        procs = {store: start_host(store)}
+        _wait_for("the rendezvous store", lambda: _listening(net, store, PORT), net, procs, 60)
+        procs |= {i: start_host(i) for i in range(3) if i != store}
+        _wait_for(f"host {lost} to stall after step 5", fired.exists, net, procs, 60)
         lost_at = time.monotonic()
-        net.lose(2)
-        outputs = [p.communicate(timeout=90)[0] for p in procs]
-        codes = [p.returncode for p in procs]
+        net.lose(lost)
+        outputs = [procs[i].communicate(timeout=90)[0] for i in range(3)]
+        codes = [procs[i].returncode for i in range(3)]
         finished = time.monotonic()
         reference_out = reference.communicate(timeout=60)[0]
     assert reference.returncode == 0, reference_out
     expected = _flat(newest_checkpoint_model(tmp_path / "reference")[1])
     print(f"three hosts until the loss {lost_at - start:.1f} s, two hosts after it {finished - lost_at:.1f} s")
-    assert codes[:2] == [0, 0] and codes[2] == -9, (codes, outputs)
+    assert codes == [-9 if i == lost else 0 for i in range(3)], (codes, outputs)
     # The checkpoint the survivors resumed from was written by three processes, the
-    # final one by two; the main rank (host 0) says where it resumed.
+    # final one by two; the main rank (now the lowest address left) says where it resumed.
     assert _manifest(ckpt, EVERY)["world_size"] == 3
     assert _manifest(ckpt, STEPS)["world_size"] == 2
-    assert f"resumed from {ckpt / f'step-{EVERY:08d}'} at step {EVERY}" in outputs[0], outputs[0]
+    assert f"resumed from {ckpt / f'step-{EVERY:08d}'} at step {EVERY}" in outputs[main], outputs[main]
     # Before the rendezvous no machine has a node rank: none may call itself "node 0".
-    for i in (0, 1):
+    for i in survivors:
         assert f"preflight ok on this machine ({net.addr(i)}) via eth0" in outputs[i], outputs[i]
-    summary = json.loads((tmp_path / "host0.json").read_text())
+    summary = json.loads((tmp_path / f"host{main}.json").read_text())
     assert (summary["world_size"], summary["steps"]) == (2, STEPS)
     name, state = newest_checkpoint_model(ckpt)
     assert name == f"step-{STEPS:08d}"

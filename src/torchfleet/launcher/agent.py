@@ -102,7 +102,8 @@ def agent_config(cfg: LaunchConfig, overrides: dict[str, Any] | None = None) -> 
         run_id = run_id or uuid.uuid4().hex[:12]
     elif cfg.elastic:
         host, port = cfg.endpoint
-        backend, endpoint = "c10d", f"{host}:{port}"
+        # torch's c10d, re-reading where the workers' store is each round (rendezvous.py).
+        backend, endpoint = rendezvous.register_elastic(), f"{host}:{port}"
         # torch decides who hosts the store by comparing the endpoint with the
         # host name's address; where the host name resolves to 127.0.0.1 no
         # machine would host it. Whether the endpoint is one of ours is exact.

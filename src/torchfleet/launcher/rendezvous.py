@@ -21,8 +21,14 @@ import socket
 
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry
-from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
+    C10dRendezvousBackend,
+    create_backend,
+)
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    DynamicRendezvousHandler,
+    create_handler,
+)
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 LOOPBACK = "127.0.0.1"
@@ -64,3 +70,36 @@ def register() -> str:
     """Make the backend known to torch's agent (idempotent); returns its name."""
     rendezvous_handler_registry.register(LOOPBACK_BACKEND, _create_handler)
     return LOOPBACK_BACKEND
+
+
+# Many machines, elastic: torch's c10d rendezvous, with one change. Its handler works out where
+# the workers' store is (the machine of node rank 0) in the first round and keeps that on every
+# other machine; when the rank-0 machine is lost, the survivors' restarted workers knock on its
+# dead address until they time out (torch 2.14), or the machine that becomes rank 0 fails an
+# assertion, having no store server (2.11). Forgetting it before each round makes rank 0 open
+# the store and publish its address in that round's keys, and every machine read it afresh.
+ELASTIC_BACKEND = "torchfleet-c10d"
+
+
+class _ElasticHandler(DynamicRendezvousHandler):
+    def get_backend(self) -> str:
+        return ELASTIC_BACKEND  # the registry checks that the handler is the one asked for
+
+    def next_rendezvous(self):
+        self._bootstrap_store_info = None
+        return super().next_rendezvous()
+
+
+def _create_elastic_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
+    # torch's own c10d handler (registry._create_c10d_handler), so every --rdzv-conf option
+    # (timeouts, heartbeats, is_host) is read as torch reads it; only the class is ours.
+    backend, store = create_backend(params)
+    handler = create_handler(store, backend, params)
+    handler.__class__ = _ElasticHandler
+    return handler
+
+
+def register_elastic() -> str:
+    """Make the elastic backend known to torch's agent (idempotent); returns its name."""
+    rendezvous_handler_registry.register(ELASTIC_BACKEND, _create_elastic_handler)
+    return ELASTIC_BACKEND
