@@ -4,10 +4,12 @@ Every test starts real `torchfleet run` processes, as a user would.
 """
 
 import json
+import os
 import re
 import select
 import subprocess
 import sys
+import time
 from collections import Counter
 
 import pytest
@@ -49,19 +51,27 @@ def test_a_line_arrives_while_its_rank_still_runs(tmp_path):
     """Line-buffered, not block-buffered: the line is there before the worker exits."""
     release = tmp_path / "release"
     proc = subprocess.Popen([*RUN, "-n", "2", str(SCRIPTS / "print_then_wait.py"), str(release)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             env=_without_unbuffered(), cwd=ROOT)
+    # Raw reads, not readline: a text reader may take both ranks' lines from the pipe at
+    # once and keep the second in its own buffer, which communicate() below never sees.
+    seen, deadline = b"", time.monotonic() + 50
     try:
-        ready, _, _ = select.select([proc.stdout], [], [], 50)
-        first = proc.stdout.readline() if ready else ""
+        while b"\n" not in seen and time.monotonic() < deadline:
+            ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+            chunk = os.read(proc.stdout.fileno(), 4096) if ready else b""
+            if not chunk:
+                break
+            seen += chunk
         still_running = proc.poll() is None
     finally:
         release.touch()
         out, err = proc.communicate(timeout=60)
+    first = seen.decode().split("\n", 1)[0] + "\n" if b"\n" in seen else seen.decode()
     assert re.fullmatch(r"rank [01] started\n", first), (first, err)
     assert still_running
     assert proc.returncode == 0, err
-    assert sorted([first.strip(), *out.splitlines()]) == ["rank 0 started", "rank 1 started"]
+    assert sorted((seen + out).decode().splitlines()) == ["rank 0 started", "rank 1 started"]
 
 
 @pytest.mark.timeout(120)
