@@ -152,7 +152,8 @@ class Fleet:
 
         `example_inputs`: one batch as `train_step` will get it (a tensor or a
         dict of keyword arguments); the pipeline strategies need it to cut a
-        model that is not an nn.Sequential (they trace its forward).
+        model that is not an nn.Sequential (by the model's own pipeline plan, or
+        by tracing its forward on it).
         A model compiled before setup (``torch.compile(model)``) is unwrapped
         and compiled again in place, so checkpoints keep the model's own keys.
         A model with BatchNorm adds a note (once) on which statistics it normalises with:

@@ -16,8 +16,12 @@ What the tracer does not do, done here:
   them before each step, so every copy takes the same update and stays equal
   to the others (what serial computes for the one parameter).
 - **The output's structure**: the last stage returns the forward's outputs
-  flattened (a Hugging Face ``ModelOutput`` becomes a tuple); `Cut.unflatten`
-  gives the loss function what the model returns in serial.
+  flattened (a Hugging Face ``ModelOutput`` becomes a tuple, a ``None`` loss
+  a constant of the graph); `Cut.unflatten` gives the loss function what the
+  model returns in serial.
+- **The model's inputs a later stage reads** (nanoGPT's ``targets``, read
+  by its loss in the last stage): the tracer gives that stage the input
+  itself; `Cut.stage_inputs` hands it over by keyword.
 - **Fixed shapes**: the traced stages are specialised to the example
   micro-batch's shape, so every micro-batch must have it (`Cut.batch`).
 """

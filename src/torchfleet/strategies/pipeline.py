@@ -5,7 +5,8 @@ Every preset of the parallel dimensions with ``pp > 1`` runs here
 ``ddp+pipeline`` replicates it (DDP on each stage across replicas), and
 ``fsdp+pipeline`` shards each stage across its data-parallel group (FSDP2).
 An ``nn.Sequential`` is cut into consecutive stages balanced by parameter
-count, and `torch.distributed.pipelining` runs each batch as `microbatches`
+count; a model that declares a pipeline plan is cut by it (plan_cut.py), any
+other model by tracing it (cutting.py). `torch.distributed.pipelining` runs each batch as `microbatches`
 micro-batches under the GPipe or 1F1B schedule; the last stage computes the
 loss. The stages of one pipeline read the same batch (the first stage uses
 the inputs, the last the targets), so a pipeline counts as one data-parallel
@@ -22,10 +23,10 @@ Equivalence with `serial`: each micro-batch's mean loss is divided by
 scaling is off, since it would divide earlier accumulation steps again), so
 the summed gradients are the gradient of the whole batch's mean loss.
 
-Stages keep the Sequential's child names ("3.weight"), so the full state
-dict gathered on rank 0 has the original keys in the original order, and a
-checkpoint (each stage writes its own layers through DCP) loads into any
-other cut of the same model.
+Stages keep the model's own names ("3.weight", "model.layers.2..."), so the
+full state dict gathered on rank 0 has the original keys in the original
+order (stage_state.py), and a checkpoint (each stage writes its own layers
+through DCP) loads into any other cut of the same model.
 """
 
 from __future__ import annotations
@@ -133,8 +134,9 @@ class Pipeline(MeshStrategy):
         example, grad_accum = setup.example, setup.grad_accum
         if example is None:
             raise UsageError(
-                f"{self.name} cuts a {type(model).__name__} into stages by tracing its forward and needs"
-                " one batch to trace: fleet.setup(model, optimizer, example_inputs=batch)")
+                f"{self.name} cuts a {type(model).__name__} into stages and needs one batch to trace it"
+                " (or, with a pipeline plan, to size the stages):"
+                " fleet.setup(model, optimizer, example_inputs=batch)")
         per_step = batch_size(example) // grad_accum
         if self._default_microbatches:
             self._fit_default_microbatches(per_step)
