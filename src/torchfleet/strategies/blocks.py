@@ -26,6 +26,17 @@ def parameter_names(model: nn.Module) -> dict[int, list[str]]:
     return names
 
 
+def on_base_model(model: nn.Module, plan: dict) -> dict:
+    """A transformers base-model plan with its keys named in `model`.
+
+    Configs declare plans over the base model's modules (``layers.*.mlp``); in a task model
+    they sit under the base model's name (``model.layers.*.mlp`` in LlamaForCausalLM).
+    """
+    base = getattr(model, "base_model", model)
+    prefix = next((name for name, m in model.named_modules() if m is base), "")
+    return {(f"{prefix}.{key}" if prefix else key): value for key, value in plan.items()}
+
+
 def _params(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 

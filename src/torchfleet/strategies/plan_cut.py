@@ -34,6 +34,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from torchfleet.errors import UsageError
+from torchfleet.strategies.blocks import on_base_model
 from torchfleet.strategies.cutting import Cut, example_rows, flat_output, stage_starts, tied_groups
 
 # The inputs a transformers model computes its loss from, in its head: only the last stage
@@ -47,10 +48,8 @@ def declared_plan(model: nn.Module) -> dict[str, tuple] | None:
     base_plan = getattr(config, "base_model_pp_plan", None)
     if not base_plan:
         return None
-    base = getattr(model, "base_model", model)
-    prefix = next((name for name, m in model.named_modules() if m is base), "")
-    plan = {(f"{prefix}.{k}" if prefix else k): v for k, v in base_plan.items()}
-    if base is not model:
+    plan = on_base_model(model, base_plan)
+    if getattr(model, "base_model", model) is not model:
         plan.update(getattr(type(model), "_pp_plan", None) or {})
     return plan
 

@@ -43,6 +43,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from torchfleet.errors import UsageError
+from torchfleet.strategies.blocks import on_base_model
 
 PLAN_HINT = ("give the strategy option tp_plan={module name: ColwiseParallel() or RowwiseParallel(), ...}"
              " (torch.distributed.tensor.parallel), or add a tp_plan() method to the model that returns one"
@@ -98,8 +99,6 @@ def declared_tp_plan(model: nn.Module, tp: int) -> dict[str, ParallelStyle]:
     """
     kind = type(model).__name__
     config = getattr(model, "config", None)
-    base = getattr(model, "base_model", model)
-    prefix = next((name for name, m in model.named_modules() if m is base), "")
     declared = dict(getattr(config, "base_model_tp_plan", None) or {})
     unknown = sorted({str(style) for style in declared.values() if style not in LIBRARY_STYLES})
     if unknown:
@@ -110,7 +109,7 @@ def declared_tp_plan(model: nn.Module, tp: int) -> dict[str, ParallelStyle]:
         if isinstance(heads, int) and heads % tp:
             raise UsageError(f"tp {tp} does not divide {kind}'s {heads} {field.replace('_', ' ')}, which the"
                              f" column-wise attention projections split; use a tp that divides {heads}")
-    return {(f"{prefix}.{key}" if prefix else key): LIBRARY_STYLES[style]() for key, style in declared.items()}
+    return on_base_model(model, {key: LIBRARY_STYLES[style]() for key, style in declared.items()})
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, ParallelStyle]) -> nn.Module:
