@@ -18,9 +18,10 @@ PACKAGE = ROOT / "src" / "torchfleet"
 LAYERS = [
     ("errors", "versions", "outputs", "allocator", "netif", "config"),  # no torch knowledge needed
     # what a process finds, core rules, built-in models, tensor memory
-    ("env", "backend", "precision", "data", "models", "tensor_memory"),
+    ("env", "backend", "precision", "data", "models", "tensor_memory", "stores"),
     ("strategies",),  # how a model is wrapped; the parallel dimensions
     ("checkpoint",),  # verified directories, DCP
+    ("ft",),  # per-step fault tolerance on torchft: the lighthouse, the replica group
     ("launcher",),  # starting processes, their failures and hangs
     ("fleet", "hogwild"),  # the API a script holds
     ("doctor", "train"),  # the machine report; the built-in job

@@ -8,6 +8,7 @@ https://pytorch.org/docs/stable/distributed.html#which-backend-to-use
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -177,3 +178,21 @@ def choose_backend(hw: Hardware, requested: str = "auto", local_procs: int = 1) 
             "install an official PyTorch build, which includes gloo"
         )
     return name, reason
+
+
+def choose_socket_interface(nnodes: int, master_addr: str) -> None:
+    """Across machines, tell Gloo and NCCL the interface that routes to the master.
+
+    Unless told, they advertise the address this host's name resolves to,
+    and where that is 127.0.0.1 (a common /etc/hosts line) peers on other
+    machines never connect. srun, mpirun and SageMaker start the script
+    without torchfleet's launcher, so the choice is made here; a user's own
+    GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME wins.
+    """
+    if nnodes < 2:
+        return
+    found = netif.interface_for(master_addr)
+    if found is not None and not found.is_loopback:
+        for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            if not os.environ.get(key):  # an empty value counts as unset, as Gloo reads it
+                os.environ[key] = found.name

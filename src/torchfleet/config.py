@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 from torchfleet.errors import UsageError
 
 BACKENDS = ("auto", "gloo", "nccl", "mpi")
+FAULT_TOLERANCE = ("restart", "step")
 
 T = TypeVar("T")
 
@@ -45,7 +46,7 @@ def parse_nnodes(value: int | str) -> tuple[int, int]:
                      " (MIN:MAX, 1 <= MIN <= MAX)")
 
 
-def parse_endpoint(value: str, default_port: int) -> tuple[str, int]:
+def parse_endpoint(value: str, default_port: int, flag: str = "--rdzv-endpoint") -> tuple[str, int]:
     """"host:port", "host" or "[v6]:port" -> (host, port)."""
     text = value.strip()
     host, sep, port = text.rpartition(":")
@@ -53,7 +54,7 @@ def parse_endpoint(value: str, default_port: int) -> tuple[str, int]:
         host, port = text, str(default_port)  # no port, or a bare IPv6 address
     host = host.strip("[]")
     if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise UsageError(f"--rdzv-endpoint {value!r} is not HOST:PORT (e.g. 10.0.0.1:29400)")
+        raise UsageError(f"{flag} {value!r} is not HOST:PORT (e.g. 10.0.0.1:{default_port})")
     return host, int(port)
 
 
@@ -70,6 +71,11 @@ class LaunchConfig:
     rdzv_endpoint: str | None = None  # HOST[:PORT] of the c10d rendezvous (elastic jobs)
     rdzv_id: str | None = None  # the job's id, the same on every machine (c10d)
     preflight: bool = True  # check the other machines before a multi-machine job
+    # "restart" (torchrun's agent restarts the workers, which resume from a checkpoint) or "step"
+    # (each machine a replica group under torchft: the others go on when one is lost; ft/).
+    fault_tolerance: str = "restart"
+    lighthouse: str | None = None  # HOST:PORT of a lighthouse started elsewhere (torchfleet lighthouse)
+    join_timeout: float = 120.0  # seconds a replica group waits for the others (or to commit a step)
 
     def __post_init__(self) -> None:
         self.min_nodes, self.max_nodes = parse_nnodes(self.nnodes)
@@ -85,6 +91,25 @@ class LaunchConfig:
             raise UsageError(f"--master-port {self.master_port} is not a TCP port; use 1 to 65535")
         if self.rdzv_endpoint is not None:
             parse_endpoint(self.rdzv_endpoint, 29400)
+        self._check_fault_tolerance()
+
+    def _check_fault_tolerance(self) -> None:
+        if self.fault_tolerance not in FAULT_TOLERANCE:
+            raise UsageError(f"--fault-tolerance {self.fault_tolerance!r} is not a mode; choose restart (torchrun"
+                             " restarts the workers from the newest checkpoint) or step (torchft: the other"
+                             " machines go on at the next step)")
+        if self.fault_tolerance == "restart":
+            if self.lighthouse is not None:
+                raise UsageError(f"--lighthouse {self.lighthouse} applies with --fault-tolerance step")
+            return
+        if self.elastic:
+            raise UsageError(f"--fault-tolerance step takes a fixed --nnodes N, not --nnodes {self.nnodes} or"
+                             " --rdzv-endpoint: each machine is a replica group, and torchft's quorum lets groups"
+                             " leave and join; drop MIN: and --rdzv-endpoint")
+        if self.lighthouse is not None:
+            parse_endpoint(self.lighthouse, 29510, "--lighthouse")
+        if not self.join_timeout > 0:
+            raise UsageError(f"--join-timeout {self.join_timeout} must be a positive number of seconds")
 
     @property
     def elastic(self) -> bool:
@@ -110,3 +135,8 @@ class LaunchConfig:
     @property
     def multi_process(self) -> bool:
         return self.world_size > 1
+
+    @property
+    def replica_groups(self) -> bool:
+        """Per-step fault tolerance: each machine's processes are a replica group under torchft."""
+        return self.fault_tolerance == "step"

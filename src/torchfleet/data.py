@@ -8,10 +8,10 @@ step k is exactly the batch a single process would see at step k.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sized
 
 import torch
-from torch.utils.data import Dataset, Sampler, TensorDataset
+from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
 
 from torchfleet.errors import UsageError
 
@@ -123,6 +123,12 @@ class GlobalBatchSampler(Sampler[list[int]]):
         self.epoch, self.position, self.seed = state["epoch"], state["position"], state["seed"]
         self._start = self.position
 
+    def seek(self, step: int) -> None:
+        """The next pass starts at the batch of global step `step` (counted from the first epoch's first
+        batch): a replica group redoing a step that did not commit, or going on where its peers are."""
+        self.epoch, self.position = divmod(step, len(self))
+        self._start = self.position
+
 
 class ShardSampler(Sampler[int]):
     """Every index exactly once across ranks, strided; for evaluation."""
@@ -152,3 +158,14 @@ def check_global_batch(global_batch: int, world_size: int) -> None:
             f"batch size {global_batch} does not split evenly among {world_size} processes;"
             f" use a multiple of {world_size} such as {lower} or {lower + world_size}"
         )
+
+
+def dataset_length(dataset, method: str) -> int:
+    """The data set's length, after refusing what is not a data set of known length."""
+    if isinstance(dataset, DataLoader):
+        raise UsageError(f"fleet.{method} takes a Dataset, not a DataLoader: it builds the loader itself,"
+                         " giving each process its share of every batch; pass the loader's .dataset")
+    if not isinstance(dataset, Sized):
+        raise UsageError(f"fleet.{method} splits a data set by index and needs its length;"
+                         f" {type(dataset).__name__} has no __len__")
+    return len(dataset)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import datetime
 import os
-from collections.abc import Sized
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +20,11 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from torchfleet import allocator, checkpoint, versions
-from torchfleet.backend import choose_backend, probe_hardware, shares_gpus
+from torchfleet.backend import choose_backend, choose_socket_interface, probe_hardware, shares_gpus
 from torchfleet.data import GlobalBatchSampler, ShardSampler, TensorBatches, as_batch
+from torchfleet.data import dataset_length as _length
 from torchfleet.env import DistEnv
+from torchfleet.env.replicas import ReplicaEnv
 from torchfleet.env.sagemaker import TrainingEnv
 from torchfleet.errors import UsageError
 from torchfleet.launcher.sagemaker import relaunch_per_gpu
@@ -50,11 +51,14 @@ class Fleet:
         max_grad_norm: float | None = None,
         activation_checkpointing: bool = False,
         compile: bool | str = False,
+        fault_tolerance: str | None = None,
         **strategy_options: Any,
     ):
         """`max_grad_norm`: clip gradients to this global norm (over every shard and stage).
         `activation_checkpointing`: recompute each repeated block's activations in backward.
         `compile`: torch.compile each block in place (True or "blocks") or the whole model ("model").
+        `fault_tolerance`: "step" when this process is in a replica group (`torchfleet run
+        --fault-tolerance step` starts them; None: as the launcher says), "restart" otherwise.
         """
         versions.require_supported_torch()
         if grad_accum < 1:
@@ -66,6 +70,7 @@ class Fleet:
         self.activation_checkpointing, self.compile = activation_checkpointing, compile
         strategy_cls = get_strategy(strategy)
         self.env = env or DistEnv.detect()
+        replica_env = ReplicaEnv.for_fleet(fault_tolerance, strategy)
         self.sagemaker = TrainingEnv.read()  # None outside a SageMaker training job
         # Ranks from SM_* alone (not torchrun's or mpirun's) on a multi-GPU host: the toolkit
         # started this one process, so it starts one worker per GPU and exits here.
@@ -99,8 +104,12 @@ class Fleet:
             allocator.keep_freed_memory()  # a step's memory stays for the next step
         if grouped:
             self._init_process_group()
+        self.replicas = None  # this process's replica group under per-step fault tolerance (ft/replicas.py)
+        if replica_env is not None:
+            from torchfleet.ft.replicas import ReplicaGroup
+            self.replicas = ReplicaGroup(replica_env, self.env, self.device)
         runtime = Runtime(self.env, self.device, Precision(precision, self.device),
-                          self.backend if grouped else None, max_grad_norm)
+                          self.backend if grouped else None, max_grad_norm, self.replicas)
         if strategy_cls.distributed:  # (still distributed: several processes, or a group of one)
             dims = resolve_dims(strategy, self.env.world_size, self.env.nnodes, strategy_options)
             assert dims is not None  # a distributed strategy always has degrees
@@ -143,7 +152,7 @@ class Fleet:
             return
         # torchrun's agent already hosts the store at MASTER_ADDR:MASTER_PORT.
         init_method = "env://" if env.source == "torchrun" else f"tcp://{env.master_addr}:{env.master_port}"
-        _choose_socket_interface(env)
+        choose_socket_interface(env.nnodes, env.master_addr)
         dist.init_process_group(self.backend, init_method=init_method, rank=env.rank, world_size=env.world_size,
                                 timeout=_PG_TIMEOUT)
 
@@ -168,14 +177,19 @@ class Fleet:
                          self.activation_checkpointing, compile_mode)
         wrapped = self.strategy.setup(model, optimizer, args)
         self.notes.extend(n for n in self.strategy.notes if n not in self.notes)  # what wrap found
+        if self.replicas is not None:  # torchft's Manager starts once the model is wrapped
+            self.replicas.attach(self.strategy.model, self.strategy.optimizer, self.strategy.runtime.precision)
         self._returned = wrapped[0]
         return wrapped
 
     def dataloader(self, dataset: Dataset, batch_size: int, shuffle: bool = True, seed: int = 0,
                    drop_last: bool = True, num_workers: int = 0) -> DataLoader:
         """A loader of this rank's share of each global batch of `batch_size` samples."""
-        size = _expect_dataset(dataset, "dataloader")
+        size = _length(dataset, "dataloader")
         rank, world = self.strategy.data_coords()
+        if self.replicas is not None:  # each replica group reads its share of every global batch
+            groups = self.replicas.env
+            rank, world = groups.group * world + rank, groups.groups * world
         sampler = GlobalBatchSampler(size, batch_size, rank, world, shuffle, seed, drop_last)
         if sampler.local_batch % self.grad_accum:
             raise UsageError(
@@ -194,7 +208,7 @@ class Fleet:
 
     def eval_dataloader(self, dataset: Dataset, batch_size: int = 256) -> DataLoader:
         """Every sample exactly once across ranks; combine results with `all_reduce`."""
-        size = _expect_dataset(dataset, "eval_dataloader")
+        size = _length(dataset, "eval_dataloader")
         rank, world = self.strategy.data_coords()
         return DataLoader(dataset, batch_size=batch_size, sampler=ShardSampler(size, rank, world))
 
@@ -210,7 +224,15 @@ class Fleet:
                 self.notes.append("torch.compile after setup: train_step compiles the module it runs, in place")
             self._returned = None
         inputs, targets = self.to_device(inputs), self.to_device(targets)
-        return self.strategy.train_step(inputs, targets, loss_fn, self.grad_accum)
+        loss = self.strategy.train_step(inputs, targets, loss_fn, self.grad_accum)
+        self._tell_replica_news()
+        return loss
+
+    def _tell_replica_news(self) -> None:
+        """Under per-step fault tolerance: a line for each group that left, joined or healed (main rank)."""
+        if self.replicas is not None:
+            for line in self.replicas.take_lines():
+                self.print(f"torchfleet: {line}")
 
     def backward(self, loss: torch.Tensor) -> None:
         """For hand-written loops: backward with the precision's loss scaling."""
@@ -220,9 +242,11 @@ class Fleet:
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """For hand-written loops: optimizer step (through the fp16 scaler when there is one)."""
         self._hand_written_loop("step")
+        if optimizer is not self.strategy.optimizer:
+            raise UsageError("fleet.step() takes the optimizer fleet.setup() returned")
         self.strategy.before_step()
-        self.strategy.clip_gradients()
-        self.strategy.runtime.precision.step(optimizer)
+        self.strategy.apply_gradients()  # with replica groups: averaged across them, stepped if committed
+        self._tell_replica_news()
 
     def _hand_written_loop(self, method: str) -> None:
         if self.strategy.schedules_steps:
@@ -292,15 +316,31 @@ class Fleet:
 
         Every rank calls it. `sharded=True` writes through torch.distributed.checkpoint
         (the default for sharding strategies), so it loads with another number of processes.
+        Under per-step fault tolerance every replica group holds the same state, and only the
+        first group in the quorum writes (`writes_checkpoints`); the others return at once.
         """
+        if self.replicas is not None:
+            if not self.replicas.writes_checkpoints:
+                return
+            extra = {**(extra or {}), "replicas": self.replicas.state_dict()}  # torchft's step count
         checkpoint.save(self, path, extra, sharded=sharded)
 
-    def load(self, path: str | os.PathLike, weights_only: bool = True) -> dict:
+    @property
+    def writes_checkpoints(self) -> bool:
+        """Whether `save` writes from this process's group (always, without replica groups)."""
+        return self.replicas is None or self.replicas.writes_checkpoints
+
+    def load(self, path: str | os.PathLike, weights_only: bool = True, same_strategy: bool = False) -> dict:
         """Verify and load what `save` wrote; returns this rank's `extra`.
 
         weights_only=False unpickles arbitrary objects: only for checkpoints you trust.
+        same_strategy=True refuses a checkpoint another strategy wrote, in one sentence.
         """
-        return checkpoint.load(self, path, weights_only=weights_only)
+        extra = checkpoint.load(self, path, weights_only=weights_only,
+                                strategy_name=self.strategy_name if same_strategy else None)
+        if self.replicas is not None and "replicas" in extra:  # torchft's step count
+            self.replicas.load_state_dict(extra["replicas"])
+        return {k: v for k, v in extra.items() if k != "replicas"}
 
     @property
     def model_dir(self) -> Path | None:
@@ -346,6 +386,8 @@ class Fleet:
         is unwound, and the process aborts ("terminate called without an
         active exception", SIGABRT) after a run that succeeded.
         """
+        if self.replicas is not None:
+            self.replicas.close()
         if dist.is_initialized():
             work = dist.barrier(async_op=True)
             work.wait()
@@ -353,36 +395,5 @@ class Fleet:
             dist.destroy_process_group()
 
 
-def _expect_dataset(dataset, method: str) -> int:
-    """The data set's length, after refusing what is not a data set of known length."""
-    if isinstance(dataset, DataLoader):
-        raise UsageError(f"fleet.{method} takes a Dataset, not a DataLoader: it builds the loader itself,"
-                         " giving each process its share of every batch; pass the loader's .dataset")
-    if not isinstance(dataset, Sized):
-        raise UsageError(f"fleet.{method} splits a data set by index and needs its length;"
-                         f" {type(dataset).__name__} has no __len__")
-    return len(dataset)
-
-
 # See Fleet.close: Gloo work objects whose last reference must not be Gloo's.
 _FINISHED_WORK: list = []
-
-
-def _choose_socket_interface(env: DistEnv) -> None:
-    """Across machines, tell Gloo and NCCL the interface that routes to the master.
-
-    Unless told, they advertise the address this host's name resolves to,
-    and where that is 127.0.0.1 (a common /etc/hosts line) peers on other
-    machines never connect. srun, mpirun and SageMaker start the script
-    without torchfleet's launcher, so the choice is made here; a user's own
-    GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME wins.
-    """
-    if env.nnodes < 2:
-        return
-    from torchfleet.netif import interface_for
-
-    found = interface_for(env.master_addr)
-    if found is not None and not found.is_loopback:
-        for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-            if not os.environ.get(key):  # an empty value counts as unset, as Gloo reads it
-                os.environ[key] = found.name

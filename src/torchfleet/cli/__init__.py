@@ -68,6 +68,18 @@ def _add_launch_flags(p: argparse.ArgumentParser, underscores: bool = False) -> 
     g.add_argument(*both("--rdzv-id"), default=None, help="the job's id, the same on every machine (c10d)")
     g.add_argument("--no-preflight", action="store_true",
                    help="skip the checks of the other machines before a multi-machine job")
+    f = p.add_argument_group("surviving a lost machine (torchft)")
+    f.add_argument(*both("--fault-tolerance"), default="restart", metavar="MODE",
+                   help="restart (default): torchrun restarts the workers, which resume from the newest"
+                        " checkpoint; step: each machine is a replica group under torchft, the others go on at"
+                        " the next step and a group started again heals from a live peer (pip install"
+                        " 'torchfleet[ft]')")
+    f.add_argument("--lighthouse", default=None, metavar="HOST:PORT",
+                   help="with --fault-tolerance step: a lighthouse started elsewhere (torchfleet lighthouse);"
+                        " default: node 0 starts one at --master-addr and --master-port (29510)")
+    f.add_argument(*both("--join-timeout"), type=float, default=120.0, metavar="SECONDS",
+                   help="with --fault-tolerance step: how long a group waits for the others at the start, or"
+                        " to complete a step, before it stops (default %(default).0f)")
 
 
 def _spellings(underscores: bool):
@@ -114,6 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
                      " a program with --no-python)")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
 
+    lighthouse = sub.add_parser("lighthouse", help="run torchft's lighthouse for jobs under --fault-tolerance step")
+    lighthouse.add_argument("--host", required=True, metavar="ADDR",
+                            help="this machine's address the replica groups reach (it listens there only)")
+    lighthouse.add_argument("--port", type=int, default=29510, help="default %(default)s")
+    lighthouse.add_argument("--min-replicas", type=int, default=1, metavar="N",
+                            help="groups that make a quorum (default %(default)s: the job goes on while any lives)")
+
     from torchfleet.cli import clusters as clusters_cli
 
     clusters_cli.add_commands(sub)  # slurm, sagemaker, k8s: writers of job specs
@@ -132,6 +151,7 @@ def _launch_config(args):
         nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
         master_port=args.master_port, max_restarts=args.max_restarts,
         rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id, preflight=not args.no_preflight,
+        fault_tolerance=args.fault_tolerance, lighthouse=args.lighthouse, join_timeout=args.join_timeout,
     )
 
 
@@ -167,6 +187,20 @@ def cmd_run(args) -> int:
     return run_script(_launch_config(args), args.script, args.script_args, torchrun_flags.given(args))
 
 
+def cmd_lighthouse(args) -> int:
+    from torchfleet import ft
+    from torchfleet.config import at_least
+    from torchfleet.ft import lighthouse
+
+    if not 1 <= args.port <= 65535:
+        raise UsageError(f"--port {args.port} is not a TCP port; use 1 to 65535")
+    at_least("--min-replicas", args.min_replicas, 1)
+    reason = ft.unavailable()
+    if reason:
+        raise UsageError(f"the lighthouse cannot run here: {reason}")
+    return lighthouse.serve(args.host, args.port, args.min_replicas)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -194,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_train(args, argv[argv.index("train") + 1:])
         if args.command == "run":
             return cmd_run(args)
+        if args.command == "lighthouse":
+            return cmd_lighthouse(args)
         if args.command in clusters_cli.COMMANDS:
             return clusters_cli.run(args)
         if args.command == "bench":

@@ -25,7 +25,7 @@ from torch.distributed.launcher.api import elastic_launch
 from torchfleet import netif
 from torchfleet.config import LaunchConfig
 from torchfleet.errors import UsageError
-from torchfleet.launcher import failures, preflight, rendezvous, torchrun_flags
+from torchfleet.launcher import failures, groups, preflight, rendezvous, torchrun_flags
 
 LOOPBACK = "127.0.0.1"
 MASTER_WAIT = 60.0  # seconds a node waits for node 0's rendezvous to answer
@@ -216,9 +216,16 @@ def _preflight(cfg: LaunchConfig) -> None:
 
 def _start(cfg: LaunchConfig, entrypoint: Callable | str, args: list,
            overrides: dict[str, Any] | None = None) -> dict[int, Any]:
+    group = None
+    if cfg.replica_groups:
+        # One replica group per machine (groups.py): this machine's agent, the lighthouse checked or started.
+        group = groups.prepare(cfg)
+        print(f"torchfleet: {group.sentence}", flush=True)
+        print(group.exposure, file=sys.stderr, flush=True)
+        cfg = group.agent
     _preflight(cfg)
     _quiet_agent_logs()
-    chosen = worker_env(cfg)
+    chosen = {**worker_env(cfg), **(group.env if group else {})}
     checked = None
     # The workers inherit the agent's environment; `launch` callers get theirs back after.
     saved = {key: os.environ.get(key) for key in chosen}
@@ -234,6 +241,8 @@ def _start(cfg: LaunchConfig, entrypoint: Callable | str, args: list,
         raise LaunchError(failures.summarize(exc)) from None
     finally:
         del checked  # node 0's store served the rendezvous too; now it may close
+        if group is not None and group.server is not None:
+            group.server.shutdown()  # node 0's lighthouse: the job has ended here
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)

@@ -17,7 +17,6 @@ bound and put into listening state. This backend binds both stores to
 from __future__ import annotations
 
 import datetime
-import socket
 
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry
@@ -31,6 +30,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
+from torchfleet.stores import bound_store
+
 LOOPBACK = "127.0.0.1"
 LOOPBACK_BACKEND = "torchfleet-loopback"
 _STORE_TIMEOUT = datetime.timedelta(seconds=60)
@@ -38,15 +39,7 @@ _STORE_TIMEOUT = datetime.timedelta(seconds=60)
 
 def loopback_store(port: int = 0) -> dist.TCPStore:
     """A TCPStore server listening on 127.0.0.1:`port` only (0: the OS picks a port)."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((LOOPBACK, port))
-    sock.listen(128)
-    port = sock.getsockname()[1]
-    # detach(): the store owns the descriptor from now on; the Python object
-    # must not close it when it is garbage collected.
-    return dist.TCPStore(LOOPBACK, port, is_master=True, timeout=_STORE_TIMEOUT,
-                         wait_for_workers=False, master_listen_fd=sock.detach())
+    return bound_store(LOOPBACK, port, _STORE_TIMEOUT)
 
 
 class _LoopbackHandler(DynamicRendezvousHandler):

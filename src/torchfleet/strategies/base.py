@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Protocol
 
 import torch
 from torch import nn
@@ -60,6 +60,14 @@ class SetupArgs:
     compile: bool | str = False  # torch.compile each block (True, "blocks") or the whole model ("model")
 
 
+class Replicas(Protocol):
+    """Replica groups beside this one that share each step (per-step fault tolerance, ft/replicas.py)."""
+
+    def start_step(self) -> None: ...  # at zero_grad: the step's quorum is formed meanwhile
+    def average(self, optimizer: torch.optim.Optimizer) -> None: ...  # the gradients, across the groups
+    def commit(self) -> bool: ...  # whether this step may be applied (every group got through it)
+
+
 @dataclass
 class Runtime:
     """What a strategy may rely on: set up by Fleet before `wrap` is called."""
@@ -69,6 +77,7 @@ class Runtime:
     precision: Precision
     backend: str | None  # None when no process group was started
     max_grad_norm: float | None = None  # clip gradients to this global norm before each step
+    replicas: Replicas | None = None  # other replica groups to average with each step (--fault-tolerance step)
 
 
 class Strategy:
@@ -157,7 +166,7 @@ class Strategy:
         Returns the mean loss of the share (detached).
         """
         precision = self.runtime.precision
-        self.optimizer.zero_grad(set_to_none=True)
+        self.zero_grad()
         if grad_accum == 1:
             # The common case, with nothing a hand-written loop would not do: no
             # split, no division by 1, no running total. Bit for bit the same
@@ -166,8 +175,7 @@ class Strategy:
                 loss = loss_fn(forward(self.model, inputs), targets)
             precision.backward(loss)
             self.before_step()
-            self.clip_gradients()
-            precision.step(self.optimizer)
+            self.apply_gradients()
             return loss.detach().float()
         total = torch.zeros((), device=self.runtime.device)
         pairs = list(zip(split_batch(inputs, grad_accum), targets.tensor_split(grad_accum), strict=True))
@@ -179,9 +187,24 @@ class Strategy:
                 precision.backward(loss / grad_accum)
             total += loss.detach().float()
         self.before_step()
-        self.clip_gradients()
-        precision.step(self.optimizer)
+        self.apply_gradients()
         return total / grad_accum
+
+    def zero_grad(self) -> None:
+        """The start of a step: gradients cleared, and the other replica groups' quorum asked for."""
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.runtime.replicas is not None:
+            self.runtime.replicas.start_step()
+
+    def apply_gradients(self) -> None:
+        """The end of a step, after `before_step`: the gradients averaged with the other replica groups
+        (if any), clipped, and stepped, unless the groups' commit says the step failed somewhere."""
+        replicas = self.runtime.replicas
+        if replicas is not None:
+            replicas.average(self.optimizer)  # before clipping: the norm is the average's
+        self.clip_gradients()
+        if replicas is None or replicas.commit():
+            self.runtime.precision.step(self.optimizer)
 
     def before_step(self) -> None:
         """Checks between backward and the optimizer step (ddp: every parameter got a gradient)."""

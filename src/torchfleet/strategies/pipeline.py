@@ -255,7 +255,7 @@ class Pipeline(MeshStrategy):
             # unscales its gradients; scaling a zero starts its scale (the same
             # on every stage, kept equal by the shared overflow verdict).
             scaler.scale(torch.zeros((), device=self.runtime.device))
-        self.optimizer.zero_grad(set_to_none=True)
+        self.zero_grad()
         losses: list[torch.Tensor] = []  # one per micro-batch, as _loss returned them
         busy, tick = self._stage.busy, time.perf_counter()
         for x, y in zip(split_batch(inputs, grad_accum), targets.tensor_split(grad_accum), strict=True):
@@ -280,8 +280,7 @@ class Pipeline(MeshStrategy):
         if self.is_last:  # undo the scaling: the mean loss of the batch
             loss = torch.stack(losses).detach().float().sum() / (scaler.get_scale() if scaler else 1.0)
         self._sync_tied_gradients()
-        self.clip_gradients()
-        self.runtime.precision.step(self.optimizer)
+        self.apply_gradients()
         dist.broadcast(loss, src=self._peer(self.pp - 1), group=self.pp_group)  # every stage reports it
         return loss
 

@@ -50,16 +50,22 @@ def run(cfg: TrainConfig, launch: LaunchConfig, nproc: int | None, argv: list[st
     launch = dataclasses.replace(launch, nproc_per_node=nproc)
     if why:
         print(f"torchfleet: {why}", flush=True)
+    if launch.replica_groups and strategy == "hogwild":
+        raise UsageError("hogwild shares memory inside one machine and has no gradients to average across"
+                         " replica groups; use ddp (or fsdp) with --fault-tolerance step")
     if strategy == "hogwild":
         return _train_hogwild(cfg, launch)
-    if not launch.multi_process:
+    if not launch.multi_process and not launch.replica_groups:  # a replica group always runs under the agent
         train(cfg, strategy)
         return 0
     # Before any process starts: the degrees multiply out, and the batch splits among
-    # the processes that read data.
-    check_global_batch(cfg.batch_size, data_readers(strategy, launch.world_size, cfg.strategy_options))
+    # the processes that read data. Replica groups are alike: each machine's processes
+    # make one group, and every group reads its share of each global batch.
+    world, copies = ((launch.nproc_per_node, launch.max_nodes) if launch.replica_groups
+                     else (launch.world_size, 1))
+    check_global_batch(cfg.batch_size, copies * data_readers(strategy, world, cfg.strategy_options))
     if cfg.strategy_options.get("sync_batchnorm"):  # refused for pipelines before they start
-        dims = resolve_dims(strategy, launch.world_size, options=cfg.strategy_options)
+        dims = resolve_dims(strategy, world, options=cfg.strategy_options)
         if dims is not None:  # None: a single-process strategy, which refuses the option itself
             check_sync_batchnorm(dims.pp, sync_batchnorm=True)
     # Every worker re-enters this command; it finds torchrun's variables and

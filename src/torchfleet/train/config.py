@@ -61,6 +61,9 @@ class TrainConfig:
     hang_timeout: float = option(300.0, "no progress on any rank for this long: print every rank's stack and stop"
                                  " (default %(default).0f; 0 turns the watchdog off)", metavar="SECONDS")
     json_out: str | None = option(None, "write the final figures as JSON", metavar="FILE")
+    save_model: str | None = option(None, "write the final weights to FILE (the model's state dict, for"
+                                    " torch.load); under --fault-tolerance step each replica group writes its own",
+                                    metavar="FILE")
     log_every: int = option(10, "read the loss on the host every N steps (default %(default)s): each read waits"
                             " for the GPU, so the steps between run without a pause; every step's loss is checked",
                             metavar="N")
@@ -130,6 +133,8 @@ class TrainConfig:
             check_writable_dir(self.checkpoint_dir, "--checkpoint-dir")
         if self.json_out:
             check_writable_file(self.json_out, "--json-out")
+        if self.save_model:
+            check_writable_file(self.save_model, "--save-model")
         if self.metrics_out:
             check_writable_file(self.metrics_out, "--metrics-out")
         if self.tensorboard:

@@ -92,8 +92,11 @@ def _train(cfg: TrainConfig, fleet: Fleet, listener: preempt.Listener) -> dict:
     loss_fn = task.loss_fn
 
     step = saved = 0
-    # After a restart by torchrun's agent (--max-restarts) the group resumes on its own.
-    if cfg.checkpoint_dir and (cfg.resume or cfg.resume_fallback or fleet.env.restart_count > 0):
+    replicas = fleet.replicas  # under --fault-tolerance step: this machine's replica group
+    # After a restart by torchrun's agent (--max-restarts) the group resumes on its own; a replica group
+    # heals from a live peer instead, which is ahead of any checkpoint.
+    restarted = fleet.env.restart_count > 0 and replicas is None
+    if cfg.checkpoint_dir and (cfg.resume or cfg.resume_fallback or restarted):
         step = saved = _resume(fleet, cfg, sampler)
     watchdog = Watchdog(fleet.rank, fleet.world_size, cfg.hang_timeout).start() if cfg.hang_timeout else None
     steps_per_epoch = len(sampler)
@@ -104,8 +107,8 @@ def _train(cfg: TrainConfig, fleet: Fleet, listener: preempt.Listener) -> dict:
     # The loss reaches the host every --log-every steps, not every step (train/losses.py).
     window = LossWindow(cfg.log_every, fleet.rank, fleet.strategy.runtime.precision.scaler, fleet.all_reduce)
     # The validation figures' names (a tally of nothing gives them) are the file's columns.
-    metrics = MetricsLog(cfg.metrics_out, cfg.tensorboard, tuple(task.figures(0.0, 0.0)), start_step=step) \
-        if fleet.is_main else MetricsLog()
+    metrics = MetricsLog(cfg.metrics_out, cfg.tensorboard, tuple(task.figures(0.0, 0.0)), start_step=step,
+                         extras=("participants",) if replicas else ()) if fleet.is_main else MetricsLog()
     loss = torch.tensor(float("nan"))
     val = {}  # the newest validation figures (evaluate's)
     samples = 0
@@ -128,12 +131,26 @@ def _train(cfg: TrainConfig, fleet: Fleet, listener: preempt.Listener) -> dict:
         assert cfg.checkpoint_dir is not None  # listening only with --checkpoint-dir
         raise preempt.leave(fleet, listener, step, checkpoint.step_path(cfg.checkpoint_dir, step))
 
-    with report.progress(enabled=cfg.progress and fleet.is_main, total=total_steps, done=step) as bar, metrics:
+    def groups() -> dict:  # the replica groups in the step's quorum, for the bar and the metrics
+        return {"participants": replicas.participants} if replicas else {}
+
+    with report.progress(enabled=cfg.progress and fleet.is_main, total=total_steps, done=step,
+                         groups=replicas is not None) as bar, metrics:
         while step < total_steps:
             epoch = sampler.epoch
             tick = time.perf_counter()
+            moved = False
             for inputs, targets in loader:
                 loss = fleet.train_step(inputs, targets, loss_fn)
+                if replicas is not None and replicas.step != step + 1:
+                    # torchft's count: a step that did not commit is done again on the same batch, and a
+                    # group that healed goes on at its peers' step (step k reads batch k, everywhere).
+                    step, moved = replicas.step, True
+                    if watchdog:
+                        watchdog.beat(step)
+                    sampler.seek(step)
+                    bar.at(step)
+                    break
                 step += 1
                 samples += cfg.batch_size
                 if watchdog:
@@ -142,15 +159,20 @@ def _train(cfg: TrainConfig, fleet: Fleet, listener: preempt.Listener) -> dict:
                 saving = cfg.checkpoint_dir and cfg.checkpoint_every and step % cfg.checkpoint_every == 0
                 shown = None
                 if step % cfg.log_every == 0 or saving:  # read before saving: never a diverged checkpoint
-                    shown = _log(window, metrics, step, epoch + 1, optimizer, samples, listener.requested)
-                bar.advance(epoch=epoch + 1, loss=shown)
+                    shown = _log(window, metrics, step, epoch + 1, optimizer, samples, listener.requested,
+                                 **groups())
+                bar.advance(epoch=epoch + 1, loss=shown, groups=f"{replicas.participants}/{replicas.env.groups}"
+                            if replicas else None)
                 if saving:
                     saved = _save(fleet, cfg, step, sampler)
                 leave_if_asked()
                 if step >= total_steps:
                     break
+            if moved:
+                train_seconds += time.perf_counter() - tick
+                continue  # the loader starts again at the step's batch
             bar.advance(epoch=epoch + 1, loss=_log(window, metrics, step, epoch + 1, optimizer, samples,
-                                                   listener.requested), steps=0)
+                                                   listener.requested, **groups()), steps=0)
             leave_if_asked()  # before the evaluation, which the time left may not allow
             train_seconds += time.perf_counter() - tick  # after the read: the GPU has finished the epoch
             beat = functools.partial(watchdog.beat, step, "evaluate") if watchdog else None
@@ -186,6 +208,9 @@ def _train(cfg: TrainConfig, fleet: Fleet, listener: preempt.Listener) -> dict:
     }
     if task is not CLASSIFY:  # a sample is a sequence of `block` tokens
         result.update(gpt_preset=cfg.gpt_preset, tokens_per_s=result["samples_per_s"] * block)
+    if replicas is not None:
+        result.update(replica_group=replicas.env.group, replica_groups=replicas.participants,
+                      replica_pauses_s=[round(p, 2) for p in replicas.account.pauses])
     memory = fleet.strategy.memory_report()
     if memory:
         result["memory_per_rank"] = memory
@@ -196,6 +221,8 @@ def _train(cfg: TrainConfig, fleet: Fleet, listener: preempt.Listener) -> dict:
         report.summary(result)
         if cfg.json_out:
             outputs.write_text(cfg.json_out, json.dumps(result, indent=2) + "\n", "--json-out")
+    if cfg.save_model:
+        fleet.save_model(cfg.save_model)
     if fleet.model_dir:
         fleet.save_model()  # SM_MODEL_DIR/model.pt, uploaded when the job ends
     fleet.close()
@@ -203,19 +230,19 @@ def _train(cfg: TrainConfig, fleet: Fleet, listener: preempt.Listener) -> dict:
 
 
 def _log(window: LossWindow, metrics: MetricsLog, step: int, epoch: int, optimizer, samples: int,
-         leave: bool = False) -> float | None:
+         leave: bool = False, **extras: float) -> float | None:
     """Read the loss window (the host sync of a log interval) and record its mean; None if it was empty.
     `leave`, this rank's preemption flag, is agreed on in the same read (window.leave)."""
     loss = window.read(leave)
     if loss is not None:
-        metrics.step(step, epoch, loss, optimizer.param_groups[0]["lr"], samples)
+        metrics.step(step, epoch, loss, optimizer.param_groups[0]["lr"], samples, **extras)
     return loss
 
 
 def _save(fleet: Fleet, cfg: TrainConfig, step: int, sampler) -> int:
     assert cfg.checkpoint_dir is not None  # called only with --checkpoint-dir
     fleet.save(checkpoint.step_path(cfg.checkpoint_dir, step), step=step, sampler=sampler.state_dict())
-    if fleet.is_main:
+    if fleet.is_main and fleet.writes_checkpoints:  # replica groups: the group that wrote it
         checkpoint.prune(cfg.checkpoint_dir, cfg.keep_checkpoints)
     return step
 
@@ -227,7 +254,7 @@ def _resume(fleet: Fleet, cfg: TrainConfig, sampler) -> int:
         fleet.print(f"note: no checkpoint in {cfg.checkpoint_dir}; starting from the beginning")
         return 0
     path, _ = found
-    extra = checkpoint.load(fleet, path, strategy_name=fleet.strategy_name)
+    extra = fleet.load(path, same_strategy=True)
     sampler.load_state_dict(extra["sampler"])
     fleet.print(f"resumed from {path} at step {extra['step']}")
     return extra["step"]

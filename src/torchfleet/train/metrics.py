@@ -48,12 +48,14 @@ class MetricsLog:
 
     `figures`: the names of the validation figures (the file's columns for
     "val" rows). `start_step`: the step a resumed run starts from (0: a new
-    run, which replaces the file).
+    run, which replaces the file). `extras`: more columns of "train" rows
+    (under replica groups: "participants", the groups in the step's quorum).
     """
 
     def __init__(self, path: str | None = None, tensorboard: str | None = None, figures: tuple = (),
-                 start_step: int = 0):
-        self._columns = TRAIN_COLUMNS + tuple(f for f in figures if f not in TRAIN_COLUMNS)
+                 start_step: int = 0, extras: tuple = ()):
+        columns = TRAIN_COLUMNS + tuple(extras)
+        self._columns = columns + tuple(f for f in figures if f not in columns)
         self._file = self._csv = self._tb = None
         self._evaluated: set[float] = set()  # steps whose "val" row the resumed file already holds
         if path:
@@ -74,7 +76,7 @@ class MetricsLog:
         self._start = self._last_time = time.perf_counter()
         self._last_samples = 0
 
-    def step(self, step: int, epoch: int, loss: float, lr: float, samples: int) -> None:
+    def step(self, step: int, epoch: int, loss: float, lr: float, samples: int, **extras: float) -> None:
         """A logged step: `loss` the mean since the last one, `samples` this run's total so far."""
         if self._file is None and self._tb is None:
             return
@@ -83,8 +85,8 @@ class MetricsLog:
         self._last_time, self._last_samples = now, samples
         lr = float(lr)
         self._write({"kind": "train", "step": step, "epoch": epoch, "loss": loss, "lr": lr,
-                     "samples_per_s": rate, "elapsed_s": now - self._start})
-        for name, value in (("loss", loss), ("lr", lr), ("samples_per_s", rate)):
+                     "samples_per_s": rate, "elapsed_s": now - self._start, **extras})
+        for name, value in (("loss", loss), ("lr", lr), ("samples_per_s", rate), *extras.items()):
             self._scalar(f"train/{name}", value, step)
 
     def epoch(self, step: int, epoch: int, figures: dict) -> None:

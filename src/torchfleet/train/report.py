@@ -17,11 +17,19 @@ class _Bar:
     def __init__(self, progress: Progress | None, task):
         self._progress, self._task = progress, task
 
-    def advance(self, epoch: int, loss: float | None = None, steps: int = 1) -> None:
-        """`steps` more done; `loss` only when the trainer read one (every --log-every steps)."""
+    def advance(self, epoch: int, loss: float | None = None, steps: int = 1, groups: str | None = None) -> None:
+        """`steps` more done; `loss` only when the trainer read one (every --log-every steps); `groups`
+        under replica groups: those in the step's quorum, "2/3"."""
         if self._progress is not None:
             shown: dict[str, Any] = {} if loss is None else {"loss": f"{loss:.4f}"}  # a column's field
+            if groups is not None:
+                shown["groups"] = groups
             self._progress.update(self._task, advance=steps, epoch=epoch, **shown)
+
+    def at(self, step: int) -> None:
+        """Back or forward to `step` (a replica group's step that did not commit, or a group that healed)."""
+        if self._progress is not None:
+            self._progress.update(self._task, completed=step)
 
     def epoch_done(self, epoch: int, figures: dict) -> None:
         if self._progress is not None:
@@ -37,8 +45,9 @@ def describe(figures: dict) -> str:
 
 
 @contextlib.contextmanager
-def progress(enabled: bool, total: int, done: int = 0):
-    """A step bar with epoch and loss; a silent stand-in on other ranks."""
+def progress(enabled: bool, total: int, done: int = 0, groups: bool = False):
+    """A step bar with epoch and loss (and, with `groups`, the replica groups in each step's quorum);
+    a silent stand-in on other ranks."""
     if not enabled:
         yield _Bar(None, None)
         return
@@ -47,11 +56,12 @@ def progress(enabled: bool, total: int, done: int = 0):
         BarColumn(),
         MofNCompleteColumn(),
         TextColumn("loss {task.fields[loss]}"),
+        *((TextColumn("groups {task.fields[groups]}"),) if groups else ()),
         TimeRemainingColumn(),
     )
     # A non-terminal (CI logs, pipes) gets the epoch lines without redraws.
     with Progress(*columns, console=console, transient=True, disable=not sys.stdout.isatty()) as bar:
-        task = bar.add_task("train", total=total, completed=done, epoch=0, loss="-")
+        task = bar.add_task("train", total=total, completed=done, epoch=0, loss="-", groups="-")
         yield _Bar(bar, task)
 
 
@@ -81,7 +91,8 @@ _ROWS = (
     ("steps", "steps"), ("global batch", "global_batch"), ("final loss", "final_loss"),
     ("validation accuracy", "val_accuracy"), ("validation loss", "val_loss"),
     ("validation perplexity", "val_perplexity"), ("samples/s", "samples_per_s"), ("tokens/s", "tokens_per_s"),
-    ("wall time (s)", "wall_s"),
+    ("wall time (s)", "wall_s"), ("replica group", "replica_group"), ("groups at the end", "replica_groups"),
+    ("pauses when groups left (s)", "replica_pauses_s"),
 )
 _PIPELINE_ROWS = (
     ("pipeline schedule", "schedule"), ("stages x replicas", None), ("micro-batches", "microbatches"),

@@ -1,0 +1,72 @@
+"""Per-step fault tolerance on torchft: a lost machine does not stop the job.
+
+Each machine (a replica group) trains as any strategy does; across groups
+torchft's Manager averages the gradients every step, after a quorum the
+lighthouse (torchft's server) forms. A group that dies leaves the quorum and
+the others go on at the next step; a group started again heals by taking the
+weights from a live peer (torchft's checkpoint transport), not from a file.
+torchfleet builds on torchft and adds no quorum, heartbeat or weight transfer
+of its own (https://github.com/pytorch/torchft).
+
+- `lighthouse.py`: starting the lighthouse, bound to the job's interface, and
+  checking that it answers before a group starts.
+- `replicas.py`: the worker's side, the Manager and what torchfleet asks of it
+  each step (start the quorum, average the gradients, commit), and the account
+  of groups that leave, join and heal.
+
+torchft is optional (`pip install 'torchfleet[ft]'`): `unavailable()` says
+why it cannot run here, and the launcher refuses `--fault-tolerance step`
+with that sentence before any process starts.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import logging
+import os
+import warnings
+
+INSTALL = "pip install 'torchfleet[ft]' (or pip install torchft)"
+
+
+def quiet() -> None:
+    """torchft's Rust side logs every quorum and commit at INFO on stderr, and its Python side logs each
+    failed collective with a traceback; torchfleet says what happened in one line instead. RUST_LOG must be
+    set before torchft's extension is loaded. TORCHFLEET_VERBOSE=1 keeps them."""
+    if os.environ.get("TORCHFLEET_VERBOSE"):
+        return
+    os.environ.setdefault("RUST_LOG", "error")
+    for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    # torchft's transport wraps its pickled header with torch.frombuffer, which warns once about a
+    # read-only buffer it only reads: noise in every healing group's output.
+    warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+
+
+def version() -> str | None:
+    """The installed torchft's version, or None when it is not installed."""
+    if importlib.util.find_spec("torchft") is None:
+        return None
+    try:
+        return importlib.metadata.version("torchft")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def unavailable() -> str | None:
+    """Why torchft cannot run here (one clause), or None when it can."""
+    found = version()
+    if found is None:
+        return f"torchft is not installed; {INSTALL}"
+    quiet()
+    try:
+        import torchft  # noqa: F401 - the import is the check: its extension and its torch must load
+        from torchft._torchft import LighthouseServer  # noqa: F401
+    except Exception as exc:  # an ImportError, or an extension built for another torch
+        import torch
+
+        return (f"torchft {found} does not load with torch {torch.__version__} ({type(exc).__name__}: "
+                f"{str(exc).strip().splitlines()[0] if str(exc).strip() else 'no message'}); install a torchft"
+                " release built for this torch")
+    return None

@@ -1,0 +1,252 @@
+"""Per-step fault tolerance (--fault-tolerance step) on one machine: replica groups are separate
+`torchfleet train` commands (node ranks 0..n-1 at 127.0.0.1), torchft's lighthouse started by node 0,
+real processes and sockets throughout. Losing and healing a group across real hosts is
+test_ft_hosts.py's; here: an uninterrupted job of groups equals serial, checkpoints and resume,
+the sentences a group says when it cannot go on, and the bad input refused before any process starts.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import ROOT, clean_env, torchfleet
+
+pytest.importorskip("torchft", reason="--fault-tolerance step needs torchft (the dev extra installs it)")
+
+MLP = ["--model", "mlp", "--data", "digits", "--batch-size", "48", "--no-progress", "--hang-timeout", "0"]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _groups(n: int, argv: list[str], tmp: Path, nproc: int = 1, port: int | None = None,
+            timeout: float = 240, env=None) -> list[tuple[int, str]]:
+    """`torchfleet train --fault-tolerance step` as n groups on this machine; (status, output) each."""
+    port = port or _free_port()
+    procs = []
+    for rank in range(n):
+        command = [sys.executable, "-m", "torchfleet", "train", *argv, "--fault-tolerance", "step",
+                   "--nnodes", str(n), "--node-rank", str(rank), "--master-addr", "127.0.0.1",
+                   "--master-port", str(port), "-n", str(nproc), "--save-model", str(tmp / f"group{rank}.pt"),
+                   "--json-out", str(tmp / f"group{rank}.json"), "--metrics-out", str(tmp / f"group{rank}.csv")]
+        procs.append(subprocess.Popen(command, env=env or clean_env(), stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True, cwd=ROOT))
+    try:
+        outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+        return [(p.returncode, out) for p, out in zip(procs, outputs, strict=True)]
+    finally:
+        for p in procs:
+            p.kill()
+
+
+def _serial(argv: list[str], tmp: Path) -> dict:
+    out = torchfleet("train", *argv, "--strategy", "serial", "--save-model", str(tmp / "serial.pt"),
+                     "--json-out", str(tmp / "serial.json"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    return torch.load(tmp / "serial.pt", weights_only=True)
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy,groups,nproc", [("ddp", 3, 1), ("fsdp", 2, 2)], ids=["ddp-3x1", "fsdp-2x2"])
+def test_an_uninterrupted_job_of_replica_groups_trains_serials_weights(strategy, groups, nproc, tmp_path):
+    argv = [*MLP, "--strategy", strategy, "--epochs", "1", "--max-steps", "12", "--log-every", "1"]
+    runs = _groups(groups, argv, tmp_path, nproc=nproc)
+    for status, output in runs:
+        assert status == 0, output
+    expected = _serial([*MLP, "--epochs", "1", "--max-steps", "12"], tmp_path)
+    weights = [torch.load(tmp_path / f"group{g}.pt", weights_only=True) for g in range(groups)]
+    for g, state in enumerate(weights):
+        # Every group's weights are bit for bit the others' (each steps the same averaged gradient).
+        assert all(torch.equal(state[k], weights[0][k]) for k in state), f"group {g} differs from group 0"
+    diff = _max_diff(weights[0], expected)
+    print(f"{strategy} {groups} groups x {nproc}: max |weight - serial's| = {diff:.3g}")
+    assert diff < 1e-5
+    summaries = [json.loads((tmp_path / f"group{g}.json").read_text()) for g in range(groups)]
+    assert [(s["replica_group"], s["replica_groups"], s["steps"]) for s in summaries] == \
+        [(g, groups, 12) for g in range(groups)]
+    serial = json.loads((tmp_path / "serial.json").read_text())
+    assert {s["val_accuracy"] for s in summaries} == {serial["val_accuracy"]}
+    # The mean of the groups' final losses (each over its share of the last batch) is serial's.
+    assert sum(s["final_loss"] for s in summaries) / groups == pytest.approx(serial["final_loss"], rel=1e-5)
+    # --metrics-out: the groups in each step's quorum, a row per step with --log-every 1.
+    for g in range(groups):
+        rows = [r for r in csv.DictReader((tmp_path / f"group{g}.csv").open()) if r["kind"] == "train"]
+        assert [int(r["step"]) for r in rows] == list(range(1, 13))
+        assert {r["participants"] for r in rows} == {str(groups)}
+
+
+@pytest.mark.timeout(300)
+def test_one_group_writes_the_checkpoints_and_every_group_resumes_from_them(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    argv = [*MLP, "--strategy", "ddp", "--epochs", "1", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "3"]
+    first = _groups(2, [*argv, "--max-steps", "6"], tmp_path)
+    assert [s for s, _ in first] == [0, 0], first
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-00000003", "step-00000006"]
+    ranks = torch.load(ckpt / "step-00000006" / "ranks.pt", weights_only=True)
+    assert ranks[0]["extra"]["replicas"] == {"step": 6, "batches_committed": 12}  # torchft's own count
+    second = _groups(2, [*argv, "--max-steps", "12", "--resume"], tmp_path)
+    assert [s for s, _ in second] == [0, 0], second
+    assert "resumed from" in second[0][1] + second[1][1]
+    expected = _serial([*MLP, "--epochs", "1", "--max-steps", "12"], tmp_path)
+    for g in range(2):
+        assert _max_diff(torch.load(tmp_path / f"group{g}.pt", weights_only=True), expected) < 1e-5
+
+
+@pytest.mark.timeout(120)
+def test_a_group_with_no_live_peer_says_so_and_stops(tmp_path):
+    """torchfleet lighthouse runs alone; group 1 of 2 starts, no other group ever comes: after
+    --join-timeout it stops with one sentence instead of training alone from its initial weights."""
+    port = _free_port()
+    lighthouse = subprocess.Popen([sys.executable, "-m", "torchfleet", "lighthouse", "--host", "127.0.0.1",
+                                   "--port", str(port)], env=clean_env(), stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    try:
+        start = time.monotonic()
+        out = torchfleet("train", *MLP, "--strategy", "ddp", "--epochs", "1", "--fault-tolerance", "step",
+                         "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
+                         "--lighthouse", f"127.0.0.1:{port}", "--join-timeout", "4", "-n", "1", timeout=90)
+        seconds = time.monotonic() - start
+    finally:
+        lighthouse.terminate()
+        said = lighthouse.communicate(timeout=30)[0]
+    assert lighthouse.returncode == 0, said
+    assert f"lighthouse listening on http://127.0.0.1:{port}" in said
+    assert out.returncode == 1, out.stdout + out.stderr
+    text = out.stdout + out.stderr
+    assert "replica group 1 waited" in text and "only group 1 of 2 joined: no live peer is ahead to heal from" in text
+    assert "group 1 waits for the other groups at step 0 (group 1 here of 2)" in text
+    assert seconds < 60
+
+
+@pytest.mark.timeout(120)
+def test_groups_that_start_from_different_weights_are_stopped(tmp_path):
+    """A script that seeds each group differently: the groups would step apart forever."""
+    port = _free_port()
+    script = str(ROOT / "tests" / "scripts" / "ft_seeds.py")
+    procs = [subprocess.Popen([sys.executable, "-m", "torchfleet", "run", "--fault-tolerance", "step",
+                               "--nnodes", "2", "--node-rank", str(g), "--master-addr", "127.0.0.1",
+                               "--master-port", str(port), "-n", "1", script, "--seed-by-group"],
+                              env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              cwd=ROOT) for g in range(2)]
+    outputs = [p.communicate(timeout=100)[0] for p in procs]
+    for p, text in zip(procs, outputs, strict=True):
+        assert p.returncode == 1, text
+        assert "the replica groups start from different weights" in text, text
+
+
+def test_the_account_names_who_left_who_joined_and_the_pause():
+    from torchfleet.ft.account import Account
+
+    account = Account(group=0, groups=3)
+    transport = SimpleNamespace(received=None, sent=[])
+    account.members = (0, 1, 2)
+    assert account.committed(1, (0, 1, 2), transport) == []
+    for step in range(2, 6):
+        time.sleep(0.01)
+        assert account.committed(step, (0, 1, 2), transport) == []
+    time.sleep(0.3)  # the survivors wait for the lost group's heartbeats to stop
+    lines = account.committed(6, (0, 1), transport)
+    assert len(lines) == 1 and lines[0].startswith("group 2 left at step 5: groups 0, 1 went on after a pause of 0.")
+    assert 0.25 < account.pauses[0] < 0.6
+    transport.sent = [([2], 9)]  # this group sent its state to replica rank 2 (group 2) at step 9
+    assert account.committed(10, (0, 1, 2), transport) == [
+        "group 2 joined at step 9 and healed from this group (0) (3 of 3 groups)"]
+    healing = Account(group=2, groups=3)
+    received = SimpleNamespace(received=(1, 9, 0.25), sent=[])
+    assert healing.committed(10, (0, 1, 2), received) == [
+        "group 2 healed from group 1 at step 9: took its weights in 0.2 s, and goes on with groups 0, 1, 2"]
+
+
+def test_a_quorum_is_recorded_as_the_groups_torchft_names():
+    from torchfleet.ft.account import recording
+
+    class Base:
+        def __init__(self, timeout=None):
+            self.configured = None
+
+        def configure(self, store_addr, replica_id, rank, world_size, quorum_id=None, group_rank=None,
+                      group_world_size=None, global_ranks=None):
+            self.configured = (store_addr, rank, world_size)
+
+    pg = recording(Base)()
+    # group rank 1 of groups of 2 processes: groups 0, 2 and 5 make this quorum (torchft's global ranks)
+    pg.configure("h:1/torchft/3/1", "group2", 1, 3, 3, 1, 2, [1, 5, 11])
+    assert pg.members == (0, 2, 5) and pg.configured == ("h:1/torchft/3/1", 1, 3)
+
+
+def test_a_replica_groups_state_refuses_another_layout():
+    from torchfleet.errors import TrainingError
+    from torchfleet.ft.state import TrainingState
+
+    torch.manual_seed(0)
+    small, large = torch.nn.Linear(4, 2), torch.nn.Linear(4, 3)
+    mine = TrainingState(small, torch.optim.AdamW(small.parameters()))
+    theirs = TrainingState(large, torch.optim.AdamW(large.parameters()))
+    with pytest.raises(TrainingError, match=r"layouts differ \(weight\(2, 4\) here, weight\(3, 4\) there\)"):
+        mine.load(theirs.state(), "group 1")
+
+
+def test_a_healing_group_takes_weights_and_optimizer_state_in_place():
+    from torchfleet.ft.state import TrainingState
+
+    torch.manual_seed(0)
+    live, fresh = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+    live_opt, fresh_opt = torch.optim.AdamW(live.parameters(), lr=0.1), torch.optim.AdamW(fresh.parameters())
+    live(torch.randn(5, 4)).sum().backward()
+    live_opt.step()
+    weight = fresh.weight  # the same Parameter object must hold the new values (the optimizer steps it)
+    TrainingState(fresh, fresh_opt).load(TrainingState(live, live_opt).state())
+    assert fresh.weight is weight and torch.equal(fresh.weight, live.weight)
+    assert fresh_opt.param_groups[0]["lr"] == 0.1
+    for a, b in zip(live.parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(live_opt.state[a]["exp_avg"], fresh_opt.state[b]["exp_avg"])
+        assert fresh_opt.state[b]["step"].device.type == "cpu" and fresh_opt.state[b]["step"].item() == 1
+
+
+BAD = {
+    "unknown mode": (["--fault-tolerance", "always"], "--fault-tolerance 'always' is not a mode; choose restart"),
+    "elastic": (["--fault-tolerance", "step", "--nnodes", "2:3"], "--fault-tolerance step takes a fixed --nnodes"),
+    "lighthouse without step": (["--lighthouse", "10.0.0.1:29510"], "--lighthouse 10.0.0.1:29510 applies with"
+                                " --fault-tolerance step"),
+    "bad lighthouse": (["--fault-tolerance", "step", "--lighthouse", "10.0.0.1:http"], "--lighthouse '10.0.0.1:http' is not HOST:PORT"),
+    "join timeout": (["--fault-tolerance", "step", "--join-timeout", "0"], "--join-timeout 0.0 must be a positive"),
+    "hogwild": (["--fault-tolerance", "step", "--strategy", "hogwild", "-n", "2"],
+                "hogwild shares memory inside one machine and has no gradients to average across replica groups"),
+}
+
+
+@pytest.mark.parametrize("flags,sentence", BAD.values(), ids=BAD.keys())
+def test_bad_fault_tolerance_input_is_one_sentence_and_status_2(flags, sentence, capsys):
+    from torchfleet.cli import main
+
+    assert main(["train", *MLP, *flags]) == 2
+    err = capsys.readouterr().err
+    assert sentence in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_without_torchft_step_is_refused_saying_what_to_install(monkeypatch, capsys):
+    from torchfleet import ft
+    from torchfleet.cli import main
+
+    monkeypatch.setattr(ft, "version", lambda: None)
+    assert main(["train", *MLP, "--fault-tolerance", "step", "--nnodes", "2", "--master-addr", "127.0.0.1"]) == 2
+    err = capsys.readouterr().err
+    assert "--fault-tolerance step cannot run here: torchft is not installed; pip install 'torchfleet[ft]'" in err
