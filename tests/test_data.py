@@ -33,3 +33,24 @@ def test_a_loaded_position_resumes_mid_epoch_once():
     resumed.load_state_dict(state)
     assert list(resumed) == straight[3:]  # the checkpoint's position, then the rest of the epoch
     assert resumed.epoch == 1 and resumed.position == 0
+
+
+def test_seek_moves_the_pass_under_way_and_the_next_one():
+    """A replica group's step that did not commit reads the same batch again; a group that healed reads its
+    peers' step's batch, in this epoch (the pass under way) or another (the next pass starts there)."""
+    from torchfleet.data import GlobalBatchSampler
+
+    sampler = GlobalBatchSampler(40, 10, shuffle=False)  # 4 steps an epoch; a batch's first index is 10 x step
+    it = iter(sampler)
+    seen = [next(it)[0], next(it)[0]]  # steps 0 and 1
+    sampler.seek(1)  # step 1 did not commit: again
+    seen += [next(it)[0], next(it)[0]]
+    assert seen == [0, 10, 10, 20]
+    sampler.seek(6)  # healed to step 6: epoch 1, batch 2
+    assert list(it) == [] and (sampler.epoch, sampler.position) == (1, 2)
+    assert [b[0] for b in sampler] == [20, 30] and sampler.epoch == 2
+    assert [b[0] for b in sampler] == [0, 10, 20, 30]  # a pass with no seek starts at 0
+    it = iter(sampler)
+    last = [next(it)[0] for _ in range(4)]
+    sampler.seek(sampler.epoch * 4 + 3)  # the epoch's last step did not commit
+    assert last + [b[0] for b in it] == [0, 10, 20, 30, 30] and sampler.epoch == 4

@@ -13,7 +13,7 @@ from torchfleet.doctor import STRATEGIES, collect_report, render_report, strateg
 
 KEYS = {
     "python", "torch", "torchfleet", "cpu_cores", "gpus", "infiniband", "ip_over_ib",
-    "backends_built", "cluster", "interfaces", "backend", "strategies",
+    "backends_built", "cluster", "interfaces", "backend", "strategies", "fault_tolerance",
 }
 CPU_HOST = Hardware(0, (), (), False, False, frozenset({"gloo"}))
 
@@ -45,6 +45,21 @@ def test_report_on_this_machine(report: dict) -> None:
     assert report["backend"]["name"] == "gloo"
     assert "lo" in [i["name"] for i in report["interfaces"]]
     assert "error" in report["cluster"] or "world_size" in report["cluster"]
+
+
+def test_report_says_whether_per_step_fault_tolerance_can_run(report: dict, monkeypatch) -> None:
+    from torchfleet import doctor, ft
+
+    installed = ft.version()
+    assert report["fault_tolerance"]["torchft"] == installed
+    assert report["fault_tolerance"]["available"] == (installed is not None)
+    monkeypatch.setattr(ft, "version", lambda: None)  # as where torchft is not installed
+    missing = doctor._fault_tolerance()
+    assert missing == {"torchft": None, "available": False,
+                       "why": "torchft is not installed; pip install 'torchfleet[ft]' (or pip install torchft)"}
+    out = io.StringIO()
+    render_report({**report, "fault_tolerance": missing}, Console(file=out, width=200))
+    assert "Per-step fault tolerance: no: torchft is not installed; pip install 'torchfleet[ft]'" in out.getvalue()
 
 
 def test_report_lists_every_strategy_and_dp_needs_gpus(report: dict) -> None:

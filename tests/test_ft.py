@@ -136,20 +136,26 @@ def test_a_group_with_no_live_peer_says_so_and_stops(tmp_path):
     assert seconds < 60
 
 
-@pytest.mark.timeout(120)
-def test_groups_that_start_from_different_weights_are_stopped(tmp_path):
-    """A script that seeds each group differently: the groups would step apart forever."""
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("seeds", ["same", "by-group"])
+def test_a_script_runs_as_replica_groups_unless_they_start_from_different_weights(seeds, tmp_path):
+    """torchfleet run --fault-tolerance step with a Fleet script; seeded differently per group, the groups
+    would step apart forever, and Fleet stops them."""
     port = _free_port()
-    script = str(ROOT / "tests" / "scripts" / "ft_seeds.py")
+    script = [str(ROOT / "tests" / "scripts" / "ft_seeds.py"), *(["--seed-by-group"] if seeds == "by-group" else [])]
     procs = [subprocess.Popen([sys.executable, "-m", "torchfleet", "run", "--fault-tolerance", "step",
                                "--nnodes", "2", "--node-rank", str(g), "--master-addr", "127.0.0.1",
-                               "--master-port", str(port), "-n", "1", script, "--seed-by-group"],
+                               "--master-port", str(port), "-n", "1", *script],
                               env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               cwd=ROOT) for g in range(2)]
-    outputs = [p.communicate(timeout=100)[0] for p in procs]
+    outputs = [p.communicate(timeout=120)[0] for p in procs]
     for p, text in zip(procs, outputs, strict=True):
-        assert p.returncode == 1, text
-        assert "the replica groups start from different weights" in text, text
+        if seeds == "same":
+            assert p.returncode == 0, text
+            assert "replica group" in text and "different weights" not in text
+        else:
+            assert p.returncode == 1, text
+            assert "the replica groups start from different weights" in text, text
 
 
 def test_the_account_names_who_left_who_joined_and_the_pause():
@@ -250,3 +256,23 @@ def test_without_torchft_step_is_refused_saying_what_to_install(monkeypatch, cap
     assert main(["train", *MLP, "--fault-tolerance", "step", "--nnodes", "2", "--master-addr", "127.0.0.1"]) == 2
     err = capsys.readouterr().err
     assert "--fault-tolerance step cannot run here: torchft is not installed; pip install 'torchfleet[ft]'" in err
+
+
+def test_a_fleet_asked_for_a_mode_its_launcher_did_not_set_up_is_refused(monkeypatch):
+    from torchfleet import Fleet, UsageError
+    from torchfleet.env import replicas
+
+    for name in (replicas.GROUP, replicas.GROUPS, replicas.LIGHTHOUSE, replicas.ADDR):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(UsageError, match="fault_tolerance='step' needs replica groups: launch the script with"
+                                         " torchfleet run --fault-tolerance step"):
+        Fleet(strategy="serial", fault_tolerance="step")
+    monkeypatch.setenv(replicas.GROUP, "1")
+    monkeypatch.setenv(replicas.GROUPS, "2")
+    monkeypatch.setenv(replicas.LIGHTHOUSE, "http://127.0.0.1:29510")
+    monkeypatch.setenv(replicas.ADDR, "127.0.0.1")
+    with pytest.raises(UsageError, match="this process was started as replica group 1 of 2 .* but Fleet was given"
+                                         " fault_tolerance='restart'; leave it out"):
+        Fleet(strategy="serial", fault_tolerance="restart")
+    with pytest.raises(UsageError, match="unknown fault_tolerance 'always'; choose one of restart, step"):
+        Fleet(strategy="serial", fault_tolerance="always")

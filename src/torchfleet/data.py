@@ -85,6 +85,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
         # Kept apart from `position` so that an iterator left mid-epoch (next(iter(loader))
         # to get example inputs) does not make the next pass skip what it handed out.
         self._start = 0
+        self._seeked = False  # a `seek` not yet taken up by the pass under way
 
     def set_epoch(self, epoch: int) -> None:
         if epoch != self.epoch:
@@ -103,16 +104,28 @@ class GlobalBatchSampler(Sampler[list[int]]):
 
     def __iter__(self) -> Iterator[list[int]]:
         start, self._start = self._start, 0
-        self.position = start
+        self.position, epoch, self._seeked = start, self.epoch, False
         order = self._order().tolist()
-        for step in range(start, len(self)):
-            start = step * self.global_batch
-            chunk = order[start : start + self.global_batch]
+        # The position is read afresh for every batch: `seek` during the pass (a replica group's
+        # step that did not commit, or a group that healed) moves this very iterator.
+        while self.position < len(self):
+            if self._seeked:
+                self._seeked = False
+                if self.epoch != epoch:  # moved to another epoch: the next pass starts there
+                    return
+                self._start = 0  # taken up by this pass, not a later one
+            step = self.position
+            first = step * self.global_batch
+            chunk = order[first : first + self.global_batch]
             # An incomplete last batch (drop_last=False) is split as evenly as it goes.
             per_rank = -(-len(chunk) // self.world_size)
             mine = chunk[self.rank * per_rank : (self.rank + 1) * per_rank]
             self.position = step + 1
             yield mine
+        if self._seeked and self.epoch != epoch:  # moved at the last batch: the next pass starts there
+            self._seeked = False
+            return
+        self._seeked = False
         self.position = 0
         self.epoch += 1
 
@@ -124,10 +137,12 @@ class GlobalBatchSampler(Sampler[list[int]]):
         self._start = self.position
 
     def seek(self, step: int) -> None:
-        """The next pass starts at the batch of global step `step` (counted from the first epoch's first
-        batch): a replica group redoing a step that did not commit, or going on where its peers are."""
+        """Go to the batch of global step `step` (counted from the first epoch's first batch): a replica
+        group redoing a step that did not commit, or going on where its peers are. A pass under way
+        hands that batch out next (within its epoch; at another epoch it ends); else the next pass
+        starts there."""
         self.epoch, self.position = divmod(step, len(self))
-        self._start = self.position
+        self._start, self._seeked = self.position, True
 
 
 class ShardSampler(Sampler[int]):
@@ -169,3 +184,15 @@ def dataset_length(dataset, method: str) -> int:
         raise UsageError(f"fleet.{method} splits a data set by index and needs its length;"
                          f" {type(dataset).__name__} has no __len__")
     return len(dataset)
+
+
+def batch_loader(dataset: Dataset, sampler: GlobalBatchSampler, seed: int, num_workers: int = 0) -> DataLoader:
+    """The DataLoader `fleet.dataloader` returns: `sampler`'s batches of `dataset`."""
+    # Its own generator: each new iterator draws a seed from it, and a draw from
+    # the global RNG there would shift dropout after a mid-epoch resume.
+    generator = torch.Generator().manual_seed(seed)
+    if type(dataset) is TensorDataset:
+        # In-memory tensors: gather each batch at once instead of sample by sample.
+        return DataLoader(TensorBatches(dataset), batch_sampler=sampler, num_workers=num_workers,
+                          collate_fn=as_batch, generator=generator)
+    return DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers, generator=generator)

@@ -184,6 +184,16 @@ def _interfaces() -> list[dict]:
     ]
 
 
+def _fault_tolerance() -> dict:
+    """Whether --fault-tolerance step can run here: torchft installed, and loading with this torch."""
+    from torchfleet import ft
+
+    why = ft.unavailable()
+    version = ft.version()
+    return {"torchft": version, "available": why is None,
+            "why": why or f"torchft {version} loads: --fault-tolerance step and torchfleet lighthouse can run here"}
+
+
 def collect_report(hw: Hardware | None = None, environ: Mapping[str, str] | None = None) -> dict:
     """Everything doctor knows about this host, as a JSON-serialisable dict."""
     hw = hw if hw is not None else probe_hardware()
@@ -205,6 +215,7 @@ def collect_report(hw: Hardware | None = None, environ: Mapping[str, str] | None
         "interfaces": _interfaces(),
         "backend": _backend(hw),
         "strategies": strategy_availability(hw, cores["usable"]),
+        "fault_tolerance": _fault_tolerance(),
     }
 
 
@@ -276,6 +287,8 @@ def render_report(report: dict, console: Console) -> None:
                       " OpenMPI's variables and Gloo carries the tensors. The MPI backend itself"
                       " needs PyTorch built from source on a host with MPI installed.")
     console.print(_strategy_table(report))
+    ft = report["fault_tolerance"]
+    console.print(f"[bold]Per-step fault tolerance:[/] {_yes(ft['available'])}: {escape(ft['why'])}")
 
 
 def print_doctor(json_out: bool = False) -> int:

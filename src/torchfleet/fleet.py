@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset
 
 from torchfleet import allocator, checkpoint, versions
 from torchfleet.backend import choose_backend, choose_socket_interface, probe_hardware, shares_gpus
-from torchfleet.data import GlobalBatchSampler, ShardSampler, TensorBatches, as_batch
+from torchfleet.data import GlobalBatchSampler, ShardSampler, batch_loader
 from torchfleet.data import dataset_length as _length
 from torchfleet.env import DistEnv
 from torchfleet.env.replicas import ReplicaEnv
@@ -78,6 +78,7 @@ class Fleet:
             relaunch_per_gpu(self.env)
         self.grad_accum = grad_accum
         self.notes: list[str] = []
+        self._samplers: list[GlobalBatchSampler] = []  # the training loaders' (dataloader)
         self._returned: torch.nn.Module | None = None  # what setup returned, until train_step's first check
 
         hardware = probe_hardware()
@@ -191,20 +192,14 @@ class Fleet:
             groups = self.replicas.env
             rank, world = groups.group * world + rank, groups.groups * world
         sampler = GlobalBatchSampler(size, batch_size, rank, world, shuffle, seed, drop_last)
+        self._samplers.append(sampler)  # under replica groups: moved to the batch of torchft's step
         if sampler.local_batch % self.grad_accum:
             raise UsageError(
                 f"each process's batch of {sampler.local_batch} (batch size {batch_size} / {world}"
                 f" processes) does not split into {self.grad_accum} accumulation steps;"
                 f" use a batch size that is a multiple of {world * self.grad_accum}"
             )
-        # Its own generator: each new iterator draws a seed from it, and a draw from
-        # the global RNG there would shift dropout after a mid-epoch resume.
-        generator = torch.Generator().manual_seed(seed)
-        if type(dataset) is TensorDataset:
-            # In-memory tensors: gather each batch at once instead of sample by sample.
-            return DataLoader(TensorBatches(dataset), batch_sampler=sampler, num_workers=num_workers,
-                              collate_fn=as_batch, generator=generator)
-        return DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers, generator=generator)
+        return batch_loader(dataset, sampler, seed, num_workers)
 
     def eval_dataloader(self, dataset: Dataset, batch_size: int = 256) -> DataLoader:
         """Every sample exactly once across ranks; combine results with `all_reduce`."""
@@ -224,13 +219,18 @@ class Fleet:
                 self.notes.append("torch.compile after setup: train_step compiles the module it runs, in place")
             self._returned = None
         inputs, targets = self.to_device(inputs), self.to_device(targets)
+        before = self.replicas.step if self.replicas is not None else 0
         loss = self.strategy.train_step(inputs, targets, loss_fn, self.grad_accum)
-        self._tell_replica_news()
+        self._after_replica_step(before)
         return loss
 
-    def _tell_replica_news(self) -> None:
-        """Under per-step fault tolerance: a line for each group that left, joined or healed (main rank)."""
+    def _after_replica_step(self, before: int) -> None:
+        """Under per-step fault tolerance: the loaders go to the batch of torchft's step (the same batch again
+        after a step that did not commit, the peers' after healing), and the main rank says what happened."""
         if self.replicas is not None:
+            if self.replicas.step != before + 1:
+                for sampler in self._samplers:
+                    sampler.seek(self.replicas.step)
             for line in self.replicas.take_lines():
                 self.print(f"torchfleet: {line}")
 
@@ -244,9 +244,10 @@ class Fleet:
         self._hand_written_loop("step")
         if optimizer is not self.strategy.optimizer:
             raise UsageError("fleet.step() takes the optimizer fleet.setup() returned")
+        before = self.replicas.step if self.replicas is not None else 0
         self.strategy.before_step()
         self.strategy.apply_gradients()  # with replica groups: averaged across them, stepped if committed
-        self._tell_replica_news()
+        self._after_replica_step(before)
 
     def _hand_written_loop(self, method: str) -> None:
         if self.strategy.schedules_steps:

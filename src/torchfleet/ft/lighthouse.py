@@ -27,7 +27,7 @@ from torchfleet.errors import UsageError
 DEFAULT_PORT = 29510  # torchft_lighthouse's own default
 HEARTBEAT_TIMEOUT_MS = 3000
 JOIN_TIMEOUT_MS = 10000
-REACH_SECONDS = 30.0  # how long a group knocks on the lighthouse before giving up
+REACH_SECONDS = 25.0  # how long a group knocks on the lighthouse before giving up (the job says so within 30 s)
 
 
 def url(host: str, port: int) -> str:

@@ -97,16 +97,22 @@ class ReplicaGroup:
         self.pg = recording(base)(timeout=TIMEOUT)
         self.transport = RecordedTransport(self.pg, timeout=TIMEOUT, device=self.device)
         port = self._store_port()
-        with _manager_server_on(self.env.addr):
-            self.manager = Manager(
-                pg=self.pg, load_state_dict=self.state.load, state_dict=self.state.state, min_replica_size=1,
-                rank=self.dist_env.rank, world_size=self.dist_env.world_size, store_addr=self.env.addr,
-                store_port=port, lighthouse_addr=self.env.lighthouse, replica_id=self.env.replica_id,
-                hostname=self.env.addr, checkpoint_transport=self.transport, timeout=TIMEOUT,
-                quorum_timeout=datetime.timedelta(seconds=self.env.join_timeout), connect_timeout=TIMEOUT,
-                # torchfleet seeds every group's model alike and checks it (_check_same_weights); torchft's
-                # initial sync would instead count the syncing groups as zeros in the first step's average.
-                init_sync=False)
+        try:
+            with _manager_server_on(self.env.addr):
+                self.manager = Manager(
+                    pg=self.pg, load_state_dict=self.state.load, state_dict=self.state.state, min_replica_size=1,
+                    rank=self.dist_env.rank, world_size=self.dist_env.world_size, store_addr=self.env.addr,
+                    store_port=port, lighthouse_addr=self.env.lighthouse, replica_id=self.env.replica_id,
+                    hostname=self.env.addr, checkpoint_transport=self.transport, timeout=TIMEOUT,
+                    quorum_timeout=datetime.timedelta(seconds=self.env.join_timeout), connect_timeout=TIMEOUT,
+                    # torchfleet seeds every group's model alike and checks it (_check_same_weights); torchft's
+                    # initial sync would instead count the syncing groups as zeros in the first step's average.
+                    init_sync=False)
+        except RuntimeError as exc:  # the lighthouse gone (the job ended, node 0 lost), or rank 0's store
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise TrainingError(f"replica group {self.env.group} could not start torchft's manager ({first}); is the"
+                                f" lighthouse at {self.env.lighthouse} still up? It stops when the job ends or its"
+                                " machine is lost") from None
 
     def _store_port(self) -> int:
         """The group's store for torchft (its rank 0 opens it on the job's interface; a new one per start of the

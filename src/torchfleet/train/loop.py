@@ -144,13 +144,16 @@ def _train(cfg: TrainConfig, fleet: Fleet, listener: preempt.Listener) -> dict:
                 loss = fleet.train_step(inputs, targets, loss_fn)
                 if replicas is not None and replicas.step != step + 1:
                     # torchft's count: a step that did not commit is done again on the same batch, and a
-                    # group that healed goes on at its peers' step (step k reads batch k, everywhere).
-                    step, moved = replicas.step, True
+                    # group that healed goes on at its peers' step; Fleet has moved the loader to its batch
+                    # (step k reads batch k, everywhere). At another epoch, that epoch's pass starts there.
+                    step = replicas.step
                     if watchdog:
                         watchdog.beat(step)
-                    sampler.seek(step)
                     bar.at(step)
-                    break
+                    if sampler.epoch != epoch:
+                        moved = True
+                        break
+                    continue
                 step += 1
                 samples += cfg.batch_size
                 if watchdog:
