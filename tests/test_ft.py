@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -110,6 +111,39 @@ def test_one_group_writes_the_checkpoints_and_every_group_resumes_from_them(tmp_
         assert _max_diff(torch.load(tmp_path / f"group{g}.pt", weights_only=True), expected) < 1e-5
 
 
+@pytest.mark.timeout(300)
+def test_a_group_whose_worker_dies_is_restarted_by_its_agent_and_heals_from_a_live_peer(tmp_path):
+    """Group 1's worker is killed after step 8; its own agent (--max-restarts 1) starts it again, it heals
+    from group 0 instead of reading a checkpoint, and both end with the same weights, near serial's."""
+    fired = tmp_path / "fired"
+    port = _free_port()
+    argv = [*MLP, "--strategy", "ddp", "--epochs", "6", "--log-every", "29"]
+
+    def group(rank: int, **env) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-m", "torchfleet", "train", *argv, "--fault-tolerance", "step", "--nnodes", "2",
+             "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port), "-n", "1",
+             "--max-restarts", "1", "--save-model", str(tmp_path / f"group{rank}.pt"),
+             "--json-out", str(tmp_path / f"group{rank}.json")],
+            env=clean_env(**env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+
+    procs = [group(0), group(1, TORCHFLEET_FAULT=f"kill:rank=0:step=8:once={fired}")]
+    outputs = [p.communicate(timeout=240)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    assert fired.exists()
+    healed = re.search(r"group 1 healed from group 0 at step (\d+)", outputs[1])
+    assert healed and int(healed.group(1)) >= 8, outputs[1]
+    # Its agent started it again within the 3 s the lighthouse waits for heartbeats, or after them.
+    assert re.search(r"group 1 was lost and started again at step \d+, healing from this group \(0\); groups 0, 1"
+                     r" went on after a pause of|group 1 left at step \d+: group 0 went on", outputs[0]), outputs[0]
+    assert "resumed from" not in outputs[1]
+    weights = [torch.load(tmp_path / f"group{g}.pt", weights_only=True) for g in range(2)]
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    summaries = [json.loads((tmp_path / f"group{g}.json").read_text()) for g in range(2)]
+    assert [s["steps"] for s in summaries] == [6 * 29] * 2
+    assert summaries[0]["val_accuracy"] == summaries[1]["val_accuracy"]
+
+
 @pytest.mark.timeout(120)
 def test_a_group_with_no_live_peer_says_so_and_stops(tmp_path):
     """torchfleet lighthouse runs alone; group 1 of 2 starts, no other group ever comes: after
@@ -133,6 +167,41 @@ def test_a_group_with_no_live_peer_says_so_and_stops(tmp_path):
     text = out.stdout + out.stderr
     assert "replica group 1 waited" in text and "only group 1 of 2 joined: no live peer is ahead to heal from" in text
     assert "group 1 waits for the other groups at step 0 (group 1 here of 2)" in text
+    assert seconds < 60
+
+
+@pytest.mark.timeout(150)
+def test_groups_whose_lighthouse_is_lost_stop_with_one_sentence(tmp_path):
+    """The lighthouse (torchfleet lighthouse, apart) is killed while two groups train: each stops at its next
+    step saying so, instead of a traceback from torchft's quorum after the timeout."""
+    port = _free_port()
+    lighthouse = subprocess.Popen([sys.executable, "-m", "torchfleet", "lighthouse", "--host", "127.0.0.1",
+                                   "--port", str(port)], env=clean_env(), stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "torchfleet", "train", *MLP, "--strategy", "ddp", "--epochs", "50",
+         "--fault-tolerance", "step", "--nnodes", "2", "--node-rank", str(g), "--master-addr", "127.0.0.1",
+         "--lighthouse", f"127.0.0.1:{port}", "--join-timeout", "20", "-n", "1", "--log-every", "1",
+         "--metrics-out", str(tmp_path / f"group{g}.csv")],
+        env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT) for g in range(2)]
+    try:
+        deadline = time.monotonic() + 90
+        metrics = tmp_path / "group0.csv"
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) > 10):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "the groups did not start"
+            time.sleep(0.2)
+        lighthouse.kill()
+        start = time.monotonic()
+        outputs = [p.communicate(timeout=90)[0] for p in procs]
+        seconds = time.monotonic() - start
+    finally:
+        for p in [lighthouse, *procs]:
+            p.kill()
+    for p, text in zip(procs, outputs, strict=True):
+        assert p.returncode == 1, text
+        assert re.search(r"replica group [01] got no quorum at step \d+ \(.*\): the lighthouse at"
+                         rf" http://127.0.0.1:{port} does not answer", text), text
+    print(f"both groups stopped {seconds:.1f} s after the lighthouse was lost")
     assert seconds < 60
 
 
@@ -175,6 +244,12 @@ def test_the_account_names_who_left_who_joined_and_the_pause():
     transport.sent = [([2], 9)]  # this group sent its state to replica rank 2 (group 2) at step 9
     assert account.committed(10, (0, 1, 2), transport) == [
         "group 2 joined at step 9 and healed from this group (0) (3 of 3 groups)"]
+    assert account.committed(15, (0, 1, 2), transport, quorum_id=7) == []  # the first quorum id seen
+    time.sleep(0.2)
+    transport.sent = [([1], 15)]  # group 1 died and came back before the lighthouse gave up on it
+    lines = account.committed(16, (0, 1, 2), transport, quorum_id=8)
+    assert lines[0].startswith("group 1 was lost and started again at step 15, healing from this group (0); groups"
+                               " 0, 1, 2 went on after a pause of"), lines
     healing = Account(group=2, groups=3)
     received = SimpleNamespace(received=(1, 9, 0.25), sent=[])
     assert healing.committed(10, (0, 1, 2), received) == [

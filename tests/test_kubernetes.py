@@ -4,10 +4,16 @@ The schema is the PyTorchJob CRD's openAPIV3Schema (tests/data/pytorchjob.v1.sch
 says where it comes from and how it was reduced). Kubernetes rejects fields a structural
 schema does not name (kubectl's strict field validation); `_strict` makes jsonschema do the
 same, so a misspelt field fails here as it would there.
+
+Under `--fault-tolerance step` the manifest holds three documents: the lighthouse's
+Deployment and Service (checked field by field: kind, apiVersion, the selector that
+must match the pod's labels, the ports, the downward-API address) and the PyTorchJob,
+which the same schema validates; its pods and the lighthouse then run here as processes.
 """
 
 from __future__ import annotations
 
+import builtins
 import copy
 import json
 import re
@@ -27,6 +33,7 @@ yaml = pytest.importorskip("yaml", reason="pyyaml is in the dev extra")
 
 SCHEMA = json.loads((Path(__file__).parent / "data" / "pytorchjob.v1.schema.json").read_text())
 SCRIPT = "examples/train_digits.py"  # relative: the image's working folder holds it
+FT_SCRIPT = "tests/scripts/ft_seeds.py"  # a Fleet script for replica groups
 
 
 def _strict(schema):
@@ -110,6 +117,101 @@ def test_bad_input(capsys):
     assert "--nodes 0 must be at least 1" in capsys.readouterr().err
     assert main(["k8s", SCRIPT, "--image", "my image"]) == 2
     assert "--image 'my image' is not an image reference" in capsys.readouterr().err
+    assert main(["k8s", SCRIPT, "--fault-tolerance", "always"]) == 2
+    err = capsys.readouterr().err
+    assert "--fault-tolerance 'always' is not a mode; choose restart" in err and len(err.strip().splitlines()) == 1
+
+
+def _ft_documents(tmp_path, *flags) -> list[dict]:
+    out = tmp_path / "job.yaml"
+    assert main(["k8s", SCRIPT, "--fault-tolerance", "step", "--out", str(out), *flags]) == 0
+    return list(yaml.safe_load_all(out.read_text()))
+
+
+def _subset(small: dict, big: dict) -> bool:
+    return all(big.get(k) == v for k, v in small.items())
+
+
+def _check_lighthouse(deployment: dict, service: dict, image: str) -> None:
+    """What the API server and kube-proxy need of the two: the kinds, a selector that matches the
+    pods' labels (apps/v1 refuses a Deployment whose selector does not), a port that reaches the pod's."""
+    assert (deployment["apiVersion"], deployment["kind"]) == ("apps/v1", "Deployment")
+    assert (service["apiVersion"], service["kind"]) == ("v1", "Service")
+    name = service["metadata"]["name"]
+    assert deployment["metadata"]["name"] == name and re.fullmatch(r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?", name)
+    spec = deployment["spec"]
+    assert spec["replicas"] == 1
+    labels = spec["template"]["metadata"]["labels"]
+    assert spec["selector"]["matchLabels"] and _subset(spec["selector"]["matchLabels"], labels)
+    assert service["spec"]["selector"] and _subset(service["spec"]["selector"], labels)
+    pod = spec["template"]["spec"]
+    assert pod["restartPolicy"] == "Always"
+    (container,) = pod["containers"]
+    assert container["image"] == image
+    assert container["command"] == ["python", "-m", "torchfleet", "lighthouse", "--host", "$(POD_IP)",
+                                    "--port", "29510"]
+    assert container["env"] == [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
+    assert container["ports"] == [{"name": "lighthouse", "containerPort": 29510, "protocol": "TCP"}]
+    assert service["spec"]["ports"] == [{"name": "lighthouse", "port": 29510, "targetPort": "lighthouse",
+                                         "protocol": "TCP"}]
+
+
+def test_ft_manifest_adds_a_lighthouse_and_runs_one_replica_group_per_pod(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)
+    image = "registry.example.com/me/train:1"
+    documents = _ft_documents(tmp_path, "--nodes", "3", "--nproc-per-node", "2", "--gpus-per-node", "2",
+                              "--image", image, "--", "--epochs", "3")
+    assert [d["kind"] for d in documents] == ["Deployment", "Service", "PyTorchJob"]
+    deployment, service, job = documents
+    _check_lighthouse(deployment, service, image)
+    assert service["metadata"]["name"] == "torchfleet-train-digits-lighthouse"
+    assert ("one replica group each; the lighthouse's Deployment and Service torchfleet-train-digits-lighthouse"
+            in capsys.readouterr().out)
+    assert _errors(job) == []
+    assert job["metadata"]["name"] == "torchfleet-train-digits"
+    replicas = job["spec"]["pytorchReplicaSpecs"]
+    assert {k: (v["replicas"], v["restartPolicy"]) for k, v in replicas.items()} == {
+        "Master": (1, "OnFailure"), "Worker": (2, "OnFailure")}
+    for kind, replica in replicas.items():
+        (container,) = replica["template"]["spec"]["containers"]
+        assert container["command"] == [
+            "python", "-m", "torchfleet", "run", "--fault-tolerance", "step", "--nnodes", "3",
+            "--node-rank", "$(PET_NODE_RANK)", "--master-addr", "torchfleet-train-digits-lighthouse",
+            "--lighthouse", "torchfleet-train-digits-lighthouse:29510", "-n", "2", SCRIPT, "--epochs", "3"]
+        assert container["resources"] == {"limits": {"nvidia.com/gpu": 2}}
+        # The operator gives each pod its own index there: one group per pod, 0 to 2.
+        assert [_expand("$(PET_NODE_RANK)", _operator_env(job, kind, i, 23456))
+                for i in range(replica["replicas"])] == (["0"] if kind == "Master" else ["1", "2"])
+
+
+def test_ft_manifest_keeps_the_lighthouse_service_a_dns_label(tmp_path):
+    script = tmp_path / ("a_very_long_training_script_name_" * 3 + ".py")
+    script.write_text("")
+    out = tmp_path / "long.yaml"
+    assert main(["k8s", str(script), "--fault-tolerance", "step", "--out", str(out)]) == 0
+    deployment, service, job = yaml.safe_load_all(out.read_text())
+    assert len(job["metadata"]["name"]) == 52 and len(service["metadata"]["name"]) == 63
+    _check_lighthouse(deployment, service, "torchfleet:latest")
+    assert _errors(job) == []
+
+
+def test_ft_manifest_without_pyyaml_is_a_json_list(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    real_import = builtins.__import__
+
+    def no_yaml(name, *args, **kwargs):
+        if name == "yaml":
+            raise ImportError("No module named 'yaml'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_yaml)
+    out = tmp_path / "job.json"
+    assert main(["k8s", SCRIPT, "--fault-tolerance", "step", "--nodes", "2", "--out", str(out)]) == 0
+    listed = json.loads(out.read_text())
+    assert (listed["apiVersion"], listed["kind"]) == ("v1", "List")
+    assert [item["kind"] for item in listed["items"]] == ["Deployment", "Service", "PyTorchJob"]
+    _check_lighthouse(*listed["items"][:2], "torchfleet:latest")
+    assert _errors(listed["items"][2]) == []
 
 
 def _operator_env(job: dict, replica: str, index: int, master_port: int) -> dict[str, str]:
@@ -152,3 +254,44 @@ def test_pods_train_like_one_process(tmp_path, monkeypatch):
     assert [pod.returncode for pod in pods] == [0, 0], "\n".join(logs)
     assert logs[0].count("epoch 1:") == 1 and "epoch 1:" not in logs[1]  # rank 0 is the master's
     assert reference.max_difference(out) < 1e-5
+
+
+@pytest.mark.timeout(180)
+def test_ft_pods_meet_at_the_lighthouse_and_train(tmp_path, monkeypatch):
+    """The lighthouse Deployment's command with the pod's IP, and each pod's command with the
+    operator's variables, as processes here (the Service's name swapped for 127.0.0.1, its port
+    for a free one): the groups reach the lighthouse and train together to the end."""
+    pytest.importorskip("torchft", reason="--fault-tolerance step needs torchft (the dev extra installs it)")
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "job.yaml"
+    assert main(["k8s", FT_SCRIPT, "--fault-tolerance", "step", "--nodes", "2", "--out", str(out)]) == 0
+    deployment, service, job = yaml.safe_load_all(out.read_text())
+    name, port = service["metadata"]["name"], free_port()
+
+    def local(command: list[str], env: dict[str, str]) -> list[str]:
+        swapped = [_expand(arg, env).replace(f"{name}:29510", f"127.0.0.1:{port}") for arg in command]
+        assert swapped[0] == "python"
+        return [sys.executable, *(str(port) if a == "29510" else "127.0.0.1" if a == name else a
+                                  for a in swapped[1:])]
+
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    lighthouse = subprocess.Popen(local(container["command"], {"POD_IP": "127.0.0.1"}), cwd=ROOT, text=True,
+                                  env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    pods = []
+    try:
+        for replica, index in (("Master", 0), ("Worker", 0)):
+            env = _operator_env(job, replica, index, free_port())
+            (container,) = job["spec"]["pytorchReplicaSpecs"][replica]["template"]["spec"]["containers"]
+            pods.append(subprocess.Popen(local(container["command"], env), cwd=ROOT, text=True,
+                                         env=clean_env(**env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        logs = [pod.communicate(timeout=150)[0] for pod in pods]
+    finally:
+        for pod in pods:
+            pod.kill()
+        lighthouse.terminate()
+        said = lighthouse.communicate(timeout=30)[0]
+    assert [pod.returncode for pod in pods] == [0, 0], "\n".join(logs)
+    assert f"lighthouse listening on http://127.0.0.1:{port}" in said, said
+    for group, log in enumerate(logs):
+        assert f"the lighthouse at 127.0.0.1:{port} answers" in log, log
+        assert f"replica group {group} of 2" in log, log

@@ -41,6 +41,13 @@ def add_commands(sub) -> None:
                        help="processes per node (default: one per GPU, else 1)")
     slurm.add_argument("--partition", default=None, help="Slurm partition (default: the cluster's)")
     slurm.add_argument("--time", default=None, help="time limit, e.g. 2:00:00 (default: the partition's)")
+    slurm.add_argument("--fault-tolerance", default="restart", metavar="MODE",
+                       help="restart (default): one srun step of every process, which ends when one fails;"
+                            " step: one replica group per node under torchft, each started again when it fails,"
+                            " the others going on meanwhile (--no-kill keeps the allocation when a node is lost)")
+    slurm.add_argument("--max-restarts", type=int, default=None, metavar="M",
+                       help="with --fault-tolerance step: start a failed node's group again at most M times"
+                            " (default 3)")
     slurm.add_argument("--out", default=None, metavar="FILE",
                        help="where to write the batch script (default SCRIPT.sbatch; - for stdout)")
     slurm.add_argument("--submit", action="store_true", help="submit it with sbatch")
@@ -68,6 +75,10 @@ def add_commands(sub) -> None:
                      help="GPUs each pod asks for (nvidia.com/gpu; default 0)")
     k8s.add_argument("--image", default=None,
                      help="container image holding torchfleet and the script (default torchfleet:latest)")
+    k8s.add_argument("--fault-tolerance", default="restart", metavar="MODE",
+                     help="restart (default): torchrun in every pod, one rendezvous; step: each pod a replica"
+                          " group under torchft, meeting at a lighthouse Deployment and Service written alongside;"
+                          " a failed pod restarts alone and heals from a live peer")
     k8s.add_argument("--out", default=None, metavar="FILE",
                      help="where to write the manifest (default SCRIPT.pytorchjob.yaml; - for stdout)")
     _script_args(k8s)
@@ -89,7 +100,8 @@ def _slurm(args) -> int:
 
     job = slurm.SlurmJob(args.script, args.script_args, nodes=args.nodes,
                          gpus_per_node=args.gpus_per_node, ntasks_per_node=args.ntasks_per_node,
-                         partition=args.partition, time=args.time)
+                         partition=args.partition, time=args.time, fault_tolerance=args.fault_tolerance,
+                         max_restarts=args.max_restarts)
     text = slurm.batch_script(job)
     if args.out == "-":
         if args.submit:
@@ -97,7 +109,9 @@ def _slurm(args) -> int:
         sys.stdout.write(text)
         return 0
     path = write_text(args.out or f"{Path(job.script).stem}.sbatch", text)
-    print(f"wrote {path}: {job.world_size} processes ({job.nodes} x {job.ntasks_per_node})")
+    groups = (f", a replica group per node, each started again at most {job.max_restarts} times"
+              if job.fault_tolerance == "step" else "")
+    print(f"wrote {path}: {job.world_size} processes ({job.nodes} x {job.ntasks_per_node}){groups}")
     if not args.submit:
         print(f"submit it with: sbatch {path}")
         return 0
@@ -112,14 +126,17 @@ def _k8s(args) -> int:
     job = kubernetes.PyTorchJob(args.script, args.script_args, nodes=args.nodes,
                                 nproc_per_node=args.nproc_per_node,
                                 gpus_per_node=args.gpus_per_node,
-                                image=args.image or kubernetes.DEFAULT_IMAGE)
-    text = kubernetes.render(kubernetes.manifest(job))
+                                image=args.image or kubernetes.DEFAULT_IMAGE,
+                                fault_tolerance=args.fault_tolerance)
+    text = kubernetes.render_all(kubernetes.manifests(job))
     if args.out == "-":
         sys.stdout.write(text)
         return 0
     path = write_text(args.out or f"{Path(job.script).stem}.pytorchjob.yaml", text)
     print(f"wrote {path}: PyTorchJob {job.name}, {job.world_size} processes "
-          f"({job.nodes} pod(s) x {job.nproc_per_node})")
+          f"({job.nodes} pod(s) x {job.nproc_per_node})"
+          + (f", one replica group each; the lighthouse's Deployment and Service {job.lighthouse}"
+             if job.fault_tolerance == "step" else ""))
     if args.image is None:
         print(f"note: the image {kubernetes.DEFAULT_IMAGE} must hold torchfleet and "
               f"{job.script}; build yours and pass --image")

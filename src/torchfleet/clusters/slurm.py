@@ -6,6 +6,14 @@ Each task is a plain `python train.py`: Fleet reads its rank from Slurm's own
 variables (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_NODEID, ...), and
 torchfleet.env takes the master from the first host of the step's node list and the
 port from the job id, so every task agrees without any extra launcher.
+
+    torchfleet slurm train.py --nodes 4 --gpus-per-node 8 --fault-tolerance step --max-restarts 3
+
+writes a job that survives a lost node instead (`ft_script`): torchft's
+lighthouse in a step of its own on node 0, and on each node one replica group,
+`torchfleet run --fault-tolerance step --lighthouse ...` (launcher/groups.py),
+in a retry loop of its own, in an allocation that `--no-kill` keeps when a node
+fails.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from torchfleet.clusters import at_least, check_script
+from torchfleet.config import FAULT_TOLERANCE
 from torchfleet.errors import UsageError
 
 # Slurm's --time formats: minutes, minutes:seconds, hours:minutes:seconds,
@@ -38,9 +47,12 @@ class SlurmJob:
     time: str | None = None
     python: str = sys.executable  # the interpreter that wrote the job; compute nodes must have it
     workdir: str = "."
+    fault_tolerance: str = "restart"  # or "step": one replica group per node under torchft (ft_script)
+    max_restarts: int | None = None  # with "step": each group is started again at most this often (default 3)
 
     def __post_init__(self) -> None:
         self.script = str(check_script(self.script))
+        self._check_fault_tolerance()
         at_least("--nodes", self.nodes, 1)
         at_least("--gpus-per-node", self.gpus_per_node, 0)
         if self.ntasks_per_node is None:
@@ -57,6 +69,20 @@ class SlurmJob:
                              f"(letters, digits, _ . - and commas)")
         self.workdir = str(Path(self.workdir).resolve())
 
+    def _check_fault_tolerance(self) -> None:
+        if self.fault_tolerance not in FAULT_TOLERANCE:
+            raise UsageError(f"--fault-tolerance {self.fault_tolerance!r} is not a mode; choose restart (one srun"
+                             " step of every process, which ends when one fails) or step (one replica group per"
+                             " node under torchft: the others go on when one is lost)")
+        if self.fault_tolerance == "restart":
+            if self.max_restarts is not None:
+                raise UsageError(f"--max-restarts {self.max_restarts} applies with --fault-tolerance step"
+                                 " (which starts a failed node's group again)")
+            return
+        if self.max_restarts is None:
+            self.max_restarts = 3
+        at_least("--max-restarts", self.max_restarts, 0)
+
     @property
     def world_size(self) -> int:
         assert self.ntasks_per_node is not None  # __post_init__ sets the default
@@ -67,8 +93,7 @@ class SlurmJob:
         return "torchfleet-" + re.sub(r"[^A-Za-z0-9_.-]", "_", Path(self.script).stem)
 
 
-def batch_script(job: SlurmJob) -> str:
-    """The sbatch script for `job`, ready for `sbatch FILE`."""
+def _directives(job: SlurmJob) -> list[str]:
     directives = [
         f"--job-name={job.job_name}",
         f"--nodes={job.nodes}",
@@ -81,11 +106,18 @@ def batch_script(job: SlurmJob) -> str:
     if job.time:
         directives.append(f"--time={job.time}")
     directives += [f"--chdir={job.workdir}", "--output=%x-%j.out"]
+    if job.fault_tolerance == "step":
+        directives.append("--no-kill")  # a failed node leaves the allocation, not the job
+    return ["#!/bin/bash", *(f"#SBATCH {d}" for d in directives), ""]
+
+
+def batch_script(job: SlurmJob) -> str:
+    """The sbatch script for `job`, ready for `sbatch FILE`."""
+    if job.fault_tolerance == "step":
+        return ft_script(job)
     command = shlex.join([job.python, "-u", job.script, *job.script_args])
     lines = [
-        "#!/bin/bash",
-        *(f"#SBATCH {d}" for d in directives),
-        "",
+        *_directives(job),
         f"# Written by `torchfleet slurm`: {job.world_size} processes "
         f"({job.nodes} node(s) x {job.ntasks_per_node}), one srun task each.",
         "# Every task reads its rank from SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID; torchfleet",
@@ -100,6 +132,80 @@ def batch_script(job: SlurmJob) -> str:
     # --kill-on-bad-exit: one failed task ends the step instead of leaving
     # its peers waiting in a collective until the time limit.
     lines += [f"srun --kill-on-bad-exit=1 {command}", ""]
+    return "\n".join(lines)
+
+
+def ft_script(job: SlurmJob) -> str:
+    """The sbatch script for `--fault-tolerance step`: a lighthouse on node 0, one replica group per
+    node, each started again on failure, at most `max_restarts` times; the job waits for every group."""
+    n, m = job.nodes, job.max_restarts
+    lines = [
+        *_directives(job),
+        f"# Written by `torchfleet slurm --fault-tolerance step`: {n} replica group(s) of"
+        f" {job.ntasks_per_node} process(es),",
+        "# one per node, each `torchfleet run --fault-tolerance step` under torchft. When a group fails, the",
+        f"# others go on at their next step; its loop below starts it again (at most {m} times, the same",
+        "# command) and it heals from a live peer. --no-kill keeps the allocation when a node fails: that",
+        "# node's group is not replaced, and the others train on without it. The lighthouse, where the",
+        "# groups meet, runs on node 0: the job needs node 0 to live.",
+        "set -uo pipefail  # no -e: a group that fails is started again below, not the end of the job",
+        'mapfile -t nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST")',
+        "# The lighthouse listens on the address it is given only, so give it node 0's address (its",
+        "# NodeAddr), not its name, which may resolve to 127.0.0.1 on the node itself.",
+        'head=$(scontrol show node "${nodes[0]}" | sed -n \'s/.*NodeAddr=\\([^ ]*\\).*/\\1/p\')',
+        "head=${head:-${nodes[0]}}",
+        "# The lighthouse's port, as torchfleet takes the master's under Slurm: every group computes the",
+        "# same one without talking, consecutive jobs sharing node 0 get different ones, and 15000-24999",
+        "# lies below Linux's ephemeral range (32768-60999), where the kernel hands out outgoing ports.",
+        "port=$((15000 + SLURM_JOB_ID % 10000))",
+        'endpoint="$head:$port"',
+        '[[ $head == *:* ]] && endpoint="[$head]:$port"  # an IPv6 address',
+    ]
+    if job.world_size > job.nodes:  # as batch_script: one intra-op thread per process unless chosen
+        lines.append('export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"')
+    lines += [
+        "",
+        "# The lighthouse in a step of its own, not in node 0's group: a group that fails and starts",
+        "# again finds it still there, with the others' membership, and its port still bound (a new one",
+        "# could not bind it while the old one's connections linger in TIME_WAIT). --overlap: it shares",
+        "# node 0's CPUs with the group there (Slurm 20.11 or later); --quiet: srun's notes when it is stopped.",
+        f'srun --overlap --quiet --nodes=1 --ntasks=1 --nodelist="${{nodes[0]}}" {shlex.quote(job.python)}'
+        ' -m torchfleet lighthouse --host "$head" --port "$port" &',
+        "lighthouse=$!",
+        "",
+        f"group() {{  # group I COMMAND...: node I's replica group, started again at most {m} times",
+        "    local attempt=0 status",
+        '    until "${@:2}"; do',
+        "        status=$?",
+        f'        if [ "$attempt" -ge {m} ]; then',
+        f'            echo "group $1 ended with status $status; it was started again {m} time(s), no more" >&2',
+        '            return "$status"',
+        "        fi",
+        "        attempt=$((attempt + 1))",
+        f'        echo "group $1 ended with status $status; starting it again (attempt $attempt of {m})" >&2',
+        "        sleep 5  # time for Slurm to mark a node that is going down, and for the others to go on",
+        "    done",
+        "}",
+        "",
+        "# --kill-on-bad-exit: a group's failed task ends its step at once, so its loop can start it again.",
+        "# --master-addr only picks the interface, the one that reaches the lighthouse.",
+        "pids=()",
+    ]
+    for i in range(n):
+        command = [job.python, "-m", "torchfleet", "run", "--fault-tolerance", "step", "--nnodes", str(n),
+                   "--node-rank", str(i)]
+        rest = ["-n", str(job.ntasks_per_node), job.script, *job.script_args]
+        lines += [f'group {i} srun --nodes=1 --ntasks=1 --nodelist="${{nodes[{i}]}}" --kill-on-bad-exit=1 '
+                  f'{shlex.join(command)} --master-addr "$head" --lighthouse "$endpoint" {shlex.join(rest)} &',
+                  "pids+=($!)"]
+    lines += [
+        "failed=0",
+        'for pid in "${pids[@]}"; do wait "$pid" || failed=$((failed + 1)); done',
+        'echo "torchfleet: every replica group has ended; stopping the lighthouse (Slurm says its step was cancelled)"',
+        'kill "$lighthouse" 2>/dev/null; wait "$lighthouse"',
+        f'if [ "$failed" -gt 0 ]; then echo "$failed of {n} replica group(s) never finished" >&2; exit 1; fi',
+        "",
+    ]
     return "\n".join(lines)
 
 

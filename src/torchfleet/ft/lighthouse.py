@@ -61,6 +61,9 @@ def start(host: str, port: int, min_replicas: int = 1):
 def _check_port_free(host: str, port: int) -> None:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as sock:
+        # As the server binds (Rust's std sets SO_REUSEADDR): a port whose last connections linger in
+        # TIME_WAIT, after a lighthouse that ended, is free for a new one.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError as exc:

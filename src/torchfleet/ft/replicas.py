@@ -136,10 +136,23 @@ class ReplicaGroup:
         self.manager.start_quorum()
         self._in_step = True
 
+    def _wait_quorum(self) -> None:
+        """This step's quorum; a sentence, not torchft's traceback, when the lighthouse gives none."""
+        assert self.manager is not None
+        try:
+            self.manager.wait_quorum()
+        except Exception as exc:  # torchft's TimeoutError after join_timeout, or the lighthouse's refusal
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise TrainingError(
+                f"replica group {self.env.group} got no quorum at step {self.manager.current_step()} ({first}):"
+                f" the lighthouse at {self.env.lighthouse} does not answer (its machine lost, or the job"
+                " ended); restart the job with --resume from the newest checkpoint") from None
+
     @torch.no_grad()
     def average(self, optimizer: torch.optim.Optimizer) -> None:
         """Average this rank's gradients with the same rank of every group in the quorum."""
         self.start_step()
+        self._wait_quorum()
         assert self.manager is not None
         grads = [_local(p.grad) for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         by_kind: dict[tuple, list[torch.Tensor]] = {}
@@ -159,7 +172,8 @@ class ReplicaGroup:
         manager = self.manager
         self.start_step()  # a hand-written loop that went straight to the step
         self._in_step = False
-        participants = manager.num_participants()  # waits for the quorum
+        self._wait_quorum()
+        participants = manager.num_participants()
         members = self.pg.members
         if not self.joined:
             self._gather(participants, members)
@@ -168,7 +182,8 @@ class ReplicaGroup:
         if ok:
             self._last_progress = now
             if self.joined:
-                self.lines += self.account.committed(manager.current_step(), members, self.transport)
+                self.lines += self.account.committed(manager.current_step(), members, self.transport,
+                                                     self.pg.quorum_id)
         elif now - self._last_progress > self.env.join_timeout:
             error = manager.errored()
             raise TrainingError(
@@ -188,7 +203,7 @@ class ReplicaGroup:
         if len(members) >= self.env.groups and participants >= self.env.groups:
             self._check_same_weights()
             self.joined = True
-            self.account.members = members
+            self.account.members, self.account.quorum_id = members, self.pg.quorum_id
             return
         if self._waiting_since is None:
             self._waiting_since = now
