@@ -45,7 +45,10 @@ def test_a_cpu_fleet_keeps_freed_memory_and_stops_refaulting_it():
     tuned, default = _faults(None), _faults("default")
     assert tuned["raised"] and not default["raised"]
     # The CNN at 256 samples frees and re-requests about 7 MiB a step; glibc's own
-    # thresholds hand it back to the kernel (about 1,900 faults a step here).
-    assert tuned["faults_per_step"] < 50, tuned
+    # thresholds hand it back to the kernel (about 1,900 faults a step here). Tuned, the count
+    # still moves with the machine: 0.02 to 61 a step were seen on one machine within minutes,
+    # in steps of 1 MiB of pages (the kernel's proactive reclaim, kdamond, takes idle pages back),
+    # so the bound is 200: a tenth of glibc's own, where the tuning works at all.
+    assert tuned["faults_per_step"] < 200, tuned
     assert default["faults_per_step"] > 10 * max(tuned["faults_per_step"], 1), (tuned, default)
 

@@ -66,7 +66,8 @@ def _max_diff(a: dict, b: dict) -> float:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("strategy,groups,nproc", [("ddp", 3, 1), ("fsdp", 2, 2)], ids=["ddp-3x1", "fsdp-2x2"])
+@pytest.mark.parametrize("strategy,groups,nproc", [("ddp", 3, 1), ("fsdp", 2, 2), ("pipeline", 2, 2)],
+                         ids=["ddp-3x1", "fsdp-2x2", "pipeline-2x2"])
 def test_an_uninterrupted_job_of_replica_groups_trains_serials_weights(strategy, groups, nproc, tmp_path):
     argv = [*MLP, "--strategy", strategy, "--epochs", "1", "--max-steps", "12", "--log-every", "1"]
     runs = _groups(groups, argv, tmp_path, nproc=nproc)
