@@ -17,7 +17,7 @@ SURFACE = {
               "--gpt-preset",
               "--grad-accum", "--json-out", "--lr", "--devices", "--microbatches", "--schedule", "--pp",
               "--dp-replicate", "--dp-shard", "--tp", "--sharing-strategy", "--grad-compression", "--powersgd-rank",
-              "--sync-batchnorm",
+              "--sync-batchnorm", "--sync-every", "--outer-lr", "--outer-momentum",
               "--master-addr", "--master-port", "--max-restarts", "--rdzv-endpoint", "--rdzv-id", "--no-preflight",
               "--max-steps", "--model", "--nnodes", "--no-progress", "--node-rank", "--nproc-per-node",
               "--optimizer", "--precision", "--resume", "--seed", "--strategy", "--synthetic-size", "-n",
@@ -39,7 +39,7 @@ SURFACE = {
               "--gpt-preset", "--image-size",
               "--strategies", "--threads", "--warmup", "--devices", "--microbatches", "--schedule", "--pp",
               "--dp-replicate", "--dp-shard", "--tp", "--sharing-strategy", "--grad-compression", "--powersgd-rank",
-              "--sync-batchnorm", "--fsdp-units", "--split-points", "--find-unused-parameters"],
+              "--sync-batchnorm", "--sync-every", "--outer-lr", "--outer-momentum", "--fsdp-units", "--split-points", "--find-unused-parameters"],
 }
 
 

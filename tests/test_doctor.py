@@ -64,7 +64,7 @@ def test_report_says_whether_per_step_fault_tolerance_can_run(report: dict, monk
 
 def test_report_lists_every_strategy_and_dp_needs_gpus(report: dict) -> None:
     strategies = {s["name"]: s for s in report["strategies"]}
-    assert list(strategies) == list(STRATEGIES) and len(STRATEGIES) == 12
+    assert list(strategies) == list(STRATEGIES) and len(STRATEGIES) == 14
     assert strategies["dp"]["available"] is False
     assert "GPU" in strategies["dp"]["why"]
 
@@ -81,8 +81,9 @@ def test_cpu_host_rules() -> None:
     assert {n: s["available"] for n, s in found.items()} == {
         "serial": True, "hogwild": True, "dp": False, "mp": True,
         "ddp": True, "fsdp": True, "hsdp": True, "pipeline": True, "ddp+pipeline": True, "fsdp+pipeline": True,
-        "tp": True, "fsdp+tp": True,
+        "tp": True, "fsdp+tp": True, "diloco": True, "localsgd": True,
     }
+    assert "pays only where the link between machines is slow" in found["diloco"]["why"]
     assert "CPU only" in found["mp"]["why"] and ">= 2 GPUs" in found["mp"]["why"]
     assert "0 visible" in found["dp"]["why"]
     assert "gloo" in found["ddp"]["why"]
@@ -113,7 +114,7 @@ def test_one_gpu_host_offers_only_what_runs_on_processes_sharing_it() -> None:
     for gpus, need in ((1, 2), (2, 4)):
         found = by_name(gpu_host(gpus), cores=16)
         offered = {n for n, s in found.items() if s["available"]}
-        assert offered == ({"serial", "hogwild", "mp", "ddp"} | ({"dp", "fsdp", "pipeline", "tp"} if gpus == 2 else set()))
+        assert offered == ({"serial", "hogwild", "mp", "ddp"} | ({"dp", "fsdp", "pipeline", "tp", "diloco", "localsgd"} if gpus == 2 else set()))
         if gpus == 1:
             assert "2 processes share the one GPU over Gloo" in found["ddp"]["why"]
         refused = found["fsdp" if gpus == 1 else "hsdp"]["why"]

@@ -98,6 +98,20 @@ def _world(need: int, oversubscribe: bool = False, shares_gpus: bool = False) ->
     return rule
 
 
+def _meeting(hw: Hardware, cores: int) -> tuple[bool, str]:
+    """diloco, localsgd: ddp's processes as replica groups under torchft, meeting every few steps."""
+    from torchfleet import ft
+
+    reason = ft.unavailable()
+    if reason:
+        return False, f"runs on torchft: {reason}"
+    available, why = _world(2)(hw, cores)  # torchft's NCCL group between groups: a GPU each
+    if not available:
+        return available, why
+    return True, (f"{why}; pays only where the link between machines is slow enough that ddp spends most of"
+                  " each step exchanging gradients: on one machine ddp is faster (docs/benchmarks.md)")
+
+
 _RULES: dict[str, Rule] = {
     "serial": _serial,
     "hogwild": _hogwild,
@@ -112,6 +126,8 @@ _RULES: dict[str, Rule] = {
     "fsdp+pipeline": _world(4, oversubscribe=True),  # 2 shards x 2 pipeline stages
     "tp": _world(2),  # on a model with a tensor-parallel plan (the built-in gpt has one)
     "fsdp+tp": _world(4, oversubscribe=True),  # 2 shards x 2 tensor-parallel ranks
+    "diloco": _meeting,
+    "localsgd": _meeting,
 }
 
 

@@ -27,6 +27,8 @@ from torchfleet.env import DistEnv
 from torchfleet.env.replicas import ReplicaEnv
 from torchfleet.env.sagemaker import TrainingEnv
 from torchfleet.errors import UsageError
+from torchfleet.ft.sync import METHODS as MEETING_METHODS
+from torchfleet.ft.sync import SyncOptions, refuse_alone
 from torchfleet.launcher.sagemaker import relaunch_per_gpu
 from torchfleet.precision import Precision
 from torchfleet.strategies import Runtime, class_for, get_strategy, resolve_dims
@@ -70,7 +72,16 @@ class Fleet:
         self.activation_checkpointing, self.compile = activation_checkpointing, compile
         strategy_cls = get_strategy(strategy)
         self.env = env or DistEnv.detect()
+        meeting = None  # diloco, localsgd: ddp inside each replica group, the groups meeting every few steps
+        if strategy in MEETING_METHODS:
+            meeting, strategy_options = SyncOptions.take(strategy, strategy_options)
+            fault_tolerance = _meeting_groups(strategy, fault_tolerance)
         replica_env = ReplicaEnv.for_fleet(fault_tolerance, strategy)
+        if meeting is not None:
+            assert replica_env is not None  # _meeting_groups found it
+            refuse_alone(strategy, replica_env.groups)
+            if self.env.world_size == 1:  # a group of one process: nothing to share inside it
+                strategy_cls = get_strategy("serial")
         self.sagemaker = TrainingEnv.read()  # None outside a SageMaker training job
         # Ranks from SM_* alone (not torchrun's or mpirun's) on a multi-GPU host: the toolkit
         # started this one process, so it starts one worker per GPU and exits here.
@@ -106,7 +117,10 @@ class Fleet:
         if grouped:
             self._init_process_group()
         self.replicas = None  # this process's replica group under per-step fault tolerance (ft/replicas.py)
-        if replica_env is not None:
+        if meeting is not None and replica_env is not None:
+            from torchfleet.ft.outer import OuterGroup
+            self.replicas = OuterGroup(replica_env, self.env, self.device, meeting)
+        elif replica_env is not None:
             from torchfleet.ft.replicas import ReplicaGroup
             self.replicas = ReplicaGroup(replica_env, self.env, self.device)
         runtime = Runtime(self.env, self.device, Precision(precision, self.device),
@@ -126,6 +140,9 @@ class Fleet:
                 f" and NCCL needs a GPU of its own for each process; start at most {hardware.gpus}"
                 " process(es) per host, use ddp, or hide the GPUs (CUDA_VISIBLE_DEVICES=) to run on CPU cores"
             )
+        if meeting is not None:
+            self.strategy.name = meeting.method  # what checkpoints and reports call it
+            self.notes.append(meeting.describe())
         self.notes.extend(self.strategy.notes)
 
     # -- set-up -----------------------------------------------------------
@@ -373,6 +390,12 @@ class Fleet:
         self.barrier()
         return path
 
+    def finish(self) -> None:
+        """After the last step, on every rank: under diloco and localsgd the replica groups meet a last time,
+        so that each holds the same weights for evaluating and saving; nothing otherwise."""
+        if self.replicas is not None:
+            self.replicas.finish()
+
     def close(self) -> None:
         """Leave the process group (a no-op for one process).
 
@@ -388,12 +411,26 @@ class Fleet:
         active exception", SIGABRT) after a run that succeeded.
         """
         if self.replicas is not None:
+            self.finish()
             self.replicas.close()
         if dist.is_initialized():
             work = dist.barrier(async_op=True)
             work.wait()
             _FINISHED_WORK.append(work)  # dies in this thread, at exit
             dist.destroy_process_group()
+
+
+def _meeting_groups(method: str, fault_tolerance: str | None) -> str:
+    """diloco and localsgd run as replica groups under torchft: the launcher must have made them."""
+    if fault_tolerance == "restart":
+        raise UsageError(f"{method} runs its replica groups under torchft, which is per-step fault tolerance"
+                         " already; leave fault_tolerance out")
+    if ReplicaEnv.detect() is None:
+        raise UsageError(f"{method} meets across replica groups, and this process is in none: train with"
+                         f" `torchfleet train --strategy {method} -n 2` (it makes a group per process on one"
+                         " machine, a group per machine with --nnodes), or launch the script with torchfleet run"
+                         " --fault-tolerance step --nnodes 2 or more")
+    return "step"
 
 
 # See Fleet.close: Gloo work objects whose last reference must not be Gloo's.

@@ -37,6 +37,11 @@ STRATEGY_FLAGS = (
                             " e.g. transformer.h.2 (default: between repeated blocks, balanced)"),
     ("--find-unused-parameters", bool, "ddp: let DDP find parameters the forward does not use (a cost"
                                        " every step; without it such a model stops with their names)"),
+    ("--sync-every", int, "diloco, localsgd: steps each replica group takes on its own between meetings"
+                          " (default 100: 1%% of ddp's exchanges, and several meetings in a short run)"),
+    ("--outer-lr", float, "diloco: the outer SGD's learning rate on the averaged change of the weights"
+                          " (default 0.7, the DiLoCo paper's)"),
+    ("--outer-momentum", float, "diloco: the outer SGD's Nesterov momentum (default 0.9, the DiLoCo paper's)"),
     ("--sync-batchnorm", bool, "ddp, fsdp, hsdp: BatchNorm normalises with the whole batch's statistics,"
                                " all-reduced across processes (CPU and GPU), as serial does"),
 )

@@ -107,12 +107,16 @@ class ReplicaGroup:
                     quorum_timeout=datetime.timedelta(seconds=self.env.join_timeout), connect_timeout=TIMEOUT,
                     # torchfleet seeds every group's model alike and checks it (_check_same_weights); torchft's
                     # initial sync would instead count the syncing groups as zeros in the first step's average.
-                    init_sync=False)
+                    init_sync=False, **self._manager_options())
         except RuntimeError as exc:  # the lighthouse gone (the job ended, node 0 lost), or rank 0's store
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise TrainingError(f"replica group {self.env.group} could not start torchft's manager ({first}); is the"
                                 f" lighthouse at {self.env.lighthouse} still up? It stops when the job ends or its"
                                 " machine is lost") from None
+
+    def _manager_options(self) -> dict:
+        """More of torchft Manager's options, for a kind of group that needs them (ft/outer.py)."""
+        return {}
 
     def _store_port(self) -> int:
         """The group's store for torchft (its rank 0 opens it on the job's interface; a new one per start of the
@@ -142,11 +146,14 @@ class ReplicaGroup:
         try:
             self.manager.wait_quorum()
         except Exception as exc:  # torchft's TimeoutError after join_timeout, or the lighthouse's refusal
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise TrainingError(
-                f"replica group {self.env.group} got no quorum at step {self.manager.current_step()} ({first}):"
-                f" the lighthouse at {self.env.lighthouse} does not answer (its machine lost, or the job"
-                " ended); restart the job with --resume from the newest checkpoint") from None
+            raise self._no_quorum(exc) from None
+
+    def _no_quorum(self, exc: Exception) -> TrainingError:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return TrainingError(
+            f"replica group {self.env.group} got no quorum at step {self.step} ({first}): the lighthouse at"
+            f" {self.env.lighthouse} does not answer (its machine lost, or the job ended); restart the job"
+            " with --resume from the newest checkpoint")
 
     @torch.no_grad()
     def average(self, optimizer: torch.optim.Optimizer) -> None:
@@ -228,7 +235,7 @@ class ReplicaGroup:
 
         assert self.manager is not None
         total = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for _, p in self.state.params:
+        for p in self._shared():
             total[0] += _local(p).double().sum()
         total[1] = -total[0]
         self.manager.allreduce(total, reduce_op=ReduceOp.MAX).wait()
@@ -241,6 +248,16 @@ class ReplicaGroup:
                 f" {float(total[0]):.6g} is not every group's): build the model after torch.manual_seed(...)"
                 " with the same seed in every group, or load the same checkpoint")
 
+    def stepped(self) -> None:
+        """After the optimizer stepped: nothing more, when the groups average every step."""
+
+    def finish(self) -> None:
+        """After the last step: nothing more, when the groups average every step."""
+
+    def _shared(self) -> list[torch.Tensor]:
+        """What every group holds alike at the start: the weights, when the groups average every step."""
+        return [p for _, p in self.state.params]
+
     # -- what the job reads ---------------------------------------------------
     @property
     def step(self) -> int:
@@ -251,6 +268,8 @@ class ReplicaGroup:
     def participants(self) -> int:
         """Groups taking part in the newest quorum."""
         return self.manager.num_participants() if self.manager is not None and self._start_step is not None else 0
+
+    own_checkpoints = False  # every group holds the same state: one writes for all
 
     @property
     def writes_checkpoints(self) -> bool:

@@ -15,6 +15,7 @@ import importlib
 from collections.abc import Iterator, Mapping
 
 from torchfleet.errors import choice_error
+from torchfleet.ft.sync import METHODS as MEETING_METHODS
 from torchfleet.strategies.base import Runtime, Strategy
 from torchfleet.strategies.dims import DIM_NAMES, PRESETS, ParallelDims
 
@@ -30,8 +31,9 @@ _MESH = {
     "shard": ("fsdp", "FullyShardedDataParallel"),
     "pipeline": ("pipeline", "Pipeline"),
 }
-# In the design's order (../shared/DESIGN.md).
-STRATEGY_NAMES: tuple[str, ...] = ("serial", "hogwild", "dp", "mp", *PRESETS)
+# In the design's order (../shared/DESIGN.md); diloco and localsgd are ddp inside each replica group,
+# the groups meeting every few steps (ft/sync.py).
+STRATEGY_NAMES: tuple[str, ...] = ("serial", "hogwild", "dp", "mp", *PRESETS, *MEETING_METHODS)
 
 
 def _load(where: tuple[str, str]) -> type[Strategy]:
@@ -63,6 +65,8 @@ class _Registry(Mapping[str, type[Strategy]]):
     def __getitem__(self, name: str) -> type[Strategy]:
         if name in _SINGLE:
             return _load(_SINGLE[name])
+        if name in MEETING_METHODS:
+            return _load(_MESH["replicate"])
         preset = PRESETS[name]
         return _load(_MESH[_kind("pp" in preset, "dp_shard" in preset or "tp" in preset)])
 
@@ -87,6 +91,8 @@ def resolve_dims(name: str, world_size: int, nodes: int = 1, options: dict | Non
 
     Degree flags (dp_replicate, dp_shard, pp, tp) in `options` override the preset's.
     """
+    if name in MEETING_METHODS:
+        name = "ddp"  # inside each replica group
     if name not in PRESETS:
         return None
     given = {k: v for k, v in (options or {}).items() if k in DIM_NAMES}

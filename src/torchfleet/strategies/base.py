@@ -66,6 +66,7 @@ class Replicas(Protocol):
     def start_step(self) -> None: ...  # at zero_grad: the step's quorum is formed meanwhile
     def average(self, optimizer: torch.optim.Optimizer) -> None: ...  # the gradients, across the groups
     def commit(self) -> bool: ...  # whether this step may be applied (every group got through it)
+    def stepped(self) -> None: ...  # after the optimizer step (diloco and localsgd meet every few steps)
 
 
 @dataclass
@@ -203,8 +204,11 @@ class Strategy:
         if replicas is not None:
             replicas.average(self.optimizer)  # before clipping: the norm is the average's
         self.clip_gradients()
-        if replicas is None or replicas.commit():
+        if replicas is None:
             self.runtime.precision.step(self.optimizer)
+        elif replicas.commit():
+            self.runtime.precision.step(self.optimizer)
+            replicas.stepped()
 
     def before_step(self) -> None:
         """Checks between backward and the optimizer step (ddp: every parameter got a gradient)."""

@@ -20,10 +20,13 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing import SignalException
 
+from torchfleet import ft
 from torchfleet.config import LaunchConfig
 from torchfleet.data import check_global_batch
 from torchfleet.env import DistEnv
 from torchfleet.errors import UsageError
+from torchfleet.ft.sync import METHODS as MEETING_METHODS
+from torchfleet.ft.sync import SyncOptions, refuse_alone
 from torchfleet.launcher import failures
 from torchfleet.launcher.agent import LaunchError, run_command
 from torchfleet.launcher.failures import PREEMPTED_EXIT
@@ -32,6 +35,7 @@ from torchfleet.strategies.batchnorm import check_sync_batchnorm
 from torchfleet.train import preempt
 from torchfleet.train.config import TrainConfig
 from torchfleet.train.loop import train
+from torchfleet.train.meetings import run_groups_here
 from torchfleet.train.planner import plan_processes
 
 
@@ -50,6 +54,17 @@ def run(cfg: TrainConfig, launch: LaunchConfig, nproc: int | None, argv: list[st
     launch = dataclasses.replace(launch, nproc_per_node=nproc)
     if why:
         print(f"torchfleet: {why}", flush=True)
+    if strategy in MEETING_METHODS:
+        # ddp inside each replica group, the groups meeting every few steps under torchft: a group per
+        # machine, or on one machine a group per process. Bad options are refused before any starts.
+        SyncOptions.take(strategy, cfg.strategy_options)
+        reason = ft.unavailable()
+        if reason:
+            raise UsageError(f"{strategy} runs on torchft, which cannot run here: {reason}")
+        refuse_alone(strategy, launch.max_nodes if launch.multi_node else nproc)
+        if not launch.multi_node:
+            return run_groups_here(launch, argv, strategy)
+        launch = dataclasses.replace(launch, fault_tolerance="step")
     if launch.replica_groups and strategy == "hogwild":
         raise UsageError("hogwild shares memory inside one machine and has no gradients to average across"
                          " replica groups; use ddp (or fsdp) with --fault-tolerance step")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 import time
 
 import torch
@@ -63,6 +64,10 @@ def train(cfg: TrainConfig, strategy: str, nproc: int = 1) -> dict:
         # A SageMaker job with checkpoints: they go where SageMaker syncs them to S3,
         # and a restarted (Spot) job resumes from there.
         cfg = dataclasses.replace(cfg, checkpoint_dir=str(fleet.checkpoint_dir), resume=True)
+    if cfg.checkpoint_dir and fleet.replicas is not None and fleet.replicas.own_checkpoints:
+        # diloco, localsgd: each group's weights and inner optimizer are its own between meetings.
+        cfg = dataclasses.replace(cfg, checkpoint_dir=os.path.join(cfg.checkpoint_dir,
+                                                                   f"group{fleet.replicas.env.group}"))
     # Once the checkpoint directory is known (SageMaker's spot jobs get one here), before the model
     # is built: a signal during setup is acted on after the first step. Without a directory there
     # is nothing to save, and a signal must end the job as it always did, not be swallowed.
@@ -177,6 +182,8 @@ def _train(cfg: TrainConfig, fleet: Fleet, listener: preempt.Listener) -> dict:
             bar.advance(epoch=epoch + 1, loss=_log(window, metrics, step, epoch + 1, optimizer, samples,
                                                    listener.requested, **groups()), steps=0)
             leave_if_asked()  # before the evaluation, which the time left may not allow
+            if step >= total_steps:
+                fleet.finish()  # diloco and localsgd: the groups' last meeting, before the final evaluation
             train_seconds += time.perf_counter() - tick  # after the read: the GPU has finished the epoch
             beat = functools.partial(watchdog.beat, step, "evaluate") if watchdog else None
             val = evaluate(fleet, val_set, beat, task)
