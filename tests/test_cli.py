@@ -36,7 +36,7 @@ SURFACE = {
     "slurm": ["--gpus-per-node", "--nodes", "--ntasks-per-node", "--out", "--partition", "--submit",
               "--time", "--fault-tolerance", "--max-restarts"],
     "bench": ["--batch-sizes", "--model", "--nproc", "--out", "--precisions", "--quick", "--steps",
-              "--gpt-preset", "--image-size",
+              "--gpt-preset", "--image-size", "--nnodes", "--node-rank", "--master-addr", "--master-port",
               "--strategies", "--threads", "--warmup", "--devices", "--microbatches", "--schedule", "--pp",
               "--dp-replicate", "--dp-shard", "--tp", "--sharing-strategy", "--grad-compression", "--powersgd-rank",
               "--sync-batchnorm", "--sync-every", "--outer-lr", "--outer-momentum", "--fsdp-units", "--split-points", "--find-unused-parameters"],

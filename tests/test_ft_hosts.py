@@ -154,3 +154,44 @@ def test_an_unreachable_lighthouse_is_one_sentence_and_status_2_within_30_s(tmp_
 def test_a_lighthouse_given_an_address_of_another_machine_is_refused(tmp_path):
     out = torchfleet("lighthouse", "--host", "192.0.2.1", "--port", "29599")
     assert out.returncode == 2 and "not an address of this machine" in out.stderr, out.stderr
+
+
+@pytest.mark.timeout(300)
+def test_a_lost_diloco_host_leaves_the_other_training_and_heals_at_a_meeting(tmp_path):
+    """diloco across two hosts, meetings every 10 steps: host 1 stalls after step 20 and is lost. Host 0 goes on
+    alone at its next meeting, never restarts or reloads, and its steps never go back; host 1, started again,
+    meets host 0 at one of its meetings, heals from it, and both end with the same weights."""
+    fired, epochs, every = tmp_path / "fired", 40, 10
+    job = [*JOB, "--strategy", "diloco", "--sync-every", str(every), "--epochs", str(epochs)]
+
+    with hosts(2) as net:
+        def start(i: int, run: str, **env) -> subprocess.Popen:
+            command = [sys.executable, "-m", "torchfleet", *job, "--nnodes", "2", "--node-rank", str(i),
+                       "--master-addr", net.addr(0), "--master-port", str(PORT), "-n", "1",
+                       "--json-out", str(tmp_path / f"{run}.json"), "--metrics-out", str(tmp_path / f"{run}.csv"),
+                       "--save-model", str(tmp_path / f"{run}.pt")]
+            return net.popen(i, command, env=clean_env(**env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True)
+
+        procs = {0: start(0, "host0"), 1: start(1, "lost", TORCHFLEET_FAULT=f"sleep:rank=0:step=20:once={fired}")}
+        _wait_for("host 1 to stall after step 20", fired.exists, net, procs, 150)
+        net.lose(1)
+        procs[1].communicate(timeout=30)
+        procs[1] = start(1, "host1")
+        outputs = {i: procs[i].communicate(timeout=240)[0] for i in range(2)}
+        codes = {i: procs[i].returncode for i in range(2)}
+    assert codes == {0: 0, 1: 0}, (codes, outputs)
+    left = re.search(r"group 1 left at step (\d+): group 0 went on after a pause of ([\d.]+) s", outputs[0])
+    assert left and int(left.group(1)) % every == 0 and int(left.group(1)) >= 20, outputs[0]
+    joined = re.search(r"group 1 joined at step (\d+) and healed from this group \(0\)", outputs[0])
+    assert joined and int(joined.group(1)) % every == 0, outputs[0]
+    assert "resumed from" not in outputs[0] and "restart" not in outputs[0].lower(), outputs[0]
+    healed = re.search(r"group 1 healed from group 0 at step (\d+)", outputs[1])
+    assert healed and int(healed.group(1)) == int(joined.group(1)), outputs[1]
+    steps = _steps(tmp_path / "host0.csv")
+    assert steps == sorted(steps) and steps[-1] == epochs * 29, steps[-5:]  # never goes back
+    assert _steps(tmp_path / "host1.csv")[0] > int(healed.group(1))  # the healed host starts at the meeting
+    weights = [torch.load(tmp_path / f"host{i}.pt", weights_only=True) for i in range(2)]
+    assert all(torch.equal(weights[1][k], weights[0][k]) for k in weights[0]), "host 1 differs from host 0"
+    print(f"diloco: host 0 paused {left.group(2)} s at step {left.group(1)}; host 1 healed at step"
+          f" {healed.group(1)} and both ended alike")

@@ -24,11 +24,9 @@ from torchfleet.backend import choose_backend, choose_socket_interface, probe_ha
 from torchfleet.data import GlobalBatchSampler, ShardSampler, batch_loader
 from torchfleet.data import dataset_length as _length
 from torchfleet.env import DistEnv
-from torchfleet.env.replicas import ReplicaEnv
 from torchfleet.env.sagemaker import TrainingEnv
 from torchfleet.errors import UsageError
-from torchfleet.ft.sync import METHODS as MEETING_METHODS
-from torchfleet.ft.sync import SyncOptions, refuse_alone
+from torchfleet.ft import join as ft_join
 from torchfleet.launcher.sagemaker import relaunch_per_gpu
 from torchfleet.precision import Precision
 from torchfleet.strategies import Runtime, class_for, get_strategy, resolve_dims
@@ -59,9 +57,8 @@ class Fleet:
         """`max_grad_norm`: clip gradients to this global norm (over every shard and stage).
         `activation_checkpointing`: recompute each repeated block's activations in backward.
         `compile`: torch.compile each block in place (True or "blocks") or the whole model ("model").
-        `fault_tolerance`: "step" when this process is in a replica group (`torchfleet run
-        --fault-tolerance step` starts them; None: as the launcher says), "restart" otherwise.
-        """
+        `fault_tolerance`: "step" in a replica group (`torchfleet run --fault-tolerance step` makes them; None:
+        as the launcher says), "restart" otherwise. diloco and localsgd take `sync_every`, `outer_lr`... too."""
         versions.require_supported_torch()
         if grad_accum < 1:
             raise UsageError(f"grad_accum {grad_accum} must be at least 1")
@@ -72,16 +69,10 @@ class Fleet:
         self.activation_checkpointing, self.compile = activation_checkpointing, compile
         strategy_cls = get_strategy(strategy)
         self.env = env or DistEnv.detect()
-        meeting = None  # diloco, localsgd: ddp inside each replica group, the groups meeting every few steps
-        if strategy in MEETING_METHODS:
-            meeting, strategy_options = SyncOptions.take(strategy, strategy_options)
-            fault_tolerance = _meeting_groups(strategy, fault_tolerance)
-        replica_env = ReplicaEnv.for_fleet(fault_tolerance, strategy)
-        if meeting is not None:
-            assert replica_env is not None  # _meeting_groups found it
-            refuse_alone(strategy, replica_env.groups)
-            if self.env.world_size == 1:  # a group of one process: nothing to share inside it
-                strategy_cls = get_strategy("serial")
+        joined = ft_join.plan(strategy, fault_tolerance, strategy_options)  # a replica group, or none
+        meeting, strategy_options = joined.meeting, joined.strategy_options
+        if meeting is not None and self.env.world_size == 1:  # a group of one process: nothing to share in it
+            strategy_cls = get_strategy("serial")
         self.sagemaker = TrainingEnv.read()  # None outside a SageMaker training job
         # Ranks from SM_* alone (not torchrun's or mpirun's) on a multi-GPU host: the toolkit
         # started this one process, so it starts one worker per GPU and exits here.
@@ -107,22 +98,14 @@ class Fleet:
             strategy_cls = get_strategy("serial")
             strategy_options = {}
         if self.env.is_distributed and not strategy_cls.distributed:
-            raise UsageError(
-                f"strategy {strategy!r} runs in one process but {self.env.world_size} were started;"
-                f" use -n 1, or a multi-process strategy such as ddp"
-            )
+            raise UsageError(f"strategy {strategy!r} runs in one process but {self.env.world_size} were started;"
+                             " use -n 1, or a multi-process strategy such as ddp")
         self.device = torch.device("cpu") if strategy_cls.cpu_only else self._pick_device()
         if self.device.type == "cpu":
             allocator.keep_freed_memory()  # a step's memory stays for the next step
         if grouped:
             self._init_process_group()
-        self.replicas = None  # this process's replica group under per-step fault tolerance (ft/replicas.py)
-        if meeting is not None and replica_env is not None:
-            from torchfleet.ft.outer import OuterGroup
-            self.replicas = OuterGroup(replica_env, self.env, self.device, meeting)
-        elif replica_env is not None:
-            from torchfleet.ft.replicas import ReplicaGroup
-            self.replicas = ReplicaGroup(replica_env, self.env, self.device)
+        self.replicas = ft_join.group(joined, self.env, self.device)  # ft/replicas.py, ft/outer.py
         runtime = Runtime(self.env, self.device, Precision(precision, self.device),
                           self.backend if grouped else None, max_grad_norm, self.replicas)
         if strategy_cls.distributed:  # (still distributed: several processes, or a group of one)
@@ -134,12 +117,11 @@ class Fleet:
         else:
             self.strategy = strategy_cls(runtime, **strategy_options)
         if self._gpus_shared and self.strategy.name != "ddp":
-            raise UsageError(
-                f"{self.strategy.name} on {local_procs} processes sharing {hardware.gpus} GPU(s) needs"
-                " collectives that Gloo does not run on GPU tensors (it all-reduces and broadcasts only),"
-                f" and NCCL needs a GPU of its own for each process; start at most {hardware.gpus}"
-                " process(es) per host, use ddp, or hide the GPUs (CUDA_VISIBLE_DEVICES=) to run on CPU cores"
-            )
+            raise UsageError(f"{self.strategy.name} on {local_procs} processes sharing {hardware.gpus} GPU(s) needs"
+                             " collectives that Gloo does not run on GPU tensors (it all-reduces and broadcasts"
+                             f" only), and NCCL needs a GPU of its own for each process; start at most {hardware.gpus}"
+                             " process(es) per host, use ddp, or hide the GPUs (CUDA_VISIBLE_DEVICES=) to run on"
+                             " CPU cores")
         if meeting is not None:
             self.strategy.name = meeting.method  # what checkpoints and reports call it
             self.notes.append(meeting.describe())
@@ -242,8 +224,7 @@ class Fleet:
         return loss
 
     def _after_replica_step(self, before: int) -> None:
-        """Under per-step fault tolerance: the loaders go to the batch of torchft's step (the same batch again
-        after a step that did not commit, the peers' after healing), and the main rank says what happened."""
+        """In replica groups: the loaders go to the group's step's batch; the main rank says what happened."""
         if self.replicas is not None:
             if self.replicas.step != before + 1:
                 for sampler in self._samplers:
@@ -332,10 +313,10 @@ class Fleet:
     def save(self, path: str | os.PathLike, sharded: bool | None = None, **extra: Any) -> None:
         """Save a checkpoint directory atomically: model, optimizer, scaler, RNG states, `extra`.
 
-        Every rank calls it. `sharded=True` writes through torch.distributed.checkpoint
-        (the default for sharding strategies), so it loads with another number of processes.
-        Under per-step fault tolerance every replica group holds the same state, and only the
-        first group in the quorum writes (`writes_checkpoints`); the others return at once.
+        Every rank calls it. `sharded=True` writes through torch.distributed.checkpoint (the default for
+        sharding strategies), so it loads with another number of processes. Under per-step fault tolerance
+        the groups hold the same state and the first in the quorum writes (`writes_checkpoints`), the others
+        return at once; under diloco and localsgd each group writes its own: give each its own path.
         """
         if self.replicas is not None:
             if not self.replicas.writes_checkpoints:
@@ -391,46 +372,28 @@ class Fleet:
         return path
 
     def finish(self) -> None:
-        """After the last step, on every rank: under diloco and localsgd the replica groups meet a last time,
-        so that each holds the same weights for evaluating and saving; nothing otherwise."""
+        """After the last step, on every rank: diloco's and localsgd's groups meet a last time (to evaluate and
+        save the same weights everywhere; close() does it too); nothing otherwise."""
         if self.replicas is not None:
             self.replicas.finish()
 
     def close(self) -> None:
-        """Leave the process group (a no-op for one process).
+        """Leave the process group (a no-op for one process), after every rank met at a barrier: a rank that
+        tears down its Gloo pairs while a peer still uses them can abort at exit.
 
-        All ranks meet at a barrier first: a rank that tears down its Gloo
-        pairs while a peer still uses them can abort at exit.
-
-        The barrier's Work object is kept until the interpreter exits. Gloo's
-        worker thread otherwise drops the last reference to it, and with it
-        to the collectives it waited for, whose saved thread-local state
-        holds Python objects; when that happens while the main thread is
-        already finalizing the interpreter, the worker cannot take the GIL,
-        is unwound, and the process aborts ("terminate called without an
-        active exception", SIGABRT) after a run that succeeded.
+        The barrier's Work object is kept until the interpreter exits: dropped by Gloo's worker thread, with
+        the collectives it waited for (whose saved thread-local state holds Python objects) while the main
+        thread is already finalizing, the worker cannot take the GIL, is unwound, and the process aborts
+        ("terminate called without an active exception", SIGABRT) after a run that succeeded.
         """
         if self.replicas is not None:
-            self.finish()
+            self.replicas.finish()
             self.replicas.close()
         if dist.is_initialized():
             work = dist.barrier(async_op=True)
             work.wait()
             _FINISHED_WORK.append(work)  # dies in this thread, at exit
             dist.destroy_process_group()
-
-
-def _meeting_groups(method: str, fault_tolerance: str | None) -> str:
-    """diloco and localsgd run as replica groups under torchft: the launcher must have made them."""
-    if fault_tolerance == "restart":
-        raise UsageError(f"{method} runs its replica groups under torchft, which is per-step fault tolerance"
-                         " already; leave fault_tolerance out")
-    if ReplicaEnv.detect() is None:
-        raise UsageError(f"{method} meets across replica groups, and this process is in none: train with"
-                         f" `torchfleet train --strategy {method} -n 2` (it makes a group per process on one"
-                         " machine, a group per machine with --nnodes), or launch the script with torchfleet run"
-                         " --fault-tolerance step --nnodes 2 or more")
-    return "step"
 
 
 # See Fleet.close: Gloo work objects whose last reference must not be Gloo's.

@@ -15,9 +15,9 @@ import importlib
 from collections.abc import Iterator, Mapping
 
 from torchfleet.errors import choice_error
-from torchfleet.ft.sync import METHODS as MEETING_METHODS
 from torchfleet.strategies.base import Runtime, Strategy
 from torchfleet.strategies.dims import DIM_NAMES, PRESETS, ParallelDims
+from torchfleet.strategies.meetings import METHODS as MEETING_METHODS
 
 _SINGLE = {
     "serial": ("serial", "Serial"),

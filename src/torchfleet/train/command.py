@@ -25,13 +25,13 @@ from torchfleet.config import LaunchConfig
 from torchfleet.data import check_global_batch
 from torchfleet.env import DistEnv
 from torchfleet.errors import UsageError
-from torchfleet.ft.sync import METHODS as MEETING_METHODS
-from torchfleet.ft.sync import SyncOptions, refuse_alone
 from torchfleet.launcher import failures
 from torchfleet.launcher.agent import LaunchError, run_command
 from torchfleet.launcher.failures import PREEMPTED_EXIT
 from torchfleet.strategies import data_readers, get_strategy, resolve_dims
 from torchfleet.strategies.batchnorm import check_sync_batchnorm
+from torchfleet.strategies.meetings import METHODS as MEETING_METHODS
+from torchfleet.strategies.meetings import SyncOptions, refuse_alone
 from torchfleet.train import preempt
 from torchfleet.train.config import TrainConfig
 from torchfleet.train.loop import train

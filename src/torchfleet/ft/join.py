@@ -1,0 +1,51 @@
+"""Which replica group a Fleet joins, if any: per-step averaging, or diloco's and localsgd's meetings.
+
+Fleet asks twice: before the strategy is built (`plan`: is this process in a
+replica group, and does the strategy meet every few steps?) and once its
+device is known (`group`: torchft's side of it, started by `attach` later).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torchfleet.env.replicas import ReplicaEnv
+from torchfleet.errors import UsageError
+from torchfleet.strategies.meetings import METHODS, SyncOptions, refuse_alone
+
+
+@dataclass(frozen=True)
+class Plan:
+    env: ReplicaEnv | None  # this process's replica group, None outside one
+    meeting: SyncOptions | None  # diloco, localsgd: the groups meet every few steps (else every step)
+    strategy_options: dict  # what is left for the strategy inside the group
+
+
+def plan(strategy: str, fault_tolerance: str | None, strategy_options: dict) -> Plan:
+    if strategy not in METHODS:
+        return Plan(ReplicaEnv.for_fleet(fault_tolerance, strategy), None, strategy_options)
+    meeting, rest = SyncOptions.take(strategy, strategy_options)
+    if fault_tolerance == "restart":
+        raise UsageError(f"{strategy} runs its replica groups under torchft, which is per-step fault tolerance"
+                         " already; leave fault_tolerance out")
+    env = ReplicaEnv.for_fleet("step" if ReplicaEnv.detect() is not None else None, strategy)
+    if env is None:
+        raise UsageError(f"{strategy} meets across replica groups, and this process is in none: train with"
+                         f" `torchfleet train --strategy {strategy} -n 2` (it makes a group per process on one"
+                         " machine, a group per machine with --nnodes), or launch the script with torchfleet run"
+                         " --fault-tolerance step --nnodes 2 or more")
+    refuse_alone(strategy, env.groups)
+    return Plan(env, meeting, rest)
+
+
+def group(planned: Plan, dist_env, device):
+    """torchft's side of the planned group (its Manager starts at `attach`), or None outside one."""
+    if planned.env is None:
+        return None
+    if planned.meeting is not None:
+        from torchfleet.ft.outer import OuterGroup
+
+        return OuterGroup(planned.env, dist_env, device, planned.meeting)
+    from torchfleet.ft.replicas import ReplicaGroup
+
+    return ReplicaGroup(planned.env, dist_env, device)
