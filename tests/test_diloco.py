@@ -34,14 +34,16 @@ def _same(states: list[dict]) -> bool:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("method", ["diloco", "localsgd"])
-def test_meeting_every_step_with_a_plain_outer_step_equals_serial(method, tmp_path):
+@pytest.mark.parametrize("method,nproc", [("diloco", 1), ("localsgd", 1), ("diloco", 2)],
+                         ids=["diloco-2x1", "localsgd-2x1", "diloco-2x2"])
+def test_meeting_every_step_with_a_plain_outer_step_equals_serial(method, nproc, tmp_path):
     """Inner SGD, a meeting after every step: localsgd's average of the weights and diloco's outer step of
     lr 1 without momentum on the averaged change both give the weights ddp's averaged gradient gives (SGD's
-    momentum is linear, so the groups' average follows ddp's), which are serial's on the global batch."""
+    momentum is linear, so the groups' average follows ddp's), which are serial's on the global batch; with
+    2 processes a group, ddp inside each group first."""
     common = [*MLP, "--epochs", "1", "--max-steps", "10", "--optimizer", "sgd", "--lr", "0.05"]
     outer = ["--outer-lr", "1", "--outer-momentum", "0"] if method == "diloco" else []
-    runs = _groups(2, [*common, "--strategy", method, "--sync-every", "1", *outer], tmp_path)
+    runs = _groups(2, [*common, "--strategy", method, "--sync-every", "1", *outer], tmp_path, nproc=nproc)
     assert [s for s, _ in runs] == [0, 0], runs
     weights = _weights(tmp_path)
     assert _same(weights)

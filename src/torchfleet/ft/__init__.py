@@ -13,6 +13,8 @@ of its own (https://github.com/pytorch/torchft).
 - `replicas.py`: the worker's side, the Manager and what torchfleet asks of it
   each step (start the quorum, average the gradients, commit), and the account
   of groups that leave, join and heal.
+- `outer.py`: diloco and localsgd, whose groups meet every few steps instead
+  (torchft's DiLoCo and LocalSGD); `join.py`: which kind of group a Fleet is in.
 
 torchft is optional (`pip install 'torchfleet[ft]'`): `unavailable()` says
 why it cannot run here, and the launcher refuses `--fault-tolerance step`
