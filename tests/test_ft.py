@@ -315,13 +315,26 @@ BAD = {
 }
 
 
-@pytest.mark.parametrize("flags,sentence", BAD.values(), ids=BAD.keys())
-def test_bad_fault_tolerance_input_is_one_sentence_and_status_2(flags, sentence, capsys):
+def refused_in_one_sentence(flags: list[str], capsys) -> str:
+    """`torchfleet train` with these flags: status 2 and one line on stderr, no traceback; the line."""
     from torchfleet.cli import main
 
     assert main(["train", *MLP, *flags]) == 2
     err = capsys.readouterr().err
-    assert sentence in err and err.count("\n") == 1 and "Traceback" not in err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+def outside_replica_groups(monkeypatch) -> None:
+    from torchfleet.env import replicas
+
+    for name in (replicas.GROUP, replicas.GROUPS, replicas.LIGHTHOUSE, replicas.ADDR):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.mark.parametrize("flags,sentence", BAD.values(), ids=BAD.keys())
+def test_bad_fault_tolerance_input_is_one_sentence_and_status_2(flags, sentence, capsys):
+    assert sentence in refused_in_one_sentence(flags, capsys)
 
 
 def test_without_torchft_step_is_refused_saying_what_to_install(monkeypatch, capsys):
@@ -338,8 +351,7 @@ def test_a_fleet_asked_for_a_mode_its_launcher_did_not_set_up_is_refused(monkeyp
     from torchfleet import Fleet, UsageError
     from torchfleet.env import replicas
 
-    for name in (replicas.GROUP, replicas.GROUPS, replicas.LIGHTHOUSE, replicas.ADDR):
-        monkeypatch.delenv(name, raising=False)
+    outside_replica_groups(monkeypatch)
     with pytest.raises(UsageError, match="fault_tolerance='step' needs replica groups: launch the script with"
                                          " torchfleet run --fault-tolerance step"):
         Fleet(strategy="serial", fault_tolerance="step")
