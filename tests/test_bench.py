@@ -1,4 +1,5 @@
-"""`torchfleet bench`: a real quick matrix whose figures add up, and the plan for any registry."""
+"""`torchfleet bench`: a real quick matrix whose figures add up, and the plan for any registry; link mode on
+two network-namespace hosts over a 100 Mbit/s link."""
 
 from __future__ import annotations
 
@@ -6,14 +7,16 @@ import csv
 import json
 import os
 import statistics
+import subprocess
 import sys
 
 import pytest
 
-from conftest import run, torchfleet
+from conftest import clean_env, run, torchfleet
 from torchfleet.bench import matrix as bench
 from torchfleet.bench import report as bench_report
 from torchfleet.bench.config import BenchConfig
+from torchfleet.bench.link import report as link_report
 from torchfleet.strategies.base import Strategy
 
 MACHINE_KEYS = {"python", "torch", "cpu_cores", "gpus", "backend", "strategies"}
@@ -319,3 +322,160 @@ def test_bench_sizes_gpt_and_the_resnets_for_the_machine():
     assert bench.bench_cell.input_shape("resnet18", image_size=32) == (3, 32, 32)
     assert bench.bench_cell.input_shape("cnn", image_size=32) == (1, 8, 8)  # the digits models keep theirs
     assert bench.QUICK["gpt_preset"] == "tiny" and bench.QUICK["image_size"] == 32
+
+
+# ---- one machine: diloco and localsgd belong to link mode ---------------------------------
+
+
+def test_one_machine_leaves_diloco_and_localsgd_to_link_mode():
+    availability = [{"name": name, "available": True, "why": ""} for name in ("serial", "ddp", "diloco", "localsgd")]
+    cfg = BenchConfig(model="mlp", nproc=(2,), batch_sizes=(32,), precisions=("fp32",))
+    cells, notes = bench.plan(cfg, availability, cores=2)
+    # doctor lists them as available, yet the default list has neither: one machine has no slow link.
+    assert [c.strategy for c in cells] == ["serial", "ddp"]
+    (note,) = [n for n in notes if "diloco" in n]
+    assert note.startswith("diloco and localsgd left out: they pay only over a slow link between machines")
+    assert "torchfleet bench --nnodes 2 --node-rank R --master-addr" in note
+
+
+@pytest.mark.timeout(120)
+def test_bench_diloco_on_one_machine_is_a_note_not_a_failed_cell(tmp_path):
+    result = torchfleet("bench", "--model", "mlp", "--strategies", "diloco", "--batch-sizes", "8", "--steps", "2",
+                        "--warmup", "0", "--out", str(tmp_path), timeout=110)
+    assert result.returncode == 0, result.stderr
+    said = " ".join(result.stdout.split())
+    assert ("note: diloco left out: it pays only over a slow link between machines" in said
+            and "link mode, the same command on every machine: torchfleet bench --nnodes 2" in said)
+    cells = json.loads((tmp_path / "results.json").read_text())["cells"]
+    assert [(c["strategy"], c["status"]) for c in cells] == [("serial", "ok")]  # no diloco row, failed or not
+
+
+# ---- link mode: ddp, PowerSGD and diloco over the link between machines --------------------
+
+LINK_BAD = [
+    (["--nnodes", "1"], "--nnodes 1 has no link to measure: bench's link mode runs on 2 or more machines"),
+    (["--nnodes", "2", "--node-rank", "2", "--master-addr", "10.0.0.1"],
+     "--node-rank 2 is out of range for --nnodes 2: give each machine its own index, 0 to 1"),
+    (["--node-rank", "1", "--master-addr", "10.0.0.1"], "which also needs --nnodes N (2 or more)"),
+    (["--nnodes", "2"], "bench's link mode needs --master-addr"),
+    (["--nnodes", "1:4", "--master-addr", "10.0.0.1"], "--nnodes '1:4' is not a number of machines"),
+    (["--nnodes", "2", "--master-addr", "10.0.0.1", "--nproc", "2"], "--nproc does not apply to bench's link mode"),
+    (["--nnodes", "2", "--master-addr", "10.0.0.1", "--pp", "2"], "--pp does not apply to bench's link mode"),
+    (["--nnodes", "2", "--master-addr", "10.0.0.1", "--strategies", "ddp,fsdp"],
+     "unknown link-mode cell 'fsdp'; choose one of ddp, powersgd, diloco, localsgd"),
+    (["--nnodes", "2", "--master-addr", "10.0.0.1", "--batch-sizes", "33"],
+     "--batch-sizes 33 does not split evenly among the 2 machines"),
+    (["--nnodes", "2", "--master-addr", "10.0.0.1", "--sync-every", "0"], "--sync-every 0 must be a whole number"),
+]
+
+
+@pytest.mark.parametrize("args,sentence", LINK_BAD, ids=[" ".join(a) for a, _ in LINK_BAD])
+def test_link_mode_bad_input_is_one_sentence_and_status_2(args, sentence, tmp_path):
+    from conftest import forked_torchfleet
+
+    result = forked_torchfleet("bench", *args, "--out", str(tmp_path / "b"))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert sentence in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert not (tmp_path / "b").exists()  # refused before anything was written
+
+
+def test_link_plan_rounds_to_whole_meeting_blocks():
+    from torchfleet.bench.link.plan import plan_from_flags
+
+    plan, notes = plan_from_flags({"steps": 25, "warmup": 3, "strategies": ("diloco",)}, {"sync_every": 10}, 2)
+    assert (plan.steps, plan.warmup, plan.cells) == (30, 10, ("ddp", "diloco"))
+    assert any("--steps 25 rounded up to 30" in n for n in notes) and any("ddp added" in n for n in notes)
+    assert plan.fleet_options("diloco") == {"strategy": "diloco", "sync_every": 10}
+    assert plan.fleet_options("powersgd") == {"strategy": "ddp", "grad_compression": "powersgd", "powersgd_rank": 2}
+    assert plan.label("diloco") == "diloco (meeting every 10 steps)"
+
+
+def _link_row(cell, median, q1, q3, compute, plan):
+    return {"cell": cell, "label": plan.label(cell), "model": "gpt", "global_batch": 32, "status": "ok",
+            "step_time_median_s": median, "step_time_q1_s": q1, "step_time_q3_s": q3, "compute_step_s": compute,
+            "tokens_per_sample": 64}
+
+
+def test_link_verdict_names_the_winner_and_by_how_much():
+    from torchfleet.bench.link import report
+    from torchfleet.bench.link.plan import LinkPlan
+
+    plan = LinkPlan()
+    slow = [_link_row("ddp", 0.132, 0.130, 0.134, 0.05, plan), _link_row("powersgd", 0.081, 0.078, 0.084, 0.05, plan),
+            _link_row("diloco", 0.044, 0.043, 0.046, 0.04, plan)]
+    report.derive(slow)
+    assert slow[2]["speedup_vs_ddp"] == pytest.approx(3.0) and slow[0]["comm_share"] == pytest.approx(1 - 0.05 / 0.132)
+    assert slow[2]["tokens_per_s"] == pytest.approx(32 / 0.044 * 64)
+    assert report.verdict(96.4, slow, plan) == (
+        "on this 96 Mbit/s link diloco (meeting every 10 steps) is the fastest, 3.00x ddp's speed, ddp + PowerSGD"
+        " (rank 2) 1.63x; diloco trades ddp's exact arithmetic for fewer exchanges: its replica groups train apart"
+        " for 10 steps between meetings (README).")
+    fast = [_link_row("ddp", 0.030, 0.029, 0.031, 0.027, plan), _link_row("powersgd", 0.035, 0.034, 0.036, 0.03, plan),
+            _link_row("diloco", 0.0305, 0.030, 0.031, 0.029, plan)]
+    report.derive(fast)
+    text = report.verdict(940, fast, plan)
+    assert text.startswith("on this 940 Mbit/s link ddp is the fastest (too close to call against diloco (meeting"
+                           " every 10 steps): their blocks' quartiles overlap")
+    assert "communication is 10% of its step" in text and "ddp + PowerSGD (rank 2) runs at 0.86x its speed" in text
+    # Other work on a machine slows a cell as a slow link would: the busy ones are named.
+    for row, load in zip(fast, (1.9, 3.5, 2.0), strict=True):
+        row.update(load_avg=load, cores=2)
+    assert report.busy(fast).startswith("a machine had other work on its 2 cores during ddp + PowerSGD (rank 2)"
+                                        " (load 3.5): those cells are slower")
+    assert report.busy(slow) is None
+
+
+def _link_bench_on_hosts(net, out, extra: list[str], timeout: float) -> list:
+    """`torchfleet bench` in link mode on every namespace host at once; (exit status, output) of each."""
+    procs = [net.popen(i, [sys.executable, "-m", "torchfleet", "bench", "--nnodes", str(len(net.names)),
+                           "--node-rank", str(i), "--master-addr", net.addr(0), "--out", str(out / f"node{i}"), *extra],
+                       env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(len(net.names))]
+    return [(p.returncode, text) for p, text in ((p, p.communicate(timeout=timeout)[0]) for p in procs)]
+
+
+@pytest.mark.timeout(240)
+def test_link_mode_on_two_hosts_over_a_100mbit_link(tmp_path):
+    """Two namespace hosts whose link tbf holds to 100 Mbit/s: the link is measured near that, every cell runs
+    through the real launcher on both, and the verdict names the cell whose median step is the shortest."""
+    pytest.importorskip("torchft", reason="link mode's diloco cell runs on torchft (the dev extra installs it)")
+    from netns import hosts
+
+    with hosts(2, bandwidth="100mbit") as net:
+        runs = _link_bench_on_hosts(net, tmp_path, ["--steps", "10", "--warmup", "5", "--sync-every", "5",
+                                                    "--threads", "1"], timeout=220)
+    assert [code for code, _ in runs] == [0, 0], runs
+    doc = json.loads((tmp_path / "node0" / "results.json").read_text())
+    assert doc["schema"] == "torchfleet-bench-link/1" and not (tmp_path / "node1" / "results.json").exists()
+    link = doc["link"]
+    print(f"link {link['mbit_s']:.1f} Mbit/s; " + "; ".join(
+        f"{c['cell']} {c['step_time_median_s'] * 1e3:.1f} ms" for c in doc["cells"]))
+    # tbf's 100 Mbit/s, less TCP's and Gloo's overhead and a loaded machine's stalls; never much above it.
+    assert 60 <= link["mbit_s"] <= 105 and link["bytes"] == 4 * 2**20 and link["interface"] == "eth0"
+
+    cells = {c["cell"]: c for c in doc["cells"]}
+    assert list(cells) == ["ddp", "powersgd", "diloco"]
+    for c in cells.values():
+        assert tuple(c) == link_report.FIELDS and c["status"] == "ok" and c["error"] is None, c
+        assert (c["machines"], c["processes_per_machine"], c["global_batch"], c["local_batch"]) == (2, 1, 32, 16)
+        assert (c["steps"], c["block_steps"], c["threads_per_process"]) == (10, 5, [1, 1])
+        spread = [c[f"step_time_{k}_s"] for k in ("min", "q1", "median", "q3", "max")]
+        assert 0 < spread[0] and spread == sorted(spread)
+        assert c["tokens_per_s"] == pytest.approx(32 / c["step_time_median_s"] * 64, rel=1e-12)
+        assert c["speedup_vs_ddp"] == pytest.approx(cells["ddp"]["step_time_median_s"] / c["step_time_median_s"])
+        assert 0 < c["compute_step_s"] and 0 <= c["comm_share"] < 1
+        assert c["load_avg"] >= 0 and c["cores"] >= 1
+    assert cells["powersgd"]["options"]["grad_compression"] == "powersgd"
+    assert any("meet every 5 steps" in note for note in cells["diloco"]["notes"])
+    # ddp all-reduces gpt tiny's 0.95 MB of gradients each step: on this link no step can be shorter than that.
+    gradient_bits = 236_928 * 4 * 8  # its parameters, fp32
+    assert cells["ddp"]["step_time_min_s"] > 0.8 * gradient_bits / (link["mbit_s"] * 1e6)
+
+    fastest = min(cells.values(), key=lambda c: c["step_time_median_s"])
+    head = f"on this {link['mbit_s']:,.0f} Mbit/s link {fastest['label']} is the fastest"
+    assert doc["verdict"].startswith(head), doc["verdict"]
+    for _, output in runs:  # every machine prints it
+        assert f"verdict: {doc['verdict'][:60]}" in " ".join(output.split())
+    for node in (0, 1):
+        assert sorted(p.name for p in (tmp_path / f"node{node}" / "logs").glob("*.log")) == [
+            f"cell-{cell}-node{node}.log" for cell in ("ddp", "diloco", "powersgd")]

@@ -170,12 +170,12 @@ def run_cell(spec: dict) -> dict | None:
     return result
 
 
-def _measure(fleet: Fleet, spec: dict) -> dict | None:
-    rank, readers = fleet.strategy.data_coords()
-    check_global_batch(spec["global_batch"], readers)
-    local_batch = spec["global_batch"] // readers
-    memory = _PeakMemory(fleet.device)
-    memory.start()
+def workload(spec: dict, local_batch: int, rank: int, fleet: Fleet) -> tuple[nn.Module, Any, Any, Any]:
+    """(model, inputs, targets, loss_fn): the cell's model, built alike on every rank, and the one
+    batch of `local_batch` samples that data-parallel `rank` steps on (its own, from seed + rank).
+
+    `spec` names model, gpt_preset, image_size and seed; bench's link mode (bench/link) uses it too.
+    """
     torch.manual_seed(spec["seed"])  # the same initial weights on every rank
     if user_model.is_user_model(spec["model"]):
         model, make_batch, loss_fn = user_model.build(spec["model"])
@@ -193,6 +193,16 @@ def _measure(fleet: Fleet, spec: dict) -> dict | None:
         inputs, targets = next(iter(MockLoader((local_batch, *shape), device=fleet.device,
                                                seed=spec["seed"] + rank)))
         loss_fn = nn.CrossEntropyLoss()
+    return model, inputs, targets, loss_fn
+
+
+def _measure(fleet: Fleet, spec: dict) -> dict | None:
+    rank, readers = fleet.strategy.data_coords()
+    check_global_batch(spec["global_batch"], readers)
+    local_batch = spec["global_batch"] // readers
+    memory = _PeakMemory(fleet.device)
+    memory.start()
+    model, inputs, targets, loss_fn = workload(spec, local_batch, rank, fleet)
     # Counted on a meta copy (shapes only), before setup splits or shards the model.
     model_flops = flops.flops_per_sample(model, inputs, targets, loss_fn) if fleet.is_main else None
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)

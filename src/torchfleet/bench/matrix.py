@@ -40,6 +40,7 @@ from torchfleet.launcher.agent import LaunchError, launch
 from torchfleet.models import TOKEN_MODELS, gpt_config
 from torchfleet.strategies import STRATEGIES, resolve_dims
 from torchfleet.strategies.dims import DIM_NAMES, PRESETS
+from torchfleet.strategies.meetings import METHODS as MEETING_METHODS
 
 # A smoke test in seconds on 2 CPU cores, whichever model is asked for.
 QUICK = {"model": "mlp", "batch_sizes": (64,), "nproc": (2,), "precisions": ("fp32",),
@@ -103,6 +104,17 @@ def plan(cfg: BenchConfig, availability: list[dict], cores: int) -> tuple[list[C
         chosen = list(dict.fromkeys(cfg.strategies))
     else:
         chosen = [name for name in STRATEGIES if here.get(name, {}).get("available")]
+    # diloco and localsgd are replica groups meeting every few steps, to spare a slow link between machines:
+    # on one machine there is no such link (and Fleet refuses them alone), so link mode measures them.
+    meeting = [name for name in chosen if name in MEETING_METHODS]
+    if meeting:
+        chosen = [name for name in chosen if name not in MEETING_METHODS]
+        they, pays, them = ("they", "pay", "them") if len(meeting) > 1 else ("it", "pays", "it")
+        notes.append(f"{' and '.join(meeting)} left out: {they} {pays} only over a slow link between machines,"
+                     f" where ddp spends most of each step exchanging gradients; measure {them} against ddp there"
+                     " with link mode, the same command on every machine: torchfleet bench --nnodes 2"
+                     " --node-rank R --master-addr NODE0_ADDRESS")
+    if not cfg.strategies:
         if cfg.model not in TOKEN_MODELS:  # tensor parallelism needs a plan: the built-in gpt has one
             planless = [name for name in chosen if "tp" in PRESETS.get(name, {})]
             chosen = [name for name in chosen if name not in planless]
