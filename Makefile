@@ -72,7 +72,7 @@ test: $(VENV)/.dev system-deps
 # test_ft_hosts (three namespace hosts under --fault-tolerance step, about 4 minutes) too: the floor lane
 # runs test_ft.py, whose groups are real processes on this machine, healing included.
 FLOOR_SKIP := test_mpi test_slurm test_kubernetes test_sagemaker test_notebook test_bench \
-	test_cli test_errors test_outputs test_doctor test_ft_hosts
+	test_cli test_errors test_outputs test_doctor test_ft_hosts test_requeue
 
 test-floor:
 	$(MAKE) test VENV=.venv-floor TORCH=$(TORCH_FLOOR) PYTEST_ARGS="$(foreach t,$(FLOOR_SKIP),--ignore=tests/$(t).py)"

@@ -295,3 +295,93 @@ def test_ft_pods_meet_at_the_lighthouse_and_train(tmp_path, monkeypatch):
     for group, log in enumerate(logs):
         assert f"the lighthouse at 127.0.0.1:{port} answers" in log, log
         assert f"replica group {group} of 2" in log, log
+
+
+def _write_train(tmp_path, *flags) -> dict:
+    out = tmp_path / "train.yaml"
+    assert main(["k8s", "train", "--out", str(out), *flags]) == 0
+    return yaml.safe_load(out.read_text())
+
+
+TRAIN_ARGS = ["--model", "mlp", "--data", "synthetic", "--synthetic-size", "512", "--batch-size", "32",
+              "--no-progress", "--hang-timeout", "0"]  # 16 steps an epoch
+
+
+def test_train_manifest_gives_a_grace_period_for_a_save_and_resumes_auto(tmp_path, monkeypatch):
+    """`k8s train`: torchfleet train under torchrun with --resume auto, every pod a grace period that holds
+    torchrun's wait for the save (its shutdown timeout, set below it), and OnFailure, which restarts the
+    preempted pod's exit (75 from the workers; torchrun's own on SIGTERM)."""
+    monkeypatch.chdir(ROOT)
+    job = _write_train(tmp_path, "--nodes", "2", "--", *TRAIN_ARGS, "--checkpoint-dir", "/ck")
+    assert _errors(job) == []
+    assert job["metadata"]["name"] == "torchfleet-train"
+    for replica in job["spec"]["pytorchReplicaSpecs"].values():
+        pod = replica["template"]["spec"]
+        assert replica["restartPolicy"] == "OnFailure"
+        assert pod["terminationGracePeriodSeconds"] == 120
+        (container,) = pod["containers"]
+        assert container["env"] == [{"name": "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "value": "100"}]
+        assert container["command"][:2] == ["python", "-m"] and "torch.distributed.run" in container["command"]
+        assert container["command"][-len(TRAIN_ARGS) - 7:] == ["-m", "torchfleet", "train", *TRAIN_ARGS,
+                                                               "--checkpoint-dir", "/ck", "--resume", "auto"]
+    # A script of the user's keeps its command, and gets the grace period too.
+    script = _write(tmp_path)["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+    assert script["terminationGracePeriodSeconds"] == 120 and script["containers"][0]["command"][-1] == SCRIPT
+    # Without --checkpoint-dir there is nothing to resume: no --resume added.
+    bare = _write_train(tmp_path, "--", "--epochs", "1")["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+    assert bare["containers"][0]["command"][-3:] == ["train", "--epochs", "1"]
+    assert main(["k8s", "train", "--fault-tolerance", "step"]) == 2
+
+
+@pytest.mark.timeout(240)
+def test_a_train_pod_told_sigterm_saves_and_its_restart_resumes(tmp_path, monkeypatch):
+    """The pod's command (torchrun, 2 workers of torchfleet train) with the operator's variables and the
+    container's env, as a process here: SIGTERM to it, as the kubelet sends it to the container's
+    first process, mid-run; the same command again, as OnFailure restarts the pod, continues from the
+    checkpoint, and the final weights equal an uninterrupted serial run's."""
+    import os
+    import signal
+    import time
+
+    import torch
+
+    from torchfleet.train.config import TrainConfig
+    from torchfleet.train.loop import train
+
+    monkeypatch.chdir(ROOT)
+    ck, marker, final = tmp_path / "ck", tmp_path / "fired", tmp_path / "final.pt"
+    job = _write_train(tmp_path, "--nproc-per-node", "2", "--", *TRAIN_ARGS, "--checkpoint-dir", str(ck),
+                 "--max-steps", "20", "--save-model", str(final))
+    (container,) = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"]
+    given = {e["name"]: e["value"] for e in container["env"]}
+
+    def pod() -> subprocess.Popen:
+        env = {**_operator_env(job, "Master", 0, free_port()), **given,
+               "TORCHFLEET_FAULT": f"sleep:rank=0:step=6:seconds=1:once={marker}"}
+        command = [_expand(arg, env) for arg in container["command"]]
+        return subprocess.Popen([sys.executable, *command[1:]], cwd=ROOT, text=True, env=clean_env(**env),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    first = pod()
+    deadline = time.monotonic() + 120
+    while not marker.exists():
+        assert first.poll() is None and time.monotonic() < deadline, first.communicate()
+        time.sleep(0.05)
+    sent = time.monotonic()
+    os.kill(first.pid, signal.SIGTERM)
+    out, err = first.communicate(timeout=110)
+    seconds = time.monotonic() - sent
+    assert first.returncode != 0, out + err  # a failure to OnFailure: the pod restarts
+    assert f"torchfleet: preempted by SIGTERM at step 10, checkpoint saved to {ck / 'step-00000010'}" in err, err
+    second = pod()
+    out2, err2 = second.communicate(timeout=150)
+    assert second.returncode == 0, out2 + err2
+    assert f"resumed from {ck / 'step-00000010'} at step 10" in out2, out2
+    train(TrainConfig(strategy="serial", model="mlp", data="synthetic", synthetic_size=512, batch_size=32,
+                      progress=False, hang_timeout=0, max_steps=20, save_model=str(tmp_path / "straight.pt")),
+          "serial")
+    a, b = torch.load(final, weights_only=True), torch.load(tmp_path / "straight.pt", weights_only=True)
+    difference = max((a[k] - b[k]).abs().max().item() for k in a)
+    print(f"\nk8s pod: SIGTERM to exit {seconds:.1f} s (status {first.returncode}); max weight difference"
+          f" {difference:.3g}")
+    assert difference < 1e-5

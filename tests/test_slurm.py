@@ -260,3 +260,58 @@ def test_ft_job_on_a_real_slurm_starts_a_killed_group_again(tmp_path):
     assert "starting it again (attempt 1 of 1)" in bound, bound
     assert "group 0 ended with status 137; it was started again 1 time(s), no more" in bound, bound
     assert "1 of 1 replica group(s) never finished" in bound and "trained" not in bound, bound
+
+
+def test_requeue_batch_script_signals_saves_and_requeues(tmp_path, monkeypatch, capsys):
+    """`train --requeue`: the signal and requeue directives, `torchfleet train ... --resume auto` in
+    every task, and the requeue after a save; the script run by bash with stand-ins for srun and
+    scontrol, whose srun ends as a preempted step does (status 143 from the task killed after
+    the other's 75, the note written)."""
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "train.sbatch"
+    assert main(["slurm", "train", "--requeue", "--ntasks-per-node", "2", "--time", "1:00:00", "--out", str(out),
+                 "--", "--checkpoint-dir", "ck", "--epochs", "3"]) == 0
+    assert "saving on SIGUSR1 (120 s before the time limit) or SIGTERM and requeueing itself" in capsys.readouterr().out
+    text = out.read_text()
+    assert re.findall(r"^#SBATCH (\S+)$", text, flags=re.M) == [
+        "--job-name=torchfleet-train", "--nodes=1", "--ntasks-per-node=2", "--time=1:00:00", f"--chdir={ROOT}",
+        "--output=%x-%j.out", "--signal=USR1@120", "--requeue", "--open-mode=append"]
+    (srun,) = [line for line in text.splitlines() if line.startswith("srun ")]
+    assert srun == (f"srun --kill-on-bad-exit=1 {sys.executable} -u -m torchfleet train --checkpoint-dir ck"
+                    " --epochs 3 --resume auto || status=$?")
+    assert subprocess.run(["bash", "-n", str(out)]).returncode == 0
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stand_ins = {"srun": '#!/bin/bash\necho "$*" >> "$CALLS"\n[ -n "${PREEMPT:-}" ] || exit 0\n'
+                         'echo "preempted by SIGUSR1 at step 10, checkpoint saved to ck/step-00000010, resume with'
+                         ' --resume" > "$TORCHFLEET_PREEMPT_NOTE"\nexit 143\n',
+                 "scontrol": '#!/bin/bash\necho "scontrol $*" >> "$CALLS"\n'}
+    for name, body in stand_ins.items():
+        (bin_dir / name).write_text(body)
+        (bin_dir / name).chmod(stat.S_IRWXU)
+    for preempted, status in ((True, 75), (False, 0)):
+        calls = tmp_path / f"calls-{preempted}"
+        env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "CALLS": str(calls), "SLURM_JOB_ID": "42", "TMPDIR": str(tmp_path),
+               **({"PREEMPT": "1"} if preempted else {})}
+        done = subprocess.run(["bash", str(out)], env=env, capture_output=True, text=True, timeout=60)
+        assert done.returncode == status, done.stdout + done.stderr
+        lines = calls.read_text().splitlines()
+        assert lines[0].endswith("--resume auto")
+        assert lines[1:] == (["scontrol requeue 42"] if preempted else []), lines
+        assert ("requeueing job 42" in done.stdout) == preempted, done.stdout
+        assert not (tmp_path / "torchfleet-preempt-42").exists()  # the note is cleared for the next run
+
+
+REQUEUE_BAD = [
+    (["train", "--requeue"], "--requeue needs --checkpoint-dir among train's arguments"),
+    (["train", "--requeue", "--fault-tolerance", "step", "--", "--checkpoint-dir", "ck"],
+     "`train` under --fault-tolerance step is not written by torchfleet slurm"),
+    ([SCRIPT, "--requeue", "--fault-tolerance", "step"], "--requeue applies with --fault-tolerance restart"),
+]
+
+
+@pytest.mark.parametrize("argv,sentence", REQUEUE_BAD, ids=[" ".join(a) for a, _ in REQUEUE_BAD])
+def test_requeue_bad_input(argv, sentence, capsys):
+    assert main(["slurm", *argv]) == 2
+    err = capsys.readouterr().err
+    assert sentence in err and len(err.strip().splitlines()) == 1

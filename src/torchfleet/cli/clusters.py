@@ -17,8 +17,10 @@ COMMANDS = ("slurm", "sagemaker", "k8s")
 _PARSERS: dict[str, argparse.ArgumentParser] = {}
 
 
-def _script_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("script", help="the training script (a torchfleet/Fleet script runs unchanged)")
+def _script_args(p: argparse.ArgumentParser, train: bool = True) -> None:
+    p.add_argument("script", help="the training script (a torchfleet/Fleet script runs unchanged)"
+                   + (", or train: torchfleet train with the arguments after -- (adding --resume auto where"
+                      " they give --checkpoint-dir)" if train else ""))
     p.add_argument("script_args", nargs="*", metavar="-- SCRIPT_ARGS",
                    help="arguments for the script, after --")
 
@@ -48,6 +50,10 @@ def add_commands(sub) -> None:
     slurm.add_argument("--max-restarts", type=int, default=None, metavar="M",
                        help="with --fault-tolerance step: start a failed node's group again at most M times"
                             " (default 3)")
+    slurm.add_argument("--requeue", action="store_true",
+                       help="on SIGUSR1 (sent 120 s before --time) or SIGTERM the job saves a checkpoint, exits 75"
+                            " and requeues itself, resuming there (SCRIPT train: torchfleet train with"
+                            " --checkpoint-dir; a script of yours must save and exit 75 itself)")
     slurm.add_argument("--out", default=None, metavar="FILE",
                        help="where to write the batch script (default SCRIPT.sbatch; - for stdout)")
     slurm.add_argument("--submit", action="store_true", help="submit it with sbatch")
@@ -64,7 +70,7 @@ def add_commands(sub) -> None:
                     help="folder for estimator.py and create_training_job.json (default sagemaker-SCRIPT)")
     sm.add_argument("--submit", action="store_true",
                     help="submit it with the SageMaker Python SDK (pip install sagemaker)")
-    _script_args(sm)
+    _script_args(sm, train=False)
 
     k8s = _PARSERS["k8s"] = sub.add_parser(
         "k8s", help="write a Kubeflow PyTorchJob manifest for a script")
@@ -101,7 +107,7 @@ def _slurm(args) -> int:
     job = slurm.SlurmJob(args.script, args.script_args, nodes=args.nodes,
                          gpus_per_node=args.gpus_per_node, ntasks_per_node=args.ntasks_per_node,
                          partition=args.partition, time=args.time, fault_tolerance=args.fault_tolerance,
-                         max_restarts=args.max_restarts)
+                         max_restarts=args.max_restarts, requeue=args.requeue)
     text = slurm.batch_script(job)
     if args.out == "-":
         if args.submit:
@@ -111,7 +117,9 @@ def _slurm(args) -> int:
     path = write_text(args.out or f"{Path(job.script).stem}.sbatch", text)
     groups = (f", a replica group per node, each started again at most {job.max_restarts} times"
               if job.fault_tolerance == "step" else "")
-    print(f"wrote {path}: {job.world_size} processes ({job.nodes} x {job.ntasks_per_node}){groups}")
+    requeue = (f", saving on SIG{slurm.REQUEUE_SIGNAL} ({slurm.REQUEUE_SECONDS} s before the time limit) or"
+               " SIGTERM and requeueing itself" if job.requeue else "")
+    print(f"wrote {path}: {job.world_size} processes ({job.nodes} x {job.ntasks_per_node}){groups}{requeue}")
     if not args.submit:
         print(f"submit it with: sbatch {path}")
         return 0
@@ -138,8 +146,8 @@ def _k8s(args) -> int:
           + (f", one replica group each; the lighthouse's Deployment and Service {job.lighthouse}"
              if job.fault_tolerance == "step" else ""))
     if args.image is None:
-        print(f"note: the image {kubernetes.DEFAULT_IMAGE} must hold torchfleet and "
-              f"{job.script}; build yours and pass --image")
+        held = "torchfleet" if job.train is not None else f"torchfleet and {job.script}"
+        print(f"note: the image {kubernetes.DEFAULT_IMAGE} must hold {held}; build yours and pass --image")
     print(f"submit it with: kubectl apply -f {path}")
     return 0
 

@@ -26,6 +26,27 @@ def check_script(script: str) -> Path:
     return path.resolve()
 
 
+TRAIN = "train"  # in place of a script: the built-in job, `torchfleet train` with the script's arguments
+
+
+def train_args(script: str, script_args: list[str], requeue: bool = False, flag: str = "--requeue") -> list[str] | None:
+    """`torchfleet train`'s arguments when `script` is "train", else None (a script of the user's).
+
+    With --checkpoint-dir among them, `--resume auto` is added unless a --resume flag is
+    there already: the job started again (requeued, a pod restarted) runs the same command
+    and continues from the newest checkpoint, and the first run starts from the beginning.
+    """
+    if script != TRAIN:
+        return None
+    given = {a.split("=", 1)[0] for a in script_args}
+    if requeue and "--checkpoint-dir" not in given:
+        raise UsageError(f"{flag} needs --checkpoint-dir among train's arguments (after --): the job saves"
+                         " there on the signal and resumes from there when requeued")
+    if "--checkpoint-dir" in given and not given & {"--resume", "--resume-fallback"}:
+        return [*script_args, "--resume", "auto"]
+    return list(script_args)
+
+
 def at_least(flag: str, value: int, low: int) -> None:
     if value < low:
         raise UsageError(f"{flag} {value} must be at least {low}")

@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from torchfleet.clusters import at_least, check_script
+from torchfleet.clusters import at_least, check_script, train_args
 from torchfleet.config import FAULT_TOLERANCE
 from torchfleet.errors import UsageError
 from torchfleet.ft.lighthouse import DEFAULT_PORT as LIGHTHOUSE_PORT
@@ -36,6 +36,14 @@ CONTAINER = "pytorch"  # the operator injects its variables into every container
 PORT_NAME = "pytorchjob-port"  # reads MASTER_PORT from this named port of "pytorch"
 PORT = 23456  # the operator's default for that port
 DEFAULT_IMAGE = "torchfleet:latest"
+# On SIGTERM (a preemption, an eviction, a deleted pod) torchrun's agent passes the signal to the
+# workers and waits for them at most SHUTDOWN_SECONDS (TORCH_ELASTIC_SHUTDOWN_TIMEOUT; its own default
+# is 30 s); torchfleet train finishes the step, saves one checkpoint and exits 75, which the pods'
+# restartPolicy OnFailure restarts (ExitCode would not: it takes 1-127 for permanent). Kubernetes
+# SIGKILLs the pod GRACE_SECONDS after the SIGTERM (terminationGracePeriodSeconds, its default 30 s):
+# room for a save of SHUTDOWN_SECONDS and the agent's own exit.
+GRACE_SECONDS = 120
+SHUTDOWN_SECONDS = 100
 LIGHTHOUSE = "-lighthouse"  # the suffix of the lighthouse's Deployment and Service names
 CREATED_BY = {"app.kubernetes.io/created-by": "torchfleet"}
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
@@ -52,8 +60,17 @@ class PyTorchJob:
     name: str | None = None
     fault_tolerance: str = "restart"  # or "step": each pod a replica group under torchft (manifests)
 
+    train: list[str] | None = field(init=False, default=None)  # train's arguments when script is "train"
+
     def __post_init__(self) -> None:
-        check_script(self.script)
+        # `train`: the built-in job, `torchfleet train SCRIPT_ARGS` (with --resume auto) under torchrun.
+        self.train = train_args(self.script, self.script_args)
+        if self.train is not None and self.fault_tolerance == "step":
+            raise UsageError("`train` under --fault-tolerance step is not written by torchfleet k8s; give a"
+                             " script (a Fleet script), or write a command of your own with torchfleet train"
+                             " --fault-tolerance step")
+        if self.train is None:
+            check_script(self.script)
         # The pod runs the script from the image's working folder: keep the
         # path as the user gave it (relative paths are the usual case).
         self.script = Path(self.script).as_posix()
@@ -99,10 +116,12 @@ def _command(job: PyTorchJob) -> list[str]:
                 "--node-rank", "$(PET_NODE_RANK)", "--master-addr", job.lighthouse,
                 "--lighthouse", f"{job.lighthouse}:{LIGHTHOUSE_PORT}", "-n", str(job.nproc_per_node),
                 job.script, *job.script_args]
+    # torchrun's -m runs a module in every worker: torchfleet train, which trains in it (torchrun's variables).
+    target = [job.script, *job.script_args] if job.train is None else ["-m", "torchfleet", "train", *job.train]
     return ["python", "-m", "torch.distributed.run",
             "--nnodes=$(PET_NNODES)", "--nproc-per-node=$(PET_NPROC_PER_NODE)",
             "--node-rank=$(PET_NODE_RANK)", "--master-addr=$(MASTER_ADDR)",
-            "--master-port=$(MASTER_PORT)", job.script, *job.script_args]
+            "--master-port=$(MASTER_PORT)", *target]
 
 
 def _container(job: PyTorchJob) -> dict:
@@ -111,6 +130,8 @@ def _container(job: PyTorchJob) -> dict:
         "image": job.image,
         "command": _command(job),
         "ports": [{"name": PORT_NAME, "containerPort": PORT}],
+        # How long torchrun's agent waits for the workers to save after a SIGTERM (GRACE_SECONDS).
+        "env": [{"name": "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "value": str(SHUTDOWN_SECONDS)}],
     }
     if job.gpus_per_node:
         container["resources"] = {"limits": {"nvidia.com/gpu": job.gpus_per_node}}
@@ -123,7 +144,7 @@ def _replica(job: PyTorchJob, replicas: int) -> dict:
         # OnFailure restarts a failed pod; torchrun's rendezvous then
         # waits for it, as a node restart does (under step: it heals from a live peer).
         "restartPolicy": "OnFailure",
-        "template": {"spec": {"containers": [_container(job)]}},
+        "template": {"spec": {"terminationGracePeriodSeconds": GRACE_SECONDS, "containers": [_container(job)]}},
     }
 
 

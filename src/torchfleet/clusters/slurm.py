@@ -14,6 +14,12 @@ lighthouse in a step of its own on node 0, and on each node one replica group,
 `torchfleet run --fault-tolerance step --lighthouse ...` (launcher/groups.py),
 in a retry loop of its own, in an allocation that `--no-kill` keeps when a node
 fails.
+
+    torchfleet slurm train --requeue --time 4:00:00 -- --checkpoint-dir /shared/ck
+
+runs `torchfleet train ... --resume auto` in every task (`train` in place of a
+script), asks Slurm for SIGUSR1 120 s before the time limit, and requeues the job
+once the tasks have saved on it and exited 75 (`requeue_lines`).
 """
 
 from __future__ import annotations
@@ -26,14 +32,20 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from torchfleet.clusters import at_least, check_script
+from torchfleet.clusters import at_least, check_script, train_args
 from torchfleet.config import FAULT_TOLERANCE
 from torchfleet.errors import UsageError
+from torchfleet.launcher.failures import PREEMPTED_EXIT
+from torchfleet.train.preempt import NOTE_VARIABLE as PREEMPT_NOTE
 
 # Slurm's --time formats: minutes, minutes:seconds, hours:minutes:seconds,
 # days-hours, days-hours:minutes, days-hours:minutes:seconds (sbatch(1)).
 _TIME = re.compile(r"\d+(:\d{1,2}){0,2}|\d+-\d{1,2}(:\d{1,2}){0,2}|UNLIMITED|INFINITE")
 _NAME = re.compile(r"[A-Za-z0-9_.,-]+")
+# --requeue: the signal Slurm sends every task this long before the time limit (--signal), which
+# torchfleet train takes as a preemption (train/preempt.py): the tasks save and exit 75.
+REQUEUE_SIGNAL = "USR1"
+REQUEUE_SECONDS = 120
 
 
 @dataclass
@@ -49,9 +61,23 @@ class SlurmJob:
     workdir: str = "."
     fault_tolerance: str = "restart"  # or "step": one replica group per node under torchft (ft_script)
     max_restarts: int | None = None  # with "step": each group is started again at most this often (default 3)
+    requeue: bool = False  # save on REQUEUE_SIGNAL, then requeue the job (requeue_lines)
+    command: list[str] = field(init=False, default_factory=list)  # what every task runs
 
     def __post_init__(self) -> None:
-        self.script = str(check_script(self.script))
+        # `train`: the built-in job, `torchfleet train SCRIPT_ARGS` in every task (with --resume auto).
+        train = train_args(self.script, self.script_args, self.requeue)
+        if train is None:
+            self.script = str(check_script(self.script))
+            self.command = [self.python, "-u", self.script, *self.script_args]
+        else:
+            self.command = [self.python, "-u", "-m", "torchfleet", "train", *train]
+        if train is not None and self.fault_tolerance == "step":
+            raise UsageError("`train` under --fault-tolerance step is not written by torchfleet slurm; give a"
+                             " script, or run `torchfleet train --fault-tolerance step` in your own batch script")
+        if self.requeue and self.fault_tolerance == "step":
+            raise UsageError("--requeue applies with --fault-tolerance restart (one srun step that saves and"
+                             " requeues the job); under step a failed group is started again instead")
         self._check_fault_tolerance()
         at_least("--nodes", self.nodes, 1)
         at_least("--gpus-per-node", self.gpus_per_node, 0)
@@ -106,6 +132,10 @@ def _directives(job: SlurmJob) -> list[str]:
     if job.time:
         directives.append(f"--time={job.time}")
     directives += [f"--chdir={job.workdir}", "--output=%x-%j.out"]
+    if job.requeue:
+        # The signal goes to every task (not the batch shell: no B:), --requeue lets the job be
+        # requeued, and the requeued run appends to the same log instead of truncating it.
+        directives += [f"--signal={REQUEUE_SIGNAL}@{REQUEUE_SECONDS}", "--requeue", "--open-mode=append"]
     if job.fault_tolerance == "step":
         directives.append("--no-kill")  # a failed node leaves the allocation, not the job
     return ["#!/bin/bash", *(f"#SBATCH {d}" for d in directives), ""]
@@ -115,7 +145,7 @@ def batch_script(job: SlurmJob) -> str:
     """The sbatch script for `job`, ready for `sbatch FILE`."""
     if job.fault_tolerance == "step":
         return ft_script(job)
-    command = shlex.join([job.python, "-u", job.script, *job.script_args])
+    command = shlex.join(job.command)
     lines = [
         *_directives(job),
         f"# Written by `torchfleet slurm`: {job.world_size} processes "
@@ -131,8 +161,39 @@ def batch_script(job: SlurmJob) -> str:
         lines.append('export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"')
     # --kill-on-bad-exit: one failed task ends the step instead of leaving
     # its peers waiting in a collective until the time limit.
-    lines += [f"srun --kill-on-bad-exit=1 {command}", ""]
-    return "\n".join(lines)
+    if not job.requeue:
+        lines += [f"srun --kill-on-bad-exit=1 {command}", ""]
+        return "\n".join(lines)
+    return "\n".join([*lines, *requeue_lines(command), ""])
+
+
+def requeue_lines(command: str) -> list[str]:
+    """The srun step under --requeue, and the requeue after a save on the signal."""
+    return [
+        "",
+        f"# --requeue: SIG{REQUEUE_SIGNAL} reaches every task {REQUEUE_SECONDS} s before the time limit (and",
+        f"# `scancel --signal={REQUEUE_SIGNAL} JOBID` sends it at any time); SIGTERM (preemption, scancel) too.",
+        "# torchfleet train then finishes the step, saves one checkpoint and exits 75; local rank 0 writes",
+        "# where to the note below. This script then requeues the job, which runs again from the top:",
+        "# the same command, and --resume auto continues from that checkpoint.",
+        'note="${TMPDIR:-/tmp}/torchfleet-preempt-$SLURM_JOB_ID"',
+        'rm -f "$note"',
+        f'export {PREEMPT_NOTE}="$note"',
+        'echo "torchfleet: job $SLURM_JOB_ID starts (requeued ${SLURM_RESTART_COUNT:-0} time(s) so far)"',
+        "status=0",
+        f"srun --kill-on-bad-exit=1 {command} || status=$?",
+        "# One task's 75 ends the step (--kill-on-bad-exit), so srun may report another's status: the note",
+        "# says that the checkpoint was saved.",
+        f'if [ "$status" -eq {PREEMPTED_EXIT} ] || [ -s "$note" ]; then',
+        '    echo "torchfleet: $(cat "$note" 2>/dev/null || echo "preempted, checkpointed (exit 75)");'
+        ' requeueing job $SLURM_JOB_ID"',
+        '    rm -f "$note"',
+        '    scontrol requeue "$SLURM_JOB_ID"',
+        f"    exit {PREEMPTED_EXIT}",
+        "fi",
+        'rm -f "$note"',
+        'exit "$status"',
+    ]
 
 
 def ft_script(job: SlurmJob) -> str:

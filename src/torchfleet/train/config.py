@@ -15,6 +15,7 @@ from torchfleet.train.models import GPT_PRESETS, MODELS, TOKEN_MODELS
 from torchfleet.train.preempt import parse_signals
 
 OPTIMIZERS = ("sgd", "adamw")
+RESUME_AUTO = "auto"  # --resume auto
 
 
 @dataclass
@@ -50,7 +51,11 @@ class TrainConfig:
     synthetic_size: int = option(4096, "samples in --data synthetic (default %(default)s)")
     checkpoint_dir: str | None = option(None, "save checkpoints here")
     checkpoint_every: int = option(0, "save every N steps (default %(default)s: at the end of each epoch)")
-    resume: bool = option(False, "continue from the newest checkpoint")
+    # --resume alone is True; --resume auto is "auto" (what the written Slurm and Kubernetes jobs pass).
+    resume: bool | str = option(False, "continue from the newest checkpoint in --checkpoint-dir; --resume auto:"
+                                " the same when there is one, else start from the beginning (for a job that is"
+                                " requeued or restarted with the same command)", nargs="?", const=True,
+                                metavar="auto")
     resume_fallback: bool = option(False, "like --resume, but step back to the previous intact checkpoint when the"
                                    " newest is damaged")
     preempt_signals: str = option("TERM,USR1", "with --checkpoint-dir: on these signals every rank finishes its"
@@ -123,6 +128,10 @@ class TrainConfig:
         if not self.lr > 0:
             raise UsageError(f"--lr {self.lr} must be a positive number")
         parse_signals(self.preempt_signals)  # an unknown name is refused here, before any process starts
+        if self.resume not in (False, True, RESUME_AUTO):
+            raise UsageError(f"--resume {self.resume!r} is not a choice; give --resume alone (continue from the"
+                             f" newest checkpoint) or --resume {RESUME_AUTO} (continue when there is one, else start"
+                             " from the beginning)")
         if (self.resume or self.resume_fallback) and not self.checkpoint_dir:
             flag = "--resume" if self.resume else "--resume-fallback"
             raise UsageError(f"{flag} needs --checkpoint-dir to say where the checkpoints are")

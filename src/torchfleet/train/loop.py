@@ -260,7 +260,7 @@ def _save(fleet: Fleet, cfg: TrainConfig, step: int, sampler) -> int:
 def _resume(fleet: Fleet, cfg: TrainConfig, sampler) -> int:
     assert cfg.checkpoint_dir is not None  # called only with --checkpoint-dir
     found = checkpoint.newest_good(fleet, cfg.checkpoint_dir, fallback=cfg.resume_fallback)
-    if found is None:
+    if found is None:  # --resume auto's first run, as any --resume with none there
         fleet.print(f"note: no checkpoint in {cfg.checkpoint_dir}; starting from the beginning")
         return 0
     path, _ = found
