@@ -160,8 +160,21 @@ class FullyShardedDataParallel(MeshStrategy):
     def load_state_dicts(self, model_state, optimizer_state):
         # Every rank passes the full state it read; each keeps its own shards.
         set_state_dict(self.model, self.optimizer, model_state_dict=model_state,
-                       optim_state_dict=optimizer_state,
+                       optim_state_dict=self._by_name(optimizer_state),
                        options=StateDictOptions(full_state_dict=True))
+
+    def _by_name(self, optimizer_state: dict) -> dict:
+        """A full optimizer state keyed by parameter names, as torch's set_state_dict reads it. One that serial
+        or ddp saved (torch.optim's own state_dict) numbers the parameters in the optimizer's order instead,
+        the same order here: the model is the same and FSDP2 swaps each parameter for a DTensor in place."""
+        if not any(isinstance(key, int) for key in optimizer_state.get("state", {})) and not any(
+                isinstance(p, int) for g in optimizer_state.get("param_groups", ()) for p in g["params"]):
+            return optimizer_state
+        name_of = {id(p): name for name, p in self.unwrapped().named_parameters()}
+        names = [name_of[id(p)] for group in self.optimizer.param_groups for p in group["params"]]
+        return {"state": {names[i]: entry for i, entry in optimizer_state["state"].items()},
+                "param_groups": [{**group, "params": [names[i] for i in group["params"]]}
+                                 for group in optimizer_state["param_groups"]]}
 
     def memory_report(self):
         params = list(self.model.parameters())

@@ -263,8 +263,18 @@ def _resume(fleet: Fleet, cfg: TrainConfig, sampler) -> int:
     if found is None:  # --resume auto's first run, as any --resume with none there
         fleet.print(f"note: no checkpoint in {cfg.checkpoint_dir}; starting from the beginning")
         return 0
-    path, _ = found
-    extra = fleet.load(path, same_strategy=True)
+    path, manifest = found
+    # Under any strategy and number of processes: torch.distributed.checkpoint reshards a sharded one, and a
+    # full one is split by the strategy's own load (checkpoint/verified.py); the sampler counts global batches.
+    extra = fleet.load(path)
     sampler.load_state_dict(extra["sampler"])
-    fleet.print(f"resumed from {path} at step {extra['step']}")
+    saved_by = (manifest["strategy"], manifest["world_size"])
+    moved = "" if saved_by == (fleet.strategy_name, fleet.world_size) else (
+        f", saved by {saved_by[0]} on {_processes(saved_by[1])} and resharded for {fleet.strategy_name} on"
+        f" {_processes(fleet.world_size)}")
+    fleet.print(f"resumed from {path} at step {extra['step']}{moved}")
     return extra["step"]
+
+
+def _processes(n: int) -> str:
+    return f"{n} process" + ("" if n == 1 else "es")
