@@ -38,15 +38,16 @@ def _cell_name(row: dict) -> str:
     return f"{label(row)}, batch {row['global_batch']}, {row['precision']}"
 
 
-def _unit(model: str) -> str:
+def throughput_unit(model: str) -> str:
     """Throughput's unit for a model: tokens/s for gpt (a sample is a sequence), images/s for the ResNets."""
     return "tokens/s" if model in TOKEN_MODELS else "images/s" if model in IMAGE_MODELS else "samples/s"
 
 
-def _rate(row: dict) -> str:
+def throughput(row: dict) -> str:
+    """A cell's rate with its unit, as the tables and the cell lines show it (bench's link mode too)."""
     if row.get("tokens_per_s") is not None:
         return f"{row['tokens_per_s']:,.0f} tokens/s"
-    return f"{row['samples_per_s']:,.0f} {_unit(row.get('model', ''))}"
+    return f"{row['samples_per_s']:,.0f} {throughput_unit(row.get('model', ''))}"
 
 
 def _comm(row: dict) -> str:
@@ -83,7 +84,7 @@ def progress(console, total: int):
 def line(row: dict) -> str:
     if row["status"] != "ok":
         return f"{_cell_name(row)}: {row['status']}: {row['error']}"
-    text = f"{_cell_name(row)}: {row['step_time_median_s'] * 1e3:.2f} ms/step, {_rate(row)}"
+    text = f"{_cell_name(row)}: {row['step_time_median_s'] * 1e3:.2f} ms/step, {throughput(row)}"
     if row["speedup"] is not None and row["strategy"] != "serial":
         text += f", {row['speedup']:.2f}x serial"
     if row.get("vs_fp32") is not None:
@@ -103,7 +104,7 @@ def verdict(rows: list[dict]) -> str:
         return "no cell ran, so there is no verdict; each row says why"
     best = max(ok, key=lambda r: r["samples_per_s"])
     text = (f"{label(best)} is the fastest for {best['model']} here: "
-            f"{_rate(best)} at batch {best['global_batch']} ({best['precision']})")
+            f"{throughput(best)} at batch {best['global_batch']} ({best['precision']})")
     if best["strategy"] == "serial":
         rivals = [r for r in ok if r["strategy"] != "serial" and r["speedup"] is not None]
         if rivals:
@@ -189,7 +190,7 @@ def table(doc: dict) -> Table:
     t = Table(title=f"torchfleet bench: {doc['config']['model']} ({machine_line(doc['machine'])})",
               title_justify="left", caption_justify="left")
     tokens = any(r.get("tokens_per_s") is not None for r in doc["cells"])  # gpt: a sample is a sequence
-    rate = "tokens/s" if tokens else _unit(doc["config"]["model"])
+    rate = "tokens/s" if tokens else throughput_unit(doc["config"]["model"])
     # Columns that only some runs fill: mixed precision's gain, and MFU on a GPU torchfleet knows.
     mixed = any(r.get("vs_fp32") is not None for r in doc["cells"])
     mfu = any(r.get("mfu") is not None for r in doc["cells"])

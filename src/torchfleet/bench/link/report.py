@@ -24,7 +24,8 @@ from rich.table import Table
 from torchfleet.bench.cell import spread
 from torchfleet.bench.link.measure import Link
 from torchfleet.bench.link.plan import MEETING_CELLS, LinkPlan, Machines
-from torchfleet.models import IMAGE_MODELS, TOKEN_MODELS
+from torchfleet.bench.report import throughput, throughput_unit
+from torchfleet.models import TOKEN_MODELS
 
 SCHEMA = "torchfleet-bench-link/1"
 # Every cell object in results.json has exactly these fields (None where a figure does not apply).
@@ -97,20 +98,11 @@ def derive(rows: list[dict]) -> None:
         r["comm_share"] = max(0.0, 1 - r["compute_step_s"] / median)
 
 
-def _unit(model: str) -> str:
-    return "tokens/s" if model in TOKEN_MODELS else "images/s" if model in IMAGE_MODELS else "samples/s"
-
-
-def _rate(row: dict) -> str:
-    figure = row["tokens_per_s"] if row.get("tokens_per_s") is not None else row["samples_per_s"]
-    return f"{figure:,.0f} {_unit(row['model'])}"
-
-
 def line(row: dict) -> str:
     """What node 0 prints as each cell ends."""
     if row["status"] != "ok":
         return f"{row['label']}: {row['status']}: {row['error']}"
-    text = f"{row['label']}: {row['step_time_median_s'] * 1e3:.1f} ms/step, {_rate(row)}"
+    text = f"{row['label']}: {row['step_time_median_s'] * 1e3:.1f} ms/step, {throughput(row)}"
     if row["speedup_vs_ddp"] is not None and row["cell"] != "ddp":
         text += f", {row['speedup_vs_ddp']:.2f}x ddp"
     return text + f" (communication {row['comm_share']:.0%} of the step)"
@@ -196,7 +188,7 @@ def table(doc: dict) -> Table:
                     f" {cfg['sync_every']}, 1 process per machine)",
               title_justify="left", caption_justify="left")
     tokens = any(r.get("tokens_per_s") is not None for r in doc["cells"])
-    names = ("cell", "ms/step", "IQR ms", "tokens/s" if tokens else _unit(cfg["model"]), "vs ddp", "compute ms",
+    names = ("cell", "ms/step", "IQR ms", "tokens/s" if tokens else throughput_unit(cfg["model"]), "vs ddp", "compute ms",
              "comm", "load", "status")
     for name in names:
         t.add_column(name, justify="left" if name in ("cell", "status") else "right")
