@@ -13,19 +13,17 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import ROOT, clean_env, torchfleet
+from conftest import torchfleet
 from test_ft import (
     MLP,
-    _free_port,
     _groups,
     _max_diff,
     _serial,
+    one_group_killed,
     outside_replica_groups,
     refused_in_one_sentence,
 )
@@ -104,21 +102,8 @@ def test_a_diloco_run_stopped_between_meetings_resumes_bit_for_bit(tmp_path):
 def test_a_group_killed_between_meetings_heals_at_the_next_and_the_other_never_waits_long(tmp_path):
     """Group 1's worker is killed at step 7 (meetings every 5); its agent starts it again, it meets group 0 at
     its next meeting and heals from it; group 0 never restarts, and both end with the same weights."""
-    fired = tmp_path / "fired"
-    port = _free_port()
     argv = [*MLP, "--strategy", "diloco", "--sync-every", "5", "--epochs", "60", "--log-every", "50"]
-
-    def group(rank: int, **env) -> subprocess.Popen:
-        return subprocess.Popen(
-            [sys.executable, "-m", "torchfleet", "train", *argv, "--nnodes", "2", "--node-rank", str(rank),
-             "--master-addr", "127.0.0.1", "--master-port", str(port), "-n", "1", "--max-restarts", "1",
-             "--save-model", str(tmp_path / f"group{rank}.pt"), "--json-out", str(tmp_path / f"group{rank}.json")],
-            env=clean_env(**env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
-
-    procs = [group(0), group(1, TORCHFLEET_FAULT=f"kill:rank=0:step=7:once={fired}")]
-    outputs = [p.communicate(timeout=240)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outputs
-    assert fired.exists()
+    outputs = one_group_killed(argv, 7, tmp_path)
     # 60 epochs (about 30 s): long enough for group 0 to be still training when group 1 is back.
     healed = re.search(r"group 1 healed from group 0 at step (\d+)", outputs[1])
     assert healed and int(healed.group(1)) > 7 and int(healed.group(1)) % 5 == 0, outputs[1]  # at a meeting

@@ -65,6 +65,26 @@ def _max_diff(a: dict, b: dict) -> float:
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
 
 
+def one_group_killed(argv: list[str], step: int, tmp: Path) -> list[str]:
+    """Two groups on this machine, each under its own agent with --max-restarts 1; group 1's worker is killed
+    once after `step`. Both must end with status 0; their outputs, each group's weights and summary in tmp."""
+    fired, port = tmp / "fired", _free_port()
+
+    def group(rank: int, **env) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-m", "torchfleet", "train", *argv, "--fault-tolerance", "step", "--nnodes", "2",
+             "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port), "-n", "1",
+             "--max-restarts", "1", "--save-model", str(tmp / f"group{rank}.pt"),
+             "--json-out", str(tmp / f"group{rank}.json")],
+            env=clean_env(**env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+
+    procs = [group(0), group(1, TORCHFLEET_FAULT=f"kill:rank=0:step={step}:once={fired}")]
+    outputs = [p.communicate(timeout=240)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    assert fired.exists()
+    return outputs
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("strategy,groups,nproc", [("ddp", 3, 1), ("fsdp", 2, 2), ("pipeline", 2, 2)],
                          ids=["ddp-3x1", "fsdp-2x2", "pipeline-2x2"])
@@ -116,22 +136,8 @@ def test_one_group_writes_the_checkpoints_and_every_group_resumes_from_them(tmp_
 def test_a_group_whose_worker_dies_is_restarted_by_its_agent_and_heals_from_a_live_peer(tmp_path):
     """Group 1's worker is killed after step 8; its own agent (--max-restarts 1) starts it again, it heals
     from group 0 instead of reading a checkpoint, and both end with the same weights, near serial's."""
-    fired = tmp_path / "fired"
-    port = _free_port()
     argv = [*MLP, "--strategy", "ddp", "--epochs", "6", "--log-every", "29"]
-
-    def group(rank: int, **env) -> subprocess.Popen:
-        return subprocess.Popen(
-            [sys.executable, "-m", "torchfleet", "train", *argv, "--fault-tolerance", "step", "--nnodes", "2",
-             "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port), "-n", "1",
-             "--max-restarts", "1", "--save-model", str(tmp_path / f"group{rank}.pt"),
-             "--json-out", str(tmp_path / f"group{rank}.json")],
-            env=clean_env(**env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
-
-    procs = [group(0), group(1, TORCHFLEET_FAULT=f"kill:rank=0:step=8:once={fired}")]
-    outputs = [p.communicate(timeout=240)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outputs
-    assert fired.exists()
+    outputs = one_group_killed(argv, 8, tmp_path)
     healed = re.search(r"group 1 healed from group 0 at step (\d+)", outputs[1])
     assert healed and int(healed.group(1)) >= 8, outputs[1]
     # Its agent started it again within the 3 s the lighthouse waits for heartbeats, or after them.
