@@ -107,8 +107,13 @@ def test_a_group_killed_between_meetings_heals_at_the_next_and_the_other_never_w
     # 60 epochs (about 30 s): long enough for group 0 to be still training when group 1 is back.
     healed = re.search(r"group 1 healed from group 0 at step (\d+)", outputs[1])
     assert healed and int(healed.group(1)) > 7 and int(healed.group(1)) % 5 == 0, outputs[1]  # at a meeting
-    assert re.search(r"group 1 left at step 10: group 0 went on after a pause of", outputs[0]), outputs[0]
-    assert re.search(r"group 1 joined at step \d+ and healed from this group \(0\)", outputs[0]), outputs[0]
+    # Group 0's account of it: group 1 left at the meeting and later joined and healed; or, when its agent
+    # started it again within the 3 s the lighthouse waits for heartbeats, one line for both (seen once here).
+    left_and_joined = (re.search(r"group 1 left at step 10: group 0 went on after a pause of", outputs[0])
+                       and re.search(r"group 1 joined at step \d+ and healed from this group \(0\)", outputs[0]))
+    back_at_once = re.search(r"group 1 was lost and started again at step 10, healing from this group \(0\);"
+                             r" groups 0, 1 went on after a pause of", outputs[0])
+    assert left_and_joined or back_at_once, outputs[0]
     assert "resumed from" not in outputs[1]
     assert _same(_weights(tmp_path))
     summaries = [json.loads((tmp_path / f"group{g}.json").read_text()) for g in range(2)]
