@@ -21,9 +21,9 @@ import torch
 from conftest import ROOT, clean_env, torchfleet, tree_digest
 from torchfleet.checkpoint import list_checkpoints, verify
 from torchfleet.launcher.failures import PREEMPTED_EXIT, FailureSummary, RankFailure
+from torchfleet.launcher.preempt import parse_signals
 from torchfleet.train.config import TrainConfig
 from torchfleet.train.loop import train
-from torchfleet.train.preempt import parse_signals
 
 JOB = ["train", "--model", "mlp", "--data", "synthetic", "--synthetic-size", "512", "--batch-size", "32",
        "--no-progress", "--hang-timeout", "0"]  # 16 steps an epoch; the serial reference below is the same

@@ -10,23 +10,24 @@ PyTorchJob unchanged.
 
 from __future__ import annotations
 
-import datetime
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
 from torchfleet import allocator, checkpoint, versions
-from torchfleet.backend import choose_backend, choose_socket_interface, probe_hardware, shares_gpus
+from torchfleet.backend import choose_backend, probe_hardware, shares_gpus
 from torchfleet.data import GlobalBatchSampler, ShardSampler, batch_loader
 from torchfleet.data import dataset_length as _length
 from torchfleet.env import DistEnv
+from torchfleet.env.process_group import join_process_group
 from torchfleet.env.sagemaker import TrainingEnv
 from torchfleet.errors import UsageError
 from torchfleet.ft import join as ft_join
+from torchfleet.launcher import preempt
 from torchfleet.launcher.sagemaker import relaunch_per_gpu
 from torchfleet.precision import Precision
 from torchfleet.strategies import Runtime, class_for, get_strategy, resolve_dims
@@ -34,10 +35,6 @@ from torchfleet.strategies.base import Batch, LossFn, SetupArgs
 from torchfleet.strategies.batchnorm import batchnorm_note
 from torchfleet.strategies.dims import DIM_NAMES
 from torchfleet.strategies.knobs import COMPILE_MODES, adopt_late_compile, unwrap_compiled
-
-# How long a collective may wait before the process group gives up. Long
-# enough for a slow first step; issue-level hang detection is the watchdog's job.
-_PG_TIMEOUT = datetime.timedelta(minutes=10)
 
 
 class Fleet:
@@ -52,13 +49,17 @@ class Fleet:
         activation_checkpointing: bool = False,
         compile: bool | str = False,
         fault_tolerance: str | None = None,
+        preempt_signals: str | None = None,
+        preempt_notice: str | None = None,
         **strategy_options: Any,
     ):
         """`max_grad_norm`: clip gradients to this global norm (over every shard and stage).
         `activation_checkpointing`: recompute each repeated block's activations in backward.
         `compile`: torch.compile each block in place (True or "blocks") or the whole model ("model").
         `fault_tolerance`: "step" in a replica group (`torchfleet run --fault-tolerance step` makes them; None:
-        as the launcher says), "restart" otherwise. diloco and localsgd take `sync_every`, `outer_lr`... too."""
+        as the launcher says), "restart" otherwise. diloco and localsgd take `sync_every`, `outer_lr`... too.
+        `preempt_signals` ("TERM,USR1"), `preempt_notice` ("aws", a URL...): what preempted() listens for
+        (default: what `torchfleet run --preempt-signals/--preempt-notice` said, else TERM,USR1 and no notice)."""
         versions.require_supported_torch()
         if grad_accum < 1:
             raise UsageError(f"grad_accum {grad_accum} must be at least 1")
@@ -79,6 +80,7 @@ class Fleet:
         if self.env.source == "sagemaker" and self.sagemaker is not None and self.sagemaker.needs_per_gpu_launch():
             relaunch_per_gpu(self.env)
         self.grad_accum = grad_accum
+        self._leaving = preempt.Leaving(preempt_signals, preempt_notice)
         self.notes: list[str] = []
         self._samplers: list[GlobalBatchSampler] = []  # the training loaders' (dataloader)
         self._returned: torch.nn.Module | None = None  # what setup returned, until train_step's first check
@@ -104,7 +106,7 @@ class Fleet:
         if self.device.type == "cpu":
             allocator.keep_freed_memory()  # a step's memory stays for the next step
         if grouped:
-            self._init_process_group()
+            join_process_group(self.env, self.backend)
         self.replicas = ft_join.group(joined, self.env, self.device)  # ft/replicas.py, ft/outer.py
         runtime = Runtime(self.env, self.device, Precision(precision, self.device),
                           self.backend if grouped else None, max_grad_norm, self.replicas)
@@ -135,26 +137,6 @@ class Fleet:
             torch.cuda.set_device(index)
             return torch.device("cuda", index)
         return torch.device("cpu")
-
-    def _init_process_group(self) -> None:
-        if dist.is_initialized():
-            return
-        env = self.env
-        if env.source == "torchrun" and env.restart_count > 0:
-            # After a restart torchrun's agent hands out the same store as before, where
-            # each rank's Gloo address from the last attempt still sits (torch says it makes
-            # a new store per attempt; its rendezvous caches the first). A prefix per attempt
-            # keeps this attempt's keys apart.
-            store = dist.PrefixStore(f"torchfleet/attempt-{env.restart_count}", dist.TCPStore(
-                env.master_addr, env.master_port, env.world_size, is_master=False, timeout=_PG_TIMEOUT))
-            dist.init_process_group(self.backend, store=store, rank=env.rank, world_size=env.world_size,
-                                    timeout=_PG_TIMEOUT)
-            return
-        # torchrun's agent already hosts the store at MASTER_ADDR:MASTER_PORT.
-        init_method = "env://" if env.source == "torchrun" else f"tcp://{env.master_addr}:{env.master_port}"
-        choose_socket_interface(env.nnodes, env.master_addr)
-        dist.init_process_group(self.backend, init_method=init_method, rank=env.rank, world_size=env.world_size,
-                                timeout=_PG_TIMEOUT)
 
     def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, example_inputs=None):
         """Wrap `model` and `optimizer` for the strategy; use what it returns.
@@ -341,6 +323,19 @@ class Fleet:
             self.replicas.load_state_dict(extra["replicas"])
         return {k: v for k, v in extra.items() if k != "replicas"}
 
+    # -- leaving when told to -----------------------------------------------
+    def preempted(self) -> bool:
+        """Whether the job was told to leave (a preemption signal or a spot notice, on any rank): the same answer
+        on every rank. Ask on every rank at the same point, e.g. after each train_step; with many processes it
+        costs one all-reduce of one number. Listening starts at the first call. On True: fleet.save, fleet.leave."""
+        asked = self._leaving.asked(watch=self.env.local_rank == 0)
+        return bool(self.all_reduce(float(asked), "max").item()) if dist.is_initialized() else asked
+
+    def leave(self, checkpoint: str | os.PathLike | None = None, step: int | None = None) -> NoReturn:
+        """Exit with status 75 (preempted, checkpointed: launchers and job scripts requeue on it), saying at which
+        `step` and where the `checkpoint` fleet.save wrote is; every rank calls it."""
+        raise self._leaving.leave(self.env.local_rank, self.is_main, step, checkpoint)
+
     @property
     def model_dir(self) -> Path | None:
         """Where the final model goes: SM_MODEL_DIR in a SageMaker job, else None."""
@@ -386,6 +381,7 @@ class Fleet:
         thread is already finalizing, the worker cannot take the GIL, is unwound, and the process aborts
         ("terminate called without an active exception", SIGABRT) after a run that succeeded.
         """
+        self._leaving.stop()
         if self.replicas is not None:
             self.replicas.finish()
             self.replicas.close()

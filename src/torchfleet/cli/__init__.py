@@ -127,6 +127,14 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run any script on N processes (every torchrun flag, both spellings)")
     _add_launch_flags(run, underscores=True)
     add_torchrun_flags(run)
+    leaving = run.add_argument_group("leaving when told to (the script asks fleet.preempted(), saves, fleet.leave())")
+    leaving.add_argument("--preempt-signals", default="TERM,USR1", metavar="SIGNALS",
+                         help="signals the launcher passes on to the workers and their Fleet listens for;"
+                              " comma-separated, or none (default %(default)s)")
+    leaving.add_argument("--preempt-notice", default="none", metavar="SOURCE",
+                         help="also a spot instance's notice, polled every 5 s by one process per machine: aws,"
+                              " gcp, azure, or an http:// URL whose answer 200 with a body is the notice"
+                              " (default %(default)s)")
     run.add_argument("script", help="the Python script to run on every rank (a module with -m,"
                      " a program with --no-python)")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -188,8 +196,13 @@ def cmd_train(args, argv: list[str]) -> int:
 def cmd_run(args) -> int:
     from torchfleet.launcher import torchrun_flags
     from torchfleet.launcher.agent import run_script
+    from torchfleet.launcher.notices import check_spec
+    from torchfleet.launcher.preempt import parse_signals
 
-    return run_script(_launch_config(args), args.script, args.script_args, torchrun_flags.given(args))
+    parse_signals(args.preempt_signals)  # refused here, before any process starts
+    check_spec(args.preempt_notice)
+    return run_script(_launch_config(args), args.script, args.script_args, torchrun_flags.given(args),
+                      preempt_signals=args.preempt_signals, preempt_notice=args.preempt_notice)
 
 
 def cmd_lighthouse(args) -> int:

@@ -17,7 +17,10 @@ import time
 import uuid
 from typing import Any, Callable
 
-from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+import torch.distributed.launcher.api as launcher_api
+from torch.distributed.elastic.agent.server.api import WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig as AgentConfig
 from torch.distributed.launcher.api import elastic_launch
@@ -25,7 +28,7 @@ from torch.distributed.launcher.api import elastic_launch
 from torchfleet import netif
 from torchfleet.config import LaunchConfig
 from torchfleet.errors import UsageError
-from torchfleet.launcher import failures, groups, preflight, rendezvous, torchrun_flags
+from torchfleet.launcher import failures, groups, preempt, preflight, rendezvous, torchrun_flags
 
 LOOPBACK = "127.0.0.1"
 MASTER_WAIT = 60.0  # seconds a node waits for node 0's rendezvous to answer
@@ -236,10 +239,13 @@ def _start(cfg: LaunchConfig, entrypoint: Callable | str, args: list,
             print(f"torchfleet: {checked.sentence(_node(cfg))}", flush=True)
         if cfg.multi_node:
             print(exposure(cfg), file=sys.stderr, flush=True)  # once the checks have passed
+        # torchrun's launch_agent builds its agent from this module global: ours for the call (see _Agent).
+        launcher_api.LocalElasticAgent = _Agent
         return elastic_launch(agent_config(cfg, overrides), entrypoint)(*args)
     except ChildFailedError as exc:
         raise LaunchError(failures.summarize(exc)) from None
     finally:
+        launcher_api.LocalElasticAgent = LocalElasticAgent
         del checked  # node 0's store served the rendezvous too; now it may close
         if group is not None and group.server is not None:
             group.server.shutdown()  # node 0's lighthouse: the job has ended here
@@ -250,18 +256,45 @@ def _start(cfg: LaunchConfig, entrypoint: Callable | str, args: list,
                 os.environ[key] = value
 
 
+class _Agent(LocalElasticAgent):
+    """torchrun's agent, but a worker that left with PREEMPTED_EXIT (told to leave, it saved) ends the
+    group instead of having it restarted under --max-restarts: the cluster asked for the machine back,
+    and a restart here would start training again on it. (A signal to the launcher stops the agent
+    itself; this is for a signal that reached only the workers, as Slurm's or a node handler's can.)"""
+
+    def _monitor_workers(self, worker_group):
+        # torch's @prof decorator hides the method's parameters from the type checker.
+        result = super()._monitor_workers(worker_group)  # pyright: ignore[reportCallIssue]
+        if result.state == WorkerState.FAILED and any(
+                f.exitcode == failures.PREEMPTED_EXIT for f in result.failures.values()):
+            self._remaining_restarts = 0
+        return result
+
+
 def run_command(cfg: LaunchConfig, argv: list[str], program: str | None = None,
-                overrides: dict[str, Any] | None = None) -> int:
-    """Run `python argv...` (or `program argv...`) on every rank; return the exit status for the shell."""
-    try:
-        _start(cfg, program or sys.executable, argv if program else ["-u", *argv], overrides)
-    except LaunchError as exc:
-        return failures.report(exc.summary)
+                overrides: dict[str, Any] | None = None, preempt_signals: str = preempt.DEFAULT_SIGNALS,
+                preempt_notice: str = "none", why: str = preempt.SCRIPT_WHY) -> int:
+    """Run `python argv...` (or `program argv...`) on every rank; return the exit status for the shell.
+
+    The agent passes `preempt_signals` on to the workers; when one stops it, the exit is PREEMPTED_EXIT
+    once the workers have saved (their note says where: preempt.py), not a traceback, else 128+N.
+    """
+    agent_signals = {"signals_to_handle": preempt.agent_signals(preempt_signals)}
+    with preempt.noting(preempt_signals, preempt_notice) as note:
+        try:
+            _start(cfg, program or sys.executable, argv if program else ["-u", *argv],
+                   {**(overrides or {}), **agent_signals})
+        except LaunchError as exc:
+            return failures.report(exc.summary)
+        except SignalException as exc:
+            # The agent has passed the signal on to the workers and waited for them.
+            return preempt.report(note, exc.sigval, why)
     return 0
 
 
 def run_script(cfg: LaunchConfig, script: str, script_args: list[str],
-               torchrun: dict[str, Any] | None = None) -> int:
+               torchrun: dict[str, Any] | None = None, preempt_signals: str = preempt.DEFAULT_SIGNALS,
+               preempt_notice: str = "none") -> int:
     """`torchfleet run script.py args`: the script runs as __main__ on every rank.
 
     `torchrun` holds the torchrun flags torchfleet passes through (-m, --no-python,
@@ -276,13 +309,14 @@ def run_script(cfg: LaunchConfig, script: str, script_args: list[str],
             raise UsageError(f"script {script!r} is not a Python file (.py); run a module with -m,"
                              " a program with --no-python")
     overrides = torchrun_flags.agent_overrides(torchrun, script, script_args, one_machine=not cfg.multi_node)
+    leaving = {"preempt_signals": preempt_signals, "preempt_notice": preempt_notice}
     if torchrun.get("no_python"):
-        return run_command(cfg, script_args, program=script, overrides=overrides)
+        return run_command(cfg, script_args, program=script, overrides=overrides, **leaving)
     target = ["-m", script] if torchrun.get("module") else [script]
     # Not `python -u`: the bootstrap makes the streams line-buffered instead, so each
     # rank's lines reach the shared terminal whole and at once (bootstrap.line_buffered).
     return run_command(cfg, ["-m", "torchfleet.launcher.bootstrap", *target, *script_args],
-                       program=sys.executable, overrides=overrides)
+                       program=sys.executable, overrides=overrides, **leaving)
 
 
 def launch(fn: Callable, nprocs: int = 2, args: tuple = (), max_restarts: int = 0) -> list[Any]:

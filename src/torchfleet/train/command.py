@@ -12,27 +12,21 @@ its workers itself, since they must share this process's memory.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 import sys
-import tempfile
-from pathlib import Path
-
-from torch.distributed.elastic.multiprocessing import SignalException
 
 from torchfleet import ft
 from torchfleet.config import LaunchConfig
 from torchfleet.data import check_global_batch
 from torchfleet.env import DistEnv
 from torchfleet.errors import UsageError
-from torchfleet.launcher import failures
+from torchfleet.launcher import failures, preempt
 from torchfleet.launcher.agent import LaunchError, run_command
 from torchfleet.launcher.failures import PREEMPTED_EXIT
 from torchfleet.strategies import data_readers, get_strategy, resolve_dims
 from torchfleet.strategies.batchnorm import check_sync_batchnorm
 from torchfleet.strategies.meetings import METHODS as MEETING_METHODS
 from torchfleet.strategies.meetings import SyncOptions, refuse_alone
-from torchfleet.train import preempt
 from torchfleet.train.config import TrainConfig
 from torchfleet.train.loop import train
 from torchfleet.train.meetings import run_groups_here
@@ -90,25 +84,9 @@ def run(cfg: TrainConfig, launch: LaunchConfig, nproc: int | None, argv: list[st
 
 def _run_workers(cfg: TrainConfig, launch: LaunchConfig, argv: list[str]) -> int:
     """Start the workers through torchrun's agent; a preemption signal to this process ends in
-    PREEMPTED_EXIT once the workers have saved (train/preempt.py), not in a traceback."""
-    with tempfile.TemporaryDirectory(prefix="torchfleet-preempt-") as folder:
-        note = Path(folder) / "note"
-        saved = os.environ.get(preempt.NOTE_VARIABLE)
-        os.environ[preempt.NOTE_VARIABLE] = str(note)  # the workers inherit it
-        if not os.environ.get("TORCHFLEET_VERBOSE"):
-            # The agent warns "Received 15 death signal, shutting down workers" from a logger with a
-            # level of its own (the launcher quiets its parent); the line `report` prints says it.
-            logging.getLogger("torch.distributed.elastic.agent.server.api").setLevel(logging.ERROR)
-        try:
-            return run_command(launch, argv, overrides={"signals_to_handle": preempt.agent_signals(cfg.preempt_signals)})
-        except SignalException as exc:
-            # The agent has passed the signal on to the workers and waited for them (preempt.py).
-            return preempt.report(note, exc.sigval)
-        finally:
-            if saved is None:
-                os.environ.pop(preempt.NOTE_VARIABLE, None)
-            else:
-                os.environ[preempt.NOTE_VARIABLE] = saved
+    PREEMPTED_EXIT once the workers have saved (launcher/preempt.py), not in a traceback."""
+    return run_command(launch, argv, preempt_signals=cfg.preempt_signals, preempt_notice=cfg.preempt_notice,
+                       why=preempt.TRAIN_WHY)
 
 
 def _train_here(cfg: TrainConfig, env: DistEnv) -> int:

@@ -6,13 +6,14 @@ from dataclasses import asdict, dataclass, field
 
 from torchfleet.config import BACKENDS, at_least, option
 from torchfleet.errors import UsageError, choice_error
+from torchfleet.launcher.notices import check_spec
+from torchfleet.launcher.preempt import parse_signals
 from torchfleet.outputs import check_writable_dir, check_writable_file
 from torchfleet.precision import PRECISIONS
 from torchfleet.strategies import STRATEGY_NAMES
 from torchfleet.train.datasets import DATASETS, TOKEN_DATASETS
 from torchfleet.train.metrics import check_metrics_out, check_tensorboard
 from torchfleet.train.models import GPT_PRESETS, MODELS, TOKEN_MODELS
-from torchfleet.train.preempt import parse_signals
 
 OPTIMIZERS = ("sgd", "adamw")
 RESUME_AUTO = "auto"  # --resume auto
@@ -62,6 +63,9 @@ class TrainConfig:
                                   " step, one checkpoint is saved and the job exits with status 75 (preempted,"
                                   " checkpointed; resume with --resume); comma-separated, or none (default"
                                   " %(default)s)", metavar="SIGNALS")
+    preempt_notice: str = option("none", "with --checkpoint-dir: also leave so on a spot instance's notice, polled"
+                                 " every 5 s by one process per machine: aws, gcp, azure, or an http:// URL whose"
+                                 " answer 200 with a body is the notice (default %(default)s)", metavar="SOURCE")
     keep_checkpoints: int = option(3, "keep the newest K checkpoints (default %(default)s)")
     hang_timeout: float = option(300.0, "no progress on any rank for this long: print every rank's stack and stop"
                                  " (default %(default).0f; 0 turns the watchdog off)", metavar="SECONDS")
@@ -128,6 +132,7 @@ class TrainConfig:
         if not self.lr > 0:
             raise UsageError(f"--lr {self.lr} must be a positive number")
         parse_signals(self.preempt_signals)  # an unknown name is refused here, before any process starts
+        check_spec(self.preempt_notice)
         if self.resume not in (False, True, RESUME_AUTO):
             raise UsageError(f"--resume {self.resume!r} is not a choice; give --resume alone (continue from the"
                              f" newest checkpoint) or --resume {RESUME_AUTO} (continue when there is one, else start"

@@ -17,9 +17,10 @@ import torch
 from torchfleet import checkpoint, outputs
 from torchfleet.data import GlobalBatchSampler
 from torchfleet.fleet import Fleet
+from torchfleet.launcher import preempt
 from torchfleet.launcher.watchdog import Watchdog
 from torchfleet.models import gpt_config
-from torchfleet.train import faults, preempt, report
+from torchfleet.train import faults, report
 from torchfleet.train.config import TrainConfig
 from torchfleet.train.datasets import builtin_dataset
 from torchfleet.train.hogwild import train_hogwild
@@ -71,7 +72,9 @@ def train(cfg: TrainConfig, strategy: str, nproc: int = 1) -> dict:
     # Once the checkpoint directory is known (SageMaker's spot jobs get one here), before the model
     # is built: a signal during setup is acted on after the first step. Without a directory there
     # is nothing to save, and a signal must end the job as it always did, not be swallowed.
-    with preempt.listening(cfg.preempt_signals if cfg.checkpoint_dir else None) as listener:
+    with preempt.listening(cfg.preempt_signals if cfg.checkpoint_dir else None,
+                           cfg.preempt_notice if cfg.checkpoint_dir else None,
+                           watch=fleet.env.local_rank == 0) as listener:
         return _train(cfg, fleet, listener)
 
 
@@ -134,7 +137,8 @@ def _train(cfg: TrainConfig, fleet: Fleet, listener: preempt.Listener) -> dict:
         if watchdog:
             watchdog.stop()
         assert cfg.checkpoint_dir is not None  # listening only with --checkpoint-dir
-        raise preempt.leave(fleet, listener, step, checkpoint.step_path(cfg.checkpoint_dir, step))
+        raise preempt.leave(listener, fleet.env.local_rank, fleet.is_main, step,
+                            checkpoint.step_path(cfg.checkpoint_dir, step))
 
     def groups() -> dict:  # the replica groups in the step's quorum, for the bar and the metrics
         return {"participants": replicas.participants} if replicas else {}

@@ -1,0 +1,219 @@
+"""Leaving cleanly when the cluster takes the machines back: SIGTERM, SIGUSR1, a spot notice.
+
+Kubernetes sends SIGTERM and kills 30 s later (terminationGracePeriodSeconds);
+Slurm sends SIGTERM on preemption or scancel and SIGKILL after KillWait (30 s
+by default), or a chosen signal ahead of the time limit (--signal=USR1@120);
+a spot reclaim reaches the processes as SIGTERM (SageMaker, Kubernetes'
+node-termination handlers) or only as a notice in the instance's metadata
+(notices.py watches it). The handler only sets a flag; the training loop
+(train/loop.py), or a script through Fleet.preempted(), finishes the step in
+flight, the ranks agree, one verified checkpoint is written, and the job exits
+with PREEMPTED_EXIT.
+
+Under torchfleet's launcher the agent (torchrun's) gets the signal first: it
+sends the same signal to every worker, waits 30 s for them (torch's shutdown
+timeout; TORCH_ELASTIC_SHUTDOWN_TIMEOUT on torch versions that read it), then
+SIGKILLs them and raises SignalException, which says nothing of what the
+workers did. So the launcher names a file in NOTE_VARIABLE, each machine's
+local rank 0 writes the preemption sentence there once the checkpoint is
+saved, and the launcher reads it back (`report`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import sys
+import tempfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from torchfleet.errors import UsageError
+from torchfleet.launcher import notices
+from torchfleet.launcher.failures import PREEMPTED_EXIT, record_preempted
+
+NOTE_VARIABLE = "TORCHFLEET_PREEMPT_NOTE"
+# `torchfleet run --preempt-signals/--preempt-notice` reach the script's Fleet through these.
+SIGNALS_VARIABLE = "TORCHFLEET_PREEMPT_SIGNALS"
+NOTICE_VARIABLE = "TORCHFLEET_PREEMPT_NOTICE"
+DEFAULT_SIGNALS = "TERM,USR1"
+# torchrun's agent handles these by default (launcher/api.py's signals_to_handle); any other it
+# would leave to the default action, which for SIGUSR1 kills the agent and orphans the workers.
+AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+_UNCATCHABLE = (signal.SIGKILL, signal.SIGSTOP)
+
+
+def parse_signals(text: str) -> tuple[signal.Signals, ...]:
+    """"TERM,USR1" (or "SIGTERM,sigusr1", or "none") -> the signals; UsageError naming a bad one."""
+    names = [n.strip().upper() for n in text.split(",") if n.strip()]
+    if names == ["NONE"]:
+        return ()
+    found = []
+    for name in names:
+        full = name if name.startswith("SIG") else f"SIG{name}"
+        sig = getattr(signal.Signals, full, None)
+        if sig is None or sig in _UNCATCHABLE:
+            why = "cannot be caught" if sig is not None else "is not a signal name"
+            raise UsageError(f"--preempt-signals {text!r}: {name} {why}; give names such as TERM,USR1"
+                             " (or none)")
+        found.append(sig)
+    if not found:
+        raise UsageError(f"--preempt-signals {text!r} names no signal; give names such as TERM,USR1 (or none)")
+    return tuple(dict.fromkeys(found))
+
+
+class Listener:
+    """Handlers for the preemption signals (and a spot-notice watcher) while training; `requested` is
+    this process's flag and `reason` what set it ("SIGTERM", "a spot notice ...")."""
+
+    def __init__(self, signals: tuple[signal.Signals, ...], notice: str | None = None):
+        self.signals = signals
+        self.notice = notice  # notices.py's spec ("aws", a URL); None: no watcher
+        self.reason: str | None = None
+        self._previous: dict[signal.Signals, Any] = {}  # whatever signal.signal returned
+        self._watcher: notices.Watcher | None = None
+
+    @property
+    def requested(self) -> bool:
+        return self.reason is not None
+
+    def told(self, reason: str) -> None:
+        # Only a flag: the loop acts between steps, where every rank can agree and save. A
+        # second signal (Slurm and the agent may both send one), or a notice after it, changes nothing.
+        if self.reason is None:
+            self.reason = reason
+
+    def _handle(self, signum: int, frame) -> None:
+        self.told(signal.Signals(signum).name)
+
+    def __enter__(self) -> Listener:
+        if self.notice:  # checked first: an unreachable metadata service is refused before anything changes
+            self._watcher = notices.Watcher(self.notice, self.told).start()
+        for sig in self.signals:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._watcher is not None:
+            self._watcher.stop()
+            self._watcher = None
+        for sig, handler in self._previous.items():
+            # None: the previous handler was not set from Python; the default is the nearest to it.
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+        self._previous.clear()
+
+
+def listening(text: str | None, notice: str | None = None, watch: bool = True) -> Listener:
+    """A Listener for `text`'s signals and, where `watch` (one process per machine polls), `notice`'s
+    spot notices; no signal handler outside the main thread, where Python allows none."""
+    notice = notice if watch and notice and notice != "none" else None
+    if not text or threading.current_thread() is not threading.main_thread():
+        return Listener((), notice)
+    return Listener(parse_signals(text), notice)
+
+
+class Preempted(SystemExit):
+    """Raised by the loop once the checkpoint is saved; a SystemExit so that the worker's wrapper
+    (failures.call_recorded) and the command line exit with its code instead of reporting a crash."""
+
+    def __init__(self, message: str):
+        super().__init__(PREEMPTED_EXIT)
+        self.message = message
+
+
+def leave(listener: Listener, local_rank: int, is_main: bool, step: int | None, path: Path | str | None,
+          hint: str = ", resume with --resume") -> Preempted:
+    """Say that the job was preempted and where its checkpoint is; returns the exception to raise."""
+    how = f" by {listener.reason}" if listener.reason else ""  # a rank told by its peers has none
+    where = f" at step {step}" if step is not None else ""
+    saved = f", checkpoint saved to {path}{hint}" if path is not None else ", no checkpoint named"
+    message = f"preempted{how}{where}{saved}"
+    note = os.environ.get(NOTE_VARIABLE)
+    if note and local_rank == 0:
+        Path(note).write_text(message + "\n")  # torchfleet's launcher prints it (report)
+    elif not note and is_main:
+        print(f"torchfleet: {message}", file=sys.stderr, flush=True)
+    # Read by the launcher's summary when the workers alone got the signal and exited with the code.
+    record_preempted(message)
+    return Preempted(message)
+
+
+class Leaving:
+    """A script's side (Fleet.preempted, Fleet.leave). Listening starts at the first question, so a
+    script that never asks keeps the signals' default action: a SIGTERM it would never act on is not
+    swallowed. `signals` and `notice` default to what `torchfleet run` passed (its flags), else
+    DEFAULT_SIGNALS and no notice."""
+
+    def __init__(self, signals: str | None = None, notice: str | None = None):
+        self.signals = signals or os.environ.get(SIGNALS_VARIABLE) or DEFAULT_SIGNALS
+        self.notice = notices.check_spec(notice or os.environ.get(NOTICE_VARIABLE) or "none")
+        parse_signals(self.signals)  # a bad name is refused when the Fleet is made, not at the first step
+        self.listener: Listener | None = None
+
+    def asked(self, watch: bool) -> bool:
+        """This process's flag; `watch`: this process is the one on its machine that polls the notices."""
+        if self.listener is None:
+            self.listener = listening(self.signals, self.notice, watch).__enter__()
+        return self.listener.requested
+
+    def leave(self, local_rank: int, is_main: bool, step: int | None, path: os.PathLike | str | None) -> Preempted:
+        return leave(self.listener or Listener(()), local_rank, is_main, step, None if path is None else Path(path),
+                     hint="")
+
+    def stop(self) -> None:
+        if self.listener is not None:
+            self.listener.__exit__(None, None, None)
+            self.listener = None
+
+
+def agent_signals(text: str) -> str:
+    """torchrun's signals_to_handle: its own, and the preemption signals, so that the agent passes
+    each on to the workers instead of dying of it."""
+    names = [*AGENT_SIGNALS, *(s.name for s in parse_signals(text) if s.name not in AGENT_SIGNALS)]
+    return ",".join(names)
+
+
+@contextlib.contextmanager
+def noting(signals: str, notice: str) -> Iterator[Path]:
+    """For the launcher while its workers run: the file their local rank 0 writes the preemption
+    sentence to (NOTE_VARIABLE), and the signals and notice source a script's Fleet listens for, all
+    in the environment the workers inherit; restored after."""
+    with tempfile.TemporaryDirectory(prefix="torchfleet-preempt-") as folder:
+        note = Path(folder) / "note"
+        chosen = {NOTE_VARIABLE: str(note), SIGNALS_VARIABLE: signals, NOTICE_VARIABLE: notice}
+        saved = {key: os.environ.get(key) for key in chosen}
+        os.environ.update(chosen)
+        if not os.environ.get("TORCHFLEET_VERBOSE"):
+            # The agent warns "Received 15 death signal, shutting down workers" from a logger with a
+            # level of its own (the launcher quiets its parent); the line `report` prints says it.
+            logging.getLogger("torch.distributed.elastic.agent.server.api").setLevel(logging.ERROR)
+        try:
+            yield note
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+
+
+def report(note: Path, sigval: signal.Signals, why: str) -> int:
+    """The launcher's exit after its agent was stopped by `sigval`: PREEMPTED_EXIT when the workers
+    saved (their note says where), else the shell's 128 + signal number, `why` saying what may have
+    kept them from saving."""
+    if note.is_file() and note.read_text().strip():
+        print(f"torchfleet: {note.read_text().strip()}", file=sys.stderr, flush=True)
+        return PREEMPTED_EXIT
+    print(f"torchfleet: error: stopped by {sigval.name} before a checkpoint was saved ({why})",
+          file=sys.stderr, flush=True)
+    return 128 + int(sigval)
+
+
+# What report says kept the workers from saving, for the built-in job and for a script.
+TRAIN_WHY = "without --checkpoint-dir, or before the first step, or the save outlasted the agent's 30 s"
+SCRIPT_WHY = ("the script does not ask fleet.preempted() and leave with fleet.leave(), or it was told before"
+              " its first call, or the save outlasted the agent's 30 s")
