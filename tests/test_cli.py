@@ -13,7 +13,7 @@ from torchfleet.launcher.torchrun_flags import torchrun_actions
 SURFACE = {
     "doctor": ["--json", "--master-addr", "--master-port", "--nnodes", "--node-rank"],
     "train": ["--backend", "--batch-size", "--checkpoint-dir", "--checkpoint-every", "--data", "--epochs",
-              "--preempt-signals",
+              "--preempt-signals", "--preempt-notice",
               "--gpt-preset",
               "--grad-accum", "--json-out", "--lr", "--devices", "--microbatches", "--schedule", "--pp",
               "--dp-replicate", "--dp-shard", "--tp", "--sharing-strategy", "--grad-compression", "--powersgd-rank",
@@ -29,7 +29,8 @@ SURFACE = {
     "run": ["--master-addr", "--master_addr", "--master-port", "--master_port", "--max-restarts",
             "--max_restarts", "--nnodes", "--node-rank", "--node_rank", "--nproc-per-node", "--nproc_per_node",
             "-n", "--rdzv-endpoint", "--rdzv_endpoint", "--rdzv-id", "--rdzv_id", "--no-preflight",
-            "--fault-tolerance", "--fault_tolerance", "--lighthouse", "--join-timeout", "--join_timeout"],
+            "--fault-tolerance", "--fault_tolerance", "--lighthouse", "--join-timeout", "--join_timeout",
+            "--preempt-signals", "--preempt_signals", "--preempt-notice", "--preempt_notice"],
     "lighthouse": ["--host", "--port", "--min-replicas"],
     "k8s": ["--gpus-per-node", "--image", "--nodes", "--nproc-per-node", "--out", "--fault-tolerance"],
     "sagemaker": ["--instance-count", "--instance-type", "--out", "--role", "--submit"],

@@ -128,10 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_launch_flags(run, underscores=True)
     add_torchrun_flags(run)
     leaving = run.add_argument_group("leaving when told to (the script asks fleet.preempted(), saves, fleet.leave())")
-    leaving.add_argument("--preempt-signals", default="TERM,USR1", metavar="SIGNALS",
+    leaving.add_argument("--preempt-signals", "--preempt_signals", default="TERM,USR1", metavar="SIGNALS",
                          help="signals the launcher passes on to the workers and their Fleet listens for;"
                               " comma-separated, or none (default %(default)s)")
-    leaving.add_argument("--preempt-notice", default="none", metavar="SOURCE",
+    leaving.add_argument("--preempt-notice", "--preempt_notice", default="none", metavar="SOURCE",
                          help="also a spot instance's notice, polled every 5 s by one process per machine: aws,"
                               " gcp, azure, or an http:// URL whose answer 200 with a body is the notice"
                               " (default %(default)s)")
