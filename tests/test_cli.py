@@ -15,7 +15,7 @@ SURFACE = {
     "train": ["--backend", "--batch-size", "--checkpoint-dir", "--checkpoint-every", "--data", "--epochs",
               "--preempt-signals", "--preempt-notice",
               "--gpt-preset",
-              "--grad-accum", "--json-out", "--lr", "--devices", "--microbatches", "--schedule", "--pp",
+              "--grad-accum", "--json-out", "--lr", "--devices", "--microbatches", "--schedule", "--stages-per-process", "--pp",
               "--dp-replicate", "--dp-shard", "--tp", "--sharing-strategy", "--grad-compression", "--powersgd-rank",
               "--sync-batchnorm", "--sync-every", "--outer-lr", "--outer-momentum",
               "--master-addr", "--master-port", "--max-restarts", "--rdzv-endpoint", "--rdzv-id", "--no-preflight",
@@ -38,7 +38,7 @@ SURFACE = {
               "--time", "--fault-tolerance", "--max-restarts", "--requeue"],
     "bench": ["--batch-sizes", "--model", "--nproc", "--out", "--precisions", "--quick", "--steps",
               "--gpt-preset", "--image-size", "--nnodes", "--node-rank", "--master-addr", "--master-port",
-              "--strategies", "--threads", "--warmup", "--devices", "--microbatches", "--schedule", "--pp",
+              "--strategies", "--threads", "--warmup", "--devices", "--microbatches", "--schedule", "--stages-per-process", "--pp",
               "--dp-replicate", "--dp-shard", "--tp", "--sharing-strategy", "--grad-compression", "--powersgd-rank",
               "--sync-batchnorm", "--sync-every", "--outer-lr", "--outer-momentum", "--fsdp-units", "--split-points", "--find-unused-parameters"],
 }

@@ -9,6 +9,7 @@ from torchfleet.config import at_least
 from torchfleet.errors import UsageError, choice_error
 from torchfleet.precision import PRECISIONS
 from torchfleet.strategies import STRATEGY_NAMES
+from torchfleet.strategies.schedules import schedule_variant
 from torchfleet.train.models import GPT_PRESETS, MODELS
 
 
@@ -42,7 +43,10 @@ class BenchConfig:
         at_least("--image-size", self.image_size, 1)
         for name in self.strategies:
             if name not in STRATEGY_NAMES:
-                raise choice_error("strategy", name, STRATEGY_NAMES)
+                base, _, schedule = name.partition("/")
+                if base != "pipeline" or not schedule:
+                    raise choice_error("strategy", name, (*STRATEGY_NAMES, "pipeline/SCHEDULE"))
+                schedule_variant(name)  # refuses a schedule that is unknown or cannot run here
         for name in self.precisions:
             if name not in PRECISIONS:
                 raise choice_error("precision", name, PRECISIONS)

@@ -3,7 +3,9 @@
 The matrix is strategy x processes x global batch x precision. Strategies are
 every one in the registry (strategies/__init__.py) that `doctor` reports as
 available here, so a strategy appears in the benchmark the moment it is
-registered; `serial` is always measured, as the baseline of every speedup.
+registered (the pipeline's other schedules are cells of their own, asked for
+by name: `--strategies pipeline,pipeline/interleaved-1f1b,pipeline/zbv`, 2
+stages per process where the schedule takes several); `serial` is always measured, as the baseline of every speedup.
 A single-process strategy (`distributed = False`) is measured in one process;
 a multi-process one at each process count of `--nproc` (2 and more). Every
 cell runs in new processes started through `torchfleet.launcher.launch`
@@ -41,6 +43,7 @@ from torchfleet.models import TOKEN_MODELS, gpt_config
 from torchfleet.strategies import STRATEGIES, resolve_dims
 from torchfleet.strategies.dims import DIM_NAMES, PRESETS
 from torchfleet.strategies.meetings import METHODS as MEETING_METHODS
+from torchfleet.strategies.schedules import schedule_variant
 
 # A smoke test in seconds on 2 CPU cores, whichever model is asked for.
 QUICK = {"model": "mlp", "batch_sizes": (64,), "nproc": (2,), "precisions": ("fp32",),
@@ -137,8 +140,15 @@ def plan(cfg: BenchConfig, availability: list[dict], cores: int) -> tuple[list[C
     return cells, list(dict.fromkeys(notes))
 
 
+def variant(name: str) -> tuple[str, dict]:
+    """(strategy, options) of a cell's name: "pipeline/interleaved-1f1b" is the pipeline under that
+    schedule (opt-in: asked for by name with --strategies, never in the default matrix)."""
+    return schedule_variant(name) if "/" in name else (name, {})
+
+
 def _cells_of(name, batch, precision, cfg, here, cores, notes) -> list[Cell]:
-    cls = STRATEGIES[name]
+    base = variant(name)[0]
+    cls = STRATEGIES[base]
     if not cls.distributed:
         counts = [1]
     else:
@@ -147,13 +157,13 @@ def _cells_of(name, batch, precision, cfg, here, cores, notes) -> list[Cell]:
             notes.append(f"{name} needs 2 or more processes; --nproc {cfg.nproc} gives none")
         # A preset of two dimensions on too few processes degenerates (hsdp on 2 is
         # ddp): such a cell would carry a name it did not run, so it is left out.
-        fits = [n for n in counts if _preset_runs_as(name, n, cfg.strategy_options) == name]
+        fits = [n for n in counts if _preset_runs_as(base, n, cfg.strategy_options) == base]
         if counts and len(fits) < len(counts):
             notes.append(f"{name} left out on {', '.join(str(n) for n in counts if n not in fits)} processes:"
                          f" its degrees need more (e.g. --nproc 4 for 2 x 2)")
         counts = fits
     threads = {n: cfg.threads or max(1, cores // n) for n in counts}
-    info = here.get(name)
+    info = here.get(base)
     skip = None
     if info is not None and not info["available"]:
         skip = f"not available here: {info['why']}"
@@ -246,18 +256,19 @@ def run_one(cell: Cell, cfg: BenchConfig) -> dict:
     row.pop("skip")
     if cell.skip:
         return {**row, "status": "skipped", "error": cell.skip}
-    cls = STRATEGIES[cell.strategy]
+    base, extra = variant(cell.strategy)
+    cls = STRATEGIES[base]
     preset = cfg.gpt_preset or "tiny"  # resolve() has chosen; an unresolved config gets the CPU's choice
     if cfg.model in TOKEN_MODELS:
         row["tokens_per_sample"] = gpt_config(preset).block_size
     spec = {"model": cfg.model, "gpt_preset": preset, "image_size": cfg.image_size,
-            "strategy": cell.strategy, "processes": cell.processes,
+            "strategy": base, "processes": cell.processes,
             "global_batch": cell.global_batch, "precision": cell.precision,
             "threads": cell.threads, "warmup": cfg.warmup, "steps": cfg.steps, "seed": cfg.seed,
             # each strategy gets only the options it takes: --microbatches is for mp and pipeline,
             # and a degree flag only for the presets that have that dimension (--pp not for ddp)
-            "options": {k: v for k, v in cfg.strategy_options.items()
-                        if k in cls.options and (k not in DIM_NAMES or k in PRESETS.get(cell.strategy, {}))}}
+            "options": {**{k: v for k, v in cfg.strategy_options.items()
+                           if k in cls.options and (k not in DIM_NAMES or k in PRESETS.get(base, {}))}, **extra}}
     start = time.perf_counter()
     try:
         with _Deadline(cfg.cell_timeout_s) as deadline:

@@ -21,7 +21,12 @@ STRATEGY_FLAGS = (
     ("--microbatches", int, "mp, pipeline, ddp+pipeline: micro-batches per batch, so stages overlap"
                             " (pipelines default to 2 per stage, or fewer that divide the batch; fewer"
                             " still for 1x1 convolutions on one-thread CPU processes, to keep 16 samples)"),
-    ("--schedule", str, "pipeline, ddp+pipeline: gpipe or 1f1b (default 1f1b)"),
+    ("--schedule", str, "pipelines: gpipe, 1f1b (one stage per process), interleaved-1f1b, looped-bfs,"
+                        " interleaved-zb (several) or zbv (zero bubble, 2 in a V) where the installed torch has them"
+                        " (default 1f1b, or interleaved-1f1b with --stages-per-process 2 or more)"),
+    ("--stages-per-process", int, "pipelines: stages each process holds, the model cut into processes x this"
+                                  " (default 1; 2 or more for interleaved-1f1b, looped-bfs and interleaved-zb,"
+                                  " exactly 2 for zbv)"),
     ("--pp", int, "pipeline stages (the pp degree): ddp+pipeline and fsdp+pipeline default to 2"),
     ("--dp-replicate", int, "replicas (the dp_replicate degree); hsdp defaults to 2, or one per machine"),
     ("--dp-shard", int, "shards per replica (the dp_shard degree); the product of the four degrees"

@@ -48,7 +48,8 @@ def add_parser(sub, strategy_flags) -> None:
                    help="--model resnet18/resnet50: mock images are 3 x PIXELS x PIXELS (default 224)")
     b.add_argument("--strategies", type=_list(str, "strategies"), default=None,
                    help="comma-separated (default: every strategy doctor finds available but diloco and"
-                   " localsgd; serial always). Link mode: of ddp, powersgd, diloco, localsgd (default"
+                   " localsgd; serial always); pipeline/SCHEDULE adds the pipeline under another schedule,"
+                   " e.g. pipeline/interleaved-1f1b or pipeline/zbv (2 stages per process). Link mode: of ddp, powersgd, diloco, localsgd (default"
                    " ddp,powersgd,diloco; ddp always)")
     b.add_argument("--nproc", type=_list(int, "process counts"), default=None,
                    help="process counts for multi-process strategies, e.g. 2,4 (default 2, or the GPU count)")

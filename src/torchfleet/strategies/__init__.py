@@ -33,6 +33,7 @@ _MESH = {
 }
 # In the design's order (../shared/DESIGN.md); diloco and localsgd are ddp inside each replica group,
 # the groups meeting every few steps (ft/sync.py).
+PIPELINE_OPTIONS = ("schedule", "stages_per_process", "microbatches")
 STRATEGY_NAMES: tuple[str, ...] = ("serial", "hogwild", "dp", "mp", *PRESETS, *MEETING_METHODS)
 
 
@@ -96,7 +97,16 @@ def resolve_dims(name: str, world_size: int, nodes: int = 1, options: dict | Non
     if name not in PRESETS:
         return None
     given = {k: v for k, v in (options or {}).items() if k in DIM_NAMES}
-    return ParallelDims.from_preset(name, world_size, nodes=nodes, **given)
+    dims = ParallelDims.from_preset(name, world_size, nodes=nodes, **given)
+    pipelined = {k: v for k, v in (options or {}).items() if k in PIPELINE_OPTIONS}
+    if dims.pp > 1 and pipelined:
+        # A schedule that cannot run is refused here, before any process starts, not in every
+        # worker. Imported here: it pulls in torch.distributed.pipelining (see above).
+        from torchfleet.strategies.schedules import check_schedule
+
+        check_schedule(pipelined.get("schedule"), dims.pp, pipelined.get("stages_per_process"),
+                       pipelined.get("microbatches"))
+    return dims
 
 
 def data_readers(name: str, world_size: int, options: dict | None = None) -> int:

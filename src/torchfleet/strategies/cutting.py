@@ -137,6 +137,12 @@ def _has_parameter(module: nn.Module, name: str) -> bool:
 def trace(model: nn.Module, stages: int, stage: int, split_points: Sequence[str] | None,
           example_args: tuple, example_kwargs: dict) -> Cut:
     """Trace `model` on one example micro-batch and keep stage `stage` of `stages`."""
+    return trace_stages(model, stages, [stage], split_points, example_args, example_kwargs)[0]
+
+
+def trace_stages(model: nn.Module, stages: int, local: Sequence[int], split_points: Sequence[str] | None,
+                 example_args: tuple, example_kwargs: dict) -> list[Cut]:
+    """Trace `model` once and keep each stage of `local` (a process holding several stages)."""
     from torch.distributed.pipelining import SplitPoint, pipeline
 
     starts = stage_starts(model, stages, split_points)
@@ -165,14 +171,17 @@ def trace(model: nn.Module, stages: int, stage: int, split_points: Sequence[str]
         named = dict(zip(roots, example_args, strict=False)) | example_kwargs
         _refuse_integer_activations(modules, [{p: named[n] for p, n in i.items()} for i in inputs])
     holders = [[s for s, m in enumerate(modules) if any(_has_parameter(m, n) for n in g)] for g in groups]
-    cut = Cut(modules[stage], starts, example_rows(example_args, example_kwargs), out_spec,
-              _traced_slots(pipe.split_gm, stages, out_spec, kind, starts),
-              inputs[stage], tuple(roots),
-              tied=[g for g, h in zip(groups, holders, strict=True) if len(h) > 1],
-              holders=[h for h in holders if len(h) > 1])
-    _retie(cut.module, groups)
-    keep_frozen(cut.module, model)
-    return cut
+    slots = _traced_slots(pipe.split_gm, stages, out_spec, kind, starts)
+    cuts = []
+    for stage in local:
+        cut = Cut(modules[stage], starts, example_rows(example_args, example_kwargs), out_spec, slots,
+                  inputs[stage], tuple(roots),
+                  tied=[g for g, h in zip(groups, holders, strict=True) if len(h) > 1],
+                  holders=[h for h in holders if len(h) > 1])
+        _retie(cut.module, groups)
+        keep_frozen(cut.module, model)
+        cuts.append(cut)
+    return cuts
 
 
 def flat_output(model: nn.Module, args: tuple, kwargs: dict) -> tuple[list, pytree.TreeSpec]:

@@ -7,7 +7,9 @@ Every preset of the parallel dimensions with ``pp > 1`` runs here
 An ``nn.Sequential`` is cut into consecutive stages balanced by parameter
 count; a model that declares a pipeline plan is cut by it (plan_cut.py), any
 other model by tracing it (cutting.py). `torch.distributed.pipelining` runs each batch as `microbatches`
-micro-batches under the GPipe or 1F1B schedule; the last stage computes the
+micro-batches under the chosen schedule (schedules.py: GPipe, 1F1B, or with
+`stages_per_process` K > 1 interleaved 1F1B, looped BFS or zero bubble over
+pp x K stages, K on each process: local_stages.py); the last stage computes the
 loss. The stages of one pipeline read the same batch (the first stage uses
 the inputs, the last the targets), so a pipeline counts as one data-parallel
 rank.
@@ -37,19 +39,27 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 from torch.distributed.tensor import DTensor
 
-from torchfleet.errors import UsageError, choice_error
-from torchfleet.strategies import cutting
+from torchfleet.errors import UsageError
+from torchfleet.strategies import cutting, schedules
 from torchfleet.strategies.base import SetupArgs, batch_size, split_batch
 from torchfleet.strategies.blocks import parameter_names
 from torchfleet.strategies.cutting import tied_groups
 from torchfleet.strategies.distributed import MeshStrategy
 from torchfleet.strategies.fsdp import memory_per_rank, rebuild_optimizer
 from torchfleet.strategies.knobs import checkpoint_activations, compile_model
+from torchfleet.strategies.local_stages import (
+    LocalStages,
+    cut_local,
+    run_stages,
+    sequential_stages,
+    share_tensors,
+    sync_tied_gradients,
+    tied_process_groups,
+)
 from torchfleet.strategies.parallelize import parallelize, split_balanced
-from torchfleet.strategies.plan_cut import cut_by_plan, declared_plan
+from torchfleet.strategies.plan_cut import declared_plan
 from torchfleet.strategies.stage_state import ModelKeys, gather_stages, load_stage
 from torchfleet.strategies.stages import (
     TimedStage,
@@ -58,32 +68,32 @@ from torchfleet.strategies.stages import (
     rows,
     sequential_ties,
 )
-from torchfleet.strategies.transfer import recv_tensors, send_tensors
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+SCHEDULES = schedules.SCHEDULES
 __all__ = ["SCHEDULES", "Pipeline", "split_balanced"]
 
 
 class Pipeline(MeshStrategy):
     name = "pipeline"
-    options = (*MeshStrategy.options, "microbatches", "schedule")
+    options = (*MeshStrategy.options, "microbatches", "schedule", "stages_per_process")
     schedules_steps = True
     sharded_checkpoint = True  # each stage saves its own layers through torch.distributed.checkpoint
 
-    def __init__(self, runtime, microbatches: int | None = None, schedule: str = "1f1b", **options):
-        if schedule not in SCHEDULES:
-            raise choice_error("schedule", schedule, tuple(SCHEDULES))
+    def __init__(self, runtime, microbatches: int | None = None, schedule: str | None = None,
+                 stages_per_process: int | None = None, **options):
+        if microbatches is not None and microbatches < 1:
+            raise UsageError(f"--microbatches {microbatches} must be at least 1")
+        # Before the degrees are known (a bad name is refused alike on any pp).
+        schedules.check_schedule(schedule, 2, stages_per_process)
         super().__init__(runtime, **options)
         self.pp, self.dp = self.dims.pp, self.dims.dp
-        self.stage_index, self.dp_rank = self.coords["pp"], self.dims.dp_rank(self.rank)
+        self.pp_rank, self.dp_rank = self.coords["pp"], self.dims.dp_rank(self.rank)
         self._default_microbatches = microbatches is None  # chosen at the first step, to fit the batch
         self.microbatches = microbatches if microbatches is not None else 2 * self.pp
-        if self.microbatches < 1:
-            raise UsageError(f"--microbatches {self.microbatches} must be at least 1")
-        if schedule == "1f1b" and self.microbatches < self.pp:
-            raise UsageError(f"schedule 1f1b needs at least as many micro-batches as stages:"
-                             f" --microbatches {self.microbatches} < {self.pp} stages; use gpipe or more micro-batches")
-        self.schedule_name = schedule
+        name, self.per_process = schedules.check_schedule(schedule, self.pp, stages_per_process, microbatches)
+        self.schedule_name, self.stages = name, self.pp * self.per_process  # stages of the whole model
+        self.stage_rank = schedules.stage_ranks(name, self.pp, self.per_process)  # each stage's pipeline rank
+        self.stage_indices = schedules.local_stages(name, self.pp, self.per_process, self.pp_rank)
         self._schedule = None
         self._busy_wall = [0.0, 0.0]  # stage busy seconds, schedule seconds (after the first step)
         self._pointwise_convs = False  # the model has 1x1 convolutions (set in wrap)
@@ -101,24 +111,44 @@ class Pipeline(MeshStrategy):
         # What save_model and checkpoints hold: the model's own keys, whatever a cut adds or drops.
         self.model_keys = ModelKeys(list(model.state_dict()), tied_groups(model))
         self._pointwise_convs = has_pointwise_convs(model)  # before the trace sizes the micro-batches
-        self.cut = self._cut(model, args) if self.cuts_by_tracing(model) else None
-        # The stage (sharded by FSDP2 in place with replicas or shards), and what runs it: the stage.
-        self.model, runner, self.bounds = parallelize(
-            model, dims=self.dims, mesh=mesh, device=device, precision=self.runtime.precision,
-            stage=self.stage_index, cut_stage=self.cut.module if self.cut else None,
-            fsdp_classes=self.fsdp_units)
-        if self.cut is None:
-            self.tied = sequential_ties(model, self.bounds)
-        else:
+        self.cuts = self._cut(model, args) if self.cuts_by_tracing(model) else []
+        self.cut = self.cuts[0] if self.cuts else None  # what every local stage's cut shares (the output...)
+        if self.cut is not None:
+            modules, self.bounds = [c.module for c in self.cuts], None
             self.tied = list(zip(self.cut.tied, self.cut.holders, strict=True))
-        self._tie_groups = self._tied_process_groups()
-        # Only this stage's parameters, each group keeping its hyper-parameters.
+        else:
+            assert isinstance(model, nn.Sequential)  # cuts_by_tracing takes every other model
+            modules, self.bounds = sequential_stages(model, self.stages, self.stage_indices)
+            self.tied = sequential_ties(model, self.bounds)
+        share_tensors(modules, [names for names, _ in self.tied], self.model_keys.names)
+        # Each stage (sharded by FSDP2 in place with replicas or shards), and what runs it.
+        parts = [parallelize(module, dims=self.dims, mesh=mesh, device=device, precision=self.runtime.precision,
+                             cut_stage=module, fsdp_classes=self.fsdp_units) for module in modules]
+        self.stage_modules = [part.module for part in parts]
+        self.model = parts[0].module if len(parts) == 1 else LocalStages(self.stage_modules, self.model_keys.names)
+        self._tie_groups = tied_process_groups(self.tied, self.dims, self.stage_rank, self.rank)
+        # Only this process's parameters, each group keeping its hyper-parameters.
         self.optimizer = rebuild_optimizer(optimizer, old_names, self.model)
         self.runtime.precision.sync_overflow(dist.group.WORLD)
-        self._stage = TimedStage(runner, self.stage_index, self.pp, device, group=self.pp_group)
-        self._driving = False  # True while train_step or predict runs the stage
-        self.model.register_forward_pre_hook(self._refuse_direct_call)
+        self._stages = [TimedStage(part.runner, index, self.stages, device, group=self.pp_group)
+                        for part, index in zip(parts, self.stage_indices, strict=True)]
+        self._driving = False  # True while train_step or predict runs the stages
+        for module in {id(m): m for m in (self.model, *self.stage_modules)}.values():
+            module.register_forward_pre_hook(self._refuse_direct_call)
+        if self.cut is not None:
+            for cut, module in zip(self.cuts, self.stage_modules, strict=True):
+                module.register_forward_pre_hook(self._inputs_hook(cut, module), with_kwargs=True)
         return self.model, self.optimizer
+
+    def _inputs_hook(self, cut: cutting.Cut, module: nn.Module):
+        """Give a cut stage what it reads of the model's inputs: the schedule hands every stage of a
+        process the same keyword arguments (the model's inputs by name), and each takes its own."""
+        index = self.stage_indices[self.stage_modules.index(module)]
+        first, last = index == 0, index == self.stages - 1
+
+        def take(_module, args, kwargs):
+            return args, cut.stage_inputs(kwargs, first, last)
+        return take
 
     def _refuse_direct_call(self, _module, _args):
         # A stage called by the user's own loop gets another stage's inputs (images
@@ -129,8 +159,9 @@ class Pipeline(MeshStrategy):
                              " pipeline schedule runs it: call fleet.train_step(inputs, targets, loss_fn)"
                              " and fleet.predict(inputs) instead of the model")
 
-    def _cut(self, model, setup: SetupArgs) -> cutting.Cut:
-        """Cut a model that is not a Sequential: by its own pipeline plan, or by tracing one example micro-batch."""
+    def _cut(self, model, setup: SetupArgs) -> list[cutting.Cut]:
+        """This process's stages of a model that is not a Sequential: by its own pipeline plan, or by tracing
+        one example micro-batch."""
         example, grad_accum = setup.example, setup.grad_accum
         if example is None:
             raise UsageError(
@@ -147,64 +178,36 @@ class Pipeline(MeshStrategy):
         args, kwargs = ((), dict(micro)) if isinstance(micro, dict) else ((micro,), {})
         model.to(self.runtime.device)  # the example is there already
         plan = declared_plan(model)
+        cuts = cut_local(model, self.stages, self.stage_indices, split_points=self.split_points, args=args,
+                         kwargs=kwargs, plan=plan)
         if plan is not None:
-            cut = cut_by_plan(model, plan, self.pp, self.stage_index, self.split_points, args, kwargs)
             self.notes.append(f"pipeline stages from {type(model).__name__}'s own pipeline plan"
-                              f" ({', '.join(plan)}), cut at {', '.join(cut.starts)}")
-        else:
-            cut = cutting.trace(model, self.pp, self.stage_index, self.split_points, args, kwargs)
+                              f" ({', '.join(plan)}), cut at {', '.join(cuts[0].starts)}")
         checkpointing, compile_mode = setup.activation_checkpointing, setup.compile
         # A traced stage is one graph: checkpointed and compiled as a whole; a plan's keeps its blocks.
         how = "each pipeline stage as a whole (traced)" if plan is None else "each block of each pipeline stage"
+        for cut in cuts:
+            if checkpointing:
+                checkpoint_activations(cut.module)
+            if compile_mode:
+                compile_model(cut.module, "model" if plan is None else "blocks")
         if checkpointing:
-            checkpoint_activations(cut.module)
             self.notes.append(f"activation checkpointing: {how}")
         if compile_mode:
-            compile_model(cut.module, "model" if plan is None else "blocks")
             self.notes.append(f"torch.compile: {how}")
-        return cut
-
-    def _tied_process_groups(self) -> list:
-        """For each tied parameter: the group of this replica's stages that hold a copy of it.
-
-        Every rank makes every group, in the same order (torch requires it).
-        """
-        place = {(self.dims.dp_rank(r), self.dims.coords(r)["pp"]): r for r in range(self.runtime.env.world_size)}
-        mine = []
-        for _, holders in self.tied:
-            chosen = None
-            for dp_rank in range(self.dp):
-                group = dist.new_group([place[(dp_rank, stage)] for stage in holders])
-                if dp_rank == self.dp_rank and self.stage_index in holders:
-                    chosen = group
-            mine.append(chosen)
-        return mine
-
-    def _sync_tied_gradients(self) -> None:
-        """Sum a tied parameter's gradient over the stages holding copies: the one parameter's gradient."""
-        params = dict(self.model.named_parameters(remove_duplicate=False))
-        for (names, _), group in zip(self.tied, self._tie_groups, strict=True):
-            if group is None:
-                continue
-            param = next(params[n] for n in names if n in params)
-            if not param.requires_grad:  # frozen (a fine-tuned model's tied embedding): nothing to sum
-                continue
-            if param.grad is None:  # this stage's copy took no part in the step: it adds nothing
-                param.grad = torch.zeros_like(param)
-            grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
-            dist.all_reduce(grad, group=group)
+        return cuts
 
     @property
     def is_first(self) -> bool:
-        return self.stage_index == 0
+        return self.stage_indices[0] == 0
 
     @property
     def is_last(self) -> bool:
-        return self.stage_index == self.pp - 1
+        return self.stage_indices[-1] == self.stages - 1
 
     def _peer(self, stage: int) -> int:
-        """Global rank of `stage` in this process's replica."""
-        return dist.get_global_rank(self.pp_group, stage)
+        """Global rank of the process holding `stage` in this process's replica."""
+        return dist.get_global_rank(self.pp_group, self.stage_rank[stage])
 
     # -- training ---------------------------------------------------------
     def _loss(self, output, target):
@@ -216,18 +219,19 @@ class Pipeline(MeshStrategy):
         return scaler.scale(loss) if scaler is not None else loss
 
     def _stage_inputs(self, batch) -> tuple[tuple, dict]:
-        """What this stage takes from the model's inputs: the first stage all it reads, a later
-        one the inputs it reads itself (a mask, nanoGPT's `targets`); the rest arrives from the
-        stage before."""
+        """What this process's stages take from the model's inputs: a cut stage takes its own of the
+        inputs, passed by name (see _inputs_hook); a Sequential's first stage all of them; the rest
+        arrives from the stage before."""
         if self.cut is not None:
-            return (), self.cut.stage_inputs(batch, self.is_first, self.is_last)
+            return (), dict(batch) if isinstance(batch, dict) else {self.cut.input_names[0]: batch}
         if not self.is_first:
             return (), {}
         return ((), dict(batch)) if isinstance(batch, dict) else ((batch,), {})
 
     def _fit_default_microbatches(self, batch: int) -> None:
-        fitted = default_microbatches(batch, self.pp, self.schedule_name == "1f1b", self._pointwise_convs
-                                      and self.runtime.device.type == "cpu" and torch.get_num_threads() == 1)
+        takes = lambda m: schedules.microbatch_problem(self.schedule_name, self.pp, m) is None  # noqa: E731
+        fitted = default_microbatches(batch, self.pp, takes, self._pointwise_convs and self.runtime.device.type == "cpu"
+                                      and torch.get_num_threads() == 1)
         self.microbatches = fitted or self.microbatches
 
     def train_step(self, inputs, targets, loss_fn, grad_accum=1):
@@ -246,8 +250,16 @@ class Pipeline(MeshStrategy):
                 f" batch of {size} makes micro-batches of {size // per_run}; keep every batch the size of"
                 " example_inputs (drop_last=True)")
         if self._schedule is None:
-            self._schedule = SCHEDULES[self.schedule_name](
-                self._stage, self.microbatches, loss_fn=self._loss, scale_grads=False)
+            problem = schedules.microbatch_problem(self.schedule_name, self.pp, self.microbatches)
+            if problem:
+                raise UsageError(problem)
+            self._schedule = schedules.build_schedule(self.schedule_name, self._stages, self.microbatches,
+                                                      self._loss)
+            if self.per_process > 1:
+                # Before 2.14 the multi-stage schedules open their links in one batch of sends and receives
+                # to the same peers, which Gloo's not yet connected pairs failed ("Pair is not connected"
+                # on 2.11); one collective over the pipeline connects its neighbours first.
+                dist.all_reduce(torch.zeros(1, device=self.runtime.device), group=self.pp_group)
         self._loss_fn, self._loss_divisor = loss_fn, per_run
         scaler = self.runtime.precision.scaler
         if scaler is not None and not self.is_last:
@@ -257,7 +269,7 @@ class Pipeline(MeshStrategy):
             scaler.scale(torch.zeros((), device=self.runtime.device))
         self.zero_grad()
         losses: list[torch.Tensor] = []  # one per micro-batch, as _loss returned them
-        busy, tick = self._stage.busy, time.perf_counter()
+        busy, tick = self._busy(), time.perf_counter()
         for x, y in zip(split_batch(inputs, grad_accum), targets.tensor_split(grad_accum), strict=True):
             args, kwargs = self._stage_inputs(x)
             run: list[torch.Tensor] = []  # the schedule clears the list it is given
@@ -271,18 +283,21 @@ class Pipeline(MeshStrategy):
             finally:
                 self._driving = False
             losses += run
-        self._stage._sync()
+        self._stages[0]._sync()
         if self._steps:  # the first step also infers shapes: leave it out of the bubble
-            self._busy_wall[0] += self._stage.busy - busy
+            self._busy_wall[0] += self._busy() - busy
             self._busy_wall[1] += time.perf_counter() - tick
         self._steps += 1
         loss = torch.zeros((), device=self.runtime.device)
         if self.is_last:  # undo the scaling: the mean loss of the batch
             loss = torch.stack(losses).detach().float().sum() / (scaler.get_scale() if scaler else 1.0)
-        self._sync_tied_gradients()
+        sync_tied_gradients(self.model, self.tied, self._tie_groups)
         self.apply_gradients()
-        dist.broadcast(loss, src=self._peer(self.pp - 1), group=self.pp_group)  # every stage reports it
+        dist.broadcast(loss, src=self._peer(self.stages - 1), group=self.pp_group)  # every stage reports it
         return loss
+
+    def _busy(self) -> float:
+        return sum(stage.busy for stage in self._stages)
 
     # -- inference: activations passed stage to stage -----------------------
     def clip_gradients(self):
@@ -297,7 +312,7 @@ class Pipeline(MeshStrategy):
             return None
         self.runtime.precision.unscale(self.optimizer)
         params = dict(self.model.named_parameters())
-        skip = {id(params[n]) for (names, holders) in self.tied if holders[0] != self.stage_index
+        skip = {id(params[n]) for (names, holders) in self.tied if self.stage_rank[holders[0]] != self.pp_rank
                 for n in names if n in params}
         held = [(p, p.grad) for p in params.values() if p.grad is not None]
         local = [g.to_local() if isinstance(g, DTensor) else g for _, g in held]
@@ -339,21 +354,18 @@ class Pipeline(MeshStrategy):
         return self.cut.unflatten(merged)
 
     def _predict_chunk(self, inputs):
-        device = self.runtime.device
         args, kwargs = self._stage_inputs(inputs)
         with self.runtime.precision.autocast():
-            if not self.is_first:
-                args = recv_tensors(self._peer(self.stage_index - 1), device)
-            out = self.model(*args, **kwargs)
+            out = run_stages(list(zip(self.stage_indices, self.stage_modules, strict=True)), self.stages, args,
+                             kwargs, self._peer, self.runtime.device)
         if self.is_last:
             return (out,) if self.cut is not None and isinstance(out, torch.Tensor) else out
-        send_tensors(out if isinstance(out, tuple) else (out,), self._peer(self.stage_index + 1), device)
         return None
 
     # -- the full model's state on rank 0 (weights export, fleet.save(sharded=False)) --
     def state_dicts(self):
         """Every stage's state gathered to rank 0 (replica 0's), keyed as in the whole model."""
-        return gather_stages(self.model, self.optimizer, self.stage_index, self.dp_rank, self.model_keys)
+        return gather_stages(self.model, self.optimizer, self.pp_rank, self.dp_rank, self.model_keys)
 
     def is_model_key(self, key: str) -> bool:
         """Whether this stage's state-dict `key` is one of the model's own (a sharded checkpoint holds only those)."""
@@ -369,17 +381,20 @@ class Pipeline(MeshStrategy):
         return memory_per_rank(params, [p.grad for p in params], self.optimizer)
 
     def pipeline_report(self) -> dict:
-        """Measured idle fraction of each stage next to GPipe/1F1B's (p-1)/(m+p-1)."""
+        """Measured idle fraction of each pipeline process (its stages together) next to the schedule's
+        formula (schedules.bubble_formula: (p-1)/(m+p-1) for GPipe and 1F1B)."""
         every: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(every, (self.stage_index, *self._busy_wall))
+        dist.all_gather_object(every, (self.pp_rank, *self._busy_wall))
         idle = []
-        for stage in range(self.pp):
-            busy = sum(b for s, b, _ in every if s == stage)
-            wall = sum(w for s, _, w in every if s == stage)
+        for rank in range(self.pp):
+            busy = sum(b for r, b, _ in every if r == rank)
+            wall = sum(w for r, _, w in every if r == rank)
             idle.append(round(1 - busy / wall, 3) if wall else float("nan"))
         p, m = self.pp, self.microbatches
-        return {"schedule": self.schedule_name, "stages": p, "replicas": self.dp, "microbatches": m,
+        return {"schedule": self.schedule_name, "stages": self.stages, "stages_per_process": self.per_process,
+                "processes": p, "replicas": self.dp, "microbatches": m,
                 "layers_per_stage": ([f"{a}-{b - 1}" for a, b in self.bounds] if self.bounds
                                      else [f"{name}.." for name in ("input", *self.cut.starts)] if self.cut
                                      else []),
-                "bubble_formula": round((p - 1) / (m + p - 1), 3), "bubble_measured": idle}
+                "bubble_formula": round(schedules.bubble_formula(self.schedule_name, p, self.per_process, m), 3),
+                "bubble_measured": idle}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -15,7 +16,7 @@ from torchfleet.strategies.cutting import tied_groups
 class TimedStage(PipelineStage):
     """A PipelineStage that times its compute.
 
-    The schedules wait for received activations before calling these two
+    The schedules wait for received activations before calling these
     methods and send asynchronously after, so the time inside them is the
     stage's busy time; the rest of a schedule step is idle (the bubble).
     """
@@ -27,7 +28,8 @@ class TimedStage(PipelineStage):
         # transpose in ViT's or GPT-2's attention, an expand of a mask): "input tensor has
         # to be contiguous" in the schedule's send. Outputs are made contiguous as they
         # leave the stage (a copy in the autograd graph, so backward still reaches the
-        # view), and so are the input gradients sent back (get_bwd_send_ops).
+        # view; a view is copied, see _own_storage), and so are the input gradients sent
+        # back (get_bwd_send_ops).
         self.submod.register_forward_hook(_contiguous_outputs)
 
     def get_bwd_send_ops(self, bwd_chunk_id: int):
@@ -55,9 +57,19 @@ class TimedStage(PipelineStage):
     def backward_one_chunk(self, *args, **kwargs):
         return self._timed(super().backward_one_chunk, *args, **kwargs)
 
+    def backward_weight_one_chunk(self, *args, **kwargs):  # zero bubble's weight gradients, run late
+        return self._timed(super().backward_weight_one_chunk, *args, **kwargs)
+
 
 def _contiguous_outputs(_module, _args, output):
-    return pytree.tree_map_only(torch.Tensor, lambda t: t.contiguous(), output)
+    return pytree.tree_map_only(torch.Tensor, _own_storage, output)
+
+
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    # A view (Flatten's output) is copied even when contiguous: the zero-bubble schedules
+    # free a stage's outputs after the input gradients with detach_(), which torch refuses
+    # on a view ("Can't detach views in-place").
+    return t.clone(memory_format=torch.contiguous_format) if t._base is not None else t.contiguous()
 
 
 def rows(batch, start: int, size: int):
@@ -95,16 +107,16 @@ def has_pointwise_convs(model: nn.Module) -> bool:
                and set(m.stride) == {1} and set(m.dilation) == {1} for m in model.modules())
 
 
-def default_microbatches(batch: int, stages: int, one_f_one_b: bool, slow_small_convs: bool) -> int | None:
+def default_microbatches(batch: int, stages: int, allowed: Callable[[int], bool], slow_small_convs: bool) -> int | None:
     """Without --microbatches: the most micro-batches, from 2 x stages down, that divide the batch.
 
-    1F1B needs at least one per stage. Where small batches make convolutions
+    `allowed` says which counts the schedule takes (1F1B needs at least one per
+    stage, the interleaved schedules whole rounds). Where small batches make convolutions
     slow (`slow_small_convs`), micro-batches keep SLOW_CONV_BELOW samples or
     more where the batch allows, else as many as the fewest count gives.
     None when no count fits (the step then says what would).
     """
-    lowest = stages if one_f_one_b else 1
-    fits = [m for m in range(2 * stages, lowest - 1, -1) if batch % m == 0]
+    fits = [m for m in range(2 * stages, 0, -1) if batch % m == 0 and allowed(m)]
     if fits and slow_small_convs:
         fits = [m for m in fits if batch // m >= SLOW_CONV_BELOW] or fits[-1:]
     return fits[0] if fits else None

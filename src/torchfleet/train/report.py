@@ -96,8 +96,8 @@ _ROWS = (
 )
 _PIPELINE_ROWS = (
     ("pipeline schedule", "schedule"), ("stages x replicas", None), ("micro-batches", "microbatches"),
-    ("layers per stage", "layers_per_stage"), ("bubble (p-1)/(m+p-1)", "bubble_formula"),
-    ("bubble measured", "bubble_measured"),
+    ("layers per stage", "layers_per_stage"), ("bubble, the schedule's formula", "bubble_formula"),
+    ("bubble measured (per process)", "bubble_measured"),
 )
 
 

@@ -1,0 +1,220 @@
+"""The multi-stage pipeline schedules compute what serial computes, save, resume, and refuse in one sentence.
+
+interleaved-1f1b, looped-bfs, interleaved-zb and zbv on 2 processes with 4
+stages (2 per process): the CNN (4 layers with parameters, one per stage)
+under each, a library model under one, and a checkpoint written with 2
+stages per process loaded back and into serial. One launch runs them all.
+On a torch without a schedule's class, the refusal is what is checked.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed import pipelining
+
+from conftest import torchfleet
+from torchfleet import Fleet, launch
+from torchfleet.errors import UsageError
+from torchfleet.strategies import resolve_dims
+from torchfleet.strategies.schedules import (
+    MULTI_STAGE,
+    NEEDS_RELEASE,
+    available,
+    bubble_formula,
+    local_stages,
+    stage_ranks,
+)
+from torchfleet.testing import full_weights, train_k_steps
+from torchfleet.train.datasets import synthetic
+from torchfleet.train.models import build_model, build_optimizer
+from torchfleet.versions import release
+
+HERE = [s for s in MULTI_STAGE if s in available()]
+CNN = {"model": "cnn", "optimizer": "sgd", "stages_per_process": 2}
+CASES = [dict(CNN, schedule=s) for s in HERE] + [dict(CNN, schedule="interleaved-1f1b", grad_accum=2, microbatches=2)]
+# A library model with tied embeddings, cut by its own plan: under zbv the embedding and the
+# head are on the same process (stages 0 and 3), under interleaved 1F1B on two.
+LIBRARY = [("hf-llama-tied", s) for s in ("zbv", "interleaved-1f1b") if s in HERE]
+OLD = [s for s, floor in NEEDS_RELEASE.items() if release() < floor]  # here, but refused on this torch
+HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+STEPS = 3
+
+
+def _library(name: str, schedule: str | None) -> dict | None:
+    from zoo import ZOO, _rows
+
+    entry = ZOO[name]
+    options = {"schedule": schedule, "stages_per_process": 2} if schedule else {}
+    fleet = Fleet(strategy="pipeline" if schedule else "serial", **options)
+    torch.manual_seed(0)
+    net = entry.build()
+    opt = torch.optim.SGD(net.parameters(), lr=1e-2)
+    batches = [entry.batch(8, seed) for seed in range(STEPS)]
+    fleet.setup(net, opt, example_inputs=batches[0][0])
+    for inputs, targets in batches:
+        fleet.train_step(*_rows((inputs, targets), 0, 1), entry.loss)
+    state, _ = fleet.strategy.state_dicts()
+    return {k: v.detach().float().cpu().clone() for k, v in state.items()} if fleet.is_main else None
+
+
+def _save_and_load(directory: str) -> dict:
+    """Train 2 steps with 2 stages per process, save (sharded and full), train 2 more, load, train the 2 again."""
+    fleet = Fleet(strategy="pipeline", schedule="interleaved-1f1b", stages_per_process=2)
+    torch.manual_seed(0)
+    net = build_model("cnn", (1, 8, 8), 10)
+    fleet.setup(net, build_optimizer("adamw", net.parameters(), 1e-3))
+    batches = list(fleet.dataloader(synthetic(32 * 4, seed=1), 32, seed=1))
+    loss_fn = nn.CrossEntropyLoss()
+    for x, y in batches[:2]:
+        fleet.train_step(x, y, loss_fn)
+    fleet.save(f"{directory}/sharded", step=2)
+    fleet.save(f"{directory}/full", sharded=False, step=2)
+    saved = full_weights(fleet)
+    for x, y in batches[2:]:
+        fleet.train_step(x, y, loss_fn)
+    straight = full_weights(fleet)
+    resumed = []
+    for layout in ("sharded", "full"):
+        fleet.load(f"{directory}/{layout}")
+        for x, y in batches[2:]:
+            fleet.train_step(x, y, loss_fn)
+        resumed.append(full_weights(fleet))
+    report = fleet.strategy.pipeline_report()
+    return {"saved": saved, "straight": straight, "resumed": resumed, "report": report}
+
+
+def _job(directory: str) -> dict:
+    weights = [train_k_steps("pipeline", steps=STEPS, **case) for case in CASES]
+    library = [_library(name, schedule) for name, schedule in LIBRARY] if HAS_TRANSFORMERS else []
+    checkpoint = _save_and_load(directory)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    return {"weights": weights, "library": library, "checkpoint": checkpoint}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    directory = tmp_path_factory.mktemp("schedules")
+    found = launch(_job, nprocs=2, args=(str(directory),))[0]
+    found["directory"] = directory
+    return found
+
+
+def _serial(case: dict) -> torch.Tensor:
+    plain = {k: v for k, v in case.items() if k not in ("schedule", "microbatches", "stages_per_process")}
+    return train_k_steps("serial", steps=STEPS, **plain)
+
+
+@pytest.mark.timeout(300)
+def test_each_schedule_equals_serial_with_two_stages_per_process(results):
+    assert HERE, "no multi-stage schedule on this torch (the refusals are checked below)"
+    for case, got in zip(CASES, results["weights"], strict=True):
+        diff = (got - _serial(case)).abs().max().item()
+        assert diff < 1e-5, f"{case}: max weight difference {diff:.3g}"
+        untouched = train_k_steps("serial", steps=1, model="cnn", optimizer="sgd", lr=1e-12)
+        assert (got - untouched).abs().max().item() > 1e-3  # training moved the weights
+
+
+@pytest.mark.timeout(300)
+def test_a_library_model_with_tied_weights_equals_serial(results):
+    if not HAS_TRANSFORMERS or not LIBRARY:
+        pytest.skip("transformers (the test extra) builds the library model")
+    for (name, schedule), got in zip(LIBRARY, results["library"], strict=True):
+        want = _library(name, None)
+        assert list(got) == list(want)
+        diff = max((want[k] - got[k]).abs().max().item() for k in want)
+        assert diff < 1e-5, f"{name} under {schedule}: max weight difference {diff:.3g}"
+
+
+@pytest.mark.timeout(300)
+def test_checkpoints_with_two_stages_per_process_load_back_and_into_serial(results):
+    check = results["checkpoint"]
+    for resumed in check["resumed"]:
+        assert (resumed - check["straight"]).abs().max().item() == 0  # bit for bit
+    report = check["report"]
+    assert report["stages"] == 4 and report["stages_per_process"] == 2 and len(report["bubble_measured"]) == 2
+    for layout in ("sharded", "full"):  # resharded: 4 stages on 2 processes into one process
+        fleet = Fleet(strategy="serial")
+        torch.manual_seed(3)
+        net = build_model("cnn", (1, 8, 8), 10)
+        fleet.setup(net, build_optimizer("adamw", net.parameters(), 1e-3))
+        fleet.load(results["directory"] / layout)
+        assert (full_weights(fleet) - check["saved"]).abs().max().item() == 0, layout
+
+
+def test_stage_placement_loops_or_makes_a_v():
+    assert stage_ranks("interleaved-1f1b", 2, 2) == [0, 1, 0, 1]
+    assert stage_ranks("zbv", 2, 2) == [0, 1, 1, 0]
+    assert local_stages("zbv", 4, 2, 1) == [1, 6] and local_stages("looped-bfs", 4, 2, 1) == [1, 5]
+    assert bubble_formula("1f1b", 4, 1, 8) == pytest.approx(3 / 11)
+    assert bubble_formula("interleaved-1f1b", 4, 2, 8) == pytest.approx(3 / 19)
+
+
+REFUSALS = [
+    (["--schedule", "1f1b", "--stages-per-process", "2"], "schedule 1f1b runs one stage per process and"
+                                                         " --stages-per-process is 2"),
+    (["--schedule", "interleaved-1f1b"], "schedule interleaved-1f1b runs several stages on each process;"
+                                         " give --stages-per-process 2 or more"),
+    (["--schedule", "zbv", "--stages-per-process", "3"], "schedule zbv places exactly 2 stages on each process"),
+    (["--schedule", "interleaved-1f1b", "--stages-per-process", "2", "--microbatches", "5"],
+     "--microbatches 5 on 2 processes is not a whole number of rounds; use a multiple of 2"),
+    (["--stages-per-process", "0"], "--stages-per-process 0 must be a whole number, at least 1"),
+]
+
+
+@pytest.mark.parametrize("flags, sentence", REFUSALS, ids=[" ".join(f) for f, _ in REFUSALS])
+def test_combinations_that_cannot_run_are_one_sentence_before_any_process_starts(flags, sentence):
+    # resolve_dims is what `train` checks before starting workers; the CLI row proves exit 2.
+    options = {f[2:].replace("-", "_"): (v if f == "--schedule" else int(v)) for f, v in zip(flags[::2], flags[1::2],
+                                                                                            strict=True)}
+    with pytest.raises(UsageError) as info:
+        resolve_dims("pipeline", 2, options=options)
+    assert sentence in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.timeout(120)
+def test_a_refusal_from_the_command_line_is_exit_2_without_a_traceback():
+    out = torchfleet("train", "--strategy", "pipeline", "-n", "2", "--model", "cnn", "--schedule", "zbv",
+                     "--stages-per-process", "3", "--no-progress", timeout=100)
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines() == [
+        "torchfleet train: error: schedule zbv places exactly 2 stages on each process (a V) and --stages-per-process is 3;"
+        " give --stages-per-process 2"]
+
+
+def test_a_schedule_the_installed_torch_lacks_is_refused_in_one_sentence(monkeypatch):
+    monkeypatch.delattr(pipelining, "ScheduleZBVZeroBubble")
+    with pytest.raises(UsageError) as info:
+        resolve_dims("pipeline", 2, options={"schedule": "zbv", "stages_per_process": 2})
+    message = str(info.value)
+    assert "schedule zbv needs torch's ScheduleZBVZeroBubble, which torch" in message and "\n" not in message
+
+
+@pytest.mark.skipif(not OLD, reason="every schedule runs on this torch")
+def test_a_schedule_this_torch_cannot_run_is_refused_in_one_sentence():
+    for name in OLD:
+        with pytest.raises(UsageError) as info:
+            resolve_dims("pipeline", 2, options={"schedule": name, "stages_per_process": 2})
+        message = str(info.value)
+        assert f"schedule {name} needs torch 2.14 or later, and torch" in message and "\n" not in message
+
+
+def test_bench_runs_other_schedules_only_when_asked():
+    from torchfleet.bench.config import BenchConfig
+    from torchfleet.bench.matrix import plan, variant
+
+    here = [{"name": "serial", "available": True, "why": ""}, {"name": "pipeline", "available": True, "why": ""}]
+    cfg = BenchConfig(model="cnn", nproc=(2,), batch_sizes=(64,), precisions=("fp32",))
+    assert not any("/" in c.strategy for c in plan(cfg, here, 2)[0])  # not in the default matrix
+    asked = BenchConfig(model="cnn", strategies=("pipeline", "pipeline/interleaved-1f1b"), nproc=(2,),
+                        batch_sizes=(64,), precisions=("fp32",))
+    assert [c.strategy for c in plan(asked, here, 2)[0]] == ["serial", "pipeline", "pipeline/interleaved-1f1b"]
+    assert variant("pipeline/interleaved-1f1b") == ("pipeline", {"schedule": "interleaved-1f1b",
+                                                                 "stages_per_process": 2})
+    with pytest.raises(UsageError, match="unknown schedule 'zigzag'; choose one of gpipe, 1f1b"):
+        BenchConfig(strategies=("pipeline/zigzag",))
