@@ -22,6 +22,11 @@ What the tracer does not do, done here:
 - **The model's inputs a later stage reads** (nanoGPT's ``targets``, read
   by its loss in the last stage): the tracer gives that stage the input
   itself; `Cut.stage_inputs` hands it over by keyword.
+- **Activations that skip stages** (GPT-2's attention mask, made before
+  the first block and read by every block): the tracer hands one from the
+  stage computing it straight to each stage reading it, and torch's
+  schedules give a stage only what the stage before it returns;
+  `carry_skips` (skips.py) passes it through every stage in between.
 - **Fixed shapes**: the traced stages are specialised to the example
   micro-batch's shape, so every micro-batch must have it (`Cut.batch`).
 """
@@ -39,6 +44,7 @@ from torch.utils import _pytree as pytree
 from torchfleet.errors import UsageError
 from torchfleet.strategies.blocks import describe, find_blocks, parameter_names
 from torchfleet.strategies.partition import partition
+from torchfleet.strategies.skips import carry_skips
 from torchfleet.versions import release
 
 
@@ -61,6 +67,7 @@ class Cut:
     last_only: frozenset[str] = frozenset()  # inputs only the last stage reads (a head's labels)
     tied: list[list[str]] = field(default_factory=list)  # alias names of each tied parameter
     holders: list[list[int]] = field(default_factory=list)  # the stages holding each tied parameter
+    returns_scalar: bool = False  # the model returns a 0-dim tensor (its own loss): see stages.predict_in_chunks
 
     def stage_inputs(self, batch, first: bool, last: bool) -> dict:
         """The keyword arguments this stage takes from one (micro-)batch of the model's inputs."""
@@ -152,7 +159,7 @@ def trace_stages(model: nn.Module, stages: int, local: Sequence[int], split_poin
         # torch.export cannot carry between stages; training never reads it.
         config.use_cache = False
     groups = tied_groups(model)
-    _, out_spec = flat_output(model, example_args, example_kwargs)
+    leaves, out_spec = flat_output(model, example_args, example_kwargs)
     try:
         pipe = pipeline(model, mb_args=example_args, mb_kwargs=example_kwargs or None,
                         split_spec={s: SplitPoint.BEGINNING for s in starts})
@@ -168,17 +175,18 @@ def trace_stages(model: nn.Module, stages: int, local: Sequence[int], split_poin
     kind = type(model).__name__
     roots = [n.name for n in pipe.split_gm.graph.nodes if n.op == "placeholder"]
     inputs = [_traced_inputs(pipe.split_gm, s, kind, starts) for s in range(stages)]
+    slots = _traced_slots(pipe.split_gm, stages, out_spec, kind, starts)  # before carry_skips rewrites the stages
+    carry_skips(pipe.split_gm, _stage_calls(pipe.split_gm))
     if release() < (2, 14):
         named = dict(zip(roots, example_args, strict=False)) | example_kwargs
         _refuse_integer_activations(modules, [{p: named[n] for p, n in i.items()} for i in inputs])
     holders = [[s for s, m in enumerate(modules) if any(_has_parameter(m, n) for n in g)] for g in groups]
-    slots = _traced_slots(pipe.split_gm, stages, out_spec, kind, starts)
     cuts = []
     for stage in local:
         cut = Cut(modules[stage], starts, example_rows(example_args, example_kwargs), out_spec, slots,
                   inputs[stage], tuple(roots),
                   tied=[g for g, h in zip(groups, holders, strict=True) if len(h) > 1],
-                  holders=[h for h in holders if len(h) > 1])
+                  holders=[h for h in holders if len(h) > 1], returns_scalar=has_scalar(leaves))
         _retie(cut.module, groups)
         keep_frozen(cut.module, model)
         cuts.append(cut)
@@ -197,10 +205,10 @@ def run_generated_code(pipe, modules: list[nn.Module], args: tuple, kwargs: dict
     it, torch 2.14), so one forward of the whole split model on the example tries it first, and
     any failure leaves every stage on the interpreter, as before.
     """
-    subs = [sub for m in modules for sub in m.modules()
+    subs: list[Any] = [sub for m in modules for sub in m.modules()
             if getattr(sub, "graph_module", None) is not None and getattr(sub, "_run_with_interpreter", False)]
     for sub in subs:
-        sub._run_with_interpreter = False
+        sub._run_with_interpreter = False  # torch's own switch (see _disable_interpreter)
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             pipe(*args, **kwargs)
@@ -213,6 +221,11 @@ def flat_output(model: nn.Module, args: tuple, kwargs: dict) -> tuple[list, pytr
     """The leaves and structure of what `model` returns for these inputs (one forward, no gradients)."""
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
         return pytree.tree_flatten(model(*args, **kwargs))
+
+
+def has_scalar(leaves: list) -> bool:
+    """Whether a model's output leaves hold a 0-dim tensor (a loss it computes itself)."""
+    return any(isinstance(leaf, torch.Tensor) and leaf.dim() == 0 for leaf in leaves)
 
 
 def keep_frozen(stage: nn.Module, model: nn.Module) -> None:

@@ -65,7 +65,7 @@ from torchfleet.strategies.stages import (
     TimedStage,
     default_microbatches,
     has_pointwise_convs,
-    rows,
+    predict_in_chunks,
     sequential_ties,
 )
 
@@ -340,18 +340,9 @@ class Pipeline(MeshStrategy):
     def _predict(self, inputs):
         if self.cut is None:
             return self._predict_chunk(inputs)
-        # Traced stages take micro-batches of the traced size only: pad the last chunk.
-        size, step = batch_size(inputs), self.cut.batch
-        outputs = []
-        for start in range(0, size, step):
-            chunk = rows(inputs, start, step)
-            out = self._predict_chunk(chunk)
-            if out is not None:
-                outputs.append(out)
-        if not self.is_last:
-            return None
-        merged = tuple(torch.cat(parts)[:size] for parts in zip(*outputs, strict=True))
-        return self.cut.unflatten(merged)
+        merged = predict_in_chunks(inputs, self.cut.batch, self.cut.returns_scalar, self._predict_chunk,
+                                   self.is_last)
+        return None if merged is None else self.cut.unflatten(merged)
 
     def _predict_chunk(self, inputs):
         args, kwargs = self._stage_inputs(inputs)

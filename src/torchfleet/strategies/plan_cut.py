@@ -35,7 +35,14 @@ from torch.utils import _pytree as pytree
 
 from torchfleet.errors import UsageError
 from torchfleet.strategies.blocks import on_base_model
-from torchfleet.strategies.cutting import Cut, example_rows, flat_output, stage_starts, tied_groups
+from torchfleet.strategies.cutting import (
+    Cut,
+    example_rows,
+    flat_output,
+    has_scalar,
+    stage_starts,
+    tied_groups,
+)
 
 # The inputs a transformers model computes its loss from, in its head: only the last stage
 # has the head, and an earlier stage's forward would compute a loss on its hidden states.
@@ -132,7 +139,7 @@ def cut_by_plan(model: nn.Module, plan: dict[str, tuple], stages: int, stage: in
                inputs=None, input_names=signature, first_only=frozenset(plan[before[0]][0]),
                last_only=LOSS_INPUTS,
                tied=[g for g, h in zip(groups, holders, strict=True) if len(h) > 1],
-               holders=[h for h in holders if len(h) > 1])
+               holders=[h for h in holders if len(h) > 1], returns_scalar=has_scalar(leaves))
 
 
 def _replace(model: nn.Module, name: str, module: nn.Module | None) -> None:

@@ -10,6 +10,8 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.utils import _pytree as pytree
 
+from torchfleet.errors import UsageError
+from torchfleet.strategies.base import batch_size
 from torchfleet.strategies.cutting import tied_groups
 
 
@@ -80,6 +82,23 @@ def rows(batch, start: int, size: int):
             part = torch.cat([part, part[-1:].expand(size - len(part), *part.shape[1:])])
         return part
     return {k: take(v) for k, v in batch.items()} if isinstance(batch, dict) else take(batch)
+
+
+def predict_in_chunks(inputs, step: int, returns_scalar: bool, run: Callable, last: bool) -> tuple | None:
+    """`run` (one forward through the pipeline) on each chunk of `step` rows of `inputs`, the size the
+    stages were traced for (the last chunk padded), and the last stage's outputs for the whole batch:
+    rows joined, the padding dropped; a scalar (a loss the model averages over its batch, nanoGPT's
+    with targets) averaged over the chunks, which serial's equals when every chunk is full."""
+    size = batch_size(inputs)
+    if returns_scalar and size % step:
+        raise UsageError(f"this model returns a scalar (its loss) and its pipeline stages take micro-batches"
+                         f" of {step}, so predict on {size} rows would pad the last one and count the padding"
+                         f" in that scalar; predict on a multiple of {step} rows")
+    outputs = [out for start in range(0, size, step) if (out := run(rows(inputs, start, step))) is not None]
+    if not last:
+        return None
+    return tuple(torch.stack(parts).mean() if parts[0].dim() == 0 else torch.cat(parts)[:size]
+                 for parts in zip(*outputs, strict=True))
 
 
 def sequential_ties(model: nn.Module, bounds) -> list[tuple[list[str], list[int]]]:
