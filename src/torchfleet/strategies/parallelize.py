@@ -134,7 +134,8 @@ def fsdp_units(model: nn.Module, classes: tuple[str, ...] | None = None) -> list
     return list(units.values())
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, classes: tuple[str, ...] | None = None) -> list[list[nn.Module]]:
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, classes: tuple[str, ...] | None = None,
+               pipelined: bool = False) -> list[list[nn.Module]]:
     """FSDP2 on each of the model's repeated blocks (`fsdp_units`), then on the root; returns the units.
 
     One all-gather per block keeps only one block's full parameters alive at
@@ -143,8 +144,13 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, classes: tuple[str, ...] | No
     dimension, shard over the second: HSDP).
     """
     units = fsdp_units(model, classes)
-    for unit in units:
-        fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh)
+    for i, unit in enumerate(units):
+        # torchtitan's choice: the last block's parameters stay gathered from its forward to its backward,
+        # which comes next, instead of being freed and gathered again; inside a pipeline every block's do,
+        # as a schedule runs forward and backward once per micro-batch (one gather per step, not per
+        # micro-batch). The root keeps FSDP2's own default (gathered, for the same reason as the last block).
+        keep = pipelined or i == len(units) - 1
+        fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, reshard_after_forward=not keep)
     fully_shard(model, mesh=mesh)
     return units
 
@@ -208,7 +214,7 @@ def parallelize(model: nn.Module, *, dims: ParallelDims, mesh: DeviceMesh, devic
         # gradient reduction themselves; DDP's reducer, driven the same way, failed its bucket
         # rebuild after the first step on torch 2.14 ("rebuilt parameter indices size
         # is not same as original model parameters size").
-        apply_fsdp(model, data_parallel_mesh(dims, mesh), fsdp_classes)
+        apply_fsdp(model, data_parallel_mesh(dims, mesh), fsdp_classes, pipelined=dims.pp > 1)
         if dims.pp > 1:
             # A stage ending in a view (Flatten) makes FSDP2 warn on every step that an
             # in-place op on it would skip its hook; the schedule only sends it or takes
