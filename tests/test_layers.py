@@ -26,6 +26,7 @@ LAYERS = [
     ("fleet", "hogwild"),  # the API a script holds
     ("doctor", "train"),  # the machine report; the built-in job
     ("testing", "testing_devices", "bench"),  # reference jobs; the strategy matrix
+    ("plan",),  # predictions per strategy, checked against bench's cells
     ("clusters",),  # job writers for schedulers
     ("cli", "__main__", "testing_cli"),  # the commands; the command line run for tests
 ]

@@ -158,6 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
     from torchfleet.cli import bench as bench_cli
 
     bench_cli.add_parser(sub, STRATEGY_FLAGS)
+
+    from torchfleet.cli import plan as plan_cli
+
+    plan_cli.add_parser(sub)
     return parser
 
 
@@ -259,6 +263,10 @@ def main(argv: list[str] | None = None) -> int:
             from torchfleet.cli import bench as bench_cli
 
             return bench_cli.command(args, _strategy_options(args))
+        if args.command == "plan":
+            from torchfleet.cli import plan as plan_cli
+
+            return plan_cli.command(args)
     except UsageError as exc:
         print(f"torchfleet {args.command}: error: {exc}", file=sys.stderr)
         return 2

@@ -1,0 +1,95 @@
+"""The `torchfleet plan` command's flags, and the call from flags to the plan (plan/run.py)."""
+
+from __future__ import annotations
+
+from torchfleet.cli.bench import _list
+
+
+def add_parser(sub) -> None:
+    from torchfleet.plan.hardware import GPUS
+    from torchfleet.train.models import GPT_PRESETS, MODELS
+
+    p = sub.add_parser(
+        "plan", help="predicted memory per rank and step time of every strategy, here or on a described cluster;"
+        " --check measures them against bench",
+        description="Predicts, for each strategy and number of processes, the memory per rank (parameters,"
+        " gradients, optimizer state, activations, communication buffers), whether it fits, the largest batch that"
+        " does, and the step time (compute, communication, the pipeline bubble), then recommends one. The model's"
+        " own memory and time are measured from a few steps here, and this machine's link from short probes"
+        " (cached). Without --nodes/--gpus-per-node/--cpus-per-node the target is this machine.")
+    p.add_argument("--model", default="cnn", metavar="NAME",
+                   help=f"a built-in model ({', '.join(MODELS)}; default cnn) or MODULE:FUNCTION, as bench takes it")
+    p.add_argument("--gpt-preset", choices=tuple(GPT_PRESETS), default="tiny", help="--model gpt's size")
+    p.add_argument("--image-size", type=int, default=224, metavar="PIXELS",
+                   help="--model resnet18/resnet50: images are 3 x PIXELS x PIXELS (default 224)")
+    p.add_argument("--batch-size", type=int, default=None, help="the GLOBAL batch (default: bench's first for the model)")
+    p.add_argument("--optimizer", default="adamw", help="adamw (default), sgd (with momentum) or sgd-plain")
+    p.add_argument("--precision", default="fp32", help="fp32 (default), bf16 or fp16: picks a GPU's peak")
+    p.add_argument("--strategies", type=_list(str, "strategies"), default=None, help="comma-separated (default: all)")
+    p.add_argument("--nproc", type=_list(int, "process counts"), default=None,
+                   help="process counts (default 1,2,4 here; powers of two up to the devices of a cluster)")
+    c = p.add_argument_group("a described cluster (instead of this machine)")
+    c.add_argument("--nodes", type=int, default=None, help="machines")
+    c.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per machine, a process each")
+    c.add_argument("--cpus-per-node", type=int, default=None,
+                   help="CPU cores per machine, a process each, at the rates measured here")
+    c.add_argument("--gpu", default=None, help=f"a GPU from the table ({', '.join(GPUS)})")
+    c.add_argument("--tflops", type=float, default=None, help="one device's dense peak TFLOP/s (for another GPU)")
+    c.add_argument("--memory-gb", type=float, default=None, help="one GPU's memory, or one CPU machine's, in GB")
+    c.add_argument("--mfu", type=float, default=0.4, help="the fraction of the GPU's peak achieved (default 0.4)")
+    c.add_argument("--link", type=float, default=None, metavar="GBIT_S",
+                   help="bandwidth between machines in Gbit/s (default 100)")
+    c.add_argument("--intra-link", type=float, default=None, metavar="GBIT_S",
+                   help="bandwidth between devices of one machine in Gbit/s (default NVLink on H100/H200/A100, PCIe"
+                   " on others, the probed local link on CPUs)")
+    o = p.add_argument_group("output and checks")
+    o.add_argument("--json-out", default=None, metavar="FILE", help="write the whole plan as JSON")
+    o.add_argument("--chart", default=None, metavar="FILE.png",
+                   help="draw predicted throughput and memory per rank against processes")
+    o.add_argument("--reprobe", action="store_true", help="measure this machine again instead of using the cache")
+    o.add_argument("--check", action="store_true",
+                   help="run bench's cells here and print predicted against measured step time and peak memory")
+    o.add_argument("--warmup", type=int, default=2, help="--check: untimed steps per cell (default 2)")
+    o.add_argument("--steps", type=int, default=5, help="--check: timed steps per cell (default 5)")
+
+
+def command(args) -> int:
+    from rich.console import Console
+
+    from torchfleet.outputs import check_writable_file
+    from torchfleet.plan import report
+    from torchfleet.plan.config import PlanConfig
+    from torchfleet.plan.run import plan_document, run_check
+
+    cfg = PlanConfig(model=args.model, gpt_preset=args.gpt_preset, image_size=args.image_size, batch=args.batch_size,
+                     optimizer=args.optimizer, precision=args.precision, strategies=args.strategies or (),
+                     nproc=args.nproc or (), nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                     cpus_per_node=args.cpus_per_node, gpu=args.gpu, tflops=args.tflops, memory_gb=args.memory_gb,
+                     mfu=args.mfu, link_gbit=args.link, intra_gbit=args.intra_link, reprobe=args.reprobe,
+                     json_out=args.json_out, chart=args.chart, check=args.check, warmup=args.warmup,
+                     steps=args.steps)
+    for path, what in ((cfg.json_out, "--json-out"), (cfg.chart, "--chart")):
+        if path:
+            check_writable_file(path, what)
+    console = Console(width=None if Console().is_terminal else 160)
+
+    def say(text: str) -> None:
+        console.print(text, markup=False, highlight=False)
+
+    document = plan_document(cfg, say=say)
+    for note in document["notes"]:
+        say(f"note: {note}")
+    console.print(report.table(document))
+    for sentence in document["recommendation"]["sentences"].values():
+        say(f"- {sentence}")
+    if cfg.check:
+        document["check"] = run_check(cfg, document, say=say)
+        console.print(report.check_table(document["check"]))
+        for sentence in report.check_sentences(document["check"]["summary"]):
+            say(f"check: {sentence}")
+    if cfg.json_out:
+        report.write_json(document, cfg.json_out)
+        say(f"wrote {cfg.json_out}")
+    if cfg.chart:
+        say(f"chart: {report.chart(document, cfg.chart)}")
+    return 0

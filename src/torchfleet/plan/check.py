@@ -1,0 +1,148 @@
+"""`torchfleet plan --check`: the plan's predictions against bench's measurements, cell by cell.
+
+The cells are bench's (bench/matrix.py chooses them: the strategies available
+here, at each process count), each run in fresh processes through the
+launcher as bench runs them, with bench's model, batch and optimizer (SGD with
+momentum) and bench's timing (bench/cell.py: warm-up, then steps that start
+from a barrier and last as long as the slowest rank). Memory is the peak
+tensor bytes of each rank over two more steps (tensor_memory.TensorMemory, a
+GPU's max_memory_allocated on any device), measured after the timed steps so
+its bookkeeping never slows them. The pipelines run each stage's forward once
+per micro-batch, which torch's MemTracker refuses: their memory is not
+measured, and their rows say so.
+
+Accuracy is |predicted / measured - 1| per cell; the summary gives the median
+over the cells and the worst cell, for step time (bench's figure, the median
+step) and for peak memory; and for the cell's fastest step, the figure the
+calibration aims at (it takes the fastest of its own steps: on a machine
+shared with others' jobs their load only ever adds to a step, so the median
+of a few steps says as much about the neighbours as about the strategy).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict
+from typing import Any
+
+MEMORY_STEPS = 2
+
+
+def run_check_cell(spec: dict) -> dict | None:
+    """In each of the cell's processes: bench's step timing, then the tensor peak; the main rank returns both."""
+    import torch
+    import torch.distributed as dist
+
+    from torchfleet.bench import cell as bench_cell
+    from torchfleet.data import check_global_batch
+    from torchfleet.fleet import Fleet
+
+    torch.set_num_threads(spec["threads"])
+    fleet = Fleet(strategy=spec["strategy"], precision="fp32", **spec["options"])
+    rank, readers = fleet.strategy.data_coords()
+    check_global_batch(spec["global_batch"], readers)
+    model, inputs, targets, loss_fn = bench_cell.workload(spec, spec["global_batch"] // readers, rank, fleet)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)  # bench's optimizer
+    model, optimizer = fleet.setup(model, optimizer, example_inputs=inputs)
+
+    def step():
+        fleet.train_step(inputs, targets, loss_fn)
+
+    for _ in range(spec["warmup"]):
+        step()
+    times = [bench_cell._timed(step, fleet.device) for _ in range(spec["steps"])]
+    if getattr(getattr(fleet.strategy, "dims", None), "pp", 1) > 1:
+        # Every rank must decide alike: one rank leaving the schedule on MemTracker's refusal would leave
+        # its peers waiting for its activations.
+        peak, why = None, "tensor memory not measured: MemTracker refuses a stage's forward run once per micro-batch"
+    else:
+        peak, why = _tensor_peak(model, optimizer, step, fleet.device)
+    found: list[Any] = [None] * fleet.world_size
+    if dist.is_initialized():
+        dist.all_gather_object(found, (times, peak))
+    else:
+        found = [(times, peak)]
+    result = None
+    if fleet.is_main:
+        step_times = [max(t[i] for t, _ in found) for i in range(len(times))]
+        peaks = [p for _, p in found]
+        result = {**bench_cell.spread(step_times), "peak_tensor_bytes": peaks if None not in peaks else None,
+                  "memory_note": why, "microbatches": getattr(fleet.strategy, "microbatches", None)}
+    fleet.close()
+    return result
+
+
+def _tensor_peak(model, optimizer, step, device) -> tuple[int | None, str | None]:
+    from torchfleet.tensor_memory import TensorMemory
+
+    try:
+        with TensorMemory(model, optimizer) as memory:
+            for _ in range(MEMORY_STEPS):
+                memory.next_step()
+                step()
+    except Exception as exc:  # noqa: BLE001 (MemTracker refuses some strategies: the row says which)
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:120]
+        return None, f"tensor memory not measurable under this strategy ({first})"
+    return memory.peak_bytes(device), None
+
+
+def run_cell(cell, spec: dict, timeout_s: float) -> dict:
+    """Run one bench cell for the check; a row with status ok or failed (and why), never an exception."""
+    from torchfleet.bench.matrix import _Deadline, failure_reason
+    from torchfleet.launcher.agent import LaunchError, launch
+
+    spec = {**spec, "strategy": cell.strategy, "processes": cell.processes, "global_batch": cell.global_batch,
+            "threads": cell.threads}
+    start = time.perf_counter()
+    try:
+        with _Deadline(timeout_s) as deadline:
+            figures = launch(run_check_cell, nprocs=cell.processes, args=(spec,))[0]
+    except LaunchError as exc:
+        why = f"timed out after {timeout_s:g} s" if deadline.expired else failure_reason(exc.summary)
+        return {"status": "failed", "error": why, "wall_s": time.perf_counter() - start}
+    return {"status": "ok", "error": None, **figures, "wall_s": time.perf_counter() - start}
+
+
+def compare(prediction, measured: dict) -> dict:
+    """One row of the check: predicted and measured step time and peak memory, and their ratios."""
+    row = {"strategy": prediction.strategy, "processes": prediction.processes,
+           "global_batch": prediction.global_batch, "degrees": prediction.degrees,
+           "status": measured["status"], "error": measured.get("error"),
+           "predicted_step_s": prediction.time["step"], "measured_step_s": None, "step_ratio": None,
+           "predicted_peak_bytes": prediction.memory["peak"], "measured_peak_bytes": None, "memory_ratio": None,
+           "memory_note": measured.get("memory_note"), "microbatches": measured.get("microbatches"),
+           "measured_fastest_step_s": None, "fastest_ratio": None}
+    if measured["status"] != "ok":
+        return row
+    row["measured_step_s"] = measured["step_time_median_s"]
+    row["step_ratio"] = prediction.time["step"] / measured["step_time_median_s"]
+    row["measured_fastest_step_s"] = measured.get("step_time_min_s")
+    if row["measured_fastest_step_s"]:
+        row["fastest_ratio"] = prediction.time["step"] / row["measured_fastest_step_s"]
+    peaks = measured.get("peak_tensor_bytes")
+    if peaks:
+        row["measured_peak_bytes"] = max(peaks)
+        row["memory_ratio"] = prediction.memory["peak"] / max(peaks)
+    return row
+
+
+def summary(rows: list[dict]) -> dict:
+    """Median and worst |predicted / measured - 1| for step time and for peak memory."""
+    out: dict[str, Any] = {}
+    for what, key in (("step_time", "step_ratio"), ("peak_memory", "memory_ratio"),
+                      ("fastest_step", "fastest_ratio")):
+        measured = [r for r in rows if r.get(key) is not None]
+        if not measured:
+            out[what] = {"cells": 0, "median_error": None, "worst": None}
+            continue
+        errors = [abs(r[key] - 1) for r in measured]
+        worst = max(measured, key=lambda r: abs(r[key] - 1))
+        out[what] = {"cells": len(measured), "median_error": statistics.median(errors),
+                     "worst": {k: worst[k] for k in ("strategy", "processes", "global_batch", key)}
+                     | {"error": abs(worst[key] - 1)}}
+    return out
+
+
+def cell_dict(cell) -> dict:
+    return asdict(cell)

@@ -1,0 +1,78 @@
+"""What `torchfleet plan` plans, validated once: the model, the global batch, the target."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torchfleet.bench import user_model
+from torchfleet.config import at_least
+from torchfleet.errors import UsageError, choice_error
+from torchfleet.plan.profile import OPTIMIZER_STATE
+from torchfleet.strategies import STRATEGY_NAMES
+from torchfleet.train.models import GPT_PRESETS, MODELS
+
+
+@dataclass
+class PlanConfig:
+    model: str = "cnn"
+    gpt_preset: str = "tiny"
+    image_size: int = 224
+    batch: int | None = None  # global; None: bench's first default batch for the model
+    optimizer: str = "adamw"
+    precision: str = "fp32"
+    strategies: tuple[str, ...] = ()  # empty: every one that can be planned for the target
+    nproc: tuple[int, ...] = ()  # process counts; empty: 1, 2, 4 here, powers of two up to the devices there
+    nodes: int | None = None  # a described cluster when any of nodes, gpus_per_node, cpus_per_node is given
+    gpus_per_node: int | None = None
+    cpus_per_node: int | None = None
+    gpu: str | None = None
+    tflops: float | None = None
+    memory_gb: float | None = None
+    mfu: float = 0.4
+    link_gbit: float | None = None  # between machines
+    intra_gbit: float | None = None  # within a machine
+    reprobe: bool = False
+    json_out: str | None = None
+    chart: str | None = None
+    check: bool = False
+    warmup: int = 2
+    steps: int = 5
+    cell_timeout_s: float = 300.0
+    seed: int = 0
+
+    @property
+    def described(self) -> bool:
+        return any(v is not None for v in (self.nodes, self.gpus_per_node, self.cpus_per_node))
+
+    def __post_init__(self) -> None:
+        if user_model.is_user_model(self.model):
+            user_model.build(self.model)  # a bad one fails here, in one sentence
+        elif self.model not in MODELS:
+            raise choice_error("model", self.model, (*MODELS, "MODULE:FUNCTION"))
+        if self.gpt_preset not in GPT_PRESETS:
+            raise choice_error("gpt preset", self.gpt_preset, tuple(GPT_PRESETS))
+        if self.optimizer not in OPTIMIZER_STATE:
+            raise choice_error("optimizer", self.optimizer, tuple(OPTIMIZER_STATE))
+        if self.precision not in ("fp32", "bf16", "fp16"):
+            raise choice_error("precision", self.precision, ("fp32", "bf16", "fp16"))
+        for name in self.strategies:
+            if name not in STRATEGY_NAMES:
+                raise choice_error("strategy", name, STRATEGY_NAMES)
+        at_least("--image-size", self.image_size, 1)
+        if self.batch is not None:
+            at_least("--batch-size", self.batch, 1)
+        for n in self.nproc:
+            at_least("--nproc", n, 1)
+        if self.nodes is not None and self.nodes < 1:
+            raise UsageError(f"--nodes {self.nodes} must be at least 1: a plan needs a machine to run on")
+        if self.gpus_per_node is not None and self.cpus_per_node is not None:
+            raise UsageError("give --gpus-per-node or --cpus-per-node, not both: a node's processes run on one kind")
+        if self.check and self.described:
+            raise UsageError("--check runs bench here, so it checks plans for this machine only; leave out"
+                             " --nodes, --gpus-per-node and --cpus-per-node")
+        at_least("--steps", self.steps, 2)
+        at_least("--warmup", self.warmup, 0)
+        for flag, value in (("--link", self.link_gbit), ("--intra-link", self.intra_gbit),
+                            ("--tflops", self.tflops), ("--memory-gb", self.memory_gb)):
+            if value is not None and not value > 0:
+                raise UsageError(f"{flag} {value:g} must be above 0")

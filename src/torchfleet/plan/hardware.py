@@ -1,0 +1,128 @@
+"""What the plan is for: this machine, or a described cluster of nodes x devices joined by links.
+
+A GPU is known by name from the table below (dense tensor-core peaks and memory,
+from NVIDIA's datasheets) or described with --tflops and --memory-gb. The
+achieved fraction of a GPU's peak (model FLOPs utilisation) is not on any
+datasheet: --mfu gives it, default DEFAULT_MFU, a middle figure for dense
+transformer training on one node (PaLM's appendix B reports 46% on TPU v4;
+Megatron-LM's scaling runs reach 40-55% on A100s).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from torchfleet.errors import UsageError
+from torchfleet.plan.comm import Link
+
+DEFAULT_MFU = 0.4
+
+# name: (dense bf16 TFLOP/s, dense fp32 TFLOP/s through TF32 where the card has it, memory GB).
+# Sources: NVIDIA datasheets: H100 SXM5 and H100 PCIe (2023), H200 SXM (2024), A100 SXM 80GB (2021;
+# the 40GB card has the same peaks), V100 SXM2 (no bf16: fp16 figure), L4 (2023), A10G (AWS's A10
+# variant, NVIDIA A10 datasheet figures), T4 (no bf16: fp16 figure), L40S (2023). Dense: without the
+# 2:4 structured sparsity that doubles the headline figures.
+GPUS: dict[str, tuple[float, float, float]] = {
+    "H200": (989.4, 494.7, 141.0),
+    "H100": (989.4, 494.7, 80.0),
+    "H100-PCIE": (756.0, 378.0, 80.0),
+    "A100": (312.0, 156.0, 80.0),
+    "A100-40GB": (312.0, 156.0, 40.0),
+    "L40S": (362.1, 183.0, 48.0),
+    "A10G": (125.0, 62.5, 24.0),
+    "L4": (121.0, 60.0, 24.0),
+    "V100": (125.0, 15.7, 32.0),
+    "T4": (65.0, 8.1, 16.0),
+}
+
+# Links between machines and inside one, when --link does not say: NVLink 4 (H100 SXM: 450 GB/s each
+# way), PCIe 4 x16 (about 25 GB/s usable), 100 Gbit/s Ethernet or InfiniBand HDR100 (12.5 GB/s).
+NVLINK_BYTES_S = 450e9
+PCIE_BYTES_S = 25e9
+DEFAULT_INTER_BYTES_S = 12.5e9
+GPU_LATENCY_S = 20e-6  # one message between GPUs (NCCL's small-message latency is 10-30 us)
+
+
+@dataclass(frozen=True)
+class Target:
+    """The devices a plan is for. `rate` is one device's FLOP/s for the model (achieved, not peak), or
+    None on this machine, where the model's own measured step time gives the compute instead."""
+
+    name: str
+    nodes: int
+    per_node: int  # processes (devices) per node
+    memory_bytes: float  # per device; on CPU hosts per node, which its processes share
+    intra: Link  # between processes on one node
+    inter: Link  # between nodes
+    rate: float | None = None
+    cores_per_node: int = 0  # CPU hosts: cores the processes of one node share; 0 for GPUs
+    here: bool = False  # this machine, calibrated by its own probes
+
+    @property
+    def devices(self) -> int:
+        return self.nodes * self.per_node
+
+    def link_for(self, ranks_together: int) -> Link:
+        """The link a collective over `ranks_together` consecutive ranks crosses: the slower one if it leaves a node."""
+        return self.inter if ranks_together > self.per_node else self.intra
+
+    def as_dict(self) -> dict:
+        out = asdict(self)
+        out["intra"], out["inter"] = self.intra.as_dict(), self.inter.as_dict()
+        return out
+
+
+def gpu_figures(name: str, precision: str) -> tuple[float, float]:
+    """(peak FLOP/s, memory bytes) of a GPU in the table; UsageError naming the choices otherwise."""
+    key = name.upper().replace(" ", "-")
+    if key not in GPUS:
+        raise UsageError(f"GPU {name!r} is not in torchfleet's table ({', '.join(GPUS)}); give its figures"
+                         " with --tflops (dense, at the precision planned) and --memory-gb")
+    bf16, fp32, memory_gb = GPUS[key]
+    return (fp32 if precision == "fp32" else bf16) * 1e12, memory_gb * 1e9
+
+
+def gpu_cluster(*, nodes: int, per_node: int, gpu: str | None, tflops: float | None, memory_gb: float | None,
+                mfu: float, precision: str, intra_gbit: float | None, inter_gbit: float | None) -> Target:
+    """A described GPU cluster; figures given as flags win over the table's."""
+    _check_counts(nodes, per_node, "--gpus-per-node")
+    if not 0 < mfu <= 1:
+        raise UsageError(f"--mfu {mfu} must be a fraction of the peak, above 0 and at most 1")
+    peak = memory = None
+    if gpu is not None and (tflops is None or memory_gb is None):
+        peak, memory = gpu_figures(gpu, precision)
+    if tflops is not None:
+        peak = _positive("--tflops", tflops) * 1e12
+    if memory_gb is not None:
+        memory = _positive("--memory-gb", memory_gb) * 1e9
+    if peak is None or memory is None:
+        raise UsageError("a GPU cluster needs --gpu NAME (one of " + ", ".join(GPUS) + ") or both --tflops and"
+                         " --memory-gb")
+    sxm = (gpu or "").upper() in ("H100", "H200", "A100")
+    intra = intra_gbit * 1e9 / 8 if intra_gbit else (NVLINK_BYTES_S if sxm else PCIE_BYTES_S)
+    inter = inter_gbit * 1e9 / 8 if inter_gbit else DEFAULT_INTER_BYTES_S
+    name = f"{nodes} x {per_node} {gpu or 'GPU'}" + ("" if tflops is None else f" ({tflops:g} TFLOP/s)")
+    return Target(name, nodes, per_node, memory, Link(intra, GPU_LATENCY_S), Link(inter, 2 * GPU_LATENCY_S),
+                  rate=peak * mfu)
+
+
+def _check_counts(nodes: int, per_node: int, flag: str) -> None:
+    if nodes < 1:
+        raise UsageError(f"--nodes {nodes} must be at least 1: a plan needs a machine to run on")
+    if per_node < 1:
+        raise UsageError(f"{flag} {per_node} must be at least 1")
+
+
+def _positive(flag: str, value: float) -> float:
+    if not value > 0:
+        raise UsageError(f"{flag} {value:g} must be above 0")
+    return value
+
+
+def cpu_cluster(*, nodes: int, cores_per_node: int, memory_gb: float, intra: Link, inter_gbit: float | None,
+                name: str = "") -> Target:
+    """CPU hosts, `cores_per_node` each: a process per core, at the rates measured here."""
+    _check_counts(nodes, cores_per_node, "--cpus-per-node")
+    inter = Link(inter_gbit * 1e9 / 8, 50e-6) if inter_gbit else Link(DEFAULT_INTER_BYTES_S / 10, 50e-6)
+    return Target(name or f"{nodes} x {cores_per_node}-core CPU hosts", nodes, cores_per_node,
+                  _positive("--memory-gb", memory_gb) * 1e9, intra, inter, cores_per_node=cores_per_node)

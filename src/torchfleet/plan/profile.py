@@ -1,0 +1,233 @@
+"""A model's profile: the figures every prediction starts from, measured once in this process.
+
+- parameters, and how they fall into blocks (blocks.find_blocks, the units fsdp
+  shards one at a time and the pipelines cut between), and the bytes per sample
+  a block hands to the next (what a pipeline stage sends);
+- FLOPs per sample, counted as bench counts them (bench/flops.py);
+- memory: the peak tensor bytes (tensor_memory.TensorMemory, what a GPU's
+  max_memory_allocated reports) of a steady-state step at two batch sizes, split
+  into the forward-and-backward phase and the optimizer phase. Less the
+  parameters and optimizer state, the first phase's peak is a line in the batch
+  size: the activations (slope) and the gradients alive at the peak with the
+  batch-independent temporaries (intercept);
+- time: a training step (zero_grad, forward, backward, optimizer step) at the
+  same two batch sizes on 1 thread and on every usable core, each a line
+  `fixed + per_sample x batch` through the fastest of several interleaved
+  steps per batch (load from others only adds to a step; the fastest is the
+  model's own cost). `fixed` is the per-operator cost (Python,
+  dispatch, kernel launches) that a step pays whatever its batch; on a CPU it is
+  most of a small model's step.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+OPTIMIZER_STATE = {"adamw": 8, "sgd": 4, "sgd-plain": 0}  # fp32 bytes per parameter: Adam's two moments; momentum
+
+
+@dataclass
+class StepFit:
+    fixed_s: float
+    per_sample_s: float
+
+    def at(self, batch: float) -> float:
+        return self.fixed_s + self.per_sample_s * batch
+
+
+@dataclass
+class Profile:
+    model: str
+    parameters: int
+    block_parameters: int  # in the repeated blocks (what tp splits, what a pipeline spreads over stages)
+    largest_unit: int  # parameters of the largest fsdp unit (a block, or the root's remainder)
+    units: int
+    boundary_bytes_per_sample: float  # one block's output
+    tokens_per_sample: int | None
+    flops_per_sample: float | None
+    optimizer: str
+    activation_per_sample: float  # bytes of the forward-and-backward peak per sample
+    activation_fixed: float  # its batch-independent part (gradients alive at the peak, temporaries)
+    optimizer_temporaries: float  # the optimizer step's peak above parameters, gradients and state
+    time: dict[int, StepFit] = field(default_factory=dict)  # threads -> fit
+    probe_batches: tuple[int, ...] = (1, 2)
+    pointwise_convs: bool = False  # 1x1 convolutions: the pipelines keep bigger micro-batches on CPU
+    tensors: int = 0  # parameter tensors: DDP's reducer pays a hook and a copy for each
+    tp_linears: int = 0  # the Linears the model's tensor-parallel plan splits (tp pays its overhead per each)
+
+    @property
+    def param_bytes(self) -> int:
+        return 4 * self.parameters
+
+    def optimizer_bytes(self, parameters: float) -> float:
+        return OPTIMIZER_STATE[self.optimizer] * parameters
+
+    def step_fit(self, threads: int) -> StepFit:
+        known = max((t for t in self.time if t <= threads), default=min(self.time))
+        return self.time[known]
+
+    def as_dict(self) -> dict:
+        out = asdict(self)
+        out["time"] = {str(t): asdict(f) for t, f in self.time.items()}
+        return out
+
+
+def make_optimizer(name: str, params) -> torch.optim.Optimizer:
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=1e-3)
+    return torch.optim.SGD(params, lr=1e-3, momentum=0.9 if name == "sgd" else 0.0)
+
+
+def _workload(spec: dict, batch: int):
+    from torchfleet.bench.cell import workload
+
+    host = SimpleNamespace(device=torch.device("cpu"), to_device=lambda t: t)
+    return workload(spec, batch, 0, host)  # pyright: ignore[reportArgumentType] (only device and to_device are read)
+
+
+def _step(model, optimizer, inputs, targets, loss_fn) -> None:
+    optimizer.zero_grad(set_to_none=True)
+    output = model(**inputs) if isinstance(inputs, dict) else model(inputs)
+    loss_fn(output, targets).backward()
+    optimizer.step()
+
+
+def measure(spec: dict, optimizer: str, cores: int, batches: tuple[int, ...] | None = None,
+            timed_steps: int | None = None, timed: bool = True) -> Profile:
+    """The profile of `spec`'s model (bench's spec keys: model, gpt_preset, image_size, seed).
+
+    `timed=False` leaves out the step times (a described GPU's compute comes from FLOPs instead)."""
+    from torchfleet.bench import flops
+    from torchfleet.strategies.blocks import find_blocks
+    from torchfleet.strategies.parallelize import fsdp_units
+    from torchfleet.strategies.stages import has_pointwise_convs
+
+    before = torch.get_num_threads()
+    model, inputs, targets, loss_fn = _workload(spec, 2)
+    params = sum(p.numel() for p in model.parameters())
+    flops_per_sample = flops.flops_per_sample(model, inputs, targets, loss_fn)
+    try:
+        blocks = [module for _, module in find_blocks(model)]
+    except Exception:  # noqa: BLE001 (any model: none found means one unit)
+        blocks = []
+    in_blocks = sum(p.numel() for b in blocks for p in b.parameters())
+    largest = max([sum(p.numel() for p in b.parameters()) for b in blocks] + [params - in_blocks])
+    boundary = _boundary_bytes(model, blocks, inputs)
+    tokens = spec.get("block_size")
+    batches = batches or (_probe_batches(spec, optimizer, cores) if timed else (1, 2))
+    timed_steps = timed_steps or (3 if batches[0] == 1 else 7)  # a slow model's steps vary less
+
+    # A slow model's timing batches, 1 and 2, are too small to draw its memory line: at them the peak comes
+    # at the end of backward, with every gradient alive and the activations gone, so it barely grows with
+    # the batch. Two larger batches are measured for memory alone and the line drawn through them; the
+    # small-batch regime is the optimizer phase's peak, which the prediction takes when it is the larger.
+    extra = () if len(batches) > 2 else (4 * max(batches), 8 * max(batches))
+    peaks_fb, peaks_opt, made = {}, {}, {}
+    torch.set_num_threads(cores)
+    for batch in (*batches, *extra):
+        model, inputs, targets, loss_fn = _workload(spec, batch)
+        opt = make_optimizer(optimizer, model.parameters())
+        _step(model, opt, inputs, targets, loss_fn)  # the optimizer's state exists from here on
+        peaks_fb[batch], peaks_opt[batch] = _phase_peaks(model, opt, inputs, targets, loss_fn)
+        if batch in batches:
+            made[batch] = (model, opt, inputs, targets, loss_fn)
+    fits = {}
+    for threads in sorted({1, cores}) if timed else ():
+        torch.set_num_threads(threads)
+        samples: dict[int, list[float]] = {b: [] for b in batches}
+        for batch in batches:
+            _step(*made[batch])  # a first step at this thread count starts its threads
+        # Interleaved, so a burst of load from elsewhere on a shared machine hits every batch alike.
+        for _ in range(timed_steps):
+            for batch in batches:
+                samples[batch].append(_seconds(lambda b=batch: _step(*made[b])))
+        # the fastest of each batch's steps: others' load on a shared machine only adds (probe.py's reasoning)
+        fits[threads] = _fit_line({b: min(t) for b, t in samples.items()})
+    torch.set_num_threads(before)
+
+    state = 4 * params + OPTIMIZER_STATE[optimizer] * params
+    b1, b2 = extra or (min(batches), max(batches))
+    act = [peaks_fb[b] - state for b in (b1, b2)]
+    slope = max(0.0, (act[1] - act[0]) / (b2 - b1))
+    opt_tmp = max(0.0, max(peaks_opt.values()) - state - 4 * params)
+    tp_plan = getattr(model, "tp_plan", None)
+    split = tp_plan(1) if callable(tp_plan) else {}
+    try:  # fsdp's units as the strategy forms them (blocks that share a parameter are one), and the root
+        units = len(fsdp_units(model)) + 1
+    except Exception:  # noqa: BLE001 (as above)
+        units = len(blocks) + 1
+    return Profile(spec["model"], params, in_blocks, largest, units, boundary, tokens, flops_per_sample,
+                   optimizer, slope, max(0.0, act[0] - slope * b1), opt_tmp, fits, batches,
+                   has_pointwise_convs(model), len(list(model.parameters())),
+                   len(split) if isinstance(split, dict) else 0)
+
+
+def _seconds(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _fit_line(medians: dict[int, float]) -> StepFit:
+    """Least squares `fixed + per_sample x batch` through the medians, neither part below zero."""
+    xs, ys = list(medians), list(medians.values())
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    spread = sum((x - mx) ** 2 for x in xs)
+    per = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / spread) if spread else 0.0
+    fixed = my - per * mx
+    if fixed < 0:  # all per-sample: a line through the origin
+        fixed, per = 0.0, sum(x * y for x, y in zip(xs, ys, strict=True)) / sum(x * x for x in xs)
+    return StepFit(fixed, per)
+
+
+def _probe_batches(spec: dict, optimizer: str, cores: int) -> tuple[int, ...]:
+    """Batch sizes far enough apart to tell the per-sample cost from the fixed one, in well under a second a step."""
+    torch.set_num_threads(cores)
+    model, inputs, targets, loss_fn = _workload(spec, 2)
+    opt = make_optimizer(optimizer, model.parameters())
+    _step(model, opt, inputs, targets, loss_fn)
+    # the fastest of three: load from elsewhere only ever adds, and one slow step would pick batches too small
+    two = min(_seconds(lambda: _step(model, opt, inputs, targets, loss_fn)) for _ in range(3))
+    if two > 0.5:
+        return 1, 2
+    # a small model: enough samples that the per-sample part is seen above the fixed one
+    top = int(min(256, max(4, 2 * 0.3 / max(two, 1e-4))))
+    return 2, max(3, top // 2), top
+
+
+def _phase_peaks(model, opt, inputs, targets, loss_fn) -> tuple[int, int]:
+    from torchfleet.tensor_memory import TensorMemory
+
+    opt.zero_grad(set_to_none=True)
+    with TensorMemory(model, opt) as forward_backward:
+        forward_backward.next_step()
+        output = model(**inputs) if isinstance(inputs, dict) else model(inputs)
+        loss_fn(output, targets).backward()
+    with TensorMemory(model, opt) as stepping:
+        opt.step()
+    return forward_backward.peak_bytes("cpu"), stepping.peak_bytes("cpu")
+
+
+def _boundary_bytes(model: nn.Module, blocks: list[nn.Module], inputs) -> float:
+    """Bytes per sample of a block's output (the first block's), or of the model's output without blocks."""
+    seen: list[float] = []
+
+    def hook(_module, _args, output):
+        tensor = output[0] if isinstance(output, (tuple, list)) else output
+        if isinstance(tensor, torch.Tensor) and not seen:
+            seen.append(tensor.numel() * tensor.element_size() / max(1, tensor.shape[0]))
+
+    watched = blocks[0] if blocks else model
+    handle = watched.register_forward_hook(hook)
+    try:
+        with torch.no_grad():
+            model(**inputs) if isinstance(inputs, dict) else model(inputs)
+    finally:
+        handle.remove()
+    return seen[0] if seen else 0.0

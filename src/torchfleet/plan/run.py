@@ -1,0 +1,233 @@
+"""`torchfleet plan` from config to document: target, profile, predictions, recommendation, and the check."""
+
+from __future__ import annotations
+
+import datetime
+from pathlib import Path
+
+from torchfleet.errors import UsageError
+from torchfleet.plan import check as plan_check
+from torchfleet.plan import hardware, predict, probe
+from torchfleet.plan.config import PlanConfig
+from torchfleet.plan.profile import Profile
+
+SCHEMA = "torchfleet-plan/1"
+# Strategies planned for a described cluster: those with a model in predict.py. hogwild and mp are
+# one-machine strategies, dp one process over a machine's GPUs: planned here only.
+CLUSTER_STRATEGIES = ("serial", "ddp", "fsdp", "hsdp", "pipeline", "ddp+pipeline", "fsdp+pipeline", "tp",
+                      "fsdp+tp", "diloco", "localsgd")
+HERE_EXTRA = ("hogwild", "mp")
+
+
+def _host_memory() -> float:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 16e9
+
+
+def target_of(cfg: PlanConfig, calib: probe.Calibration | None) -> hardware.Target:
+    if cfg.gpus_per_node is not None or cfg.gpu is not None or cfg.tflops is not None:
+        return hardware.gpu_cluster(nodes=cfg.nodes or 1, per_node=cfg.gpus_per_node or 1, gpu=cfg.gpu,
+                                    tflops=cfg.tflops, memory_gb=cfg.memory_gb, mfu=cfg.mfu, precision=cfg.precision,
+                                    intra_gbit=cfg.intra_gbit, inter_gbit=cfg.link_gbit)
+    assert calib is not None
+    if cfg.described:
+        intra = calib.link(2) if cfg.intra_gbit is None else predict.Link(cfg.intra_gbit * 1e9 / 8, 50e-6)
+        return hardware.cpu_cluster(nodes=cfg.nodes or 1, cores_per_node=cfg.cpus_per_node or calib.cores,
+                                    memory_gb=cfg.memory_gb or _host_memory() / 1e9, intra=intra,
+                                    inter_gbit=cfg.link_gbit)
+    counts = cfg.nproc or (1, 2, 4)
+    memory = cfg.memory_gb * 1e9 if cfg.memory_gb else _host_memory()
+    return hardware.Target(f"this machine ({calib.cores} cores, Gloo)", 1, max(counts), memory, calib.link(2),
+                           calib.link(2), cores_per_node=0, here=True)
+
+
+def spec_of(cfg: PlanConfig) -> dict:
+    """bench's spec keys for its workload (bench/cell.py)."""
+    from torchfleet.models import TOKEN_MODELS, gpt_config
+
+    spec = {"model": cfg.model, "gpt_preset": cfg.gpt_preset, "image_size": cfg.image_size, "seed": cfg.seed}
+    if cfg.model in TOKEN_MODELS:
+        spec["block_size"] = gpt_config(cfg.gpt_preset).block_size
+    return spec
+
+
+def default_batch(cfg: PlanConfig, gpus: bool) -> int:
+    from torchfleet.bench.matrix import _default_batches
+
+    return _default_batches(cfg.model, 1 if gpus else 0)[0]
+
+
+def candidates(cfg: PlanConfig, target: hardware.Target, profile: Profile, cores: int) -> list[tuple[str, int]]:
+    """(strategy, processes) pairs to plan: bench's cells here, every preset's degrees on a described cluster."""
+    if target.here:
+        from torchfleet.backend import probe_hardware
+        from torchfleet.bench.config import BenchConfig
+        from torchfleet.bench.matrix import plan as bench_plan
+        from torchfleet.doctor import strategy_availability
+
+        counts = tuple(n for n in (cfg.nproc or (1, 2, 4)) if n >= 2) or (2,)
+        bench = BenchConfig(model=cfg.model, gpt_preset=cfg.gpt_preset, image_size=cfg.image_size,
+                            strategies=cfg.strategies, nproc=counts, batch_sizes=(cfg.batch or 1,),
+                            precisions=("fp32",))
+        cells, _ = bench_plan(bench, strategy_availability(probe_hardware(), cores), cores)
+        return list(dict.fromkeys((c.strategy, c.processes) for c in cells if not c.skip))
+    names = cfg.strategies or tuple(n for n in CLUSTER_STRATEGIES if "tp" not in n.split("+") or profile_tp(profile))
+    counts = cfg.nproc or tuple(sorted({2**k for k in range(target.devices.bit_length()) if 2**k <= target.devices}
+                                       | {target.devices}))
+    pairs = []
+    for name in names:
+        for n in counts:
+            if name in ("diloco", "localsgd") and target.nodes < 2:
+                continue
+            if (name == "serial") == (n == 1):
+                pairs.append((name, n))
+    return pairs
+
+
+def profile_tp(profile: Profile) -> bool:
+    return profile.model == "gpt"  # the built-in gpt ships a tensor-parallel plan
+
+
+def predictions(cfg: PlanConfig, target: hardware.Target, profile: Profile, calib, cores: int,
+                batch: int) -> tuple[list[predict.Prediction], list[str]]:
+    notes, found = [], []
+    options = {}
+    for name, n in candidates(cfg, target, profile, cores):
+        threads = max(1, cores // n)
+        try:
+            lay = predict.layout(name, n, batch, profile, options, cpu_threads=threads)
+        except UsageError as exc:
+            notes.append(f"{name} on {n} processes left out: {exc}")
+            continue
+        if batch % lay.readers or (lay.pp > 1 and (batch // lay.readers) % lay.microbatches):
+            notes.append(f"{name} on {n} processes left out: the batch of {batch} does not split into"
+                         f" {lay.readers} readers x {lay.microbatches if lay.pp > 1 else 1} micro-batches")
+            continue
+        found.append(predict.predict(profile, lay, batch, target, cores, calib))
+    serial = next((p for p in found if p.strategy == "serial"), None)
+    for p in found:
+        if serial is not None and p.time["step"] > 0:
+            p.efficiency = serial.time["step"] / p.time["step"] / max(1, p.processes)
+    return found, notes
+
+
+def recommend(found: list[predict.Prediction]) -> dict:
+    """The fastest strategy that fits, and one sentence per strategy on where it stands."""
+    fitting = [p for p in found if p.fits]
+    if not fitting:
+        return {"best": None, "sentences": {}}
+    best = max(fitting, key=lambda p: p.samples_per_s)
+    sentences = {}
+    for name in dict.fromkeys(p.strategy for p in found):
+        mine = [p for p in found if p.strategy == name]
+        fit = [p for p in mine if p.fits]
+        if not fit:
+            smallest = min(mine, key=lambda p: p.memory["peak"])
+            sentences[name] = (f"{name}: does not fit: {_gib(smallest.memory['peak'])} per rank at best"
+                               f" ({smallest.processes} processes)")
+            continue
+        top = max(fit, key=lambda p: p.samples_per_s)
+        where = f"{name} on {top.processes} process{'es' if top.processes > 1 else ''}" + (
+            f" ({top.degrees})" if top.degrees != "-" else "")
+        if top is best:
+            sentences[name] = (f"{where}: the fastest that fits, {top.samples_per_s:,.1f} samples/s,"
+                               f" {_gib(top.memory['peak'])} per rank{_scaling(top)}")
+            continue
+        slower = 1 - top.samples_per_s / best.samples_per_s
+        sentences[name] = f"{where}: {slower:.0%} slower than {best.strategy}: {_why(top)}"
+    return {"best": {"strategy": best.strategy, "processes": best.processes, "samples_per_s": best.samples_per_s},
+            "sentences": sentences}
+
+
+def _scaling(p: predict.Prediction) -> str:
+    return "" if p.efficiency is None or p.processes == 1 else f", scaling efficiency {p.efficiency:.0%}"
+
+
+def _why(p: predict.Prediction) -> str:
+    t = p.time
+    parts = {"communication": t["communication"], "the pipeline bubble": t["bubble"],
+             "compute": t["compute"] - t["bubble"]}
+    name, seconds = max(parts.items(), key=lambda kv: kv[1])
+    share = seconds / t["step"] if t["step"] else 0
+    if name == "compute":
+        return (f"its compute does not shrink enough ({share:.0%} of a {t['step'] * 1e3:,.1f} ms step"
+                f"{'; its processes share the cores' if p.processes > 1 else ''})")
+    return f"{name} is {share:.0%} of its {t['step'] * 1e3:,.1f} ms step"
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:,.2f} GiB" if nbytes >= 2**28 else f"{nbytes / 2**20:,.1f} MiB"
+
+
+def plan_document(cfg: PlanConfig, say=print) -> dict:
+    from torchfleet.plan import profile as plan_profile
+
+    needs_here = cfg.check or not (cfg.gpus_per_node or cfg.gpu or cfg.tflops)
+    links = tuple(sorted({n for n in (cfg.nproc or (1, 2, 4)) if n >= 2} or {2}))
+    calib = probe.calibration(cfg.reprobe, say=say, processes=links) if needs_here else None
+    cores = calib.cores if calib is not None else probe.usable_cores()
+    target = target_of(cfg, calib)
+    batch = cfg.batch or default_batch(cfg, target.rate is not None)
+    optimizer = "sgd" if cfg.check else cfg.optimizer  # the check runs bench's cells, with bench's optimizer
+    say(f"profiling {cfg.model} (a few steps at small batches, to measure its memory"
+        + (" and time)" if target.rate is None else ")"))
+    profile = plan_profile.measure(spec_of(cfg), optimizer, cores, timed=target.rate is None)
+    found, notes = predictions(cfg, target, profile, calib, cores, batch)
+    if not found:
+        raise UsageError(f"no strategy can be planned for a global batch of {batch} on {target.name}; "
+                         + ("; ".join(notes) or "give other --nproc or --strategies"))
+    if not any(p.fits for p in found) and not cfg.check:
+        smallest = min(found, key=lambda p: p.memory["peak"])
+        raise UsageError(f"a global batch of {batch} fits no strategy on {target.name}: the smallest peak is"
+                         f" {_gib(smallest.memory['peak'])} per rank ({smallest.strategy} on {smallest.processes}"
+                         f" processes) against {_gib(target.memory_bytes)}; give a smaller --batch-size or more"
+                         " devices")
+    if optimizer != cfg.optimizer:
+        notes.append(f"--check plans for bench's optimizer (SGD with momentum), not {cfg.optimizer}")
+    return {"schema": SCHEMA, "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "model": cfg.model, "gpt_preset": cfg.gpt_preset if cfg.model == "gpt" else None,
+            "image_size": cfg.image_size, "global_batch": batch, "optimizer": optimizer,
+            "precision": cfg.precision, "target": target.as_dict(),
+            "calibration": calib.as_dict() if calib is not None else None, "profile": profile.as_dict(),
+            "predictions": [p.as_dict() for p in found], "recommendation": recommend(found), "notes": notes,
+            "_found": found, "_profile": profile, "_target": target, "_calibration": calib}
+
+
+def run_check(cfg: PlanConfig, document: dict, say=print) -> dict:
+    """bench's cells here, each predicted and measured; the rows and their summary."""
+    from torchfleet.bench.matrix import Cell
+
+    spec = {**spec_of(cfg), "precision": "fp32", "warmup": cfg.warmup, "steps": cfg.steps, "options": {}}
+    rows = []
+    cores = document["calibration"]["cores"]
+    for p in document["_found"]:
+        cell = Cell(p.strategy, p.processes, p.global_batch, "fp32", max(1, cores // p.processes))
+        measured = plan_check.run_cell(cell, spec, cfg.cell_timeout_s)
+        used = measured.get("microbatches")
+        if used and p.processes > 1 and " m" in p.degrees and not p.degrees.endswith(f" m{used}"):
+            p = _repredicted(document, p, used)  # the schedule chose another count than the plan's rule
+        rows.append(plan_check.compare(p, measured))
+        say(_check_line(rows[-1]))
+    return {"cells": rows, "summary": plan_check.summary(rows)}
+
+
+def _repredicted(document: dict, p: predict.Prediction, microbatches: int) -> predict.Prediction:
+    profile, target, calib = document["_profile"], document["_target"], document["_calibration"]
+    lay = predict.layout(p.strategy, p.processes, p.global_batch, profile, {"microbatches": microbatches})
+    return predict.predict(profile, lay, p.global_batch, target, calib.cores, calib)
+
+
+def _check_line(row: dict) -> str:
+    name = f"{row['strategy']} x{row['processes']}, batch {row['global_batch']}"
+    if row["status"] != "ok":
+        return f"{name}: failed ({row['error']})"
+    text = (f"{name}: step predicted {row['predicted_step_s'] * 1e3:,.1f} ms, measured"
+            f" {row['measured_step_s'] * 1e3:,.1f} ms")
+    if row["measured_peak_bytes"] is not None:
+        text += (f"; peak predicted {_gib(row['predicted_peak_bytes'])}, measured {_gib(row['measured_peak_bytes'])}")
+    return text

@@ -1,0 +1,149 @@
+"""torchfleet plan: the formulas on known inputs, fsdp's 16 P / N, predictions against real measured cells,
+the command's table, JSON and bad input."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from conftest import forked_torchfleet, torchfleet
+from torchfleet.plan import comm, overheads, predict, probe, profile
+from torchfleet.plan.hardware import Target
+
+GPT_TINY = {"model": "gpt", "gpt_preset": "tiny", "image_size": 224, "seed": 0, "block_size": 64}
+
+
+def test_collective_formulas_on_known_inputs():
+    link = comm.Link(bandwidth=1e9, latency=1e-4)
+    # ring all-reduce: 2(N-1)/N x bytes / bandwidth + 2(N-1) messages
+    assert comm.all_reduce_s(1e9, 4, link) == pytest.approx(1.5 + 6e-4)
+    assert comm.all_gather_s(1e9, 4, link) == pytest.approx(0.75 + 3e-4)
+    assert comm.reduce_scatter_s(1e9, 2, link) == pytest.approx(0.5 + 1e-4)
+    assert comm.send_s(2e8, link) == pytest.approx(0.2 + 1e-4)
+    assert comm.all_reduce_s(1e9, 1, link) == 0.0  # one rank talks to nobody
+    whole, last = comm.bucketed_all_reduce_s(100e6, 2, comm.Link(1e9), bucket_bytes=25e6)
+    assert whole == pytest.approx(0.1) and last == pytest.approx(0.025)
+
+
+@pytest.fixture(scope="module")
+def gpt_adamw() -> profile.Profile:
+    return profile.measure(GPT_TINY, "adamw", cores=1, batches=(1, 2), timed_steps=1)
+
+
+def test_fsdp_training_state_is_16_bytes_per_parameter_over_n(gpt_adamw):
+    target = Target("t", 1, 8, 1e12, comm.Link(1e9), comm.Link(1e9), rate=1e12)
+    for n in (2, 4, 8):
+        lay = predict.layout("fsdp", n, 32, gpt_adamw)
+        state = predict.memory(gpt_adamw, lay, 32)["training_state"]
+        assert state == pytest.approx(16 * gpt_adamw.parameters / n, rel=0.01)
+        assert predict.predict(gpt_adamw, lay, 32, target, 1, None).fits
+    # ddp holds it all on every rank, and its buckets on top
+    ddp = predict.memory(gpt_adamw, predict.layout("ddp", 4, 32, gpt_adamw), 32)
+    assert ddp["training_state"] == pytest.approx(16 * gpt_adamw.parameters, rel=0.01)
+    assert ddp["buffers"] == pytest.approx(4 * gpt_adamw.parameters, rel=0.01)
+
+
+def test_pipeline_bubble_is_p_minus_1_over_m_plus_p_minus_1(gpt_adamw):
+    target = Target("t", 1, 4, 1e12, comm.Link(1e12), comm.Link(1e12), rate=1e12)
+    lay = predict.layout("pipeline", 4, 32, gpt_adamw, {"microbatches": 8})
+    times = predict.step_time(gpt_adamw, lay, 32, target, 1, None)
+    assert times["bubble"] / times["compute"] == pytest.approx(3 / (8 + 3), rel=0.01)
+
+
+def test_a_described_cluster_plans_every_preset_and_recommends_one(tmp_path):
+    out = tmp_path / "plan.json"
+    result = forked_torchfleet("plan", "--model", "gpt", "--gpt-preset", "tiny", "--batch-size", "64", "--nodes",
+                               "2", "--gpus-per-node", "4", "--gpu", "A100", "--link", "100", "--json-out", str(out),
+                               "--chart", str(tmp_path / "plan.png"))
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(out.read_text())
+    assert doc["target"]["nodes"] == 2 and doc["target"]["rate"] == pytest.approx(156e12 * 0.4)
+    names = {(p["strategy"], p["processes"]) for p in doc["predictions"]}
+    assert {("serial", 1), ("ddp", 8), ("fsdp", 8), ("pipeline", 4), ("tp", 2), ("diloco", 8)} <= names
+    assert doc["recommendation"]["best"]["strategy"] in {s for s, _ in names}
+    assert "the fastest that fits" in result.stdout and (tmp_path / "plan.png").stat().st_size > 0
+
+
+def test_overhead_per_unit_on_known_inputs():
+    # wrapped steps 10 ms and 34 ms at 2 and 10 units, plain 2 ms and 10 ms: 2 ms a unit, 4 ms a step
+    unit, step = overheads.per_unit((0.010, 0.034), (0.002, 0.010), units=(2, 10))
+    assert unit == pytest.approx(0.002) and step == pytest.approx(0.004)
+    assert overheads.per_unit((0.001, 0.001), (0.002, 0.002)) == (0.0, 0.0)  # noise never makes them negative
+
+
+def test_measured_overheads_enter_the_step_time_as_written(gpt_adamw):
+    """fsdp: bytes over the link plus the probe's per-step and per-unit machinery; tp: per parallel Linear;
+    a pipeline: per slot; ddp: per step and per gradient tensor. Links with no latency keep the sums exact."""
+    costs = {"fsdp_unit_s": 0.002, "fsdp_step_s": 0.003, "tp_linear_s": 0.001, "tp_step_s": 0.0005,
+             "pipeline_slot_s": 0.004, "ddp_tensor_s": 1e-5, "ddp_step_s": 0.001}
+    link = comm.Link(1e9, 0.0)
+    calib = probe.Calibration("h", "t", 2, {1: 1e9}, {2: link}, {2: link}, {2: costs})
+    here = Target("here", 1, 2, 1e12, link, link, cores_per_node=0, here=True)
+    p = gpt_adamw
+    bytes_ = 4 * p.parameters
+
+    def comm_of(strategy, options=None):
+        lay = predict.layout(strategy, 2, 32, p, options)
+        return lay, predict.step_time(p, lay, 32, here, 2, calib)["communication"]
+
+    _, fsdp = comm_of("fsdp")
+    assert fsdp == pytest.approx(3 * comm.all_gather_s(bytes_, 2, link) + 0.003 + 0.002 * p.units)
+    _, tp = comm_of("tp")
+    blocks = p.units - 1
+    activations = 4 * blocks * comm.all_reduce_s(32 * p.boundary_bytes_per_sample, 2, link)  # one reader
+    assert tp == pytest.approx(activations + 0.0005 + 0.001 * p.tp_linears)
+    lay, pipe = comm_of("pipeline", {"microbatches": 4})
+    micro = 32 / 4 * p.boundary_bytes_per_sample / link.bandwidth
+    assert pipe == pytest.approx((4 + 2 - 1) * (0.004 + 2 * micro))
+    _, ddp = comm_of("ddp")
+    assert ddp == pytest.approx(comm.all_reduce_s(bytes_, 2, link) + 0.001 + 1e-5 * p.tensors)
+
+
+def test_check_measures_cells_and_prints_what_the_json_holds(tmp_path):
+    """A fresh cache: the probes run for real (launched Gloo processes), then bench's cells, then the check."""
+    out = tmp_path / "plan.json"
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    result = torchfleet("plan", "--model", "gpt", "--batch-size", "16", "--strategies", "serial,fsdp",
+                        "--nproc", "2", "--check", "--warmup", "1", "--steps", "3", "--json-out", str(out),
+                        timeout=240, env=env)
+    assert result.returncode == 0, result.stderr
+    assert list((tmp_path / "cache" / "torchfleet").glob("plan-*.json")), "the calibration is cached"
+    doc = json.loads(out.read_text())
+    cal = doc["calibration"]
+    assert cal["links"]["2"]["bandwidth_bytes_s"] > 0 and cal["matmul_flops"]["1"] > 0
+    # the strategies' overheads, measured with the real wrappers in the probe's two processes
+    assert set(cal["overheads"]["2"]) == {"fsdp_unit_s", "fsdp_step_s", "tp_linear_s", "tp_step_s",
+                                          "pipeline_slot_s", "ddp_tensor_s", "ddp_step_s"}
+    assert all(v >= 0 for v in cal["overheads"]["2"].values()) and cal["overheads"]["2"]["fsdp_unit_s"] > 0
+    assert "torchfleet plan: gpt tiny, global batch 16" in result.stdout
+    cells = {(c["strategy"], c["processes"]): c for c in doc["check"]["cells"]}
+    assert set(cells) == {("serial", 1), ("fsdp", 2)}
+    for cell in cells.values():
+        assert cell["status"] == "ok", cell
+        # peak tensor memory: the acceptance bound for memory predictions on a small model
+        assert cell["memory_ratio"] == pytest.approx(1, abs=0.10), cell
+        assert cell["step_ratio"] == pytest.approx(cell["predicted_step_s"] / cell["measured_step_s"])
+        assert cell["fastest_ratio"] == pytest.approx(cell["predicted_step_s"] / cell["measured_fastest_step_s"])
+        assert cell["measured_fastest_step_s"] <= cell["measured_step_s"]
+    summary = doc["check"]["summary"]
+    printed = re.search(r"check: step time: median \|predicted/measured - 1\| = ([\d.]+) over (\d+) cells",
+                        result.stdout)
+    assert printed and float(printed.group(1)) == pytest.approx(summary["step_time"]["median_error"], abs=5e-4)
+    assert int(printed.group(2)) == summary["step_time"]["cells"] == 2
+    printed = re.search(r"check: peak memory: median \|predicted/measured - 1\| = ([\d.]+)", result.stdout)
+    assert printed and float(printed.group(1)) == pytest.approx(summary["peak_memory"]["median_error"], abs=5e-4)
+
+
+@pytest.mark.parametrize("args, said", [
+    (["--gpu", "Z100", "--gpus-per-node", "8"], "GPU 'Z100' is not in torchfleet's table"),
+    (["--nodes", "0", "--gpus-per-node", "8", "--gpu", "H100"], "--nodes 0 must be at least 1"),
+    (["--model", "mlp", "--batch-size", "1000000000000", "--gpu", "T4", "--gpus-per-node", "2"],
+     "a global batch of 1000000000000 fits no strategy on 1 x 2 T4"),
+], ids=["unknown-gpu", "zero-nodes", "batch-fits-nowhere"])
+def test_bad_input_is_one_sentence(args, said):
+    result = forked_torchfleet("plan", *args)
+    assert result.returncode == 2, result.stderr
+    assert said in result.stderr and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
