@@ -18,11 +18,11 @@ import copy
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from interleave import take_turns  # benchmarks/, on the path as the script's folder
 from torch import nn
 
 from torchfleet.models.gpt import gpt, lm_loss
@@ -171,17 +171,8 @@ def torchfleet_way():
 
 
 ways = {"hand": hand(), "torchfleet": torchfleet_way()}
-times: dict[str, list[float]] = {name: [] for name in ways}
-for block in range(args.blocks):
-    for name, (step, _) in ways.items():
-        dist.barrier()  # each block starts with every rank ready
-        tick = time.perf_counter()
-        for _ in range(args.block_steps):
-            step()
-            now = time.perf_counter()
-            if block >= args.warmup_blocks:
-                times[name].append(now - tick)
-            tick = now
+times = take_turns({name: step for name, (step, _) in ways.items()}, args.blocks, args.block_steps,
+                   args.warmup_blocks)
 
 # Compare the weights each rank can see: the hand pipeline's rank holds its stage's, by the model's names.
 mine = ways["hand"][1]()

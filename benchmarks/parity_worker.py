@@ -21,11 +21,11 @@ import copy
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from interleave import take_turns  # benchmarks/, on the path as the script's folder
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -167,18 +167,8 @@ def unsynced(lockstep: bool):
 
 MAKERS = {"hand": hand, "free": lambda: unsynced(False), "lockstep": lambda: unsynced(True), "torchfleet": torchfleet_way, "accelerate": accelerate_way, "fabric": fabric_way}
 ways = {name: MAKERS[name]() for name in args.ways.split(",")}
-times = {name: [] for name in ways}
-for block in range(args.blocks):
-    for name, (step, _) in ways.items():
-        if WORLD > 1:
-            dist.barrier()  # each block starts with every rank ready
-        tick = time.perf_counter()
-        for _ in range(args.block_steps):
-            step()
-            now = time.perf_counter()
-            if block >= args.warmup_blocks:
-                times[name].append(now - tick)
-            tick = now
+times = take_turns({name: step for name, (step, _) in ways.items()}, args.blocks, args.block_steps,
+                   args.warmup_blocks)
 
 if RANK == 0:
     out = Path(args.out)
