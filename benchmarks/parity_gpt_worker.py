@@ -70,37 +70,33 @@ def hand():
     """Returns (step, full weights this rank holds by name)."""
     net = copy.deepcopy(INITIAL)
     it = hand_batches()
+    if args.strategy == "pipeline":
+        return hand_pipeline(net, it)
     if args.strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
         model = DistributedDataParallel(net)
-        optimizer = optimizer_for(net.parameters())
-
-        def step():
-            x, y = next(it)
-            optimizer.zero_grad(set_to_none=True)
-            lm_loss(model(x), y).backward()
-            optimizer.step()
-
-        return step, lambda: net.state_dict()
-    if args.strategy == "fsdp":
+        weights = net.state_dict
+    else:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
         from torch.distributed.fsdp import fully_shard
 
         for block in net.blocks:
             fully_shard(block)
-        fully_shard(net)
-        optimizer = optimizer_for(net.parameters())
+        model = fully_shard(net)
 
-        def step():
-            x, y = next(it)
-            optimizer.zero_grad(set_to_none=True)
-            lm_loss(net(x), y).backward()
-            optimizer.step()
+        def weights():
+            return get_model_state_dict(net, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
-        return step, lambda: get_model_state_dict(net, options=StateDictOptions(full_state_dict=True,
-                                                                                    cpu_offload=True))
-    return hand_pipeline(net, it)
+    optimizer = optimizer_for(net.parameters())
+
+    def step():
+        x, y = next(it)
+        optimizer.zero_grad(set_to_none=True)
+        lm_loss(model(x), y).backward()
+        optimizer.step()
+
+    return step, weights
 
 
 class Half(nn.Module):
