@@ -29,6 +29,7 @@ from torchfleet import netif
 from torchfleet.config import LaunchConfig
 from torchfleet.errors import UsageError
 from torchfleet.launcher import failures, groups, preempt, preflight, rendezvous, torchrun_flags
+from torchfleet.launcher.environ import exported
 
 LOOPBACK = "127.0.0.1"
 MASTER_WAIT = 60.0  # seconds a node waits for node 0's rendezvous to answer
@@ -184,6 +185,9 @@ def _quiet_agent_logs() -> None:
     # below says the same once, so keep its chatter to real agent errors.
     if not os.environ.get("TORCHFLEET_VERBOSE"):
         logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+        # This one has a level of its own: its "Received 15 death signal, shutting down workers" is said
+        # by the launcher's own line after a preemption signal (preempt.report).
+        logging.getLogger("torch.distributed.elastic.agent.server.api").setLevel(logging.ERROR)
 
 
 def worker_env(cfg: LaunchConfig) -> dict[str, str]:
@@ -231,29 +235,23 @@ def _start(cfg: LaunchConfig, entrypoint: Callable | str, args: list,
     chosen = {**worker_env(cfg), **(group.env if group else {})}
     checked = None
     # The workers inherit the agent's environment; `launch` callers get theirs back after.
-    saved = {key: os.environ.get(key) for key in chosen}
-    os.environ.update(chosen)
-    try:
-        if cfg.multi_node and cfg.preflight:
-            checked = check_nodes(cfg)
-            print(f"torchfleet: {checked.sentence(_node(cfg))}", flush=True)
-        if cfg.multi_node:
-            print(exposure(cfg), file=sys.stderr, flush=True)  # once the checks have passed
-        # torchrun's launch_agent builds its agent from this module global: ours for the call (see _Agent).
-        launcher_api.LocalElasticAgent = _Agent
-        return elastic_launch(agent_config(cfg, overrides), entrypoint)(*args)
-    except ChildFailedError as exc:
-        raise LaunchError(failures.summarize(exc)) from None
-    finally:
-        launcher_api.LocalElasticAgent = LocalElasticAgent
-        del checked  # node 0's store served the rendezvous too; now it may close
-        if group is not None and group.server is not None:
-            group.server.shutdown()  # node 0's lighthouse: the job has ended here
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    with exported(chosen):
+        try:
+            if cfg.multi_node and cfg.preflight:
+                checked = check_nodes(cfg)
+                print(f"torchfleet: {checked.sentence(_node(cfg))}", flush=True)
+            if cfg.multi_node:
+                print(exposure(cfg), file=sys.stderr, flush=True)  # once the checks have passed
+            # torchrun's launch_agent builds its agent from this module global: ours for the call (see _Agent).
+            launcher_api.LocalElasticAgent = _Agent
+            return elastic_launch(agent_config(cfg, overrides), entrypoint)(*args)
+        except ChildFailedError as exc:
+            raise LaunchError(failures.summarize(exc)) from None
+        finally:
+            launcher_api.LocalElasticAgent = LocalElasticAgent
+            del checked  # node 0's store served the rendezvous too; now it may close
+            if group is not None and group.server is not None:
+                group.server.shutdown()  # node 0's lighthouse: the job has ended here
 
 
 class _Agent(LocalElasticAgent):

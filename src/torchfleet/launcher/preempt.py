@@ -22,7 +22,6 @@ saved, and the launcher reads it back (`report`).
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import signal
 import sys
@@ -34,6 +33,7 @@ from typing import Any
 
 from torchfleet.errors import UsageError
 from torchfleet.launcher import notices
+from torchfleet.launcher.environ import exported
 from torchfleet.launcher.failures import PREEMPTED_EXIT, record_preempted
 
 NOTE_VARIABLE = "TORCHFLEET_PREEMPT_NOTE"
@@ -181,24 +181,11 @@ def agent_signals(text: str) -> str:
 def noting(signals: str, notice: str) -> Iterator[Path]:
     """For the launcher while its workers run: the file their local rank 0 writes the preemption
     sentence to (NOTE_VARIABLE), and the signals and notice source a script's Fleet listens for, all
-    in the environment the workers inherit; restored after."""
+    in the environment the workers inherit; put back after."""
     with tempfile.TemporaryDirectory(prefix="torchfleet-preempt-") as folder:
         note = Path(folder) / "note"
-        chosen = {NOTE_VARIABLE: str(note), SIGNALS_VARIABLE: signals, NOTICE_VARIABLE: notice}
-        saved = {key: os.environ.get(key) for key in chosen}
-        os.environ.update(chosen)
-        if not os.environ.get("TORCHFLEET_VERBOSE"):
-            # The agent warns "Received 15 death signal, shutting down workers" from a logger with a
-            # level of its own (the launcher quiets its parent); the line `report` prints says it.
-            logging.getLogger("torch.distributed.elastic.agent.server.api").setLevel(logging.ERROR)
-        try:
+        with exported({NOTE_VARIABLE: str(note), SIGNALS_VARIABLE: signals, NOTICE_VARIABLE: notice}):
             yield note
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
 
 
 def report(note: Path, sigval: signal.Signals, why: str) -> int:
