@@ -106,8 +106,8 @@ def _save_and_load(directory: str) -> dict:
     fleet.setup(net, build_optimizer("adamw", net.parameters(), 1e-3))
     batches = list(fleet.dataloader(synthetic(32 * 4, seed=1), 32, seed=1))
     loss_fn = nn.CrossEntropyLoss()
-    for x, y in batches[:2]:
-        fleet.train_step(x, y, loss_fn)
+    # Every process reports the batch's loss (broadcast from the last stage, read after the step).
+    losses = [float(fleet.train_step(x, y, loss_fn)) for x, y in batches[:2]]
     fleet.save(f"{directory}/sharded", step=2)
     fleet.save(f"{directory}/full", sharded=False, step=2)
     saved = full_weights(fleet)
@@ -121,7 +121,7 @@ def _save_and_load(directory: str) -> dict:
             fleet.train_step(x, y, loss_fn)
         resumed.append(full_weights(fleet))
     report = fleet.strategy.pipeline_report()
-    return {"saved": saved, "straight": straight, "resumed": resumed, "report": report}
+    return {"saved": saved, "straight": straight, "resumed": resumed, "report": report, "losses": losses}
 
 
 def _job(directory: str) -> dict:
@@ -151,6 +151,7 @@ def results(tmp_path_factory) -> dict:
     every = launch(_job, nprocs=2, args=(str(directory),))
     found = every[0]
     found["directory"] = directory
+    found["losses"] = [r["checkpoint"]["losses"] for r in every]
     # predict returns the outputs on the process holding the last stage (rank 1 in a loop of 2)
     found["predict"] = next((r["predict"] for r in every if r["predict"] and r["predict"]["full"] is not None),
                             every[0]["predict"])
@@ -234,6 +235,11 @@ def test_replicated_and_sharded_pipelines_with_two_stages_per_process_equal_seri
 
 
 @pytest.mark.timeout(300)
+def test_every_process_returns_the_last_stages_loss(results):
+    first, second = results["losses"]
+    assert first == second and all(loss > 0.1 for loss in first)  # not the zeros a stage starts from
+
+
 def test_checkpoints_with_two_stages_per_process_load_back_and_into_serial(results):
     check = results["checkpoint"]
     for resumed in check["resumed"]:
