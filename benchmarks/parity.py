@@ -28,11 +28,14 @@ shared machine hits every contender alike; every figure is a median.
 3. gpt (`--only gpt`): the built-in gpt (`--preset`, default small50m) under ddp, fsdp
    and a 2-stage pipeline on 2 processes, hand-written against torch (DDP; FSDP2's
    fully_shard per block, then the root; a pipeline cut by hand at the middle block
-   under torch.distributed.pipelining's 1F1B) and through torchfleet, interleaved in
-   blocks of steps in one launch per round (benchmarks/parity_gpt_worker.py). Reports
-   median step times, the median of the per-round ratios, and the largest difference
-   between the two ways' final weights. Target: torchfleet within 1.02x of hand-written,
-   weights within 1e-6. (Accelerate and Fabric are not in this part yet.)
+   under torch.distributed.pipelining's 1F1B), through torchfleet and, under ddp and
+   fsdp, through Accelerate and Fabric (their FSDP2 routes: benchmarks/parity_gpt_peers.py;
+   neither has a pipeline strategy), interleaved in blocks of steps in one launch per
+   round (benchmarks/parity_gpt_worker.py). Reports each way's median step time, the
+   median of the per-round ratios torchfleet / each other way, and the largest
+   difference between each way's final weights and the hand-written way's. A peer that
+   is not installed or fails is left out with one line saying why. Target: torchfleet
+   within 1.02x of hand-written, weights within 1e-6.
 4. Start-up: wall time from the command to the end of the first training step
    of benchmarks/first_step.py under `torchfleet run -n 2` and under
    `torchrun --standalone --nproc-per-node 2`. Target: within 10%.
@@ -42,9 +45,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.metadata
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -57,6 +62,8 @@ WORKER = HERE / "parity_worker.py"
 FIRST_STEP = HERE / "first_step.py"
 GPT_WORKER = HERE / "parity_gpt_worker.py"
 GPT_STRATEGIES = ("ddp", "fsdp", "pipeline")
+GPT_WAYS = ("hand", "torchfleet", "accelerate", "fabric")
+GPT_PEERS = ("accelerate", "fabric")
 WAYS = ("hand", "torchfleet", "accelerate", "fabric")
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 
@@ -74,11 +81,22 @@ def _env() -> dict:
 GLIBC_KEEP = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
 
 
+def _try_run(cmd: list[str], timeout: float = 600, extra_env: dict | None = None) -> str:
+    """Runs cmd; "" if it succeeded, else what it said at the end."""
+    try:
+        done = subprocess.run(cmd, env={**_env(), **(extra_env or {})}, capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return f"timed out after {timeout:.0f} s: {' '.join(cmd)}"
+    if done.returncode == 0:
+        return ""
+    return f"failed ({done.returncode}): {' '.join(cmd)}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+
+
 def _run(cmd: list[str], timeout: float = 600, extra_env: dict | None = None) -> None:
-    done = subprocess.run(cmd, env={**_env(), **(extra_env or {})}, capture_output=True, text=True,
-                          timeout=timeout)
-    if done.returncode != 0:
-        sys.exit(f"failed ({done.returncode}): {' '.join(cmd)}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    error = _try_run(cmd, timeout, extra_env)
+    if error:
+        sys.exit(error)
 
 
 def _job(nproc: int, out: Path, ways: tuple[str, ...], extra_env: dict | None = None,
@@ -116,37 +134,103 @@ def parity(rounds: int, out: Path) -> dict:
             "torchfleet_weights_equal_hand_bit_for_bit": all(equal)}
 
 
+def _gpt_launch(out: Path, strategy: str, preset: str, ways: tuple[str, ...]) -> str:
+    return _try_run([*TORCHRUN, "--nproc-per-node=2", str(GPT_WORKER), f"--out={out}", f"--strategy={strategy}",
+                     f"--preset={preset}", f"--ways={','.join(ways)}"], timeout=1200)
+
+
+def _why(error: str) -> str:
+    """One line of a failed launch: the exception of the rank torchrun names as the root cause, if
+    it raised one (the other ranks' errors are only the echo: a peer that went away), else how it ended."""
+    root = re.search(r"Root Cause.*?rank\s*:\s*(\d+)", error, re.DOTALL)
+    rank = root.group(1) if root else r"\d+"
+    raised = re.findall(rf"^\[rank{rank}\]: [\w.]*(?:Error|Exception)\b.*$", error, re.MULTILINE)
+    ended = re.findall(rf"failed \(exitcode: -?\d+\) local_rank: {rank}\b", error)
+    return (raised or ended or [error.strip().splitlines()[0]])[-1][:200]
+
+
+def _gpt_round(out: Path, strategy: str, preset: str, ways: tuple[str, ...]) -> tuple[dict, dict, dict]:
+    """One launch: (step times per way, peers left out with why, weights.json). A launch that fails
+    with peers in it runs again without each peer in turn, then without all of them; the peer whose
+    absence let it finish is left out, with one line of what went wrong."""
+    error = _gpt_launch(out, strategy, preset, ways)
+    left_out = {}
+    if error and set(ways) & set(GPT_PEERS):
+        why = _why(error)
+        peers = [w for w in ways if w in GPT_PEERS]
+        print(f"  gpt {strategy}: the launch with {', '.join(peers)} failed ({why}); again without each", flush=True)
+        for suspects in [[p] for p in peers] + ([peers] if len(peers) > 1 else []):
+            error = _gpt_launch(out, strategy, preset, tuple(w for w in ways if w not in suspects))
+            if not error:
+                left_out = dict.fromkeys(suspects, f"failed: {why}")
+                print(f"  gpt {strategy}: left out {', '.join(suspects)}", flush=True)
+                break
+    if error:
+        sys.exit(error)
+    steps = json.loads((out / "steps.json").read_text())
+    return steps["step_times"], {**steps["left_out"], **left_out}, json.loads((out / "weights.json").read_text())
+
+
+def _torchfleet_over(medians: dict[str, list[float]]) -> dict[str, list[float]]:
+    """torchfleet / each other way, per round: the ratio of that round's medians, over the rounds both ran."""
+    return {way: [f / t for f, t in zip(medians["torchfleet"], theirs, strict=True) if f and t]
+            for way, theirs in medians.items() if way != "torchfleet" and any(theirs)}
+
+
 def gpt_parity(rounds: int, out: Path, preset: str, strategies: tuple[str, ...] = GPT_STRATEGIES) -> dict:
-    """Per strategy: hand-written and torchfleet step times (medians over rounds of per-round medians), the
-    median per-round ratio, and the weights' largest difference (and how far training moved them)."""
+    """Per strategy and way: step times (medians over rounds of per-round medians), the median per-round
+    ratio torchfleet / that way, and the largest difference of its final weights from the hand-written way's."""
     result = {}
     for strategy in strategies:
-        hand, fleet, diffs, moved = [], [], [], []
+        ways = GPT_WAYS
+        medians: dict[str, list[float]] = {w: [] for w in GPT_WAYS}
+        diffs: dict[str, list[float]] = {w: [] for w in GPT_WAYS if w != "hand"}
+        moved, left_out = [], {}
         for r in range(rounds):
-            _run([*TORCHRUN, "--nproc-per-node=2", str(GPT_WORKER), f"--out={out}", f"--strategy={strategy}",
-                  f"--preset={preset}"], timeout=1200)
-            times = json.loads((out / "steps.json").read_text())["step_times"]
-            weights = json.loads((out / "weights.json").read_text())
-            hand.append(statistics.median(times["hand"]))
-            fleet.append(statistics.median(times["torchfleet"]))
-            diffs.append(weights["max_abs_difference"])
+            times, gone, weights = _gpt_round(out, strategy, preset, ways)
+            for way, why in gone.items():
+                if way not in left_out:
+                    print(f"  gpt {strategy}: {way} left out: {why}", flush=True)
+            left_out.update(gone)
+            ways = tuple(w for w in ways if w not in gone)  # a peer that failed once sits out the other rounds
+            for way in GPT_WAYS:  # 0: not run this round, so per-round lists stay aligned
+                medians[way].append(statistics.median(times[way]) if way in times else 0.0)
+            for way, d in weights["max_abs_difference"].items():
+                diffs[way].append(d)
             moved.append(weights["moved"])
-            print(f"  gpt {strategy} round {r + 1}/{rounds}: hand {hand[-1] * 1e3:.1f} ms, torchfleet"
-                  f" {fleet[-1] * 1e3:.1f} ms, weights differ by {diffs[-1]:.1e}", flush=True)
+            print(f"  gpt {strategy} round {r + 1}/{rounds}: " + ", ".join(
+                f"{w} {medians[w][-1] * 1e3:.1f} ms" for w in times) + "; weights differ from hand by " + ", ".join(
+                f"{w} {d:.1e}" for w, d in weights["max_abs_difference"].items()), flush=True)
+        ran = {w: [m for m in medians[w] if m] for w in GPT_WAYS}
+        per_round = _torchfleet_over(medians)
         result[strategy] = {
-            "hand_step_s": statistics.median(hand), "torchfleet_step_s": statistics.median(fleet),
-            "ratio_to_hand": statistics.median(f / h for f, h in zip(fleet, hand, strict=True)),
-            "per_round": {"hand": hand, "torchfleet": fleet},
-            "max_weight_difference": max(diffs), "weights_moved_by_training": min(moved)}
+            "step_s": {w: statistics.median(m) for w, m in ran.items() if m},
+            "per_round_step_s": ran,
+            "torchfleet_over": {w: statistics.median(r) for w, r in per_round.items()},
+            "torchfleet_over_per_round": per_round,
+            "max_weight_difference": {w: max(d) for w, d in diffs.items() if d},
+            "weights_moved_by_training": min(moved), "left_out": left_out}
     return result
 
 
-def print_gpt(result: dict, preset: str) -> None:
-    print(f"gpt {preset}, 2 processes, gloo: median step time, torchfleet / hand-written, weights")
+def print_gpt(result: dict, preset: str, versions: dict) -> None:
+    print(f"gpt {preset}, 2 processes, gloo (torch {versions['torch']}, accelerate {versions['accelerate']},"
+          f" lightning {versions['lightning']}): median step time; torchfleet / each way (median of per-round"
+          " ratios); largest difference of the final weights from hand-written")
     for strategy, f in result.items():
-        print(f"  {strategy:<9} hand {f['hand_step_s'] * 1e3:8.1f} ms   torchfleet {f['torchfleet_step_s'] * 1e3:8.1f} ms"
-              f"   x{f['ratio_to_hand']:.3f}   weights within {f['max_weight_difference']:.1e}"
-              f" (training moved them {f['weights_moved_by_training']:.1e})")
+        print(f"  {strategy}")
+        for way in GPT_WAYS:
+            if way not in f["step_s"]:
+                print(f"    {way:<11} {'—':>9}   {f['left_out'].get(way, 'not run')}")
+                continue
+            ratio, rounds = "", ""
+            if way in f["torchfleet_over"]:
+                ratio = f"torchfleet / {way} x{f['torchfleet_over'][way]:.3f}"
+                rounds = "per round " + " ".join(f"{r:.2f}" for r in f["torchfleet_over_per_round"][way])
+            weights = (f"weights within {f['max_weight_difference'][way]:.1e}" if way in f["max_weight_difference"]
+                       else "(the reference)" if way == "hand" else "")
+            print(f"    {way:<11} {f['step_s'][way] * 1e3:6.1f} ms   {ratio:<30} {weights:<22} {rounds}".rstrip())
+        print(f"    (training moved the weights by up to {f['weights_moved_by_training']:.1e})")
 
 
 # id: (what the table calls it, the worker's way, the environment it runs in)
@@ -218,12 +302,20 @@ def startup(rounds: int) -> dict:
             "seconds": seconds, "ratio": statistics.median(x / y for x, y in zip(a, b, strict=True))}
 
 
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def machine() -> dict:
     import torch
 
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "cpu_cores": len(os.sched_getaffinity(0)), "cpu": platform.processor() or platform.machine(),
             "torch": torch.__version__, "python": platform.python_version(),
+            "accelerate": _version("accelerate"), "lightning": _version("lightning"),
             "load_average_at_start": os.getloadavg()}
 
 
@@ -262,7 +354,7 @@ def _counts(text: str) -> list[int]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default="runs/parity")
     parser.add_argument("--only", choices=("parity", "scaling", "startup", "gpt"), default=None)
@@ -296,7 +388,7 @@ def main() -> int:
     elif args.only == "scaling":
         print_scaling(doc["scaling"])
     elif args.only == "gpt":
-        print_gpt(doc["gpt"], args.preset)
+        print_gpt(doc["gpt"], args.preset, doc["machine"])
     else:
         print(json.dumps(doc[args.only], indent=2))
     return 0

@@ -1,16 +1,21 @@
-"""The built-in gpt trained two ways under one strategy, interleaved in one set of processes.
+"""The built-in gpt trained up to four ways under one strategy, interleaved in one set of processes.
 
     torchrun --standalone --nproc-per-node 2 benchmarks/parity_gpt_worker.py --strategy fsdp --out DIR \
-        [--preset small50m] [--global-batch 16] [--blocks 12] [--block-steps 4]
+        [--ways hand,torchfleet,accelerate,fabric] [--preset small50m] [--global-batch 16] [--blocks 12] \
+        [--block-steps 4]
 
 The ways: hand (the strategy written directly against torch: DistributedDataParallel;
 FSDP2's fully_shard on each block, then the root; a pipeline of two stages cut by hand
-at the middle block, run by torch.distributed.pipelining's 1F1B schedule) and torchfleet
-(Fleet(strategy) on the same model). Both start from the same weights, read the same
-global batches (token sequences, the next token as the target) and step AdamW; they take
-turns in blocks of steps (A B A B ...), so a busy machine's drift hits both alike. Rank 0
-writes DIR/steps.json (step times per way, warm-up blocks left out) and DIR/weights.json
-(the largest difference between the two ways' final weights, and how many were compared).
+at the middle block, run by torch.distributed.pipelining's 1F1B schedule), torchfleet
+(Fleet(strategy) on the same model), and, under ddp and fsdp, Hugging Face Accelerate and
+Lightning Fabric (benchmarks/parity_gpt_peers.py says which of their APIs; neither has a
+pipeline strategy). All start from the same weights, read the same global batches (token
+sequences, the next token as the target) and step AdamW; they take turns in blocks of steps
+(A B C D A B C D ...), so a busy machine's drift hits all alike. A peer that is not installed
+or fails to set up is left out on every rank, with one line saying why. Rank 0 writes
+DIR/steps.json (step times per way, warm-up blocks left out, and the peers left out) and
+DIR/weights.json (per way, the largest difference between its final weights and the
+hand-written way's, and how many were compared).
 """
 
 import argparse
@@ -23,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from interleave import take_turns  # benchmarks/, on the path as the script's folder
+from parity_gpt_peers import PEERS, full_weights, largest_difference, make
 from torch import nn
 
 from torchfleet.models.gpt import gpt, lm_loss
@@ -30,6 +36,8 @@ from torchfleet.models.gpt import gpt, lm_loss
 parser = argparse.ArgumentParser()
 parser.add_argument("--out", required=True)
 parser.add_argument("--strategy", choices=("ddp", "fsdp", "pipeline"), required=True)
+parser.add_argument("--ways", default="hand,torchfleet,accelerate,fabric",
+                    help="hand and torchfleet always run; accelerate and fabric under ddp and fsdp")
 parser.add_argument("--preset", default="small50m")
 parser.add_argument("--global-batch", type=int, default=16)
 parser.add_argument("--microbatches", type=int, default=4, help="pipeline: micro-batches per step")
@@ -78,15 +86,15 @@ def hand():
         model = DistributedDataParallel(net)
         weights = net.state_dict
     else:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
         from torch.distributed.fsdp import fully_shard
 
         for block in net.blocks:
             fully_shard(block)
-        model = fully_shard(net)
+        fully_shard(net)  # in place: net's own forward, now over shards
+        model = net
 
         def weights():
-            return get_model_state_dict(net, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            return full_weights(net)
 
     optimizer = optimizer_for(net.parameters())
 
@@ -166,27 +174,48 @@ def torchfleet_way():
     return step, lambda: fleet.strategy.state_dicts()[0]
 
 
+def peers() -> tuple[dict, dict[str, str]]:
+    """The peers asked for, each (step, weights), and those left out with why."""
+    asked = [w for w in args.ways.split(",") if w in PEERS]
+    if args.strategy == "pipeline":
+        return {}, dict.fromkeys(asked, "no pipeline strategy")
+    made, left_out = {}, {}
+    for name in asked:
+        way, why = make(name, args.strategy, copy.deepcopy(INITIAL), optimizer_for, hand_batches())
+        if way is None:
+            left_out[name] = why
+            if RANK == 0:
+                print(f"parity_gpt_worker: {name} left out under {args.strategy}: {why}", flush=True)
+        else:
+            made[name] = way
+    return made, left_out
+
+
 ways = {"hand": hand(), "torchfleet": torchfleet_way()}
+made, left_out = peers()
+ways.update(made)
 times = take_turns({name: step for name, (step, _) in ways.items()}, args.blocks, args.block_steps,
                    args.warmup_blocks)
 
 # Compare the weights each rank can see: the hand pipeline's rank holds its stage's, by the model's names.
 mine = ways["hand"][1]()
-theirs = ways["torchfleet"][1]()  # the full state dict (every rank, or rank 0: see state_dicts)
+# The others' full state dicts (every rank, or rank 0); in the same order on every rank, as these are collectives.
+theirs = {name: weights() for name, (_, weights) in ways.items() if name != "hand"}
 gathered: list = [None] * WORLD
 dist.all_gather_object(gathered, {n: t.detach().cpu() for n, t in mine.items()})
 if RANK == 0:
     hand_weights = {n: t for part in gathered for n, t in part.items()}
-    common = [n for n in hand_weights if n in theirs]
-    worst = max((hand_weights[n].float() - theirs[n].float().cpu()).abs().max().item() for n in common)
-    start = INITIAL.state_dict()  # how far training moved them: equal weights that never moved prove nothing
-    moved = max((start[n] - theirs[n].float().cpu()).abs().max().item() for n in common)
+    differences = {name: largest_difference(hand_weights, w) for name, w in theirs.items()}
+    # How far training moved them: equal weights that never moved prove nothing.
+    moved, _ = largest_difference(INITIAL.state_dict(), hand_weights)
     out = Path(args.out)
     (out / "steps.json").write_text(json.dumps({"strategy": args.strategy, "world_size": WORLD,
                                                 "global_batch": args.global_batch, "preset": args.preset,
-                                                "step_times": times}))
-    (out / "weights.json").write_text(json.dumps({"max_abs_difference": worst, "moved": moved, "compared": len(common),
-                                                  "hand": len(hand_weights), "torchfleet": len(theirs)}))
+                                                "step_times": times, "left_out": left_out}))
+    (out / "weights.json").write_text(json.dumps({
+        "max_abs_difference": {name: d for name, (d, _) in differences.items()},
+        "compared": {name: n for name, (_, n) in differences.items()},
+        "hand": len(hand_weights), "moved": moved}))
 dist.barrier()
 sys.stdout.flush()
 os._exit(0)  # as parity_worker.py: no Gloo teardown after the figures are written
