@@ -11,7 +11,7 @@ inside its stages' forward and backward (Pipeline.pipeline_report, timed by
 strategies/stages.TimedStage); its bubble is 1 - busy / step time, averaged
 over the processes. The formula is strategies/schedules.bubble_formula:
 (p-1)/(m+p-1) for gpipe and 1f1b, (p-1)/(v*m+p-1) for v stages per process,
-0 for zero bubble. All schedules of one process count run in one set of
+a third of it or none for zero bubble. All schedules of one process count run in one set of
 processes, interleaved step by step over several rounds, so drift on a
 shared machine hits them alike; medians are reported.
 """

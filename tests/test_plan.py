@@ -9,8 +9,9 @@ import re
 import pytest
 
 from conftest import forked_torchfleet, torchfleet
-from torchfleet.plan import comm, overheads, predict, probe, profile
+from torchfleet.plan import comm, contention, overheads, pipelines, predict, probe, profile
 from torchfleet.plan.hardware import Target
+from torchfleet.strategies.schedules import available
 
 GPT_TINY = {"model": "gpt", "gpt_preset": "tiny", "image_size": 224, "seed": 0, "block_size": 64}
 
@@ -50,6 +51,47 @@ def test_pipeline_bubble_is_p_minus_1_over_m_plus_p_minus_1(gpt_adamw):
     lay = predict.layout("pipeline", 4, 32, gpt_adamw, {"microbatches": 8})
     times = predict.step_time(gpt_adamw, lay, 32, target, 1, None)
     assert times["bubble"] / times["compute"] == pytest.approx(3 / (8 + 3), rel=0.01)
+
+
+# p = 4 processes, m = 8 micro-batches, v = 2 stages per process where the schedule takes several
+@pytest.mark.parametrize("schedule, v, bubble", [
+    ("gpipe", None, 3 / (8 + 3)),
+    ("1f1b", None, 3 / (8 + 3)),
+    ("interleaved-1f1b", 2, 3 / (2 * 8 + 3)),
+    ("looped-bfs", 2, 3 / (2 * 8 + 3)),
+    ("interleaved-zb", 2, 3 / (3 * 2 * 8 + 3)),  # ZB-H1: a third of 1F1B's fill and drain (Qi et al.)
+    ("zbv", 2, 0.0),
+])
+def test_each_schedule_has_its_bubble(gpt_adamw, schedule, v, bubble):
+    assert pipelines.bubble_fraction(schedule, 4, 8, v or 1) == pytest.approx(bubble, abs=1e-12)
+    if schedule not in available():
+        return  # an older torch cannot run it (zbv before 2.14), and the plan refuses it as the pipelines do
+    target = Target("t", 1, 4, 1e12, comm.Link(1e12), comm.Link(1e12), rate=1e12)
+    options = {"microbatches": 8, "schedule": schedule} | ({"stages_per_process": v} if v else {})
+    lay = predict.layout("pipeline", 4, 32, gpt_adamw, options)
+    assert (lay.schedule, lay.stages_per_process) == (schedule, v or 1)
+    times = predict.step_time(gpt_adamw, lay, 32, target, 1, None)
+    assert times["bubble"] / times["compute"] == pytest.approx(bubble, abs=1e-9)
+
+
+def test_schedules_order_their_bubbles_and_activations(gpt_adamw):
+    fraction = {s: pipelines.bubble_fraction(s, 4, 8, 2) for s in ("1f1b", "interleaved-1f1b", "interleaved-zb", "zbv")}
+    assert fraction["zbv"] < fraction["interleaved-zb"] < fraction["interleaved-1f1b"] < fraction["1f1b"]
+    assert pipelines.bubble_fraction("interleaved-1f1b", 4, 8, 4) < fraction["interleaved-1f1b"]  # more stages, less
+
+    def activations(schedule, v=None):
+        options = {"microbatches": 8, "schedule": schedule} | ({"stages_per_process": v} if v else {})
+        return predict.memory(gpt_adamw, predict.layout("pipeline", 4, 32, gpt_adamw, options), 32)["activations"]
+
+    per_micro = 4 * gpt_adamw.activation_per_sample  # a micro-batch of 4 samples through the whole model
+    rest = activations("1f1b") - per_micro * 4 / 4  # what no schedule changes: the hand-overs, the fixed part
+    assert rest > 0
+    # 1f1b holds the 4 micro-batches in flight on a stage's quarter of the layers, gpipe all 8
+    assert activations("gpipe") == pytest.approx(rest + per_micro * 8 / 4)
+    # interleaving holds (1 + (p-1)/(p v)) times 1F1B's (Korthikanti et al.)
+    assert activations("interleaved-1f1b", 2) == pytest.approx(rest + per_micro * (1 + 3 / 8))
+    if "zbv" in available():
+        assert activations("zbv", 2) == pytest.approx(activations("1f1b"))
 
 
 def test_a_described_cluster_plans_every_preset_and_recommends_one(tmp_path):
@@ -101,6 +143,37 @@ def test_measured_overheads_enter_the_step_time_as_written(gpt_adamw):
     assert ddp == pytest.approx(comm.all_reduce_s(bytes_, 2, link) + 0.001 + 1e-5 * p.tensors)
 
 
+def test_four_processes_use_the_2x2_figures_and_the_measured_slowdown(gpt_adamw):
+    """Degrees of 2 among 4 processes take the 2 x 2 mesh's overheads (hsdp its own); the compute is the
+    profile's step times the probed slowdown of 4 processes at once; the optimizer step is paid once."""
+    p = gpt_adamw
+    whole = {"fsdp_unit_s": 0.02, "fsdp_step_s": 0.0, "tp_linear_s": 0.008, "tp_step_s": 0.0, "ddp_tensor_s": 1e-4,
+             "ddp_step_s": 0.003, "pipeline_slot_s": 0.005}
+    pairs = {overheads.PAIRS + k: v / 2 for k, v in whole.items()} | {"hsdp_unit_s": 0.009, "hsdp_step_s": 0.001}
+    link = comm.Link(1e12, 0.0)
+    calib = probe.Calibration("h", "t", 2, {1: 1e9}, {4: link}, {4: link}, {4: whole | pairs})
+    here = Target("here", 1, 4, 1e12, link, link, cores_per_node=0, here=True)
+
+    def times(strategy):
+        lay = predict.layout(strategy, 4, 32, p)
+        return predict.step_time(p, lay, 32, here, 2, calib)
+
+    units, linears = p.units, p.tp_linears
+    # fsdp over all 4: the whole mesh's figure; hsdp: its own; fsdp+tp: fsdp and tp each over pairs
+    assert times("fsdp")["communication"] == pytest.approx(0.02 * units, rel=1e-3)
+    assert times("hsdp")["communication"] == pytest.approx(0.001 + 0.009 * units, rel=1e-3)
+    assert times("fsdp+tp")["communication"] == pytest.approx(0.01 * units + 0.004 * linears, rel=1e-3)
+    serial_like = p.step_fit(1).at(32 / 4)
+    assert times("ddp")["compute"] == pytest.approx(2 * serial_like)  # 4 processes on 2 cores take turns
+    calib.slowdowns[contention.key(p.workload, 32, 4)] = {4: 3.0}
+    assert times("ddp")["compute"] == pytest.approx(3 * serial_like)  # measured: cores and bandwidth shared
+    # mp runs the forward and backward once per micro-batch, the optimizer's step once
+    fit, opt = p.step_fit(2), p.optimizer_time(2, 0.0)
+    mp = predict.step_time(p, predict.layout("mp", 1, 32, p), 32, here, 2, calib)["compute"]
+    assert opt > 0 and mp == pytest.approx(4 * (fit.fixed_s - min(opt, fit.fixed_s)) + fit.per_sample_s * 32
+                                          + min(opt, fit.fixed_s))
+
+
 def test_check_measures_cells_and_prints_what_the_json_holds(tmp_path):
     """A fresh cache: the probes run for real (launched Gloo processes), then bench's cells, then the check."""
     out = tmp_path / "plan.json"
@@ -141,7 +214,9 @@ def test_check_measures_cells_and_prints_what_the_json_holds(tmp_path):
     (["--nodes", "0", "--gpus-per-node", "8", "--gpu", "H100"], "--nodes 0 must be at least 1"),
     (["--model", "mlp", "--batch-size", "1000000000000", "--gpu", "T4", "--gpus-per-node", "2"],
      "a global batch of 1000000000000 fits no strategy on 1 x 2 T4"),
-], ids=["unknown-gpu", "zero-nodes", "batch-fits-nowhere"])
+    (["--gpu", "H100", "--gpus-per-node", "4", "--schedule", "zbv", "--stages-per-process", "3"],
+     "schedule zbv places exactly 2 stages on each process"),
+], ids=["unknown-gpu", "zero-nodes", "batch-fits-nowhere", "bad-schedule"])
 def test_bad_input_is_one_sentence(args, said):
     result = forked_torchfleet("plan", *args)
     assert result.returncode == 2, result.stderr

@@ -261,6 +261,8 @@ def test_stage_placement_loops_or_makes_a_v():
     assert local_stages("zbv", 4, 2, 1) == [1, 6] and local_stages("looped-bfs", 4, 2, 1) == [1, 5]
     assert bubble_formula("1f1b", 4, 1, 8) == pytest.approx(3 / 11)
     assert bubble_formula("interleaved-1f1b", 4, 2, 8) == pytest.approx(3 / 19)
+    assert bubble_formula("interleaved-zb", 4, 2, 8) == pytest.approx(1 / 17)  # (p-1)/3 idle of 16 busy slots
+    assert bubble_formula("zbv", 4, 2, 8) == 0.0
 
 
 REFUSALS = [

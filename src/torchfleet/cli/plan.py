@@ -28,6 +28,13 @@ def add_parser(sub) -> None:
     p.add_argument("--strategies", type=_list(str, "strategies"), default=None, help="comma-separated (default: all)")
     p.add_argument("--nproc", type=_list(int, "process counts"), default=None,
                    help="process counts (default 1,2,4 here; powers of two up to the devices of a cluster)")
+    p.add_argument("--schedule", default=None,
+                   help="the pipelines' schedule: gpipe, 1f1b, interleaved-1f1b, looped-bfs, interleaved-zb or zbv"
+                   " (default 1f1b, or interleaved-1f1b with --stages-per-process 2 or more), as train and bench"
+                   " take it")
+    p.add_argument("--stages-per-process", type=int, default=None,
+                   help="the pipelines' stages per process (default 1; 2 or more for interleaved-1f1b, looped-bfs"
+                   " and interleaved-zb, exactly 2 for zbv)")
     c = p.add_argument_group("a described cluster (instead of this machine)")
     c.add_argument("--nodes", type=int, default=None, help="machines")
     c.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per machine, a process each")
@@ -67,7 +74,7 @@ def command(args) -> int:
                      cpus_per_node=args.cpus_per_node, gpu=args.gpu, tflops=args.tflops, memory_gb=args.memory_gb,
                      mfu=args.mfu, link_gbit=args.link, intra_gbit=args.intra_link, reprobe=args.reprobe,
                      json_out=args.json_out, chart=args.chart, check=args.check, warmup=args.warmup,
-                     steps=args.steps)
+                     steps=args.steps, schedule=args.schedule, stages_per_process=args.stages_per_process)
     for path, what in ((cfg.json_out, "--json-out"), (cfg.chart, "--chart")):
         if path:
             check_writable_file(path, what)

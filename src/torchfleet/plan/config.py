@@ -39,6 +39,8 @@ class PlanConfig:
     steps: int = 5
     cell_timeout_s: float = 300.0
     seed: int = 0
+    schedule: str | None = None  # the pipelines' (strategies/schedules.py); None: their default
+    stages_per_process: int | None = None
 
     @property
     def described(self) -> bool:
@@ -70,6 +72,10 @@ class PlanConfig:
         if self.check and self.described:
             raise UsageError("--check runs bench here, so it checks plans for this machine only; leave out"
                              " --nodes, --gpus-per-node and --cpus-per-node")
+        if self.schedule is not None or self.stages_per_process is not None:
+            from torchfleet.strategies.schedules import check_schedule
+
+            check_schedule(self.schedule, 2, self.stages_per_process)  # a bad pair is one sentence, as in bench
         at_least("--steps", self.steps, 2)
         at_least("--warmup", self.warmup, 0)
         for flag, value in (("--link", self.link_gbit), ("--intra-link", self.intra_gbit),

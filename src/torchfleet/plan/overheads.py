@@ -25,6 +25,13 @@ columns, one by rows: gpt.tp_plan's split), so per parallel Linear is half the
 unit's; for ddp the per-step figure is the reducer's cost (its gradients fit
 one bucket at any U here), and its per-unit figure, over the unit's 4
 parameter tensors, the reducer's cost per tensor (a hook and a copy each).
+
+Among 4 processes the strategies that combine two degrees of 2 (hsdp, fsdp+tp,
+ddp+pipeline, fsdp+pipeline) run each collective over a pair, two pairs at a
+time: the figures are measured once more on a 2 x 2 mesh (fsdp, tp and ddp over
+its inner pairs, a 1F1B pipeline of 2 per pair, and hsdp over both dimensions),
+which a ring over all 4, waiting on twice as many processes taking turns on the
+cores, overstates (about 2x here).
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ WIDTH = 64
 BATCH = 8
 REPEATS = 7
 TENSORS_PER_UNIT = 4  # two weights, two biases
+PAIRS = "mesh2x2_"  # the figures among 4 processes with each collective over groups of 2
 
 
 def per_unit(wrapped: tuple[float, float], plain: tuple[float, float], units: tuple[int, int] = UNITS
@@ -71,9 +79,47 @@ def _training_step(model):
 
 def measure() -> dict[str, float]:
     """In every process of an initialised Gloo group: fsdp's per-unit and per-step overhead, tp's per parallel
-    Linear, ddp's per step and per gradient tensor, the pipeline's per slot (the same figures on every rank)."""
+    Linear, ddp's per step and per gradient tensor, the pipeline's per slot (the same figures on every rank).
+
+    Among 4 processes the same figures again with each wrapper's collectives over groups of 2 (a 2 x 2 mesh,
+    as hsdp, fsdp+tp and the pipelines with ddp or fsdp run on 4), keyed PAIRS + name, and hsdp's own
+    (replicated over one dimension, sharded over the other)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    meshes = {"": init_device_mesh("cpu", (world,))}
+    if world == 4:
+        meshes[PAIRS] = init_device_mesh("cpu", (2, 2), mesh_dim_names=("outer", "inner"))
+    steps = {}
+    for units in UNITS:
+        steps["plain", units] = _training_step(_model(units))
+        for prefix, mesh in meshes.items():
+            for name, model in _wrapped(units, mesh, prefix).items():
+                steps[name, units] = _training_step(model)
+    times = _interleaved(steps)
+
+    def wrapper(name: str) -> tuple[float, float]:
+        return per_unit((times[name, UNITS[0]], times[name, UNITS[1]]),
+                        (times["plain", UNITS[0]], times["plain", UNITS[1]]))
+
+    out = {}
+    for prefix in meshes:
+        (fsdp_unit, fsdp_step), (tp_unit, tp_step), (ddp_unit, ddp_step) = (
+            wrapper(prefix + "fsdp"), wrapper(prefix + "tp"), wrapper(prefix + "ddp"))
+        out |= {prefix + "fsdp_unit_s": fsdp_unit, prefix + "fsdp_step_s": fsdp_step, prefix + "tp_linear_s": tp_unit / 2,
+                prefix + "tp_step_s": tp_step, prefix + "ddp_tensor_s": ddp_unit / TENSORS_PER_UNIT,
+                prefix + "ddp_step_s": ddp_step}
+    if PAIRS in meshes:
+        out["hsdp_unit_s"], out["hsdp_step_s"] = wrapper("hsdp")
+    out["pipeline_slot_s"] = pipeline_slot()
+    if PAIRS in meshes:
+        out[PAIRS + "pipeline_slot_s"] = pipeline_slot(mesh=meshes[PAIRS])
+    return out
+
+
+def _wrapped(units: int, mesh, prefix: str) -> dict:
+    """The probe model under fsdp, tp and ddp over `mesh`'s innermost dimension (and hsdp over a 2-D mesh)."""
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
@@ -83,30 +129,23 @@ def measure() -> dict[str, float]:
 
     from torchfleet.strategies.parallelize import apply_fsdp
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    steps = {}
-    for units in UNITS:
-        sharded, split = _model(units), _model(units)
-        apply_fsdp(sharded, mesh)
-        parallelize_module(split, mesh, {f"{i}.{j}": style for i in range(units)
-                                         for j, style in ((0, ColwiseParallel()), (2, RowwiseParallel()))})
-        for name, model in (("plain", _model(units)), ("fsdp", sharded), ("tp", split),
-                            ("ddp", DistributedDataParallel(_model(units)))):
-            steps[name, units] = _training_step(model)
-    times = _interleaved(steps)
-
-    def wrapper(name: str) -> tuple[float, float]:
-        return per_unit((times[name, UNITS[0]], times[name, UNITS[1]]),
-                        (times["plain", UNITS[0]], times["plain", UNITS[1]]))
-
-    (fsdp_unit, fsdp_step), (tp_unit, tp_step), (ddp_unit, ddp_step) = wrapper("fsdp"), wrapper("tp"), wrapper("ddp")
-    return {"pipeline_slot_s": pipeline_slot(), "fsdp_unit_s": fsdp_unit, "fsdp_step_s": fsdp_step,
-            "tp_linear_s": tp_unit / 2, "tp_step_s": tp_step, "ddp_tensor_s": ddp_unit / TENSORS_PER_UNIT,
-            "ddp_step_s": ddp_step}
+    inner = mesh["inner"] if mesh.ndim == 2 else mesh
+    sharded, split = _model(units), _model(units)
+    apply_fsdp(sharded, inner)
+    parallelize_module(split, inner, {f"{i}.{j}": style for i in range(units)
+                                      for j, style in ((0, ColwiseParallel()), (2, RowwiseParallel()))})
+    models = {prefix + "fsdp": sharded, prefix + "tp": split,
+              prefix + "ddp": DistributedDataParallel(_model(units), process_group=inner.get_group())}
+    if mesh.ndim == 2:
+        hybrid = _model(units)
+        apply_fsdp(hybrid, mesh)
+        models["hsdp"] = hybrid
+    return models
 
 
-def pipeline_slot(microbatches: tuple[int, int] = (4, 12), micro: int = 2) -> float:
-    """Seconds a 1F1B pipeline over every process adds per micro-batch beyond its stage's arithmetic.
+def pipeline_slot(microbatches: tuple[int, int] = (4, 12), micro: int = 2, mesh=None) -> float:
+    """Seconds a 1F1B pipeline over every process (over `mesh`'s inner dimension: pipelines of 2 side by
+    side) adds per micro-batch beyond its stage's arithmetic.
 
     Each process holds one unit of the probe model as its stage; a micro-batch more adds one slot (a
     forward and a backward of a stage, with their sends and receives and the schedule's own work) to
@@ -117,13 +156,15 @@ def pipeline_slot(microbatches: tuple[int, int] = (4, 12), micro: int = 2) -> fl
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-    rank, world = dist.get_rank(), dist.get_world_size()
+    group = mesh["inner"].get_group() if mesh is not None else None
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
     loss_fn = torch.nn.functional.mse_loss
     steps = {}
     for m in microbatches:
         unit = _model(1)[0]  # a stage of its own for each schedule
         optimizer = torch.optim.SGD(unit.parameters(), lr=1e-3, momentum=0.9)
-        schedule = Schedule1F1B(PipelineStage(unit, rank, world, torch.device("cpu")), m, loss_fn=loss_fn)
+        stage = PipelineStage(unit, rank, world, torch.device("cpu"), group=group)
+        schedule = Schedule1F1B(stage, m, loss_fn=loss_fn)
         data, target = torch.randn(m * micro, WIDTH), torch.randn(m * micro, WIDTH)
 
         def step(schedule=schedule, optimizer=optimizer, data=data, target=target):

@@ -15,17 +15,21 @@ sharded over s:
     gradients, 4 P_rank); fsdp's gathered unit in backward, its parameters and
     its unsharded gradients before their reduce-scatter: 2 x 4 x the largest unit
     activations: the profile's measured line at the rank's batch (a pipeline
-    stage holds 1/p of the layers, for the micro-batches in flight: all m
-    under GPipe, p under 1F1B)
+    stage holds its share of the layers for the micro-batches in flight, per
+    schedule: pipelines.py)
 The step's peak is the larger of its two phases: forward-and-backward
 (activations) and the optimizer step (gradients and its temporaries).
 
 Step time = compute + the communication not hidden behind it:
     compute: the profile's measured `fixed + per_sample x batch` at the threads
-    each process gets, times the processes per core where they outnumber the
-    cores (they take turns); or FLOPs / the device's rate on a described GPU.
-    A pipeline runs (m + p - 1) slots of one micro-batch on one stage, m of
-    them useful: the bubble is (p - 1) / (m + p - 1) of the step.
+    each process gets, times how much slower the same step runs in every
+    process at once than alone (this machine's contention probe, contention.py;
+    the processes per core where it is not measured); or FLOPs / the device's
+    rate on a described GPU. The optimizer's step (timed alone) is paid once a
+    step; the rest of `fixed` once per micro-batch (mp, the pipelines).
+    A pipeline runs the busy and idle slots of its schedule (pipelines.py:
+    (p - 1) / (m + p - 1) of the step idle under GPipe and 1F1B, less with
+    several stages per process or zero bubble).
     ddp: the bucketed all-reduce overlaps backward where a core or a device is
     free for it, all but the last bucket; fsdp's all-gathers (forward and
     backward) and reduce-scatter overlap compute the same way (prefetch);
@@ -43,6 +47,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from torchfleet.plan import contention, pipelines
 from torchfleet.plan.comm import (
     Link,
     all_gather_s,
@@ -52,13 +57,14 @@ from torchfleet.plan.comm import (
     send_s,
 )
 from torchfleet.plan.hardware import Target
+from torchfleet.plan.overheads import PAIRS
 from torchfleet.plan.probe import Calibration
 from torchfleet.plan.profile import Profile
 
 DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's bucket_cap_mb default
 BACKWARD_SHARE = 2 / 3  # backward is about twice forward's FLOPs
 MP_MICROBATCHES = 4  # strategies/mp.py's default
-OPTIMIZER_SHARE = 0.2  # of a step's fixed cost, the optimizer's (paid once, however many micro-batches)
+OPTIMIZER_SHARE = 0.2  # of a step's fixed cost, the optimizer's, where a profile has no measured figure
 
 
 @dataclass(frozen=True)
@@ -71,6 +77,7 @@ class Layout:
     tp: int = 1
     microbatches: int = 1
     schedule: str = "1f1b"
+    stages_per_process: int = 1  # v: the model cut into pp x v stages (the looped and V schedules)
     sync_every: int = 1  # diloco and localsgd: steps between meetings
 
     @property
@@ -84,6 +91,8 @@ class Layout:
         text = " x ".join(parts)
         if self.pp > 1 or self.strategy == "mp":
             text += f" m{self.microbatches}"
+        if self.pp > 1 and self.schedule != "1f1b":
+            text += f" {self.schedule}" + (f" v{self.stages_per_process}" if self.stages_per_process > 1 else "")
         return text.strip() or "-"
 
 
@@ -118,24 +127,20 @@ def layout(strategy: str, processes: int, batch: int, profile: Profile, options:
     dims = resolve_dims(strategy, processes, options=options)
     if dims is None:
         return Layout(strategy, 1)
-    lay = Layout(strategy, processes, dims.dp_replicate, dims.dp_shard, dims.pp, dims.tp,
-                 schedule=options.get("schedule") or "1f1b")
+    lay = Layout(strategy, processes, dims.dp_replicate, dims.dp_shard, dims.pp, dims.tp)
     if dims.pp > 1:
+        from torchfleet.strategies.schedules import default_schedule, microbatch_problem
+        from torchfleet.strategies.stages import default_microbatches
+
+        schedule = options.get("schedule") or default_schedule(options.get("stages_per_process"))
+        per = pipelines.stages_per_process(schedule, options.get("stages_per_process"))
         local = max(1, batch // lay.readers)
-        m = options.get("microbatches") or _default_microbatches(
-            local, dims.pp, lay.schedule, profile.pointwise_convs and cpu_threads == 1)
-        lay = Layout(**{**asdict(lay), "microbatches": m})
+        # The pipelines' own rule (strategies/stages.py); --check re-predicts with the count a cell really used.
+        m = options.get("microbatches") or default_microbatches(
+            local, dims.pp, lambda m: microbatch_problem(schedule, dims.pp, m) is None,
+            profile.pointwise_convs and cpu_threads == 1) or 2 * dims.pp
+        lay = Layout(**{**asdict(lay), "microbatches": m, "schedule": schedule, "stages_per_process": per})
     return lay
-
-
-def _default_microbatches(batch: int, stages: int, schedule: str, slow_small_convs: bool) -> int:
-    """The pipelines' own rule (strategies/stages.py), restated: the most micro-batches from 2 x stages down
-    that divide the batch (1F1B: at least one per stage), keeping 16 samples each where 1x1 convolutions
-    on one CPU thread are slow with fewer. --check re-predicts with the count a cell really used."""
-    fits = [m for m in range(2 * stages, 0, -1) if batch % m == 0 and (schedule != "1f1b" or m >= stages)]
-    if fits and slow_small_convs:
-        fits = [m for m in fits if batch // m >= 16] or fits[-1:]
-    return fits[0] if fits else 2 * stages
 
 
 def _rank_parameters(profile: Profile, lay: Layout) -> float:
@@ -158,8 +163,8 @@ def memory(profile: Profile, lay: Layout, batch: int) -> dict:
         gathered = 2 * 4 * min(profile.largest_unit, _rank_parameters(profile, lay))
     if lay.pp > 1:
         micro = local / lay.microbatches
-        in_flight = lay.microbatches if lay.schedule == "gpipe" else min(lay.microbatches, lay.pp)
-        acts = profile.activation_per_sample * micro * in_flight / lay.pp + 2 * micro * profile.boundary_bytes_per_sample
+        held = pipelines.activations_held(lay.schedule, lay.pp, lay.microbatches, lay.stages_per_process)
+        acts = profile.activation_per_sample * micro * held + 2 * micro * profile.boundary_bytes_per_sample
     elif lay.tp > 1:
         in_blocks = profile.block_parameters / profile.parameters
         acts = profile.activation_per_sample * local * (in_blocks / lay.tp + 1 - in_blocks)
@@ -173,30 +178,38 @@ def memory(profile: Profile, lay: Layout, batch: int) -> dict:
             "buffers": persistent + gathered, "training_state": params + grads + opt, "peak": peak}
 
 
-def _compute(profile: Profile, lay: Layout, local: float, target: Target, here_cores: int) -> tuple[float, float]:
+def _compute(profile: Profile, lay: Layout, global_batch: int, target: Target, here_cores: int,
+             calib: Calibration | None = None) -> tuple[float, float]:
     """(compute seconds of one rank's step, of which the pipeline bubble)."""
+    local = global_batch / lay.readers
     work_share = 1.0
     if lay.tp > 1:
         in_blocks = profile.block_parameters / profile.parameters
         work_share = in_blocks / lay.tp + 1 - in_blocks
     if target.rate is not None:  # a described GPU: FLOPs at the device's achieved rate
-        fixed, per_sample, crowding = 0.0, (profile.flops_per_sample or 0.0) / target.rate, 1.0
+        fixed, per_sample, crowding, opt = 0.0, (profile.flops_per_sample or 0.0) / target.rate, 1.0, 0.0
     else:
         cores = target.cores_per_node or here_cores
         on_node = min(lay.processes, target.per_node) if not target.here else lay.processes
-        threads = max(1, cores // on_node)
-        fit = profile.step_fit(min(threads, here_cores))
+        threads = min(max(1, cores // on_node), here_cores)
+        fit = profile.step_fit(threads)
         fixed, per_sample = fit.fixed_s, fit.per_sample_s
+        # The optimizer's step, measured alone, is paid once a step however many micro-batches run.
+        opt = min(fixed, profile.optimizer_time(threads, fixed * OPTIMIZER_SHARE))
         crowding = max(1.0, on_node * threads / cores)
+        measured = (calib.contention(contention.key(profile.workload, global_batch, lay.processes), lay.processes)
+                    if calib is not None and target.here else None)
+        if measured is not None and lay.processes > 1:
+            # the same step run in every process at once, against alone: cores and memory bandwidth shared
+            crowding = measured
+    fb = fixed - opt  # the batch-independent cost of a forward and backward: paid per micro-batch
     if lay.pp > 1:
         micro = local / lay.microbatches
-        slot = (fixed * (1 - OPTIMIZER_SHARE) + per_sample * micro) / lay.pp
-        slots = lay.microbatches + lay.pp - 1
-        opt = fixed * OPTIMIZER_SHARE / lay.pp
-        return crowding * (slot * slots + opt), crowding * slot * (lay.pp - 1)
+        busy, idle = pipelines.bubble_slots(lay.schedule, lay.pp, lay.microbatches, lay.stages_per_process)
+        slot = (fb + per_sample * micro) / (lay.pp * lay.stages_per_process)  # a stage: 1/(p v) of the model
+        return crowding * (slot * (busy + idle) + opt / lay.pp), crowding * slot * idle
     if lay.strategy == "mp":
-        repeats = OPTIMIZER_SHARE + (1 - OPTIMIZER_SHARE) * lay.microbatches
-        return crowding * (fixed * repeats + per_sample * local), 0.0
+        return crowding * (fb * lay.microbatches + per_sample * local + opt), 0.0
     return crowding * (fixed + per_sample * local * work_share), 0.0
 
 
@@ -213,7 +226,7 @@ def step_time(profile: Profile, lay: Layout, batch: int, target: Target, here_co
               calib: Calibration | None) -> dict:
     """Seconds per step and its parts; `calib`: this machine's probed links (for a target that is here)."""
     local = batch / lay.readers
-    compute, bubble = _compute(profile, lay, local, target, here_cores)
+    compute, bubble = _compute(profile, lay, batch, target, here_cores, calib)
     tp_link, shard_link, replica_link, p2p_link = _links(target, lay, calib)
     # Where the processes leave no core free, a CPU cannot copy one bucket while it computes the next.
     overlap = 1.0 if target.rate is not None else (0.0 if _cores_busy(lay, target, here_cores) else 1.0)
@@ -257,7 +270,8 @@ def step_time(profile: Profile, lay: Layout, batch: int, target: Target, here_co
         exposed += tp
     if lay.pp > 1:
         micro = local / lay.microbatches
-        slots = lay.microbatches + lay.pp - 1
+        busy, idle = pipelines.bubble_slots(lay.schedule, lay.pp, lay.microbatches, lay.stages_per_process)
+        slots = busy + idle  # each on the critical path hands a micro-batch on (and takes one) beyond its compute
         if costs:  # measured: a slot's sends, receives and schedule work beyond its arithmetic; then the bytes
             p2p = slots * (costs["pipeline_slot_s"] + 2 * micro * profile.boundary_bytes_per_sample / p2p_link.bandwidth)
         else:
@@ -275,7 +289,18 @@ def _overheads(target: Target, lay: Layout, calib: Calibration | None) -> dict[s
     and kernels these CPU figures do not describe."""
     if calib is None or target.rate is not None or lay.processes < 2:
         return {}
-    return calib.overhead(lay.processes if target.here else 2)
+    costs = dict(calib.overhead(lay.processes if target.here else 2))
+    if not target.here:
+        return costs
+    # A degree of 2 among 4 processes runs its collectives over pairs: the 2 x 2 mesh's figures, where probed.
+    pairs = {k.removeprefix(PAIRS): v for k, v in costs.items() if k.startswith(PAIRS)}
+    for degree, names in ((lay.shard, ("fsdp_unit_s", "fsdp_step_s")), (lay.tp, ("tp_linear_s", "tp_step_s")),
+                          (lay.replicate, ("ddp_tensor_s", "ddp_step_s")), (lay.pp, ("pipeline_slot_s",))):
+        if 1 < degree < lay.processes:
+            costs |= {name: pairs[name] for name in names if name in pairs}
+    if lay.replicate > 1 and lay.shard > 1 and "hsdp_unit_s" in costs:  # replicated and sharded: hsdp's own
+        costs["fsdp_unit_s"], costs["fsdp_step_s"] = costs["hsdp_unit_s"], costs["hsdp_step_s"]
+    return costs
 
 
 def _cores_busy(lay: Layout, target: Target, here_cores: int) -> bool:

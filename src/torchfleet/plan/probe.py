@@ -13,6 +13,8 @@
   and the overhead of the strategies' own machinery per step, per fsdp unit,
   per tensor-parallel Linear and per DDP gradient tensor (overheads.py), timed
   with the real wrappers on a tiny model of known parts.
+- Per model, when a plan first needs it: how much slower the model's step
+  runs in N processes at once than in one (contention.py), for N = 2 and 4.
 
 The cache is one JSON file per machine under $XDG_CACHE_HOME/torchfleet (or
 ~/.cache/torchfleet), keyed by host name, torch version and usable cores: any
@@ -33,7 +35,7 @@ from torchfleet.plan.comm import Link
 PROBE_PROCESSES = (2, 4)
 SMALL_BYTES = 4 * 1024
 LARGE_BYTES = 16 * 2**20
-SCHEMA = "torchfleet-plan-calibration/5"
+SCHEMA = "torchfleet-plan-calibration/6"
 
 
 def usable_cores() -> int:
@@ -53,6 +55,13 @@ class Calibration:
     p2p: dict[int, Link] = field(default_factory=dict)  # local processes -> one send/recv between two of them
     overheads: dict[int, dict[str, float]] = field(default_factory=dict)  # local processes -> overheads.measure()
     probed_at: str = ""
+    # workload (Profile.workload) -> local processes -> how much slower its step runs in all at once (contention.py)
+    slowdowns: dict[str, dict[int, float]] = field(default_factory=dict)
+
+    def contention(self, key: str, processes: int) -> float | None:
+        """How much slower a step (contention.key) runs in `processes` local processes at once than in one;
+        None if not measured."""
+        return self.slowdowns.get(key, {}).get(processes)
 
     def thread_speed(self, threads: int, reference: int) -> float:
         """How much faster `threads` threads multiply than `reference` threads (1.0 when unknown)."""
@@ -90,6 +99,7 @@ class Calibration:
         out["links"] = {str(n): link.as_dict() for n, link in self.links.items()}
         out["p2p"] = {str(n): link.as_dict() for n, link in self.p2p.items()}
         out["matmul_flops"] = {str(t): r for t, r in self.matmul_flops.items()}
+        out["slowdowns"] = {w: {str(n): f for n, f in by.items()} for w, by in self.slowdowns.items()}
         return {"schema": SCHEMA, **out}
 
     @classmethod
@@ -99,7 +109,8 @@ class Calibration:
 
         return cls(data["host"], data["torch"], int(data["cores"]),
                    {int(t): float(r) for t, r in data["matmul_flops"].items()}, links("links"), links("p2p"),
-                   {int(n): dict(o) for n, o in data.get("overheads", {}).items()}, data.get("probed_at", ""))
+                   {int(n): dict(o) for n, o in data.get("overheads", {}).items()}, data.get("probed_at", ""),
+                   {w: {int(n): float(f) for n, f in by.items()} for w, by in data.get("slowdowns", {}).items()})
 
 
 def cache_path() -> Path:
@@ -127,12 +138,17 @@ def calibration(reprobe: bool = False, say=print, processes: tuple[int, ...] = P
     say(f"probing this machine (matrix multiply rate per thread count; Gloo all-reduce and send, and the"
         f" overheads of fsdp, tp and ddp, among {' and '.join(map(str, missing))} local processes); cached in {path}")
     calib = probe(missing, cached)
+    save(calib, say)
+    return calib
+
+
+def save(calib: Calibration, say=print) -> None:
+    path = cache_path()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(calib.as_dict(), indent=1))
     except OSError as exc:
         say(f"note: the calibration is not cached ({exc.strerror or exc}); the next plan probes again")
-    return calib
 
 
 def probe(processes: tuple[int, ...] = PROBE_PROCESSES, known: Calibration | None = None) -> Calibration:

@@ -11,12 +11,14 @@
   size: the activations (slope) and the gradients alive at the peak with the
   batch-independent temporaries (intercept);
 - time: a training step (zero_grad, forward, backward, optimizer step) at the
-  same two batch sizes on 1 thread and on every usable core, each a line
-  `fixed + per_sample x batch` through the fastest of several interleaved
-  steps per batch (load from others only adds to a step; the fastest is the
-  model's own cost). `fixed` is the per-operator cost (Python,
-  dispatch, kernel launches) that a step pays whatever its batch; on a CPU it is
-  most of a small model's step.
+  batches the plan's ranks run (the global batch over 1, 2 and 4 processes;
+  the memory batches where none is given) on 1 thread and on every usable
+  core, each a line `fixed + per_sample x batch` through the fastest of
+  several interleaved steps per batch (load from others only adds to a step;
+  the fastest is the model's own cost). `fixed` is the per-operator cost
+  (Python, dispatch, kernel launches) that a step pays whatever its batch; on
+  a CPU it is most of a small model's step. The optimizer's step is also timed
+  on its own: it is paid once a step, however many micro-batches the rest runs.
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ class Profile:
     pointwise_convs: bool = False  # 1x1 convolutions: the pipelines keep bigger micro-batches on CPU
     tensors: int = 0  # parameter tensors: DDP's reducer pays a hook and a copy for each
     tp_linears: int = 0  # the Linears the model's tensor-parallel plan splits (tp pays its overhead per each)
+    optimizer_s: dict[int, float] = field(default_factory=dict)  # threads -> the optimizer's step alone
+    workload: str = ""  # workload_name(): what contention.py's figures are cached under
 
     @property
     def param_bytes(self) -> int:
@@ -67,6 +71,11 @@ class Profile:
 
     def optimizer_bytes(self, parameters: float) -> float:
         return OPTIMIZER_STATE[self.optimizer] * parameters
+
+    def optimizer_time(self, threads: int, otherwise: float) -> float:
+        """Seconds of the optimizer's step at `threads` (the nearest measured below), `otherwise` if unmeasured."""
+        known = [t for t in self.optimizer_s if t <= threads]
+        return self.optimizer_s[max(known)] if known else otherwise
 
     def step_fit(self, threads: int) -> StepFit:
         known = max((t for t in self.time if t <= threads), default=min(self.time))
@@ -99,7 +108,7 @@ def _step(model, optimizer, inputs, targets, loss_fn) -> None:
 
 
 def measure(spec: dict, optimizer: str, cores: int, batches: tuple[int, ...] | None = None,
-            timed_steps: int | None = None, timed: bool = True) -> Profile:
+            timed_steps: int | None = None, timed: bool = True, time_at: tuple[int, ...] = ()) -> Profile:
     """The profile of `spec`'s model (bench's spec keys: model, gpt_preset, image_size, seed).
 
     `timed=False` leaves out the step times (a described GPU's compute comes from FLOPs instead)."""
@@ -137,18 +146,31 @@ def measure(spec: dict, optimizer: str, cores: int, batches: tuple[int, ...] | N
         peaks_fb[batch], peaks_opt[batch] = _phase_peaks(model, opt, inputs, targets, loss_fn)
         if batch in batches:
             made[batch] = (model, opt, inputs, targets, loss_fn)
-    fits = {}
+    # Timed at the batches the plan's ranks will run where it says them: the line is then drawn where it is
+    # used, not extrapolated from small batches (whose choice a loaded machine skews: a slow first step picks
+    # batches so small that the per-sample cost hides under the fixed one).
+    timed_at = tuple(sorted(set(time_at))) if len(set(time_at)) > 1 else batches
+    for batch in timed_at if timed else ():
+        if batch not in made:
+            model, inputs, targets, loss_fn = _workload(spec, batch)
+            made[batch] = (model, make_optimizer(optimizer, model.parameters()), inputs, targets, loss_fn)
+            _step(*made[batch])
+    fits, stepping_s = {}, {}
     for threads in sorted({1, cores}) if timed else ():
         torch.set_num_threads(threads)
-        samples: dict[int, list[float]] = {b: [] for b in batches}
-        for batch in batches:
+        samples: dict[int, list[float]] = {b: [] for b in timed_at}
+        optimizer_steps: list[float] = []
+        for batch in timed_at:
             _step(*made[batch])  # a first step at this thread count starts its threads
         # Interleaved, so a burst of load from elsewhere on a shared machine hits every batch alike.
         for _ in range(timed_steps):
-            for batch in batches:
-                samples[batch].append(_seconds(lambda b=batch: _step(*made[b])))
+            for batch in timed_at:
+                whole, opt_part = _timed_step(*made[batch])
+                samples[batch].append(whole)
+                optimizer_steps.append(opt_part)
         # the fastest of each batch's steps: others' load on a shared machine only adds (probe.py's reasoning)
         fits[threads] = _fit_line({b: min(t) for b, t in samples.items()})
+        stepping_s[threads] = min(optimizer_steps)  # the optimizer's step does not depend on the batch
     torch.set_num_threads(before)
 
     state = 4 * params + OPTIMIZER_STATE[optimizer] * params
@@ -163,9 +185,27 @@ def measure(spec: dict, optimizer: str, cores: int, batches: tuple[int, ...] | N
     except Exception:  # noqa: BLE001 (as above)
         units = len(blocks) + 1
     return Profile(spec["model"], params, in_blocks, largest, units, boundary, tokens, flops_per_sample,
-                   optimizer, slope, max(0.0, act[0] - slope * b1), opt_tmp, fits, batches,
+                   optimizer, slope, max(0.0, act[0] - slope * b1), opt_tmp, fits, timed_at if timed else batches,
                    has_pointwise_convs(model), len(list(model.parameters())),
-                   len(split) if isinstance(split, dict) else 0)
+                   len(split) if isinstance(split, dict) else 0, stepping_s, workload_name(spec, optimizer))
+
+
+def _timed_step(model, optimizer, inputs, targets, loss_fn) -> tuple[float, float]:
+    """(seconds of `_step`, of which the optimizer's step)."""
+    start = time.perf_counter()
+    optimizer.zero_grad(set_to_none=True)
+    output = model(**inputs) if isinstance(inputs, dict) else model(inputs)
+    loss_fn(output, targets).backward()
+    middle = time.perf_counter()
+    optimizer.step()
+    end = time.perf_counter()
+    return end - start, end - middle
+
+
+def workload_name(spec: dict, optimizer: str) -> str:
+    """What a profiled step is: the model (its preset or image size) and the optimizer."""
+    shape = f"-{spec.get('gpt_preset')}" if spec["model"] == "gpt" else f"@{spec.get('image_size')}px"
+    return f"{spec['model']}{shape}/{optimizer}"
 
 
 def _seconds(fn) -> float:

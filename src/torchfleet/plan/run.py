@@ -7,7 +7,7 @@ from pathlib import Path
 
 from torchfleet.errors import UsageError
 from torchfleet.plan import check as plan_check
-from torchfleet.plan import hardware, predict, probe
+from torchfleet.plan import contention, hardware, predict, probe
 from torchfleet.plan.config import PlanConfig
 from torchfleet.plan.profile import Profile
 
@@ -89,6 +89,12 @@ def candidates(cfg: PlanConfig, target: hardware.Target, profile: Profile, cores
     return pairs
 
 
+def pipeline_options(cfg: PlanConfig) -> dict:
+    """--schedule and --stages-per-process as the pipelines take them (the other strategies take neither)."""
+    return {k: v for k, v in (("schedule", cfg.schedule), ("stages_per_process", cfg.stages_per_process))
+            if v is not None}
+
+
 def profile_tp(profile: Profile) -> bool:
     return profile.model == "gpt"  # the built-in gpt ships a tensor-parallel plan
 
@@ -96,7 +102,7 @@ def profile_tp(profile: Profile) -> bool:
 def predictions(cfg: PlanConfig, target: hardware.Target, profile: Profile, calib, cores: int,
                 batch: int) -> tuple[list[predict.Prediction], list[str]]:
     notes, found = [], []
-    options = {}
+    options = pipeline_options(cfg)
     for name, n in candidates(cfg, target, profile, cores):
         threads = max(1, cores // n)
         try:
@@ -174,9 +180,13 @@ def plan_document(cfg: PlanConfig, say=print) -> dict:
     target = target_of(cfg, calib)
     batch = cfg.batch or default_batch(cfg, target.rate is not None)
     optimizer = "sgd" if cfg.check else cfg.optimizer  # the check runs bench's cells, with bench's optimizer
-    say(f"profiling {cfg.model} (a few steps at small batches, to measure its memory"
+    say(f"profiling {cfg.model} (a few steps at a few batches, to measure its memory"
         + (" and time)" if target.rate is None else ")"))
-    profile = plan_profile.measure(spec_of(cfg), optimizer, cores, timed=target.rate is None)
+    # timed at the local batches of 1 to the most processes planned here (the global batch split among them)
+    local = tuple(max(1, batch // n) for n in (1, *links)) if target.here else ()
+    profile = plan_profile.measure(spec_of(cfg), optimizer, cores, timed=target.rate is None, time_at=local)
+    if target.here:
+        contention.measure_missing(calib, profile, spec_of(cfg), batch, links, say=say)
     found, notes = predictions(cfg, target, profile, calib, cores, batch)
     if not found:
         raise UsageError(f"no strategy can be planned for a global batch of {batch} on {target.name}; "
@@ -195,7 +205,7 @@ def plan_document(cfg: PlanConfig, say=print) -> dict:
             "precision": cfg.precision, "target": target.as_dict(),
             "calibration": calib.as_dict() if calib is not None else None, "profile": profile.as_dict(),
             "predictions": [p.as_dict() for p in found], "recommendation": recommend(found), "notes": notes,
-            "_found": found, "_profile": profile, "_target": target, "_calibration": calib}
+            "_found": found, "_profile": profile, "_target": target, "_calibration": calib, "_config": cfg}
 
 
 def run_check(cfg: PlanConfig, document: dict, say=print) -> dict:
@@ -207,9 +217,11 @@ def run_check(cfg: PlanConfig, document: dict, say=print) -> dict:
     cores = document["calibration"]["cores"]
     for p in document["_found"]:
         cell = Cell(p.strategy, p.processes, p.global_batch, "fp32", max(1, cores // p.processes))
-        measured = plan_check.run_cell(cell, spec, cfg.cell_timeout_s)
+        piped = " m" in p.degrees and p.processes > 1  # a pipeline: it runs the schedule planned
+        measured = plan_check.run_cell(cell, {**spec, "options": pipeline_options(cfg) if piped else {}},
+                                       cfg.cell_timeout_s)
         used = measured.get("microbatches")
-        if used and p.processes > 1 and " m" in p.degrees and not p.degrees.endswith(f" m{used}"):
+        if used and piped and f" m{used} " not in f"{p.degrees} ":
             p = _repredicted(document, p, used)  # the schedule chose another count than the plan's rule
         rows.append(plan_check.compare(p, measured))
         say(_check_line(rows[-1]))
@@ -218,7 +230,8 @@ def run_check(cfg: PlanConfig, document: dict, say=print) -> dict:
 
 def _repredicted(document: dict, p: predict.Prediction, microbatches: int) -> predict.Prediction:
     profile, target, calib = document["_profile"], document["_target"], document["_calibration"]
-    lay = predict.layout(p.strategy, p.processes, p.global_batch, profile, {"microbatches": microbatches})
+    lay = predict.layout(p.strategy, p.processes, p.global_batch, profile,
+                         {**pipeline_options(document["_config"]), "microbatches": microbatches})
     return predict.predict(profile, lay, p.global_batch, target, calib.cores, calib)
 
 

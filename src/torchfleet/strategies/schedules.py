@@ -37,8 +37,6 @@ SCHEDULES: dict[str, tuple[str, int | None]] = {
     "zbv": ("ScheduleZBVZeroBubble", 2),
 }
 MULTI_STAGE = tuple(name for name, (_, per) in SCHEDULES.items() if per != 1)
-# Schedules that split a stage's backward into input and weight gradients (zero bubble).
-SPLIT_BACKWARD = ("interleaved-zb", "zbv")
 # torch's interleaved schedules run micro-batches in rounds of max(1, m // pp) and refuse
 # a count that is not a multiple of its rounds (ScheduleInterleaved1F1B.__init__).
 ROUNDS = ("interleaved-1f1b", "interleaved-zb")
@@ -141,17 +139,24 @@ def local_stages(name: str, pp: int, stages_per_process: int, pp_rank: int) -> l
     return [s for s, r in enumerate(stage_ranks(name, pp, stages_per_process)) if r == pp_rank]
 
 
+# The share of 1F1B's fill and drain a zero-bubble schedule leaves idle, when forward, input backward and
+# weight backward take equal time (Qi et al., "Zero Bubble Pipeline Parallelism", 2023): torch's interleaved
+# zero bubble is the paper's ZB1P, which keeps 1F1B's memory and fills two thirds of it; ZB-V fills it all.
+ZERO_BUBBLE_SHARE = {"interleaved-zb": 1 / 3, "zbv": 0.0}
+
+
 def bubble_formula(name: str, pp: int, stages_per_process: int, microbatches: int) -> float:
     """The idle fraction each process's schedule has in theory, every stage taking equal time.
 
     GPipe and 1F1B: (p-1)/(m+p-1). Interleaved and looped: each of the p-1 steps of
     fill and drain is one of v stages' work, (p-1)/(v*m+p-1). Zero bubble fills the
-    drain with weight gradients: 0 when forward, input and weight backward take equal time.
+    drain with weight gradients: a third of it left (interleaved-zb), or none (zbv).
     """
     p, v, m = pp, stages_per_process, microbatches
-    if name in SPLIT_BACKWARD:
+    if p <= 1:
         return 0.0
-    return (p - 1) / (v * m + p - 1)
+    fill = (p - 1) * ZERO_BUBBLE_SHARE.get(name, 1.0)
+    return fill / (v * m + fill)
 
 
 def build_schedule(name: str, stages: list, microbatches: int, loss_fn):
