@@ -48,6 +48,17 @@ def full_weights(net: nn.Module) -> dict:
     return get_model_state_dict(net, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
+def _step(backward: Callable, model, optimizer, batches: Iterator) -> Step:
+    """One training step through a peer's own backward (its loss scaling and hooks)."""
+    def step():
+        x, y = next(batches)
+        optimizer.zero_grad()
+        backward(lm_loss(model(x), y))
+        optimizer.step()
+
+    return step
+
+
 def _force_fsdp(accelerator, plugin) -> None:
     """Make Accelerate take its FSDP route on CPU, where it would otherwise fall back to DDP."""
     from accelerate.utils import DistributedType
@@ -68,13 +79,7 @@ def accelerate_way(strategy: str, net: GPT, optimizer_for: Callable, batches: It
     else:
         accelerator = Accelerator(cpu=True)
     model, optimizer = accelerator.prepare(net, optimizer_for(net.parameters()))
-
-    def step():
-        x, y = next(batches)
-        optimizer.zero_grad()
-        accelerator.backward(lm_loss(model(x), y))
-        optimizer.step()
-
+    step = _step(accelerator.backward, model, optimizer, batches)
     # Under ddp `net` is the module inside DistributedDataParallel; under fsdp, sharded in place.
     return step, (lambda: full_weights(model)) if strategy == "fsdp" else net.state_dict
 
@@ -107,14 +112,7 @@ def fabric_way(strategy: str, net: GPT, optimizer_for: Callable, batches: Iterat
         fabric = Fabric(accelerator="cpu", devices=world, strategy="ddp")
         fabric.launch()
         model, optimizer = fabric.setup(net, optimizer_for(net.parameters()))
-
-    def step():
-        x, y = next(batches)
-        optimizer.zero_grad()
-        fabric.backward(lm_loss(model(x), y))
-        optimizer.step()
-
-    return step, (lambda: full_weights(net)) if strategy == "fsdp" else net.state_dict
+    return _step(fabric.backward, model, optimizer, batches), (lambda: full_weights(net)) if strategy == "fsdp" else net.state_dict
 
 
 MAKERS: dict[str, Callable[..., tuple[Step, Weights]]] = {"accelerate": accelerate_way, "fabric": fabric_way}
