@@ -36,7 +36,7 @@ SURFACE = {
     "sagemaker": ["--instance-count", "--instance-type", "--out", "--role", "--submit"],
     "plan": ["--batch-size", "--chart", "--check", "--cpus-per-node", "--gpt-preset", "--gpu", "--gpus-per-node",
              "--image-size", "--intra-link", "--json-out", "--link", "--memory-gb", "--mfu", "--model", "--nodes",
-             "--nproc", "--optimizer", "--precision", "--reprobe", "--steps", "--strategies", "--tflops", "--warmup"],
+             "--nproc", "--optimizer", "--precision", "--reprobe", "--schedule", "--stages-per-process", "--steps", "--strategies", "--tflops", "--warmup"],
     "slurm": ["--gpus-per-node", "--nodes", "--ntasks-per-node", "--out", "--partition", "--submit",
               "--time", "--fault-tolerance", "--max-restarts", "--requeue"],
     "bench": ["--batch-sizes", "--model", "--nproc", "--out", "--precisions", "--quick", "--steps",
