@@ -62,10 +62,13 @@ from torchfleet.strategies.parallelize import parallelize, split_balanced
 from torchfleet.strategies.plan_cut import declared_plan
 from torchfleet.strategies.stage_state import ModelKeys, gather_stages, load_stage
 from torchfleet.strategies.stages import (
+    TAGGED_BACKENDS,
     TimedStage,
     default_microbatches,
     has_pointwise_convs,
     predict_in_chunks,
+    receive_loss,
+    send_loss,
     sequential_ties,
 )
 
@@ -268,14 +271,17 @@ class Pipeline(MeshStrategy):
             # on every stage, kept equal by the shared overflow verdict).
             scaler.scale(torch.zeros((), device=self.runtime.device))
         self.zero_grad()
+        # Every stage returns the loss, sent from the last stage (stages.py: receive_loss says when).
+        loss, src = torch.zeros((), device=self.runtime.device), self._peer(self.stages - 1)
+        early = not self.is_last and dist.get_backend(self.pp_group) in TAGGED_BACKENDS
+        handing = receive_loss(loss, src, self.pp_group) if early else []
         losses: list[torch.Tensor] = []  # one per micro-batch, as _loss returned them
         busy, tick = self._busy(), time.perf_counter()
         for x, y in zip(split_batch(inputs, grad_accum), targets.tensor_split(grad_accum), strict=True):
             args, kwargs = self._stage_inputs(x)
             run: list[torch.Tensor] = []  # the schedule clears the list it is given
-            if self.is_last:
-                # The losses are all train_step needs; merging the outputs would also fail on
-                # a model that returns its own scalar loss (nanoGPT's (logits, loss)).
+            if self.is_last:  # the losses are all train_step needs; merging the outputs would also
+                # fail on a model that returns its own scalar loss (nanoGPT's (logits, loss)).
                 kwargs.update(target=y, losses=run, return_outputs=False)
             self._driving = True
             try:
@@ -288,15 +294,15 @@ class Pipeline(MeshStrategy):
             self._busy_wall[0] += self._busy() - busy
             self._busy_wall[1] += time.perf_counter() - tick
         self._steps += 1
-        loss = torch.zeros((), device=self.runtime.device)
         if self.is_last:  # undo the scaling: the mean loss of the batch
             loss = torch.stack(losses).detach().float().sum() / (scaler.get_scale() if scaler else 1.0)
+            handing = send_loss(loss, self.pp_group)
+        elif not early:
+            handing = receive_loss(loss, src, self.pp_group)
         sync_tied_gradients(self.model, self.tied, self._tie_groups)
         self.apply_gradients()
-        # Every stage reports the loss, by a blocking broadcast (about 1.5 ms of a 40 ms gpt tiny step).
-        # Overlapped with the optimizer step (async_op, waited for after it) it hung once in 12 parity
-        # launches: rank 0 in the broadcast's wait, rank 1 in the next step's receive (docs/benchmarks.md).
-        dist.broadcast(loss, src=self._peer(self.stages - 1), group=self.pp_group)
+        for work in handing:
+            work.wait()
         return loss
 
     def _busy(self) -> float:
