@@ -57,6 +57,17 @@ class GPTConfig:
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
 
+    @property
+    def base_model_pp_plan(self) -> dict[str, tuple[list[str], list[str]]]:
+        """The pipeline plan, in transformers' form: {module: (inputs, outputs)} in forward order.
+
+        torchfleet's pipelines cut a model with a plan between its blocks and run its own forward
+        on each stage (strategies/plan_cut.py) instead of tracing it: a traced stage's forward
+        was about 20% slower on gpt tiny (docs/benchmarks.md)."""
+        return {"tok_emb": (["idx"], ["tokens"]), "pos_emb": (["idx"], ["positions"]),
+                "drop": (["tokens", "positions"], ["hidden"]), "blocks": (["hidden"], ["hidden"]),
+                "norm": (["hidden"], ["hidden"]), "head": (["hidden"], ["logits"])}
+
 
 # Parameter counts are in tests/test_models.py; `tiny` trains in seconds on 2 CPU cores.
 PRESETS = {
@@ -123,7 +134,9 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """forward(idx: LongTensor (B, T)) -> logits (B, T, vocab_size); T <= block_size."""
+    """forward(idx: LongTensor (B, T)) -> logits (B, T, vocab_size); T <= block_size.
+
+    Its config declares a pipeline plan (GPTConfig.base_model_pp_plan), as transformers' models do."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -150,16 +163,20 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        length = idx.shape[1]
-        if length > self.config.block_size:
-            raise UsageError(f"a sequence of {length} tokens is longer than this GPT's block_size"
-                             f" {self.config.block_size}; cut the input or choose a larger block_size")
-        positions = torch.arange(length, device=idx.device)
-        x = self.drop(self.tok_emb(idx) + self.pos_emb(positions))
+    def forward(self, idx: torch.Tensor | None = None, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """`hidden`, in place of `idx`: the activation entering the first block (B, T, n_embd), as a
+        pipeline's later stages receive it; their embeddings are not theirs to run."""
+        if hidden is None:
+            assert idx is not None, "GPT.forward takes idx or hidden"
+            length = idx.shape[1]
+            if length > self.config.block_size:
+                raise UsageError(f"a sequence of {length} tokens is longer than this GPT's block_size"
+                                 f" {self.config.block_size}; cut the input or choose a larger block_size")
+            positions = torch.arange(length, device=idx.device)
+            hidden = self.drop(self.tok_emb(idx) + self.pos_emb(positions))
         for block in self.blocks:
-            x = block(x)
-        return self.head(self.norm(x))
+            hidden = block(hidden)
+        return self.head(self.norm(hidden))
 
     def tp_plan(self, tp: int = 1) -> dict:
         """Tensor-parallel styles by module name (relative to this model), Megatron's split:

@@ -133,7 +133,8 @@ def cut_by_plan(model: nn.Module, plan: dict[str, tuple], stages: int, stage: in
     for leaf in leaves:  # the last stage returns the tensors among the output's leaves, in order
         slots.append(("out", at) if isinstance(leaf, torch.Tensor) else ("const", leaf))
         at += isinstance(leaf, torch.Tensor)
-    model.forward = functools.partial(_stage_forward, model.forward, first, last, embeds)
+    caches = "use_cache" in inspect.signature(type(model).forward).parameters  # transformers' models
+    model.forward = functools.partial(_stage_forward, model.forward, first, last, embeds, caches)
     signature = tuple(inspect.signature(type(model).forward).parameters)[1:]
     return Cut(model, starts, example_rows(example_args, example_kwargs), out_spec, slots,
                inputs=None, input_names=signature, first_only=frozenset(plan[before[0]][0]),
@@ -147,12 +148,12 @@ def _replace(model: nn.Module, name: str, module: nn.Module | None) -> None:
     setattr(model.get_submodule(owner) if owner else model, leaf, module)
 
 
-def _stage_forward(forward, first: bool, last: bool, embeds: str, *args, **kwargs):
+def _stage_forward(forward, first: bool, last: bool, embeds: str, caches: bool, *args, **kwargs):
     """The model's forward on one stage: a later stage's activation arrives as `embeds`."""
     if not first:
         (hidden, *args) = args
         kwargs[embeds] = hidden
-    out = forward(*args, use_cache=False, **kwargs)
+    out = forward(*args, use_cache=False, **kwargs) if caches else forward(*args, **kwargs)
     tensors = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
     if last:
         return tuple(tensors)
