@@ -134,9 +134,9 @@ def parity(rounds: int, out: Path) -> dict:
             "torchfleet_weights_equal_hand_bit_for_bit": all(equal)}
 
 
-def _gpt_launch(out: Path, strategy: str, preset: str, ways: tuple[str, ...]) -> str:
+def _gpt_launch(out: Path, strategy: str, preset: str, ways: tuple[str, ...], extra: tuple[str, ...] = ()) -> str:
     return _try_run([*TORCHRUN, "--nproc-per-node=2", str(GPT_WORKER), f"--out={out}", f"--strategy={strategy}",
-                     f"--preset={preset}", f"--ways={','.join(ways)}"], timeout=1200)
+                     f"--preset={preset}", f"--ways={','.join(ways)}", *extra], timeout=1200)
 
 
 def _why(error: str) -> str:
@@ -149,18 +149,19 @@ def _why(error: str) -> str:
     return (raised or ended or [error.strip().splitlines()[0]])[-1][:200]
 
 
-def _gpt_round(out: Path, strategy: str, preset: str, ways: tuple[str, ...]) -> tuple[dict, dict, dict]:
+def _gpt_round(out: Path, strategy: str, preset: str, ways: tuple[str, ...],
+               extra: tuple[str, ...] = ()) -> tuple[dict, dict, dict]:
     """One launch: (step times per way, peers left out with why, weights.json). A launch that fails
     with peers in it runs again without each peer in turn, then without all of them; the peer whose
     absence let it finish is left out, with one line of what went wrong."""
-    error = _gpt_launch(out, strategy, preset, ways)
+    error = _gpt_launch(out, strategy, preset, ways, extra)
     left_out = {}
     if error and set(ways) & set(GPT_PEERS):
         why = _why(error)
         peers = [w for w in ways if w in GPT_PEERS]
         print(f"  gpt {strategy}: the launch with {', '.join(peers)} failed ({why}); again without each", flush=True)
         for suspects in [[p] for p in peers] + ([peers] if len(peers) > 1 else []):
-            error = _gpt_launch(out, strategy, preset, tuple(w for w in ways if w not in suspects))
+            error = _gpt_launch(out, strategy, preset, tuple(w for w in ways if w not in suspects), extra)
             if not error:
                 left_out = dict.fromkeys(suspects, f"failed: {why}")
                 print(f"  gpt {strategy}: left out {', '.join(suspects)}", flush=True)
@@ -177,7 +178,8 @@ def _torchfleet_over(medians: dict[str, list[float]]) -> dict[str, list[float]]:
             for way, theirs in medians.items() if way != "torchfleet" and any(theirs)}
 
 
-def gpt_parity(rounds: int, out: Path, preset: str, strategies: tuple[str, ...] = GPT_STRATEGIES) -> dict:
+def gpt_parity(rounds: int, out: Path, preset: str, strategies: tuple[str, ...] = GPT_STRATEGIES,
+               extra: tuple[str, ...] = ()) -> dict:
     """Per strategy and way: step times (medians over rounds of per-round medians), the median per-round
     ratio torchfleet / that way, and the largest difference of its final weights from the hand-written way's."""
     result = {}
@@ -187,7 +189,7 @@ def gpt_parity(rounds: int, out: Path, preset: str, strategies: tuple[str, ...] 
         diffs: dict[str, list[float]] = {w: [] for w in GPT_WAYS if w != "hand"}
         moved, left_out = [], {}
         for r in range(rounds):
-            times, gone, weights = _gpt_round(out, strategy, preset, ways)
+            times, gone, weights = _gpt_round(out, strategy, preset, ways, extra)
             for way, why in gone.items():
                 if way not in left_out:
                     print(f"  gpt {strategy}: {way} left out: {why}", flush=True)
@@ -360,6 +362,10 @@ def main() -> int:
     parser.add_argument("--only", choices=("parity", "scaling", "startup", "gpt"), default=None)
     parser.add_argument("--preset", default="small50m", help="gpt: the built-in gpt's size (default small50m)")
     parser.add_argument("--strategies", default=",".join(GPT_STRATEGIES), help="gpt: which of ddp, fsdp, pipeline")
+    parser.add_argument("--blocks", type=int, default=12,
+                        help="gpt: blocks of steps each way takes per round, 2 of them warm-up (default 12)")
+    parser.add_argument("--block-steps", type=int, default=4, help="gpt: steps in a block (default 4)")
+    parser.add_argument("--global-batch", type=int, default=16, help="gpt: sequences per step (default 16)")
     parser.add_argument("--nprocs", default="2", help="scaling: process counts, comma-separated (default 2)")
     parser.add_argument("--scaling-ways", default=",".join(SCALING_WAYS),
                         help=f"scaling: which ways, comma-separated, of {', '.join(SCALING_WAYS)} (default all)")
@@ -376,7 +382,9 @@ def main() -> int:
     doc = {"machine": machine()}
     parts = {"parity": lambda: parity(args.rounds, out), "scaling": lambda: scaling(args.rounds, out, nprocs, ways),
              "startup": lambda: startup(max(5, args.rounds)),
-             "gpt": lambda: gpt_parity(args.rounds, out, args.preset, tuple(args.strategies.split(",")))}
+             "gpt": lambda: gpt_parity(args.rounds, out, args.preset, tuple(args.strategies.split(",")),
+                                       (f"--blocks={args.blocks}", f"--block-steps={args.block_steps}",
+                                        f"--global-batch={args.global_batch}"))}
     for name, part in parts.items():
         if args.only == name or (args.only is None and name != "gpt"):  # gpt only when asked: it is long
             print(f"{name} ...", flush=True)
