@@ -2,6 +2,7 @@
 
     python benchmarks/bubble.py                 # 2 and 4 processes, every schedule the installed torch runs
     python benchmarks/bubble.py --nproc 2 --steps 20
+    python benchmarks/bubble.py --width 2048      # stages whose compute dwarfs a send
 
 A Sequential of 8 equal Linear+ReLU blocks (one block per stage at 8 stages)
 trains on a fixed batch under each schedule: gpipe and 1f1b with one stage
@@ -29,13 +30,13 @@ from torch import nn
 from torchfleet import Fleet, launch
 from torchfleet.strategies.schedules import MULTI_STAGE, available
 
-WIDTH, BLOCKS, BATCH, MICROBATCHES = 512, 8, 256, 8
+BLOCKS, BATCH, MICROBATCHES = 8, 256, 8
 
 
-def _model() -> nn.Sequential:
+def _model(width: int) -> nn.Sequential:
     layers: list[nn.Module] = []
     for _ in range(BLOCKS):
-        layers += [nn.Linear(WIDTH, WIDTH), nn.ReLU()]
+        layers += [nn.Linear(width, width), nn.ReLU()]
     return nn.Sequential(*layers)
 
 
@@ -44,17 +45,17 @@ def _setups() -> list[tuple[str, int]]:
     return [(s, 1) for s in ("gpipe", "1f1b") if s in here] + [(s, 2) for s in MULTI_STAGE if s in here]
 
 
-def _job(steps: int, warmup: int, rounds: int) -> list[dict] | None:
+def _job(steps: int, warmup: int, rounds: int, width: int) -> list[dict] | None:
     torch.set_num_threads(1)  # one core's worth per process: the machine has 2 cores for up to 4 processes
     fleets = []
     for schedule, per in _setups():
         fleet = Fleet(strategy="pipeline", schedule=schedule, stages_per_process=per, microbatches=MICROBATCHES)
         torch.manual_seed(0)
-        model = _model()
+        model = _model(width)
         fleet.setup(model, torch.optim.SGD(model.parameters(), lr=1e-3))
         fleets.append((schedule, per, fleet))
     gen = torch.Generator().manual_seed(0)
-    inputs, targets = torch.randn(BATCH, WIDTH, generator=gen), torch.randn(BATCH, WIDTH, generator=gen)
+    inputs, targets = torch.randn(BATCH, width, generator=gen), torch.randn(BATCH, width, generator=gen)
     loss_fn = nn.MSELoss()
     times: dict[str, list[float]] = {schedule: [] for schedule, _, _ in fleets}
     for _, _, fleet in fleets:
@@ -86,13 +87,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="timed steps per schedule (default 20)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=4, help="interleaving rounds (default 4)")
+    parser.add_argument("--width", type=int, default=512,
+                        help="each block's Linear(width, width) (default 512); wider blocks make a stage's compute dwarf its sends")
     args = parser.parse_args()
     print(f"# {time.strftime('%d %b %Y %H:%M UTC', time.gmtime())}, torch {torch.__version__}, Gloo,"
-          f" Sequential of {BLOCKS} Linear({WIDTH}, {WIDTH}) + ReLU, batch {BATCH}, {MICROBATCHES} micro-batches")
+          f" Sequential of {BLOCKS} Linear({args.width}, {args.width}) + ReLU, batch {BATCH}, {MICROBATCHES} micro-batches")
     print("| processes | schedule | stages (per process) | step ms (median) | bubble measured | formula |")
     print("| ---: | --- | --- | ---: | ---: | ---: |")
     for nproc in (int(n) for n in args.nproc.split(",")):
-        rows = launch(_job, nprocs=nproc, args=(args.steps, args.warmup, args.rounds))[0]
+        rows = launch(_job, nprocs=nproc, args=(args.steps, args.warmup, args.rounds, args.width))[0]
         for r in rows:
             print(f"| {r['processes']} | {r['schedule']} | {r['stages']} ({r['per_process']}) | {r['step_ms']:.1f}"
                   f" | {r['bubble']:.3f} | {r['formula']:.3f} |")
