@@ -77,8 +77,7 @@ def candidates(cfg: PlanConfig, target: hardware.Target, profile: Profile, cores
         cells, _ = bench_plan(bench, strategy_availability(probe_hardware(), cores), cores)
         return list(dict.fromkeys((c.strategy, c.processes) for c in cells if not c.skip))
     names = cfg.strategies or tuple(n for n in CLUSTER_STRATEGIES if "tp" not in n.split("+") or profile_tp(profile))
-    counts = cfg.nproc or tuple(sorted({2**k for k in range(target.devices.bit_length()) if 2**k <= target.devices}
-                                       | {target.devices}))
+    counts = cluster_counts(cfg, target)
     pairs = []
     for name in names:
         for n in counts:
@@ -87,6 +86,12 @@ def candidates(cfg: PlanConfig, target: hardware.Target, profile: Profile, cores
             if (name == "serial") == (n == 1):
                 pairs.append((name, n))
     return pairs
+
+
+def cluster_counts(cfg: PlanConfig, target: hardware.Target) -> tuple[int, ...]:
+    """The process counts planned on a described cluster: --nproc, else the powers of 2 up to its devices."""
+    return cfg.nproc or tuple(sorted({2**k for k in range(target.devices.bit_length()) if 2**k <= target.devices}
+                                     | {target.devices}))
 
 
 def pipeline_options(cfg: PlanConfig) -> dict:
@@ -182,8 +187,13 @@ def plan_document(cfg: PlanConfig, say=print) -> dict:
     optimizer = "sgd" if cfg.check else cfg.optimizer  # the check runs bench's cells, with bench's optimizer
     say(f"profiling {cfg.model} (a few steps at a few batches, to measure its memory"
         + (" and time)" if target.rate is None else ")"))
-    # timed at the local batches of 1 to the most processes planned here (the global batch split among them)
-    local = tuple(max(1, batch // n) for n in (1, *links)) if target.here else ()
+    # Timed at the local batches the planned processes run (the global batch split among them): here, 1 to
+    # the most processes planned; on a described CPU cluster, whose compute is this machine's step, its own
+    # counts. A line through the probe's own batches (2, 17 and 34 for gpt tiny) put gpt tiny's one-thread
+    # step at 8 samples 15% above the measured one (21.8 against 19.0 ms): two namespace hosts on 1 Gbit/s
+    # were predicted 16 to 30% slow (docs/benchmarks.md).
+    counts = links if target.here else cluster_counts(cfg, target) if target.rate is None else ()
+    local = tuple(max(1, batch // n) for n in (1, *counts)) if counts else ()
     profile = plan_profile.measure(spec_of(cfg), optimizer, cores, timed=target.rate is None, time_at=local)
     if target.here:
         contention.measure_missing(calib, profile, spec_of(cfg), batch, links, say=say)
