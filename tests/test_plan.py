@@ -33,6 +33,26 @@ def gpt_adamw() -> profile.Profile:
     return profile.measure(GPT_TINY, "adamw", cores=1, batches=(1, 2), timed_steps=1)
 
 
+def test_the_profile_runs_only_batches_this_machine_holds(monkeypatch):
+    # Planning GPT-2 for GPUs on a 24 GB machine used to run its memory batches 8 and 16 on the CPU
+    # (about 1.4 GB of activations a sample at 1,024 tokens) and be killed for memory after 5 minutes.
+    spec = dict(GPT_TINY)
+    roomy = profile.measure(spec, "adamw", cores=1, batches=(1, 2), timed=False)
+    assert roomy.memory_batches == (8, 16)  # 4 and 8 times the larger: where the activations show
+    state = 12 * roomy.parameters  # fp32 weights and AdamW's two moments
+    model, inputs, targets, loss_fn = profile._workload(spec, 1)
+    optimizer = profile.make_optimizer("adamw", model.parameters())
+    profile._step(model, optimizer, inputs, targets, loss_fn)
+    beyond = profile._phase_peaks(model, optimizer, inputs, targets, loss_fn)[0] - state  # batch 1's, over the state
+    # A third of the free memory holds 12 samples' worth, by the profile's over-estimate: batch 8, not 16.
+    monkeypatch.setattr(profile, "_available_memory", lambda: 3 * (state + 12 * beyond))
+    assert profile.measure(spec, "adamw", cores=1, batches=(1, 2), timed=False).memory_batches == (4, 8)
+    # Only the state: the line goes through the probe's own batches, and so does the timing.
+    monkeypatch.setattr(profile, "_available_memory", lambda: 3.0 * state)
+    tight = profile.measure(spec, "adamw", cores=1, batches=(1, 2), timed_steps=1, time_at=(16, 8))
+    assert tight.memory_batches == (1, 2) and tight.probe_batches == (1, 2)
+
+
 def test_fsdp_training_state_is_16_bytes_per_parameter_over_n(gpt_adamw):
     target = Target("t", 1, 8, 1e12, comm.Link(1e9), comm.Link(1e9), rate=1e12)
     for n in (2, 4, 8):

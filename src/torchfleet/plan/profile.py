@@ -23,9 +23,11 @@
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -64,6 +66,7 @@ class Profile:
     tp_linears: int = 0  # the Linears the model's tensor-parallel plan splits (tp pays its overhead per each)
     optimizer_s: dict[int, float] = field(default_factory=dict)  # threads -> the optimizer's step alone
     workload: str = ""  # workload_name(): what contention.py's figures are cached under
+    memory_batches: tuple[int, ...] = ()  # the two batches the activation line goes through
 
     @property
     def param_bytes(self) -> int:
@@ -132,24 +135,40 @@ def measure(spec: dict, optimizer: str, cores: int, batches: tuple[int, ...] | N
     batches = batches or (_probe_batches(spec, optimizer, cores) if timed else (1, 2))
     timed_steps = timed_steps or (3 if batches[0] == 1 else 7)  # a slow model's steps vary less
 
-    # A slow model's timing batches, 1 and 2, are too small to draw its memory line: at them the peak comes
-    # at the end of backward, with every gradient alive and the activations gone, so it barely grows with
-    # the batch. Two larger batches are measured for memory alone and the line drawn through them; the
-    # small-batch regime is the optimizer phase's peak, which the prediction takes when it is the larger.
-    extra = () if len(batches) > 2 else (4 * max(batches), 8 * max(batches))
+    state = 4 * params + OPTIMIZER_STATE[optimizer] * params
     peaks_fb, peaks_opt, made = {}, {}, {}
     torch.set_num_threads(cores)
-    for batch in (*batches, *extra):
+
+    def peaks_at(batch: int) -> None:
         model, inputs, targets, loss_fn = _workload(spec, batch)
         opt = make_optimizer(optimizer, model.parameters())
         _step(model, opt, inputs, targets, loss_fn)  # the optimizer's state exists from here on
         peaks_fb[batch], peaks_opt[batch] = _phase_peaks(model, opt, inputs, targets, loss_fn)
         if batch in batches:
             made[batch] = (model, opt, inputs, targets, loss_fn)
+
+    for batch in batches:
+        peaks_at(batch)
+    # Only batches whose step this machine holds are run (a user plans GPT-2 for GPUs on a laptop): the
+    # peak of `batch` is taken as if all the smallest batch's bytes beyond the state grew with the batch,
+    # an over-estimate, against a third of the memory free now.
+    smallest, budget = min(batches), _available_memory() / 3
+    holds = lambda batch: state + batch * max(0, peaks_fb[smallest] - state) / smallest <= budget  # noqa: E731
+    # A slow model's timing batches, 1 and 2, are too small to draw its memory line: at them the peak comes
+    # at the end of backward, with every gradient alive and the activations gone, so it barely grows with
+    # the batch. Two larger batches are measured for memory alone and the line drawn through them (the
+    # largest pair of 4 and 8, 2 and 4, or 1 and 2 times the larger that the machine holds); the small-batch
+    # regime is the optimizer phase's peak, which the prediction takes when it is the larger.
+    top = max(batches)
+    extra = () if len(batches) > 2 else next(((k, 2 * k) for k in (4 * top, 2 * top, top) if holds(2 * k)), ())
+    for batch in extra:
+        if batch not in peaks_fb:
+            peaks_at(batch)
     # Timed at the batches the plan's ranks will run where it says them: the line is then drawn where it is
     # used, not extrapolated from small batches (whose choice a loaded machine skews: a slow first step picks
-    # batches so small that the per-sample cost hides under the fixed one).
-    timed_at = tuple(sorted(set(time_at))) if len(set(time_at)) > 1 else batches
+    # batches so small that the per-sample cost hides under the fixed one); those the machine holds.
+    local = tuple(sorted({b for b in time_at if holds(b)}))
+    timed_at = local if len(local) > 1 else batches
     for batch in timed_at if timed else ():
         if batch not in made:
             model, inputs, targets, loss_fn = _workload(spec, batch)
@@ -173,7 +192,6 @@ def measure(spec: dict, optimizer: str, cores: int, batches: tuple[int, ...] | N
         stepping_s[threads] = min(optimizer_steps)  # the optimizer's step does not depend on the batch
     torch.set_num_threads(before)
 
-    state = 4 * params + OPTIMIZER_STATE[optimizer] * params
     b1, b2 = extra or (min(batches), max(batches))
     act = [peaks_fb[b] - state for b in (b1, b2)]
     slope = max(0.0, (act[1] - act[0]) / (b2 - b1))
@@ -187,7 +205,21 @@ def measure(spec: dict, optimizer: str, cores: int, batches: tuple[int, ...] | N
     return Profile(spec["model"], params, in_blocks, largest, units, boundary, tokens, flops_per_sample,
                    optimizer, slope, max(0.0, act[0] - slope * b1), opt_tmp, fits, timed_at if timed else batches,
                    has_pointwise_convs(model), len(list(model.parameters())),
-                   len(split) if isinstance(split, dict) else 0, stepping_s, workload_name(spec, optimizer))
+                   len(split) if isinstance(split, dict) else 0, stepping_s, workload_name(spec, optimizer), (b1, b2))
+
+
+def _available_memory() -> float:
+    """Bytes of memory free for new work now (Linux's MemAvailable; the physical free pages elsewhere)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 8e9
 
 
 def _timed_step(model, optimizer, inputs, targets, loss_fn) -> tuple[float, float]:

@@ -127,8 +127,9 @@ def predictions(cfg: PlanConfig, target: hardware.Target, profile: Profile, cali
     return found, notes
 
 
-def recommend(found: list[predict.Prediction]) -> dict:
-    """The fastest strategy that fits, and one sentence per strategy on where it stands."""
+def recommend(found: list[predict.Prediction], cpus: bool = True) -> dict:
+    """The fastest strategy that fits, and one sentence per strategy on where it stands (`cpus`: its
+    processes run on CPU cores, which several may share; GPUs are one a process)."""
     fitting = [p for p in found if p.fits]
     if not fitting:
         return {"best": None, "sentences": {}}
@@ -150,7 +151,7 @@ def recommend(found: list[predict.Prediction]) -> dict:
                                f" {_gib(top.memory['peak'])} per rank{_scaling(top)}")
             continue
         slower = 1 - top.samples_per_s / best.samples_per_s
-        sentences[name] = f"{where}: {slower:.0%} slower than {best.strategy}: {_why(top)}"
+        sentences[name] = f"{where}: {slower:.0%} slower than {best.strategy}: {_why(top, cpus)}"
     return {"best": {"strategy": best.strategy, "processes": best.processes, "samples_per_s": best.samples_per_s},
             "sentences": sentences}
 
@@ -159,7 +160,7 @@ def _scaling(p: predict.Prediction) -> str:
     return "" if p.efficiency is None or p.processes == 1 else f", scaling efficiency {p.efficiency:.0%}"
 
 
-def _why(p: predict.Prediction) -> str:
+def _why(p: predict.Prediction, cpus: bool) -> str:
     t = p.time
     parts = {"communication": t["communication"], "the pipeline bubble": t["bubble"],
              "compute": t["compute"] - t["bubble"]}
@@ -167,7 +168,7 @@ def _why(p: predict.Prediction) -> str:
     share = seconds / t["step"] if t["step"] else 0
     if name == "compute":
         return (f"its compute does not shrink enough ({share:.0%} of a {t['step'] * 1e3:,.1f} ms step"
-                f"{'; its processes share the cores' if p.processes > 1 else ''})")
+                f"{'; its processes share the cores' if cpus and p.processes > 1 else ''})")
     return f"{name} is {share:.0%} of its {t['step'] * 1e3:,.1f} ms step"
 
 
@@ -214,7 +215,8 @@ def plan_document(cfg: PlanConfig, say=print) -> dict:
             "image_size": cfg.image_size, "global_batch": batch, "optimizer": optimizer,
             "precision": cfg.precision, "target": target.as_dict(),
             "calibration": calib.as_dict() if calib is not None else None, "profile": profile.as_dict(),
-            "predictions": [p.as_dict() for p in found], "recommendation": recommend(found), "notes": notes,
+            "predictions": [p.as_dict() for p in found],
+            "recommendation": recommend(found, cpus=target.rate is None), "notes": notes,
             "_found": found, "_profile": profile, "_target": target, "_calibration": calib, "_config": cfg}
 
 
