@@ -1,6 +1,6 @@
 """The torch releases torchfleet supports, and where the installed one stands.
 
-The floor is the oldest torch CI runs the whole suite on (`make test-floor`);
+The floor is the oldest torch CI runs the tests of torch's APIs on (`make test-floor`);
 pyproject.toml's ``torch>=`` and the Makefile's TORCH_FLOOR say the same, and
 a test keeps the three equal. 2.11 is the floor because it is the torch of
 the GPU machine the project is checked on, and every strategy's API is there
