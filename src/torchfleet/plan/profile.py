@@ -208,14 +208,22 @@ def measure(spec: dict, optimizer: str, cores: int, batches: tuple[int, ...] | N
                    len(split) if isinstance(split, dict) else 0, stepping_s, workload_name(spec, optimizer), (b1, b2))
 
 
-def _available_memory() -> float:
-    """Bytes of memory free for new work now (Linux's MemAvailable; the physical free pages elsewhere)."""
+def meminfo(field: str) -> float | None:
+    """Bytes of /proc/meminfo's `field` (MemTotal, MemAvailable ...); None where there is none (not Linux)."""
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
+    return None
+
+
+def _available_memory() -> float:
+    """Bytes of memory free for new work now (Linux's MemAvailable; the physical free pages elsewhere)."""
+    available = meminfo("MemAvailable")
+    if available is not None:
+        return available
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import datetime
-from pathlib import Path
 
 from torchfleet.errors import UsageError
 from torchfleet.plan import check as plan_check
 from torchfleet.plan import contention, hardware, predict, probe
 from torchfleet.plan.config import PlanConfig
-from torchfleet.plan.profile import Profile
+from torchfleet.plan.profile import Profile, meminfo
 
 SCHEMA = "torchfleet-plan/1"
 # Strategies planned for a described cluster: those with a model in predict.py. hogwild and mp are
@@ -20,13 +19,7 @@ HERE_EXTRA = ("hogwild", "mp")
 
 
 def _host_memory() -> float:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 16e9
+    return meminfo("MemTotal") or 16e9
 
 
 def target_of(cfg: PlanConfig, calib: probe.Calibration | None) -> hardware.Target:
