@@ -153,7 +153,11 @@ def measure(spec: dict, optimizer: str, cores: int, batches: tuple[int, ...] | N
     # peak of `batch` is taken as if all the smallest batch's bytes beyond the state grew with the batch,
     # an over-estimate, against a third of the memory free now.
     smallest, budget = min(batches), _available_memory() / 3
-    holds = lambda batch: state + batch * max(0, peaks_fb[smallest] - state) / smallest <= budget  # noqa: E731
+    per_sample = max(0, peaks_fb[smallest] - state) / smallest
+
+    def holds(batch: int) -> bool:
+        return state + batch * per_sample <= budget
+
     # A slow model's timing batches, 1 and 2, are too small to draw its memory line: at them the peak comes
     # at the end of backward, with every gradient alive and the activations gone, so it barely grows with
     # the batch. Two larger batches are measured for memory alone and the line drawn through them (the
