@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import socket
 import sys
 import time
@@ -328,5 +329,8 @@ def launch(fn: Callable, nprocs: int = 2, args: tuple = (), max_restarts: int = 
     if nprocs < 1:
         raise UsageError(f"nprocs {nprocs} must be at least 1")
     cfg = LaunchConfig(nproc_per_node=nprocs, max_restarts=max_restarts)
-    results = _start(cfg, failures.Recorded(fn), list(args))
-    return [results[rank] for rank in sorted(results)]
+    results = _start(cfg, failures.Recorded(fn, as_bytes=True), list(args))
+    # Each result crossed as pickled bytes: torch's queue would have sent its tensors as shared memory, each
+    # holding a file descriptor here for as long as the tensor lives (a test suite that kept the weights its
+    # launches returned held 1,878 of them, and select() fails past 1,024).
+    return [pickle.loads(results[rank]) for rank in sorted(results)]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import signal
 import socket
 import sys
@@ -259,12 +260,15 @@ def call_recorded(fn, *args):
 
 
 class Recorded:
-    """`fn` wrapped by `call_recorded`, picklable and named (the agent reads __name__)."""
+    """`fn` wrapped by `call_recorded`, picklable and named (the agent reads __name__); with `as_bytes`, its
+    result comes back pickled (plain pickle: tensors as bytes, not as shared memory)."""
 
-    def __init__(self, fn):
+    def __init__(self, fn, as_bytes: bool = False):
         self.fn = fn
+        self.as_bytes = as_bytes
         self.__name__ = getattr(fn, "__name__", type(fn).__name__)
         self.__qualname__ = getattr(fn, "__qualname__", self.__name__)
 
     def __call__(self, *args):
-        return call_recorded(self.fn, *args)
+        result = call_recorded(self.fn, *args)
+        return pickle.dumps(result) if self.as_bytes else result
