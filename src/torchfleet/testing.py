@@ -329,7 +329,7 @@ def memory_job(strategies: list[str], config: GPTConfig | str = "tiny", steps: i
 def train_resnet(strategy: str, steps: int = 5, batch_size: int = 32, seed: int = 0, lr: float = 1e-3,
                  float64: bool = False, **strategy_options) -> dict | None:
     """{name: tensor} of the built-in resnet18 (BatchNorm: running statistics too) after `steps`
-    SGD steps on random 3x32x32 images; None on ranks without them.
+    SGD steps on random 3x32x32 images, in float32 (float64 with `float64`); None on ranks without them.
 
     `float64`: the reference. torch's fp32 BatchNorm kernel on CPU is itself far from
     exact where a layer normalises few values (layer4 sees 1x1 maps here): against
@@ -351,4 +351,5 @@ def train_resnet(strategy: str, steps: int = 5, batch_size: int = 32, seed: int 
     fleet.close()
     if not fleet.is_main or not state:
         return None
-    return {k: v.detach().float().cpu().clone() for k, v in state.items()}
+    dtype = torch.float64 if float64 else torch.float32  # the integer step count too, for one comparison
+    return {k: v.detach().to(dtype).cpu().clone() for k, v in state.items()}

@@ -105,13 +105,14 @@ class SyncBatchNorm(_BatchNorm):
             self.num_batches_tracked.add_(1)
             factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
 
-        x = input.float()  # statistics in fp32 whatever autocast made the input
+        # Statistics in fp32 at least, whatever autocast made the input (a float64 model keeps float64).
+        x = input if input.dtype in (torch.float32, torch.float64) else input.float()
         mean, var, n, centred = self._global_moments(x)
         scale = torch.rsqrt(var + self.eps)
         if self.weight is not None:
-            scale = scale * self.weight.float()
+            scale = scale * self.weight.to(x.dtype)
         shape = [1, x.size(1)] + [1] * (x.dim() - 2)
-        bias = self.bias.float().view(shape) if self.bias is not None else torch.zeros((), device=x.device)
+        bias = self.bias.to(x.dtype).view(shape) if self.bias is not None else torch.zeros((), device=x.device)
         out = torch.addcmul(bias, centred, scale.view(shape))
 
         if self.track_running_stats and self.running_mean is not None and self.running_var is not None:
