@@ -2,7 +2,34 @@
 
 from __future__ import annotations
 
+import argparse
+import re
+
 from torchfleet.cli.bench import _list
+
+# A bandwidth as people write it: a number with an optional unit. A lower-case b (or "bit") is bits, an upper-case
+# B bytes, as on datasheets: 100Gb/s and 400 Gbit/s are network links, 900GB/s is NVLink's bytes.
+_BANDWIDTH = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(?:([kMGT]?)(bit|bps|b|B)(?:/s|ps)?)?\s*", re.IGNORECASE)
+_PREFIX = {"": 1e-9, "k": 1e-6, "m": 1e-3, "g": 1.0, "t": 1e3}  # to giga
+
+
+def gbit_per_s(flag: str):
+    """argparse's type for a bandwidth flag: the value in Gbit/s, from "100", "100Gb/s", "800 Mbit/s" or "900GB/s"."""
+
+    def parse(text: str) -> float:
+        found = _BANDWIDTH.fullmatch(text)
+        if found is None:
+            raise argparse.ArgumentTypeError(
+                f"{flag} {text!r} is not a bandwidth; give Gbit/s as a number (100) or with a unit, such as"
+                " 100Gb/s, 400Gbit/s, 800Mb/s, or 900GB/s for bytes")
+        number, prefix, unit = found.groups()
+        if unit is None:  # a bare number is Gbit/s, as the flag's help says
+            return float(number)
+        scale = _PREFIX[prefix.lower()] if prefix else _PREFIX[""]
+        in_bytes = unit[0] == "B" and unit.lower() != "bit"  # MB/s and MBps are bytes; Mbit/s, Mbps bits
+        return float(number) * scale * (8 if in_bytes else 1)
+
+    return parse
 
 
 def add_parser(sub) -> None:
@@ -44,11 +71,12 @@ def add_parser(sub) -> None:
     c.add_argument("--tflops", type=float, default=None, help="one device's dense peak TFLOP/s (for another GPU)")
     c.add_argument("--memory-gb", type=float, default=None, help="one GPU's memory, or one CPU machine's, in GB")
     c.add_argument("--mfu", type=float, default=0.4, help="the fraction of the GPU's peak achieved (default 0.4)")
-    c.add_argument("--link", type=float, default=None, metavar="GBIT_S",
-                   help="bandwidth between machines in Gbit/s (default 100)")
-    c.add_argument("--intra-link", type=float, default=None, metavar="GBIT_S",
-                   help="bandwidth between devices of one machine in Gbit/s (default NVLink on H100/H200/A100, PCIe"
-                   " on others, the probed local link on CPUs)")
+    c.add_argument("--link", type=gbit_per_s("--link"), default=None, metavar="BANDWIDTH",
+                   help="bandwidth between machines: Gbit/s, or with a unit (100Gb/s, 400Gbit/s, 800Mb/s, 50GB/s"
+                   " for bytes; default 100Gb/s)")
+    c.add_argument("--intra-link", type=gbit_per_s("--intra-link"), default=None, metavar="BANDWIDTH",
+                   help="bandwidth between devices of one machine, written as --link's (default NVLink on"
+                   " H100/H200/A100, PCIe on others, the probed local link on CPUs)")
     o = p.add_argument_group("output and checks")
     o.add_argument("--json-out", default=None, metavar="FILE", help="write the whole plan as JSON")
     o.add_argument("--chart", default=None, metavar="FILE.png",
