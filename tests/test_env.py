@@ -393,3 +393,18 @@ def test_import_does_not_load_torch() -> None:
     result = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True,
                             text=True, env={**os.environ, "PYTHONPATH": str(src)}, timeout=60)
     assert result.returncode == 0, result.stderr or "importing torchfleet.env loaded torch"
+
+
+def test_lines_dropped_from_stderr_are_only_those_named(capfd):
+    """What c10d writes to file descriptor 2 from C++ while torchfleet takes its lookup warning: that line is
+    dropped, every other line (a real warning) is printed after the block, and what came before stays first."""
+    import os
+    import sys
+
+    from torchfleet.env.name_lookup import NOISE, dropping_lines
+
+    print("before", file=sys.stderr)
+    with dropping_lines(NOISE):
+        os.write(2, f"[W1126 socket.cpp:207] {NOISE}. err=-3\n".encode())
+        os.write(2, b"[W1126 ProcessGroupGloo.cpp:1] Warning: a real one\n")
+    assert capfd.readouterr().err == "before\n[W1126 ProcessGroupGloo.cpp:1] Warning: a real one\n"

@@ -6,8 +6,10 @@ import datetime
 
 import torch.distributed as dist
 
+from torchfleet import netif
 from torchfleet.backend import choose_socket_interface
 from torchfleet.env import DistEnv
+from torchfleet.env.name_lookup import absorb_failed_lookup_warning
 
 # How long a collective may wait before the process group gives up. Long
 # enough for a slow first step; issue-level hang detection is the watchdog's job.
@@ -17,6 +19,8 @@ PG_TIMEOUT = datetime.timedelta(minutes=10)
 def join_process_group(env: DistEnv, backend: str) -> None:
     if dist.is_initialized():
         return
+    # Before the first of this process's c10d sockets (nothing where the job's address is loopback).
+    absorb_failed_lookup_warning(netif.source_address(env.master_addr))
     if env.source == "torchrun" and env.restart_count > 0:
         # After a restart torchrun's agent hands out the same store as before, where
         # each rank's Gloo address from the last attempt still sits (torch says it makes

@@ -46,6 +46,28 @@ def quiet() -> None:
     warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
 
+def skip_noop_calls() -> None:
+    """torchft 0.2 calls `_set_sequence_number_for_group()` on the Gloo group of every quorum. From torch 2.14
+    that call does nothing but print a deprecation warning from C++ (once a process, past Python's warning
+    filters), which a user can do nothing about; torchfleet's groups skip the call there. Before 2.14 it sets
+    the group's sequence number, and is kept."""
+    from torchfleet.versions import release
+
+    if release() < (2, 14) or os.environ.get("TORCHFLEET_VERBOSE"):
+        return
+    import torchft.process_group
+    from torch.distributed import ProcessGroupGloo
+
+    if torchft.process_group.BaseProcessGroupGloo is not ProcessGroupGloo:
+        return  # done already, or a torchft that builds its groups otherwise
+
+    class Gloo(ProcessGroupGloo):  # type: ignore[misc]
+        def _set_sequence_number_for_group(self) -> None:
+            """A no-op in torch 2.14 and later, as torch's own, without its warning."""
+
+    torchft.process_group.BaseProcessGroupGloo = Gloo  # type: ignore[misc]
+
+
 def version() -> str | None:
     """The installed torchft's version, or None when it is not installed."""
     if importlib.util.find_spec("torchft") is None:

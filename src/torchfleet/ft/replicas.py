@@ -91,6 +91,7 @@ class ReplicaGroup:
         from torchfleet.ft.account import Account, RecordedTransport, recording
         from torchfleet.ft.state import TrainingState
 
+        ft.skip_noop_calls()
         self.state = TrainingState(model, optimizer, precision)
         self.account = Account(self.env.group, self.env.groups)
         base = ProcessGroupNCCL if self.device.type == "cuda" else ProcessGroupGloo

@@ -28,6 +28,7 @@ from torch.distributed.launcher.api import elastic_launch
 
 from torchfleet import netif
 from torchfleet.config import LaunchConfig
+from torchfleet.env.name_lookup import absorb_failed_lookup_warning
 from torchfleet.errors import UsageError
 from torchfleet.launcher import failures, groups, preempt, preflight, rendezvous, torchrun_flags
 from torchfleet.launcher.environ import exported
@@ -224,6 +225,8 @@ def _preflight(cfg: LaunchConfig) -> None:
 
 def _start(cfg: LaunchConfig, entrypoint: Callable | str, args: list,
            overrides: dict[str, Any] | None = None) -> dict[int, Any]:
+    # Before the first of the launcher's c10d sockets (the checks', the rendezvous', a replica group's).
+    absorb_failed_lookup_warning(netif.source_address(cfg.endpoint[0] if cfg.elastic else cfg.master_addr))
     group = None
     if cfg.replica_groups:
         # One replica group per machine (groups.py): this machine's agent, the lighthouse checked or started.
