@@ -11,6 +11,7 @@ run's of the same global batch.
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import sys
@@ -52,13 +53,23 @@ def test_resume_auto_starts_fresh_when_empty_and_continues_when_a_checkpoint_is_
     assert f"note: no checkpoint in {ck}; starting from the beginning" in first.stdout, first.stdout
     assert "resumed from" not in first.stdout
     # The same command again, further: it continues from step 6 instead of starting over.
-    second = torchfleet(*args, "--max-steps", "12", "--save-model", str(tmp_path / "resumed.pt"))
+    second = torchfleet(*args, "--max-steps", "12", "--save-model", str(tmp_path / "resumed.pt"),
+                        "--json-out", str(tmp_path / "second.json"))
     assert second.returncode == 0, second.stderr
     assert f"resumed from {ck / 'step-00000006'} at step 6" in second.stdout, second.stdout
     _straight(tmp_path / "straight.pt", 12)
     difference = _max_difference(tmp_path / "resumed.pt", tmp_path / "straight.pt")
     print(f"--resume auto: max weight difference {difference:.3g}")
     assert difference < 1e-5
+    # Once more, with the run already at its last step: nothing to train, and the summary gives the
+    # checkpoint's final loss and no rate (it printed "final loss nan" and "samples/s 0" before).
+    third = torchfleet(*args, "--max-steps", "12", "--json-out", str(tmp_path / "third.json"))
+    assert third.returncode == 0, third.stderr
+    assert f"resumed from {ck / 'step-00000012'} at step 12" in third.stdout, third.stdout
+    assert "nothing is left to train" in third.stdout and "nan" not in third.stdout, third.stdout
+    before, after = (json.loads((tmp_path / f"{run}.json").read_text()) for run in ("second", "third"))
+    assert after["steps"] == 12 and after["final_loss"] == before["final_loss"]
+    assert "samples_per_s" in before and "samples_per_s" not in after and "samples/s" not in third.stdout
 
 
 def test_plain_resume_and_auto_parse_apart():

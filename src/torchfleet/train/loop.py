@@ -104,8 +104,12 @@ def _train(cfg: TrainConfig, fleet: Fleet, listener: preempt.Listener) -> dict:
     # After a restart by torchrun's agent (--max-restarts) the group resumes on its own; a replica group
     # heals from a live peer instead, which is ahead of any checkpoint.
     restarted = fleet.env.restart_count > 0 and replicas is None
+    loss = torch.tensor(float("nan"))  # the newest step's; a resumed run starts with its checkpoint's
     if cfg.checkpoint_dir and (cfg.resume or cfg.resume_fallback or restarted):
-        step = saved = _resume(fleet, cfg, sampler)
+        step, saved_loss = _resume(fleet, cfg, sampler)
+        saved = step
+        if saved_loss is not None:
+            loss = torch.tensor(saved_loss)
     watchdog = Watchdog(fleet.rank, fleet.world_size, cfg.hang_timeout).start() if cfg.hang_timeout else None
     steps_per_epoch = len(sampler)
     total_steps = steps_per_epoch * cfg.epochs
@@ -117,7 +121,6 @@ def _train(cfg: TrainConfig, fleet: Fleet, listener: preempt.Listener) -> dict:
     # The validation figures' names (a tally of nothing gives them) are the file's columns.
     metrics = MetricsLog(cfg.metrics_out, cfg.tensorboard, tuple(task.figures(0.0, 0.0)), start_step=step,
                          extras=("participants",) if replicas else ()) if fleet.is_main else MetricsLog()
-    loss = torch.tensor(float("nan"))
     val = {}  # the newest validation figures (evaluate's)
     samples = 0
     train_seconds = 0.0
@@ -133,7 +136,7 @@ def _train(cfg: TrainConfig, fleet: Fleet, listener: preempt.Listener) -> dict:
         if saved != step:
             if fleet.world_size == 1:  # the read that checks the losses: never a diverged checkpoint
                 _log(window, metrics, step, sampler.epoch + 1, optimizer, samples, listener.requested)
-            saved = _save(fleet, cfg, step, sampler)
+            saved = _save(fleet, cfg, step, sampler, loss)
         if watchdog:
             watchdog.stop()
         assert cfg.checkpoint_dir is not None  # listening only with --checkpoint-dir
@@ -176,7 +179,7 @@ def _train(cfg: TrainConfig, fleet: Fleet, listener: preempt.Listener) -> dict:
                 bar.advance(epoch=epoch + 1, loss=shown, groups=f"{replicas.participants}/{replicas.env.groups}"
                             if replicas else None)
                 if saving:
-                    saved = _save(fleet, cfg, step, sampler)
+                    saved = _save(fleet, cfg, step, sampler, loss)
                 leave_if_asked()
                 if step >= total_steps:
                     break
@@ -194,10 +197,12 @@ def _train(cfg: TrainConfig, fleet: Fleet, listener: preempt.Listener) -> dict:
             bar.epoch_done(epoch + 1, val)
             metrics.epoch(step, epoch + 1, val)
             if cfg.checkpoint_dir and not cfg.checkpoint_every:
-                saved = _save(fleet, cfg, step, sampler)
+                saved = _save(fleet, cfg, step, sampler, loss)
     if cfg.checkpoint_dir and saved != step:
-        _save(fleet, cfg, step, sampler)  # the final weights, whatever the interval
+        _save(fleet, cfg, step, sampler, loss)  # the final weights, whatever the interval
     if step == total_steps and not val:  # resumed a run that had finished: no epoch ran
+        fleet.print(f"note: the checkpoint is at the run's last step ({step}): nothing is left to train, and the"
+                    " final loss is the checkpoint's")
         val = evaluate(fleet, val_set, task=task)
     if watchdog:
         watchdog.stop()
@@ -217,11 +222,14 @@ def _train(cfg: TrainConfig, fleet: Fleet, listener: preempt.Listener) -> dict:
         "global_batch": cfg.batch_size,
         "final_loss": final_loss,
         **val,
-        "samples_per_s": samples / train_seconds if train_seconds else 0.0,
         "wall_s": wall,
     }
-    if task is not CLASSIFY:  # a sample is a sequence of `block` tokens
-        result.update(gpt_preset=cfg.gpt_preset, tokens_per_s=result["samples_per_s"] * block)
+    if samples and train_seconds:  # a run resumed at its last step trained nothing, and has no rate to give
+        result["samples_per_s"] = samples / train_seconds
+        if task is not CLASSIFY:  # a sample is a sequence of `block` tokens
+            result["tokens_per_s"] = result["samples_per_s"] * block
+    if task is not CLASSIFY:
+        result["gpt_preset"] = cfg.gpt_preset
     if replicas is not None:
         result.update(replica_group=replicas.env.group, replica_groups=replicas.participants,
                       replica_pauses_s=[round(p, 2) for p in replicas.account.pauses])
@@ -253,20 +261,25 @@ def _log(window: LossWindow, metrics: MetricsLog, step: int, epoch: int, optimiz
     return loss
 
 
-def _save(fleet: Fleet, cfg: TrainConfig, step: int, sampler) -> int:
+def _save(fleet: Fleet, cfg: TrainConfig, step: int, sampler, loss: torch.Tensor) -> int:
+    """Checkpoint `step` with the loader's position and the step's loss (the mean over the ranks, as the summary
+    gives it), which a run resumed at its last step reports as its final loss."""
     assert cfg.checkpoint_dir is not None  # called only with --checkpoint-dir
-    fleet.save(checkpoint.step_path(cfg.checkpoint_dir, step), step=step, sampler=sampler.state_dict())
+    final_loss = fleet.all_reduce(loss.detach(), op="mean").item()
+    fleet.save(checkpoint.step_path(cfg.checkpoint_dir, step), step=step, sampler=sampler.state_dict(),
+               final_loss=final_loss)
     if fleet.is_main and fleet.writes_checkpoints:  # replica groups: the group that wrote it
         checkpoint.prune(cfg.checkpoint_dir, cfg.keep_checkpoints)
     return step
 
 
-def _resume(fleet: Fleet, cfg: TrainConfig, sampler) -> int:
+def _resume(fleet: Fleet, cfg: TrainConfig, sampler) -> tuple[int, float | None]:
+    """(the step resumed at, its loss as saved) from the newest good checkpoint; (0, None) without one."""
     assert cfg.checkpoint_dir is not None  # called only with --checkpoint-dir
     found = checkpoint.newest_good(fleet, cfg.checkpoint_dir, fallback=cfg.resume_fallback)
     if found is None:  # --resume auto's first run, as any --resume with none there
         fleet.print(f"note: no checkpoint in {cfg.checkpoint_dir}; starting from the beginning")
-        return 0
+        return 0, None
     path, manifest = found
     # Under any strategy and number of processes: torch.distributed.checkpoint reshards a sharded one, and a
     # full one is split by the strategy's own load (checkpoint/verified.py); the sampler counts global batches.
@@ -277,7 +290,7 @@ def _resume(fleet: Fleet, cfg: TrainConfig, sampler) -> int:
         f", saved by {saved_by[0]} on {_processes(saved_by[1])} and resharded for {fleet.strategy_name} on"
         f" {_processes(fleet.world_size)}")
     fleet.print(f"resumed from {path} at step {extra['step']}{moved}")
-    return extra["step"]
+    return extra["step"], extra.get("final_loss")  # older checkpoints hold no loss
 
 
 def _processes(n: int) -> str:
