@@ -26,12 +26,24 @@ REQUIRE_SYSTEM = "TORCHFLEET_REQUIRE_SYSTEM_TESTS"
 
 
 def require_system(reason: str) -> NoReturn:
-    """Skip the calling test for `reason` (what the machine lacks), or fail it when
+    """Skip the calling test (or module) for `reason` (what the machine lacks), or fail it when
     TORCHFLEET_REQUIRE_SYSTEM_TESTS is set to anything but "" or "0"."""
     if os.environ.get(REQUIRE_SYSTEM, "") not in ("", "0"):
         pytest.fail(f"{reason}; {REQUIRE_SYSTEM} is set, so this test must run here, not skip",
                     pytrace=False)
-    pytest.skip(reason)
+    pytest.skip(reason, allow_module_level=True)
+
+
+def require_module(name: str, reason: str):
+    """The module `name` (an extra the project's Makefile installs for its tests), or the calling test or
+    module skipped for `reason`; under TORCHFLEET_REQUIRE_SYSTEM_TESTS its absence fails instead, so that CI
+    cannot go green with the torchft, transformers or notebook tests left out."""
+    import importlib
+
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        require_system(f"{reason} ({exc})")
 
 
 def clean_env(**extra: str) -> dict[str, str]:

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from conftest import clean_env, run, torchfleet
+from conftest import clean_env, require_module, run, torchfleet
 from torchfleet.bench import matrix as bench
 from torchfleet.bench import report as bench_report
 from torchfleet.bench.config import BenchConfig
@@ -438,7 +438,7 @@ def _link_bench_on_hosts(net, out, extra: list[str], timeout: float) -> list:
 def test_link_mode_on_two_hosts_over_a_100mbit_link(tmp_path):
     """Two namespace hosts whose link tbf holds to 100 Mbit/s: the link is measured near that, every cell runs
     through the real launcher on both, and the verdict names the cell whose median step is the shortest."""
-    pytest.importorskip("torchft", reason="link mode's diloco cell runs on torchft (the dev extra installs it)")
+    require_module("torchft", "link mode's diloco cell runs on torchft (the dev extra installs it)")
     from netns import hosts
 
     with hosts(2, bandwidth="100mbit") as net:

@@ -24,12 +24,12 @@ from pathlib import Path
 import pytest
 
 import reference
-from conftest import ROOT, clean_env
+from conftest import ROOT, clean_env, require_module
 from torchfleet.cli import main
 from torchfleet.launcher.agent import free_port
 
-jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is in the dev extra")
-yaml = pytest.importorskip("yaml", reason="pyyaml is in the dev extra")
+jsonschema = require_module("jsonschema", "jsonschema is in the dev extra")
+yaml = require_module("yaml", "pyyaml is in the dev extra")
 
 SCHEMA = json.loads((Path(__file__).parent / "data" / "pytorchjob.v1.schema.json").read_text())
 SCRIPT = "examples/train_digits.py"  # relative: the image's working folder holds it
@@ -261,7 +261,7 @@ def test_ft_pods_meet_at_the_lighthouse_and_train(tmp_path, monkeypatch):
     """The lighthouse Deployment's command with the pod's IP, and each pod's command with the
     operator's variables, as processes here (the Service's name swapped for 127.0.0.1, its port
     for a free one): the groups reach the lighthouse and train together to the end."""
-    pytest.importorskip("torchft", reason="--fault-tolerance step needs torchft (the dev extra installs it)")
+    require_module("torchft", "--fault-tolerance step needs torchft (the dev extra installs it)")
     monkeypatch.chdir(ROOT)
     out = tmp_path / "job.yaml"
     assert main(["k8s", FT_SCRIPT, "--fault-tolerance", "step", "--nodes", "2", "--out", str(out)]) == 0

@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 
+from conftest import require_module
 from torchfleet.errors import UsageError
 from torchfleet.train.config import TrainConfig
 from torchfleet.train.loop import train
@@ -116,7 +117,7 @@ def test_a_restart_drops_the_rows_it_computes_again(tmp_path):
 
 
 def test_tensorboard_holds_the_same_scalars_as_the_file(tmp_path):
-    pytest.importorskip("tensorboard", reason="the dev extra installs tensorboard; --tensorboard needs it")
+    require_module("tensorboard", "the dev extra installs tensorboard; --tensorboard needs it")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     _train(epochs=2, log_every=3, metrics_out=str(tmp_path / "m.csv"), tensorboard=str(tmp_path / "tb"))

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import torchfleet
+from conftest import require_module, torchfleet
 from torchfleet import cli
 from torchfleet.errors import UsageError
 from torchfleet.models import (
@@ -90,7 +90,7 @@ def test_gpt_init_is_gpt2s():
 
 
 def test_gpt_matches_hugging_face_gpt2_given_the_same_weights():
-    transformers = pytest.importorskip("transformers", reason="transformers is in the test extra; not installed")
+    transformers = require_module("transformers", "transformers is in the test extra; not installed")
     hf_cfg = transformers.GPT2Config(vocab_size=97, n_positions=32, n_embd=48, n_layer=2, n_head=4, resid_pdrop=0.0,
                                      embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     torch.manual_seed(0)

@@ -10,12 +10,12 @@ import re
 
 import pytest
 
-from conftest import EXAMPLES, clean_env
+from conftest import EXAMPLES, clean_env, require_module
 from torchfleet import UsageError, notebook_launch
 
-nbformat = pytest.importorskip("nbformat", reason="nbformat is in the dev extra")
-nbclient = pytest.importorskip("nbclient", reason="nbclient is in the dev extra")
-pytest.importorskip("ipykernel", reason="ipykernel is in the dev extra")
+nbformat = require_module("nbformat", "nbformat is in the dev extra")
+nbclient = require_module("nbclient", "nbclient is in the dev extra")
+require_module("ipykernel", "ipykernel is in the dev extra")
 
 
 @pytest.mark.timeout(300)

@@ -14,6 +14,7 @@ import functools
 import pytest
 import torch
 
+from conftest import require_module
 from torchfleet import launch
 from torchfleet.errors import UsageError
 from torchfleet.launcher import LaunchError
@@ -21,7 +22,7 @@ from torchfleet.models import GPTConfig
 from torchfleet.testing import memory_job, misuse_job, real_model_matrix, train_real_model
 from torchfleet.versions import release
 
-pytest.importorskip("transformers", reason="transformers (the test extra) builds GPT-2 from a config")
+require_module("transformers", "transformers (the test extra) builds GPT-2 from a config")
 
 CLIP = {"max_grad_norm": 0.05}  # serial's norms are 1.2 to 1.6 here: every step clips
 CHECKPOINT = {"activation_checkpointing": True}

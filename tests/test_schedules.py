@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.distributed import pipelining
 
-from conftest import torchfleet
+from conftest import require_system, torchfleet
 from torchfleet import Fleet, launch
 from torchfleet.errors import UsageError
 from torchfleet.strategies import resolve_dims
@@ -119,6 +119,22 @@ def _first_two_losses(strategy: str, **options) -> tuple[Fleet, list, list[float
     return fleet, batches, losses
 
 
+def _schedule_seen(schedule: str) -> dict:
+    """What runs for `schedule` (2 stages per process where it takes several, 4 micro-batches): torch's class
+    and, for the multi-stage schedules, this process's actions in order, as (stage, kind, micro-batch)."""
+    per = 1 if schedule in ("gpipe", "1f1b") else 2
+    fleet = Fleet(strategy="pipeline", schedule=schedule, stages_per_process=per, microbatches=4)
+    torch.manual_seed(0)
+    net = build_model("cnn", (1, 8, 8), 10)
+    fleet.setup(net, build_optimizer("sgd", net.parameters(), 1e-2))
+    x, y = next(iter(fleet.dataloader(synthetic(32, seed=1), 32, seed=1)))
+    fleet.train_step(x, y, nn.CrossEntropyLoss())
+    running = fleet.strategy._schedule
+    order = getattr(running, "pipeline_order", {}).get(fleet.strategy.pp_rank, [])
+    return {"class": type(running).__name__,
+            "actions": [(a.stage_index, a.computation_type.name, a.microbatch_index) for a in order if a is not None]}
+
+
 def _save_and_load(directory: str) -> dict:
     """Train 2 steps with 2 stages per process, save (sharded and full), train 2 more, load, train the 2 again."""
     fleet, batches, losses = _first_two_losses("pipeline", schedule="interleaved-1f1b", stages_per_process=2)
@@ -145,9 +161,11 @@ def _job(directory: str) -> dict:
     gpt2 = [_library("hf-gpt2", s, strategy, **o) for strategy, s, o in GPT2] if HAS_TRANSFORMERS else []
     predicted = _predict("interleaved-1f1b") if "interleaved-1f1b" in HERE else None
     checkpoint = _save_and_load(directory)
+    seen = {name: _schedule_seen(name) for name in available()}
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
-    return {"weights": weights, "library": library, "gpt2": gpt2, "predict": predicted, "checkpoint": checkpoint}
+    return {"weights": weights, "library": library, "gpt2": gpt2, "predict": predicted, "checkpoint": checkpoint,
+            "seen": seen}
 
 
 def _four_job() -> dict:
@@ -199,10 +217,40 @@ def test_each_schedule_equals_serial_with_two_stages_per_process(results):
         assert (got - untouched).abs().max().item() > 1e-3  # training moved the weights
 
 
+# torch's class for each --schedule, written out here rather than read from schedules.SCHEDULES, so that a
+# wrong entry there fails (every schedule computes the same gradients: equal weights cannot tell them apart).
+CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B",
+           "looped-bfs": "ScheduleLoopedBFS", "interleaved-zb": "ScheduleInterleavedZeroBubble",
+           "zbv": "ScheduleZBVZeroBubble"}
+
+
+def test_each_schedule_runs_its_own_class_and_order_of_actions(results):
+    """On process 0 with 4 micro-batches: zero-bubble schedules split each backward into the input's
+    gradient and the weights' (later); the others run whole backwards. Looped BFS runs every micro-batch
+    through its first stage before its second; interleaved 1F1B starts its second stage sooner."""
+    seen = results["seen"]
+    assert set(seen) == set(available())
+    for name, found in seen.items():
+        assert found["class"] == CLASSES[name], (name, found["class"])
+        if name in ("gpipe", "1f1b"):
+            continue
+        kinds = {kind for _, kind, _ in found["actions"]}
+        split = name in ("interleaved-zb", "zbv")
+        assert ({"BACKWARD_INPUT", "BACKWARD_WEIGHT"} <= kinds) == split, (name, kinds)
+        assert ("FULL_BACKWARD" in kinds) != split, (name, kinds)
+        forwards = [stage for stage, kind, _ in found["actions"] if kind == "FORWARD"]
+        first, second = sorted(set(forwards))
+        assert forwards.count(first) == forwards.count(second) == 4, (name, forwards)
+        breadth_first = forwards == [first] * 4 + [second] * 4
+        assert breadth_first == (name == "looped-bfs"), (name, forwards)
+
+
 @pytest.mark.timeout(300)
 def test_a_library_model_with_tied_weights_equals_serial(results):
-    if not HAS_TRANSFORMERS or not LIBRARY:
-        pytest.skip("transformers (the test extra) builds the library model")
+    if not LIBRARY:
+        pytest.skip("neither zbv nor interleaved-1f1b runs on this torch")
+    if not HAS_TRANSFORMERS:
+        require_system("transformers (the test extra) builds the library model")
     for (name, schedule), got in zip(LIBRARY, results["library"], strict=True):
         want = _library(name, None)
         assert list(got) == list(want)
@@ -213,7 +261,7 @@ def test_a_library_model_with_tied_weights_equals_serial(results):
 @pytest.mark.timeout(300)
 def test_gpt2_cut_into_four_stages_equals_serial(results, four):
     if not HAS_TRANSFORMERS:
-        pytest.skip("transformers (the test extra) builds GPT-2")
+        require_system("transformers (the test extra) builds GPT-2")
     want = _library("hf-gpt2", None)
     assert want is not None
     for (strategy, schedule, _), got in zip(GPT2 + GPT2_FOUR, results["gpt2"] + four["gpt2"], strict=True):

@@ -16,10 +16,11 @@ import functools
 import pytest
 import torch
 
+from conftest import require_module
 from torchfleet import launch
 from torchfleet.versions import release
 
-pytest.importorskip("transformers", reason="transformers (the test extra) builds the library models from configs")
+require_module("transformers", "transformers (the test extra) builds the library models from configs")
 
 from zoo import ZOO, checkpoint_job, train_zoo, zoo_matrix  # noqa: E402 (after the skip: zoo imports transformers lazily)
 
