@@ -20,11 +20,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import ROOT, clean_env, torchfleet
+from conftest import ROOT, clean_env, require_module, torchfleet
 
-pytest.importorskip("torchft", reason="--fault-tolerance step needs torchft (the dev extra installs it)")
+require_module("torchft", "--fault-tolerance step needs torchft (the dev extra installs it)")
 
 MLP = ["--model", "mlp", "--data", "digits", "--batch-size", "48", "--no-progress", "--hang-timeout", "0"]
+SGD = ["--optimizer", "sgd", "--lr", "0.05"]  # replay()'s
 
 
 def _free_port() -> int:
@@ -65,24 +66,67 @@ def _max_diff(a: dict, b: dict) -> float:
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
 
 
+HEALED = "group 1 healed from group 0"
+
+
 def one_group_killed(argv: list[str], step: int, tmp: Path) -> list[str]:
     """Two groups on this machine, each under its own agent with --max-restarts 1; group 1's worker is killed
-    once after `step`. Both must end with status 0; their outputs, each group's weights and summary in tmp."""
-    fired, port = tmp / "fired", _free_port()
+    once after `step`. Both must end with status 0; their outputs, each group's weights, summary and metrics
+    (group{g}.pt, .json, .csv) in tmp.
+
+    From `step` on, group 0 sleeps 0.2 s after each step until group 1 says it healed: group 1's start again
+    (its interpreter, torch, the model) took 5 s on a quiet machine and over 30 s at a load average of 5, and
+    a group 0 that finished first closed the lighthouse on it. Paced, group 0 still steps, and commits alone,
+    while it waits."""
+    fired, healed, port = tmp / "fired", tmp / "healed", _free_port()
 
     def group(rank: int, **env) -> subprocess.Popen:
         return subprocess.Popen(
             [sys.executable, "-m", "torchfleet", "train", *argv, "--fault-tolerance", "step", "--nnodes", "2",
              "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port), "-n", "1",
              "--max-restarts", "1", "--save-model", str(tmp / f"group{rank}.pt"),
-             "--json-out", str(tmp / f"group{rank}.json")],
+             "--json-out", str(tmp / f"group{rank}.json"), "--metrics-out", str(tmp / f"group{rank}.csv")],
             env=clean_env(**env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
 
-    procs = [group(0), group(1, TORCHFLEET_FAULT=f"kill:rank=0:step={step}:once={fired}")]
-    outputs = [p.communicate(timeout=240)[0] for p in procs]
+    procs = [group(0, TORCHFLEET_FAULT=f"pace:rank=0:step={step}:seconds=0.2:until={healed}"),
+             group(1, TORCHFLEET_FAULT=f"kill:rank=0:step={step}:once={fired}")]
+    outputs = read_outputs(procs, timeout=240, when={1: (HEALED, healed.touch)})
     assert [p.returncode for p in procs] == [0, 0], outputs
     assert fired.exists()
     return outputs
+
+
+def read_outputs(procs: list[subprocess.Popen], timeout: float, when: dict | None = None) -> list[str]:
+    """Every process's whole output, read as it comes; `when` maps a process's index to (text, action): the
+    action runs once, as soon as that process prints a line holding the text. Past `timeout` seconds the
+    processes are killed and the test fails with what they printed."""
+    import threading
+
+    lines: list[list[str]] = [[] for _ in procs]
+
+    def read(i: int) -> None:
+        text, action = (when or {}).get(i, (None, None))
+        assert procs[i].stdout is not None
+        for line in procs[i].stdout:
+            lines[i].append(line)
+            if text is not None and text in line:
+                action()
+                text = None
+
+    readers = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(len(procs))]
+    for reader in readers:
+        reader.start()
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        pytest.fail(f"still running after {timeout:.0f} s: {[''.join(out)[-2000:] for out in lines]}")
+    for reader in readers:
+        reader.join(timeout=30)
+    return ["".join(out) for out in lines]
 
 
 @pytest.mark.timeout(300)
@@ -93,6 +137,7 @@ def test_an_uninterrupted_job_of_replica_groups_trains_serials_weights(strategy,
     runs = _groups(groups, argv, tmp_path, nproc=nproc)
     for status, output in runs:
         assert status == 0, output
+        assert "setSequenceNumberForGroup" not in output, output  # torchft's call of a deprecated no-op
     expected = _serial([*MLP, "--epochs", "1", "--max-steps", "12"], tmp_path)
     weights = [torch.load(tmp_path / f"group{g}.pt", weights_only=True) for g in range(groups)]
     for g, state in enumerate(weights):
@@ -132,11 +177,48 @@ def test_one_group_writes_the_checkpoints_and_every_group_resumes_from_them(tmp_
         assert _max_diff(torch.load(tmp_path / f"group{g}.pt", weights_only=True), expected) < 1e-5
 
 
+def replay(participants: dict[int, int], steps: int, groups: int = 2) -> dict:
+    """The weights of `steps` SGD steps of MLP's job (lr 0.05, global batch 48, digits) in this process, step k
+    on the first participants[k] of the `groups` shares of global batch k (the lost group being the last):
+    what a job of replica groups must train, whichever of its steps a lost group missed."""
+    from torchfleet.data import GlobalBatchSampler
+    from torchfleet.train.datasets import digits
+    from torchfleet.train.models import build_model, build_optimizer
+
+    torch.manual_seed(0)  # as the training loop seeds its model
+    data = digits("train", seed=0)
+    model = build_model("mlp", (1, 8, 8), 10)
+    optimizer = build_optimizer("sgd", model.parameters(), 0.05)
+    sampler = GlobalBatchSampler(len(data), 48, seed=0)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    step = 0
+    while step < steps:
+        for batch in sampler:
+            step += 1
+            rows = torch.tensor(batch[: len(batch) * participants[step] // groups])
+            optimizer.zero_grad()
+            loss_fn(model(data.tensors[0][rows]), data.tensors[1][rows]).backward()
+            optimizer.step()
+            if step == steps:
+                break
+    return model.state_dict()
+
+
+def _train_rows(path: Path) -> list[dict]:
+    return [r for r in csv.DictReader(path.open()) if r["kind"] == "train"]
+
+
 @pytest.mark.timeout(300)
 def test_a_group_whose_worker_dies_is_restarted_by_its_agent_and_heals_from_a_live_peer(tmp_path):
     """Group 1's worker is killed after step 8; its own agent (--max-restarts 1) starts it again, it heals
-    from group 0 instead of reading a checkpoint, and both end with the same weights, near serial's."""
-    argv = [*MLP, "--strategy", "ddp", "--epochs", "6", "--log-every", "29"]
+    from group 0 instead of reading a checkpoint, and both end with the same weights.
+
+    Those weights are also what the job must have trained: replayed here step by step, each step on the
+    global batch of its number, whole where both groups took part (group 0's metrics say which) and half
+    where group 0 went on alone. They differ when the step that group 1's death broke is not done again on
+    the same batch, or when group 1, healed, reads another batch than its peer's."""
+    steps = 2 * 29
+    argv = [*MLP, *SGD, "--strategy", "ddp", "--epochs", "2", "--log-every", "1"]
     outputs = one_group_killed(argv, 8, tmp_path)
     healed = re.search(r"group 1 healed from group 0 at step (\d+)", outputs[1])
     assert healed and int(healed.group(1)) >= 8, outputs[1]
@@ -147,8 +229,21 @@ def test_a_group_whose_worker_dies_is_restarted_by_its_agent_and_heals_from_a_li
     weights = [torch.load(tmp_path / f"group{g}.pt", weights_only=True) for g in range(2)]
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
     summaries = [json.loads((tmp_path / f"group{g}.json").read_text()) for g in range(2)]
-    assert [s["steps"] for s in summaries] == [6 * 29] * 2
+    assert [s["steps"] for s in summaries] == [steps] * 2
     assert summaries[0]["val_accuracy"] == summaries[1]["val_accuracy"]
+    # Group 0 committed every step once, in order; some alone while group 1 was away.
+    rows = _train_rows(tmp_path / "group0.csv")
+    assert [int(r["step"]) for r in rows] == list(range(1, steps + 1))
+    participants = {int(r["step"]): int(r["participants"]) for r in rows}
+    alone = sorted(s for s, n in participants.items() if n == 1)  # none when group 1 was back within 3 s
+    assert set(participants.values()) <= {1, 2} and all(s > 8 for s in alone), participants
+    # Group 1, started again, logged only steps after it healed, each once, to the end.
+    after = [int(r["step"]) for r in _train_rows(tmp_path / "group1.csv")]
+    assert after and after[0] > int(healed.group(1)) and after == list(range(after[0], steps + 1)), after
+    diff = _max_diff(weights[0], replay(participants, steps))
+    print(f"group 0 went on alone for {len(alone)} steps; group 1 healed at step {healed.group(1)};"
+          f" max |weight - replay| = {diff:.3g}")
+    assert diff < 1e-5
 
 
 @pytest.mark.timeout(120)

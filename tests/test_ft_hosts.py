@@ -4,10 +4,10 @@ Three network-namespace hosts (netns.py), one replica group each, run the same
 `torchfleet train --fault-tolerance step --nnodes 3 --node-rank i --master-addr <host 0>`;
 host 0's launcher runs torchft's lighthouse. Host 2 stalls after a known step and every process
 on it gets SIGKILL (a machine that dies). The two others must go on at once: no restart, no
-checkpoint read, a step counter that never goes back, a pause that is measured and said. Host 2
-is started again with the same command, heals from a live peer (torchft's transport), and trains
-to the end; then the three groups' weights are identical and the validation accuracy is within a
-point of an uninterrupted run's.
+checkpoint read, a step counter that never goes back, a pause that is measured, said and bounded.
+Host 2 is started again with the same command, heals from a live peer (torchft's transport), and
+trains to the end; then the three groups' weights are identical, and equal to a replay of the job in
+this process in which each step trains on the shares of the groups that took part in it.
 """
 
 from __future__ import annotations
@@ -22,22 +22,27 @@ import time
 import pytest
 import torch
 
-from conftest import clean_env, torchfleet
+from conftest import clean_env, require_module, torchfleet
 from netns import hosts
+from test_ft import MLP, SGD, _max_diff, read_outputs, replay
+from torchfleet.ft.lighthouse import HEARTBEAT_TIMEOUT_MS
 
-pytest.importorskip("torchft", reason="--fault-tolerance step needs torchft (the dev extra installs it)")
+require_module("torchft", "--fault-tolerance step needs torchft (the dev extra installs it)")
 
 LOST, LOST_AFTER = 2, 20  # host 2 stalls after step 20 and is then lost
 PORT = 29510  # inside the namespaces: no other job can hold it
-JOB = ["train", "--model", "mlp", "--data", "digits", "--batch-size", "48", "--no-progress", "--hang-timeout", "0",
-       "--log-every", "1"]
-# (strategy, processes per group, epochs): long enough that host 2 is back before the others end. Its
-# start (the interpreter, torch, the model, on cores the survivors keep busy) took 5 s with one process
-# per group and 20 s with two, while the survivors trained on at 10 to 15 steps a second.
+JOB = ["train", *MLP, *SGD, "--log-every", "1"]
+# (strategy, processes per group, epochs of 29 steps). Host 2's start again (the interpreter, torch, the
+# model, on cores the survivors keep busy) took 5 s with one process per group and 20 s with two on a quiet
+# machine, several times that at a load average of 5; the survivors, paced from step LOST_AFTER on (0.2 s
+# a step) until host 2 says it healed, are still training when it is back, however long that takes.
 CASES = {
-    "ddp-1-per-group": ("ddp", 1, 24),
-    "fsdp-2-per-group": ("fsdp", 2, 40),
+    "ddp-1-per-group": ("ddp", 1, 3),
+    "fsdp-2-per-group": ("fsdp", 2, 3),
 }
+# Beyond the lighthouse's heartbeat timeout after the loss, what a survivor's pause may take: the quorum
+# without host 2, the step it broke done again, and the 0.2 s of pacing, on a loaded machine.
+PAUSE_SLACK_S = 10.0
 
 
 def _wait_for(what: str, ready, net, procs: dict, timeout: float) -> None:
@@ -65,8 +70,9 @@ def _steps(path) -> list[int]:
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("strategy,nproc,epochs", CASES.values(), ids=CASES.keys())
 def test_a_lost_host_leaves_the_others_training_and_heals_when_it_comes_back(strategy, nproc, epochs, tmp_path):
-    fired, ckpt = tmp_path / "fired", tmp_path / "ckpt"
+    fired, healed, ckpt = tmp_path / "fired", tmp_path / "healed", tmp_path / "ckpt"
     job = [*JOB, "--strategy", strategy, "--epochs", str(epochs)]
+    paced = f"pace:rank=0:step={LOST_AFTER}:seconds=0.2:until={healed}"
 
     def command(i: int, run: str) -> list[str]:
         return [sys.executable, "-m", "torchfleet", *job, "--fault-tolerance", "step", "--nnodes", "3",
@@ -80,24 +86,26 @@ def test_a_lost_host_leaves_the_others_training_and_heals_when_it_comes_back(str
             return net.popen(i, command(i, run), env=clean_env(**env), stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
 
-        procs = {0: start(0, "host0")}
-        procs |= {1: start(1, "host1"),
+        procs = {0: start(0, "host0", TORCHFLEET_FAULT=paced)}
+        procs |= {1: start(1, "host1", TORCHFLEET_FAULT=paced),
                   LOST: start(LOST, "lost", TORCHFLEET_FAULT=f"sleep:rank=0:step={LOST_AFTER}:once={fired}")}
         _wait_for(f"host {LOST} to stall after step {LOST_AFTER}", fired.exists, net, procs, 150)
         listening = {i: _listening(net, i) for i in range(3)}
+        lost_at = time.time()
         net.lose(LOST)
+        stalled = lost_at - float(fired.read_text())  # how long host 2 held the others before it died
         lost_output = procs[LOST].communicate(timeout=30)[0]
         procs[LOST] = start(LOST, "host2")  # the machine is back: the same command
-        outputs = {i: procs[i].communicate(timeout=300)[0] for i in range(3)}
+        said = read_outputs([procs[0], procs[1], procs[LOST]], timeout=300,
+                            when={2: (f"group {LOST} healed from group", healed.touch)})
+        outputs = dict(enumerate(said))
         codes = {i: procs[i].returncode for i in range(3)}
-    if codes[LOST] and codes[0] == codes[1] == 0 and "lighthouse at" in outputs[LOST]:
-        pytest.fail(f"host {LOST} came back after the others had finished, too late to heal (its start took"
-                    f" longer than their remaining steps on this machine): {outputs[LOST][-600:]}")
     assert codes == {0: 0, 1: 0, 2: 0}, (codes, outputs, lost_output)
-    # The uninterrupted reference, afterwards (its cores were the hosts'): serial on this machine. An
-    # uninterrupted job of replica groups trains serial's weights (test_ft.py checks it to 1e-5).
-    reference = torchfleet(*job, "--strategy", "serial", "--json-out", str(tmp_path / "serial.json"), timeout=300)
-    assert reference.returncode == 0, reference.stdout + reference.stderr
+    # torch's noise a user can do nothing about: its reverse lookup of each socket's address failing (no DNS
+    # in the namespaces) and torchft's call of a deprecated no-op (env/name_lookup.py, ft.skip_noop_calls).
+    for text in (*outputs.values(), lost_output):
+        assert "The hostname of the client socket cannot be retrieved" not in text, text
+        assert "setSequenceNumberForGroup" not in text, text
     # Exposure: the lighthouse (host 0), torchft's manager server, its store and Gloo listen on the host's
     # own address, the agent's stores on loopback; nothing on every address (0.0.0.0, [::], *).
     for i, found in listening.items():
@@ -111,11 +119,14 @@ def test_a_lost_host_leaves_the_others_training_and_heals_when_it_comes_back(str
         assert found, text
         assert int(found.group(1)) >= LOST_AFTER
         pauses.append(float(found.group(2)))
+        # At least the lighthouse's heartbeat timeout (or its join timeout, were host 2's stall longer);
+        # at most the stall, that timeout and the slack.
+        assert 2.5 <= pauses[-1] <= stalled + HEARTBEAT_TIMEOUT_MS / 1000 + PAUSE_SLACK_S, (pauses, stalled)
         assert f"group {LOST} joined at step" in text, text
         assert "resumed from" not in text and "restart" not in text.lower(), text
         steps = _steps(tmp_path / f"host{i}.csv")
         assert steps == sorted(steps) and steps[-1] == epochs * 29, steps[-5:]  # never goes back
-    print(f"{strategy}: the survivors paused {pauses} s when host {LOST} was lost")
+    print(f"{strategy}: the survivors paused {pauses} s when host {LOST} was lost, {stalled:.1f} s after it stalled")
     # The host that came back healed from a live peer and trained to the end.
     healed = re.search(r"group 2 healed from group ([01]) at step (\d+)", outputs[LOST])
     assert healed, outputs[LOST]
@@ -126,18 +137,22 @@ def test_a_lost_host_leaves_the_others_training_and_heals_when_it_comes_back(str
     weights = [torch.load(tmp_path / f"host{i}.pt", weights_only=True) for i in range(3)]
     for i in (1, 2):
         assert all(torch.equal(weights[i][k], weights[0][k]) for k in weights[0]), f"host {i} differs from host 0"
-    serial = json.loads((tmp_path / "serial.json").read_text())
-    accuracy = summaries[0]["val_accuracy"]
-    print(f"{strategy}: validation accuracy {accuracy:.4f}, uninterrupted {serial['val_accuracy']:.4f};"
-          f" host 2 healed at step {healed.group(2)} from group {healed.group(1)}")
-    assert abs(accuracy - serial["val_accuracy"]) <= 0.01
-    assert {s["val_accuracy"] for s in summaries} == {accuracy}
+    assert len({s["val_accuracy"] for s in summaries}) == 1
+    # What the job trained, step by step: each step on the shares of the groups that took part in it (host 0's
+    # metrics say how many), the step host 2's loss broke done again on its batch, host 2 back on its peers'.
+    rows = [r for r in csv.DictReader((tmp_path / "host0.csv").open()) if r["kind"] == "train"]
+    participants = {int(r["step"]): int(r["participants"]) for r in rows}
+    assert sorted(participants) == list(range(1, epochs * 29 + 1)) and 2 in participants.values(), participants
+    diff = _max_diff(weights[0], replay(participants, epochs * 29, groups=3))
+    print(f"{strategy}: host 2 healed at step {healed.group(2)} from group {healed.group(1)};"
+          f" max |weight - replay| = {diff:.3g}")
+    assert diff < 1e-5
     # Periodic checkpoints went on, written by one group (the first in each quorum).
     assert (ckpt / f"step-{epochs * 29:08d}").is_dir()
 
 
 @pytest.mark.timeout(120)
-def test_an_unreachable_lighthouse_is_one_sentence_and_status_2_within_30_s(tmp_path):
+def test_an_unreachable_lighthouse_is_one_sentence_and_status_2_after_25_s_of_knocking(tmp_path):
     with hosts(2) as net:
         start = time.monotonic()
         out = net.run(1, [sys.executable, "-m", "torchfleet", *JOB, "--strategy", "ddp", "--fault-tolerance", "step",
@@ -148,7 +163,9 @@ def test_an_unreachable_lighthouse_is_one_sentence_and_status_2_within_30_s(tmp_
     assert out.stderr.strip().count("\n") == 0 and "Traceback" not in out.stderr, out.stderr
     assert f"cannot reach the lighthouse at {net.addr(0)}:{PORT} within 25 s" in out.stderr
     print(f"refused after {seconds:.1f} s")
-    assert seconds < 30  # 25 s of knocking, and the interpreter's start
+    # 25 s of knocking, and the interpreter's and torch's start: 2 to 5 s on a quiet machine, 7.3 s at a load
+    # average of 4 (32.3 s in all), so the bound leaves 20 s for it.
+    assert 25 <= seconds < 45
 
 
 def test_a_lighthouse_given_an_address_of_another_machine_is_refused(tmp_path):
@@ -161,7 +178,7 @@ def test_a_lost_diloco_host_leaves_the_other_training_and_heals_at_a_meeting(tmp
     """diloco across two hosts, meetings every 10 steps: host 1 stalls after step 20 and is lost. Host 0 goes on
     alone at its next meeting, never restarts or reloads, and its steps never go back; host 1, started again,
     meets host 0 at one of its meetings, heals from it, and both end with the same weights."""
-    fired, epochs, every = tmp_path / "fired", 40, 10
+    fired, healed, epochs, every = tmp_path / "fired", tmp_path / "healed", 3, 10
     job = [*JOB, "--strategy", "diloco", "--sync-every", str(every), "--epochs", str(epochs)]
 
     with hosts(2) as net:
@@ -173,12 +190,15 @@ def test_a_lost_diloco_host_leaves_the_other_training_and_heals_at_a_meeting(tmp
             return net.popen(i, command, env=clean_env(**env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              text=True)
 
-        procs = {0: start(0, "host0"), 1: start(1, "lost", TORCHFLEET_FAULT=f"sleep:rank=0:step=20:once={fired}")}
+        # Host 0 paced from step 20 until host 1 says it healed, as in the test above.
+        procs = {0: start(0, "host0", TORCHFLEET_FAULT=f"pace:rank=0:step=20:seconds=0.2:until={healed}"),
+                 1: start(1, "lost", TORCHFLEET_FAULT=f"sleep:rank=0:step=20:once={fired}")}
         _wait_for("host 1 to stall after step 20", fired.exists, net, procs, 150)
         net.lose(1)
         procs[1].communicate(timeout=30)
         procs[1] = start(1, "host1")
-        outputs = {i: procs[i].communicate(timeout=240)[0] for i in range(2)}
+        outputs = dict(enumerate(read_outputs([procs[0], procs[1]], timeout=240,
+                                              when={1: ("group 1 healed from group 0", healed.touch)})))
         codes = {i: procs[i].returncode for i in range(2)}
     assert codes == {0: 0, 1: 0}, (codes, outputs)
     left = re.search(r"group 1 left at step (\d+): group 0 went on after a pause of ([\d.]+) s", outputs[0])

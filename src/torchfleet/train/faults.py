@@ -9,6 +9,9 @@ rank `rank` after step `step` the fault fires:
     raise   raise RuntimeError (a crash with a traceback)
     sleep   sleep `seconds` (default 3600) without a word: a hang
     nan     return True: the trainer then treats the loss as NaN
+    pace    from `step` on, sleep `seconds` after every step until FILE
+            (``until=FILE``) exists: a rank kept slow, but stepping, until
+            something else has happened (a lost peer back and healed)
 
 ``once=FILE`` fires only while FILE does not exist and writes it (holding
 the time it fired) just before firing, so a group restarted by torchrun's
@@ -26,7 +29,7 @@ from pathlib import Path
 from torchfleet.errors import UsageError
 
 VARIABLE = "TORCHFLEET_FAULT"
-KINDS = ("kill", "raise", "sleep", "nan")
+KINDS = ("kill", "raise", "sleep", "nan", "pace")
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,7 @@ class Fault:
     step: int
     once: str | None = None
     seconds: float = 3600.0
+    until: str | None = None  # pace's end: when this file exists
 
 
 def parse(text: str) -> Fault:
@@ -43,12 +47,12 @@ def parse(text: str) -> Fault:
     try:
         values = dict(f.split("=", 1) for f in fields)
         fault = Fault(kind, int(values.pop("rank")), int(values.pop("step")), values.pop("once", None),
-                      float(values.pop("seconds", 3600)))
+                      float(values.pop("seconds", 3600)), values.pop("until", None))
     except (ValueError, KeyError):
         fault = None
-    if fault is None or kind not in KINDS or values:
-        raise UsageError(f"{VARIABLE}={text!r} is not a fault; use e.g. kill:rank=1:step=7[:once=FILE]"
-                         f" with kind one of {', '.join(KINDS)}")
+    if fault is None or kind not in KINDS or values or (kind == "pace") != (fault.until is not None):
+        raise UsageError(f"{VARIABLE}={text!r} is not a fault; use e.g. kill:rank=1:step=7[:once=FILE] or"
+                         f" pace:rank=0:step=7:seconds=0.2:until=FILE, with kind one of {', '.join(KINDS)}")
     return fault
 
 
@@ -60,7 +64,13 @@ def _configured() -> Fault | None:
 def maybe_fire(rank: int, step: int) -> bool:
     """Fire the configured fault if it is due here; True means "pretend the loss is NaN"."""
     fault = _configured()
-    if fault is None or fault.rank != rank or fault.step != step:
+    if fault is None or fault.rank != rank:
+        return False
+    if fault.kind == "pace":
+        if step >= fault.step and fault.until and not os.path.exists(fault.until):
+            time.sleep(fault.seconds)
+        return False
+    if fault.step != step:
         return False
     if fault.once:
         marker = Path(fault.once)
