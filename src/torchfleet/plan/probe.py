@@ -17,8 +17,10 @@
   runs in N processes at once than in one (contention.py), for N = 2 and 4.
 
 The cache is one JSON file per machine under $XDG_CACHE_HOME/torchfleet (or
-~/.cache/torchfleet), keyed by host name, torch version and usable cores: any
-of those changing gives other rates. `--reprobe` measures again.
+~/.cache/torchfleet), keyed by host name, torch version and usable cores (any
+of those changing gives other rates) and by torchfleet's version and a digest
+of the probes' own code (a changed probe measures something else, so its old
+figures are not read). `--reprobe` measures again.
 """
 
 from __future__ import annotations
@@ -113,11 +115,28 @@ class Calibration:
                    {w: {int(n): float(f) for n, f in by.items()} for w, by in data.get("slowdowns", {}).items()})
 
 
+# The modules whose code makes the cached figures: a change to any of them is a new cache.
+PROBING_MODULES = ("probe.py", "overheads.py", "contention.py", "comm.py")
+
+
+def probes_digest() -> str:
+    """A short digest of the probing modules' source, part of the cache's name."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name in PROBING_MODULES:
+        digest.update((Path(__file__).parent / name).read_bytes())
+    return digest.hexdigest()[:10]
+
+
 def cache_path() -> Path:
     import torch
 
+    import torchfleet
+
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torchfleet"
-    return root / f"plan-{socket.gethostname()}-torch{torch.__version__}-{usable_cores()}cores.json"
+    return root / (f"plan-{socket.gethostname()}-torch{torch.__version__}-{usable_cores()}cores"
+                   f"-torchfleet{torchfleet.__version__}-{probes_digest()}.json")
 
 
 def calibration(reprobe: bool = False, say=print, processes: tuple[int, ...] = PROBE_PROCESSES) -> Calibration:
