@@ -95,41 +95,27 @@ bench: $(VENV)/.dev
 parity: $(VENV)/.parity
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python benchmarks/parity.py
 
-# On a machine with a CUDA GPU: the GPU suite (tests/test_cuda.py), the seed
-# notebook's rows on that GPU, and ddp's scaling over the machine's CPU cores,
-# each written under GPU_OUT. It runs the interpreter that already has torch
-# (GPU_PYTHON) with torchfleet taken from src/, installing nothing, since such
-# machines often have no package index; it needs pytest, rich and scikit-learn
-# there. About 10 minutes on one H100 with 16 cores.
+# On a machine with a CUDA GPU, in about 7 minutes (one H100, 16 cores): the GPU suite
+# (tests/test_cuda.py), bench on resnet50 and gpt2 in three precisions eager and
+# compiled with MFU and where the time goes, the planner's prediction beside each
+# measured cell, the host-sync comparison and cpu-scaling's figures, written as
+# JSON and Markdown under GPU_OUT and packed as GPU_OUT.tar.gz (benchmarks/gpu_check.py
+# says how). It runs the interpreter that already has torch (GPU_PYTHON) with
+# torchfleet taken from src/, installing nothing, since such machines often have no
+# package index; it needs pytest, rich and scikit-learn there.
 GPU_PYTHON ?= python3
 GPU_OUT    ?= runs/gpu-check
 GPU_RUN    := PYTHONPATH=$(abspath src) $(GPU_PYTHON)
 
 gpu-check:
-	mkdir -p $(GPU_OUT)
-	$(GPU_RUN) -c "import torch, sys; torch.cuda.is_available() or sys.exit('make gpu-check needs a CUDA GPU, and torch here sees none'); print('gpu-check:', torch.cuda.get_device_name(0), 'torch', torch.__version__)"
-	$(GPU_RUN) -m torchfleet doctor | tee $(GPU_OUT)/doctor.txt
-	$(GPU_RUN) -m pytest tests/test_cuda.py -p no:cacheprovider -ra -o addopts= | tee $(GPU_OUT)/suite.txt
-	$(GPU_RUN) -m torchfleet bench --model resnet50 --strategies serial --batch-sizes 128,512 \
-		--precisions fp32,bf16,fp16 --out $(GPU_OUT)/resnet50
-	$(GPU_RUN) -m torchfleet bench --model gpt --strategies serial --precisions fp32,bf16,fp16 --out $(GPU_OUT)/gpt
-	CUDA_VISIBLE_DEVICES= $(GPU_RUN) -m torchfleet bench --model cnn --strategies serial,ddp --nproc 2,4,8 \
-		--threads 1 --batch-sizes 2048 --out $(GPU_OUT)/cpu-scaling
-# The host syncs of the hot path: reading the loss every step (--log-every 1, what every step
-# did before the loss window) against every 100 steps, serial on the GPU, the rest the same.
-	mkdir -p $(GPU_OUT)/host-sync
-	for n in 1 100; do $(GPU_RUN) -m torchfleet train --strategy serial --model cnn --data synthetic \
-		--synthetic-size 131072 --batch-size 256 --epochs 1 --max-steps 500 --log-every $$n --no-progress \
-		--json-out $(GPU_OUT)/host-sync/log-every-$$n.json > /dev/null; done
-	$(GPU_RUN) -c "import json; r = [json.load(open('$(GPU_OUT)/host-sync/log-every-%d.json' % n))['samples_per_s'] \
-		for n in (1, 100)]; print('host sync: %.0f samples/s reading every step, %.0f every 100 steps: x%.3f' \
-		% (r[0], r[1], r[1] / r[0]))" | tee $(GPU_OUT)/host-sync/summary.txt
+	$(GPU_RUN) benchmarks/gpu_check.py --out $(GPU_OUT)
 
 # Where ddp's CPU scaling goes, on a machine of many cores (the GPU box's 16): at
 # 2, 4 and 8 processes, torchfleet against the hand-written DDP loop, processes
 # that never communicate (what the machine's cores and memory allow) and processes
 # that only meet once per step (the floor of any synchronous step). A few minutes
-# on 16 cores; a second device call after gpu-check. Installs nothing, as gpu-check.
+# on 16 cores; gpu-check runs a shorter version of it (free and torchfleet, one
+# round) beside its GPU work. Installs nothing, as gpu-check.
 cpu-scaling:
 	mkdir -p $(GPU_OUT)
 	CUDA_VISIBLE_DEVICES= $(GPU_RUN) benchmarks/parity.py --only scaling --nprocs 2,4,8 \

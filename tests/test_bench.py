@@ -63,6 +63,7 @@ def test_quick_bench_figures_are_complete_and_consistent(tmp_path):
         assert cell["flops_per_sample"] == 4 * 64 * 128 + 6 * (128 * 128 + 128 * 10)
         assert cell["model_tflops"] == pytest.approx(cell["flops_per_sample"] * cell["samples_per_s"] / 1e12)
         assert cell["mfu"] is None and cell["device_name"] is None  # no known peak on a CPU
+        assert cell["compile"] == "off" and cell["first_step_s"] > 0
 
     for batch in (64, 3):
         serial = cells[("serial", batch)]
@@ -155,6 +156,36 @@ def test_derived_figures_and_verdict():
     assert "1.70x serial at the same batch (communication is 8% of the step)" in text
     assert "at batch 32 it is 0.80x serial (communication is 40% of the step)" in text
     assert statistics.median([1.0, 2.0]) == 1.5  # the spread helper's median is statistics'
+
+
+@pytest.mark.timeout(300)
+def test_a_compiled_cell_runs_compiled_and_its_first_step_pays_the_compilation(tmp_path):
+    out = tmp_path / "bench"
+    result = torchfleet("bench", "--quick", "--strategies", "serial", "--compile", "--out", str(out), timeout=280)
+    assert result.returncode == 0, result.stderr
+    doc = json.loads((out / "results.json").read_text())
+    (cell,) = doc["cells"]
+    assert doc["config"]["compile"] == "blocks" and cell["compile"] == "blocks" and cell["status"] == "ok"
+    # Dynamo and Inductor run in the first step: far longer than a compiled step (0.9 s against 1.8 ms here)
+    assert cell["first_step_s"] > 20 * cell["step_time_median_s"], cell
+    assert "torch.compile (blocks)" in result.stdout
+
+
+def test_kernels_are_sorted_into_the_kinds_an_h100_run_showed():
+    from torchfleet.bench.kernels import kind_of
+
+    seen = {  # names from the first H100 run (docs/benchmarks.md, GPU), shortened
+        "void cutlass::Kernel2<cutlass_75_tensorop_bf16_s1688gemm_bf16_128x128_tn_align1>": "matmul",
+        "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_bias_TNT": "matmul",
+        "sm80_xmma_gemm_f32f32_f32f32_f32_tn_n_tilesize128x128x8_stage3_warpsize2x2x1_ffma": "matmul",
+        "fmha_cutlassB_f32_aligned_64x64_k64_sm80(PyTorchMemEffAttention::AttentionBackwardKernel": "attention",
+        "sm90_xmma_fprop_implicit_gemm_bf16bf16_bf16f32_f32_nhwckrsc_nhwc_tilesize128x128x64": "convolution",
+        "void cudnn::engines_precompiled::nchwToNhwcKernel<__nv_bfloat16, __nv_bfloat16, float": "layout",
+        "void at::native::batch_norm_backward_kernel<c10::BFloat16, float, float, int>": "normalization",
+        "void at::native::vectorized_elementwise_kernel<8, at::native::bfloat16_copy_kernel_cuda": "other",
+        "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedSgd>": "optimizer",
+    }
+    assert {name: kind_of(name) for name in seen} == seen
 
 
 def test_mixed_precision_gain_and_mfu_on_a_known_gpu():

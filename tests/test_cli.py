@@ -39,7 +39,7 @@ SURFACE = {
              "--nproc", "--optimizer", "--precision", "--reprobe", "--schedule", "--stages-per-process", "--steps", "--strategies", "--tflops", "--warmup"],
     "slurm": ["--gpus-per-node", "--nodes", "--ntasks-per-node", "--out", "--partition", "--submit",
               "--time", "--fault-tolerance", "--max-restarts", "--requeue"],
-    "bench": ["--batch-sizes", "--model", "--nproc", "--out", "--precisions", "--quick", "--steps",
+    "bench": ["--batch-sizes", "--model", "--nproc", "--out", "--precisions", "--quick", "--steps", "--compile",
               "--gpt-preset", "--image-size", "--nnodes", "--node-rank", "--master-addr", "--master-port",
               "--strategies", "--threads", "--warmup", "--devices", "--microbatches", "--schedule", "--stages-per-process", "--pp",
               "--dp-replicate", "--dp-shard", "--tp", "--sharing-strategy", "--grad-compression", "--powersgd-rank",

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchfleet.bench import flops, user_model
+from torchfleet.bench import flops, kernels, user_model
 from torchfleet.data import check_global_batch
 from torchfleet.fleet import Fleet
 from torchfleet.models import (
@@ -162,12 +162,19 @@ def run_cell(spec: dict) -> dict | None:
     precision, threads, warmup, steps, seed and options (the strategy's options).
     """
     torch.set_num_threads(spec["threads"])
-    fleet = Fleet(strategy=spec["strategy"], precision=spec["precision"], **spec["options"])
+    fleet = Fleet(strategy=spec["strategy"], precision=spec["precision"], compile=spec.get("compile") or False,
+                  **spec["options"])
     # No try/finally: a rank that failed must not wait at close()'s barrier for
     # peers stuck in a collective; it exits, and the launcher stops the others.
     result = _measure(fleet, spec)
     fleet.close()
     return result
+
+
+def profile_name(spec: dict) -> str:
+    preset = f"-{spec['gpt_preset']}" if spec["model"] in TOKEN_MODELS else ""
+    return (f"{spec['model'].replace(':', '.')}{preset}-b{spec['global_batch']}-{spec['precision']}"
+            f"-{spec.get('compile') or 'eager'}-{spec['strategy']}x{spec['processes']}")
 
 
 def workload(spec: dict, local_batch: int, rank: int, fleet: Fleet) -> tuple[nn.Module, Any, Any, Any]:
@@ -218,8 +225,10 @@ def _measure(fleet: Fleet, spec: dict) -> dict | None:
     # tp's all-reduces sit inside forward and backward, where no_sync cannot skip them:
     # timing it would read as no communication, so a tp cell's share is not measured.
     comm = measures_comm(type(fleet.strategy)) and getattr(getattr(fleet.strategy, "dims", None), "tp", 1) == 1
+    first_step = None  # seconds: with --compile, mostly the compilation
     for _ in range(spec["warmup"]):
-        synced()
+        took = _timed(synced, fleet.device)
+        first_step = took if first_step is None else first_step
         if comm:
             unsynced()
     times, local_times = [], []
@@ -228,6 +237,8 @@ def _measure(fleet: Fleet, spec: dict) -> dict | None:
         if comm:
             local_times.append(_timed(unsynced, fleet.device))
     peak = memory.peak_bytes()
+    # After the peak is read (the profiler's buffers are not the cell's); every rank steps, the main one writes.
+    kernels.profile_steps(synced, fleet.device, profile_name(spec), write=fleet.is_main)
 
     # A step lasts as long as its slowest rank.
     per_rank = _gathered((times, local_times, peak))
@@ -247,6 +258,7 @@ def _measure(fleet: Fleet, spec: dict) -> dict | None:
         "comm_share": None,
         "comm_method": None,
         "notes": list(fleet.notes),
+        "first_step_s": first_step,
     }
     if comm:
         unsynced_times = [max(t[i] for _, t, _ in per_rank) for i in range(len(local_times))]

@@ -9,6 +9,7 @@ from torchfleet.config import at_least
 from torchfleet.errors import UsageError, choice_error
 from torchfleet.precision import PRECISIONS
 from torchfleet.strategies import STRATEGY_NAMES
+from torchfleet.strategies.knobs import COMPILE_MODES
 from torchfleet.strategies.schedules import schedule_variant
 from torchfleet.train.models import GPT_PRESETS, MODELS
 
@@ -32,6 +33,7 @@ class BenchConfig:
     seed: int = 0
     strategy_options: dict = field(default_factory=dict)
     cell_timeout_s: float = 1800.0  # a cell still running then is killed and reported
+    compile: str | None = None  # torch.compile each block ("blocks") or the whole model ("model") in every cell
 
     def __post_init__(self) -> None:
         if user_model.is_user_model(self.model):
@@ -58,5 +60,7 @@ class BenchConfig:
         at_least("--steps", self.steps, 2)  # a spread needs two steps
         if self.threads is not None:
             at_least("--threads", self.threads, 1)
+        if self.compile is not None and self.compile not in COMPILE_MODES:
+            raise choice_error("compile mode", self.compile, COMPILE_MODES)
         if not self.cell_timeout_s > 0:
             raise UsageError(f"cell timeout {self.cell_timeout_s} must be a positive number of seconds")

@@ -250,7 +250,8 @@ def failure_reason(summary) -> str:
 
 def run_one(cell: Cell, cfg: BenchConfig) -> dict:
     """Measure `cell` in its own processes; always returns a row, never raises for the cell's failure."""
-    row = {"model": cfg.model, **asdict(cell), "warmup": cfg.warmup, "steps": cfg.steps}
+    row = {"model": cfg.model, **asdict(cell), "compile": cfg.compile or "off", "warmup": cfg.warmup,
+           "steps": cfg.steps}
     row.pop("threads")
     row["threads_per_process"] = cell.threads
     row.pop("skip")
@@ -265,6 +266,7 @@ def run_one(cell: Cell, cfg: BenchConfig) -> dict:
             "strategy": base, "processes": cell.processes,
             "global_batch": cell.global_batch, "precision": cell.precision,
             "threads": cell.threads, "warmup": cfg.warmup, "steps": cfg.steps, "seed": cfg.seed,
+            "compile": cfg.compile,
             # each strategy gets only the options it takes: --microbatches is for mp and pipeline,
             # and a degree flag only for the presets that have that dimension (--pp not for ddp)
             "options": {**{k: v for k, v in cfg.strategy_options.items()

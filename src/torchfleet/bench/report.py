@@ -18,13 +18,13 @@ from torchfleet.models import IMAGE_MODELS, TOKEN_MODELS
 # Every cell object in results.json has exactly these fields (None where a
 # figure does not apply or the cell did not run), in this order in results.csv.
 FIELDS = (
-    "model", "strategy", "processes", "global_batch", "local_batch", "precision",
+    "model", "strategy", "processes", "global_batch", "local_batch", "precision", "compile",
     "threads_per_process", "warmup", "steps", "status", "error",
     "step_time_median_s", "step_time_q1_s", "step_time_q3_s", "step_time_min_s", "step_time_max_s",
     "samples_per_s", "tokens_per_s", "speedup", "efficiency", "vs_fp32",
     "flops_per_sample", "model_tflops", "mfu",
     "peak_memory_bytes", "memory_method", "comm_share", "comm_method",
-    "device", "device_name", "backend", "notes", "wall_s",
+    "device", "device_name", "backend", "notes", "first_step_s", "wall_s",
 )
 SCHEMA = "torchfleet-bench/1"
 
@@ -187,7 +187,9 @@ def chart_title(doc: dict) -> str:
 
 def table(doc: dict) -> Table:
     """One row per cell; a failed or skipped cell's reason goes in the caption, numbered."""
-    t = Table(title=f"torchfleet bench: {doc['config']['model']} ({machine_line(doc['machine'])})",
+    compiled = doc["config"].get("compile")
+    model = doc["config"]["model"] + (f", torch.compile ({compiled})" if compiled else "")
+    t = Table(title=f"torchfleet bench: {model} ({machine_line(doc['machine'])})",
               title_justify="left", caption_justify="left")
     tokens = any(r.get("tokens_per_s") is not None for r in doc["cells"])  # gpt: a sample is a sequence
     rate = "tokens/s" if tokens else throughput_unit(doc["config"]["model"])

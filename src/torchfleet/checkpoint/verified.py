@@ -69,12 +69,15 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
+    """Restore what `rng_state` took. Its tensors may arrive on the GPU (ranks.pt is loaded onto the rank's
+    device); every generator takes its state as a CPU tensor, hence `.cpu()`."""
     random.setstate(_as_tuple(state["python"]))
     n = state["numpy"]
-    np.random.set_state(("MT19937", n["key"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached"]))
-    torch.set_rng_state(state["torch"])
+    np.random.set_state(("MT19937", n["key"].cpu().numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["cached"]))
+    torch.set_rng_state(state["torch"].cpu())
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
 
 
 def _as_tuple(value):

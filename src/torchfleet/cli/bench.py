@@ -66,6 +66,9 @@ def add_parser(sub, strategy_flags) -> None:
     b.add_argument("--out", default="runs/bench", metavar="DIR",
                    help="where results.json, results.csv and bench.png go (default runs/bench); link mode:"
                    " results.json on node 0, each machine's cell logs in DIR/logs")
+    b.add_argument("--compile", nargs="?", const="blocks", choices=("blocks", "model"), default=None,
+                   help="torch.compile each block (--compile alone) or the whole model in every cell; the warm-up"
+                   " steps take the compilation, and each row gives its first step's seconds")
     b.add_argument("--quick", action="store_true",
                    help="a tiny matrix (mlp, batch 64, 6 steps; gpt tiny, 32x32 images): a smoke test;"
                    " link mode: 20 timed steps")
@@ -96,7 +99,8 @@ def command(args, strategy_options: dict) -> int:
     if machines is not None:
         return _link_mode(args, given, strategy_options, machines)
     chosen = {**(QUICK if args.quick else {}), **{k: v for k, v in given.items() if v is not None}}
-    cfg = BenchConfig(**chosen, threads=args.threads, out=args.out, strategy_options=strategy_options)
+    cfg = BenchConfig(**chosen, threads=args.threads, out=args.out, strategy_options=strategy_options,
+                      compile=args.compile)
     document = run_bench(cfg)
     return 0 if any(c["status"] == "ok" for c in document["cells"]) else 1
 

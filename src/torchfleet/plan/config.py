@@ -28,7 +28,7 @@ class PlanConfig:
     gpu: str | None = None
     tflops: float | None = None
     memory_gb: float | None = None
-    mfu: float = 0.4
+    mfu: float | None = None  # None: hardware.DEFAULT_MFU for the precision
     link_gbit: float | None = None  # between machines
     intra_gbit: float | None = None  # within a machine
     reprobe: bool = False

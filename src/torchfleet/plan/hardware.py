@@ -1,11 +1,20 @@
 """What the plan is for: this machine, or a described cluster of nodes x devices joined by links.
 
-A GPU is known by name from the table below (dense tensor-core peaks and memory,
-from NVIDIA's datasheets) or described with --tflops and --memory-gb. The
-achieved fraction of a GPU's peak (model FLOPs utilisation) is not on any
-datasheet: --mfu gives it, default DEFAULT_MFU, a middle figure for dense
-transformer training on one node (PaLM's appendix B reports 46% on TPU v4;
-Megatron-LM's scaling runs reach 40-55% on A100s).
+A GPU is known by name from the table below (dense peaks and memory, from
+NVIDIA's datasheets) or described with --tflops and --memory-gb. The achieved
+fraction of a GPU's peak (model FLOPs utilisation) is not on any datasheet:
+--mfu gives it, default DEFAULT_MFU for the precision planned, measured.
+
+fp32 is planned against the card's plain FP32 peak, not TF32's: torch keeps
+TF32 off for matrix products by default (`torch.backends.cuda.matmul
+.allow_tf32`), and on one H100 80GB HBM3 (torch 2.11, 26 Nov 2026) gpt2's fp32
+step ran cuBLAS's FFMA kernels at 46.2 TFLOP/s: 69% of the 67 TFLOP/s FP32 peak,
+9.3% of TF32's 494.7. The same run's bf16 step reached 18.9% of the bf16 peak
+(fp16 18.2%), eager; ResNet-50 at batch 512, fp32 68% of the FP32 peak (its
+convolutions take TF32 through cuDNN), bf16 5.6% (docs/benchmarks.md, GPU).
+The defaults are those measurements, rounded down: a larger model, or one
+compiled, reaches more (torchtitan's published Llama 3 8B runs on H100s are
+near 30%), and --mfu says so.
 """
 
 from __future__ import annotations
@@ -15,24 +24,24 @@ from dataclasses import asdict, dataclass
 from torchfleet.errors import UsageError
 from torchfleet.plan.comm import Link
 
-DEFAULT_MFU = 0.4
+DEFAULT_MFU = {"fp32": 0.65, "bf16": 0.18, "fp16": 0.18}
 
-# name: (dense bf16 TFLOP/s, dense fp32 TFLOP/s through TF32 where the card has it, memory GB).
+# name: (dense bf16 TFLOP/s, dense TF32 TFLOP/s (fp32 where the card has no TF32), plain FP32 TFLOP/s, memory GB).
 # Sources: NVIDIA datasheets: H100 SXM5 and H100 PCIe (2023), H200 SXM (2024), A100 SXM 80GB (2021;
 # the 40GB card has the same peaks), V100 SXM2 (no bf16: fp16 figure), L4 (2023), A10G (AWS's A10
 # variant, NVIDIA A10 datasheet figures), T4 (no bf16: fp16 figure), L40S (2023). Dense: without the
 # 2:4 structured sparsity that doubles the headline figures.
-GPUS: dict[str, tuple[float, float, float]] = {
-    "H200": (989.4, 494.7, 141.0),
-    "H100": (989.4, 494.7, 80.0),
-    "H100-PCIE": (756.0, 378.0, 80.0),
-    "A100": (312.0, 156.0, 80.0),
-    "A100-40GB": (312.0, 156.0, 40.0),
-    "L40S": (362.1, 183.0, 48.0),
-    "A10G": (125.0, 62.5, 24.0),
-    "L4": (121.0, 60.0, 24.0),
-    "V100": (125.0, 15.7, 32.0),
-    "T4": (65.0, 8.1, 16.0),
+GPUS: dict[str, tuple[float, float, float, float]] = {
+    "H200": (989.4, 494.7, 67.0, 141.0),
+    "H100": (989.4, 494.7, 67.0, 80.0),
+    "H100-PCIE": (756.0, 378.0, 51.0, 80.0),
+    "A100": (312.0, 156.0, 19.5, 80.0),
+    "A100-40GB": (312.0, 156.0, 19.5, 40.0),
+    "L40S": (362.1, 183.0, 91.6, 48.0),
+    "A10G": (125.0, 62.5, 31.2, 24.0),
+    "L4": (121.0, 60.0, 30.3, 24.0),
+    "V100": (125.0, 15.7, 15.7, 32.0),
+    "T4": (65.0, 8.1, 8.1, 16.0),
 }
 
 # Links between machines and inside one, when --link does not say: NVLink 4 (H100 SXM: 450 GB/s each
@@ -78,14 +87,15 @@ def gpu_figures(name: str, precision: str) -> tuple[float, float]:
     if key not in GPUS:
         raise UsageError(f"GPU {name!r} is not in torchfleet's table ({', '.join(GPUS)}); give its figures"
                          " with --tflops (dense, at the precision planned) and --memory-gb")
-    bf16, fp32, memory_gb = GPUS[key]
+    bf16, _tf32, fp32, memory_gb = GPUS[key]
     return (fp32 if precision == "fp32" else bf16) * 1e12, memory_gb * 1e9
 
 
 def gpu_cluster(*, nodes: int, per_node: int, gpu: str | None, tflops: float | None, memory_gb: float | None,
-                mfu: float, precision: str, intra_gbit: float | None, inter_gbit: float | None) -> Target:
-    """A described GPU cluster; figures given as flags win over the table's."""
+                mfu: float | None, precision: str, intra_gbit: float | None, inter_gbit: float | None) -> Target:
+    """A described GPU cluster; figures given as flags win over the table's (`mfu` None: DEFAULT_MFU's)."""
     _check_counts(nodes, per_node, "--gpus-per-node")
+    mfu = DEFAULT_MFU[precision] if mfu is None else mfu
     if not 0 < mfu <= 1:
         raise UsageError(f"--mfu {mfu} must be a fraction of the peak, above 0 and at most 1")
     peak = memory = None

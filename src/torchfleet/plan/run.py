@@ -43,7 +43,8 @@ def spec_of(cfg: PlanConfig) -> dict:
     """bench's spec keys for its workload (bench/cell.py)."""
     from torchfleet.models import TOKEN_MODELS, gpt_config
 
-    spec = {"model": cfg.model, "gpt_preset": cfg.gpt_preset, "image_size": cfg.image_size, "seed": cfg.seed}
+    spec = {"model": cfg.model, "gpt_preset": cfg.gpt_preset, "image_size": cfg.image_size, "seed": cfg.seed,
+            "precision": cfg.precision}
     if cfg.model in TOKEN_MODELS:
         spec["block_size"] = gpt_config(cfg.gpt_preset).block_size
     return spec
