@@ -97,10 +97,10 @@ parity: $(VENV)/.parity
 
 # On a machine with a CUDA GPU, in about 7 minutes (one H100, 16 cores): the GPU suite
 # (tests/test_cuda.py), bench on resnet50 and gpt2 in three precisions eager and
-# compiled with MFU and where the time goes, the planner's prediction beside each
-# measured cell, the host-sync comparison and cpu-scaling's figures, written as
-# JSON and Markdown under GPU_OUT and packed as GPU_OUT.tar.gz (benchmarks/gpu_check.py
-# says how). It runs the interpreter that already has torch (GPU_PYTHON) with
+# compiled with MFU and where the time goes, the host-sync comparison and
+# cpu-scaling's figures, written as JSON and Markdown under GPU_OUT and packed as
+# GPU_OUT.tar.gz; afterwards, on any machine, `benchmarks/gpu_check.py --plans-here
+# GPU_OUT` adds the planner's prediction beside each measured cell (the script says how). It runs the interpreter that already has torch (GPU_PYTHON) with
 # torchfleet taken from src/, installing nothing, since such machines often have no
 # package index; it needs pytest, rich and scikit-learn there.
 GPU_PYTHON ?= python3

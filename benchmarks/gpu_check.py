@@ -153,9 +153,10 @@ def _predicted(folder: Path, cell: dict) -> dict | None:
 
 
 def _kernels(folder: Path, cell: dict) -> dict | None:
-    preset = f"-{cell['gpt_preset']}" if cell["model"] == "gpt" else ""
-    mode = "eager" if cell["compile"] == "off" else cell["compile"]
-    path = folder / "kernels" / f"{cell['model']}{preset}-b{cell['global_batch']}-{cell['precision']}-{mode}-serialx1.json"
+    from torchfleet.bench.cell import profile_name  # the name the cell wrote its kernels under
+
+    spec = {**cell, "compile": None if cell["compile"] == "off" else cell["compile"]}
+    path = folder / "kernels" / f"{profile_name(spec)}.json"
     return json.loads(path.read_text()) if path.exists() else None
 
 

@@ -1,8 +1,8 @@
 """Where a GPU step's time goes: a few steps under torch.profiler, the kernels' time by kind.
 
 Asked for with TORCHFLEET_BENCH_PROFILE=DIR (what `make gpu-check` sets): after
-a cell's timed steps, its main rank runs PROFILED_STEPS more under the
-profiler and writes DIR/<model>-<preset>-b<batch>-<precision>-<compile>-<strategy>x<n>.json:
+a cell's timed steps, its ranks run PROFILED_STEPS more under the profiler and
+the main one writes DIR/<model>-<preset>-b<batch>-<precision>-<compile>-<strategy>x<n>.json:
 the steps' wall time, the kernels' time summed by kind (KINDS: layout
 conversions, attention, convolutions, matrix products, normalisation, the
 optimizer's, and the rest: activations, casts, copies),
@@ -72,8 +72,8 @@ def profile_steps(step: Callable[[], None], device: torch.device, name: str, wri
         top: dict[str, float] = {}
         for event in prof.key_averages():
             if str(getattr(event, "device_type", "")).endswith("CUDA"):
-                us = _device_us(event)
-                kinds[kind_of(event.key)] = kinds.get(kind_of(event.key), 0.0) + us
+                us, kind = _device_us(event), kind_of(event.key)
+                kinds[kind] = kinds.get(kind, 0.0) + us
                 top[event.key] = top.get(event.key, 0.0) + us
         busy = sum(kinds.values())
         summary = {

@@ -25,6 +25,7 @@ def _list(kind, what: str):
 
 
 def add_parser(sub, strategy_flags) -> None:
+    from torchfleet.strategies.knobs import COMPILE_MODES
     from torchfleet.train.models import GPT_PRESETS, MODELS
 
     b = sub.add_parser(
@@ -66,7 +67,7 @@ def add_parser(sub, strategy_flags) -> None:
     b.add_argument("--out", default="runs/bench", metavar="DIR",
                    help="where results.json, results.csv and bench.png go (default runs/bench); link mode:"
                    " results.json on node 0, each machine's cell logs in DIR/logs")
-    b.add_argument("--compile", nargs="?", const="blocks", choices=("blocks", "model"), default=None,
+    b.add_argument("--compile", nargs="?", const="blocks", choices=COMPILE_MODES, default=None,
                    help="torch.compile each block (--compile alone) or the whole model in every cell; the warm-up"
                    " steps take the compilation, and each row gives its first step's seconds")
     b.add_argument("--quick", action="store_true",
