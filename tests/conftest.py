@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import NoReturn
 
@@ -111,3 +113,39 @@ def newest_checkpoint_model(directory: Path) -> tuple[str, dict]:
 
     newest = max(directory.glob("step-*"))
     return newest.name, torch.load(newest / "state.pt", weights_only=True)["model"]
+
+
+def said(codes, outputs) -> str:
+    """Exit statuses and every process's whole output, as one failure message (pytest cuts a long repr short)."""
+    return f"exit statuses {codes}" + "".join(f"\n--- {name}:\n{text}" for name, text in outputs.items())
+
+
+def read_outputs(procs: list[subprocess.Popen], timeout: float, when: dict | None = None) -> list[str]:
+    """Every process's whole output, read as it comes; `when` maps a process's index to (text, action): the
+    action runs once, as soon as that process prints a line holding the text. Past `timeout` seconds the
+    processes are killed and the test fails with what they printed."""
+    lines: list[list[str]] = [[] for _ in procs]
+
+    def read(i: int) -> None:
+        text, action = (when or {}).get(i, (None, None))
+        assert procs[i].stdout is not None
+        for line in procs[i].stdout:
+            lines[i].append(line)
+            if text is not None and text in line:
+                action()
+                text = None
+
+    readers = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(len(procs))]
+    for reader in readers:
+        reader.start()
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        pytest.fail(f"still running after {timeout:.0f} s: {[''.join(out)[-2000:] for out in lines]}")
+    for reader in readers:
+        reader.join(timeout=30)
+    return ["".join(out) for out in lines]

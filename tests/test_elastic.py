@@ -22,7 +22,7 @@ import time
 import pytest
 import torch
 
-from conftest import clean_env, newest_checkpoint_model
+from conftest import clean_env, newest_checkpoint_model, said
 from netns import hosts
 
 STEPS, EVERY, LOST_AFTER = 10, 4, 5  # checkpoints at 4, 8, 10; host 2 stops after step 5
@@ -115,7 +115,7 @@ def test_a_host_of_three_is_lost_and_two_finish_with_the_uninterrupted_weights(l
     assert reference.returncode == 0, reference_out
     expected = _flat(newest_checkpoint_model(tmp_path / "reference")[1])
     print(f"three hosts until the loss {lost_at - start:.1f} s, two hosts after it {finished - lost_at:.1f} s")
-    assert codes == [-9 if i == lost else 0 for i in range(3)], (codes, outputs)
+    assert codes == [-9 if i == lost else 0 for i in range(3)], said(codes, dict(enumerate(outputs)))
     # The checkpoint the survivors resumed from was written by three processes, the
     # final one by two; the main rank (now the lowest address left) says where it resumed.
     assert _manifest(ckpt, EVERY)["world_size"] == 3

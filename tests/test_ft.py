@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import ROOT, clean_env, require_module, torchfleet
+from conftest import ROOT, clean_env, read_outputs, require_module, said, torchfleet
 
 require_module("torchft", "--fault-tolerance step needs torchft (the dev extra installs it)")
 
@@ -91,42 +91,11 @@ def one_group_killed(argv: list[str], step: int, tmp: Path) -> list[str]:
     procs = [group(0, TORCHFLEET_FAULT=f"pace:rank=0:step={step}:seconds=0.2:until={healed}"),
              group(1, TORCHFLEET_FAULT=f"kill:rank=0:step={step}:once={fired}")]
     outputs = read_outputs(procs, timeout=240, when={1: (HEALED, healed.touch)})
-    assert [p.returncode for p in procs] == [0, 0], outputs
+    assert [p.returncode for p in procs] == [0, 0], said([p.returncode for p in procs], dict(enumerate(outputs)))
     assert fired.exists()
     return outputs
 
 
-def read_outputs(procs: list[subprocess.Popen], timeout: float, when: dict | None = None) -> list[str]:
-    """Every process's whole output, read as it comes; `when` maps a process's index to (text, action): the
-    action runs once, as soon as that process prints a line holding the text. Past `timeout` seconds the
-    processes are killed and the test fails with what they printed."""
-    import threading
-
-    lines: list[list[str]] = [[] for _ in procs]
-
-    def read(i: int) -> None:
-        text, action = (when or {}).get(i, (None, None))
-        assert procs[i].stdout is not None
-        for line in procs[i].stdout:
-            lines[i].append(line)
-            if text is not None and text in line:
-                action()
-                text = None
-
-    readers = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(len(procs))]
-    for reader in readers:
-        reader.start()
-    deadline = time.monotonic() + timeout
-    try:
-        for p in procs:
-            p.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        pytest.fail(f"still running after {timeout:.0f} s: {[''.join(out)[-2000:] for out in lines]}")
-    for reader in readers:
-        reader.join(timeout=30)
-    return ["".join(out) for out in lines]
 
 
 @pytest.mark.timeout(300)

@@ -22,9 +22,9 @@ import time
 import pytest
 import torch
 
-from conftest import clean_env, require_module, torchfleet
+from conftest import clean_env, read_outputs, require_module, said, torchfleet
 from netns import hosts
-from test_ft import MLP, SGD, _max_diff, read_outputs, replay
+from test_ft import MLP, SGD, _max_diff, replay
 from torchfleet.ft.lighthouse import HEARTBEAT_TIMEOUT_MS
 
 require_module("torchft", "--fault-tolerance step needs torchft (the dev extra installs it)")
@@ -100,7 +100,7 @@ def test_a_lost_host_leaves_the_others_training_and_heals_when_it_comes_back(str
                             when={2: (f"group {LOST} healed from group", healed.touch)})
         outputs = dict(enumerate(said))
         codes = {i: procs[i].returncode for i in range(3)}
-    assert codes == {0: 0, 1: 0, 2: 0}, (codes, outputs, lost_output)
+    assert codes == {0: 0, 1: 0, 2: 0}, said(codes, {**outputs, "host 2 before it was lost": lost_output})
     # torch's noise a user can do nothing about: its reverse lookup of each socket's address failing (no DNS
     # in the namespaces) and torchft's call of a deprecated no-op (env/name_lookup.py, ft.skip_noop_calls).
     for text in (*outputs.values(), lost_output):
@@ -200,7 +200,7 @@ def test_a_lost_diloco_host_leaves_the_other_training_and_heals_at_a_meeting(tmp
         outputs = dict(enumerate(read_outputs([procs[0], procs[1]], timeout=240,
                                               when={1: ("group 1 healed from group 0", healed.touch)})))
         codes = {i: procs[i].returncode for i in range(2)}
-    assert codes == {0: 0, 1: 0}, (codes, outputs)
+    assert codes == {0: 0, 1: 0}, said(codes, outputs)
     left = re.search(r"group 1 left at step (\d+): group 0 went on after a pause of ([\d.]+) s", outputs[0])
     assert left and int(left.group(1)) % every == 0 and int(left.group(1)) >= 20, outputs[0]
     joined = re.search(r"group 1 joined at step (\d+) and healed from this group \(0\)", outputs[0])

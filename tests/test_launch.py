@@ -91,6 +91,32 @@ def test_python_launch_returns_each_ranks_result():
     assert launch(_square, nprocs=2, args=(7,)) == [0, 7]
 
 
+def _surroundings(name: str) -> tuple:
+    import os
+
+    from torchfleet.launcher import forked
+
+    return (os.environ.get(name), os.environ["OMP_NUM_THREADS"], torch.get_num_threads(), os.getcwd(),
+            os.getpid() != forked.SERVER_PID)
+
+
+@pytest.mark.timeout(180)
+def test_a_launchs_workers_see_the_callers_environment_as_it_is_at_that_launch(tmp_path, monkeypatch):
+    # Workers fork from a server that started with the first launch (launcher/forked.py); the second launch's
+    # workers must still see the variable, directory and thread count the caller has now, as spawned ones would.
+    name = "TORCHFLEET_TEST_SURROUNDINGS"
+    monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    first = launch(_surroundings, nprocs=2, args=(name,))
+    assert [r[0] for r in first] == [None, None]
+    monkeypatch.setenv(name, "set after the server started")
+    monkeypatch.chdir(tmp_path)
+    second = launch(_surroundings, nprocs=2, args=(name,))
+    assert second == [("set after the server started", "1", 1, str(tmp_path), True)] * 2
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert [r[1:3] for r in launch(_surroundings, nprocs=2, args=(name,))] == [("2", 2)] * 2
+
+
 def _tensors(n: int) -> dict:
     import os
 

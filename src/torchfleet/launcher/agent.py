@@ -30,7 +30,15 @@ from torchfleet import netif
 from torchfleet.config import LaunchConfig
 from torchfleet.env.name_lookup import absorb_failed_lookup_warning
 from torchfleet.errors import UsageError
-from torchfleet.launcher import failures, groups, preempt, preflight, rendezvous, torchrun_flags
+from torchfleet.launcher import (
+    failures,
+    forked,
+    groups,
+    preempt,
+    preflight,
+    rendezvous,
+    torchrun_flags,
+)
 from torchfleet.launcher.environ import exported
 
 LOOPBACK = "127.0.0.1"
@@ -97,8 +105,10 @@ def exposure(cfg: LaunchConfig) -> str:
     return f"torchfleet: {who} joins the rendezvous at {host}:{port} (docs/security.md)"
 
 
-def agent_config(cfg: LaunchConfig, overrides: dict[str, Any] | None = None) -> AgentConfig:
-    """torchrun's configuration for `cfg`, as torchrun itself would build it."""
+def agent_config(cfg: LaunchConfig, overrides: dict[str, Any] | None = None,
+                 start_method: str = "spawn") -> AgentConfig:
+    """torchrun's configuration for `cfg`, as torchrun itself would build it (`start_method`: a function
+    entrypoint's; a command's workers are always new processes)."""
     run_id = cfg.rdzv_id or os.environ.get("TORCHFLEET_RUN_ID")
     if not cfg.multi_node:
         # One machine: like `torchrun --standalone`, a c10d rendezvous on a port
@@ -135,7 +145,7 @@ def agent_config(cfg: LaunchConfig, overrides: dict[str, Any] | None = None) -> 
         rdzv_configs=rdzv_configs,
         max_restarts=cfg.max_restarts,
         monitor_interval=0.1,
-        start_method="spawn",
+        start_method=start_method,
         local_addr=local_addr,
         logs_specs=DefaultLogsSpecs(),
     )
@@ -236,6 +246,8 @@ def _start(cfg: LaunchConfig, entrypoint: Callable | str, args: list,
         cfg = group.agent
     _preflight(cfg)
     _quiet_agent_logs()
+    # A function's workers fork from a server (forked.py), started before the variables below are exported.
+    start_method = forked.start_method() if isinstance(entrypoint, failures.Recorded) else "spawn"
     chosen = {**worker_env(cfg), **(group.env if group else {})}
     checked = None
     # The workers inherit the agent's environment; `launch` callers get theirs back after.
@@ -246,9 +258,11 @@ def _start(cfg: LaunchConfig, entrypoint: Callable | str, args: list,
                 print(f"torchfleet: {checked.sentence(_node(cfg))}", flush=True)
             if cfg.multi_node:
                 print(exposure(cfg), file=sys.stderr, flush=True)  # once the checks have passed
+            if isinstance(entrypoint, failures.Recorded) and start_method == forked.START_METHOD:
+                entrypoint.environ = dict(os.environ)  # what a spawned worker would inherit now
             # torchrun's launch_agent builds its agent from this module global: ours for the call (see _Agent).
             launcher_api.LocalElasticAgent = _Agent
-            return elastic_launch(agent_config(cfg, overrides), entrypoint)(*args)
+            return elastic_launch(agent_config(cfg, overrides, start_method), entrypoint)(*args)
         except ChildFailedError as exc:
             raise LaunchError(failures.summarize(exc)) from None
         finally:

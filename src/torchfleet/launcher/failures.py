@@ -266,9 +266,14 @@ class Recorded:
     def __init__(self, fn, as_bytes: bool = False):
         self.fn = fn
         self.as_bytes = as_bytes
+        self.environ: dict[str, str] | None = None  # the launcher's, for a worker forked from a server (forked.py)
         self.__name__ = getattr(fn, "__name__", type(fn).__name__)
         self.__qualname__ = getattr(fn, "__qualname__", self.__name__)
 
     def __call__(self, *args):
+        if self.environ is not None:
+            from torchfleet.launcher import forked
+
+            forked.restore_environ(self.environ)
         result = call_recorded(self.fn, *args)
         return pickle.dumps(result) if self.as_bytes else result
