@@ -54,3 +54,30 @@ def test_seek_moves_the_pass_under_way_and_the_next_one():
     last = [next(it)[0] for _ in range(4)]
     sampler.seek(sampler.epoch * 4 + 3)  # the epoch's last step did not commit
     assert last + [b[0] for b in it] == [0, 10, 20, 30, 30] and sampler.epoch == 4
+
+
+def test_the_built_in_data_is_scikit_learns_read_without_importing_it():
+    # Workers read the files scikit-learn ships instead of importing sklearn.datasets (1.5 s of a core each);
+    # what they read must be exactly what its loaders return.
+    import importlib.resources
+    import subprocess
+    import sys
+
+    from sklearn.datasets import load_digits
+
+    from torchfleet.train.datasets import digits, digits_arrays
+    from torchfleet.train.text import corpus
+
+    pixels, labels = digits_arrays()
+    want_pixels, want_labels = load_digits(return_X_y=True)
+    assert torch.equal(pixels, torch.tensor(want_pixels, dtype=torch.float32))
+    assert torch.equal(labels, torch.tensor(want_labels)) and labels.dtype == torch.int64
+    assert len(digits("train")) + len(digits("val")) == 1797
+    files = sorted((f for f in importlib.resources.files("sklearn.datasets.descr").iterdir()
+                    if f.name.endswith(".rst")), key=lambda f: f.name)
+    assert corpus() == b"".join(f.read_bytes().rstrip(b"\n") + b"\n\n" for f in files)
+    imported = subprocess.run(
+        [sys.executable, "-c", "import sys; from torchfleet.train.datasets import digits, text;"
+         " digits(); text('train', 64); print(sorted(m for m in sys.modules if m.startswith('sklearn')))"],
+        capture_output=True, text=True, timeout=120)
+    assert imported.stdout.strip() == "[]", imported.stderr

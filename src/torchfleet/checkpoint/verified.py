@@ -33,7 +33,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from torchfleet.checkpoint import sharded as checkpoint_sharded
 from torchfleet.errors import UsageError
 
 # Functions here take the Fleet as `fleet` without importing its class: the
@@ -166,6 +165,9 @@ def save(fleet, path: str | os.PathLike, extra: dict | None = None,
             tmp.mkdir(parents=True)
         fleet.barrier()
         if sharded:
+            # Imported here: torch's DCP (and DTensor with it) costs a second of a core in each process.
+            from torchfleet.checkpoint import sharded as checkpoint_sharded
+
             checkpoint_sharded.save(strategy, tmp / "model")
             shapes = global_shapes(fleet)
         else:
@@ -290,6 +292,8 @@ def load(fleet, path: str | os.PathLike, weights_only: bool = True,
     try:
         ranks = _torch_load(path / "ranks.pt", fleet, weights_only)
         if manifest["layout"] == "sharded":
+            from torchfleet.checkpoint import sharded as checkpoint_sharded
+
             checkpoint_sharded.load(strategy, path / "model")
         else:
             state = _torch_load(path / "state.pt", fleet, weights_only)

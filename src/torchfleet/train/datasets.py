@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import Dataset, TensorDataset
 
 from torchfleet.errors import UsageError
+from torchfleet.train.bundled import sklearn_path
 from torchfleet.train.text import text
 
 DATASETS = ("digits", "synthetic", "text")
@@ -28,18 +29,23 @@ def digits(split: str = "train", val_fraction: float = 0.2, seed: int = 0) -> Te
     The train/validation split is a fixed permutation of `seed`, the same on
     every rank and every run.
     """
-    from sklearn.datasets import load_digits  # imported here: sklearn is slow to import
-
     if split not in ("train", "val"):
         raise UsageError(f"unknown split {split!r}; choose train or val")
-    # (pixels, labels): the 8x8 images flattened, row by row, which view() folds back
-    pixels, target = load_digits(return_X_y=True)
-    images = torch.tensor(pixels, dtype=torch.float32).view(-1, 1, 8, 8) / 16.0
-    labels = torch.tensor(target, dtype=torch.int64)
+    pixels, labels = digits_arrays()
+    images = pixels.view(-1, 1, 8, 8) / 16.0
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))
     n_val = int(len(labels) * val_fraction)
     idx = order[:n_val] if split == "val" else order[n_val:]
     return TensorDataset(images[idx], labels[idx])
+
+
+def digits_arrays() -> tuple[torch.Tensor, torch.Tensor]:
+    """(pixels as float32 of 0 to 16, labels as int64): the file `sklearn.datasets.load_digits` reads, one
+    row per image (its 8x8 pixels row by row, then the label), read without importing scikit-learn."""
+    import numpy as np
+
+    rows = np.loadtxt(sklearn_path("datasets", "data", "digits.csv.gz"), delimiter=",")
+    return torch.tensor(rows[:, :-1], dtype=torch.float32), torch.tensor(rows[:, -1], dtype=torch.int64)
 
 
 def synthetic(

@@ -11,22 +11,21 @@ split, so the two never share a byte.
 from __future__ import annotations
 
 import functools
-import importlib.resources
 
 import torch
 from torch.utils.data import Dataset
 
 from torchfleet.errors import UsageError
+from torchfleet.train.bundled import sklearn_path
 
 VOCAB_SIZE = 256  # bytes
-SOURCE = "sklearn.datasets.descr"
+SOURCE = ("datasets", "descr")  # inside scikit-learn: sklearn.datasets.descr
 
 
 @functools.lru_cache(maxsize=1)
 def corpus() -> bytes:
     """The corpus' bytes: every .rst file of SOURCE, in sorted order, each followed by a blank line."""
-    files = sorted((f for f in importlib.resources.files(SOURCE).iterdir() if f.name.endswith(".rst")),
-                   key=lambda f: f.name)
+    files = sorted((f for f in sklearn_path(*SOURCE).iterdir() if f.name.endswith(".rst")), key=lambda f: f.name)
     return b"".join(f.read_bytes().rstrip(b"\n") + b"\n\n" for f in files)
 
 
