@@ -13,7 +13,7 @@ TORCH ?=
 # pip's own progress bars and the "location ignored" notes of local indexes are noise here.
 PIP    := $(BIN)/python -m pip install --quiet --disable-pip-version-check
 
-.PHONY: demo test test-floor lint doctor bench parity gpu-check cpu-scaling clean system-deps
+.PHONY: demo test test-floor floor-venv lint doctor bench parity gpu-check cpu-scaling clean system-deps
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -75,6 +75,10 @@ FLOOR_TESTS := test_real_models test_zoo test_schedules test_sharded_pipelined t
 	test_checkpoint test_tensor_parallel test_equivalence test_batchnorm test_fp16_scaler \
 	test_compression test_security test_single_process test_models test_layers test_hot_path \
 	test_backend test_env test_data test_versions test_cuda test_elastic test_faults test_ft
+
+# The floor lane's environment alone: CI builds it while the newest lane's tests run.
+floor-venv:
+	$(MAKE) .venv-floor/.dev VENV=.venv-floor TORCH=$(TORCH_FLOOR)
 
 test-floor:
 	$(MAKE) test VENV=.venv-floor TORCH=$(TORCH_FLOOR) PYTEST_ARGS="$(foreach t,$(FLOOR_TESTS),tests/$(t).py)"
