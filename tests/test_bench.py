@@ -100,7 +100,7 @@ def test_a_cell_past_its_timeout_is_stopped_and_reported():
     row = bench.run_one(bench.Cell("ddp", 2, 8, "fp32", 1), cfg)
     assert row["status"] == "failed" and row["error"] == "timed out after 3 s"
     assert 3 <= row["wall_s"] < 60
-    assert bench._spawned_children() == []  # nothing left running
+    assert bench._worker_processes() == []  # nothing left running
 
 
 class _Sharded(Strategy):  # stands in for a strategy another branch registers

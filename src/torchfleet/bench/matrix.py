@@ -183,8 +183,12 @@ def _preset_runs_as(name: str, processes: int, options: dict) -> str | None:
 # ---- running one cell --------------------------------------------------------------------
 
 
-def _spawned_children() -> list[int]:
-    """Our worker processes: children of this process started by multiprocessing's spawn."""
+def _worker_processes() -> list[int]:
+    """The cell's worker processes: children of this process started by multiprocessing's spawn, or children
+    of the forkserver this process started, which `launch` forks its workers from (launcher/forked.py)."""
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver._forkserver, "_forkserver_pid", None)  # multiprocessing's own record
     me, found = os.getpid(), []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -195,7 +199,7 @@ def _spawned_children() -> list[int]:
             cmdline = (entry / "cmdline").read_bytes()
         except (OSError, ValueError, IndexError):
             continue
-        if ppid == me and b"spawn_main" in cmdline:
+        if (ppid == me and b"spawn_main" in cmdline) or (server is not None and ppid == server):
             found.append(int(entry.name))
     return found
 
@@ -217,7 +221,7 @@ class _Deadline:
             return
         self.expired = True
         while not self._stop.is_set():
-            for pid in _spawned_children():
+            for pid in _worker_processes():
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
