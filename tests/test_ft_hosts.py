@@ -96,9 +96,9 @@ def test_a_lost_host_leaves_the_others_training_and_heals_when_it_comes_back(str
         stalled = lost_at - float(fired.read_text())  # how long host 2 held the others before it died
         lost_output = procs[LOST].communicate(timeout=30)[0]
         procs[LOST] = start(LOST, "host2")  # the machine is back: the same command
-        said = read_outputs([procs[0], procs[1], procs[LOST]], timeout=300,
-                            when={2: (f"group {LOST} healed from group", healed.touch)})
-        outputs = dict(enumerate(said))
+        printed = read_outputs([procs[0], procs[1], procs[LOST]], timeout=300,
+                               when={2: (f"group {LOST} healed from group", healed.touch)})
+        outputs = dict(enumerate(printed))
         codes = {i: procs[i].returncode for i in range(3)}
     assert codes == {0: 0, 1: 0, 2: 0}, said(codes, {**outputs, "host 2 before it was lost": lost_output})
     # torch's noise a user can do nothing about: its reverse lookup of each socket's address failing (no DNS
