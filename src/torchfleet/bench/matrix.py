@@ -186,9 +186,9 @@ def _preset_runs_as(name: str, processes: int, options: dict) -> str | None:
 def _worker_processes() -> list[int]:
     """The cell's worker processes: children of this process started by multiprocessing's spawn, or children
     of the forkserver this process started, which `launch` forks its workers from (launcher/forked.py)."""
-    from multiprocessing import forkserver
+    from torchfleet.launcher import forked
 
-    server = getattr(forkserver._forkserver, "_forkserver_pid", None)  # multiprocessing's own record
+    server = forked.server_pid()
     me, found = os.getpid(), []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():

@@ -37,15 +37,24 @@ PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch.distri
            "torchfleet.launcher.forked", "torchfleet.fleet"]
 
 
+def _server_state():
+    from multiprocessing import forkserver
+
+    return forkserver._forkserver  # multiprocessing's private state: whether a server runs, and what it preloaded
+
+
+def server_pid() -> int | None:
+    """The pid of the forkserver this process started, whose children `launch`'s workers are; None if none."""
+    return getattr(_server_state(), "_forkserver_pid", None)
+
+
 def start_method() -> str:
     """"forkserver", the server started now (before the launcher exports the workers' variables, so that torch
     reads none of them as it is imported there); "spawn" where this process already runs a server started
     without this module (by the user's own code), whose workers could not be given their environment."""
     from multiprocessing import forkserver
 
-    server = forkserver._forkserver  # multiprocessing's private state: whether a server runs, and what it preloaded
-    if getattr(server, "_forkserver_pid", None) is not None and __name__ not in (
-            getattr(server, "_preload_modules", None) or []):
+    if server_pid() is not None and __name__ not in (getattr(_server_state(), "_preload_modules", None) or []):
         return "spawn"
     multiprocessing.get_context(START_METHOD).set_forkserver_preload(PRELOAD)
     forkserver.ensure_running()
