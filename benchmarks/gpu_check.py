@@ -39,6 +39,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# The GPU machine runs this from a bare checkout (torchfleet not installed): summarise imports it too.
+sys.path.insert(0, str(ROOT / "src"))
 PARITY = ROOT / "benchmarks" / "parity.py"
 GIB = 2**30
 KERNEL_KINDS = ("matmul", "convolution", "attention", "layout", "normalization", "optimizer", "other")
@@ -371,7 +373,7 @@ def main() -> int:
         took = max(took if took != 75.0 else 0.0, entry["seconds"])
 
     try:
-        scaling.wait(timeout=max(10.0, run.left() + 60))
+        scaling.wait(timeout=max(10.0, run.left() + 20))
         scaling_rc = scaling.returncode
     except subprocess.TimeoutExpired:
         scaling.kill()

@@ -174,7 +174,7 @@ def test_a_compiled_cell_runs_compiled_and_its_first_step_pays_the_compilation(t
 def test_kernels_are_sorted_into_the_kinds_an_h100_run_showed():
     from torchfleet.bench.kernels import kind_of
 
-    seen = {  # names from the first H100 run (docs/benchmarks.md, GPU), shortened
+    seen = {  # names from the H100 runs (docs/benchmarks.md, GPU), shortened
         "void cutlass::Kernel2<cutlass_75_tensorop_bf16_s1688gemm_bf16_128x128_tn_align1>": "matmul",
         "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_bias_TNT": "matmul",
         "sm80_xmma_gemm_f32f32_f32f32_f32_tn_n_tilesize128x128x8_stage3_warpsize2x2x1_ffma": "matmul",
@@ -182,6 +182,8 @@ def test_kernels_are_sorted_into_the_kinds_an_h100_run_showed():
         "sm90_xmma_fprop_implicit_gemm_bf16bf16_bf16f32_f32_nhwckrsc_nhwc_tilesize128x128x64": "convolution",
         "void cudnn::engines_precompiled::nchwToNhwcKernel<__nv_bfloat16, __nv_bfloat16, float": "layout",
         "void at::native::batch_norm_backward_kernel<c10::BFloat16, float, float, int>": "normalization",
+        "void cudnn::bn_bw_1C11_kernel_new<__half, float, float2, 128, true, 1>": "normalization",  # second run
+        "void cudnn::bn_fw_tr_1C11_kernel_NCHW<__half, float, int, 128, true, 1, true>": "normalization",
         "void at::native::vectorized_elementwise_kernel<8, at::native::bfloat16_copy_kernel_cuda": "other",
         "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedSgd>": "optimizer",
     }

@@ -33,7 +33,8 @@ KINDS = (
     ("attention", ("flash", "fmha", "attention", "sdpa")),
     ("convolution", ("fprop", "dgrad", "wgrad", "implicit_convolve", "winograd", "conv2d", "convolution")),
     ("matmul", ("gemm", "xmma", "cutlass", "nvjet", "matmul", "wgmma", "cublas")),
-    ("normalization", ("batch_norm", "layer_norm", "group_norm")),
+    # cuDNN's own batch norm (bn_fw_*, bn_bw_*): what torch picks in fp16, where bf16 gets torch's batch_norm_*.
+    ("normalization", ("batch_norm", "layer_norm", "group_norm", "bn_fw_", "bn_bw_")),
     ("optimizer", ("multi_tensor", "foreach", "fused_sgd", "fused_adam")),
 )
 
