@@ -131,9 +131,10 @@ def plans_here(out: Path) -> None:
             continue
         done.add(key)
         model, preset, batch, precision = key
+        preset = preset if model == "gpt" else None  # bench's config names its default preset for any model
         target = folder / f"{model}-b{batch}-{precision}.json"
         print(f"planning {model} {preset or ''} batch {batch} {precision} ...", flush=True)
-        subprocess.run(_plan_cmd(model, preset if model == "gpt" else None, batch, precision,
+        subprocess.run(_plan_cmd(model, preset, batch, precision,
                                  _plan_gpu(info.get("gpu")), target), env=_env(CUDA_VISIBLE_DEVICES=""), cwd=ROOT,
                        stdout=subprocess.DEVNULL, check=False)
 
