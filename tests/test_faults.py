@@ -45,6 +45,8 @@ def test_a_sleeping_rank_gets_one_verdict_and_a_non_zero_exit(tmp_path):
     assert "has been in maybe_fire for" in verdict and "at faults.py:" in verdict and "(step 5)" in verdict
     assert "rank 0 waits in backward" in verdict  # DDP's gradient all-reduce waits for rank 1
     assert err.count("main thread:") == 2  # every rank's stack, once
+    # from the user's side of the launch: not the forkserver's, multiprocessing's or runpy's frames
+    assert "multiprocessing" not in err and "runpy" not in err, err
     assert err.count("has been in") == 1
 
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from conftest import ROOT, clean_env, torchfleet
-from test_preemption import _local_rank_1, _signalled
+from test_preemption import _signalled, worker
 from torchfleet.checkpoint import list_checkpoints, verify
 from torchfleet.errors import UsageError
 from torchfleet.launcher import notices
@@ -72,9 +72,7 @@ def test_a_worker_told_alone_is_not_restarted_under_max_restarts(tmp_path):
     ck, marker = tmp_path / "ck", tmp_path / "fired"
 
     def local_rank_0(launcher: int) -> int:
-        rank_1 = _local_rank_1(launcher)
-        children = Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()
-        return next(int(c) for c in children if int(c) != rank_1)
+        return worker(launcher, 0)
 
     result, _ = _signalled(_run("--max-restarts", "2", ck=ck, out=tmp_path / "never.pt", marker=marker),
                            signal.SIGUSR1, marker, clean_env(), target=local_rank_0)

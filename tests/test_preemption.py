@@ -47,13 +47,30 @@ def _signalled(args: list[str], sig: signal.Signals, marker: Path, env: dict, ta
     return subprocess.CompletedProcess(args, proc.returncode, out, err), time.monotonic() - sent
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` (read from /proc): a train's workers fork from a server the launcher started."""
+    children = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    return children + [d for c in children for d in _descendants(c)]
+
+
+def worker(launcher: int, rank: int) -> int:
+    """The launcher's worker of global rank `rank`: named tf-rankN when forked from the launcher's server
+    (launcher/forked.py), RANK=N in its environment when spawned."""
+    for pid in _descendants(launcher):
+        try:
+            comm, environ = Path(f"/proc/{pid}/comm").read_text().strip(), Path(f"/proc/{pid}/environ").read_bytes()
+        except FileNotFoundError:  # gone since it was listed
+            continue
+        if comm == f"tf-rank{rank}":
+            return pid
+        environ = environ.split(b"\0")
+        if f"RANK={rank}".encode() in environ and any(e.startswith(b"TORCHELASTIC_RUN_ID=") for e in environ):
+            return pid
+    raise AssertionError(f"no worker of rank {rank} below process {launcher}")
+
+
 def _local_rank_1(launcher: int) -> int:
-    """The launcher's worker with LOCAL_RANK=1 (its children, read from /proc)."""
-    for child in Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split():
-        environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
-        if b"LOCAL_RANK=1" in environ:
-            return int(child)
-    raise AssertionError("no worker with LOCAL_RANK=1")
+    return worker(launcher, 1)
 
 
 def _model(directory: Path, step: int) -> dict:

@@ -22,7 +22,8 @@ import torch.distributed.launcher.api as launcher_api
 from torch.distributed.elastic.agent.server.api import WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.multiprocessing.api import MultiprocessContext
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.launcher.api import LaunchConfig as AgentConfig
 from torch.distributed.launcher.api import elastic_launch
 
@@ -200,6 +201,9 @@ def _quiet_agent_logs() -> None:
         # This one has a level of its own: its "Received 15 death signal, shutting down workers" is said
         # by the launcher's own line after a preemption signal (preempt.report).
         logging.getLogger("torch.distributed.elastic.agent.server.api").setLevel(logging.ERROR)
+        # Function workers (launch(), train's forked ones) are stopped through torch.multiprocessing, which
+        # warns of each SIGTERM it sends after a rank failed: the summary names the rank that failed.
+        logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
 
 
 def worker_env(cfg: LaunchConfig) -> dict[str, str]:
@@ -281,25 +285,52 @@ class _Agent(LocalElasticAgent):
     def _monitor_workers(self, worker_group):
         # torch's @prof decorator hides the method's parameters from the type checker.
         result = super()._monitor_workers(worker_group)  # pyright: ignore[reportCallIssue]
+        if result.state == WorkerState.FAILED:
+            self._add_the_other_failures(worker_group, result.failures)
         if result.state == WorkerState.FAILED and any(
                 f.exitcode == failures.PREEMPTED_EXIT for f in result.failures.values()):
             self._remaining_restarts = 0
         return result
 
 
+    def _add_the_other_failures(self, worker_group, found: dict) -> None:
+        """Function workers (forked or spawned by multiprocessing: launch(), train) are watched by torch's
+        MultiprocessContext, which reports one failed rank: the first its poll finds, not the first to fail.
+        Under load a rank that died of its peer's crash (a closed connection) is often found first, and the
+        crash itself, or the hang watchdog's verdict, was lost. Every rank that also failed and wrote its error
+        file is added here, so that failures.summarize can put the cause first, as it does for spawned ones."""
+        pcontext = getattr(self, "_pcontext", None)
+        processes = getattr(getattr(pcontext, "_pc", None), "processes", None)
+        if not isinstance(pcontext, MultiprocessContext) or not processes:
+            return
+        known = {failure.local_rank for failure in found.values()}
+        for local_rank, process in enumerate(processes):
+            path = pcontext.error_files.get(local_rank)
+            if local_rank in known or process.exitcode in (0, None) or not path or not os.path.isfile(path):
+                continue
+            found[worker_group.workers[local_rank].global_rank] = ProcessFailure(
+                local_rank=local_rank, pid=process.pid, exitcode=process.exitcode, error_file=path)
+
+
 def run_command(cfg: LaunchConfig, argv: list[str], program: str | None = None,
                 overrides: dict[str, Any] | None = None, preempt_signals: str = preempt.DEFAULT_SIGNALS,
-                preempt_notice: str = "none", why: str = preempt.SCRIPT_WHY) -> int:
+                preempt_notice: str = "none", why: str = preempt.SCRIPT_WHY,
+                forked_main: Callable[[list[str]], None] | None = None) -> int:
     """Run `python argv...` (or `program argv...`) on every rank; return the exit status for the shell.
 
+    `forked_main`: a function that does in a worker what `python -u argv...` would, given argv; the workers
+    then fork from a server that imported torch once (forked.py) instead of each starting an interpreter.
     The agent passes `preempt_signals` on to the workers; when one stops it, the exit is PREEMPTED_EXIT
     once the workers have saved (their note says where: preempt.py), not a traceback, else 128+N.
     """
     agent_signals = {"signals_to_handle": preempt.agent_signals(preempt_signals)}
+    if forked_main is not None:
+        entrypoint, args = failures.Recorded(forked_main), [argv]
+    else:
+        entrypoint, args = program or sys.executable, argv if program else ["-u", *argv]
     with preempt.noting(preempt_signals, preempt_notice) as note:
         try:
-            _start(cfg, program or sys.executable, argv if program else ["-u", *argv],
-                   {**(overrides or {}), **agent_signals})
+            _start(cfg, entrypoint, args, {**(overrides or {}), **agent_signals})
         except LaunchError as exc:
             return failures.report(exc.summary)
         except SignalException as exc:
@@ -325,7 +356,7 @@ def run_script(cfg: LaunchConfig, script: str, script_args: list[str],
             raise UsageError(f"script {script!r} is not a Python file (.py); run a module with -m,"
                              " a program with --no-python")
     overrides = torchrun_flags.agent_overrides(torchrun, script, script_args, one_machine=not cfg.multi_node)
-    leaving = {"preempt_signals": preempt_signals, "preempt_notice": preempt_notice}
+    leaving: dict[str, Any] = {"preempt_signals": preempt_signals, "preempt_notice": preempt_notice}
     if torchrun.get("no_python"):
         return run_command(cfg, script_args, program=script, overrides=overrides, **leaving)
     target = ["-m", script] if torchrun.get("module") else [script]

@@ -32,9 +32,11 @@ SERVER_PID = os.getpid()
 SERVER_THREADS = torch.get_num_threads()  # torch's default here, which a worker without OMP_NUM_THREADS keeps
 
 START_METHOD = "forkserver"
+in_worker = False  # True in a worker forked from the server, once its environment is restored
 # What a worker of a distributed job imports anyway; the server imports it once.
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor",
-           "torchfleet.launcher.forked", "torchfleet.fleet"]
+           "torchfleet.launcher.forked", "torchfleet.fleet", "torchfleet.cli", "torchfleet.train.command",
+           "torchfleet.train.loop", "torch._dynamo"]
 
 
 def _server_state():
@@ -64,8 +66,10 @@ def start_method() -> str:
 def restore_environ(launcher_environ: dict[str, str]) -> None:
     """In a worker forked from the server: the launcher's environment, with what torch's agent set for this
     worker on top. Nothing in a worker that imported this module itself (spawned: its environment is right)."""
+    global in_worker
     if SERVER_PID == os.getpid():
         return
+    in_worker = True
     set_by_agent = {k: v for k, v in os.environ.items() if SERVER_ENVIRON.get(k) != v}
     os.environ.clear()
     os.environ.update(launcher_environ)
@@ -74,3 +78,16 @@ def restore_environ(launcher_environ: dict[str, str]) -> None:
     # takes it from its own (the launcher sets OMP_NUM_THREADS=1 for several processes on one machine).
     threads = os.environ.get("OMP_NUM_THREADS", "")
     torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0 else SERVER_THREADS)
+    _name_process(f"tf-rank{os.environ.get('RANK', '?')}")
+
+
+def _name_process(name: str) -> None:
+    """Name this process `name` where ps, top and /proc/PID/comm show it (Linux, 15 bytes at most): forked
+    workers share the server's command line, and an environment set after the fork is not in
+    /proc/PID/environ either, so this is how a person (or a test) tells one rank's process from another."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(15, name.encode()[:15], 0, 0, 0)  # 15: PR_SET_NAME
+    except (OSError, AttributeError):
+        pass  # not Linux: the name is a convenience

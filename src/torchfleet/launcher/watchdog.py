@@ -100,7 +100,8 @@ class Watchdog:
 
     def _my_report(self) -> dict:
         frame = sys._current_frames().get(self._main) if self._main is not None else None
-        stack = [(f.filename, f.lineno, f.name) for f in traceback.extract_stack(frame)] if frame else []
+        stack = without_launcher_frames(
+            [(f.filename, f.lineno, f.name) for f in traceback.extract_stack(frame)] if frame else [])
         return {"rank": self.rank, "host": self.host, "pid": os.getpid(), "step": self.step,
                 "phase": self.phase, "stack": stack}
 
@@ -124,6 +125,20 @@ class Watchdog:
 # -- reading stacks ---------------------------------------------------------------
 def _is_ours(filename: str) -> bool:
     return not (filename.startswith(_TORCH_DIR) or filename.startswith(_STDLIB_DIR))
+
+
+# How a worker came to run the user's code, which says nothing about where it hangs: a forked worker's
+# frames of the forkserver, multiprocessing and torch's wrappers, and `python -m`'s runpy.
+_LAUNCHER_FRAMES = ("/multiprocessing/", "torch/distributed/elastic/", "torchfleet/launcher/failures.py",
+                    "<frozen runpy>", "<string>")
+
+
+def without_launcher_frames(stack: list) -> list:
+    """`stack` (outermost first) from the first frame that is not the launcher's own way in."""
+    for i, (filename, _, name) in enumerate(stack):
+        if not (any(part in filename for part in _LAUNCHER_FRAMES) or name == "worker_main"):
+            return stack[i:]
+    return stack
 
 
 def describe(stack: list) -> tuple[str, str, bool]:

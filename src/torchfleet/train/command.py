@@ -12,7 +12,9 @@ its workers itself, since they must share this process's memory.
 from __future__ import annotations
 
 import dataclasses
+import io
 import os
+import runpy
 import sys
 
 from torchfleet import ft
@@ -20,7 +22,7 @@ from torchfleet.config import LaunchConfig
 from torchfleet.data import check_global_batch
 from torchfleet.env import DistEnv
 from torchfleet.errors import UsageError
-from torchfleet.launcher import failures, preempt
+from torchfleet.launcher import failures, forked, preempt
 from torchfleet.launcher.agent import LaunchError, run_command
 from torchfleet.launcher.failures import PREEMPTED_EXIT
 from torchfleet.strategies import data_readers, get_strategy, resolve_dims
@@ -86,7 +88,23 @@ def _run_workers(cfg: TrainConfig, launch: LaunchConfig, argv: list[str]) -> int
     """Start the workers through torchrun's agent; a preemption signal to this process ends in
     PREEMPTED_EXIT once the workers have saved (launcher/preempt.py), not in a traceback."""
     return run_command(launch, argv, preempt_signals=cfg.preempt_signals, preempt_notice=cfg.preempt_notice,
-                       why=preempt.TRAIN_WHY)
+                       why=preempt.TRAIN_WHY, forked_main=worker_main)
+
+
+def worker_main(argv: list[str]) -> None:
+    """A worker forked from the launcher's server (launcher/forked.py): what `python -u argv...` (that is,
+    `-m torchfleet train ...`) does in a spawned one, without importing torch again. runpy runs the package's
+    __main__ as `python -m` does, so this layer never imports the command line above it."""
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper):  # as -u: each rank's lines go out at once
+            stream.reconfigure(line_buffering=True, write_through=True)
+    sys.argv = [os.path.join(os.path.dirname(os.path.dirname(__file__)), "__main__.py"), *argv[2:]]
+    try:
+        runpy.run_module("torchfleet", run_name="__main__")
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            raise
+        # A worker function returns on success: torch's agent waits for its (None) result.
 
 
 def _train_here(cfg: TrainConfig, env: DistEnv) -> int:
@@ -97,6 +115,8 @@ def _train_here(cfg: TrainConfig, env: DistEnv) -> int:
         failures.call_recorded(train, cfg, strategy)
     except preempt.Preempted:  # saved and told to leave; under torchrun's agent call_recorded has exited
         code = PREEMPTED_EXIT
+    if forked.in_worker:
+        return code  # a forked worker leaves by os._exit itself, once the agent has its result (forked.py)
     if env.is_distributed or env.source == "torchrun":  # torchrun's one process may hold a group of one
         # Work done, results written, process group closed. Gloo's threads can
         # still abort in C++ destructors during interpreter teardown ("terminate
