@@ -287,11 +287,9 @@ class _Agent(LocalElasticAgent):
         result = super()._monitor_workers(worker_group)  # pyright: ignore[reportCallIssue]
         if result.state == WorkerState.FAILED:
             self._add_the_other_failures(worker_group, result.failures)
-        if result.state == WorkerState.FAILED and any(
-                f.exitcode == failures.PREEMPTED_EXIT for f in result.failures.values()):
-            self._remaining_restarts = 0
+            if any(f.exitcode == failures.PREEMPTED_EXIT for f in result.failures.values()):
+                self._remaining_restarts = 0
         return result
-
 
     def _add_the_other_failures(self, worker_group, found: dict) -> None:
         """Function workers (forked or spawned by multiprocessing: launch(), train) are watched by torch's

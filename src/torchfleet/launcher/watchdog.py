@@ -128,15 +128,15 @@ def _is_ours(filename: str) -> bool:
 
 
 # How a worker came to run the user's code, which says nothing about where it hangs: a forked worker's
-# frames of the forkserver, multiprocessing and torch's wrappers, and `python -m`'s runpy.
+# frames of the forkserver, multiprocessing and torch's wrappers, train's worker_main, and `python -m`'s runpy.
 _LAUNCHER_FRAMES = ("/multiprocessing/", "torch/distributed/elastic/", "torchfleet/launcher/failures.py",
-                    "<frozen runpy>", "<string>")
+                    "torchfleet/train/command.py", "<frozen runpy>", "<string>")
 
 
 def without_launcher_frames(stack: list) -> list:
     """`stack` (outermost first) from the first frame that is not the launcher's own way in."""
-    for i, (filename, _, name) in enumerate(stack):
-        if not (any(part in filename for part in _LAUNCHER_FRAMES) or name == "worker_main"):
+    for i, (filename, _, _) in enumerate(stack):
+        if not any(part in filename for part in _LAUNCHER_FRAMES):
             return stack[i:]
     return stack
 
