@@ -34,14 +34,16 @@ PORT = 29510  # inside the namespaces: no other job can hold it
 JOB = ["train", *MLP, *SGD, "--log-every", "1"]
 # (strategy, processes per group, epochs of 29 steps). Host 2's start again (the interpreter, torch, the
 # model, on cores the survivors keep busy) took 5 s with one process per group and 20 s with two on a quiet
-# machine, several times that at a load average of 5; the survivors, paced from step LOST_AFTER on (0.2 s
-# a step) until host 2 says it healed, are still training when it is back, however long that takes.
+# machine, several times that at a load average of 5 (at 0.2 s a step, group 0 of the diloco test had
+# finished when host 1 came back); the survivors, paced from step LOST_AFTER on (PACE_S a step) until host 2
+# says it healed, are still training when it is back: 67 s of pacing in 3 epochs.
+PACE_S = 1.0
 CASES = {
     "ddp-1-per-group": ("ddp", 1, 3),
     "fsdp-2-per-group": ("fsdp", 2, 3),
 }
 # Beyond the lighthouse's heartbeat timeout after the loss, what a survivor's pause may take: the quorum
-# without host 2, the step it broke done again, and the 0.2 s of pacing, on a loaded machine.
+# without host 2, the step it broke done again, and one step's pacing, on a loaded machine.
 PAUSE_SLACK_S = 10.0
 
 
@@ -72,7 +74,7 @@ def _steps(path) -> list[int]:
 def test_a_lost_host_leaves_the_others_training_and_heals_when_it_comes_back(strategy, nproc, epochs, tmp_path):
     fired, healed, ckpt = tmp_path / "fired", tmp_path / "healed", tmp_path / "ckpt"
     job = [*JOB, "--strategy", strategy, "--epochs", str(epochs)]
-    paced = f"pace:rank=0:step={LOST_AFTER}:seconds=0.2:until={healed}"
+    paced = f"pace:rank=0:step={LOST_AFTER}:seconds={PACE_S}:until={healed}"
 
     def command(i: int, run: str) -> list[str]:
         return [sys.executable, "-m", "torchfleet", *job, "--fault-tolerance", "step", "--nnodes", "3",
@@ -151,6 +153,7 @@ def test_a_lost_host_leaves_the_others_training_and_heals_when_it_comes_back(str
     assert (ckpt / f"step-{epochs * 29:08d}").is_dir()
 
 
+@pytest.mark.waits
 @pytest.mark.timeout(120)
 def test_an_unreachable_lighthouse_is_one_sentence_and_status_2_after_25_s_of_knocking(tmp_path):
     with hosts(2) as net:
@@ -191,7 +194,7 @@ def test_a_lost_diloco_host_leaves_the_other_training_and_heals_at_a_meeting(tmp
                              text=True)
 
         # Host 0 paced from step 20 until host 1 says it healed, as in the test above.
-        procs = {0: start(0, "host0", TORCHFLEET_FAULT=f"pace:rank=0:step=20:seconds=0.2:until={healed}"),
+        procs = {0: start(0, "host0", TORCHFLEET_FAULT=f"pace:rank=0:step=20:seconds={PACE_S}:until={healed}"),
                  1: start(1, "lost", TORCHFLEET_FAULT=f"sleep:rank=0:step=20:once={fired}")}
         _wait_for("host 1 to stall after step 20", fired.exists, net, procs, 150)
         net.lose(1)
@@ -201,16 +204,25 @@ def test_a_lost_diloco_host_leaves_the_other_training_and_heals_at_a_meeting(tmp
                                               when={1: ("group 1 healed from group 0", healed.touch)})))
         codes = {i: procs[i].returncode for i in range(2)}
     assert codes == {0: 0, 1: 0}, said(codes, outputs)
+    # Host 0's account: host 1 left at a meeting and later joined and healed; or, when host 1 was back before
+    # the lighthouse missed its heartbeats, one line for both (seen on a quiet machine).
     left = re.search(r"group 1 left at step (\d+): group 0 went on after a pause of ([\d.]+) s", outputs[0])
-    assert left and int(left.group(1)) % every == 0 and int(left.group(1)) >= 20, outputs[0]
     joined = re.search(r"group 1 joined at step (\d+) and healed from this group \(0\)", outputs[0])
-    assert joined and int(joined.group(1)) % every == 0, outputs[0]
+    back = re.search(r"group 1 was lost and started again at step (\d+), healing from this group \(0\); groups"
+                     r" 0, 1 went on after a pause of ([\d.]+) s", outputs[0])
+    assert (left and joined) or back, outputs[0]
+    left, joined = (left, joined) if left and joined else (back, back)
+    assert int(left.group(1)) % every == 0 and int(left.group(1)) >= 20, outputs[0]
+    assert int(joined.group(1)) % every == 0, outputs[0]
     assert "resumed from" not in outputs[0] and "restart" not in outputs[0].lower(), outputs[0]
     healed = re.search(r"group 1 healed from group 0 at step (\d+)", outputs[1])
     assert healed and int(healed.group(1)) == int(joined.group(1)), outputs[1]
     steps = _steps(tmp_path / "host0.csv")
     assert steps == sorted(steps) and steps[-1] == epochs * 29, steps[-5:]  # never goes back
-    assert _steps(tmp_path / "host1.csv")[0] > int(healed.group(1))  # the healed host starts at the meeting
+    # The healed host's next step is the one after the meeting: the step that healed it, whose batch was read
+    # for step 0, did not count (before, it counted as the meeting's step + 1 and the host trained on from +2;
+    # at the job's last meeting it then asked for one more meeting, which nobody attended).
+    assert _steps(tmp_path / "host1.csv")[0] == int(healed.group(1)) + 1, _steps(tmp_path / "host1.csv")[:3]
     weights = [torch.load(tmp_path / f"host{i}.pt", weights_only=True) for i in range(2)]
     assert all(torch.equal(weights[1][k], weights[0][k]) for k in weights[0]), "host 1 differs from host 0"
     print(f"diloco: host 0 paused {left.group(2)} s at step {left.group(1)}; host 1 healed at step"

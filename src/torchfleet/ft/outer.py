@@ -48,6 +48,7 @@ class OuterGroup(ReplicaGroup):
         self.outer_optimizer: torch.optim.Optimizer | None = None
         self._fragment = None  # diloco's torchft fragment: the whole model is one
         self._localsgd = None  # localsgd's torchft object
+        self._healed_this_step = False
 
     def _manager_options(self) -> dict:
         return {"use_async_quorum": False}  # torchft's DiLoCo refuses a Manager without it
@@ -83,13 +84,19 @@ class OuterGroup(ReplicaGroup):
     def start_step(self) -> None:
         """Before the first step: meet the other groups (or heal from them)."""
         if not self.joined:
+            before = self.position
             self._meet_first()
+            # A group that healed took its peers' position; the batch of this step was read for its own
+            # (step 0), so the step does not count and the loop reads the peers' batch next. At the job's
+            # last meeting that ends the run here, instead of one more step and a meeting nobody attends.
+            self._healed_this_step = self.position != before
 
     def average(self, optimizer: torch.optim.Optimizer) -> None:
         """Between meetings the gradients stay inside the group."""
 
     def commit(self) -> bool:
-        return True
+        healed, self._healed_this_step = self._healed_this_step, False
+        return not healed
 
     def stepped(self) -> None:
         self.position += 1
