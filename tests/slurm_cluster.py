@@ -7,7 +7,8 @@
 Everything lives in a fresh temporary folder (config, state, spool, logs, the
 munge key and socket) and the daemons listen on free ports, so the machine's
 own /etc/slurm and any real cluster are left alone. The node is this host
-with 2 CPUs, and the settings need no cgroups (proctrack/linuxproc,
+with 2 CPUs, which two jobs may share (OverSubscribe=FORCE:2: the requeue test runs two
+jobs side by side, their waits overlapping), and the settings need no cgroups (proctrack/linuxproc,
 task/none), so it runs in containers. The daemons are always stopped, even
 when the test fails. Where something is missing, the test is skipped with
 the reason (failed under TORCHFLEET_REQUIRE_SYSTEM_TESTS=1: conftest.require_system).
@@ -119,7 +120,7 @@ ReturnToService=2
 MinJobAge=600
 KillWait=5
 NodeName={node} NodeAddr=127.0.0.1 CPUs=2 State=UNKNOWN
-PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:2
 """
 
 

@@ -215,6 +215,7 @@ def test_a_group_whose_worker_dies_is_restarted_by_its_agent_and_heals_from_a_li
     assert diff < 1e-5
 
 
+@pytest.mark.waits
 @pytest.mark.timeout(120)
 def test_a_group_with_no_live_peer_says_so_and_stops(tmp_path):
     """torchfleet lighthouse runs alone; group 1 of 2 starts, no other group ever comes: after
@@ -241,6 +242,7 @@ def test_a_group_with_no_live_peer_says_so_and_stops(tmp_path):
     assert seconds < 60
 
 
+@pytest.mark.waits
 @pytest.mark.timeout(150)
 def test_groups_whose_lighthouse_is_lost_stop_with_one_sentence(tmp_path):
     """The lighthouse (torchfleet lighthouse, apart) is killed while two groups train: each stops at its next

@@ -94,6 +94,7 @@ def _one_error(status: int, out: str, seconds: float, startup: float) -> str:
     return errors[0]
 
 
+@pytest.mark.waits
 @pytest.mark.timeout(300)
 def test_preflight_names_the_node_and_the_cause_in_seconds():
     startup = _torch_start_seconds()

@@ -3,10 +3,10 @@
 `--resume auto` starts from the beginning when --checkpoint-dir holds no checkpoint and
 continues from the newest when it does, so a job started again with the same command
 (requeued by Slurm, a pod restarted by Kubernetes) goes on where it stopped. On the
-real one-node Slurm (tests/slurm_cluster.py) a `torchfleet slurm train --requeue` job
-of 2 tasks gets SIGUSR1 mid-run (as `#SBATCH --signal=USR1@120` sends it before the
-time limit), saves, requeues itself and trains to the end; its weights equal a serial
-run's of the same global batch.
+real one-node Slurm (tests/slurm_cluster.py) two `torchfleet slurm train --requeue` jobs
+of 2 tasks, side by side, get SIGUSR1 (as `#SBATCH --signal=USR1@120` sends it before
+the time limit) and SIGTERM mid-run, save, requeue themselves and train to the end;
+their weights equal a serial run's of the same global batch.
 """
 
 from __future__ import annotations
@@ -85,61 +85,73 @@ def _job_fields(cluster, job_id: str) -> dict[str, str]:
     return dict(f.split("=", 1) for f in shown.split() if "=" in f)
 
 
-@pytest.mark.timeout(420)
-@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM], ids=["USR1", "TERM"])
-def test_a_requeue_job_on_a_real_slurm_saves_on_the_signal_requeues_itself_and_finishes(sig, tmp_path):
-    """USR1 as `#SBATCH --signal=USR1@120` sends it before the time limit; TERM as `scancel --signal=TERM`
-    (and a preemption) sends it to the tasks."""
-    marker = tmp_path / "fired"
+def _submit(cluster, folder: Path, sig: signal.Signals) -> tuple[str, Path, Path]:
+    """A `slurm train --requeue` job of 2 tasks submitted from `folder`: its id, its output file and the marker
+    its rank 0 writes when it sleeps 1 s in step 6 on its first run (once=): the signal is sent then, and
+    the two tasks agree to leave at their next loss read, step 10 (--log-every 10)."""
+    folder.mkdir()
+    marker = folder / "fired"
+    env = clean_env(**cluster.env_extra, TORCHFLEET_FAULT=f"sleep:rank=0:step=6:seconds=1:once={marker}")
+    submitted = run([sys.executable, "-m", "torchfleet", "slurm", "train", "--requeue", "--ntasks-per-node",
+                     "2", "--out", str(folder / "train.sbatch"), "--submit", "--", *JOB, "--checkpoint-dir", "ck",
+                     "--max-steps", "20", "--save-model", "final.pt"], env=env, cwd=folder)
+    assert submitted.returncode == 0, submitted.stderr
+    assert "saving on SIGUSR1 (120 s before the time limit) or SIGTERM and requeueing itself" in submitted.stdout
+    (job_id,) = re.findall(r"Submitted batch job (\d+)", submitted.stdout)
+    return job_id, folder / f"torchfleet-train-{job_id}.out", marker
+
+
+def _read(log: Path) -> str:
+    return log.read_text() if log.exists() else "(no output file)"
+
+
+@pytest.mark.waits
+@pytest.mark.timeout(480)
+def test_requeue_jobs_on_a_real_slurm_save_on_the_signal_requeue_themselves_and_finish(tmp_path):
+    """Two jobs side by side on the one node (the test cluster lets two jobs share its CPUs), so that their
+    waits overlap: one gets USR1 as `#SBATCH --signal=USR1@120` sends it before the time limit, the other
+    TERM as `scancel --signal=TERM` (and a preemption) sends it to the tasks."""
+    signals = (signal.SIGUSR1, signal.SIGTERM)
     with slurm_cluster.running() as cluster:
-        job_file = tmp_path / "train.sbatch"
-        # Rank 0 sleeps 1 s in step 6 on the first run only (once=): the signal lands there, and the two
-        # tasks agree to leave at their next loss read, step 10 (--log-every 10).
-        env = clean_env(**cluster.env_extra, TORCHFLEET_FAULT=f"sleep:rank=0:step=6:seconds=1:once={marker}")
-        submitted = run([sys.executable, "-m", "torchfleet", "slurm", "train", "--requeue", "--ntasks-per-node",
-                         "2", "--out", str(job_file), "--submit", "--", *JOB, "--checkpoint-dir", "ck",
-                         "--max-steps", "20", "--save-model", "final.pt"], env=env, cwd=tmp_path)
-        assert submitted.returncode == 0, submitted.stderr
-        assert "saving on SIGUSR1 (120 s before the time limit) or SIGTERM and requeueing itself" in submitted.stdout
-        (job_id,) = re.findall(r"Submitted batch job (\d+)", submitted.stdout)
-        log = tmp_path / f"torchfleet-train-{job_id}.out"
-
-        def output() -> str:
-            return log.read_text() if log.exists() else "(no output file)"
-
-        deadline = time.monotonic() + 150
-        while not marker.exists():
-            assert time.monotonic() < deadline, output() + cluster.logs()
-            time.sleep(0.05)
-        sent = time.monotonic()
-        # To every task, not the batch shell: what `#SBATCH --signal=USR1@120` does before the time limit.
-        signalled = cluster.command("scancel", f"--signal={sig.name[3:]}", job_id)
-        assert signalled.returncode == 0, signalled.stderr
-        while _job_fields(cluster, job_id).get("Restarts", "0") == "0":
-            assert time.monotonic() < sent + 90, output() + cluster.logs()
-            time.sleep(0.1)
-        requeued = time.monotonic() - sent
-        fields = _job_fields(cluster, job_id)
-        # Slurm holds a requeued job until EligibleTime, a job credential's lifetime after the requeue
-        # (AuthInfo cred_expire: 120 s by default, 20 s in the test cluster). Not moved up: a job started
-        # sooner is killed as "Job credential revoked" (seen with scontrol update StartTime=now). The
-        # requeue itself was the job's own.
-        assert fields["JobState"] in ("PENDING", "REQUEUED", "COMPLETING"), fields
-        held = fields.get("EligibleTime")
+        jobs = {sig: _submit(cluster, tmp_path / sig.name, sig) for sig in signals}
+        sent, requeued, held = {}, {}, {}
+        for sig, (job_id, log, marker) in jobs.items():
+            deadline = time.monotonic() + 150
+            while not marker.exists():
+                assert time.monotonic() < deadline, _read(log) + cluster.logs()
+                time.sleep(0.05)
+            sent[sig] = time.monotonic()
+            # To every task, not the batch shell: what `#SBATCH --signal=USR1@120` does before the time limit.
+            signalled = cluster.command("scancel", f"--signal={sig.name[3:]}", job_id)
+            assert signalled.returncode == 0, signalled.stderr
+        for sig, (job_id, log, _) in jobs.items():
+            while _job_fields(cluster, job_id).get("Restarts", "0") == "0":
+                assert time.monotonic() < sent[sig] + 90, _read(log) + cluster.logs()
+                time.sleep(0.1)
+            requeued[sig] = time.monotonic() - sent[sig]
+            fields = _job_fields(cluster, job_id)
+            # Slurm holds a requeued job until EligibleTime, a job credential's lifetime after the requeue
+            # (AuthInfo cred_expire: 120 s by default, 20 s in the test cluster). Not moved up: a job started
+            # sooner is killed as "Job credential revoked" (seen with scontrol update StartTime=now). The
+            # requeue itself was the job's own.
+            assert fields["JobState"] in ("PENDING", "REQUEUED", "COMPLETING", "RUNNING"), fields
+            held[sig] = fields.get("EligibleTime")
         _straight(tmp_path / "straight.pt", 20)  # the reference trains meanwhile
-        state, exit_code = cluster.wait(job_id, timeout=200)
-        round_trip = time.monotonic() - sent
-        text = output()
-        assert (state, exit_code) == ("COMPLETED", "0:0"), text + cluster.logs()
-    print(f"\nslurm --requeue, {sig.name}: signal to requeued {requeued:.1f} s (EligibleTime was {held}),"
-          f" signal to finished {round_trip:.1f} s")
-    saved = tmp_path / "ck" / "step-00000010"
-    assert f"torchfleet: preempted by {sig.name} at step 10, checkpoint saved to ck/step-00000010, resume with" \
-           f" --resume; requeueing job {job_id}" in text, text
-    assert text.count(f"torchfleet: job {job_id} starts") == 2, text
-    assert f"torchfleet: job {job_id} starts (requeued 1 time(s) so far)" in text, text
-    assert "resumed from ck/step-00000010 at step 10" in text, text
-    assert saved.is_dir()
-    difference = _max_difference(tmp_path / "final.pt", tmp_path / "straight.pt")
-    print(f"slurm --requeue, {sig.name}: max weight difference from an uninterrupted serial run {difference:.3g}")
-    assert difference < 1e-5
+        finished = {}
+        for sig, (job_id, log, _) in jobs.items():
+            state, exit_code = cluster.wait(job_id, timeout=200)
+            finished[sig] = time.monotonic() - sent[sig]
+            assert (state, exit_code) == ("COMPLETED", "0:0"), _read(log) + cluster.logs()
+    for sig, (job_id, log, _) in jobs.items():
+        print(f"\nslurm --requeue, {sig.name}: signal to requeued {requeued[sig]:.1f} s (EligibleTime was"
+              f" {held[sig]}), signal to finished {finished[sig]:.1f} s")
+        text = _read(log)
+        assert f"torchfleet: preempted by {sig.name} at step 10, checkpoint saved to ck/step-00000010, resume" \
+               f" with --resume; requeueing job {job_id}" in text, text
+        assert text.count(f"torchfleet: job {job_id} starts") == 2, text
+        assert f"torchfleet: job {job_id} starts (requeued 1 time(s) so far)" in text, text
+        assert "resumed from ck/step-00000010 at step 10" in text, text
+        assert (log.parent / "ck" / "step-00000010").is_dir()
+        difference = _max_difference(log.parent / "final.pt", tmp_path / "straight.pt")
+        print(f"slurm --requeue, {sig.name}: max weight difference from an uninterrupted serial run {difference:.3g}")
+        assert difference < 1e-5

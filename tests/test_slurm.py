@@ -219,6 +219,7 @@ def _skip_ids_whose_ports_linger(cluster, count: int) -> None:
     raise AssertionError(f"no free lighthouse ports after job {last}")
 
 
+@pytest.mark.waits
 @pytest.mark.timeout(180)
 def test_ft_job_on_a_real_slurm_starts_a_killed_group_again(tmp_path):
     """Two ft jobs of one node at once: in the first the worker is killed after step 2 on the first
