@@ -88,6 +88,7 @@ class ReplicaGroup:
         """Start torchft's Manager for the wrapped model: its heartbeats begin here, so as late as set-up allows."""
         from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
 
+        from torchfleet.env.name_lookup import absorb_failed_lookup_warning
         from torchfleet.ft.account import Account, RecordedTransport, recording
         from torchfleet.ft.state import TrainingState
 
@@ -97,6 +98,9 @@ class ReplicaGroup:
         base = ProcessGroupNCCL if self.device.type == "cuda" else ProcessGroupGloo
         self.pg = recording(base)(timeout=TIMEOUT)
         self.transport = RecordedTransport(self.pg, timeout=TIMEOUT, device=self.device)
+        # Before the group's first socket (its store, torchft's): a group of one process (diloco's -n 1) opens
+        # no process group of its own, so nothing else has taken c10d's failed-lookup warning in this process.
+        absorb_failed_lookup_warning(self.env.addr)
         port = self._store_port()
         try:
             with _manager_server_on(self.env.addr):
