@@ -467,6 +467,7 @@ def _link_bench_on_hosts(net, out, extra: list[str], timeout: float) -> list:
     return [(p.returncode, text) for p, text in ((p, p.communicate(timeout=timeout)[0]) for p in procs)]
 
 
+@pytest.mark.waits  # mostly waits on the 100 Mbit/s link
 @pytest.mark.timeout(240)
 def test_link_mode_on_two_hosts_over_a_100mbit_link(tmp_path):
     """Two namespace hosts whose link tbf holds to 100 Mbit/s: the link is measured near that, every cell runs
