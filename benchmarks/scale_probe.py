@@ -136,6 +136,10 @@ def prepare(model, ac: str, mesh):
     for i, block in enumerate(model.layers):
         if ac == "full" or (ac == "sel2" and i % 2 == 0):
             model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=False)
+        elif ac == "selective":  # torchtitan's operator policy, as plan --hf-config traces it
+            from torchfleet.plan.trace import _selective_contexts
+
+            model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=False, context_fn=_selective_contexts)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in model.layers:
         fully_shard(block, mesh=mesh, mp_policy=policy)
@@ -184,8 +188,10 @@ def run_real(cell: dict) -> dict:
         sync(device)
         times.append(time.perf_counter() - began)
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
+    # What torchtitan's published tables report: the caching allocator's reserved peak, not the tensors'.
+    reserved = torch.cuda.max_memory_reserved() if device.type == "cuda" else None
     dist.destroy_process_group()
-    return {"params": params, "peak_gib": peak and peak / GIB, "step_ms": 1e3 * statistics.median(times),
+    return {"params": params, "peak_gib": peak and peak / GIB, "reserved_gib": reserved and reserved / GIB, "step_ms": 1e3 * statistics.median(times),
             "flops": flops, "tokens_per_s": batch * seq / statistics.median(times), "loss": float(loss)}
 
 
@@ -299,6 +305,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--dry-run", action="store_true")
     parser.add_argument("--only", default="real,fake,vocab", help="parts, in the order they run")
+    parser.add_argument("--cells", default=None,
+                        help="only these real/fake cells, as SHAPE:SEQ:BATCH:AC separated by commas (1b:8192:2:selective)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -321,10 +329,13 @@ def main() -> None:
                                   "batch": 2 if args.dry_run else 32, "compiled": compiled, "warmup": 3,
                                   "steps": 2 if args.dry_run else 10})
             continue
-        for shape, seq, batch, ac in (DRY_CELLS if args.dry_run else CELLS):
+        chosen = DRY_CELLS if args.dry_run else CELLS
+        if args.cells:
+            chosen = [(a, int(b), int(c), d) for a, b, c, d in (cell.split(":") for cell in args.cells.split(","))]
+        for shape, seq, batch, ac in chosen:
             cells.append({"part": part, "shape": shape, "seq": seq, "batch": batch, "ac": ac,
                           "warmup": 2, "steps": 2 if args.dry_run else 5})
-        if part == "fake":
+        if part == "fake" and not args.cells:
             for shape, seq, batch, ac, world in ([("tiny", 64, 2, "full", 8)] if args.dry_run else FAKE_ONLY):
                 cells.append({"part": part, "shape": shape, "seq": seq, "batch": batch, "ac": ac, "world": world})
     with (args.out / "cells.jsonl").open("a") as sink:
@@ -350,7 +361,7 @@ def summary(row: dict) -> str:
     if "error" in row:
         return f"{name}: ERROR {row['error'][:300]}"
     figures = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()
-               if k in ("peak_gib", "step_ms", "tokens_per_s", "fake_peak_gib", "roofline_ms", "first_step_s",
+               if k in ("peak_gib", "reserved_gib", "step_ms", "tokens_per_s", "fake_peak_gib", "roofline_ms", "first_step_s",
                         "wall_s", "flops", "params")}
     return f"{name}: {figures}"
 

@@ -33,6 +33,7 @@ def gbit_per_s(flag: str):
 
 
 def add_parser(sub) -> None:
+    from torchfleet.plan import library_model
     from torchfleet.plan.hardware import GPUS
     from torchfleet.train.models import GPT_PRESETS, MODELS
 
@@ -51,7 +52,8 @@ def add_parser(sub) -> None:
                    help="--model resnet18/resnet50: images are 3 x PIXELS x PIXELS (default 224)")
     p.add_argument("--batch-size", type=int, default=None, help="the GLOBAL batch (default: bench's first for the model)")
     p.add_argument("--optimizer", default="adamw", help="adamw (default), sgd (with momentum) or sgd-plain")
-    p.add_argument("--precision", default="fp32", help="fp32 (default), bf16 or fp16: picks a GPU's peak")
+    p.add_argument("--precision", default=None,
+                   help="fp32 (default), bf16 or fp16: picks a GPU's peak; with --hf-config bf16 (default) or fp32")
     p.add_argument("--strategies", type=_list(str, "strategies"), default=None, help="comma-separated (default: all)")
     p.add_argument("--nproc", type=_list(int, "process counts"), default=None,
                    help="process counts (default 1,2,4 here; powers of two up to the devices of a cluster)")
@@ -62,6 +64,16 @@ def add_parser(sub) -> None:
     p.add_argument("--stages-per-process", type=int, default=None,
                    help="the pipelines' stages per process (default 1; 2 or more for interleaved-1f1b, looped-bfs"
                    " and interleaved-zb, exactly 2 for zbv)")
+    s = p.add_argument_group("a library model at scale, traced on fake tensors (never allocated; needs a described"
+                             " GPU cluster)")
+    s.add_argument("--hf-config", default=None, metavar="NAME|PATH",
+                   help="a Hugging Face config.json, or a shipped one: " + ", ".join(library_model.shipped())
+                   + "; plans FSDP's memory per GPU over the cluster's GPU counts")
+    s.add_argument("--seq-len", type=int, default=8192, help="--hf-config: tokens a sample (default 8192)")
+    s.add_argument("--local-batch", type=int, default=2, help="--hf-config: samples a GPU a step (default 2)")
+    s.add_argument("--ac", default="selective", metavar="MODE",
+                   help="--hf-config: activation checkpointing of each block: none, selective (default; torchtitan's"
+                   " operator policy) or full")
     c = p.add_argument_group("a described cluster (instead of this machine)")
     c.add_argument("--nodes", type=int, default=None, help="machines")
     c.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per machine, a process each")
@@ -98,13 +110,15 @@ def command(args) -> int:
     from torchfleet.plan.config import PlanConfig
     from torchfleet.plan.run import plan_document, run_check
 
+    precision = args.precision or ("bf16" if args.hf_config else "fp32")
     cfg = PlanConfig(model=args.model, gpt_preset=args.gpt_preset, image_size=args.image_size, batch=args.batch_size,
-                     optimizer=args.optimizer, precision=args.precision, strategies=args.strategies or (),
+                     optimizer=args.optimizer, precision=precision, strategies=args.strategies or (),
                      nproc=args.nproc or (), nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                      cpus_per_node=args.cpus_per_node, gpu=args.gpu, tflops=args.tflops, memory_gb=args.memory_gb,
                      mfu=args.mfu, link_gbit=args.link, intra_gbit=args.intra_link, reprobe=args.reprobe,
                      json_out=args.json_out, chart=args.chart, check=args.check, warmup=args.warmup,
-                     steps=args.steps, schedule=args.schedule, stages_per_process=args.stages_per_process)
+                     steps=args.steps, schedule=args.schedule, stages_per_process=args.stages_per_process,
+                     hf_config=args.hf_config, seq_len=args.seq_len, local_batch=args.local_batch, ac=args.ac)
     for path, what in ((cfg.json_out, "--json-out"), (cfg.chart, "--chart")):
         if path:
             check_writable_file(path, what)
@@ -113,6 +127,8 @@ def command(args) -> int:
     def say(text: str) -> None:
         console.print(text, markup=False, highlight=False)
 
+    if cfg.hf_config:
+        return _at_scale(cfg, console, say)
     document = plan_document(cfg, say=say)
     for note in document["notes"]:
         say(f"note: {note}")
@@ -129,4 +145,18 @@ def command(args) -> int:
         say(f"wrote {cfg.json_out}")
     if cfg.chart:
         say(f"chart: {report.chart(document, cfg.chart)}")
+    return 0
+
+
+def _at_scale(cfg, console, say) -> int:
+    from torchfleet.plan import at_scale, report
+
+    document = at_scale.plan_at_scale(at_scale.request_of(cfg), say=say)
+    for note in document["notes"]:
+        say(f"note: {note}")
+    console.print(at_scale.table(document))
+    say(f"- {document['recommendation']}")
+    if cfg.json_out:
+        report.write_json(document, cfg.json_out)
+        say(f"wrote {cfg.json_out}")
     return 0

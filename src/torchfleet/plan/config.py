@@ -41,6 +41,10 @@ class PlanConfig:
     seed: int = 0
     schedule: str | None = None  # the pipelines' (strategies/schedules.py); None: their default
     stages_per_process: int | None = None
+    hf_config: str | None = None  # a library model planned at scale on fake tensors (plan/at_scale.py)
+    seq_len: int = 8192
+    local_batch: int = 2
+    ac: str = "selective"
 
     @property
     def described(self) -> bool:

@@ -1,0 +1,98 @@
+"""A library model for planning at scale: a Hugging Face config.json, built only on fake tensors.
+
+`plan --hf-config` takes a shipped name (the files in hf_configs/, public
+architecture figures of well-known models) or a path to any config.json.
+Nothing is downloaded and no weight is allocated: the model is built under
+torch's FakeTensorMode, so Llama 3.1 405B costs this machine what its
+module objects cost, not 1.6 TB.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from torchfleet.errors import UsageError
+
+CONFIGS = Path(__file__).with_name("hf_configs")
+
+
+def shipped() -> tuple[str, ...]:
+    return tuple(sorted(p.stem for p in CONFIGS.glob("*.json")))
+
+
+def read_config(name_or_path: str) -> dict:
+    """The config's fields, from a shipped name or a file; one sentence (UsageError) for anything else."""
+    path = CONFIGS / f"{name_or_path}.json"
+    if not path.is_file():
+        path = Path(name_or_path)
+    if not path.is_file():
+        raise UsageError(f"--hf-config {name_or_path!r} is neither a file nor a shipped config; give a"
+                         f" config.json's path or one of {', '.join(shipped())}")
+    try:
+        fields = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UsageError(f"--hf-config {path} is not a model config: it cannot be read as JSON ({exc})") from None
+    if not isinstance(fields, dict) or "model_type" not in fields:
+        raise UsageError(f"--hf-config {path} is not a model config: a Hugging Face config.json names its"
+                         " model_type, and this file has none")
+    for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size"):
+        if not isinstance(fields.get(key), int) or fields[key] < 1:
+            raise UsageError(f"--hf-config {path} is not a decoder model config that plan can trace: it has no"
+                             f" positive integer {key}")
+    return fields
+
+
+def transformers_config(fields: dict, layers: int | None = None):
+    """transformers' config object for `fields`, with `layers` decoder blocks where given."""
+    try:
+        from transformers import AutoConfig
+    except ImportError:
+        raise UsageError("--hf-config needs transformers to build the model's modules (nothing is downloaded):"
+                         " pip install transformers") from None
+    fields = dict(fields)
+    if layers is not None:
+        fields["num_hidden_layers"] = layers
+    model_type = fields.pop("model_type")
+    try:
+        return AutoConfig.for_model(model_type, **fields)
+    except (ValueError, KeyError) as exc:
+        raise UsageError(f"--hf-config's model_type {model_type!r} is not one this transformers knows"
+                         f" ({str(exc).splitlines()[0][:120]})") from None
+
+
+def build(fields: dict, layers: int | None = None):
+    """The causal language model with fp32 parameters (the master weights); call it under FakeTensorMode."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = transformers_config(fields, layers)
+    try:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    except ValueError as exc:
+        raise UsageError(f"--hf-config's {type(config).__name__} has no causal language model in transformers,"
+                         f" so plan cannot train it ({str(exc).splitlines()[0][:120]})") from None
+    blocks(model)  # a model without a list of decoder blocks is refused here, before any tracing
+    return model
+
+
+def blocks(model):
+    """The model's list of decoder blocks (FSDP's units, checkpointing's units), or one sentence."""
+    from torch import nn
+
+    inner = getattr(model, getattr(model, "base_model_prefix", "model"), None)
+    found = getattr(inner, "layers", None)
+    if not isinstance(found, nn.ModuleList) or len(found) == 0:
+        raise UsageError(f"{type(model).__name__} keeps no list of decoder blocks at .{model.base_model_prefix}"
+                         ".layers, so plan cannot shard or checkpoint it block by block")
+    return found
+
+
+def parameter_count(fields: dict) -> int:
+    """Parameters of the whole model, from one block's count and the rest's, built on the meta device."""
+    import torch
+
+    with torch.device("meta"):
+        one, two = (build(fields, layers) for layers in (1, 2))
+    count = [sum(p.numel() for p in m.parameters()) for m in (one, two)]
+    return count[0] + (count[1] - count[0]) * (fields["num_hidden_layers"] - 1)

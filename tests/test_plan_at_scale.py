@@ -1,0 +1,130 @@
+"""plan --hf-config: a library model's step traced on fake tensors, carried to its depth and to any number of GPUs.
+
+The figures are checked against what they stand for: a full-depth trace for
+the carried one, a trace at another world for the sharding arithmetic, two
+real gloo processes training the same model for the fake trace, and the
+model's parameter count for the columns a layout shards.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import forked_torchfleet, require_module
+
+require_module("transformers", "transformers (the test extra) builds the library models from configs")
+
+from torchfleet import launch  # noqa: E402 (after the skip)
+from torchfleet.plan import at_scale, library_model, trace  # noqa: E402
+
+# A Llama of Llama 3.1's architecture at a size this machine trains in a second: deeper than the traced
+# depths (2, 4, 6), so its figures are carried, not traced whole.
+SMALL = {**library_model.read_config("llama-3.1-8b"), "hidden_size": 64, "intermediate_size": 160,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512, "num_hidden_layers": 8,
+         "bos_token_id": None, "eos_token_id": None}
+WORK = {"seq": 64, "local_batch": 2}
+
+
+@pytest.mark.parametrize("ac", ["none", "full"])  # with full, the peak moves between depths 2 and 4 (8B's shapes)
+def test_a_deep_model_carried_from_shallow_traces_equals_its_whole_trace(ac):
+    work = trace.Workload(**WORK, ac=ac)
+    carried = trace.traced_at_scale(SMALL, work, trace.TRACE_WORLD)
+    whole = trace.trace(SMALL, work, trace.TRACE_WORLD)
+    assert whole.layers == 8 and carried.layers == 8
+    assert carried.peak == pytest.approx(whole.peak, rel=1e-3), (carried.kinds, whole.kinds)
+
+
+@pytest.mark.parametrize("world", [2, 32])
+def test_another_world_reads_the_same_trace_as_a_trace_at_that_world(world):
+    work = trace.Workload(**WORK, ac="selective")
+    read = trace.trace(SMALL, work, trace.TRACE_WORLD, layers=2).at_world(world)
+    traced = trace.trace(SMALL, work, world, layers=2)
+    # FSDP2 pads each shard to whole elements: a few hundred bytes in a peak of megabytes.
+    assert read.peak == pytest.approx(traced.peak, rel=2e-3), (read.kinds, traced.kinds)
+
+
+def _real_peaks(fields: dict) -> dict | None:
+    """In each of 2 gloo processes: the small model trained for real under the traced layout in each
+    checkpointing mode; the main rank returns each mode's tensor peak."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo")  # launch sets the rendezvous's environment, as torchrun does
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    peaks = {}
+    for ac in trace.AC_MODES:
+        work = trace.Workload(**WORK, ac=ac)
+        torch.manual_seed(0)
+        model = library_model.build(fields)
+        trace._prepare(model, work, mesh)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+        tokens = torch.randint(0, fields["vocab_size"], (work.local_batch, work.seq + 1))
+        trace._make_optimizer_state(model, optimizer)
+        tracker = FSDPMemTracker(model, optimizer)
+        tracker.track_inputs((tokens,))
+        with tracker:
+            trace._step(model, optimizer, tokens)
+        peaks[ac] = sum(device["Total"] for device in tracker.get_tracker_snapshot("peak").values())
+    rank = dist.get_rank()
+    dist.destroy_process_group()
+    return peaks if rank == 0 else None
+
+
+@pytest.mark.timeout(300)
+def test_the_fake_trace_predicts_the_tensor_peak_of_real_processes_within_10_percent():
+    """Fake tensors and a fake process group of 8, carried to 8 blocks and read at 2 ranks, against 2 real gloo
+    processes training the model: every checkpointing mode within the 10% the issue asks (the H200 run put the
+    tracker itself within 0.1% of max_memory_allocated). Measured on torch 2.14.1: none +4.1%, selective +0.2%,
+    full +1.0%."""
+    real = launch(_real_peaks, nprocs=2, args=(SMALL,))[0]
+    for ac in trace.AC_MODES:
+        predicted = trace.traced_at_scale(SMALL, trace.Workload(**WORK, ac=ac), 2).peak
+        measured = real[ac]
+        print(f"{ac}: predicted {predicted / 2**20:.2f} MiB, measured {measured / 2**20:.2f} MiB")
+        assert measured > 0 and abs(predicted / measured - 1) <= 0.10, (ac, predicted, measured)
+
+
+def test_a_shipped_config_plans_its_columns_from_its_parameter_count(tmp_path):
+    out = tmp_path / "plan.json"
+    result = forked_torchfleet("plan", "--hf-config", "llama-3.1-8b", "--gpu", "H100", "--gpus-per-node", "8",
+                               "--nodes", "16", "--nproc", "8,128", "--json-out", str(out))
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(out.read_text())
+    params = doc["parameters"]
+    assert params == 8_030_261_248  # Llama 3.1 8B's published count
+    rows = {r["gpus"]: r for r in doc["rows"]}
+    for gpus, row in rows.items():
+        # AdamW's two fp32 moments, sharded over the GPUs; one rank's shard of each parameter rounds up.
+        assert row["memory"]["optimizer"] == pytest.approx(8 * params / gpus, rel=1e-3)
+        assert row["peak"] == pytest.approx(sum(row["memory"].values()))
+        assert row["reserved"] == pytest.approx(row["peak"] * at_scale.RESERVED_OVER_ALLOCATED)
+        assert row["fits"] == (row["peak"] <= 80e9) and row["tight"] == (row["peak"] <= 80e9 < row["reserved"])
+    # Everything but the sharded state is the same on 8 and 128 GPUs: the difference is 15/16 of the
+    # shards' bytes at 8 (fp32 weights and AdamW moments; no gradient is held at this step's peak).
+    shards_at_8 = rows[8]["memory"]["optimizer"] + 4 * params / 8
+    assert rows[8]["peak"] - rows[128]["peak"] == pytest.approx(shards_at_8 * 15 / 16, rel=1e-3)
+    # 8B on 8 H100s: 72.3 GiB of tensors fit 74.5 GiB, and 82.0 reserved do not; 128 GPUs hold it with room.
+    assert rows[8]["tight"] and rows[128]["fits"] and not rows[128]["tight"]
+    assert "FSDP over 128 or more H100 GPUs holds the step" in result.stdout
+
+
+@pytest.mark.parametrize("args, said", [
+    (["--hf-config", "llama-3.1-8b"], "--hf-config plans a described GPU cluster"),
+    (["--hf-config", "README.md", "--gpu", "H100", "--gpus-per-node", "8"],
+     "--hf-config README.md is not a model config: it cannot be read as JSON"),
+    (["--hf-config", "no-such-model", "--gpu", "H100", "--gpus-per-node", "8"],
+     "is neither a file nor a shipped config; give a config.json's path or one of llama-3.1-405b"),
+    (["--hf-config", "llama-3.1-8b", "--gpu", "H100", "--gpus-per-node", "8", "--ac", "some"],
+     "--ac 'some' is not a checkpointing mode; choose one of none, selective, full"),
+    (["--hf-config", "llama-3.1-405b", "--gpu", "H100", "--gpus-per-node", "8"],
+     "llama-3.1-405b's 405.9 B parameters are 1,623 GB as fp32 weights alone, more than 8 GPUs x 80 GB = 640 GB"),
+], ids=["no-cluster", "not-json", "unknown-name", "bad-ac", "weights-beyond-the-cluster"])
+def test_bad_input_is_one_sentence(args, said):
+    result = forked_torchfleet("plan", *args)
+    assert result.returncode == 2, result.stderr
+    assert said in result.stderr and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
