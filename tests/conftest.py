@@ -115,6 +115,13 @@ def newest_checkpoint_model(directory: Path) -> tuple[str, dict]:
     return newest.name, torch.load(newest / "state.pt", weights_only=True)["model"]
 
 
+def assert_refused_in_one_sentence(result, sentence: str) -> None:
+    """A command's refusal as torchfleet promises it: exit status 2 and `sentence` on one line of stderr, no traceback."""
+    assert result.returncode == 2, result.stderr
+    assert sentence in result.stderr and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
 def said(codes, outputs) -> str:
     """Exit statuses and every process's whole output, as one failure message (pytest cuts a long repr short)."""
     return f"exit statuses {codes}" + "".join(f"\n--- {name}:\n{text}" for name, text in outputs.items())
