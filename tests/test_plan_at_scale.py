@@ -34,6 +34,7 @@ def test_a_deep_model_carried_from_shallow_traces_equals_its_whole_trace(ac):
     whole = trace.trace(SMALL, work, trace.TRACE_WORLD)
     assert whole.layers == 8 and carried.layers == 8
     assert carried.peak == pytest.approx(whole.peak, rel=1e-3), (carried.kinds, whole.kinds)
+    assert carried.flops == pytest.approx(whole.flops, rel=1e-9) and whole.flops > 0
 
 
 @pytest.mark.parametrize("world", [2, 32])
@@ -91,7 +92,7 @@ def test_the_fake_trace_predicts_the_tensor_peak_of_real_processes_within_10_per
 def test_a_shipped_config_plans_its_columns_from_its_parameter_count(tmp_path):
     out = tmp_path / "plan.json"
     result = forked_torchfleet("plan", "--hf-config", "llama-3.1-8b", "--gpu", "H100", "--gpus-per-node", "8",
-                               "--nodes", "16", "--nproc", "8,128", "--json-out", str(out))
+                               "--nodes", "16", "--nproc", "8,128", "--link", "400", "--json-out", str(out))
     assert result.returncode == 0, result.stderr
     doc = json.loads(out.read_text())
     params = doc["parameters"]
@@ -107,6 +108,17 @@ def test_a_shipped_config_plans_its_columns_from_its_parameter_count(tmp_path):
     # shards' bytes at 8 (fp32 weights and AdamW moments; no gradient is held at this step's peak).
     shards_at_8 = rows[8]["memory"]["optimizer"] + 4 * params / 8
     assert rows[8]["peak"] - rows[128]["peak"] == pytest.approx(shards_at_8 * 15 / 16, rel=1e-3)
+    # The step: the traced FLOPs at 48% of the H100's 989.4 TFLOP/s; three passes over the parameters (gathered
+    # in bf16 for forward and for backward, fp32 gradients scattered: 8 bytes a parameter) around a ring of the
+    # GPUs, over NVLink (450 GB/s) within a machine and --link 400 Gbit/s (50 GB/s) across machines.
+    # Each pass pays a latency per hop: 20 us within a machine, 40 us across (hardware.GPU_LATENCY_S).
+    for gpus, bandwidth, latency in ((8, 450e9, 20e-6), (128, 50e9, 40e-6)):
+        t = rows[gpus]["time"]
+        assert t["compute"] == pytest.approx(rows[gpus]["flops"] / (989.4e12 * at_scale.AT_SCALE_EFFICIENCY))
+        wire = 8 * params * (gpus - 1) / gpus / bandwidth + 3 * (gpus - 1) * latency
+        assert t["communication"] == pytest.approx(wire, rel=1e-6)
+        assert t["step"] == pytest.approx(t["compute"] + t["communication"] / 32)  # hidden but one block's share
+        assert rows[gpus]["tokens_per_s_per_gpu"] == pytest.approx(2 * 8192 / t["step"])
     # 8B on 8 H100s: 72.3 GiB of tensors fit 74.5 GiB, and 82.0 reserved do not; 128 GPUs hold it with room.
     assert rows[8]["tight"] and rows[128]["fits"] and not rows[128]["tight"]
     assert "FSDP over 128 or more H100 GPUs holds the step" in result.stdout

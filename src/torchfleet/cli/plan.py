@@ -68,7 +68,7 @@ def add_parser(sub) -> None:
                              " GPU cluster)")
     s.add_argument("--hf-config", default=None, metavar="NAME|PATH",
                    help="a Hugging Face config.json, or a shipped one: " + ", ".join(library_model.shipped())
-                   + "; plans FSDP's memory per GPU over the cluster's GPU counts")
+                   + "; plans FSDP's memory per GPU and step time over the cluster's GPU counts")
     s.add_argument("--seq-len", type=int, default=8192, help="--hf-config: tokens a sample (default 8192)")
     s.add_argument("--local-batch", type=int, default=2, help="--hf-config: samples a GPU a step (default 2)")
     s.add_argument("--ac", default="selective", metavar="MODE",

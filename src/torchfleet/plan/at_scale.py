@@ -1,10 +1,12 @@
-"""`plan --hf-config`: memory per GPU of a library model under FSDP on a described GPU cluster, at any size.
+"""`plan --hf-config`: a library model under FSDP on a described GPU cluster, at any size: memory per GPU
+and step time.
 
 The model is never allocated: its step is traced on fake tensors
 (plan/trace.py), once per checkpointing mode, and each number of GPUs reads the
-same trace with its own sharding. What bounds the step's time at scale (the
-roofline of the traced operators and the collectives over a two-level
-topology) is not predicted by this mode yet: issue 37 tracks it.
+same trace with its own sharding. The step's time is its traced FLOPs at one
+achieved fraction of the GPU's peak, and FSDP's collectives over the link they
+cross, overlapped with compute (`step_time`). Tensor and pipeline parallel
+layouts are not planned by this mode yet (issue 37).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import time
 from dataclasses import dataclass
 
 from torchfleet.errors import UsageError
-from torchfleet.plan import library_model, trace
+from torchfleet.plan import comm, hardware, library_model, trace
 
 SCHEMA = "torchfleet-plan-at-scale/1"
 # Bytes a parameter costs in training whatever the layout: the fp32 master weight, its fp32 gradient and
@@ -28,6 +30,11 @@ TRAINING_BYTES_PER_PARAM = 16
 # same cells reserved 1.207 and 1.256 times their tensors (docs/benchmarks.md). Published runs report the
 # reserved figure, and a GPU runs out of memory when its reserve cannot grow.
 RESERVED_OVER_ALLOCATED = 1.135
+# The fraction of a GPU's dense peak that a large transformer's step reaches, on FLOPs as FlopCounterMode counts
+# them (recomputation included, attention unhalved), one figure for every plan (--mfu overrides it): the mean
+# of the same two H100 cells, 194.6 TFLOP in 417.6 ms (47.1% of 989.4 TFLOP/s) with the selective policy and
+# 223.7 TFLOP in 455.6 ms (49.6%) with full recomputation, on one GPU, eager.
+AT_SCALE_EFFICIENCY = 0.48
 # The tracker's kinds, grouped as the table shows them.
 COLUMNS = {
     "parameters": ("SHARDED_PARAM", "UNSHARDED_PARAM", "BUFFER"),
@@ -49,18 +56,24 @@ class ScaleRequest:
     counts: tuple[int, ...]  # GPUs planned
     per_node: int
     memory_bytes: float  # one GPU's
-    gpu_name: str
+    gpu_name: str  # the cluster, as "16 x 8 H100"
+    gpu_label: str  # one GPU with a space after it, as "H100 ", or "" for one given by its figures
+    target: hardware.Target  # its rate is the achieved FLOP/s: `efficiency` of the GPU's dense peak
+    efficiency: float
 
 
 def request_of(cfg) -> ScaleRequest:
     """The at-scale request from plan's config and its described cluster; bad values are one sentence."""
     from torchfleet.config import at_least
-    from torchfleet.plan.run import cluster_counts, target_of
+    from torchfleet.plan.run import cluster_counts
 
     if cfg.cpus_per_node is not None or not (cfg.gpus_per_node or cfg.gpu or cfg.tflops):
         raise UsageError("--hf-config plans a described GPU cluster: give --gpus-per-node with --gpu (or --tflops"
                          " and --memory-gb), and --nodes for more than one machine")
-    target = target_of(cfg, None)
+    efficiency = AT_SCALE_EFFICIENCY if cfg.mfu is None else cfg.mfu
+    target = hardware.gpu_cluster(nodes=cfg.nodes or 1, per_node=cfg.gpus_per_node or 1, gpu=cfg.gpu,
+                                  tflops=cfg.tflops, memory_gb=cfg.memory_gb, mfu=efficiency,
+                                  precision=cfg.precision, intra_gbit=cfg.intra_gbit, inter_gbit=cfg.link_gbit)
     if cfg.check:
         raise UsageError("--check runs the model here, which --hf-config's models are too big for; leave out one")
     if cfg.ac not in trace.AC_MODES:
@@ -71,7 +84,7 @@ def request_of(cfg) -> ScaleRequest:
     at_least("--seq-len", cfg.seq_len, 1)
     at_least("--local-batch", cfg.local_batch, 1)
     return ScaleRequest(cfg.hf_config, cfg.seq_len, cfg.local_batch, cfg.ac, cfg.precision,
-                        cluster_counts(cfg, target), target.per_node, target.memory_bytes, target.name)
+                        cluster_counts(cfg, target), target.per_node, target.memory_bytes, target.name, f"{cfg.gpu} " if cfg.gpu else "", target, efficiency)
 
 
 def plan_at_scale(request: ScaleRequest, say=print) -> dict:
@@ -88,12 +101,15 @@ def plan_at_scale(request: ScaleRequest, say=print) -> dict:
         traced = trace.traced_at_scale(fields, work, gpus)
         grouped = {name: sum(traced.kinds.get(k, 0.0) for k in kinds) for name, kinds in COLUMNS.items()}
         reserved = traced.peak * RESERVED_OVER_ALLOCATED
+        timing = step_time(traced.flops, params, fields["num_hidden_layers"], gpus, request)
         rows.append({"gpus": gpus, "nodes": -(-gpus // request.per_node), "memory": grouped, "peak": traced.peak,
+                     "flops": traced.flops, "time": timing,
+                     "tokens_per_s_per_gpu": request.local_batch * request.seq / timing["step"],
                      "reserved": reserved, "fits": traced.peak <= request.memory_bytes,
                      "tight": traced.peak <= request.memory_bytes < reserved,
                      "global_batch": gpus * request.local_batch})
     fitting = [r for r in rows if r["fits"] and not r["tight"]] or [r for r in rows if r["fits"]]
-    sentence = (f"FSDP over {fitting[0]['gpus']} or more {request.gpu_name.split(' ')[-1]} GPUs holds the step:"
+    sentence = (f"FSDP over {fitting[0]['gpus']} or more {request.gpu_label}GPUs holds the step:"
                 f" {fitting[0]['peak'] / 2**30:,.1f} GiB of tensors, {fitting[0]['reserved'] / 2**30:,.1f} GiB"
                 f" reserved, of {request.memory_bytes / 2**30:,.1f} GiB a GPU"
                 + (" (tight: the allocator must free its cache and retry, which slows steps)"
@@ -110,11 +126,33 @@ def plan_at_scale(request: ScaleRequest, say=print) -> dict:
                          "precision": request.precision},
             "gpu_memory_bytes": request.memory_bytes, "target": request.gpu_name, "rows": rows,
             "recommendation": sentence, "trace_s": round(time.perf_counter() - began, 1),
+            "efficiency": request.efficiency, "achieved_flops_per_s": request.target.rate,
             "notes": [f"peak/GPU is the tensors' peak as FSDPMemTracker follows them on fake tensors (what"
                       f" max_memory_allocated reads on a GPU); reserved is {RESERVED_OVER_ALLOCATED} times it, the"
                       " caching allocator's measured overhead with expandable segments; a step whose tensors fit but whose"
                       " reserve does not is tight",
-                      "step time at scale is not predicted by --hf-config yet"]}
+                      f"step time: the traced FLOPs at {request.efficiency:.0%} of the GPU's dense peak"
+                      " (--mfu), and FSDP's all-gathers and reduce-scatter over the link they cross, hidden behind"
+                      " compute but for one block's share"]}
+
+
+
+def step_time(flops: float, params: int, blocks: int, gpus: int, request: ScaleRequest) -> dict:
+    """One step's seconds under FSDP: compute at the target's achieved rate; all-gathers of the parameters
+    (forward, and again in backward, as FSDP2 reshards after forward) and a reduce-scatter of fp32 gradients,
+    rings over the GPUs on the slower link they cross; overlapped with compute by prefetching, except one
+    block's share at each end of the step."""
+    target = request.target
+    assert target.rate is not None
+    compute = flops / target.rate
+    link = target.link_for(gpus)
+    param_bytes = 2 if request.precision == "bf16" else 4
+    gathers = 2 * comm.all_gather_s(params * param_bytes, gpus, link)
+    scatter = comm.reduce_scatter_s(params * 4, gpus, link)
+    communication = gathers + scatter
+    exposed = communication / blocks + max(0.0, communication - compute)
+    return {"step": compute + exposed, "compute": compute, "communication": communication, "exposed": exposed,
+            "bound": "compute" if compute >= communication else "communication"}
 
 
 def _refuse_weights_beyond_the_cluster(request: ScaleRequest, params: int) -> None:
@@ -135,12 +173,14 @@ def table(document: dict):
     w = document["workload"]
     t = Table(title=f"torchfleet plan: {document['hf_config']} ({document['parameters'] / 1e9:,.1f} B), FSDP,"
               f" sequence {w['seq']}, local batch {w['local_batch']}, checkpointing {w['ac']}, {w['precision']},"
-              f" on {document['target']} (memory per GPU, traced on fake tensors)", title_justify="left")
-    for name in ("GPUs", "nodes", "global batch", *COLUMNS, "peak/GPU", "reserved", "fits"):
-        t.add_column(name, justify="left" if name == "fits" else "right")
+              f" on {document['target']} (traced on fake tensors; memory in GiB per GPU)", title_justify="left")
+    for name in ("GPUs", "nodes", "global batch", *COLUMNS, "peak/GPU", "reserved", "fits", "step s", "tokens/s/GPU",
+                 "bound"):
+        t.add_column(name, justify="left" if name in ("fits", "bound") else "right")
     for r in document["rows"]:
         t.add_row(str(r["gpus"]), str(r["nodes"]), f"{r['global_batch']:,}",
-                  *(f"{r['memory'][name] / 2**30:,.2f}" for name in COLUMNS), f"{r['peak'] / 2**30:,.2f} GiB",
-                  f"{r['reserved'] / 2**30:,.1f} GiB",
-                  "tight" if r["tight"] else "yes" if r["fits"] else "NO")
+                  *(f"{r['memory'][name] / 2**30:,.2f}" for name in COLUMNS), f"{r['peak'] / 2**30:,.2f}",
+                  f"{r['reserved'] / 2**30:,.1f}",
+                  "tight" if r["tight"] else "yes" if r["fits"] else "NO", f"{r['time']['step']:.2f}",
+                  f"{r['tokens_per_s_per_gpu']:,.0f}", r["time"]["bound"])
     return t

@@ -50,6 +50,7 @@ class Traced:
     layers: int
     world: int
     moments: tuple[dict[str, float], ...]
+    flops: float = 0.0  # one rank's step, as FlopCounterMode counts it (recomputation included)
 
     @property
     def kinds(self) -> dict[str, float]:
@@ -63,7 +64,7 @@ class Traced:
     def at_world(self, world: int) -> Traced:
         scale = self.world / world
         return Traced(self.layers, world, tuple({k: v * scale if k in SHARDED_KINDS else v for k, v in m.items()}
-                                                for m in self.moments))
+                                                for m in self.moments), self.flops)
 
 
 def candidate_moments(moments: list[dict[str, float]]) -> tuple[dict[str, float], ...]:
@@ -87,7 +88,8 @@ def at_depth(low: Traced, high: Traced, layers: int) -> Traced:
     per_block = {k: (high_kinds.get(k, 0.0) - low_kinds.get(k, 0.0)) / (high.layers - low.layers)
                  for k in set(low_kinds) | set(high_kinds)}
     kinds = {k: low_kinds.get(k, 0.0) + per_block[k] * (layers - low.layers) for k in per_block}
-    return Traced(layers, low.world, ({k: v for k, v in sorted(kinds.items()) if v > 0},))
+    flops = low.flops + (high.flops - low.flops) / (high.layers - low.layers) * (layers - low.layers)
+    return Traced(layers, low.world, ({k: v for k, v in sorted(kinds.items()) if v > 0},), flops)
 
 
 def trace(fields: dict, work: Workload, world: int, layers: int | None = None) -> Traced:
@@ -117,11 +119,11 @@ def trace(fields: dict, work: Workload, world: int, layers: int | None = None) -
             _make_optimizer_state(model, optimizer)
             tracker = _timeline_tracker()(model, optimizer)
             tracker.track_inputs((tokens,))
-            with tracker:
+            with tracker, flop_counter() as counter:
                 _step(model, optimizer, tokens)
     finally:
         dist.destroy_process_group()
-    return Traced(layers, world, candidate_moments(tracker.moments))
+    return Traced(layers, world, candidate_moments(tracker.moments), counter.total)
 
 
 def traced_at_scale(fields: dict, work: Workload, world: int) -> Traced:
@@ -175,6 +177,42 @@ def _prepare(model, work: Workload, mesh) -> None:
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
+
+
+def flop_counter():
+    """A dispatch mode summing torch's FLOP formulas (torch.utils.flop_counter's table) over every operator it
+    sees, with the CPU's fused attention added, which that table leaves out: the same products as the GPU's
+    kernels (full, not causal-halved, as torch counts those). Unlike FlopCounterMode it tracks no modules, so
+    the memory tracker beside it sees the step exactly as it would alone; `.total` after the step."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.flop_counter import (
+        flop_registry,
+        sdpa_backward_flop_count,
+        sdpa_flop_count,
+        shape_wrapper,
+    )
+
+    aten = torch.ops.aten
+    table = dict(flop_registry)
+    if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
+        table[aten._scaled_dot_product_flash_attention_for_cpu] = shape_wrapper(
+            lambda q, k, v, *args, out_shape=None, **kwargs: sdpa_flop_count(q, k, v))
+    if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward"):
+        table[aten._scaled_dot_product_flash_attention_for_cpu_backward] = shape_wrapper(
+            lambda grad, q, k, v, *args, out_shape=None, **kwargs: sdpa_backward_flop_count(grad, q, k, v))
+
+    class FlopSum(TorchDispatchMode):
+        total = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            formula = table.get(func._overloadpacket)
+            if formula is not None:
+                self.total += formula(*args, **(kwargs or {}), out_val=out)
+            return out
+
+    return FlopSum()
 
 
 def _make_optimizer_state(model, optimizer) -> None:
