@@ -8,17 +8,21 @@ Activation checkpointing wraps each block: "full" recomputes the whole block,
 "selective" keeps what torchtitan's operator-level policy keeps (the output of
 every other matrix product and of attention, recomputing the rest).
 
-torch's FSDPMemTracker (torch.distributed._tools) follows every tensor of two
-steps under FakeTensorMode and a fake process group, and reports the peak by
-kind: sharded and unsharded parameters, gradients, optimizer state,
-activations, temporaries, all-gather and reduce-scatter buffers. On one H200
-(torch 2.11) its peak matched max_memory_allocated within 0.1% in 4 of 5
-Llama-shaped cells (docs/benchmarks.md, "The third run").
+torch's FSDPMemTracker (torch.distributed._tools) follows every tensor of one
+step, with AdamW's state made beforehand, under FakeTensorMode and a fake
+process group, and gives the memory by kind after every operator: sharded and
+unsharded parameters, gradients, optimizer state, activations, temporaries,
+all-gather and reduce-scatter buffers. The same pass counts the step's FLOPs.
+On one H200 (torch 2.11) the tracker's peak matched max_memory_allocated within
+0.1% in 4 of 5 Llama-shaped cells; traced here on the CPU, a 1B shape's peak is
+within 0.3% of a real H100's and its FLOPs equal the H100's count
+(docs/benchmarks.md).
 
-Tracing costs time per operator, so deep models are traced at two small
-depths and the figures carried to the full depth: every block is the same, so
-each kind grows by the same amount per block (`at_depth`). The sharded kinds
-shrink with the number of ranks and nothing else does (`at_world`).
+Tracing costs time per operator, so deep models are traced at three or more
+small depths and the figures carried to the full depth: every block is the
+same, so each kind grows by the same amount per block (`at_depth`) once the
+same moment is the peak. The sharded kinds shrink with the number of ranks and
+nothing else does (`at_world`).
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ class Traced:
     layers: int
     world: int
     moments: tuple[dict[str, float], ...]
-    flops: float = 0.0  # one rank's step, as FlopCounterMode counts it (recomputation included)
+    flops: float = 0.0  # one rank's step, by torch's FLOP formulas (recomputation included)
 
     @property
     def kinds(self) -> dict[str, float]:
@@ -93,7 +97,7 @@ def at_depth(low: Traced, high: Traced, layers: int) -> Traced:
 
 
 def trace(fields: dict, work: Workload, world: int, layers: int | None = None) -> Traced:
-    """Trace two steps at `layers` blocks (default: the config's) on `world` fake ranks."""
+    """Trace one step at `layers` blocks (default: the config's) on `world` fake ranks."""
     import torch
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
