@@ -84,7 +84,8 @@ def request_of(cfg) -> ScaleRequest:
     at_least("--seq-len", cfg.seq_len, 1)
     at_least("--local-batch", cfg.local_batch, 1)
     return ScaleRequest(cfg.hf_config, cfg.seq_len, cfg.local_batch, cfg.ac, cfg.precision,
-                        cluster_counts(cfg, target), target.per_node, target.memory_bytes, target.name, f"{cfg.gpu} " if cfg.gpu else "", target, efficiency)
+                        cluster_counts(cfg, target), target.per_node, target.memory_bytes, target.name,
+                        f"{cfg.gpu} " if cfg.gpu else "", target, efficiency)
 
 
 def plan_at_scale(request: ScaleRequest, say=print) -> dict:
@@ -116,7 +117,8 @@ def plan_at_scale(request: ScaleRequest, say=print) -> dict:
                    if fitting[0]["tight"] else "")
                 if fitting else
                 f"no planned count of GPUs holds the step under FSDP alone (the smallest peak is"
-                f" {min(r['peak'] for r in rows) / 2**30:,.1f} GiB of tensors a GPU against {request.memory_bytes / 2**30:,.1f});"
+                f" {min(r['peak'] for r in rows) / 2**30:,.1f} GiB of tensors a GPU against"
+                f" {request.memory_bytes / 2**30:,.1f} GiB);"
                 + (" fuller checkpointing (--ac full), a" if request.ac != "full" else " a")
                 + " shorter sequence or a smaller local batch lowers it, and so would tensor or pipeline"
                 " parallelism, which --hf-config does not plan yet")
@@ -129,12 +131,11 @@ def plan_at_scale(request: ScaleRequest, say=print) -> dict:
             "efficiency": request.efficiency, "achieved_flops_per_s": request.target.rate,
             "notes": [f"peak/GPU is the tensors' peak as FSDPMemTracker follows them on fake tensors (what"
                       f" max_memory_allocated reads on a GPU); reserved is {RESERVED_OVER_ALLOCATED} times it, the"
-                      " caching allocator's measured overhead with expandable segments; a step whose tensors fit but whose"
-                      " reserve does not is tight",
+                      " caching allocator's measured overhead with expandable segments; a step whose tensors fit"
+                      " but whose reserve does not is tight",
                       f"step time: the traced FLOPs at {request.efficiency:.0%} of the GPU's dense peak"
                       " (--mfu), and FSDP's all-gathers and reduce-scatter over the link they cross, hidden behind"
                       " compute but for one block's share"]}
-
 
 
 def step_time(flops: float, params: int, blocks: int, gpus: int, request: ScaleRequest) -> dict:
