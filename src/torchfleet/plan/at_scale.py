@@ -63,26 +63,13 @@ class ScaleRequest:
 
 
 def request_of(cfg) -> ScaleRequest:
-    """The at-scale request from plan's config and its described cluster; bad values are one sentence."""
-    from torchfleet.config import at_least
+    """The at-scale request from plan's config (PlanConfig checked its flags) and its described cluster."""
     from torchfleet.plan.run import cluster_counts
 
-    if cfg.cpus_per_node is not None or not (cfg.gpus_per_node or cfg.gpu or cfg.tflops):
-        raise UsageError("--hf-config plans a described GPU cluster: give --gpus-per-node with --gpu (or --tflops"
-                         " and --memory-gb), and --nodes for more than one machine")
     efficiency = AT_SCALE_EFFICIENCY if cfg.mfu is None else cfg.mfu
     target = hardware.gpu_cluster(nodes=cfg.nodes or 1, per_node=cfg.gpus_per_node or 1, gpu=cfg.gpu,
                                   tflops=cfg.tflops, memory_gb=cfg.memory_gb, mfu=efficiency,
                                   precision=cfg.precision, intra_gbit=cfg.intra_gbit, inter_gbit=cfg.link_gbit)
-    if cfg.check:
-        raise UsageError("--check runs the model here, which --hf-config's models are too big for; leave out one")
-    if cfg.ac not in trace.AC_MODES:
-        raise UsageError(f"--ac {cfg.ac!r} is not a checkpointing mode; choose one of {', '.join(trace.AC_MODES)}")
-    if cfg.precision not in ("bf16", "fp32"):
-        raise UsageError(f"--precision {cfg.precision} is not planned at scale; choose bf16 (bf16 compute, fp32"
-                         " master weights and reduction, as torchtitan trains) or fp32")
-    at_least("--seq-len", cfg.seq_len, 1)
-    at_least("--local-batch", cfg.local_batch, 1)
     return ScaleRequest(cfg.hf_config, cfg.seq_len, cfg.local_batch, cfg.ac, cfg.precision,
                         cluster_counts(cfg, target), target.per_node, target.memory_bytes, target.name,
                         f"{cfg.gpu} " if cfg.gpu else "", target, efficiency)

@@ -51,6 +51,8 @@ class PlanConfig:
         return any(v is not None for v in (self.nodes, self.gpus_per_node, self.cpus_per_node))
 
     def __post_init__(self) -> None:
+        if self.hf_config is not None:
+            self._check_at_scale()
         if user_model.is_user_model(self.model):
             user_model.build(self.model)  # a bad one fails here, in one sentence
         elif self.model not in MODELS:
@@ -86,3 +88,20 @@ class PlanConfig:
                             ("--tflops", self.tflops), ("--memory-gb", self.memory_gb)):
             if value is not None and not value > 0:
                 raise UsageError(f"{flag} {value:g} must be above 0")
+
+    def _check_at_scale(self) -> None:
+        """--hf-config's flags (plan/at_scale.py): a model traced for a described GPU cluster, never run here."""
+        from torchfleet.plan.trace import AC_MODES
+
+        if self.cpus_per_node is not None or not (self.gpus_per_node or self.gpu or self.tflops):
+            raise UsageError("--hf-config plans a described GPU cluster: give --gpus-per-node with --gpu (or --tflops"
+                             " and --memory-gb), and --nodes for more than one machine")
+        if self.check:
+            raise UsageError("--check runs the model here, which --hf-config's models are too big for; leave out one")
+        if self.ac not in AC_MODES:
+            raise UsageError(f"--ac {self.ac!r} is not a checkpointing mode; choose one of {', '.join(AC_MODES)}")
+        if self.precision not in ("bf16", "fp32"):
+            raise UsageError(f"--precision {self.precision} is not planned at scale; choose bf16 (bf16 compute, fp32"
+                             " master weights and reduction, as torchtitan trains) or fp32")
+        at_least("--seq-len", self.seq_len, 1)
+        at_least("--local-batch", self.local_batch, 1)
