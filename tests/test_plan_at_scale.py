@@ -58,17 +58,8 @@ def _real_peaks(fields: dict) -> dict | None:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     peaks = {}
     for ac in trace.AC_MODES:
-        work = trace.Workload(**WORK, ac=ac)
         torch.manual_seed(0)
-        model = library_model.build(fields)
-        trace._prepare(model, work, mesh)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
-        tokens = torch.randint(0, fields["vocab_size"], (work.local_batch, work.seq + 1))
-        trace._make_optimizer_state(model, optimizer)
-        tracker = FSDPMemTracker(model, optimizer)
-        tracker.track_inputs((tokens,))
-        with tracker:
-            trace._step(model, optimizer, tokens)
+        tracker, _ = trace.tracked_step(fields, trace.Workload(**WORK, ac=ac), mesh, FSDPMemTracker)
         peaks[ac] = sum(device["Total"] for device in tracker.get_tracker_snapshot("peak").values())
     rank = dist.get_rank()
     dist.destroy_process_group()

@@ -98,13 +98,10 @@ def at_depth(low: Traced, high: Traced, layers: int) -> Traced:
 
 def trace(fields: dict, work: Workload, world: int, layers: int | None = None) -> Traced:
     """Trace one step at `layers` blocks (default: the config's) on `world` fake ranks."""
-    import torch
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from torchfleet.plan import library_model
 
     layers = layers or fields["num_hidden_layers"]
     if dist.is_initialized():
@@ -113,21 +110,33 @@ def trace(fields: dict, work: Workload, world: int, layers: int | None = None) -
     try:
         mesh = init_device_mesh("cpu", (world,))  # outside fake mode: it reads its ranks
         with FakeTensorMode():
-            model = library_model.build(fields, layers)
-            _prepare(model, work, mesh)
-            # One parameter at a time: torchtitan's fused AdamW makes no temporaries the size of the model, and the
-            # foreach form (which does) is not what a GPU run's peak would hold. (fused=True here counts every
-            # parameter's state unsharded under fake tensors.)
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
-            tokens = torch.randint(0, fields["vocab_size"], (work.local_batch, work.seq + 1))
-            _make_optimizer_state(model, optimizer)
-            tracker = _timeline_tracker()(model, optimizer)
-            tracker.track_inputs((tokens,))
-            with tracker, flop_counter() as counter:
-                _step(model, optimizer, tokens)
+            tracker, flops = tracked_step(fields, work, mesh, _timeline_tracker(), layers)
     finally:
         dist.destroy_process_group()
-    return Traced(layers, world, candidate_moments(tracker.moments), counter.total)
+    return Traced(layers, world, candidate_moments(tracker.moments), flops)
+
+
+def tracked_step(fields: dict, work: Workload, mesh, tracker_class, layers: int | None = None):
+    """Build the model, lay it out over `mesh` as `work` says and train one step under `tracker_class` (an
+    FSDPMemTracker) with AdamW's state made first: (the tracker, the step's FLOPs). On fake tensors for the
+    plan; on real ones to check it."""
+    import torch
+
+    from torchfleet.plan import library_model
+
+    model = library_model.build(fields, layers)
+    _prepare(model, work, mesh)
+    # One parameter at a time: torchtitan's fused AdamW makes no temporaries the size of the model, and the
+    # foreach form (which does) is not what a GPU run's peak would hold. (fused=True here counts every
+    # parameter's state unsharded under fake tensors.)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+    tokens = torch.randint(0, fields["vocab_size"], (work.local_batch, work.seq + 1))
+    _make_optimizer_state(model, optimizer)
+    tracker = tracker_class(model, optimizer)
+    tracker.track_inputs((tokens,))
+    with tracker, flop_counter() as counter:
+        _step(model, optimizer, tokens)
+    return tracker, counter.total
 
 
 def traced_at_scale(fields: dict, work: Workload, world: int) -> Traced:
@@ -173,7 +182,7 @@ def _prepare(model, work: Workload, mesh) -> None:
 
         for i, block in enumerate(blocks):
             if work.ac == "selective":
-                blocks[i] = checkpoint_wrapper(block, preserve_rng_state=False, context_fn=_selective_contexts)
+                blocks[i] = checkpoint_wrapper(block, preserve_rng_state=False, context_fn=selective_contexts)
             else:
                 blocks[i] = checkpoint_wrapper(block, preserve_rng_state=False)
     policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -199,6 +208,7 @@ def flop_counter():
 
     aten = torch.ops.aten
     table = dict(flop_registry)
+
     if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
         table[aten._scaled_dot_product_flash_attention_for_cpu] = shape_wrapper(
             lambda q, k, v, *args, out_shape=None, **kwargs: sdpa_flop_count(q, k, v))
@@ -262,7 +272,7 @@ def _step(model, optimizer, tokens) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def _selective_contexts():
+def selective_contexts():
     """torchtitan's operator-level policy: keep attention's output and every other matrix product's."""
     import torch
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
