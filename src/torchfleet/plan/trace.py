@@ -209,12 +209,18 @@ def flop_counter():
     aten = torch.ops.aten
     table = dict(flop_registry)
 
+    def heads_of(q, kv):
+        # Grouped key/value heads (enable_gqa) count as the query's heads, as the kernels broadcast them;
+        # torch before 2.14 counts only equal head counts.
+        return (kv[0], q[1], *kv[2:])
+
     if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
         table[aten._scaled_dot_product_flash_attention_for_cpu] = shape_wrapper(
-            lambda q, k, v, *args, out_shape=None, **kwargs: sdpa_flop_count(q, k, v))
+            lambda q, k, v, *args, out_shape=None, **kwargs: sdpa_flop_count(q, heads_of(q, k), heads_of(q, v)))
     if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward"):
         table[aten._scaled_dot_product_flash_attention_for_cpu_backward] = shape_wrapper(
-            lambda grad, q, k, v, *args, out_shape=None, **kwargs: sdpa_backward_flop_count(grad, q, k, v))
+            lambda grad, q, k, v, *args, out_shape=None, **kwargs: sdpa_backward_flop_count(
+                grad, q, heads_of(q, k), heads_of(q, v)))
 
     class FlopSum(TorchDispatchMode):
         total = 0
