@@ -43,19 +43,32 @@ class Llama:
     kv_heads: int
     ffn: int
     vocab: int = 128256
+    head: int = 0  # the head's width where it is not dim / heads: a tensor-parallel shard keeps 128
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.heads
+        return self.head or self.dim // self.heads
 
 
 # Llama 3.2 1B and 3B's public shapes (untied output layer here, as Llama 3.1's larger models have).
 SHAPES = {"1b": Llama(2048, 16, 32, 8, 8192), "3b": Llama(3072, 28, 24, 8, 8192), "8b": Llama(4096, 32, 32, 8, 14336),
-          "tiny": Llama(64, 4, 4, 2, 128, vocab=512)}
+          "tiny": Llama(64, 4, 4, 2, 128, vocab=512),
+          # One GPU's share of Llama 3.1 70B and 405B under tp 8 as torchtitan lays them out: heads, the feed-forward
+          # width and the vocabulary split eight ways, the model width whole. Their steps' speed says whether the
+          # planner's one efficiency holds for the shapes the at-scale layouts give each GPU.
+          "70b-tp8": Llama(8192, 80, 8, 1, 3584, vocab=16032, head=128),
+          "405b-tp8": Llama(16384, 126, 16, 1, 6656, vocab=16032, head=128),
+          "tiny-tp2": Llama(64, 4, 2, 1, 64, vocab=256, head=16)}
+
+
+def shape_of(name: str) -> Llama:
+    """`8b` is the whole shape; `8b@4` keeps its first four blocks, so a wide model's step fits one GPU."""
+    base, _, layers = name.partition("@")
+    return replace(SHAPES[base], layers=int(layers)) if layers else SHAPES[base]
 # (shape, sequence, local batch, checkpointing)
 CELLS = [("1b", 8192, 2, "none"), ("1b", 8192, 2, "sel2"), ("1b", 8192, 2, "full"),
          ("3b", 8192, 1, "full"), ("3b", 4096, 2, "sel2")]
-DRY_CELLS = [("tiny", 64, 2, "none"), ("tiny", 64, 2, "full")]
+DRY_CELLS = [("tiny", 64, 2, "none"), ("tiny", 64, 2, "full"), ("tiny-tp2@2", 64, 2, "full")]
 # Fake only, as torchtitan's published Llama 3.1 8B run: FSDP over 8 GPUs (shape, sequence, local batch, checkpointing, world).
 FAKE_ONLY = [("8b", 8192, 2, "sel2", 8), ("8b", 8192, 2, "full", 8)]
 
@@ -165,7 +178,7 @@ def run_real(cell: dict) -> dict:
     from torch.utils.flop_counter import FlopCounterMode
 
     device = torch.device(cell["device"])
-    shape, seq, batch = SHAPES[cell["shape"]], cell["seq"], cell["batch"]
+    shape, seq, batch = shape_of(cell["shape"]), cell["seq"], cell["batch"]
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1,
                             init_method="tcp://127.0.0.1:29533")
     torch.manual_seed(0)
@@ -190,9 +203,11 @@ def run_real(cell: dict) -> dict:
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
     # What torchtitan's published tables report: the caching allocator's reserved peak, not the tensors'.
     reserved = torch.cuda.max_memory_reserved() if device.type == "cuda" else None
+    # A step near the card's capacity makes the allocator free its cache and retry: slower, and not the model's speed.
+    retries = torch.cuda.memory_stats().get("num_alloc_retries") if device.type == "cuda" else None
     dist.destroy_process_group()
     return {"params": params, "peak_gib": peak and peak / GIB, "reserved_gib": reserved and reserved / GIB, "step_ms": 1e3 * statistics.median(times),
-            "flops": flops, "tokens_per_s": batch * seq / statistics.median(times), "loss": float(loss)}
+            "flops": flops, "alloc_retries": retries, "tokens_per_s": batch * seq / statistics.median(times), "loss": float(loss)}
 
 
 def run_fake(cell: dict) -> dict:
@@ -205,7 +220,7 @@ def run_fake(cell: dict) -> dict:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     device = torch.device(cell["device"])
-    shape, seq, batch = SHAPES[cell["shape"]], cell["seq"], cell["batch"]
+    shape, seq, batch = shape_of(cell["shape"]), cell["seq"], cell["batch"]
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=cell.get("world", 1))
     mesh = init_device_mesh(device.type, (cell.get("world", 1),))  # outside fake mode: it reads its ranks
     out: dict = {}
@@ -362,7 +377,7 @@ def summary(row: dict) -> str:
         return f"{name}: ERROR {row['error'][:300]}"
     figures = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()
                if k in ("peak_gib", "reserved_gib", "step_ms", "tokens_per_s", "fake_peak_gib", "roofline_ms", "first_step_s",
-                        "wall_s", "flops", "params")}
+                        "wall_s", "flops", "params", "alloc_retries")}
     return f"{name}: {figures}"
 
 
