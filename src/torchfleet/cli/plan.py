@@ -68,12 +68,16 @@ def add_parser(sub) -> None:
                              " GPU cluster)")
     s.add_argument("--hf-config", default=None, metavar="NAME|PATH",
                    help="a Hugging Face config.json, or a shipped one: " + ", ".join(library_model.shipped())
-                   + "; plans FSDP's memory per GPU and step time over the cluster's GPU counts")
+                   + "; plans FSDP's memory per GPU and step time over the cluster's GPU counts, with tensor"
+                   " parallelism (--tp)")
     s.add_argument("--seq-len", type=int, default=8192, help="--hf-config: tokens a sample (default 8192)")
     s.add_argument("--local-batch", type=int, default=2, help="--hf-config: samples a GPU a step (default 2)")
     s.add_argument("--ac", default="selective", metavar="MODE",
                    help="--hf-config: activation checkpointing of each block: none, selective (default; torchtitan's"
                    " operator policy) or full")
+    s.add_argument("--tp", type=_list(int, "tensor-parallel degrees"), default=None, metavar="DEGREES",
+                   help="--hf-config: tensor-parallel degrees to plan, comma-separated (default: 1 and a node's GPUs"
+                   " where they divide the model's heads), FSDP over the rest of the GPUs")
     c = p.add_argument_group("a described cluster (instead of this machine)")
     c.add_argument("--nodes", type=int, default=None, help="machines")
     c.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per machine, a process each")
@@ -118,7 +122,8 @@ def command(args) -> int:
                      mfu=args.mfu, link_gbit=args.link, intra_gbit=args.intra_link, reprobe=args.reprobe,
                      json_out=args.json_out, chart=args.chart, check=args.check, warmup=args.warmup,
                      steps=args.steps, schedule=args.schedule, stages_per_process=args.stages_per_process,
-                     hf_config=args.hf_config, seq_len=args.seq_len, local_batch=args.local_batch, ac=args.ac)
+                     hf_config=args.hf_config, seq_len=args.seq_len, local_batch=args.local_batch, ac=args.ac,
+                     tp=args.tp or ())
     for path, what in ((cfg.json_out, "--json-out"), (cfg.chart, "--chart")):
         if path:
             check_writable_file(path, what)

@@ -1,22 +1,24 @@
-"""`plan --hf-config`: a library model under FSDP on a described GPU cluster, at any size: memory per GPU
-and step time.
+"""`plan --hf-config`: a library model under FSDP, with or without tensor parallelism, on a described GPU
+cluster, at any size: memory per GPU and step time for each layout, and the fastest layout that fits.
 
 The model is never allocated: its step is traced on fake tensors
-(plan/trace.py), once per checkpointing mode, and each number of GPUs reads the
-same trace with its own sharding. The step's time is its traced FLOPs at one
-achieved fraction of the GPU's peak, and FSDP's collectives over the link they
-cross, overlapped with compute (`step_time`). Tensor and pipeline parallel
-layouts are not planned by this mode yet (issue 37).
+(plan/trace.py), once per checkpointing mode and tensor-parallel degree, and
+each number of GPUs reads the same trace with its own sharding. The step's time
+is its traced FLOPs at one achieved fraction of the GPU's peak, tensor
+parallelism's traced collectives over the node's links (exposed: each one
+stands between two products), and FSDP's collectives over the link they cross,
+overlapped with compute (`step_time`). Pipeline layouts are not planned by this
+mode yet (issue 37).
 """
 
 from __future__ import annotations
 
 import datetime
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torchfleet.errors import UsageError
-from torchfleet.plan import comm, hardware, library_model, trace
+from torchfleet.plan import comm, hardware, library_model, tensor_parallel, trace
 
 SCHEMA = "torchfleet-plan-at-scale/1"
 # Bytes a parameter costs in training whatever the layout: the fp32 master weight, its fp32 gradient and
@@ -60,6 +62,7 @@ class ScaleRequest:
     gpu_label: str  # one GPU with a space after it, as "H100 ", or "" for one given by its figures
     target: hardware.Target  # its rate is the achieved FLOP/s: `efficiency` of the GPU's dense peak
     efficiency: float
+    tps: tuple[int, ...] = ()  # tensor-parallel degrees; empty: 1 and a node's GPUs where they divide the model
 
 
 def request_of(cfg) -> ScaleRequest:
@@ -72,75 +75,129 @@ def request_of(cfg) -> ScaleRequest:
                                   precision=cfg.precision, intra_gbit=cfg.intra_gbit, inter_gbit=cfg.link_gbit)
     return ScaleRequest(cfg.hf_config, cfg.seq_len, cfg.local_batch, cfg.ac, cfg.precision,
                         cluster_counts(cfg, target), target.per_node, target.memory_bytes, target.name,
-                        f"{cfg.gpu} " if cfg.gpu else "", target, efficiency)
+                        f"{cfg.gpu} " if cfg.gpu else "", target, efficiency, tuple(cfg.tp))
 
 
 def plan_at_scale(request: ScaleRequest, say=print) -> dict:
     fields = library_model.read_config(request.hf_config)
     params = library_model.parameter_count(fields)
     _refuse_weights_beyond_the_cluster(request, params)
+    tps = request.tps or default_tps(fields, request.per_node)
+    for tp in tps:
+        tensor_parallel.check_degree(fields, tp)
     work = trace.Workload(seq=request.seq, local_batch=request.local_batch, ac=request.ac,
                           precision=request.precision)
     say(f"tracing one training step of {request.hf_config} ({params / 1e9:,.1f} B parameters) on fake tensors:"
-        f" sequence {request.seq}, local batch {request.local_batch}, checkpointing {request.ac}")
+        f" sequence {request.seq}, local batch {request.local_batch}, checkpointing {request.ac},"
+        f" tensor parallelism {', '.join(map(str, tps))}")
     began = time.perf_counter()
     rows = []
-    for gpus in request.counts:
-        traced = trace.traced_at_scale(fields, work, gpus)
-        grouped = {name: sum(traced.kinds.get(k, 0.0) for k in kinds) for name, kinds in COLUMNS.items()}
-        reserved = traced.peak * RESERVED_OVER_ALLOCATED
-        timing = step_time(traced.flops, params, fields["num_hidden_layers"], gpus, request)
-        rows.append({"gpus": gpus, "nodes": -(-gpus // request.per_node), "memory": grouped, "peak": traced.peak,
-                     "flops": traced.flops, "time": timing,
-                     "tokens_per_s_per_gpu": request.local_batch * request.seq / timing["step"],
-                     "reserved": reserved, "fits": traced.peak <= request.memory_bytes,
-                     "tight": traced.peak <= request.memory_bytes < reserved,
-                     "global_batch": gpus * request.local_batch})
-    fitting = [r for r in rows if r["fits"] and not r["tight"]] or [r for r in rows if r["fits"]]
-    sentence = (f"FSDP over {fitting[0]['gpus']} or more {request.gpu_label}GPUs holds the step:"
-                f" {fitting[0]['peak'] / 2**30:,.1f} GiB of tensors, {fitting[0]['reserved'] / 2**30:,.1f} GiB"
-                f" reserved, of {request.memory_bytes / 2**30:,.1f} GiB a GPU"
-                + (" (tight: the allocator must free its cache and retry, which slows steps)"
-                   if fitting[0]["tight"] else "")
-                if fitting else
-                f"no planned count of GPUs holds the step under FSDP alone (the smallest peak is"
-                f" {min(r['peak'] for r in rows) / 2**30:,.1f} GiB of tensors a GPU against"
-                f" {request.memory_bytes / 2**30:,.1f} GiB);"
-                + (" fuller checkpointing (--ac full), a" if request.ac != "full" else " a")
-                + " shorter sequence or a smaller local batch lowers it, and so would tensor or pipeline"
-                " parallelism, which --hf-config does not plan yet")
+    for tp in tps:
+        for gpus in request.counts:
+            if gpus % tp == 0:
+                rows.append(_row(fields, replace(work, tp=tp), gpus, params, request))
     return {"schema": SCHEMA, "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "hf_config": request.hf_config, "model_type": fields["model_type"], "parameters": params,
             "workload": {"seq": request.seq, "local_batch": request.local_batch, "ac": request.ac,
                          "precision": request.precision},
             "gpu_memory_bytes": request.memory_bytes, "target": request.gpu_name, "rows": rows,
-            "recommendation": sentence, "trace_s": round(time.perf_counter() - began, 1),
+            "recommendation": recommend(rows, request), "trace_s": round(time.perf_counter() - began, 1),
             "efficiency": request.efficiency, "achieved_flops_per_s": request.target.rate,
             "notes": [f"peak/GPU is the tensors' peak as FSDPMemTracker follows them on fake tensors (what"
                       f" max_memory_allocated reads on a GPU); reserved is {RESERVED_OVER_ALLOCATED} times it, the"
                       " caching allocator's measured overhead with expandable segments; a step whose tensors fit"
                       " but whose reserve does not is tight",
                       f"step time: the traced FLOPs at {request.efficiency:.0%} of the GPU's dense peak"
-                      " (--mfu), and FSDP's all-gathers and reduce-scatter over the link they cross, hidden behind"
-                      " compute but for one block's share"]}
+                      " (--mfu); FSDP's all-gathers and reduce-scatter over the link they cross, hidden behind"
+                      " compute but for one block's share; tensor parallelism's traced collectives over the"
+                      " node's links, not hidden"]}
 
 
-def step_time(flops: float, params: int, blocks: int, gpus: int, request: ScaleRequest) -> dict:
-    """One step's seconds under FSDP: compute at the target's achieved rate; all-gathers of the parameters
-    (forward, and again in backward, as FSDP2 reshards after forward) and a reduce-scatter of fp32 gradients,
-    rings over the GPUs on the slower link they cross; overlapped with compute by prefetching, except one
-    block's share at each end of the step."""
+def default_tps(fields: dict, per_node: int) -> tuple[int, ...]:
+    """FSDP alone, and tensor parallelism over a whole node where the model divides by it (torchtitan's
+    choice for its larger models: the gathers stay on NVLink)."""
+    try:
+        tensor_parallel.check_degree(fields, per_node)
+    except UsageError:
+        return (1,)
+    return (1, per_node) if per_node > 1 else (1,)
+
+
+def _row(fields: dict, work: trace.Workload, gpus: int, params: int, request: ScaleRequest) -> dict:
+    dp = gpus // work.tp
+    traced = trace.traced_at_scale(fields, work, dp)
+    grouped = {name: sum(traced.kinds.get(k, 0.0) for k in kinds) for name, kinds in COLUMNS.items()}
+    reserved = traced.peak * RESERVED_OVER_ALLOCATED
+    timing = step_time(traced, params, fields["num_hidden_layers"], gpus, request)
+    return {"gpus": gpus, "tp": work.tp, "dp_shard": dp, "layout": layout_name(dp, work.tp),
+            "nodes": -(-gpus // request.per_node), "memory": grouped, "peak": traced.peak, "flops": traced.flops,
+            "collectives": {kind: {"bytes": nbytes, "calls": calls} for kind, nbytes, calls in traced.collectives},
+            "time": timing,
+            # A tensor-parallel group shares its samples: each of its GPUs moves 1/tp of their tokens.
+            "tokens_per_s_per_gpu": request.local_batch * request.seq / work.tp / timing["step"],
+            "reserved": reserved, "fits": traced.peak <= request.memory_bytes,
+            "tight": traced.peak <= request.memory_bytes < reserved, "global_batch": dp * request.local_batch}
+
+
+def layout_name(dp: int, tp: int) -> str:
+    return f"FSDP {dp}" + (f" x TP {tp}" if tp > 1 else "")
+
+
+def step_time(traced: trace.Traced, params: int, blocks: int, gpus: int, request: ScaleRequest) -> dict:
+    """One step's seconds: compute at the target's achieved rate, then two kinds of collectives.
+
+    - FSDP's, over the dp_shard ranks of each tensor-parallel shard (params / tp each): all-gathers of the
+      parameters (forward, and again in backward, as FSDP2 reshards after forward) and a reduce-scatter of
+      fp32 gradients, rings on the slower link they cross, overlapped with compute by prefetching except one
+      block's share.
+    - Tensor parallelism's, as the trace counted them: rings over the tp ranks of one node, each between two
+      products that wait for it, so none is hidden (torchtitan's async TP, which overlaps them, is not
+      planned)."""
     target = request.target
     assert target.rate is not None
-    compute = flops / target.rate
+    tp = gpus // traced.world
+    compute = traced.flops / target.rate
     link = target.link_for(gpus)
     param_bytes = 2 if request.precision == "bf16" else 4
-    gathers = 2 * comm.all_gather_s(params * param_bytes, gpus, link)
-    scatter = comm.reduce_scatter_s(params * 4, gpus, link)
-    communication = gathers + scatter
-    exposed = communication / blocks + max(0.0, communication - compute)
-    return {"step": compute + exposed, "compute": compute, "communication": communication, "exposed": exposed,
-            "bound": "compute" if compute >= communication else "communication"}
+    shard = params / tp
+    fsdp = (2 * comm.all_gather_s(shard * param_bytes, traced.world, link)
+            + comm.reduce_scatter_s(shard * 4, traced.world, link))
+    within = target.link_for(tp)
+    costs = {"all_gather": comm.all_gather_s, "reduce_scatter": comm.reduce_scatter_s,
+             "all_reduce": comm.all_reduce_s}
+    # Each call pays its hops' latency; the formulas are linear in bytes, so calls x one average call.
+    tensor = sum(calls * costs[kind](nbytes / calls, tp, within) for kind, nbytes, calls in traced.collectives if calls)
+    exposed = fsdp / blocks + max(0.0, fsdp - compute) + tensor
+    communication = fsdp + tensor
+    return {"step": compute + exposed, "compute": compute, "communication": communication, "fsdp": fsdp,
+            "tp": tensor, "exposed": exposed, "bound": "compute" if compute >= communication else "communication"}
+
+
+def recommend(rows: list[dict], request: ScaleRequest) -> str:
+    """The fastest layout that fits all the planned GPUs, and the fewest GPUs that hold the step."""
+    def fits(row):
+        return row["fits"] and not row["tight"]
+
+    gib = 2**30
+    fitting = [r for r in rows if fits(r)] or [r for r in rows if r["fits"]]
+    if not fitting:
+        return (f"no planned layout holds the step (the smallest peak is {min(r['peak'] for r in rows) / gib:,.1f}"
+                f" GiB of tensors a GPU against {request.memory_bytes / gib:,.1f} GiB);"
+                + (" fuller checkpointing (--ac full), a" if request.ac != "full" else " a")
+                + " shorter sequence, a smaller local batch or more tensor parallelism (--tp) lowers it")
+    most = max(request.counts)
+    at_most = [r for r in fitting if r["gpus"] == most]
+    fewest = min(fitting, key=lambda r: (r["gpus"], -r["tokens_per_s_per_gpu"]))
+    held = (f"{fewest['layout']} over {fewest['gpus']} {request.gpu_label}GPUs is the fewest that hold the step:"
+            f" {fewest['peak'] / gib:,.1f} GiB of tensors, {fewest['reserved'] / gib:,.1f} GiB reserved, of"
+            f" {request.memory_bytes / gib:,.1f} GiB a GPU"
+            + (" (tight: the allocator must free its cache and retry, which slows steps)" if fewest["tight"] else ""))
+    if not at_most:
+        return held
+    best = max(at_most, key=lambda r: r["tokens_per_s_per_gpu"])
+    return (f"on {most} {request.gpu_label}GPUs the fastest layout that fits is {best['layout']}:"
+            f" {best['tokens_per_s_per_gpu']:,.0f} tokens/s a GPU, {best['reserved'] / gib:,.1f} GiB reserved; "
+            + held)
 
 
 def _refuse_weights_beyond_the_cluster(request: ScaleRequest, params: int) -> None:
@@ -159,14 +216,14 @@ def table(document: dict):
     from rich.table import Table
 
     w = document["workload"]
-    t = Table(title=f"torchfleet plan: {document['hf_config']} ({document['parameters'] / 1e9:,.1f} B), FSDP,"
+    t = Table(title=f"torchfleet plan: {document['hf_config']} ({document['parameters'] / 1e9:,.1f} B),"
               f" sequence {w['seq']}, local batch {w['local_batch']}, checkpointing {w['ac']}, {w['precision']},"
               f" on {document['target']} (traced on fake tensors; memory in GiB per GPU)", title_justify="left")
-    for name in ("GPUs", "nodes", "global batch", *COLUMNS, "peak/GPU", "reserved", "fits", "step s", "tokens/s/GPU",
-                 "bound"):
-        t.add_column(name, justify="left" if name in ("fits", "bound") else "right")
+    for name in ("GPUs", "layout", "nodes", "global batch", *COLUMNS, "peak/GPU", "reserved", "fits", "step s",
+                 "tokens/s/GPU", "bound"):
+        t.add_column(name, justify="left" if name in ("layout", "fits", "bound") else "right")
     for r in document["rows"]:
-        t.add_row(str(r["gpus"]), str(r["nodes"]), f"{r['global_batch']:,}",
+        t.add_row(str(r["gpus"]), r["layout"], str(r["nodes"]), f"{r['global_batch']:,}",
                   *(f"{r['memory'][name] / 2**30:,.2f}" for name in COLUMNS), f"{r['peak'] / 2**30:,.2f}",
                   f"{r['reserved'] / 2**30:,.1f}",
                   "tight" if r["tight"] else "yes" if r["fits"] else "NO", f"{r['time']['step']:.2f}",

@@ -45,6 +45,7 @@ class PlanConfig:
     seq_len: int = 8192
     local_batch: int = 2
     ac: str = "selective"
+    tp: tuple[int, ...] = ()  # --hf-config's tensor-parallel degrees; empty: 1 and a node's GPUs where they divide
 
     @property
     def described(self) -> bool:
@@ -105,3 +106,8 @@ class PlanConfig:
                              " master weights and reduction, as torchtitan trains) or fp32")
         at_least("--seq-len", self.seq_len, 1)
         at_least("--local-batch", self.local_batch, 1)
+        for degree in self.tp:
+            at_least("--tp", degree, 1)
+            if self.gpus_per_node and degree > self.gpus_per_node:
+                raise UsageError(f"--tp {degree} is more than a node's {self.gpus_per_node} GPUs: tensor parallelism"
+                                 " gathers and scatters at every block, which plan keeps on one node's links")

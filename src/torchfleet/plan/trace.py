@@ -27,8 +27,11 @@ nothing else does (`at_world`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
+
+from torchfleet.plan import tensor_parallel
 
 AC_MODES = ("none", "selective", "full")
 # What FSDP2 divides among the ranks: every other kind is held whole by each rank.
@@ -43,6 +46,7 @@ class Workload:
     local_batch: int
     ac: str = "selective"
     precision: str = "bf16"
+    tp: int = 1  # tensor-parallel ranks (plan/tensor_parallel.py); FSDP shards over the rest
 
 
 @dataclass(frozen=True)
@@ -52,9 +56,12 @@ class Traced:
     it grows and the rest does not, so every moment that is highest for some world is kept."""
 
     layers: int
-    world: int
+    world: int  # FSDP's ranks (those of one tensor-parallel rank's shard)
     moments: tuple[dict[str, float], ...]
     flops: float = 0.0  # one rank's step, by torch's FLOP formulas (recomputation included)
+    # One rank's tensor-parallel collectives in a step, as DTensor issued them: (kind, bytes, calls), the
+    # bytes summed over the calls, each call's the whole tensor it moves, as plan/comm.py's formulas take it.
+    collectives: tuple[tuple[str, float, float], ...] = ()
 
     @property
     def kinds(self) -> dict[str, float]:
@@ -68,7 +75,7 @@ class Traced:
     def at_world(self, world: int) -> Traced:
         scale = self.world / world
         return Traced(self.layers, world, tuple({k: v * scale if k in SHARDED_KINDS else v for k, v in m.items()}
-                                                for m in self.moments), self.flops)
+                                                for m in self.moments), self.flops, self.collectives)
 
 
 def candidate_moments(moments: list[dict[str, float]]) -> tuple[dict[str, float], ...]:
@@ -92,40 +99,54 @@ def at_depth(low: Traced, high: Traced, layers: int) -> Traced:
     per_block = {k: (high_kinds.get(k, 0.0) - low_kinds.get(k, 0.0)) / (high.layers - low.layers)
                  for k in set(low_kinds) | set(high_kinds)}
     kinds = {k: low_kinds.get(k, 0.0) + per_block[k] * (layers - low.layers) for k in per_block}
-    flops = low.flops + (high.flops - low.flops) / (high.layers - low.layers) * (layers - low.layers)
-    return Traced(layers, low.world, ({k: v for k, v in sorted(kinds.items()) if v > 0},), flops)
+    def carried(a: float, b: float) -> float:
+        return a + (b - a) / (high.layers - low.layers) * (layers - low.layers)
+
+    low_comm = {kind: (nbytes, calls) for kind, nbytes, calls in low.collectives}
+    collectives = tuple((kind, carried(low_comm.get(kind, (0.0, 0.0))[0], nbytes),
+                         carried(low_comm.get(kind, (0.0, 0.0))[1], calls)) for kind, nbytes, calls in high.collectives)
+    return Traced(layers, low.world, ({k: v for k, v in sorted(kinds.items()) if v > 0},),
+                  carried(low.flops, high.flops), collectives)
 
 
 def trace(fields: dict, work: Workload, world: int, layers: int | None = None) -> Traced:
-    """Trace one step at `layers` blocks (default: the config's) on `world` fake ranks."""
+    """Trace one step at `layers` blocks (default: the config's) on `world` FSDP ranks x `work.tp` fake ranks."""
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     layers = layers or fields["num_hidden_layers"]
     if dist.is_initialized():
         raise RuntimeError("plan traces on a fake process group of its own: call it outside a distributed job")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world * work.tp)
     try:
-        mesh = init_device_mesh("cpu", (world,))  # outside fake mode: it reads its ranks
-        with FakeTensorMode():
-            tracker, flops = tracked_step(fields, work, mesh, _timeline_tracker(), layers)
+        mesh = _mesh(world, work.tp)  # outside fake mode: it reads its ranks
+        with tensor_parallel.traceable(), FakeTensorMode():
+            tracker, counter = tracked_step(fields, work, mesh, _timeline_tracker(), layers)
     finally:
         dist.destroy_process_group()
-    return Traced(layers, world, candidate_moments(tracker.moments), flops)
+    return Traced(layers, world, candidate_moments(tracker.moments), counter.total,
+                  tuple((kind, nbytes, counter.calls[kind]) for kind, nbytes in sorted(counter.collectives.items())))
+
+
+def _mesh(world: int, tp: int):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if tp == 1:
+        return init_device_mesh("cpu", (world,))
+    return init_device_mesh("cpu", (world, tp), mesh_dim_names=("dp_shard", "tp"))
 
 
 def tracked_step(fields: dict, work: Workload, mesh, tracker_class, layers: int | None = None):
     """Build the model, lay it out over `mesh` as `work` says and train one step under `tracker_class` (an
-    FSDPMemTracker) with AdamW's state made first: (the tracker, the step's FLOPs). On fake tensors for the
-    plan; on real ones to check it."""
+    FSDPMemTracker) with AdamW's state made first: (the tracker, the step's counter of FLOPs and tensor-parallel
+    collectives). On fake tensors for the plan; on real ones to check it."""
     import torch
 
     from torchfleet.plan import library_model
 
     model = library_model.build(fields, layers)
-    _prepare(model, work, mesh)
+    _prepare(model, fields, work, mesh)
     # One parameter at a time: torchtitan's fused AdamW makes no temporaries the size of the model, and the
     # foreach form (which does) is not what a GPU run's peak would hold. (fused=True here counts every
     # parameter's state unsharded under fake tensors.)
@@ -134,13 +155,13 @@ def tracked_step(fields: dict, work: Workload, mesh, tracker_class, layers: int 
     _make_optimizer_state(model, optimizer)
     tracker = tracker_class(model, optimizer)
     tracker.track_inputs((tokens,))
-    with tracker, flop_counter() as counter:
-        _step(model, optimizer, tokens)
-    return tracker, counter.total
+    with tracker, step_counter() as counter:
+        _step(model, optimizer, tokens, work.tp)
+    return tracker, counter
 
 
 def traced_at_scale(fields: dict, work: Workload, world: int) -> Traced:
-    """The full model's peak on `world` ranks: traced directly when shallow, else carried from the deepest
+    """The full model's peak on `world` FSDP ranks (x work.tp): traced directly when shallow, else carried from the deepest
     two of three or more small depths once their growth per block agrees (the same moment is the peak)."""
     layers = fields["num_hidden_layers"]
     if layers <= TRACE_DEPTHS[-1] + 2:
@@ -170,12 +191,15 @@ def _trace_cached(fields: _Frozen, work: Workload, world: int, layers: int) -> T
     return trace(dict(fields), work, world, layers)
 
 
-def _prepare(model, work: Workload, mesh) -> None:
+def _prepare(model, fields: dict, work: Workload, mesh) -> None:
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from torchfleet.plan import library_model
 
+    if work.tp > 1:  # split first, then checkpoint and shard the split blocks, as torchtitan orders them
+        tensor_parallel.apply(model, fields, mesh["tp"])
+        mesh = mesh["dp_shard"]
     blocks = library_model.blocks(model)
     if work.ac != "none":
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -192,12 +216,16 @@ def _prepare(model, work: Workload, mesh) -> None:
     fully_shard(model, mesh=mesh, mp_policy=policy)
 
 
-def flop_counter():
+def step_counter():
     """A dispatch mode summing torch's FLOP formulas (torch.utils.flop_counter's table) over every operator it
     sees, with the CPU's fused attention added, which that table leaves out: the same products as the GPU's
     kernels (full, not causal-halved, as torch counts those). Unlike FlopCounterMode it tracks no modules, so
-    the memory tracker beside it sees the step exactly as it would alone; `.total` after the step."""
+    the memory tracker beside it sees the step exactly as it would alone; `.total` after the step. It also
+    adds up DTensor's collectives (tensor parallelism's) by kind in `.collectives`: FSDP2's own go through
+    c10d, not these functional collectives, and plan/at_scale.py costs them from the parameters."""
     import torch
+    from torch._guards import active_fake_mode
+    from torch.distributed.tensor import DTensor
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils.flop_counter import (
         flop_registry,
@@ -222,17 +250,41 @@ def flop_counter():
             lambda grad, q, k, v, *args, out_shape=None, **kwargs: sdpa_backward_flop_count(
                 grad, q, heads_of(q, k), heads_of(q, v)))
 
-    class FlopSum(TorchDispatchMode):
+    functional = torch.ops._c10d_functional
+    gathered = {functional.all_gather_into_tensor.default: "all_gather"}  # the output is group_size inputs
+    whole = {functional.reduce_scatter_tensor.default: "reduce_scatter", functional.all_reduce.default: "all_reduce"}
+
+    class StepCounter(TorchDispatchMode):
         total = 0
+        fake_mode = None  # the one the step runs under, set on entry
+
+        def __enter__(self):
+            self.fake_mode = active_fake_mode()
+            self.collectives: dict[str, float] = {}  # bytes by kind
+            self.calls: dict[str, int] = {}
+            return super().__enter__()
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if any(issubclass(t, DTensor) for t in types):
+                # A tensor-parallel operator at the DTensor level has the whole tensors' shapes: declining it
+                # here lets DTensor run it on each rank's shards, whose operators come back to be counted.
+                return NotImplemented
             out = func(*args, **(kwargs or {}))
             formula = table.get(func._overloadpacket)
+            # DTensor works out an output's shape by running the operator on whole-shaped fake tensors under
+            # a fake mode of its own: that is not work a rank does.
+            if active_fake_mode() is not self.fake_mode:
+                return out
             if formula is not None:
                 self.total += formula(*args, **(kwargs or {}), out_val=out)
+            elif func in gathered or func in whole:
+                kind = gathered.get(func) or whole[func]
+                tensor = out if func in gathered else args[0]
+                self.collectives[kind] = self.collectives.get(kind, 0.0) + tensor.numel() * tensor.element_size()
+                self.calls[kind] = self.calls.get(kind, 0) + 1
             return out
 
-    return FlopSum()
+    return StepCounter()
 
 
 def _make_optimizer_state(model, optimizer) -> None:
@@ -268,12 +320,14 @@ def _timeline_tracker():
     return Timeline
 
 
-def _step(model, optimizer, tokens) -> None:
+def _step(model, optimizer, tokens, tp: int = 1) -> None:
     import torch.nn.functional as F
+    from torch.distributed.tensor.parallel import loss_parallel
 
     # No key/value cache: a cache the blocks append to would differ between forward and recomputation.
     logits = model(input_ids=tokens[:, :-1], use_cache=False).logits
-    F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten()).backward()
+    with loss_parallel() if tp > 1 else contextlib.nullcontext():  # on the vocabulary's shards
+        F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten()).backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
