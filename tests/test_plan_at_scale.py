@@ -200,3 +200,25 @@ def test_tensor_parallel_layouts_cost_their_traced_collectives_on_the_node_links
         "tp-beyond-a-node", "tp-of-experts"])
 def test_bad_input_is_one_sentence(args, said):
     assert_refused_in_one_sentence(forked_torchfleet("plan", *args), said)
+
+
+def test_a_mixture_of_experts_counts_its_grouped_experts_as_their_loop_would():
+    """transformers runs Mixtral's experts as one grouped matrix product, whose FLOPs torch's table leaves out
+    (a plan of Mixtral 8x7B counted a third of its step without them). The step counter's formula for it must
+    give what torch's own formulas count when the same experts run one by one (experts_implementation
+    "eager"), on real tensors: the same model, the same routing."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = {"hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "num_hidden_layers": 2, "num_local_experts": 4, "num_experts_per_tok": 2, "vocab_size": 128}
+    counted = {}
+    for experts in ("eager", "grouped_mm"):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model("mixtral", **fields,
+                                                                      experts_implementation=experts))
+        tokens = torch.randint(0, 128, (2, 32))
+        with trace.step_counter() as counter:
+            model(input_ids=tokens).logits.float().sum().backward()
+        counted[experts] = counter.total
+    assert counted["grouped_mm"] == counted["eager"] > 0
