@@ -117,7 +117,7 @@ def test_a_shipped_config_plans_its_columns_from_its_parameter_count(tmp_path):
     doc = json.loads(out.read_text())
     params = doc["parameters"]
     assert params == 8_030_261_248  # Llama 3.1 8B's published count
-    rows = {r["gpus"]: r for r in doc["rows"]}
+    rows = {r["gpus"]: r for r in doc["rows"] if r["dp_replicate"] == 1}
     for gpus, row in rows.items():
         # AdamW's two fp32 moments, sharded over the GPUs; one rank's shard of each parameter rounds up.
         assert row["memory"]["optimizer"] == pytest.approx(8 * params / gpus, rel=1e-3)
@@ -145,18 +145,20 @@ def test_a_shipped_config_plans_its_columns_from_its_parameter_count(tmp_path):
     assert "on 128 H100 GPUs the fastest layout that fits is FSDP 128: 7,160 tokens/s a GPU" in doc["recommendation"]
 
 
-def test_tensor_parallel_layouts_cost_their_traced_collectives_on_the_node_links(tmp_path):
-    """tp 8 on 8B: the traced per-GPU FLOPs are an eighth of FSDP's less the gathered embedding's share, every
-    traced collective costs a ring over NVLink and is not hidden, and FSDP shards what tp left over 16 GPUs
-    (two machines, --link 400); the recommendation is the fastest layout that fits 16 GPUs."""
+def test_tensor_parallel_and_hsdp_layouts_cost_their_collectives_on_the_links_they_cross(tmp_path):
+    """On two machines of 8 H100s (--link 400): tp 8 on 8B does an eighth of FSDP's FLOPs a GPU, every traced
+    collective costs a ring over NVLink and is not hidden, and FSDP shards what tp left over the 2 machines;
+    HSDP shards within each machine and all-reduces the shards' gradients between them. The recommendation
+    is the fastest layout that fits 16 GPUs."""
     out = tmp_path / "plan.json"
     result = forked_torchfleet("plan", "--hf-config", "llama-3.1-8b", "--gpu", "H100", "--gpus-per-node", "8",
                                "--nodes", "2", "--nproc", "16", "--link", "400", "--tp", "1,8",
                                "--json-out", str(out))
     assert result.returncode == 0, result.stderr
     doc = json.loads(out.read_text())
-    rows = {r["tp"]: r for r in doc["rows"]}
-    fsdp, tp = rows[1], rows[8]
+    rows = {r["layout"]: r for r in doc["rows"]}
+    assert set(rows) == {"FSDP 16", "HSDP 2 x 8", "FSDP 2 x TP 8"}  # tp 8 leaves no node to shard within
+    fsdp, tp, hsdp = rows["FSDP 16"], rows["FSDP 2 x TP 8"], rows["HSDP 2 x 8"]
     assert (tp["layout"], tp["dp_shard"], tp["global_batch"]) == ("FSDP 2 x TP 8", 2, 4)
     assert tp["flops"] == pytest.approx(fsdp["flops"] / 8, rel=0.02)
     # AdamW's moments: every parameter's shard is 1/16 in both layouts.
@@ -176,6 +178,13 @@ def test_tensor_parallel_layouts_cost_their_traced_collectives_on_the_node_links
     assert t["fsdp"] == pytest.approx(wire, rel=1e-6)
     assert t["step"] == pytest.approx(t["compute"] + t["fsdp"] / 32 + t["tp"])
     assert tp["tokens_per_s_per_gpu"] == pytest.approx(2 * 8192 / 8 / t["step"])
+    # HSDP: AdamW's moments shard over one machine's 8 GPUs, not 16; FSDP's three passes stay on NVLink, and
+    # the fp32 gradient shards (an eighth of the model each) are all-reduced by 2 replicas over --link.
+    assert hsdp["memory"]["optimizer"] == pytest.approx(8 * params / 8, rel=1e-3)
+    within = 8 * params * 7 / 8 / 450e9 + 3 * 7 * 20e-6
+    across = 2 * (2 - 1) / 2 * 4 * params / 8 / 50e9 + 2 * (2 - 1) * 40e-6
+    assert hsdp["time"]["fsdp"] == pytest.approx(within + across, rel=1e-6)
+    assert hsdp["global_batch"] == fsdp["global_batch"] == 32
     best = max((r for r in doc["rows"] if r["fits"] and not r["tight"]), key=lambda r: r["tokens_per_s_per_gpu"])
     assert f"the fastest layout that fits is {best['layout']}:" in doc["recommendation"]
 

@@ -1,5 +1,6 @@
-"""`plan --hf-config`: a library model under FSDP, with or without tensor parallelism, on a described GPU
-cluster, at any size: memory per GPU and step time for each layout, and the fastest layout that fits.
+"""`plan --hf-config`: a library model under FSDP or HSDP, with or without tensor parallelism, on a
+described GPU cluster, at any size: memory per GPU and step time for each layout, and the fastest layout
+that fits.
 
 The model is never allocated: its step is traced on fake tensors
 (plan/trace.py), once per checkpointing mode and tensor-parallel degree, and
@@ -94,8 +95,13 @@ def plan_at_scale(request: ScaleRequest, say=print) -> dict:
     rows = []
     for tp in tps:
         for gpus in request.counts:
-            if gpus % tp == 0:
-                rows.append(_row(fields, replace(work, tp=tp), gpus, params, request))
+            if gpus % tp:
+                continue
+            rows.append(_row(fields, replace(work, tp=tp), gpus, params, request))
+            # HSDP: shard within a node, replicate across nodes (torchtitan's dp_replicate x dp_shard).
+            shard = request.per_node // tp if request.per_node % tp == 0 else 0
+            if gpus > request.per_node and shard >= 2 and gpus % (shard * tp) == 0:
+                rows.append(_row(fields, replace(work, tp=tp), gpus, params, request, gpus // (shard * tp)))
     return {"schema": SCHEMA, "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "hf_config": request.hf_config, "model_type": fields["model_type"], "parameters": params,
             "workload": {"seq": request.seq, "local_batch": request.local_batch, "ac": request.ac,
@@ -123,13 +129,16 @@ def default_tps(fields: dict, per_node: int) -> tuple[int, ...]:
     return (1, per_node) if per_node > 1 else (1,)
 
 
-def _row(fields: dict, work: trace.Workload, gpus: int, params: int, request: ScaleRequest) -> dict:
+def _row(fields: dict, work: trace.Workload, gpus: int, params: int, request: ScaleRequest,
+         replicas: int = 1) -> dict:
     dp = gpus // work.tp
-    traced = trace.traced_at_scale(fields, work, dp)
+    shard = dp // replicas
+    traced = trace.traced_at_scale(fields, work, shard)  # the states shard over one replica's ranks only
     grouped = {name: sum(traced.kinds.get(k, 0.0) for k in kinds) for name, kinds in COLUMNS.items()}
     reserved = traced.peak * RESERVED_OVER_ALLOCATED
-    timing = step_time(traced, params, fields["num_hidden_layers"], gpus, request)
-    return {"gpus": gpus, "tp": work.tp, "dp_shard": dp, "layout": layout_name(dp, work.tp),
+    timing = step_time(traced, params, fields["num_hidden_layers"], gpus, request, replicas)
+    return {"gpus": gpus, "tp": work.tp, "dp_replicate": replicas, "dp_shard": shard,
+            "layout": layout_name(replicas, shard, work.tp),
             "nodes": -(-gpus // request.per_node), "memory": grouped, "peak": traced.peak, "flops": traced.flops,
             "collectives": {kind: {"bytes": nbytes, "calls": calls} for kind, nbytes, calls in traced.collectives},
             "time": timing,
@@ -139,29 +148,33 @@ def _row(fields: dict, work: trace.Workload, gpus: int, params: int, request: Sc
             "tight": traced.peak <= request.memory_bytes < reserved, "global_batch": dp * request.local_batch}
 
 
-def layout_name(dp: int, tp: int) -> str:
-    return f"FSDP {dp}" + (f" x TP {tp}" if tp > 1 else "")
+def layout_name(replicas: int, shard: int, tp: int) -> str:
+    data = f"HSDP {replicas} x {shard}" if replicas > 1 else f"FSDP {shard}"
+    return data + (f" x TP {tp}" if tp > 1 else "")
 
 
-def step_time(traced: trace.Traced, params: int, blocks: int, gpus: int, request: ScaleRequest) -> dict:
+def step_time(traced: trace.Traced, params: int, blocks: int, gpus: int, request: ScaleRequest,
+              replicas: int = 1) -> dict:
     """One step's seconds: compute at the target's achieved rate, then two kinds of collectives.
 
     - FSDP's, over the dp_shard ranks of each tensor-parallel shard (params / tp each): all-gathers of the
       parameters (forward, and again in backward, as FSDP2 reshards after forward) and a reduce-scatter of
-      fp32 gradients, rings on the slower link they cross, overlapped with compute by prefetching except one
+      fp32 gradients, rings on the slower link they cross; under HSDP, also an all-reduce of each rank's
+      gradient shard across the replicas, between nodes. Overlapped with compute by prefetching except one
       block's share.
     - Tensor parallelism's, as the trace counted them: rings over the tp ranks of one node, each between two
       products that wait for it, so none is hidden (torchtitan's async TP, which overlaps them, is not
       planned)."""
     target = request.target
     assert target.rate is not None
-    tp = gpus // traced.world
+    tp = gpus // (traced.world * replicas)
     compute = traced.flops / target.rate
-    link = target.link_for(gpus)
+    link = target.link_for(traced.world * tp)  # a replica's ranks are consecutive: tp inside, shards around
     param_bytes = 2 if request.precision == "bf16" else 4
     shard = params / tp
     fsdp = (2 * comm.all_gather_s(shard * param_bytes, traced.world, link)
-            + comm.reduce_scatter_s(shard * 4, traced.world, link))
+            + comm.reduce_scatter_s(shard * 4, traced.world, link)
+            + comm.all_reduce_s(shard / traced.world * 4, replicas, target.link_for(gpus)))
     within = target.link_for(tp)
     costs = {"all_gather": comm.all_gather_s, "reduce_scatter": comm.reduce_scatter_s,
              "all_reduce": comm.all_reduce_s}
