@@ -189,6 +189,39 @@ def test_tensor_parallel_and_hsdp_layouts_cost_their_collectives_on_the_links_th
     assert f"the fastest layout that fits is {best['layout']}:" in doc["recommendation"]
 
 
+def test_pipeline_layouts_add_their_bubble_held_micro_batches_and_accumulated_gradients(tmp_path):
+    """pp 2 and 4 of the small Llama on 8 GPUs of one machine, 4 micro-batches of one sample: 1F1B idles
+    (p-1)/m of its compute and holds p micro-batches on its first stage; interleaved 1F1B (2 stages a GPU)
+    halves the idle slots and holds (1 + (p-1)/2p) times as many; every stage adds its share of the model's
+    gradients, accumulated unsharded in fp32 over the micro-batches."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(SMALL))
+    out = tmp_path / "plan.json"
+    result = forked_torchfleet("plan", "--hf-config", str(config), "--gpu", "H100", "--gpus-per-node", "8",
+                               "--nproc", "8", "--tp", "1", "--pp", "2,4", "--local-batch", "4", "--seq-len", "64",
+                               "--json-out", str(out))
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(out.read_text())
+    rows = {(r.get("pp", 1), r.get("schedule")): r for r in doc["rows"]}
+    assert set(rows) == {(1, None), (2, "1f1b"), (2, "interleaved-1f1b"), (4, "1f1b"), (4, "interleaved-1f1b")}
+    params = doc["parameters"]
+    for pp in (2, 4):
+        plain, looped = rows[(pp, "1f1b")], rows[(pp, "interleaved-1f1b")]
+        assert plain["layout"] == f"FSDP {8 // pp} x PP {pp} (1f1b)" and plain["microbatches"] == 4
+        t = plain["time"]
+        assert t["bubble"] == pytest.approx(t["compute"] * (pp - 1) / 4)
+        assert looped["time"]["bubble"] == pytest.approx(t["compute"] * (pp - 1) / 8)
+        assert t["step"] == pytest.approx(t["compute"] + t["bubble"] + t["exposed"])
+        assert plain["tokens_per_s_per_gpu"] == pytest.approx(4 * 64 / pp / t["step"])
+        assert plain["memory"]["gradients"] >= 4 * params / pp * 0.999
+        held = {"1f1b": pp, "interleaved-1f1b": pp * (1 + (pp - 1) / (2 * pp))}
+        one_more = (plain["memory"]["activations"] - looped["memory"]["activations"]) / (held["1f1b"] - held[
+            "interleaved-1f1b"])
+        assert one_more > 0
+    # A stage's FLOPs for its micro-batches: half the blocks each at pp 2, the embedding and the output on it.
+    assert rows[(2, "1f1b")]["flops"] < rows[(1, None)]["flops"] * 8 / 2
+
+
 @pytest.mark.parametrize("args, said", [
     (["--hf-config", "llama-3.1-8b"], "--hf-config plans a described GPU cluster"),
     (["--hf-config", "README.md", "--gpu", "H100", "--gpus-per-node", "8"],
@@ -205,8 +238,10 @@ def test_tensor_parallel_and_hsdp_layouts_cost_their_collectives_on_the_links_th
      "--tp 8 is more than a node's 4 GPUs"),
     (["--hf-config", "mixtral-8x7b", "--gpu", "H100", "--gpus-per-node", "8", "--tp", "8"],
      "--tp 8: mixtral's blocks are not split by plain column and row products"),
+    (["--hf-config", "llama-3.1-8b", "--gpu", "H100", "--gpus-per-node", "8", "--pp", "5"],
+     "--pp 5 does not divide the model's 32 decoder blocks into equal stages; give a pp that divides 32"),
 ], ids=["no-cluster", "not-json", "unknown-name", "bad-ac", "weights-beyond-the-cluster", "tp-not-dividing-heads",
-        "tp-beyond-a-node", "tp-of-experts"])
+        "tp-beyond-a-node", "tp-of-experts", "pp-not-dividing-blocks"])
 def test_bad_input_is_one_sentence(args, said):
     assert_refused_in_one_sentence(forked_torchfleet("plan", *args), said)
 

@@ -78,6 +78,9 @@ def add_parser(sub) -> None:
     s.add_argument("--tp", type=_list(int, "tensor-parallel degrees"), default=None, metavar="DEGREES",
                    help="--hf-config: tensor-parallel degrees to plan, comma-separated (default: 1 and a node's GPUs"
                    " where they divide the model's heads), FSDP over the rest of the GPUs")
+    s.add_argument("--pp", type=_list(int, "pipeline degrees"), default=None, metavar="DEGREES",
+                   help="--hf-config: pipeline stages to plan as well, comma-separated, each dividing the model's blocks"
+                   " (micro-batches of one sample; --schedule, default 1f1b and interleaved-1f1b)")
     c = p.add_argument_group("a described cluster (instead of this machine)")
     c.add_argument("--nodes", type=int, default=None, help="machines")
     c.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per machine, a process each")
@@ -123,7 +126,7 @@ def command(args) -> int:
                      json_out=args.json_out, chart=args.chart, check=args.check, warmup=args.warmup,
                      steps=args.steps, schedule=args.schedule, stages_per_process=args.stages_per_process,
                      hf_config=args.hf_config, seq_len=args.seq_len, local_batch=args.local_batch, ac=args.ac,
-                     tp=args.tp or ())
+                     tp=args.tp or (), pp=args.pp or ())
     for path, what in ((cfg.json_out, "--json-out"), (cfg.chart, "--chart")):
         if path:
             check_writable_file(path, what)

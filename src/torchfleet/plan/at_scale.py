@@ -8,8 +8,8 @@ each number of GPUs reads the same trace with its own sharding. The step's time
 is its traced FLOPs at one achieved fraction of the GPU's peak, tensor
 parallelism's traced collectives over the node's links (exposed: each one
 stands between two products), and FSDP's collectives over the link they cross,
-overlapped with compute (`step_time`). Pipeline layouts are not planned by this
-mode yet (issue 37).
+overlapped with compute (`step_time`). Pipeline layouts (`--pp`) are built in
+plan/pipeline_at_scale.py.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, replace
 
 from torchfleet.errors import UsageError
-from torchfleet.plan import comm, hardware, library_model, tensor_parallel, trace
+from torchfleet.plan import comm, hardware, library_model, pipeline_at_scale, tensor_parallel, trace
 
 SCHEMA = "torchfleet-plan-at-scale/1"
 # Bytes a parameter costs in training whatever the layout: the fp32 master weight, its fp32 gradient and
@@ -64,6 +64,8 @@ class ScaleRequest:
     target: hardware.Target  # its rate is the achieved FLOP/s: `efficiency` of the GPU's dense peak
     efficiency: float
     tps: tuple[int, ...] = ()  # tensor-parallel degrees; empty: 1 and a node's GPUs where they divide the model
+    pps: tuple[int, ...] = (1,)  # pipeline degrees
+    schedule: str | None = None  # the pipelines' schedule; None: pipeline_at_scale.SCHEDULES
 
 
 def request_of(cfg) -> ScaleRequest:
@@ -76,7 +78,8 @@ def request_of(cfg) -> ScaleRequest:
                                   precision=cfg.precision, intra_gbit=cfg.intra_gbit, inter_gbit=cfg.link_gbit)
     return ScaleRequest(cfg.hf_config, cfg.seq_len, cfg.local_batch, cfg.ac, cfg.precision,
                         cluster_counts(cfg, target), target.per_node, target.memory_bytes, target.name,
-                        f"{cfg.gpu} " if cfg.gpu else "", target, efficiency, tuple(cfg.tp))
+                        f"{cfg.gpu} " if cfg.gpu else "", target, efficiency, tuple(cfg.tp), tuple(cfg.pp) or (1,),
+                        cfg.schedule)
 
 
 def plan_at_scale(request: ScaleRequest, say=print) -> dict:
@@ -86,11 +89,14 @@ def plan_at_scale(request: ScaleRequest, say=print) -> dict:
     tps = request.tps or default_tps(fields, request.per_node)
     for tp in tps:
         tensor_parallel.check_degree(fields, tp)
+    for pp in request.pps:
+        pipeline_at_scale.check_degree(fields, pp)
     work = trace.Workload(seq=request.seq, local_batch=request.local_batch, ac=request.ac,
                           precision=request.precision)
     say(f"tracing one training step of {request.hf_config} ({params / 1e9:,.1f} B parameters) on fake tensors:"
         f" sequence {request.seq}, local batch {request.local_batch}, checkpointing {request.ac},"
-        f" tensor parallelism {', '.join(map(str, tps))}")
+        f" tensor parallelism {', '.join(map(str, tps))}"
+        + (f", pipelines of {', '.join(map(str, request.pps))} stages" if request.pps != (1,) else ""))
     began = time.perf_counter()
     rows = []
     for tp in tps:
@@ -102,6 +108,12 @@ def plan_at_scale(request: ScaleRequest, say=print) -> dict:
             shard = request.per_node // tp if request.per_node % tp == 0 else 0
             if gpus > request.per_node and shard >= 2 and gpus % (shard * tp) == 0:
                 rows.append(_row(fields, replace(work, tp=tp), gpus, params, request, gpus // (shard * tp)))
+    for pp in (pp for pp in request.pps if pp > 1):
+        for schedule, v in pipeline_at_scale.schedules_for(fields, pp, request.schedule):
+            for tp in tps:
+                for gpus in (g for g in request.counts if g % (tp * pp) == 0):
+                    rows.append(pipeline_at_scale.row(fields, replace(work, tp=tp), gpus, pp, schedule, v, params,
+                                                      request))
     return {"schema": SCHEMA, "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "hf_config": request.hf_config, "model_type": fields["model_type"], "parameters": params,
             "workload": {"seq": request.seq, "local_batch": request.local_batch, "ac": request.ac,
@@ -175,15 +187,20 @@ def step_time(traced: trace.Traced, params: int, blocks: int, gpus: int, request
     fsdp = (2 * comm.all_gather_s(shard * param_bytes, traced.world, link)
             + comm.reduce_scatter_s(shard * 4, traced.world, link)
             + comm.all_reduce_s(shard / traced.world * 4, replicas, target.link_for(gpus)))
-    within = target.link_for(tp)
-    costs = {"all_gather": comm.all_gather_s, "reduce_scatter": comm.reduce_scatter_s,
-             "all_reduce": comm.all_reduce_s}
-    # Each call pays its hops' latency; the formulas are linear in bytes, so calls x one average call.
-    tensor = sum(calls * costs[kind](nbytes / calls, tp, within) for kind, nbytes, calls in traced.collectives if calls)
+    tensor = tensor_parallel_s(traced, tp, target)
     exposed = fsdp / blocks + max(0.0, fsdp - compute) + tensor
     communication = fsdp + tensor
     return {"step": compute + exposed, "compute": compute, "communication": communication, "fsdp": fsdp,
             "tp": tensor, "exposed": exposed, "bound": "compute" if compute >= communication else "communication"}
+
+
+def tensor_parallel_s(traced: trace.Traced, tp: int, target: hardware.Target) -> float:
+    """The traced tensor-parallel collectives' seconds: rings over the tp ranks of one node."""
+    within = target.link_for(tp)
+    costs = {"all_gather": comm.all_gather_s, "reduce_scatter": comm.reduce_scatter_s,
+             "all_reduce": comm.all_reduce_s}
+    # Each call pays its hops' latency; the formulas are linear in bytes, so calls x one average call.
+    return sum(calls * costs[kind](nbytes / calls, tp, within) for kind, nbytes, calls in traced.collectives if calls)
 
 
 def recommend(rows: list[dict], request: ScaleRequest) -> str:

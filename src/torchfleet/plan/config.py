@@ -46,6 +46,7 @@ class PlanConfig:
     local_batch: int = 2
     ac: str = "selective"
     tp: tuple[int, ...] = ()  # --hf-config's tensor-parallel degrees; empty: 1 and a node's GPUs where they divide
+    pp: tuple[int, ...] = ()  # --hf-config's pipeline degrees; empty: none
 
     @property
     def described(self) -> bool:
@@ -106,6 +107,8 @@ class PlanConfig:
                              " master weights and reduction, as torchtitan trains) or fp32")
         at_least("--seq-len", self.seq_len, 1)
         at_least("--local-batch", self.local_batch, 1)
+        for degree in self.pp:
+            at_least("--pp", degree, 1)
         for degree in self.tp:
             at_least("--tp", degree, 1)
             if self.gpus_per_node and degree > self.gpus_per_node:

@@ -47,6 +47,9 @@ class Workload:
     ac: str = "selective"
     precision: str = "bf16"
     tp: int = 1  # tensor-parallel ranks (plan/tensor_parallel.py); FSDP shards over the rest
+    # FSDP2 frees each block's gathered parameters after its forward; a pipeline stage keeps them for its
+    # micro-batches' backward instead (torchtitan's default under pp), and gathers once a step.
+    reshard_after_forward: bool = True
 
 
 @dataclass(frozen=True)
@@ -212,8 +215,8 @@ def _prepare(model, fields: dict, work: Workload, mesh) -> None:
     policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
               if work.precision == "bf16" else MixedPrecisionPolicy())
     for block in blocks:
-        fully_shard(block, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=work.reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=work.reshard_after_forward)
 
 
 def step_counter():

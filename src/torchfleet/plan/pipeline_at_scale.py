@@ -1,0 +1,102 @@
+"""Pipeline layouts for `plan --hf-config --pp`: the model cut into stages of equal blocks, each stage's
+step traced on fake tensors, and the schedule's fill and drain and held micro-batches from plan/pipelines.py.
+
+As torchtitan runs them: pp outermost in the device mesh (a stage's neighbours are dp x tp ranks away,
+on another node once a stage fills one), micro-batches of one sample (its default), so the local batch
+is the number of micro-batches, and FSDP sharding each stage's blocks over the dp ranks, gathered once a
+step and kept (reshard_after_forward off, torchtitan's default under pp), the gradients accumulated
+unsharded in fp32 and reduce-scattered after the last micro-batch (as torch's pipeline stage drives
+FSDP2). A stage is traced as the model with its share of the blocks, micro-batch 1: its parameters, FSDP
+state, one micro-batch's activations and its FLOPs; the accumulated gradients are added where the trace
+of one micro-batch holds less. The embedding and the output layer are counted on
+that one stage, the stage that holds both at its worst (the first holds the most micro-batches in
+flight, the last the output layer). More micro-batches in flight add what a second sample adds to the
+trace's peak (a trace at micro-batch 2), once for each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from torchfleet.errors import UsageError
+from torchfleet.plan import comm, pipelines, trace
+
+SCHEDULES = ("1f1b", "interleaved-1f1b")  # torchtitan's two in its published 405B table
+MICROBATCH = 1  # samples a micro-batch, torchtitan's default
+
+
+def check_degree(fields: dict, pp: int) -> None:
+    layers = fields["num_hidden_layers"]
+    if pp > 1 and layers % pp:
+        raise UsageError(f"--pp {pp} does not divide the model's {layers} decoder blocks into equal stages; give a pp"
+                         f" that divides {layers}")
+
+
+def schedules_for(fields: dict, pp: int, requested: str | None) -> tuple[tuple[str, int], ...]:
+    """(schedule, stages a GPU) pairs planned for `pp`: the requested schedule, else both of SCHEDULES where the
+    blocks divide into their stages."""
+    names = (requested,) if requested else SCHEDULES
+    chosen = []
+    for name in names:
+        v = pipelines.stages_per_process(name, None)
+        if fields["num_hidden_layers"] % (pp * v) == 0:
+            chosen.append((name, v))
+    return tuple(chosen)
+
+
+def row(fields: dict, work: trace.Workload, gpus: int, pp: int, schedule: str, v: int, params: int,
+        request) -> dict:
+    from torchfleet.plan import at_scale
+
+    tp = work.tp
+    dp = gpus // (tp * pp)
+    m = max(1, request.local_batch // MICROBATCH)
+    stage = {**fields, "num_hidden_layers": fields["num_hidden_layers"] // pp}
+    kept = replace(work, local_batch=MICROBATCH, reshard_after_forward=False)
+    one = trace.traced_at_scale(stage, kept, dp)
+    two = trace.traced_at_scale(stage, replace(kept, local_batch=2 * MICROBATCH), dp)
+    in_flight = pipelines.activations_held(schedule, pp, m, v) * pp  # micro-batches of this stage's activations
+    grouped = {name: sum(one.kinds.get(k, 0.0) for k in kinds) for name, kinds in at_scale.COLUMNS.items()}
+    grouped["activations"] += (in_flight - 1) * max(0.0, two.peak - one.peak)
+    accumulated = 4 * params / pp / tp  # fp32, unsharded, for the stage's share of the model
+    grouped["gradients"] += max(0.0, accumulated - one.kinds.get("UNSHARDED_GRAD", 0.0))
+    peak = sum(grouped.values())
+    timing = step_time(one, params / pp, stage["num_hidden_layers"], gpus, pp, m, schedule, v, fields, request)
+    reserved = peak * at_scale.RESERVED_OVER_ALLOCATED
+    return {"gpus": gpus, "tp": tp, "pp": pp, "schedule": schedule, "microbatches": m, "dp_replicate": 1,
+            "dp_shard": dp, "layout": f"{at_scale.layout_name(1, dp, tp)} x PP {pp} ({schedule})",
+            "nodes": -(-gpus // request.per_node), "memory": grouped, "peak": peak, "flops": one.flops * m,
+            "collectives": {kind: {"bytes": nbytes * m, "calls": calls * m} for kind, nbytes, calls in one.collectives},
+            "time": timing, "tokens_per_s_per_gpu": request.local_batch * request.seq / (tp * pp) / timing["step"],
+            "reserved": reserved, "fits": peak <= request.memory_bytes,
+            "tight": peak <= request.memory_bytes < reserved, "global_batch": dp * request.local_batch}
+
+
+def step_time(one: trace.Traced, stage_params: float, blocks: int, gpus: int, pp: int, m: int, schedule: str,
+              v: int, fields: dict, request) -> dict:
+    """A GPU's step: m micro-batches through its stages, the schedule's idle slots (plan/pipelines.py), each
+    micro-batch's tensor-parallel collectives, its activations and their gradients sent to the neighbouring
+    stages (not hidden), and FSDP's collectives for the stage's blocks, once a step, behind compute."""
+    from torchfleet.plan import at_scale
+
+    target = request.target
+    assert target.rate is not None
+    tp = gpus // (one.world * pp)
+    per_microbatch = one.flops / target.rate
+    busy, idle = pipelines.bubble_slots(schedule, pp, m, v)
+    compute = busy * per_microbatch / v
+    bubble = idle * per_microbatch / v
+    # One gather of the stage's bf16 parameters and one reduce-scatter of its fp32 gradients a step.
+    shard_link = target.link_for(one.world * tp)
+    param_bytes = 2 if request.precision == "bf16" else 4
+    fsdp = (comm.all_gather_s(stage_params / tp * param_bytes, one.world, shard_link)
+            + comm.reduce_scatter_s(stage_params / tp * 4, one.world, shard_link))
+    tensor = at_scale.tensor_parallel_s(one, tp, target) * m
+    # The sequence-parallel activation a tp rank holds, in bf16: what crosses to the next stage.
+    boundary = MICROBATCH * request.seq * fields["hidden_size"] * 2 / tp
+    link = target.link_for(2 * gpus // pp)
+    sends = 2 * busy * comm.send_s(boundary, link)  # forward's activation and backward's gradient, every slot
+    exposed = fsdp / blocks + max(0.0, fsdp - compute) + tensor + sends
+    return {"step": compute + bubble + exposed, "compute": compute, "bubble": bubble, "fsdp": fsdp,
+            "tp": tensor, "p2p": sends, "communication": fsdp + tensor + sends, "exposed": exposed,
+            "bound": "compute" if compute >= fsdp + tensor + sends else "communication"}
