@@ -37,7 +37,7 @@ SURFACE = {
     "plan": ["--batch-size", "--chart", "--check", "--cpus-per-node", "--gpt-preset", "--gpu", "--gpus-per-node",
              "--image-size", "--intra-link", "--json-out", "--link", "--memory-gb", "--mfu", "--model", "--nodes",
              "--nproc", "--optimizer", "--precision", "--reprobe", "--schedule", "--stages-per-process", "--steps", "--strategies", "--tflops", "--warmup",
-             "--hf-config", "--seq-len", "--local-batch", "--ac"],
+             "--hf-config", "--seq-len", "--local-batch", "--ac", "--tp", "--pp"],
     "slurm": ["--gpus-per-node", "--nodes", "--ntasks-per-node", "--out", "--partition", "--submit",
               "--time", "--fault-tolerance", "--max-restarts", "--requeue"],
     "bench": ["--batch-sizes", "--model", "--nproc", "--out", "--precisions", "--quick", "--steps", "--compile",
