@@ -17,7 +17,7 @@ from conftest import assert_refused_in_one_sentence, forked_torchfleet, require_
 require_module("transformers", "transformers (the test extra) builds the library models from configs")
 
 from torchfleet import launch  # noqa: E402 (after the skip)
-from torchfleet.plan import at_scale, library_model, trace  # noqa: E402
+from torchfleet.plan import at_scale, library_model, scale_rows, trace  # noqa: E402
 
 # A Llama of Llama 3.1's architecture at a size this machine trains in a second: deeper than the traced
 # depths (2, 4, 6), so its figures are carried, not traced whole.
@@ -122,7 +122,7 @@ def test_a_shipped_config_plans_its_columns_from_its_parameter_count(tmp_path):
         # AdamW's two fp32 moments, sharded over the GPUs; one rank's shard of each parameter rounds up.
         assert row["memory"]["optimizer"] == pytest.approx(8 * params / gpus, rel=1e-3)
         assert row["peak"] == pytest.approx(sum(row["memory"].values()))
-        assert row["reserved"] == pytest.approx(row["peak"] * at_scale.RESERVED_OVER_ALLOCATED)
+        assert row["reserved"] == pytest.approx(row["peak"] * scale_rows.RESERVED_OVER_ALLOCATED)
         assert row["fits"] == (row["peak"] <= 80e9) and row["tight"] == (row["peak"] <= 80e9 < row["reserved"])
     # Everything but the sharded state is the same on 8 and 128 GPUs: the difference is 15/16 of the
     # shards' bytes at 8 (fp32 weights and AdamW moments; no gradient is held at this step's peak).

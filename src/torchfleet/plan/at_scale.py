@@ -20,33 +20,17 @@ from dataclasses import dataclass, replace
 
 from torchfleet.errors import UsageError
 from torchfleet.plan import comm, hardware, library_model, pipeline_at_scale, tensor_parallel, trace
+from torchfleet.plan.scale_rows import COLUMNS, RESERVED_OVER_ALLOCATED, collectives_s, layout_name
 
 SCHEMA = "torchfleet-plan-at-scale/1"
 # Bytes a parameter costs in training whatever the layout: the fp32 master weight, its fp32 gradient and
 # AdamW's two fp32 moments.
 TRAINING_BYTES_PER_PARAM = 16
-# What the CUDA caching allocator holds (reserved) over the tensors' own peak (allocated), one figure for every
-# plan: the mean of two cells measured on one H100 80GB HBM3 (torch 2.11, 27 Nov 2026), a Llama 3.2 1B-shaped
-# model at sequence 8192 and local batch 2 under FSDP2 in bf16, with PYTORCH_CUDA_ALLOC_CONF=
-# expandable_segments:True as torchtitan's launcher sets it: 59.56 / 53.61 GiB (1.111) with torchtitan's
-# selective policy, 53.73 / 46.33 GiB (1.160) with every block recomputed. Without expandable segments the
-# same cells reserved 1.207 and 1.256 times their tensors (docs/benchmarks.md). Published runs report the
-# reserved figure, and a GPU runs out of memory when its reserve cannot grow.
-RESERVED_OVER_ALLOCATED = 1.135
 # The fraction of a GPU's dense peak that a large transformer's step reaches, on FLOPs as FlopCounterMode counts
 # them (recomputation included, attention unhalved), one figure for every plan (--mfu overrides it): the mean
 # of the same two H100 cells, 194.6 TFLOP in 417.6 ms (47.1% of 989.4 TFLOP/s) with the selective policy and
 # 223.7 TFLOP in 455.6 ms (49.6%) with full recomputation, on one GPU, eager.
 AT_SCALE_EFFICIENCY = 0.48
-# The tracker's kinds, grouped as the table shows them.
-COLUMNS = {
-    "parameters": ("SHARDED_PARAM", "UNSHARDED_PARAM", "BUFFER"),
-    "gradients": ("SHARDED_GRAD", "UNSHARDED_GRAD"),
-    "optimizer": ("OPT",),
-    "activations": ("ACT", "INP"),
-    "temporaries": ("TEMP",),
-    "comm buffers": ("ALL_GATHER", "REDUCE_SCATTER"),
-}
 
 
 @dataclass(frozen=True)
@@ -160,11 +144,6 @@ def _row(fields: dict, work: trace.Workload, gpus: int, params: int, request: Sc
             "tight": traced.peak <= request.memory_bytes < reserved, "global_batch": dp * request.local_batch}
 
 
-def layout_name(replicas: int, shard: int, tp: int) -> str:
-    data = f"HSDP {replicas} x {shard}" if replicas > 1 else f"FSDP {shard}"
-    return data + (f" x TP {tp}" if tp > 1 else "")
-
-
 def step_time(traced: trace.Traced, params: int, blocks: int, gpus: int, request: ScaleRequest,
               replicas: int = 1) -> dict:
     """One step's seconds: compute at the target's achieved rate, then two kinds of collectives.
@@ -187,20 +166,11 @@ def step_time(traced: trace.Traced, params: int, blocks: int, gpus: int, request
     fsdp = (2 * comm.all_gather_s(shard * param_bytes, traced.world, link)
             + comm.reduce_scatter_s(shard * 4, traced.world, link)
             + comm.all_reduce_s(shard / traced.world * 4, replicas, target.link_for(gpus)))
-    tensor = tensor_parallel_s(traced, tp, target)
+    tensor = collectives_s(traced, tp, target)
     exposed = fsdp / blocks + max(0.0, fsdp - compute) + tensor
     communication = fsdp + tensor
     return {"step": compute + exposed, "compute": compute, "communication": communication, "fsdp": fsdp,
             "tp": tensor, "exposed": exposed, "bound": "compute" if compute >= communication else "communication"}
-
-
-def tensor_parallel_s(traced: trace.Traced, tp: int, target: hardware.Target) -> float:
-    """The traced tensor-parallel collectives' seconds: rings over the tp ranks of one node."""
-    within = target.link_for(tp)
-    costs = {"all_gather": comm.all_gather_s, "reduce_scatter": comm.reduce_scatter_s,
-             "all_reduce": comm.all_reduce_s}
-    # Each call pays its hops' latency; the formulas are linear in bytes, so calls x one average call.
-    return sum(calls * costs[kind](nbytes / calls, tp, within) for kind, nbytes, calls in traced.collectives if calls)
 
 
 def recommend(rows: list[dict], request: ScaleRequest) -> str:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from torchfleet.errors import UsageError
-from torchfleet.plan import comm, pipelines, trace
+from torchfleet.plan import comm, pipelines, scale_rows, trace
 
 SCHEDULES = ("1f1b", "interleaved-1f1b")  # torchtitan's two in its published 405B table
 MICROBATCH = 1  # samples a micro-batch, torchtitan's default
@@ -46,8 +46,6 @@ def schedules_for(fields: dict, pp: int, requested: str | None) -> tuple[tuple[s
 
 def row(fields: dict, work: trace.Workload, gpus: int, pp: int, schedule: str, v: int, params: int,
         request) -> dict:
-    from torchfleet.plan import at_scale
-
     tp = work.tp
     dp = gpus // (tp * pp)
     m = max(1, request.local_batch // MICROBATCH)
@@ -56,15 +54,15 @@ def row(fields: dict, work: trace.Workload, gpus: int, pp: int, schedule: str, v
     one = trace.traced_at_scale(stage, kept, dp)
     two = trace.traced_at_scale(stage, replace(kept, local_batch=2 * MICROBATCH), dp)
     in_flight = pipelines.activations_held(schedule, pp, m, v) * pp  # micro-batches of this stage's activations
-    grouped = {name: sum(one.kinds.get(k, 0.0) for k in kinds) for name, kinds in at_scale.COLUMNS.items()}
+    grouped = {name: sum(one.kinds.get(k, 0.0) for k in kinds) for name, kinds in scale_rows.COLUMNS.items()}
     grouped["activations"] += (in_flight - 1) * max(0.0, two.peak - one.peak)
     accumulated = 4 * params / pp / tp  # fp32, unsharded, for the stage's share of the model
     grouped["gradients"] += max(0.0, accumulated - one.kinds.get("UNSHARDED_GRAD", 0.0))
     peak = sum(grouped.values())
     timing = step_time(one, params / pp, stage["num_hidden_layers"], gpus, pp, m, schedule, v, fields, request)
-    reserved = peak * at_scale.RESERVED_OVER_ALLOCATED
+    reserved = peak * scale_rows.RESERVED_OVER_ALLOCATED
     return {"gpus": gpus, "tp": tp, "pp": pp, "schedule": schedule, "microbatches": m, "dp_replicate": 1,
-            "dp_shard": dp, "layout": f"{at_scale.layout_name(1, dp, tp)} x PP {pp} ({schedule})",
+            "dp_shard": dp, "layout": f"{scale_rows.layout_name(1, dp, tp)} x PP {pp} ({schedule})",
             "nodes": -(-gpus // request.per_node), "memory": grouped, "peak": peak, "flops": one.flops * m,
             "collectives": {kind: {"bytes": nbytes * m, "calls": calls * m} for kind, nbytes, calls in one.collectives},
             "time": timing, "tokens_per_s_per_gpu": request.local_batch * request.seq / (tp * pp) / timing["step"],
@@ -77,8 +75,6 @@ def step_time(one: trace.Traced, stage_params: float, blocks: int, gpus: int, pp
     """A GPU's step: m micro-batches through its stages, the schedule's idle slots (plan/pipelines.py), each
     micro-batch's tensor-parallel collectives, its activations and their gradients sent to the neighbouring
     stages (not hidden), and FSDP's collectives for the stage's blocks, once a step, behind compute."""
-    from torchfleet.plan import at_scale
-
     target = request.target
     assert target.rate is not None
     tp = gpus // (one.world * pp)
@@ -91,7 +87,7 @@ def step_time(one: trace.Traced, stage_params: float, blocks: int, gpus: int, pp
     param_bytes = 2 if request.precision == "bf16" else 4
     fsdp = (comm.all_gather_s(stage_params / tp * param_bytes, one.world, shard_link)
             + comm.reduce_scatter_s(stage_params / tp * 4, one.world, shard_link))
-    tensor = at_scale.tensor_parallel_s(one, tp, target) * m
+    tensor = scale_rows.collectives_s(one, tp, target) * m
     # The sequence-parallel activation a tp rank holds, in bf16: what crosses to the next stage.
     boundary = MICROBATCH * request.seq * fields["hidden_size"] * 2 / tp
     link = target.link_for(2 * gpus // pp)

@@ -1,0 +1,41 @@
+"""What every `plan --hf-config` row is made of, whichever layout made it: the memory columns, the
+allocator's reserve over the tensors, the layout's name, and the cost of the tensor-parallel collectives
+a trace counted. (plan/at_scale.py makes the FSDP, HSDP and tensor-parallel rows, plan/pipeline_at_scale.py
+the pipeline rows.)
+"""
+
+from __future__ import annotations
+
+from torchfleet.plan import comm, hardware, trace
+
+# What the CUDA caching allocator holds (reserved) over the tensors' own peak (allocated), one figure for every
+# plan: the mean of two cells measured on one H100 80GB HBM3 (torch 2.11, 27 Nov 2026), a Llama 3.2 1B-shaped
+# model at sequence 8192 and local batch 2 under FSDP2 in bf16, with PYTORCH_CUDA_ALLOC_CONF=
+# expandable_segments:True as torchtitan's launcher sets it: 59.56 / 53.61 GiB (1.111) with torchtitan's
+# selective policy, 53.73 / 46.33 GiB (1.160) with every block recomputed. Without expandable segments the
+# same cells reserved 1.207 and 1.256 times their tensors (docs/benchmarks.md). Published runs report the
+# reserved figure, and a GPU runs out of memory when its reserve cannot grow.
+RESERVED_OVER_ALLOCATED = 1.135
+# The tracker's kinds, grouped as the table shows them.
+COLUMNS = {
+    "parameters": ("SHARDED_PARAM", "UNSHARDED_PARAM", "BUFFER"),
+    "gradients": ("SHARDED_GRAD", "UNSHARDED_GRAD"),
+    "optimizer": ("OPT",),
+    "activations": ("ACT", "INP"),
+    "temporaries": ("TEMP",),
+    "comm buffers": ("ALL_GATHER", "REDUCE_SCATTER"),
+}
+
+
+def layout_name(replicas: int, shard: int, tp: int) -> str:
+    data = f"HSDP {replicas} x {shard}" if replicas > 1 else f"FSDP {shard}"
+    return data + (f" x TP {tp}" if tp > 1 else "")
+
+
+def collectives_s(traced: trace.Traced, tp: int, target: hardware.Target) -> float:
+    """The traced tensor-parallel collectives' seconds: rings over the tp ranks of one node."""
+    within = target.link_for(tp)
+    costs = {"all_gather": comm.all_gather_s, "reduce_scatter": comm.reduce_scatter_s,
+             "all_reduce": comm.all_reduce_s}
+    # Each call pays its hops' latency; the formulas are linear in bytes, so calls x one average call.
+    return sum(calls * costs[kind](nbytes / calls, tp, within) for kind, nbytes, calls in traced.collectives if calls)
