@@ -106,3 +106,45 @@ def test_a_malformed_fault_is_refused():
     assert parse("kill:rank=1:step=7:once=/tmp/x").once == "/tmp/x"
     with pytest.raises(UsageError, match="is not a fault"):
         parse("explode:rank=1:step=7")
+
+
+
+def _fail(why):
+    if why == "cause":
+        raise ValueError("the cause: rank 1's own bug")
+    raise RuntimeError("[gloo/transport] Connection closed by peer [127.0.0.1]:29500")  # what its peer's exit leaves
+
+
+def test_the_agent_adds_the_cause_its_poll_did_not_find(tmp_path):
+    """torch's MultiprocessContext reports one failed rank per poll: the first it finds, not the first to
+    fail. Two real workers both fail and record why; the agent is handed only the echo (rank 0, as its poll
+    finds it once both have exited) and must add rank 1's own failure, which the summary then puts first."""
+    from torch.distributed.elastic.agent.server.api import Worker, WorkerGroup
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from torchfleet.launcher import failures
+    from torchfleet.launcher.agent import _Agent
+
+    pcontext = start_processes("both-fail", failures.Recorded(_fail), args={0: ("echo",), 1: ("cause",)},
+                               envs={0: {}, 1: {}}, logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path)),
+                               start_method="spawn")
+    try:
+        processes = pcontext._pc.processes
+        deadline = time.time() + 60
+        while any(p.exitcode is None for p in processes) and time.time() < deadline:
+            time.sleep(0.05)
+        assert [p.exitcode for p in processes] == [1, 1]
+        found = {0: ProcessFailure(local_rank=0, pid=processes[0].pid, exitcode=1,
+                                   error_file=pcontext.error_files[0])}
+        agent = _Agent.__new__(_Agent)  # the method reads only the process context
+        agent._pcontext = pcontext
+        group = WorkerGroup.__new__(WorkerGroup)
+        group.workers = [Worker(local_rank=r, global_rank=r) for r in (0, 1)]
+        agent._add_the_other_failures(group, found)
+        assert sorted(found) == [0, 1]
+        summary = failures.summarize(ChildFailedError("both-fail", found))
+        assert (summary.first.rank, summary.first.error) == (1, "ValueError: the cause: rank 1's own bug")
+        assert [o.rank for o in summary.others] == [0]
+    finally:
+        pcontext.close()
