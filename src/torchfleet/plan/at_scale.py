@@ -20,7 +20,14 @@ from dataclasses import dataclass, replace
 
 from torchfleet.errors import UsageError
 from torchfleet.plan import comm, hardware, library_model, pipeline_at_scale, tensor_parallel, trace
-from torchfleet.plan.scale_rows import COLUMNS, RESERVED_OVER_ALLOCATED, collectives_s, layout_name
+from torchfleet.plan.scale_rows import (
+    COLUMNS,
+    RESERVED_OVER_ALLOCATED,
+    collectives_s,
+    layout_name,
+    memory_columns,
+    table_row,
+)
 
 SCHEMA = "torchfleet-plan-at-scale/1"
 # Bytes a parameter costs in training whatever the layout: the fp32 master weight, its fp32 gradient and
@@ -130,18 +137,10 @@ def _row(fields: dict, work: trace.Workload, gpus: int, params: int, request: Sc
     dp = gpus // work.tp
     shard = dp // replicas
     traced = trace.traced_at_scale(fields, work, shard)  # the states shard over one replica's ranks only
-    grouped = {name: sum(traced.kinds.get(k, 0.0) for k in kinds) for name, kinds in COLUMNS.items()}
-    reserved = traced.peak * RESERVED_OVER_ALLOCATED
     timing = step_time(traced, params, fields["num_hidden_layers"], gpus, request, replicas)
-    return {"gpus": gpus, "tp": work.tp, "dp_replicate": replicas, "dp_shard": shard,
-            "layout": layout_name(replicas, shard, work.tp),
-            "nodes": -(-gpus // request.per_node), "memory": grouped, "peak": traced.peak, "flops": traced.flops,
-            "collectives": {kind: {"bytes": nbytes, "calls": calls} for kind, nbytes, calls in traced.collectives},
-            "time": timing,
-            # A tensor-parallel group shares its samples: each of its GPUs moves 1/tp of their tokens.
-            "tokens_per_s_per_gpu": request.local_batch * request.seq / work.tp / timing["step"],
-            "reserved": reserved, "fits": traced.peak <= request.memory_bytes,
-            "tight": traced.peak <= request.memory_bytes < reserved, "global_batch": dp * request.local_batch}
+    return table_row(request, gpus=gpus, tp=work.tp, replicas=replicas, shard=shard,
+                     layout=layout_name(replicas, shard, work.tp), memory=memory_columns(traced.kinds),
+                     peak=traced.peak, flops=traced.flops, collectives=traced.collectives, timing=timing)
 
 
 def step_time(traced: trace.Traced, params: int, blocks: int, gpus: int, request: ScaleRequest,

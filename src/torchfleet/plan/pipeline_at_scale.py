@@ -54,20 +54,16 @@ def row(fields: dict, work: trace.Workload, gpus: int, pp: int, schedule: str, v
     one = trace.traced_at_scale(stage, kept, dp)
     two = trace.traced_at_scale(stage, replace(kept, local_batch=2 * MICROBATCH), dp)
     in_flight = pipelines.activations_held(schedule, pp, m, v) * pp  # micro-batches of this stage's activations
-    grouped = {name: sum(one.kinds.get(k, 0.0) for k in kinds) for name, kinds in scale_rows.COLUMNS.items()}
+    grouped = scale_rows.memory_columns(one.kinds)
     grouped["activations"] += (in_flight - 1) * max(0.0, two.peak - one.peak)
     accumulated = 4 * params / pp / tp  # fp32, unsharded, for the stage's share of the model
     grouped["gradients"] += max(0.0, accumulated - one.kinds.get("UNSHARDED_GRAD", 0.0))
     peak = sum(grouped.values())
     timing = step_time(one, params / pp, stage["num_hidden_layers"], gpus, pp, m, schedule, v, fields, request)
-    reserved = peak * scale_rows.RESERVED_OVER_ALLOCATED
-    return {"gpus": gpus, "tp": tp, "pp": pp, "schedule": schedule, "microbatches": m, "dp_replicate": 1,
-            "dp_shard": dp, "layout": f"{scale_rows.layout_name(1, dp, tp)} x PP {pp} ({schedule})",
-            "nodes": -(-gpus // request.per_node), "memory": grouped, "peak": peak, "flops": one.flops * m,
-            "collectives": {kind: {"bytes": nbytes * m, "calls": calls * m} for kind, nbytes, calls in one.collectives},
-            "time": timing, "tokens_per_s_per_gpu": request.local_batch * request.seq / (tp * pp) / timing["step"],
-            "reserved": reserved, "fits": peak <= request.memory_bytes,
-            "tight": peak <= request.memory_bytes < reserved, "global_batch": dp * request.local_batch}
+    return scale_rows.table_row(request, gpus=gpus, tp=tp, pp=pp, schedule=schedule, microbatches=m, replicas=1,
+                                shard=dp, layout=f"{scale_rows.layout_name(1, dp, tp)} x PP {pp} ({schedule})",
+                                memory=grouped, peak=peak, flops=one.flops * m, timing=timing,
+                                collectives=tuple((kind, nbytes * m, calls * m) for kind, nbytes, calls in one.collectives))
 
 
 def step_time(one: trace.Traced, stage_params: float, blocks: int, gpus: int, pp: int, m: int, schedule: str,
