@@ -158,13 +158,14 @@ def test_a_notice_source_that_does_not_answer_is_refused_in_one_sentence(monkeyp
 
 @pytest.mark.timeout(90)
 def test_a_spot_notice_makes_train_save_and_exit_75(tmp_path, metadata):
-    # The notice comes at the 4th poll (0.2 s apart): mid-run, with no signal at all.
+    # The notice comes at the 4th poll (0.2 s apart): mid-run, with no signal at all. The run is long
+    # enough (160,000 steps) that no machine finishes it first; the default 8 epochs took under 0.8 s here.
     _Metadata.quiet = 3
     ck = tmp_path / "ck"
     env = clean_env(**{notices.ENDPOINT_VARIABLE: metadata, notices.INTERVAL_VARIABLE: "0.2"})
     result = torchfleet("train", "--model", "mlp", "--data", "synthetic", "--synthetic-size", "512", "--batch-size",
                         "32", "--no-progress", "--checkpoint-dir", str(ck), "--preempt-notice", "aws",
-                        "--max-steps", "1000", env=env, timeout=80)
+                        "--epochs", "10000", env=env, timeout=80)
     assert result.returncode == PREEMPTED_EXIT, result.stderr
     lines = [x for x in result.stderr.splitlines() if "preempted" in x]
     assert len(lines) == 1, result.stderr
