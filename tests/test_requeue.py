@@ -87,11 +87,13 @@ def _job_fields(cluster, job_id: str) -> dict[str, str]:
 
 def _submit(cluster, folder: Path, sig: signal.Signals) -> tuple[str, Path, Path]:
     """A `slurm train --requeue` job of 2 tasks submitted from `folder`: its id, its output file and the marker
-    its rank 0 writes when it sleeps 1 s in step 6 on its first run (once=): the signal is sent then, and
-    the two tasks agree to leave at their next loss read, step 10 (--log-every 10)."""
+    its rank 0 writes when it sleeps 20 s in step 6 on its first run (once=): the signal is sent then, and
+    the two tasks agree to leave at their next loss read, step 10 (--log-every 10). The sleep outlasts the
+    second job's submission, which comes between the first job's marker and its signal: 8 s at a load of 5,
+    where a 1 s sleep let the first job finish all 20 steps before its signal ('Invalid job id')."""
     folder.mkdir()
     marker = folder / "fired"
-    env = clean_env(**cluster.env_extra, TORCHFLEET_FAULT=f"sleep:rank=0:step=6:seconds=1:once={marker}")
+    env = clean_env(**cluster.env_extra, TORCHFLEET_FAULT=f"sleep:rank=0:step=6:seconds=20:once={marker}")
     submitted = run([sys.executable, "-m", "torchfleet", "slurm", "train", "--requeue", "--ntasks-per-node",
                      "2", "--out", str(folder / "train.sbatch"), "--submit", "--", *JOB, "--checkpoint-dir", "ck",
                      "--max-steps", "20", "--save-model", "final.pt"], env=env, cwd=folder)
@@ -123,7 +125,8 @@ def test_requeue_jobs_on_a_real_slurm_save_on_the_signal_requeue_themselves_and_
             sent[sig] = time.monotonic()
             # To every task, not the batch shell: what `#SBATCH --signal=USR1@120` does before the time limit.
             signalled = cluster.command("scancel", f"--signal={sig.name[3:]}", job_id)
-            assert signalled.returncode == 0, signalled.stderr
+            assert signalled.returncode == 0, (signalled.stderr + _read(log) + cluster.logs()
+                                               + cluster.command("scontrol", "show", "job").stdout)
         for sig, (job_id, log, _) in jobs.items():
             while _job_fields(cluster, job_id).get("Restarts", "0") == "0":
                 assert time.monotonic() < sent[sig] + 90, _read(log) + cluster.logs()
