@@ -57,13 +57,14 @@ system-deps:
 
 # Two pytest runs side by side: the tests marked `waits` (a lighthouse knocked on for 25 s, a join
 # timeout, Slurm holding a requeued job: they mostly sleep) in one, every other test in the other,
-# in file order. The waiting run's report follows the other's; exit 5 (none selected) counts as passed.
+# in file order. The waiting run's report follows the other's, whichever failed (the recipe runs under
+# bash -e: each status is caught, not left to end it); exit 5 (none selected) counts as passed.
 test: $(VENV)/.dev system-deps
 	$(BIN)/python -c "import torch; print('make test: torch', torch.__version__)"
 	@waits_log=$$(mktemp); \
 	$(BIN)/python -m pytest -m waits -p no:cacheprovider $(PYTEST_ARGS) > "$$waits_log" 2>&1 & waits=$$!; \
-	$(BIN)/python -m pytest -m "not waits" $(PYTEST_ARGS); status=$$?; \
-	wait $$waits; waits_status=$$?; \
+	status=0; $(BIN)/python -m pytest -m "not waits" $(PYTEST_ARGS) || status=$$?; \
+	waits_status=0; wait $$waits || waits_status=$$?; \
 	echo "make test: the tests marked waits, run beside the others (exit $$waits_status):"; cat "$$waits_log"; \
 	rm -f "$$waits_log"; [ $$waits_status = 5 ] && waits_status=0; \
 	[ $$status = 0 ] && [ $$waits_status = 0 ]
