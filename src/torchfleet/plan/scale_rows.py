@@ -1,7 +1,7 @@
 """What every `plan --hf-config` row is made of, whichever layout made it: the memory columns, the
-allocator's reserve over the tensors, the layout's name, and the cost of the tensor-parallel collectives
-a trace counted. (plan/at_scale.py makes the FSDP, HSDP and tensor-parallel rows, plan/pipeline_at_scale.py
-the pipeline rows.)
+allocator's reserve over the tensors, the layout's name, the cost of the tensor-parallel collectives
+a trace counted, and the row itself (table_row). plan/at_scale.py makes the FSDP, HSDP and tensor-parallel
+rows, plan/pipeline_at_scale.py the pipeline rows.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def memory_columns(kinds: dict[str, float]) -> dict[str, float]:
 
 
 def table_row(request, *, gpus: int, tp: int, replicas: int, shard: int, layout: str, memory: dict[str, float],
-        peak: float, flops: float, collectives: tuple, timing: dict, pp: int | None = None, **extra) -> dict:
+              peak: float, flops: float, collectives: tuple, timing: dict, pp: int | None = None, **extra) -> dict:
     """One row of the table. `collectives`: (kind, bytes, calls) of the step; `extra`: the layout's own
     fields (a pipeline's schedule and micro-batches), placed after the degrees; `pp` only in a pipeline's row."""
     reserved = peak * RESERVED_OVER_ALLOCATED
@@ -42,7 +42,7 @@ def table_row(request, *, gpus: int, tp: int, replicas: int, shard: int, layout:
             "nodes": -(-gpus // request.per_node), "memory": memory, "peak": peak, "flops": flops,
             "collectives": {kind: {"bytes": nbytes, "calls": calls} for kind, nbytes, calls in collectives},
             "time": timing,
-            # A tensor-parallel group shares its samples, and so does a pipeline's stages: each GPU moves
+            # A tensor-parallel group shares its samples, and so do a pipeline's stages: each GPU moves
             # 1/(tp x pp) of their tokens.
             "tokens_per_s_per_gpu": request.local_batch * request.seq / (tp * (pp or 1)) / timing["step"],
             "reserved": reserved, "fits": peak <= request.memory_bytes,
