@@ -48,8 +48,8 @@ class LoadSampler(threading.Thread):
         return self.samples
 
 
-def one_round(tests: list[str], python: str) -> tuple[int, int, float, str]:
-    """(passed, failed, seconds, pytest's summary lines) of one pytest run over `tests`."""
+def one_round(tests: list[str], python: str) -> tuple[int, int, int, float, str]:
+    """(passed, failed, skipped, seconds, pytest's summary lines) of one pytest run over `tests`."""
     env = {**os.environ, "TORCHFLEET_REQUIRE_SYSTEM_TESTS": "1"}
     start = time.time()
     done = subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", *tests], cwd=ROOT,
@@ -58,10 +58,11 @@ def one_round(tests: list[str], python: str) -> tuple[int, int, float, str]:
     tail = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
     passed = sum(int(n) for n in re.findall(r"(\d+) passed", tail))
     failed = sum(int(n) for n in re.findall(r"(\d+) (?:failed|errors?)", tail))
+    skipped = sum(int(n) for n in re.findall(r"(\d+) skipped", tail))
     if done.returncode != 0 and failed == 0:
         failed = 1  # pytest itself failed (collection, a crash): count it
     summary = "\n".join(line for line in done.stdout.splitlines() if line.startswith(("FAILED", "ERROR")))
-    return passed, failed, seconds, summary or tail
+    return passed, failed, skipped, seconds, summary or tail
 
 
 def main() -> int:
@@ -83,13 +84,13 @@ def main() -> int:
         for n in range(1, args.rounds + 1):
             sampler = LoadSampler()
             sampler.start()
-            passed, failed, seconds, summary = one_round(args.tests, args.python)
+            passed, failed, skipped, seconds, summary = one_round(args.tests, args.python)
             samples = sampler.stop() or [os.getloadavg()[0]]
             every_sample += samples
             totals["passed"] += passed
             totals["failed"] += failed
             totals["rounds"] += 1
-            print(f"round {n}: {passed} passed, {failed} failed in {seconds:.0f} s; load average median "
+            print(f"round {n}: {passed} passed, {failed} failed, {skipped} skipped in {seconds:.0f} s; load average median "
                   f"{statistics.median(samples):.2f}, max {max(samples):.2f}", flush=True)
             if failed:
                 print(summary, flush=True)
