@@ -3,13 +3,13 @@
     python benchmarks/under_load.py                   # 10 rounds beside stress-ng --cpu 4 (load average about 5-6)
     python benchmarks/under_load.py --rounds 3 --workers 6 --tests tests/test_ft.py
 
-CI machines are shared: a test that times a pause, waits for a heartbeat or races a restart against its
-peers must still pass when the cores are busy with other work. Each round runs pytest over the tests
-(TORCHFLEET_REQUIRE_SYSTEM_TESTS=1: a test missing root, namespaces or torchft fails instead of skipping) while `stress-ng --cpu N` keeps N workers
-busy; the 1-minute load average is sampled every 5 s. One line a round (passed, failed, skipped, seconds, the load's
-median and maximum), then the totals. Stops at the first failing round unless --keep-going, printing
-pytest's summary of what failed. Needs stress-ng (Debian's package of that name). Minutes a round: about
-twice the tests' own time on 2 cores.
+CI machines are shared: a test that times a pause, waits for a heartbeat or races a restart against its peers
+must still pass when the cores are busy with other work. Each round runs pytest over the tests
+(TORCHFLEET_REQUIRE_SYSTEM_TESTS=1: a test missing root, namespaces or torchft fails instead of skipping)
+while `stress-ng --cpu N` keeps N workers busy; the 1-minute load average is sampled every 5 s. One line a
+round (passed, failed, skipped, seconds, the load's median and maximum), then the totals. Stops at the first
+failing round unless --keep-going, printing pytest's summary of what failed. Needs stress-ng (Debian's package
+of that name). Minutes a round: about twice the tests' own time on 2 cores.
 """
 
 from __future__ import annotations
