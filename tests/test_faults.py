@@ -108,7 +108,6 @@ def test_a_malformed_fault_is_refused():
         parse("explode:rank=1:step=7")
 
 
-
 def _fail(why):
     if why == "cause":
         raise ValueError("the cause: rank 1's own bug")
@@ -131,9 +130,8 @@ def test_the_agent_adds_the_cause_its_poll_did_not_find(tmp_path):
                                start_method="spawn")
     try:
         processes = pcontext._pc.processes
-        deadline = time.time() + 60
-        while any(p.exitcode is None for p in processes) and time.time() < deadline:
-            time.sleep(0.05)
+        for process in processes:
+            process.join(timeout=60)
         assert [p.exitcode for p in processes] == [1, 1]
         found = {0: ProcessFailure(local_rank=0, pid=processes[0].pid, exitcode=1,
                                    error_file=pcontext.error_files[0])}
