@@ -26,9 +26,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# The tests whose claims involve time: killed, hung and lost ranks and hosts, restarts, healing, lighthouses.
+# The tests whose claims involve time: killed, hung and lost ranks and hosts, restarts, healing, lighthouses,
+# and the preflight's verdicts on many hosts (it failed CI once when a second torch lane ran beside it).
 FAULT_TESTS = ["tests/test_ft.py", "tests/test_ft_hosts.py", "tests/test_elastic.py", "tests/test_faults.py",
-               "tests/test_diloco.py::test_a_group_killed_between_meetings_heals_at_the_next_and_the_other_never_waits_long"]
+               "tests/test_diloco.py::test_a_group_killed_between_meetings_heals_at_the_next_and_the_other_never_waits_long",
+               "tests/test_multinode.py::test_preflight_names_the_node_and_the_cause_in_seconds"]
 
 
 class LoadSampler(threading.Thread):

@@ -18,6 +18,7 @@ import torch
 
 from conftest import clean_env, newest_checkpoint_model, torchfleet
 from netns import hosts
+from torchfleet.launcher import preflight
 
 JOB = ["train", "--strategy", "ddp", "--model", "mlp", "--epochs", "1", "--max-steps", "4",
        "--batch-size", "32", "--no-progress"]
@@ -74,30 +75,24 @@ def _doctor(master: str, port: int, node: int) -> list[str]:
             "--node-rank", str(node)]
 
 
-def _torch_start_seconds() -> float:
-    """What starting Python and importing torch costs on this machine right now."""
-    start = time.monotonic()
-    subprocess.run([sys.executable, "-c", "import torch"], check=True, timeout=120)
-    return time.monotonic() - start
+def _one_error(status: int, out: str, seconds: float) -> str:
+    """The run failed the way a user should see it: status 2, one sentence, before any wait ran out.
 
-
-def _one_error(status: int, out: str, seconds: float, startup: float) -> str:
-    """The run failed the way a user should see it: status 2, one sentence, quickly.
-
-    "Quickly" is 15 s beyond the cost of starting torch, which on a shared CI
-    machine can itself take several seconds; a hang would take minutes.
+    The preflight's longest wait is JOIN_SECONDS (60 s), for a node that never reports. A fault
+    found by its own check ends before that; one noticed only when a wait runs out ends after it.
+    The bound is that wait, not a speed target: CI runs these hosts beside another torch lane,
+    where the version check has taken 24 s at a load average of 6.
     """
     assert status == 2, out
     errors = [line for line in out.splitlines() if "error:" in line]
     assert len(errors) == 1 and "Traceback" not in out, out
-    assert seconds < 15 + startup, (seconds, startup, out)
+    assert seconds < preflight.JOIN_SECONDS, (seconds, out)
     return errors[0]
 
 
 @pytest.mark.waits
 @pytest.mark.timeout(300)
 def test_preflight_names_the_node_and_the_cause_in_seconds():
-    startup = _torch_start_seconds()
     with hosts(2) as net:
         errors = {}
         # Alone on host 1 (nothing runs on host 0): a master address where no host answers,
@@ -106,7 +101,7 @@ def test_preflight_names_the_node_and_the_cause_in_seconds():
             start = time.monotonic()
             ran = net.run(1, [sys.executable, "-m", "torchfleet", *_doctor(master, port, 1)],
                           env=clean_env(), timeout=60)
-            errors[what] = _one_error(ran.returncode, ran.stdout + ran.stderr, time.monotonic() - start, startup)
+            errors[what] = _one_error(ran.returncode, ran.stdout + ran.stderr, time.monotonic() - start)
         shown = net.run(1, [sys.executable, "-m", "torchfleet", "doctor", "--master-addr", net.addr(0)],
                         env=clean_env(), timeout=60)
         no_route = net.run(1, [sys.executable, "-c", "from torchfleet.launcher import preflight\n"
@@ -126,5 +121,5 @@ def test_preflight_names_the_node_and_the_cause_in_seconds():
     assert "GLOO_SOCKET_IFNAME=eth0" in shown.stdout and "NCCL_SOCKET_IFNAME=eth0" in shown.stdout
     assert no_route.stdout.startswith("node 1: interface has no route to the master 192.0.2.1"), no_route
     for status, out, seconds in mismatch:  # both nodes stop, both name node 1 and the versions
-        line = _one_error(status, out, seconds, startup)
+        line = _one_error(status, out, seconds)
         assert "node 1 (10.77.0.2): torch version 2.13.0 vs " + torch.__version__ + " on node 0" in line
