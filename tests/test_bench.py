@@ -174,7 +174,7 @@ def test_a_compiled_cell_runs_compiled_and_its_first_step_pays_the_compilation(t
 def test_kernels_are_sorted_into_the_kinds_an_h100_run_showed():
     from torchfleet.bench.kernels import kind_of
 
-    seen = {  # names from the H100 runs (docs/benchmarks.md, GPU), shortened
+    seen = {  # names from the H100 runs (docs/benchmarks/history.md, GPU), shortened
         "void cutlass::Kernel2<cutlass_75_tensorop_bf16_s1688gemm_bf16_128x128_tn_align1>": "matmul",
         "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_bias_TNT": "matmul",
         "sm80_xmma_gemm_f32f32_f32f32_f32_tn_n_tilesize128x128x8_stage3_warpsize2x2x1_ffma": "matmul",
@@ -442,7 +442,7 @@ def test_link_verdict_names_the_winner_and_by_how_much():
     assert report.verdict(96.4, slow, plan) == (
         "on this 96 Mbit/s link diloco (meeting every 10 steps) is the fastest, 3.00x ddp's speed, ddp + PowerSGD"
         " (rank 2) 1.63x; diloco trades ddp's exact arithmetic for fewer exchanges: its replica groups train apart"
-        " for 10 steps between meetings (README).")
+        " for 10 steps between meetings (docs/guides/slow-links.md).")
     fast = [_link_row("ddp", 0.030, 0.029, 0.031, 0.027, plan), _link_row("powersgd", 0.035, 0.034, 0.036, 0.03, plan),
             _link_row("diloco", 0.0305, 0.030, 0.031, 0.029, plan)]
     report.derive(fast)

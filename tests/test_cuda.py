@@ -17,7 +17,7 @@ bounds that with room. Convolutions would use TF32 (cuDNN's default), which
 is why these jobs use the MLP. bf16 keeps 8 bits of mantissa, so its bound is
 2e-2; that it differs from fp32 at all (above 1e-6) shows bf16 really ran.
 These bounds were set before any GPU ran this suite; the first run's figures
-go in docs/benchmarks.md.
+go in docs/benchmarks/history.md.
 """
 
 from __future__ import annotations

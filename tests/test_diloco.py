@@ -5,7 +5,7 @@ Groups are separate `torchfleet train` commands (node ranks at 127.0.0.1, as tes
 step between meetings and an outer step of 1 without momentum both equal serial (the arithmetic is right),
 every group ends with the same weights, a run stopped between meetings and resumed equals a straight one
 bit for bit, a group killed between meetings heals at the next and both end alike, and bad input is one
-sentence and status 2. Speed over slow links is benchmarks/slow_text.py's (docs/benchmarks.md).
+sentence and status 2. Speed over slow links is benchmarks/slow_text.py's (docs/benchmarks/history.md).
 """
 
 from __future__ import annotations

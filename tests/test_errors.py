@@ -1,4 +1,4 @@
-"""Every row of docs/errors.md: one sentence, exit status 2 (or UsageError), no traceback, nothing lost.
+"""Every row of docs/reference/errors.md: one sentence, exit status 2 (or UsageError), no traceback, nothing lost.
 
 The command-line rows run `torchfleet.cli.main` in this process (the same code
 a subprocess would run, without paying for a fresh interpreter each time);
@@ -237,7 +237,7 @@ def test_api_row(name, good_checkpoint, tmp_path):
 
 
 def test_docs_table_lists_every_tested_row_and_nothing_else():
-    text = (ROOT / "docs" / "errors.md").read_text()
+    text = (ROOT / "docs" / "reference" / "errors.md").read_text()
     named = set(re.findall(r"`(test_\w+\.py)::([^`]+)`", text))
     ours = {("test_errors.py", r.id) for r in ROWS} | {("test_errors.py", n) for n in API}
     cli_rows = {("test_cli.py", " ".join(args)) for args, _ in BAD}

@@ -224,7 +224,7 @@ def test_four_processes_use_the_2x2_figures_and_the_measured_slowdown(gpt_adamw)
                                           + min(opt, fit.fixed_s))
 
 
-# docs/benchmarks.md: median |predicted / bench's median step - 1| over a model's cells within 0.25 on a quiet machine
+# docs/benchmarks/history.md: median |predicted / bench's median step - 1| over a model's cells within 0.25 on a quiet machine
 # (0.105 to 0.164), 0.35 to 0.52 at a load average of 5 to 16. This test's cells, at raised priority: 0.14 to 0.29 a
 # run, quiet or at a load of 14; with every predicted step doubled 0.22 to 0.62 (a run's calibration moves by up
 # to 1.6x), so the doubling is caught by test_measured_overheads_enter_the_step_time_as_written, exactly.
@@ -262,7 +262,7 @@ def test_check_measures_cells_and_meets_the_step_time_the_docs_claim(tmp_path):
     """The check's rows and summary as the JSON and the output give them; then the claim: the median over the
     cells of |predicted / measured - 1| is within 0.25, and fsdp is predicted and measured slower than ddp
     (Gloo's all-gathers and reduce-scatters against one all-reduce). On a machine shared with others' jobs a
-    calibration taken while the neighbours were busy misses by their load (docs/benchmarks.md): the plan runs
+    calibration taken while the neighbours were busy misses by their load (docs/benchmarks/history.md): the plan runs
     ahead of them where it may, and again, with new probes, up to 3 times; the claim must hold in one."""
     doc, stdout = _check(tmp_path, 0)
     assert list((tmp_path / "cache" / "torchfleet").glob("plan-*.json")), "the calibration is cached"

@@ -1,4 +1,4 @@
-"""What a run exposes, and what it refuses to unpickle (docs/security.md)."""
+"""What a run exposes, and what it refuses to unpickle (docs/guides/security.md)."""
 
 import json
 import os

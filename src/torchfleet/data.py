@@ -23,7 +23,7 @@ class TensorBatches(Dataset):
     it; collate with `as_batch`. The batch holds the same samples in the same
     order as the default per-sample fetch and stack (so training is bit for bit
     the same), in about a sixth of the time for small samples, which is a
-    measurable share of a small model's step (docs/benchmarks.md).
+    measurable share of a small model's step (docs/benchmarks/history.md).
     """
 
     def __init__(self, dataset: TensorDataset):

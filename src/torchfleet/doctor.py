@@ -109,7 +109,7 @@ def _meeting(hw: Hardware, cores: int) -> tuple[bool, str]:
     if not available:
         return available, why
     return True, (f"{why}; pays only where the link between machines is slow enough that ddp spends most of"
-                  " each step exchanging gradients: on one machine ddp is faster (docs/benchmarks.md)")
+                  " each step exchanging gradients: on one machine ddp is faster (docs/benchmarks/history.md)")
 
 
 _RULES: dict[str, Rule] = {

@@ -3,7 +3,7 @@
 A process's resident set is a poor measure of what a strategy keeps. On CPU
 it also counts the allocator's retained pages and Gloo's own buffers, and
 under fsdp it grows step after step while the tensors held stay the same
-(docs/benchmarks.md). A GPU reports instead the peak of the bytes handed to
+(docs/benchmarks/history.md). A GPU reports instead the peak of the bytes handed to
 tensors. The same figure on CPU comes from torch's `MemTracker`
 (torch.distributed._tools, in every torch torchfleet supports), which sees
 every tensor an op creates, every storage FSDP resizes, and every free, from

@@ -11,7 +11,7 @@ DCP reads its ``.metadata`` with ``pickle.load`` and its non-tensor items with
 ``torch.load(weights_only=False)``; both would run code from a crafted file.
 `SafeReader` and `SafePlanner` read the same files with a restricted
 unpickler and ``weights_only=True``, so a sharded checkpoint is no more
-trusted than a file one (docs/security.md).
+trusted than a file one (docs/guides/security.md).
 """
 
 from __future__ import annotations

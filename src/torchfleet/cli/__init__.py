@@ -13,7 +13,7 @@ from typing import Any
 
 from torchfleet.errors import TrainingError, UsageError
 
-EPILOG = "Docs: README.md. Every command takes --help."
+EPILOG = "Docs: docs/ in the repository (make docs builds the site). Every command takes --help."
 
 # Flags passed to the strategy only when given; a strategy rejects those it does not take.
 STRATEGY_FLAGS = (

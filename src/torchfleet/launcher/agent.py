@@ -102,8 +102,8 @@ def exposure(cfg: LaunchConfig) -> str:
     if hosts_store:
         return (f"torchfleet: {who} exposes the rendezvous store on every interface, port {port} (TCP, no"
                 f" authentication), and Gloo/NCCL ports chosen by the OS; anyone who reaches them can join or"
-                f" disturb the job: run it on a private network (docs/security.md)")
-    return f"torchfleet: {who} joins the rendezvous at {host}:{port} (docs/security.md)"
+                f" disturb the job: run it on a private network (docs/guides/security.md)")
+    return f"torchfleet: {who} joins the rendezvous at {host}:{port} (docs/guides/security.md)"
 
 
 def agent_config(cfg: LaunchConfig, overrides: dict[str, Any] | None = None,

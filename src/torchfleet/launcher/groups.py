@@ -74,7 +74,7 @@ def prepare(cfg: LaunchConfig) -> Group:
                 + (f"exposes torchft's lighthouse on {host}:{port} and " if server is not None else "")
                 + f"opens torchft's manager, its store and Gloo on {address} (TCP ports chosen by the OS, no"
                 " authentication); they hand the model's weights to any group that asks: run the job on a"
-                " private network (docs/security.md)")
+                " private network (docs/guides/security.md)")
     # The agent sees one machine: its own workers, a loopback rendezvous, its own restarts.
     agent = dataclasses.replace(cfg, nnodes=1, node_rank=0, master_addr="127.0.0.1", master_port=None,
                                 fault_tolerance="restart", lighthouse=None, rdzv_endpoint=None)

@@ -11,7 +11,7 @@ TF32 off for matrix products by default (`torch.backends.cuda.matmul
 step ran cuBLAS's FFMA kernels at 46.2 TFLOP/s: 69% of the 67 TFLOP/s FP32 peak,
 9.3% of TF32's 494.7. The same run's bf16 step reached 18.9% of the bf16 peak
 (fp16 18.2%), eager; ResNet-50 at batch 512, fp32 68% of the FP32 peak (its
-convolutions take TF32 through cuDNN), bf16 5.6% (docs/benchmarks.md, GPU).
+convolutions take TF32 through cuDNN), bf16 5.6% (docs/benchmarks/history.md, GPU).
 The defaults are those measurements, rounded down: a larger model, or one
 compiled, reaches more (torchtitan's published Llama 3 8B runs on H100s are
 near 30%), and --mfu says so.

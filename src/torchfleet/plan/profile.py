@@ -296,7 +296,7 @@ def _traced(precision: str):
     Under bf16 or fp16 the forward runs in CPU autocast to bf16 (2 bytes, as fp16): the activations it saves
     are then those a GPU's autocast saves, half-width where autocast casts (matmuls, convolutions and what
     follows them), fp32 where it keeps fp32 (losses, norms' statistics). Measured in fp32 alone, the plan
-    put resnet50 at batch 512 in bf16 at 39.9 GiB, where an H100 measured 21.6 GiB (docs/benchmarks.md).
+    put resnet50 at batch 512 in bf16 at 39.9 GiB, where an H100 measured 21.6 GiB (docs/benchmarks/history.md).
     Fake, since a CPU without bf16 instructions computes it about 50 times slower than fp32 (gpt2's step at
     one sequence: 445 s against 8 s here), and only the bytes are wanted.
     """

@@ -13,7 +13,7 @@ from torchfleet.plan import comm, hardware, trace
 # model at sequence 8192 and local batch 2 under FSDP2 in bf16, with PYTORCH_CUDA_ALLOC_CONF=
 # expandable_segments:True as torchtitan's launcher sets it: 59.56 / 53.61 GiB (1.111) with torchtitan's
 # selective policy, 53.73 / 46.33 GiB (1.160) with every block recomputed. Without expandable segments the
-# same cells reserved 1.207 and 1.256 times their tensors (docs/benchmarks.md). Published runs report the
+# same cells reserved 1.207 and 1.256 times their tensors (docs/benchmarks/history.md). Published runs report the
 # reserved figure, and a GPU runs out of memory when its reserve cannot grow.
 RESERVED_OVER_ALLOCATED = 1.135
 # The tracker's kinds, grouped as the table shows them.

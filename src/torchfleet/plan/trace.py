@@ -16,7 +16,7 @@ all-gather and reduce-scatter buffers. The same pass counts the step's FLOPs.
 On one H200 (torch 2.11) the tracker's peak matched max_memory_allocated within
 0.1% in 4 of 5 Llama-shaped cells; traced here on the CPU, a 1B shape's peak is
 within 0.3% of a real H100's and its FLOPs equal the H100's count
-(docs/benchmarks.md).
+(docs/benchmarks/history.md).
 
 Tracing costs time per operator, so deep models are traced at three or more
 small depths and the figures carried to the full depth: every block is the

@@ -51,7 +51,7 @@ NEEDS_RELEASE: dict[str, tuple[int, int]] = {"zbv": (2, 14)}
 
 def default_schedule(stages_per_process: int | None) -> str:
     """1f1b with one stage per process; interleaved 1F1B with several (torchtitan's choice too)."""
-    # Measured (benchmarks/bubble.py, docs/benchmarks.md, Gloo on 2 CPU cores): no schedule beat 1f1b.
+    # Measured (benchmarks/bubble.py, docs/benchmarks/history.md, Gloo on 2 CPU cores): no schedule beat 1f1b.
     # Stages of Linear(2048) blocks: zbv 0.97x its speed on 2 processes, gpipe 1.03x on 4 (noise);
     # of Linear(512): every multi-stage schedule 1.3x to 2.3x slower, each extra stage boundary a send.
     return "interleaved-1f1b" if (stages_per_process or 1) > 1 else "1f1b"

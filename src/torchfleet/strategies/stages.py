@@ -117,7 +117,7 @@ def sequential_ties(model: nn.Module, bounds) -> list[tuple[list[str], list[int]
 # ATen's CPU convolution takes its native path instead of oneDNN for 1x1 kernels
 # when a process has one thread and a batch has fewer than 16 samples (use_mkldnn
 # in Convolution.cpp). A bottleneck ResNet is mostly 1x1 convolutions: ResNet-50
-# took 46 ms a sample at 8 and 20 ms at 16 with one thread (docs/benchmarks.md).
+# took 46 ms a sample at 8 and 20 ms at 16 with one thread (docs/benchmarks/history.md).
 SLOW_CONV_BELOW = 16
 
 
@@ -156,7 +156,7 @@ def receive_loss(loss: torch.Tensor, src: int, group) -> list:
     computes, and waiting for it after the optimizer step costs nothing. Posted after the schedule, the
     exchange's round trip was 4 ms of a 65 ms gpt tiny step on the first stage (2 loaded cores); a
     blocking broadcast after the optimizer step cost about as much, and an asynchronous one overlapping
-    it hung once in 12 parity launches (docs/benchmarks.md)."""
+    it hung once in 12 parity launches (docs/benchmarks/history.md)."""
     return [dist.irecv(loss, src=src, group=group, tag=LOSS_TAG)]
 
 

@@ -115,7 +115,7 @@ def _trade(row: dict, plan: LinkPlan) -> str:
     """What the winner gives up for its speed: none of them is ddp's arithmetic."""
     if row["cell"] in MEETING_CELLS:
         return (f"{row['cell']} trades ddp's exact arithmetic for fewer exchanges: its replica groups train apart"
-                f" for {plan.sync_every} steps between meetings (README)")
+                f" for {plan.sync_every} steps between meetings (docs/guides/slow-links.md)")
     return (f"PowerSGD sends a rank-{plan.powersgd_rank} approximation of each gradient, error feedback carrying"
             " the rest to later steps")
 

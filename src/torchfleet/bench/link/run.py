@@ -39,10 +39,10 @@ def _usable_cores() -> int:
 def _exposure(machines: Machines, cells: int) -> str:
     if machines.node_rank:
         return (f"torchfleet bench: node {machines.node_rank} joins node 0 at {machines.master_addr} ports"
-                f" {machines.master_port} to {machines.master_port + cells} (docs/security.md)")
+                f" {machines.master_port} to {machines.master_port + cells} (docs/guides/security.md)")
     return (f"torchfleet bench: node 0 opens ports {machines.master_port} to {machines.master_port + cells} on every"
             " interface (the bench's store and each cell's rendezvous or lighthouse; TCP, no authentication) and"
-            " Gloo ports the OS chooses: run it on a private network (docs/security.md)")
+            " Gloo ports the OS chooses: run it on a private network (docs/guides/security.md)")
 
 
 def _differences(mine: LinkPlan, theirs: LinkPlan) -> list[str]:
