@@ -13,7 +13,7 @@ TORCH ?=
 # pip's own progress bars and the "location ignored" notes of local indexes are noise here.
 PIP    := $(BIN)/python -m pip install --quiet --disable-pip-version-check
 
-.PHONY: demo test test-floor floor-venv lint doctor bench parity gpu-check cpu-scaling clean system-deps
+.PHONY: demo test test-floor floor-venv lint doctor bench parity gpu-check cpu-scaling clean system-deps docs docs-serve
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,22 @@ $(VENV)/.parity: $(VENV)/.base
 		2>&1 | { grep -v "is ignored" || true; }
 	$(BIN)/python -c "import accelerate, lightning.fabric"
 	touch $@
+
+# MkDocs, its Material theme and mkdocstrings for the docs site, torch pinned as for parity.
+$(VENV)/.docs: $(VENV)/.base
+	$(PIP) -e '.[docs]' "torch==$$($(BIN)/python -c 'import torch; print(torch.__version__.split("+")[0])')" \
+		2>&1 | { grep -v "is ignored" || true; }
+	$(BIN)/python -c "import mkdocs, material, mkdocstrings_handlers.python"
+	touch $@
+
+# The site, into site/. --strict: a broken link or anchor, a page missing from the nav, a snippet
+# that is not there or a warning from the generated Reference fails the build (mkdocs.yml).
+docs: $(VENV)/.docs
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+	@echo "docs: built site/ (open site/index.html)"
+
+docs-serve: $(VENV)/.docs
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve --strict
 
 demo: $(VENV)/.base
 	$(BIN)/torchfleet train
@@ -98,7 +114,7 @@ test-floor:
 # ruff, then basedpyright over src/ (pyproject's [tool.basedpyright]): it sees what ruff
 # cannot, such as a call of an attribute torch does not have. --pythonpath: this venv's torch.
 lint: $(VENV)/.dev
-	$(BIN)/ruff check src tests
+	$(BIN)/ruff check src tests docs/hooks
 	$(BIN)/basedpyright --pythonpath $(BIN)/python
 
 doctor: $(VENV)/.base
@@ -107,7 +123,7 @@ doctor: $(VENV)/.base
 bench: $(VENV)/.dev
 	$(BIN)/torchfleet bench
 
-# Not part of `make test`: minutes of timing, printed as medians and ratios (docs/benchmarks.md).
+# Not part of `make test`: minutes of timing, printed as medians and ratios (docs/benchmarks/history.md).
 parity: $(VENV)/.parity
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python benchmarks/parity.py
 
@@ -139,4 +155,4 @@ cpu-scaling:
 		| tee $(GPU_OUT)/scaling-parts.txt
 
 clean:
-	rm -rf $(VENV) .venv-floor .pytest_cache
+	rm -rf $(VENV) .venv-floor .pytest_cache site
