@@ -46,8 +46,9 @@ $(VENV)/.docs: $(VENV)/.base
 
 # The site, into site/. --strict: a broken link or anchor, a page missing from the nav, a snippet
 # that is not there or a warning from the generated Reference fails the build (mkdocs.yml).
+# Not --quiet: it keeps warnings out of --strict's count, and a broken link would pass (tried).
 docs: $(VENV)/.docs
-	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict 2>&1 | { grep -v '^INFO' || true; }
 	@echo "docs: built site/ (open site/index.html)"
 
 docs-serve: $(VENV)/.docs
