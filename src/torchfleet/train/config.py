@@ -53,9 +53,9 @@ class TrainConfig:
     checkpoint_dir: str | None = option(None, "save checkpoints here")
     checkpoint_every: int = option(0, "save every N steps (default %(default)s: at the end of each epoch)")
     # --resume alone is True; --resume auto is "auto" (what the written Slurm and Kubernetes jobs pass).
-    resume: bool | str = option(False, "continue from the newest checkpoint in --checkpoint-dir; --resume auto:"
-                                " the same when there is one, else start from the beginning (for a job that is"
-                                " requeued or restarted with the same command)", nargs="?", const=True,
+    resume: bool | str = option(False, "continue from the newest checkpoint in --checkpoint-dir, or start from the"
+                                " beginning with a note when there is none; --resume auto is the same, the"
+                                " spelling the written Slurm and Kubernetes jobs use", nargs="?", const=True,
                                 metavar="auto")
     resume_fallback: bool = option(False, "like --resume, but step back to the previous intact checkpoint when the"
                                    " newest is damaged")
