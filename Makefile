@@ -13,7 +13,7 @@ TORCH ?=
 # pip's own progress bars and the "location ignored" notes of local indexes are noise here.
 PIP    := $(BIN)/python -m pip install --quiet --disable-pip-version-check
 
-.PHONY: demo test test-floor floor-venv lint doctor bench parity gpu-check cpu-scaling clean system-deps docs docs-serve
+.PHONY: demo test test-floor floor-venv lint doctor bench parity gpu-check cpu-scaling clean system-deps docs docs-serve docs-screenshots
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -53,6 +53,17 @@ docs: $(VENV)/.docs
 
 docs-serve: $(VENV)/.docs
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve --strict
+
+# Three pages of the built site as a reader sees them (headless Chromium, Debian's `chromium`),
+# into docs/screenshots/: the home page, a guide, a generated reference page.
+SCREENSHOTS := index.html:home guides/fault-tolerance/index.html:guide reference/commands/index.html:reference
+docs-screenshots: docs
+	@command -v chromium >/dev/null || { echo "docs-screenshots: needs chromium (apt-get install chromium)"; exit 2; }
+	mkdir -p docs/screenshots
+	for page in $(SCREENSHOTS); do \
+	  chromium --headless --no-sandbox --disable-gpu --hide-scrollbars --window-size=1280,1400 \
+	    --screenshot=docs/screenshots/$${page##*:}.png "file://$(CURDIR)/site/$${page%%:*}" 2>/dev/null; \
+	done
 
 demo: $(VENV)/.base
 	$(BIN)/torchfleet train

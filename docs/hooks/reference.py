@@ -124,9 +124,15 @@ def environment() -> str:
                          f" {undescribed or 'none'}; described but no longer in src/: {gone or 'none'}")
     out = ["# Environment variables", "",
            "Every `TORCHFLEET_*` variable the source reads, found in `src/` when this site was built.", ""]
-    for audience in ("users", "tests"):
+    headings = {"users": "Set by you", "launcher": "Set by torchfleet's launcher for its workers",
+                "tests": "For tests"}
+    unknown = {who for who, _ in registry.VARIABLES.values()} - set(headings)
+    if unknown:
+        raise SystemExit(f"docs: docs/hooks/registry.py names who sets a variable as {sorted(unknown)};"
+                         f" use one of {', '.join(headings)}")
+    for audience, heading in headings.items():
         rows = [(n, m) for n, (who, m) in registry.VARIABLES.items() if who == audience]
-        out += [f"## For {audience}", "", "| variable | what it does | read in |", "| --- | --- | --- |"]
+        out += [f"## {heading}", "", "| variable | what it does | named in |", "| --- | --- | --- |"]
         out += [f"| `{n}` | {_cell(m)} | {', '.join(f'`{p}`' for p in found[n])} |" for n, m in sorted(rows)]
         out.append("")
     return "\n".join(out)

@@ -49,7 +49,7 @@ VARIABLES: dict[str, tuple[str, str]] = {
 }
 
 
-def exit_codes() -> list[tuple[int, str, str]]:
+def exit_codes() -> list[tuple[int | str, str, str]]:
     """(status, the constant that produces it or "", what it means)."""
     from torchfleet.launcher.failures import PREEMPTED_EXIT, USAGE_EXIT
     from torchfleet.launcher.watchdog import HANG_EXIT
@@ -66,7 +66,7 @@ def exit_codes() -> list[tuple[int, str, str]]:
                                            " saved, run again with `--resume auto` (sysexits' EX_TEMPFAIL)."),
         (HANG_EXIT, "HANG_EXIT", "A hang: no rank made progress for `--hang-timeout` seconds; the verdict"
                                  " prints every rank's stack."),
-        (128, "", "128 + N: the first rank to fail was killed by signal N (137 is SIGKILL, often the"
-                  " kernel's out-of-memory killer)."),
+        ("128 + N", "", "The first rank to fail was killed by signal N (137 is SIGKILL, often the"
+                        " kernel's out-of-memory killer)."),
         (130, "", "Interrupted with Ctrl-C."),
     ]
