@@ -1,6 +1,6 @@
 """Faults with real processes: a killed rank, a hung rank, a crashed rank, a non-finite loss.
 
-Each fault is injected by the TORCHFLEET_FAULT test hook (torchfleet/faults.py).
+Each fault is injected by the TORCHFLEET_FAULT test hook (src/torchfleet/train/faults.py).
 """
 
 import time

@@ -32,7 +32,7 @@ _MESH = {
     "pipeline": ("pipeline", "Pipeline"),
 }
 # In the design's order (../shared/DESIGN.md); diloco and localsgd are ddp inside each replica group,
-# the groups meeting every few steps (ft/sync.py).
+# the groups meeting every few steps (strategies/meetings.py; ft/outer.py is the outer step).
 PIPELINE_OPTIONS = ("schedule", "stages_per_process", "microbatches")
 STRATEGY_NAMES: tuple[str, ...] = ("serial", "hogwild", "dp", "mp", *PRESETS, *MEETING_METHODS)
 
