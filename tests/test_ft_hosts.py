@@ -167,8 +167,9 @@ def test_an_unreachable_lighthouse_is_one_sentence_and_status_2_after_25_s_of_kn
     assert f"cannot reach the lighthouse at {net.addr(0)}:{PORT} within 25 s" in out.stderr
     print(f"refused after {seconds:.1f} s")
     # 25 s of knocking, and the interpreter's and torch's start: 2 to 5 s on a quiet machine, 7.3 s at a load
-    # average of 4 (32.3 s in all), so the bound leaves 20 s for it.
-    assert 25 <= seconds < 45
+    # average of 4 (32.3 s in all), and up to 20 s when CI runs its two torch lanes side by side (a 3 s check
+    # took 24 s there). A knock that never gave up would run into net.run's 90 s, so 70 still tells them apart.
+    assert 25 <= seconds < 70
 
 
 def test_a_lighthouse_given_an_address_of_another_machine_is_refused(tmp_path):
