@@ -21,8 +21,10 @@ import pytest
 from conftest import ROOT, clean_env
 from torchfleet import cli
 
-sys.path.insert(0, str(ROOT / "docs" / "hooks"))
-import reference  # noqa: E402  (docs/hooks/reference.py: the generated Reference pages)
+# Appended, not put first, and named docs_*: tests/ has a reference.py of its own that must stay the one
+# `import reference` finds (putting docs/hooks first shadowed it for every later test file).
+sys.path.append(str(ROOT / "docs" / "hooks"))
+import docs_reference as reference  # noqa: E402  (the generated Reference pages)
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 # The commands that take a script (or module) and pass what follows it to the script.

@@ -10,15 +10,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import pictures  # noqa: E402
+import docs_pictures  # noqa: E402
+import docs_reference  # noqa: E402
 from mkdocs.structure.files import File  # noqa: E402
-
-import reference  # noqa: E402
 
 
 def on_files(files, config):
-    for path, write in reference.PAGES.items():
+    for path, write in docs_reference.PAGES.items():
         files.append(File.generated(config, path, content=write()))
-    for path, draw in pictures.PICTURES.items():
+    for path, draw in docs_pictures.PICTURES.items():
         files.append(File.generated(config, path, content=draw()))
     return files

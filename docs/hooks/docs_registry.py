@@ -1,6 +1,6 @@
 """The words the Reference needs that the code does not hold as text.
 
-reference.py checks these against the source on every build: a TORCHFLEET_* variable the
+docs_reference.py checks these against the source on every build: a TORCHFLEET_* variable the
 source reads with no entry here, or an entry whose variable the source no longer reads,
 stops the build; the exit codes' values are imported from the constants that produce them.
 """

@@ -3,7 +3,7 @@
 commands.md comes from the parsers `torchfleet --help` prints, train-config.md from TrainConfig's
 fields, api.md from docstrings (mkdocstrings), environment.md from the TORCHFLEET_* names the
 source reads, exit-codes.md from the launcher's constants. Where a page needs words the code
-does not hold (what a variable is for, what an exit status means), registry.py holds them, and
+does not hold (what a variable is for, what an exit status means), docs_registry.py holds them, and
 the build stops when a name in the source has no words or the words name something gone.
 """
 
@@ -14,7 +14,7 @@ import dataclasses
 import re
 from pathlib import Path
 
-import registry
+import docs_registry as registry
 
 ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src"
@@ -120,7 +120,7 @@ def environment() -> str:
     undescribed = sorted(set(found) - set(registry.VARIABLES))
     gone = sorted(set(registry.VARIABLES) - set(found))
     if undescribed or gone:
-        raise SystemExit(f"docs: environment variables without a description in docs/hooks/registry.py:"
+        raise SystemExit(f"docs: environment variables without a description in docs/hooks/docs_registry.py:"
                          f" {undescribed or 'none'}; described but no longer in src/: {gone or 'none'}")
     out = ["# Environment variables", "",
            "Every `TORCHFLEET_*` variable the source reads, found in `src/` when this site was built.", ""]
@@ -128,7 +128,7 @@ def environment() -> str:
                 "tests": "For tests"}
     unknown = {who for who, _ in registry.VARIABLES.values()} - set(headings)
     if unknown:
-        raise SystemExit(f"docs: docs/hooks/registry.py names who sets a variable as {sorted(unknown)};"
+        raise SystemExit(f"docs: docs/hooks/docs_registry.py names who sets a variable as {sorted(unknown)};"
                          f" use one of {', '.join(headings)}")
     for audience, heading in headings.items():
         rows = [(n, m) for n, (who, m) in registry.VARIABLES.items() if who == audience]
