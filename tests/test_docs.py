@@ -34,13 +34,8 @@ INLINE = re.compile(r"(?<!`)`([^`\n]+)`(?!`)")
 PATH = re.compile(r"^(?:src|tests|benchmarks|docs|examples|\.ci)/[\w./-]*\w/?$|^(?:Makefile|pyproject\.toml|mkdocs\.yml)$")
 
 
-def _commands() -> dict[str, argparse.ArgumentParser]:
-    parser = cli.build_parser()
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return dict(sub.choices)
-
-
-COMMANDS = _commands()
+# The same walk of the parsers the generated reference makes.
+COMMANDS = {name: parser for name, _, parser in reference._subcommands(cli.build_parser())}
 
 
 def _options(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
@@ -93,17 +88,12 @@ def _problems_in_call(args: list[str]) -> list[str]:
     return problems
 
 
-def _make_targets() -> set[str]:
-    text = (ROOT / "Makefile").read_text()
-    return set(re.findall(r"^([\w./-]+):", text, re.M))
-
-
-def _all_flags() -> set[str]:
-    return {s for p in COMMANDS.values() for s in _options(p)}
+TARGETS = set(re.findall(r"^([\w./-]+):", (ROOT / "Makefile").read_text(), re.M))
+FLAGS = {s for p in COMMANDS.values() for s in _options(p)}
 
 
 def _problems(name: str, text: str) -> list[str]:
-    targets, flags, problems = _make_targets(), _all_flags(), []
+    problems = []
     for snippet in _code(text):
         for call in _torchfleet_calls(snippet):
             problems += _problems_in_call(call)
@@ -112,11 +102,11 @@ def _problems(name: str, text: str) -> list[str]:
             if PATH.match(word) and "*" not in word and not (ROOT / word).exists():
                 problems.append(f"{word}: no such file or directory in the repository")
         made = re.match(r"^\s*(?:\$ )?make ([\w./-]+)", snippet)
-        if made and made.group(1) not in targets and "=" not in made.group(1):
+        if made and made.group(1) not in TARGETS and "=" not in made.group(1):
             problems.append(f"make {made.group(1)}: no such target in the Makefile")
         # An inline span that is only a flag names one of torchfleet's (torchrun's are `run`'s too).
         alone = re.fullmatch(r"(--[a-z][a-z0-9-]*)(?:[ =][^ ]*)?", snippet.strip())
-        if alone and alone.group(1) not in flags and alone.group(1) not in FOREIGN_FLAGS:
+        if alone and alone.group(1) not in FLAGS and alone.group(1) not in FOREIGN_FLAGS:
             problems.append(f"{alone.group(1)}: no command of torchfleet has this flag")
     return [f"{name}: {p}" for p in problems]
 
