@@ -115,7 +115,6 @@ class _OneProcess(Strategy):
 def test_plan_covers_whatever_is_registered_and_available(monkeypatch):
     registry = {"ddp": _Sharded, "serial": Strategy, "fsdp": _Sharded, "dp": _OneProcess}
     monkeypatch.setattr(bench, "STRATEGIES", registry)
-    monkeypatch.setattr("torchfleet.strategies.STRATEGY_NAMES", tuple(registry))
     availability = [{"name": "serial", "available": True, "why": ""},
                     {"name": "ddp", "available": True, "why": ""},
                     {"name": "fsdp", "available": True, "why": ""},

@@ -9,7 +9,8 @@ import pytest
 from rich.console import Console
 
 from torchfleet.backend import Hardware
-from torchfleet.doctor import STRATEGIES, collect_report, render_report, strategy_availability
+from torchfleet.doctor import collect_report, render_report, strategy_availability
+from torchfleet.strategies import registry
 
 KEYS = {
     "python", "torch", "torchfleet", "cpu_cores", "gpus", "infiniband", "ip_over_ib",
@@ -64,7 +65,7 @@ def test_report_says_whether_per_step_fault_tolerance_can_run(report: dict, monk
 
 def test_report_lists_every_strategy_and_dp_needs_gpus(report: dict) -> None:
     strategies = {s["name"]: s for s in report["strategies"]}
-    assert list(strategies) == list(STRATEGIES) and len(STRATEGIES) == 14
+    assert list(strategies) == list(registry.names()) and len(registry.names()) == 14
     assert strategies["dp"]["available"] is False
     assert "GPU" in strategies["dp"]["why"]
 

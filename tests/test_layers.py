@@ -23,7 +23,7 @@ LAYERS = [
     ("checkpoint",),  # verified directories, DCP
     ("ft",),  # per-step fault tolerance on torchft: the lighthouse, the replica group
     ("launcher",),  # starting processes, their failures and hangs
-    ("fleet", "hogwild"),  # the API a script holds
+    ("fleet", "hogwild", "strategy_spec"),  # the API a script holds; what a strategy name comes to
     ("doctor", "train"),  # the machine report; the built-in job
     ("testing", "testing_devices", "bench"),  # reference jobs; the strategy matrix
     ("plan",),  # predictions per strategy, checked against bench's cells

@@ -103,6 +103,8 @@ def api() -> str:
         "::: torchfleet.launch", "",
         "::: torchfleet.notebook_launch", "",
         "::: torchfleet.hogwild.run", "",
+        "::: torchfleet.strategies.registry.Preset", "",
+        "::: torchfleet.strategies.registry.register", "",
         "::: torchfleet.UsageError", ""])
 
 

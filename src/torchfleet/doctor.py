@@ -21,10 +21,7 @@ from rich.table import Table
 
 from torchfleet import netif, versions
 from torchfleet.backend import BACKENDS, BackendError, Hardware, choose_backend, probe_hardware
-from torchfleet.strategies import STRATEGY_NAMES
-
-# The design's strategies, in the order the docs present them.
-STRATEGIES = STRATEGY_NAMES  # every registered name has a rule below
+from torchfleet.strategies import registry
 
 Rule = Callable[[Hardware, int], tuple[bool, str]]
 
@@ -112,31 +109,29 @@ def _meeting(hw: Hardware, cores: int) -> tuple[bool, str]:
                   " each step exchanging gradients: on one machine ddp is faster (docs/benchmarks/history.md)")
 
 
-_RULES: dict[str, Rule] = {
-    "serial": _serial,
-    "hogwild": _hogwild,
-    "dp": _dp,
-    "mp": _mp,
-    "ddp": _world(2, shares_gpus=True),
-    "fsdp": _world(2),
-    "pipeline": _world(2),
-    # Two dimensions of 2: on CPU with gloo they oversubscribe 2 cores, correct but slow.
-    "hsdp": _world(4, oversubscribe=True),  # 2 replicas x 2 shards
-    "ddp+pipeline": _world(4, oversubscribe=True),  # 2 replicas x 2 pipeline stages
-    "fsdp+pipeline": _world(4, oversubscribe=True),  # 2 shards x 2 pipeline stages
-    "tp": _world(2),  # on a model with a tensor-parallel plan (the built-in gpt has one)
-    "fsdp+tp": _world(4, oversubscribe=True),  # 2 shards x 2 tensor-parallel ranks
-    "diloco": _meeting,
-    "localsgd": _meeting,
-}
+# The strategies that are classes of their own; every preset of the mesh's degrees follows one rule.
+_RULES: dict[str, Rule] = {"serial": _serial, "hogwild": _hogwild, "dp": _dp, "mp": _mp}
+
+
+def _rule(preset: registry.Preset) -> Rule:
+    if preset.name in _RULES:
+        return _RULES[preset.name]
+    if preset.launch == "replica groups":
+        return _meeting
+    if not preset.mesh:
+        return lambda hw, cores: (True, "runs in one process")  # a registered class of its own
+    # Two dimensions of 2 on 2 CPU cores with gloo oversubscribe them: correct but slow. Only ddp's
+    # all-reduce runs on GPUs that processes share over Gloo.
+    need = preset.min_processes
+    return _world(need, oversubscribe=need > 2, shares_gpus=set(preset.degrees or ()) == {"dp_replicate"})
 
 
 def strategy_availability(hw: Hardware, cpu_cores: int) -> list[dict]:
     """For every strategy: whether it can run here and why, as {"name","available","why"}."""
     result = []
-    for name in STRATEGIES:
-        available, why = _RULES[name](hw, cpu_cores)
-        result.append({"name": name, "available": available, "why": why})
+    for preset in registry.presets().values():
+        available, why = _rule(preset)(hw, cpu_cores)
+        result.append({"name": preset.name, "available": available, "why": why})
     return result
 
 

@@ -30,11 +30,11 @@ from torchfleet.ft import join as ft_join
 from torchfleet.launcher import preempt
 from torchfleet.launcher.sagemaker import relaunch_per_gpu
 from torchfleet.precision import Precision
-from torchfleet.strategies import Runtime, class_for, get_strategy, resolve_dims
+from torchfleet.strategies import Runtime
 from torchfleet.strategies.base import Batch, LossFn, SetupArgs
 from torchfleet.strategies.batchnorm import batchnorm_note
-from torchfleet.strategies.dims import DIM_NAMES
 from torchfleet.strategies.knobs import COMPILE_MODES, adopt_late_compile, unwrap_compiled
+from torchfleet.strategy_spec import settle
 
 
 class Fleet:
@@ -68,12 +68,8 @@ class Fleet:
         if compile not in (False, True, *COMPILE_MODES):
             raise UsageError(f"compile {compile!r} is not a mode; use True, \"blocks\" or \"model\"")
         self.activation_checkpointing, self.compile = activation_checkpointing, compile
-        strategy_cls = get_strategy(strategy)
         self.env = env or DistEnv.detect()
-        joined = ft_join.plan(strategy, fault_tolerance, strategy_options)  # a replica group, or none
-        meeting, strategy_options = joined.meeting, joined.strategy_options
-        if meeting is not None and self.env.world_size == 1:  # a group of one process: nothing to share in it
-            strategy_cls = get_strategy("serial")
+        spec = settle(strategy, strategy_options, self.env, fault_tolerance)  # what the name comes to, once
         self.sagemaker = TrainingEnv.read()  # None outside a SageMaker training job
         # Ranks from SM_* alone (not torchrun's or mpirun's) on a multi-GPU host: the toolkit
         # started this one process, so it starts one worker per GPU and exits here.
@@ -81,7 +77,7 @@ class Fleet:
             relaunch_per_gpu(self.env)
         self.grad_accum = grad_accum
         self._leaving = preempt.Leaving(preempt_signals, preempt_notice)
-        self.notes: list[str] = []
+        self.notes: list[str] = list(spec.notes)
         self._samplers: list[GlobalBatchSampler] = []  # the training loaders' (dataloader)
         self._returned: torch.nn.Module | None = None  # what setup returned, until train_step's first check
 
@@ -91,42 +87,24 @@ class Fleet:
         # More processes than GPUs here, and Gloo chosen for it: the processes share the GPUs.
         self._gpus_shared = (backend.strip().lower() == "auto" and self.backend == "gloo"
                              and shares_gpus(hardware, local_procs))
-        # A launcher (torchrun, launch) started one process for ddp or fsdp: a group of one, as
-        # torch runs it (NCCL on one GPU); alone elsewhere, or to split a model, one runs serial.
-        alone = self.env.source == "torchrun" and self.env.world_size == 1 and strategy in ("ddp", "fsdp")
-        grouped = self.env.is_distributed or alone
-        if strategy_cls.distributed and not grouped:
-            self.notes.append(f"{strategy} with one process has nothing to share; running it as serial")
-            strategy_cls = get_strategy("serial")
-            strategy_options = {}
-        if self.env.is_distributed and not strategy_cls.distributed:
-            raise UsageError(f"strategy {strategy!r} runs in one process but {self.env.world_size} were started;"
-                             " use -n 1, or a multi-process strategy such as ddp")
-        self.device = torch.device("cpu") if strategy_cls.cpu_only else self._pick_device()
+        self.device = torch.device("cpu") if spec.cls.cpu_only else self._pick_device()
         if self.device.type == "cpu":
             allocator.keep_freed_memory()  # a step's memory stays for the next step
-        if grouped:
+        if spec.grouped:
             join_process_group(self.env, self.backend)
-        self.replicas = ft_join.group(joined, self.env, self.device)  # ft/replicas.py, ft/outer.py
+        self.replicas = ft_join.group(spec.joined, self.env, self.device)  # ft/replicas.py, ft/outer.py
         runtime = Runtime(self.env, self.device, Precision(precision, self.device),
-                          self.backend if grouped else None, max_grad_norm, self.replicas)
-        if strategy_cls.distributed:  # (still distributed: several processes, or a group of one)
-            dims = resolve_dims(strategy, self.env.world_size, self.env.nnodes, strategy_options)
-            assert dims is not None  # a distributed strategy always has degrees
-            # The degrees pick the class: ddp with --pp 2 runs as ddp+pipeline.
-            strategy_options = {k: v for k, v in strategy_options.items() if k not in DIM_NAMES}
-            self.strategy = (strategy_cls if alone else class_for(dims))(runtime, dims=dims, **strategy_options)
-        else:
-            self.strategy = strategy_cls(runtime, **strategy_options)
+                          self.backend if spec.grouped else None, max_grad_norm, self.replicas)
+        self.strategy = spec.build(runtime)
         if self._gpus_shared and self.strategy.name != "ddp":
             raise UsageError(f"{self.strategy.name} on {local_procs} processes sharing {hardware.gpus} GPU(s) needs"
                              " collectives that Gloo does not run on GPU tensors (it all-reduces and broadcasts"
                              f" only), and NCCL needs a GPU of its own for each process; start at most {hardware.gpus}"
                              " process(es) per host, use ddp, or hide the GPUs (CUDA_VISIBLE_DEVICES=) to run on"
                              " CPU cores")
-        if meeting is not None:
-            self.strategy.name = meeting.method  # what checkpoints and reports call it
-            self.notes.append(meeting.describe())
+        if spec.joined.meeting is not None:
+            self.strategy.name = spec.joined.meeting.method  # what checkpoints and reports call it
+            self.notes.append(spec.joined.meeting.describe())
         self.notes.extend(self.strategy.notes)
 
     # -- set-up -----------------------------------------------------------

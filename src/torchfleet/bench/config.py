@@ -8,7 +8,7 @@ from torchfleet.bench import user_model
 from torchfleet.config import at_least
 from torchfleet.errors import UsageError, choice_error
 from torchfleet.precision import PRECISIONS
-from torchfleet.strategies import STRATEGY_NAMES
+from torchfleet.strategies import registry
 from torchfleet.strategies.knobs import COMPILE_MODES
 from torchfleet.strategies.schedules import schedule_variant
 from torchfleet.train.models import GPT_PRESETS, MODELS
@@ -44,10 +44,10 @@ class BenchConfig:
             raise choice_error("gpt preset", self.gpt_preset, tuple(GPT_PRESETS))
         at_least("--image-size", self.image_size, 1)
         for name in self.strategies:
-            if name not in STRATEGY_NAMES:
+            if registry.find(name) is None:
                 base, _, schedule = name.partition("/")
                 if base != "pipeline" or not schedule:
-                    raise choice_error("strategy", name, (*STRATEGY_NAMES, "pipeline/SCHEDULE"))
+                    raise choice_error("strategy", name, (*registry.names(), "pipeline/SCHEDULE"))
                 schedule_variant(name)  # refuses a schedule that is unknown or cannot run here
         for name in self.precisions:
             if name not in PRECISIONS:

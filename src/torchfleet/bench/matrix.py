@@ -40,8 +40,8 @@ from torchfleet.doctor import strategy_availability
 from torchfleet.errors import UsageError
 from torchfleet.launcher.agent import LaunchError, launch
 from torchfleet.models import TOKEN_MODELS, gpt_config
-from torchfleet.strategies import STRATEGIES, resolve_dims
-from torchfleet.strategies.dims import DIM_NAMES, PRESETS
+from torchfleet.strategies import STRATEGIES, registry, resolve_dims
+from torchfleet.strategies.dims import DIM_NAMES
 from torchfleet.strategies.meetings import METHODS as MEETING_METHODS
 from torchfleet.strategies.schedules import schedule_variant
 
@@ -119,7 +119,7 @@ def plan(cfg: BenchConfig, availability: list[dict], cores: int) -> tuple[list[C
                      " --node-rank R --master-addr NODE0_ADDRESS")
     if not cfg.strategies:
         if cfg.model not in TOKEN_MODELS:  # tensor parallelism needs a plan: the built-in gpt has one
-            planless = [name for name in chosen if "tp" in PRESETS.get(name, {})]
+            planless = [name for name in chosen if "tp" in _degrees(name)]
             chosen = [name for name in chosen if name not in planless]
             if planless:
                 notes.append(f"{', '.join(planless)} left out: {cfg.model} has no tensor-parallel plan"
@@ -157,7 +157,7 @@ def _cells_of(name, batch, precision, cfg, here, cores, notes) -> list[Cell]:
             notes.append(f"{name} needs 2 or more processes; --nproc {cfg.nproc} gives none")
         # A preset of two dimensions on too few processes degenerates (hsdp on 2 is
         # ddp): such a cell would carry a name it did not run, so it is left out.
-        fits = [n for n in counts if _preset_runs_as(base, n, cfg.strategy_options) == base]
+        fits = [n for n in counts if _shows_its_degrees(base, n, cfg.strategy_options)]
         if counts and len(fits) < len(counts):
             notes.append(f"{name} left out on {', '.join(str(n) for n in counts if n not in fits)} processes:"
                          f" its degrees need more (e.g. --nproc 4 for 2 x 2)")
@@ -170,14 +170,20 @@ def _cells_of(name, batch, precision, cfg, here, cores, notes) -> list[Cell]:
     return [Cell(name, n, batch, precision, threads[n], skip) for n in counts]
 
 
-def _preset_runs_as(name: str, processes: int, options: dict) -> str | None:
-    """What `name` runs as on `processes` (a preset with too few processes is another, or none)."""
-    given = {k: v for k, v in options.items() if k in PRESETS.get(name, {})}
+def _degrees(name: str) -> dict:
+    """The degrees the preset `name` names ({} for a strategy that is a class of its own)."""
+    preset = registry.find(name)
+    return dict(preset.degrees or {}) if preset is not None else {}
+
+
+def _shows_its_degrees(name: str, processes: int, options: dict) -> bool:
+    """Whether `name` on `processes` has every dimension its preset names above 1 (hsdp on 2 is ddp)."""
+    given = {k: v for k, v in options.items() if k in _degrees(name)}
     try:
         dims = resolve_dims(name, processes, options=given)
     except UsageError:
-        return None
-    return dims.name if dims is not None else name
+        return False
+    return dims is None or all(getattr(dims, d) > 1 for d in _degrees(name))
 
 
 # ---- running one cell --------------------------------------------------------------------
@@ -274,7 +280,7 @@ def run_one(cell: Cell, cfg: BenchConfig) -> dict:
             # each strategy gets only the options it takes: --microbatches is for mp and pipeline,
             # and a degree flag only for the presets that have that dimension (--pp not for ddp)
             "options": {**{k: v for k, v in cfg.strategy_options.items()
-                           if k in cls.options and (k not in DIM_NAMES or k in PRESETS.get(base, {}))}, **extra}}
+                           if k in cls.options and (k not in DIM_NAMES or k in _degrees(base))}, **extra}}
     start = time.perf_counter()
     try:
         with _Deadline(cfg.cell_timeout_s) as deadline:

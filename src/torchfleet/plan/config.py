@@ -8,7 +8,7 @@ from torchfleet.bench import user_model
 from torchfleet.config import at_least
 from torchfleet.errors import UsageError, choice_error
 from torchfleet.plan.profile import OPTIMIZER_STATE
-from torchfleet.strategies import STRATEGY_NAMES
+from torchfleet.strategies import registry
 from torchfleet.train.models import GPT_PRESETS, MODELS
 
 
@@ -66,8 +66,8 @@ class PlanConfig:
         if self.precision not in ("fp32", "bf16", "fp16"):
             raise choice_error("precision", self.precision, ("fp32", "bf16", "fp16"))
         for name in self.strategies:
-            if name not in STRATEGY_NAMES:
-                raise choice_error("strategy", name, STRATEGY_NAMES)
+            if registry.find(name) is None:
+                raise choice_error("strategy", name, registry.names())
         at_least("--image-size", self.image_size, 1)
         if self.batch is not None:
             at_least("--batch-size", self.batch, 1)

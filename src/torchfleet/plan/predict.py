@@ -60,6 +60,7 @@ from torchfleet.plan.hardware import Target
 from torchfleet.plan.overheads import PAIRS
 from torchfleet.plan.probe import Calibration
 from torchfleet.plan.profile import Profile
+from torchfleet.strategies import registry
 
 DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's bucket_cap_mb default
 BACKWARD_SHARE = 2 / 3  # backward is about twice forward's FLOPs
@@ -84,12 +85,22 @@ class Layout:
     def readers(self) -> int:
         return self.replicate * self.shard
 
+    @property
+    def cost(self) -> str | None:
+        """How the strategy is costed (registry.Preset.cost): "mesh", "meetings", "mp", "one", "here"."""
+        return registry.presets()[self.strategy].cost
+
+    @property
+    def hybrid(self) -> bool:
+        """Its preset replicates and shards (hsdp): FSDP2's collectives even where the shards come to 1."""
+        return {"dp_replicate", "dp_shard"} <= set(registry.presets()[self.strategy].degrees or ())
+
     def degrees(self) -> str:
         """Short: "rep2 x shard2", "pp2 m4" (m: micro-batches), "-" for one process."""
         parts = [f"{k}{v}" for k, v in (("rep", self.replicate), ("shard", self.shard), ("pp", self.pp),
                                         ("tp", self.tp)) if v > 1]
         text = " x ".join(parts)
-        if self.pp > 1 or self.strategy == "mp":
+        if self.pp > 1 or self.cost == "mp":
             text += f" m{self.microbatches}"
         if self.pp > 1 and self.schedule != "1f1b":
             text += f" {self.schedule}" + (f" v{self.stages_per_process}" if self.stages_per_process > 1 else "")
@@ -119,10 +130,11 @@ def layout(strategy: str, processes: int, batch: int, profile: Profile, options:
     """The degrees `strategy` runs with; UsageError (from the strategy's own rules) where it cannot."""
     from torchfleet.strategies import resolve_dims
 
-    options = dict(options or {})
-    if strategy == "mp":
+    options = registry.options_for(strategy, options)
+    cost = registry.presets()[strategy].cost
+    if cost == "mp":
         return Layout(strategy, 1, microbatches=options.get("microbatches") or MP_MICROBATCHES)
-    if strategy in ("diloco", "localsgd"):
+    if cost == "meetings":
         return Layout(strategy, processes, replicate=processes, sync_every=options.get("sync_every") or 100)
     dims = resolve_dims(strategy, processes, options=options)
     if dims is None:
@@ -157,7 +169,7 @@ def memory(profile: Profile, lay: Layout, batch: int) -> dict:
     local = batch / lay.readers
     persistent = 0.0
     gathered = 0.0
-    if lay.replicate > 1 and lay.shard == 1 and lay.strategy not in ("diloco", "localsgd"):
+    if lay.replicate > 1 and lay.shard == 1 and lay.cost != "meetings":
         persistent = grads  # DDP's buckets: the gradients once more, for the all-reduce
     if lay.shard > 1:
         gathered = 2 * 4 * min(profile.largest_unit, _rank_parameters(profile, lay))
@@ -208,7 +220,7 @@ def _compute(profile: Profile, lay: Layout, global_batch: int, target: Target, h
         busy, idle = pipelines.bubble_slots(lay.schedule, lay.pp, lay.microbatches, lay.stages_per_process)
         slot = (fb + per_sample * micro) / (lay.pp * lay.stages_per_process)  # a stage: 1/(p v) of the model
         return crowding * (slot * (busy + idle) + opt / lay.pp), crowding * slot * idle
-    if lay.strategy == "mp":
+    if lay.cost == "mp":
         return crowding * (fb * lay.microbatches + per_sample * local + opt), 0.0
     return crowding * (fixed + per_sample * local * work_share), 0.0
 
@@ -235,18 +247,18 @@ def step_time(profile: Profile, lay: Layout, batch: int, target: Target, here_co
     costs = _overheads(target, lay, calib)
     per_stage = 1 / lay.pp  # a pipeline stage holds its share of the units and tensors
     total = exposed = 0.0
-    if lay.strategy in ("diloco", "localsgd"):
+    if lay.cost == "meetings":
         total = exposed = all_reduce_s(4 * profile.parameters, lay.replicate, replica_link) / lay.sync_every
     elif lay.replicate > 1:
         grads = stage_bytes / lay.shard
-        if lay.shard == 1 and lay.strategy != "hsdp":
+        if lay.shard == 1 and not lay.hybrid:
             whole, last = bucketed_all_reduce_s(grads, lay.replicate, replica_link, DDP_BUCKET_BYTES)
             # the reducer's own work (hooks, copies into buckets) runs on the cores backward needs
             reducer = costs.get("ddp_step_s", 0.0) + costs.get("ddp_tensor_s", 0.0) * profile.tensors * per_stage
             total, exposed = whole + reducer, max(last, whole - overlap * backward) + reducer
         else:  # hsdp: the shards' gradients, all-reduced across replicas after their reduce-scatter
             total = exposed = all_reduce_s(grads, lay.replicate, replica_link)
-    if lay.shard > 1 or lay.strategy == "hsdp":
+    if lay.shard > 1 or lay.hybrid:
         units = max(1, profile.units)
         gathers = 2 * all_gather_s(stage_bytes, lay.shard, shard_link)
         scatter = reduce_scatter_s(stage_bytes, lay.shard, shard_link)

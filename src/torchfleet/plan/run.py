@@ -9,13 +9,12 @@ from torchfleet.plan import check as plan_check
 from torchfleet.plan import contention, hardware, predict, probe
 from torchfleet.plan.config import PlanConfig
 from torchfleet.plan.profile import Profile, meminfo
+from torchfleet.strategies import registry
 
 SCHEMA = "torchfleet-plan/1"
-# Strategies planned for a described cluster: those with a model in predict.py. hogwild and mp are
+# The costs predict.py models on a described cluster (registry.Preset.cost): hogwild and mp are
 # one-machine strategies, dp one process over a machine's GPUs: planned here only.
-CLUSTER_STRATEGIES = ("serial", "ddp", "fsdp", "hsdp", "pipeline", "ddp+pipeline", "fsdp+pipeline", "tp",
-                      "fsdp+tp", "diloco", "localsgd")
-HERE_EXTRA = ("hogwild", "mp")
+CLUSTER_COSTS = ("one", "mesh", "meetings")
 
 
 def _host_memory() -> float:
@@ -70,14 +69,16 @@ def candidates(cfg: PlanConfig, target: hardware.Target, profile: Profile, cores
                             precisions=("fp32",))
         cells, _ = bench_plan(bench, strategy_availability(probe_hardware(), cores), cores)
         return list(dict.fromkeys((c.strategy, c.processes) for c in cells if not c.skip))
-    names = cfg.strategies or tuple(n for n in CLUSTER_STRATEGIES if "tp" not in n.split("+") or profile_tp(profile))
+    presets = registry.presets()
+    names = cfg.strategies or tuple(n for n, p in presets.items() if p.cost in CLUSTER_COSTS
+                                    and ("tp" not in (p.degrees or {}) or profile_tp(profile)))
     counts = cluster_counts(cfg, target)
     pairs = []
     for name in names:
         for n in counts:
-            if name in ("diloco", "localsgd") and target.nodes < 2:
+            if presets[name].cost == "meetings" and target.nodes < 2:
                 continue
-            if (name == "serial") == (n == 1):
+            if (presets[name].cost == "one") == (n == 1):
                 pairs.append((name, n))
     return pairs
 

@@ -1,8 +1,9 @@
-"""The strategy registry: one word names one way of running.
+"""One word names one way of running: each is declared once in strategies/registry.py.
 
 The single-process strategies are classes of their own. The multi-process
 ones are presets of the parallel dimensions (strategies/dims.py); the class
-that runs a preset follows from its degrees (`class_for`).
+that runs a preset follows from its degrees (`class_for`). `register` adds
+one from a program; a package adds one through an entry point (registry.py).
 
 Each strategy's module is imported on first use: the pipeline strategies pull
 in torch.distributed.pipelining and with it torch._dynamo (about 2 s), which
@@ -15,30 +16,22 @@ import importlib
 from collections.abc import Iterator, Mapping
 
 from torchfleet.errors import choice_error
+from torchfleet.strategies import registry
 from torchfleet.strategies.base import Runtime, Strategy
-from torchfleet.strategies.dims import DIM_NAMES, PRESETS, ParallelDims
-from torchfleet.strategies.meetings import METHODS as MEETING_METHODS
+from torchfleet.strategies.dims import ParallelDims
+from torchfleet.strategies.registry import DIM_NAMES, Preset, register
 
-_SINGLE = {
-    "serial": ("serial", "Serial"),
-    "hogwild": ("hogwild", "Hogwild"),
-    "dp": ("dp", "DataParallelSingleProcess"),
-    "mp": ("mp", "ModelParallel"),
-}
-# The classes that run the multi-process presets, by what the degrees hold.
+# The classes that run the mesh's presets, by what the degrees hold.
 _MESH = {
-    "replicate": ("ddp", "DataParallelDistributed"),
-    "shard": ("fsdp", "FullyShardedDataParallel"),
-    "pipeline": ("pipeline", "Pipeline"),
+    "replicate": "ddp:DataParallelDistributed",
+    "shard": "fsdp:FullyShardedDataParallel",
+    "pipeline": "pipeline:Pipeline",
 }
-# In the design's order (../shared/DESIGN.md); diloco and localsgd are ddp inside each replica group,
-# the groups meeting every few steps (strategies/meetings.py; ft/outer.py is the outer step).
 PIPELINE_OPTIONS = ("schedule", "stages_per_process", "microbatches")
-STRATEGY_NAMES: tuple[str, ...] = ("serial", "hogwild", "dp", "mp", *PRESETS, *MEETING_METHODS)
 
 
-def _load(where: tuple[str, str]) -> type[Strategy]:
-    module, cls = where
+def _load(where: str) -> type[Strategy]:
+    module, cls = where.split(":")
     return getattr(importlib.import_module(f"torchfleet.strategies.{module}"), cls)
 
 
@@ -64,26 +57,24 @@ class _Registry(Mapping[str, type[Strategy]]):
     """
 
     def __getitem__(self, name: str) -> type[Strategy]:
-        if name in _SINGLE:
-            return _load(_SINGLE[name])
-        if name in MEETING_METHODS:
-            return _load(_MESH["replicate"])
-        preset = PRESETS[name]
-        return _load(_MESH[_kind("pp" in preset, "dp_shard" in preset or "tp" in preset)])
+        preset = registry.presets()[name]
+        if preset.degrees is None:
+            return _load(str(preset.runs))
+        return _load(_MESH[_kind("pp" in preset.degrees, preset.shards)])
 
     def __iter__(self) -> Iterator[str]:
-        return iter(STRATEGY_NAMES)
+        return iter(registry.names())
 
     def __len__(self) -> int:
-        return len(STRATEGY_NAMES)
+        return len(registry.names())
 
 
 STRATEGIES: Mapping[str, type[Strategy]] = _Registry()
 
 
 def get_strategy(name: str) -> type[Strategy]:
-    if name not in STRATEGY_NAMES:
-        raise choice_error("strategy", name, STRATEGY_NAMES)
+    if registry.find(name) is None:
+        raise choice_error("strategy", name, registry.names())
     return STRATEGIES[name]
 
 
@@ -92,10 +83,10 @@ def resolve_dims(name: str, world_size: int, nodes: int = 1, options: dict | Non
 
     Degree flags (dp_replicate, dp_shard, pp, tp) in `options` override the preset's.
     """
-    if name in MEETING_METHODS:
-        name = "ddp"  # inside each replica group
-    if name not in PRESETS:
+    preset = registry.find(name)
+    if preset is None or preset.degrees is None:
         return None
+    options = registry.options_for(name, options)
     given = {k: v for k, v in (options or {}).items() if k in DIM_NAMES}
     dims = ParallelDims.from_preset(name, world_size, nodes=nodes, **given)
     pipelined = {k: v for k, v in (options or {}).items() if k in PIPELINE_OPTIONS}
@@ -115,5 +106,5 @@ def data_readers(name: str, world_size: int, options: dict | None = None) -> int
     return dims.dp if dims is not None else world_size
 
 
-__all__ = ["STRATEGIES", "STRATEGY_NAMES", "Runtime", "Strategy", "class_for", "data_readers", "get_strategy",
+__all__ = ["STRATEGIES", "Preset", "Runtime", "Strategy", "class_for", "data_readers", "get_strategy", "register",
            "resolve_dims"]

@@ -35,22 +35,10 @@ from dataclasses import dataclass
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from torchfleet.errors import UsageError
+from torchfleet.strategies.registry import DIM_NAMES, find
 
-DIM_NAMES = ("dp_replicate", "dp_shard", "pp", "tp")
 DEGREE_FLAGS = {"dp_replicate": "--dp-replicate", "dp_shard": "--dp-shard", "pp": "--pp", "tp": "--tp"}
-
-# name -> the degrees it fixes (None: "the processes left over"). A degree a
-# preset does not list is 1 unless a flag sets it.
-PRESETS: dict[str, dict[str, int | None]] = {
-    "ddp": {"dp_replicate": None},
-    "fsdp": {"dp_shard": None},
-    "hsdp": {"dp_replicate": 2, "dp_shard": None},
-    "pipeline": {"pp": None},
-    "ddp+pipeline": {"dp_replicate": None, "pp": 2},
-    "fsdp+pipeline": {"dp_shard": None, "pp": 2},
-    "tp": {"tp": None},
-    "fsdp+tp": {"dp_shard": None, "tp": 2},
-}
+# Each preset's degrees are declared with the preset, in strategies/registry.py.
 
 
 def _no_tp_in_pipelines(what: str) -> UsageError:
@@ -89,14 +77,17 @@ class ParallelDims:
         fixed = {n: v for n, v in given.items() if v is not None}
         degrees = {n: 1 for n in DIM_NAMES}
         free = []
-        defaults = dict(PRESETS[preset])
+        declared = find(preset)
+        if declared is None or declared.degrees is None:
+            raise UsageError(f"strategy {preset!r} is not a preset of the mesh's degrees")
+        defaults = dict(declared.degrees)
         # Asked for together, even where the processes would leave one of them at 1
         # (tp with --pp 2 on 2 processes would otherwise quietly run a pipeline alone).
         for asked, flag in (("tp", "pp"), ("pp", "tp")):
             if asked in defaults and fixed.get(flag, 1) > 1:
                 raise _no_tp_in_pipelines(f"{preset} with {DEGREE_FLAGS[flag]} {fixed[flag]}")
-        if preset == "hsdp" and nodes > 1:
-            defaults["dp_replicate"] = nodes
+        if declared.across_nodes and nodes > 1:  # hsdp: a replica per machine
+            defaults[declared.across_nodes] = nodes
         for name, default in defaults.items():
             if name in fixed:
                 continue

@@ -10,7 +10,7 @@ from torchfleet.launcher.notices import check_spec
 from torchfleet.launcher.preempt import parse_signals
 from torchfleet.outputs import check_writable_dir, check_writable_file
 from torchfleet.precision import PRECISIONS
-from torchfleet.strategies import STRATEGY_NAMES
+from torchfleet.strategies import registry
 from torchfleet.train.datasets import DATASETS, TOKEN_DATASETS
 from torchfleet.train.metrics import check_metrics_out, check_tensorboard
 from torchfleet.train.models import GPT_PRESETS, MODELS, TOKEN_MODELS
@@ -29,8 +29,9 @@ class TrainConfig:
     """
 
     # No argparse choices: the check below refuses an unknown strategy naming every one, in torchfleet's words.
-    strategy: str = option("auto", "serial, ddp, ... or auto: ddp on 2+ GPUs, serial on one GPU, ddp on 2+ CPU"
-                           " cores without a GPU, else serial (default %(default)s)")
+    strategy: str = option("auto", f"{', '.join(registry.names())} (doctor says which run here), or auto: ddp on"
+                           " 2+ GPUs, serial on one GPU, ddp on 2+ CPU cores without a GPU, else serial (default"
+                           " %(default)s)")
     model: str = option("cnn", "built-in model (default %(default)s): mlp, cnn, transformer classify digits; gpt is"
                         " a decoder-only transformer (--gpt-preset); resnet18, resnet50 are torchvision's ResNets,"
                         " built in (torchvision not needed)", choices=MODELS)
@@ -92,8 +93,8 @@ class TrainConfig:
     strategy_options: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.strategy != "auto" and self.strategy not in STRATEGY_NAMES:
-            raise choice_error("strategy", self.strategy, ("auto", *STRATEGY_NAMES))
+        if self.strategy != "auto" and registry.find(self.strategy) is None:
+            raise choice_error("strategy", self.strategy, ("auto", *registry.names()))
         if self.model not in MODELS:
             raise choice_error("model", self.model, MODELS)
         if self.data is None:

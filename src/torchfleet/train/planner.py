@@ -5,8 +5,7 @@ from __future__ import annotations
 import os
 
 from torchfleet.errors import UsageError
-from torchfleet.strategies import get_strategy
-from torchfleet.strategies.dims import PRESETS
+from torchfleet.strategies import get_strategy, registry
 
 
 def _cpu_cores() -> int:
@@ -40,11 +39,12 @@ def plan_processes(strategy: str, nproc: int | None) -> tuple[str, int, str]:
             return "ddp", 2, f"strategy auto: ddp on 2 processes ({cores} CPU cores, no GPU)"
         return "serial", 1, "strategy auto: serial (one CPU core: more processes would only compete)"
     cls = get_strategy(strategy)
-    if strategy == "hogwild":
+    preset = registry.presets()[strategy]
+    if preset.launch == "spawn":
         # Not torchrun's processes: hogwild spawns its workers itself; -n counts them.
         if nproc is None:
             nproc = min(max(cores, 2), 8)
-            return strategy, nproc, f"hogwild on {nproc} workers (set -n to choose)"
+            return strategy, nproc, f"{strategy} on {nproc} workers (set -n to choose)"
         return strategy, nproc, ""
     if not cls.distributed:
         if nproc not in (None, 1):
@@ -55,7 +55,7 @@ def plan_processes(strategy: str, nproc: int | None) -> tuple[str, int, str]:
         return strategy, 1, ""
     if nproc is None:
         # Presets of two dimensions (hsdp, ddp+pipeline, fsdp+pipeline) need 2 x 2 to show both.
-        need = 4 if len(PRESETS.get(strategy, ())) > 1 else 2
+        need = max(2, preset.min_processes)
         nproc = gpus if gpus >= need else need
         return strategy, nproc, f"{strategy} on {nproc} processes (set -n to choose)"
     return strategy, nproc, ""

@@ -1,0 +1,64 @@
+"""What a strategy's name and options come to in this process, settled once, before anything starts.
+
+`Fleet` asks `settle` and builds what it says. Everything a name decides is decided here: the
+preset's defaults under the caller's options, the replica group and its meetings, whether this
+process joins a process group, the degrees on this job and the class that runs them. A
+combination that cannot run is refused here, in one sentence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torchfleet.env import DistEnv
+from torchfleet.errors import UsageError
+from torchfleet.ft import join as ft_join
+from torchfleet.strategies import Runtime, Strategy, class_for, get_strategy, registry, resolve_dims
+from torchfleet.strategies.dims import DIM_NAMES, ParallelDims
+
+# A launcher's one process for these is a process group of one, as torch runs `torchrun -n 1`
+# (NCCL on a GPU box's one GPU); any other strategy alone has nothing to share and runs serial.
+GROUP_OF_ONE = ("ddp", "fsdp")
+
+
+@dataclass
+class StrategySpec:
+    name: str  # as asked for
+    preset: registry.Preset
+    cls: type[Strategy]  # the class that runs it in this process
+    dims: ParallelDims | None  # its degrees on this job; None for one process
+    options: dict  # the class's own options: the preset's defaults under the caller's, degree flags out
+    joined: ft_join.Plan  # its replica group and their meetings, or none
+    grouped: bool  # this process joins a process group (several processes, or a launcher's group of one)
+    notes: list[str] = field(default_factory=list)
+
+    def build(self, runtime: Runtime) -> Strategy:
+        if self.dims is None:
+            return self.cls(runtime, **self.options)
+        return self.cls(runtime, dims=self.dims, **self.options)
+
+
+def settle(name: str, options: dict, env: DistEnv, fault_tolerance: str | None) -> StrategySpec:
+    cls = get_strategy(name)  # an unknown name is one sentence naming those there are
+    preset = registry.presets()[name]
+    joined = ft_join.plan(name, fault_tolerance, registry.options_for(name, options))
+    meeting, options = joined.meeting, joined.strategy_options
+    if meeting is not None and env.world_size == 1:  # a group of one process: nothing to share in it
+        cls = get_strategy("serial")
+    alone = env.source == "torchrun" and env.world_size == 1 and name in GROUP_OF_ONE
+    grouped = env.is_distributed or alone
+    notes = []
+    if cls.distributed and not grouped:
+        notes.append(f"{name} with one process has nothing to share; running it as serial")
+        cls, options = get_strategy("serial"), {}
+    if env.is_distributed and not cls.distributed:
+        raise UsageError(f"strategy {name!r} runs in one process but {env.world_size} were started;"
+                         " use -n 1, or a multi-process strategy such as ddp")
+    dims = None
+    if cls.distributed:  # (still distributed: several processes, or a group of one)
+        dims = resolve_dims(name, env.world_size, env.nnodes, options)
+        assert dims is not None  # a distributed strategy always has degrees
+        options = {k: v for k, v in options.items() if k not in DIM_NAMES}
+        if not alone:
+            cls = class_for(dims)  # the degrees pick the class: ddp with --pp 2 runs as ddp+pipeline
+    return StrategySpec(name, preset, cls, dims, options, joined, grouped, notes)
