@@ -6,7 +6,7 @@ targets)`` for a batch of n samples (on the CPU; the cell moves them); the
 loss defaults to cross-entropy. Without a batch maker the batch is n random
 8x8 one-channel images, the built-in models' input, with as many classes as
 the model has outputs. MODULE is imported as Python imports it from the
-current directory, or given as a path: ``models/net.py:build``.
+current directory, or given as a path: ``my_models/net.py:build``.
 """
 
 from __future__ import annotations

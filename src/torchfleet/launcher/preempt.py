@@ -41,7 +41,7 @@ NOTE_VARIABLE = "TORCHFLEET_PREEMPT_NOTE"
 SIGNALS_VARIABLE = "TORCHFLEET_PREEMPT_SIGNALS"
 NOTICE_VARIABLE = "TORCHFLEET_PREEMPT_NOTICE"
 DEFAULT_SIGNALS = "TERM,USR1"
-# torchrun's agent handles these by default (launcher/api.py's signals_to_handle); any other it
+# torchrun's agent handles these by default (torch.distributed.launcher.api's signals_to_handle); any other it
 # would leave to the default action, which for SIGUSR1 kills the agent and orphans the workers.
 AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 _UNCATCHABLE = (signal.SIGKILL, signal.SIGSTOP)
