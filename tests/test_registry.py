@@ -126,3 +126,22 @@ def test_a_plugged_in_preset_is_in_doctor_bench_and_plan(plugin_env, tmp_path):
     results = json.loads((tmp_path / "bench" / "results.json").read_text())
     cells = {(r["strategy"], r["processes"]): r for r in results["cells"]}
     assert cells[("gpipe", 2)]["status"] == "ok", cells
+
+
+def test_a_broken_plug_in_is_left_out_in_one_line_and_the_rest_runs(tmp_path):
+    """A plug-in that fails to import, gives something else, or takes a taken name costs only itself."""
+    (tmp_path / "tf_clash.py").write_text(PLUGIN.replace('"gpipe"', '"ddp"') + "\nNOT_A_PRESET = 3\n")
+    info = tmp_path / "tf_broken-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: tf-broken\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[torchfleet.strategies]\nmissing = tf_no_such_module:X\n"
+                                           "number = tf_clash:NOT_A_PRESET\nclash = tf_clash:GPIPE\n")
+    env = clean_env(PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
+    doctor = torchfleet("doctor", "--json", env=env)
+    assert doctor.returncode == 0, _lines(doctor)
+    assert [s["name"] for s in json.loads(doctor.stdout)["strategies"]] == list(registry.names())
+    said = [line for line in doctor.stderr.splitlines() if "strategy entry point" in line]
+    assert len(said) == 3 and "Traceback" not in doctor.stderr, doctor.stderr
+    assert "missing (tf_no_such_module:X) is left out: it failed to load (ModuleNotFoundError" in said[0]
+    assert "number (tf_clash:NOT_A_PRESET) is left out: it gave int 3, not a torchfleet.strategies.Preset" in said[1]
+    assert "clash (tf_clash:GPIPE) is left out: strategy 'ddp' is registered already" in said[2]

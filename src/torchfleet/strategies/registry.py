@@ -4,7 +4,8 @@
 `doctor`'s list, `train --help` and the README's table all read this module, so a
 new strategy is one `Preset` here, or one from another package: a distribution
 that declares an entry point in the group ``torchfleet.strategies`` whose object
-is a `Preset` (or a list of them) is registered the first time any name is looked up:
+is a `Preset` (or a list of them) is registered the first time any name is looked up
+(one that fails to load, or takes a name already taken, is left out with one line on stderr):
 
     [project.entry-points."torchfleet.strategies"]
     ddp-tp = "my_package.presets:DDP_TP"
@@ -16,6 +17,8 @@ launcher and `--help` read it before torch is imported.
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -122,6 +125,13 @@ def register(preset: Preset, replace: bool = False) -> Preset:
     return preset
 
 
+def _left_out(entry: metadata.EntryPoint, why: str) -> None:
+    """A plug-in that cannot be used costs its own presets only: one line (from the first rank), and on."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"torchfleet: the strategy entry point {entry.name} ({entry.value}) is left out: {why}",
+              file=sys.stderr, flush=True)
+
+
 def _load_entry_points() -> None:
     global _loaded
     if _loaded:
@@ -130,13 +140,17 @@ def _load_entry_points() -> None:
     for entry in metadata.entry_points(group=ENTRY_POINT_GROUP):
         try:
             found = entry.load()
-        except Exception as exc:  # a broken plug-in says so and costs only its own presets
-            raise UsageError(f"the strategy entry point {entry.name} ({entry.value}) failed to load: {exc}") from exc
+        except Exception as exc:  # whatever a third party's import raises
+            _left_out(entry, f"it failed to load ({type(exc).__name__}: {exc})")
+            continue
         for preset in found if isinstance(found, (list, tuple)) else [found]:
             if not isinstance(preset, Preset):
-                raise UsageError(f"the strategy entry point {entry.name} ({entry.value}) gave"
-                                 f" {type(preset).__name__}, not a torchfleet Preset")
-            register(preset)
+                _left_out(entry, f"it gave {type(preset).__name__} {preset!r:.40}, not a torchfleet.strategies.Preset")
+                continue
+            try:
+                register(preset)
+            except UsageError as exc:
+                _left_out(entry, str(exc))
 
 
 def presets() -> dict[str, Preset]:
