@@ -78,7 +78,19 @@ def train(cfg: TrainConfig, strategy: str, nproc: int = 1) -> dict:
         return _train(cfg, fleet, listener)
 
 
-def _train(cfg: TrainConfig, fleet: Fleet, listener: preempt.Listener) -> dict:
+@dataclasses.dataclass
+class _Job:
+    """The built-in job, set up by Fleet: what the loop trains and evaluates."""
+
+    optimizer: torch.optim.Optimizer
+    task: Task
+    loader: torch.utils.data.DataLoader
+    sampler: GlobalBatchSampler
+    val_set: torch.utils.data.Dataset
+    block: int  # a gpt sample's tokens
+
+
+def _set_up(cfg: TrainConfig, fleet: Fleet) -> _Job:
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank and every run
     block = gpt_config(cfg.gpt_preset).block_size  # read by --data text only
     assert cfg.data is not None  # TrainConfig.__post_init__ puts the model's default there
@@ -94,9 +106,15 @@ def _train(cfg: TrainConfig, fleet: Fleet, listener: preempt.Listener) -> dict:
     # A batch of this rank's shape, for pipelines that trace the model to cut it. Made from
     # the data set, not the loader: a loader's iterator draws from its shuffling generator.
     example = torch.stack([train_set[i][0] for i in range(sampler.local_batch)])
-    model, optimizer = fleet.setup(model, optimizer, example_inputs=example)
+    _, optimizer = fleet.setup(model, optimizer, example_inputs=example)
     for note in fleet.notes:  # after setup: the BatchNorm note needs the model
         fleet.print(f"note: {note}")
+    return _Job(optimizer, task, loader, sampler, val_set, block)
+
+
+def _train(cfg: TrainConfig, fleet: Fleet, listener: preempt.Listener) -> dict:
+    job = _set_up(cfg, fleet)
+    optimizer, task, loader, sampler, val_set = job.optimizer, job.task, job.loader, job.sampler, job.val_set
     loss_fn = task.loss_fn
 
     step = saved = 0
@@ -208,6 +226,13 @@ def _train(cfg: TrainConfig, fleet: Fleet, listener: preempt.Listener) -> dict:
         watchdog.stop()
     wall = time.perf_counter() - start
 
+    return _finish(cfg, fleet, job, step, loss, val, samples, train_seconds, wall)
+
+
+def _finish(cfg: TrainConfig, fleet: Fleet, job: _Job, step: int, loss: torch.Tensor, val: dict, samples: int,
+            train_seconds: float, wall: float) -> dict:
+    """The run's figures: printed, written to --json-out, the model saved where asked; the group closed."""
+    replicas, task = fleet.replicas, job.task
     final_loss = fleet.all_reduce(loss.detach(), op="mean").item()
     result = {
         "strategy": fleet.strategy_name,
@@ -227,7 +252,7 @@ def _train(cfg: TrainConfig, fleet: Fleet, listener: preempt.Listener) -> dict:
     if samples and train_seconds:  # a run resumed at its last step trained nothing, and has no rate to give
         result["samples_per_s"] = samples / train_seconds
         if task is not CLASSIFY:  # a sample is a sequence of `block` tokens
-            result["tokens_per_s"] = result["samples_per_s"] * block
+            result["tokens_per_s"] = result["samples_per_s"] * job.block
     if task is not CLASSIFY:
         result["gpt_preset"] = cfg.gpt_preset
     if replicas is not None:
