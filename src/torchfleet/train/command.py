@@ -25,9 +25,8 @@ from torchfleet.errors import UsageError
 from torchfleet.launcher import failures, forked, preempt
 from torchfleet.launcher.agent import LaunchError, run_command
 from torchfleet.launcher.failures import PREEMPTED_EXIT
-from torchfleet.strategies import data_readers, get_strategy, resolve_dims
+from torchfleet.strategies import data_readers, get_strategy, registry, resolve_dims
 from torchfleet.strategies.batchnorm import check_sync_batchnorm
-from torchfleet.strategies.meetings import METHODS as MEETING_METHODS
 from torchfleet.strategies.meetings import SyncOptions, refuse_alone
 from torchfleet.train.config import TrainConfig
 from torchfleet.train.loop import train
@@ -50,7 +49,8 @@ def run(cfg: TrainConfig, launch: LaunchConfig, nproc: int | None, argv: list[st
     launch = dataclasses.replace(launch, nproc_per_node=nproc)
     if why:
         print(f"torchfleet: {why}", flush=True)
-    if strategy in MEETING_METHODS:
+    starts = registry.presets()[strategy].launch  # agent, one process, spawn (hogwild), replica groups
+    if starts == "replica groups":
         # ddp inside each replica group, the groups meeting every few steps under torchft: a group per
         # machine, or on one machine a group per process. Bad options are refused before any starts.
         SyncOptions.take(strategy, cfg.strategy_options)
@@ -61,10 +61,10 @@ def run(cfg: TrainConfig, launch: LaunchConfig, nproc: int | None, argv: list[st
         if not launch.multi_node:
             return run_groups_here(launch, argv, strategy)
         launch = dataclasses.replace(launch, fault_tolerance="step")
-    if launch.replica_groups and strategy == "hogwild":
-        raise UsageError("hogwild shares memory inside one machine and has no gradients to average across"
+    if launch.replica_groups and starts == "spawn":
+        raise UsageError(f"{strategy} shares memory inside one machine and has no gradients to average across"
                          " replica groups; use ddp (or fsdp) with --fault-tolerance step")
-    if strategy == "hogwild":
+    if starts == "spawn":
         return _train_hogwild(cfg, launch)
     if not launch.multi_process and not launch.replica_groups:  # a replica group always runs under the agent
         train(cfg, strategy)
