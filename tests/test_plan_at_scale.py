@@ -222,6 +222,30 @@ def test_pipeline_layouts_add_their_bubble_held_micro_batches_and_accumulated_gr
     assert rows[(2, "1f1b")]["flops"] < rows[(1, None)]["flops"] * 8 / 2
 
 
+def test_a_pipeline_whose_stages_span_nodes_also_comes_as_hsdp(tmp_path):
+    """4 machines of 8 GPUs, pp 2: a stage's 16 GPUs span two machines, so besides FSDP 16 x PP 2 the plan
+    has HSDP 2 x 8 x PP 2. Its stage is the one FSDP 8 x PP 2 traces on 16 GPUs (the states shard over one
+    machine's 8), and its FSDP time is that row's plus the all-reduce of each GPU's fp32 gradient shard (its
+    stage's half of the model, an eighth of it) between the 2 replicas over --link 400."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(SMALL))
+    out = tmp_path / "plan.json"
+    result = forked_torchfleet("plan", "--hf-config", str(config), "--gpu", "H100", "--gpus-per-node", "8",
+                               "--nodes", "4", "--nproc", "16,32", "--link", "400", "--tp", "1", "--pp", "2",
+                               "--schedule", "1f1b", "--local-batch", "4", "--seq-len", "64", "--json-out", str(out))
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(out.read_text())
+    rows = {(r["gpus"], r["layout"]): r for r in doc["rows"]}
+    piped = {key for key in rows if "PP" in key[1]}
+    assert piped == {(16, "FSDP 8 x PP 2 (1f1b)"), (32, "FSDP 16 x PP 2 (1f1b)"), (32, "HSDP 2 x 8 x PP 2 (1f1b)")}
+    hsdp, within = rows[(32, "HSDP 2 x 8 x PP 2 (1f1b)")], rows[(16, "FSDP 8 x PP 2 (1f1b)")]
+    assert (hsdp["dp_replicate"], hsdp["dp_shard"]) == (2, 8)
+    assert hsdp["memory"] == within["memory"]
+    stage = doc["parameters"] / 2
+    across = 2 * (2 - 1) / 2 * 4 * stage / 8 / 50e9 + 2 * (2 - 1) * 40e-6
+    assert hsdp["time"]["fsdp"] == pytest.approx(within["time"]["fsdp"] + across, rel=1e-9)
+
+
 @pytest.mark.parametrize("args, said", [
     (["--hf-config", "llama-3.1-8b"], "--hf-config plans a described GPU cluster"),
     (["--hf-config", "README.md", "--gpu", "H100", "--gpus-per-node", "8"],

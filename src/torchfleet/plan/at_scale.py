@@ -105,6 +105,10 @@ def plan_at_scale(request: ScaleRequest, say=print) -> dict:
                 for gpus in (g for g in request.counts if g % (tp * pp) == 0):
                     rows.append(pipeline_at_scale.row(fields, replace(work, tp=tp), gpus, pp, schedule, v, params,
                                                       request))
+                    replicas = pipeline_at_scale.hsdp_replicas(gpus, pp, tp, request.per_node)
+                    if replicas > 1:
+                        rows.append(pipeline_at_scale.row(fields, replace(work, tp=tp), gpus, pp, schedule, v,
+                                                          params, request, replicas))
     return {"schema": SCHEMA, "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "hf_config": request.hf_config, "model_type": fields["model_type"], "parameters": params,
             "workload": {"seq": request.seq, "local_batch": request.local_batch, "ac": request.ac,

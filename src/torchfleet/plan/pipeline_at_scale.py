@@ -6,7 +6,8 @@ on another node once a stage fills one), micro-batches of one sample (its defaul
 is the number of micro-batches, and FSDP sharding each stage's blocks over the dp ranks, gathered once a
 step and kept (reshard_after_forward off, torchtitan's default under pp), the gradients accumulated
 unsharded in fp32 and reduce-scattered after the last micro-batch (as torch's pipeline stage drives
-FSDP2). A stage is traced as the model with its share of the blocks, micro-batch 1: its parameters, FSDP
+FSDP2). With a stage's ranks spread over several nodes, HSDP rows shard within a node and
+all-reduce the gradient shards across the nodes, as at_scale.py's rows without pp. A stage is traced as the model with its share of the blocks, micro-batch 1: its parameters, FSDP
 state, one micro-batch's activations and its FLOPs; the accumulated gradients are added where the trace
 of one micro-batch holds less. The embedding and the output layer are counted on
 that one stage, the stage that holds both at its worst (the first holds the most micro-batches in
@@ -44,36 +45,51 @@ def schedules_for(fields: dict, pp: int, requested: str | None) -> tuple[tuple[s
     return tuple(chosen)
 
 
+def hsdp_replicas(gpus: int, pp: int, tp: int, per_node: int) -> int:
+    """Replicas of each stage for HSDP under pp: shards within a node, replicas across the nodes a stage's
+    dp x tp ranks span; 0 where a stage fits in a node or a node holds fewer than two shards."""
+    group = gpus // pp  # a stage's dp x tp ranks, consecutive (pp is outermost)
+    shard = per_node // tp if per_node % tp == 0 else 0
+    if group <= per_node or shard < 2 or group % (shard * tp):
+        return 0
+    return group // (shard * tp)
+
+
 def row(fields: dict, work: trace.Workload, gpus: int, pp: int, schedule: str, v: int, params: int,
-        request) -> dict:
+        request, replicas: int = 1) -> dict:
+    """One pipeline layout; `replicas` > 1: HSDP in each stage, its dp ranks `replicas` x shards."""
     tp = work.tp
     dp = gpus // (tp * pp)
+    shard = dp // replicas
     m = max(1, request.local_batch // MICROBATCH)
     stage = {**fields, "num_hidden_layers": fields["num_hidden_layers"] // pp}
     kept = replace(work, local_batch=MICROBATCH, reshard_after_forward=False)
-    one = trace.traced_at_scale(stage, kept, dp)
-    two = trace.traced_at_scale(stage, replace(kept, local_batch=2 * MICROBATCH), dp)
+    one = trace.traced_at_scale(stage, kept, shard)  # the states shard over one replica's ranks only
+    two = trace.traced_at_scale(stage, replace(kept, local_batch=2 * MICROBATCH), shard)
     in_flight = pipelines.activations_held(schedule, pp, m, v) * pp  # micro-batches of this stage's activations
     grouped = scale_rows.memory_columns(one.kinds)
     grouped["activations"] += (in_flight - 1) * max(0.0, two.peak - one.peak)
     accumulated = 4 * params / pp / tp  # fp32, unsharded, for the stage's share of the model
     grouped["gradients"] += max(0.0, accumulated - one.kinds.get("UNSHARDED_GRAD", 0.0))
     peak = sum(grouped.values())
-    timing = step_time(one, params / pp, stage["num_hidden_layers"], gpus, pp, m, schedule, v, fields, request)
-    return scale_rows.table_row(request, gpus=gpus, tp=tp, pp=pp, schedule=schedule, microbatches=m, replicas=1,
-                                shard=dp, layout=f"{scale_rows.layout_name(1, dp, tp)} x PP {pp} ({schedule})",
+    timing = step_time(one, params / pp, stage["num_hidden_layers"], gpus, pp, m, schedule, v, fields, request,
+                       replicas)
+    name = scale_rows.layout_name(replicas, shard, tp)
+    return scale_rows.table_row(request, gpus=gpus, tp=tp, pp=pp, schedule=schedule, microbatches=m,
+                                replicas=replicas, shard=shard, layout=f"{name} x PP {pp} ({schedule})",
                                 memory=grouped, peak=peak, flops=one.flops * m, timing=timing,
                                 collectives=tuple((kind, nbytes * m, calls * m) for kind, nbytes, calls in one.collectives))
 
 
 def step_time(one: trace.Traced, stage_params: float, blocks: int, gpus: int, pp: int, m: int, schedule: str,
-              v: int, fields: dict, request) -> dict:
+              v: int, fields: dict, request, replicas: int = 1) -> dict:
     """A GPU's step: m micro-batches through its stages, the schedule's idle slots (plan/pipelines.py), each
     micro-batch's tensor-parallel collectives, its activations and their gradients sent to the neighbouring
-    stages (not hidden), and FSDP's collectives for the stage's blocks, once a step, behind compute."""
+    stages (not hidden), and FSDP's collectives for the stage's blocks, once a step, behind compute; under
+    HSDP also the all-reduce of each rank's gradient shard across the stage's replicas, between nodes."""
     target = request.target
     assert target.rate is not None
-    tp = gpus // (one.world * pp)
+    tp = gpus // (one.world * pp * replicas)
     per_microbatch = one.flops / target.rate
     busy, idle = pipelines.bubble_slots(schedule, pp, m, v)
     compute = busy * per_microbatch / v
@@ -82,7 +98,8 @@ def step_time(one: trace.Traced, stage_params: float, blocks: int, gpus: int, pp
     shard_link = target.link_for(one.world * tp)
     param_bytes = 2 if request.precision == "bf16" else 4
     fsdp = (comm.all_gather_s(stage_params / tp * param_bytes, one.world, shard_link)
-            + comm.reduce_scatter_s(stage_params / tp * 4, one.world, shard_link))
+            + comm.reduce_scatter_s(stage_params / tp * 4, one.world, shard_link)
+            + comm.all_reduce_s(stage_params / tp / one.world * 4, replicas, target.link_for(gpus // pp)))
     tensor = scale_rows.collectives_s(one, tp, target) * m
     # The sequence-parallel activation a tp rank holds, in bf16: what crosses to the next stage.
     boundary = MICROBATCH * request.seq * fields["hidden_size"] * 2 / tp
