@@ -9,6 +9,7 @@ model's parameter count for the columns a layout shards.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -17,7 +18,7 @@ from conftest import assert_refused_in_one_sentence, forked_torchfleet, require_
 require_module("transformers", "transformers (the test extra) builds the library models from configs")
 
 from torchfleet import launch  # noqa: E402 (after the skip)
-from torchfleet.plan import at_scale, library_model, scale_rows, trace  # noqa: E402
+from torchfleet.plan import at_scale, library_model, pipelines, scale_rows, trace  # noqa: E402
 
 # A Llama of Llama 3.1's architecture at a size this machine trains in a second: deeper than the traced
 # depths (2, 4, 6), so its figures are carried, not traced whole.
@@ -218,8 +219,33 @@ def test_pipeline_layouts_add_their_bubble_held_micro_batches_and_accumulated_gr
         one_more = (plain["memory"]["activations"] - looped["memory"]["activations"]) / (held["1f1b"] - held[
             "interleaved-1f1b"])
         assert one_more > 0
-    # A stage's FLOPs for its micro-batches: half the blocks each at pp 2, the embedding and the output on it.
+    # The pace is the last GPU's: half the blocks and the output layer, for each of its micro-batches.
     assert rows[(2, "1f1b")]["flops"] < rows[(1, None)]["flops"] * 8 / 2
+    # Each row says whose memory it gives: the first GPU's (the most micro-batches held) or the last's.
+    assert {r["peak_stage"] for r in doc["rows"] if "pp" in r} <= {"first", "last"}
+    # 1F1B's last GPU holds one micro-batch, GPipe's all, interleaved 1F1B's its warm-up of (v-1) p chunks and one
+    # more, each 1/v of its layers: 2.5 at p 4, v 2, where the first holds (p v + p - 1) / v = 5.5.
+    assert [pipelines.held_by_last(s, 4, 8, v) for s, v in (("1f1b", 1), ("gpipe", 1), ("interleaved-1f1b", 2))] == [
+        1.0, 8, 2.5]
+    assert pipelines.activations_held("interleaved-1f1b", 4, 8, 2) * 4 == 5.5
+
+
+def test_a_pipelines_first_and_last_stages_hold_the_model_between_them():
+    """pp 2 of the small Llama traced on 4 FSDP ranks: the first GPU's stage holds half the blocks and the
+    embedding, the last's the other half, the final norm and the output layer. Their parameters add up to the
+    whole model's, exactly, and so do their FLOPs; before, every stage was traced with both ends (an 8B stage
+    at pp 2 counted about 2.4 blocks' worth of parameters twice)."""
+    work = trace.Workload(seq=64, local_batch=1, reshard_after_forward=False)
+    whole = trace.trace(SMALL, work, 4)
+    half = {**SMALL, "num_hidden_layers": SMALL["num_hidden_layers"] // 2}
+    first, last = (trace.trace(half, replace(work, stage=role), 4) for role in ("first", "last"))
+    params = library_model.parameter_count(SMALL)
+    width, vocab = SMALL["hidden_size"], SMALL["vocab_size"]
+    in_blocks = params - 2 * vocab * width - width
+    assert first.kinds["SHARDED_PARAM"] == 4 * (in_blocks / 2 + vocab * width) / 4  # fp32, a quarter a rank
+    assert last.kinds["SHARDED_PARAM"] == 4 * (in_blocks / 2 + vocab * width + width) / 4
+    assert first.kinds["SHARDED_PARAM"] + last.kinds["SHARDED_PARAM"] == whole.kinds["SHARDED_PARAM"]
+    assert first.flops + last.flops == whole.flops and last.flops > first.flops  # the output layer's
 
 
 def test_a_pipeline_whose_stages_span_nodes_also_comes_as_hsdp(tmp_path):
@@ -241,7 +267,9 @@ def test_a_pipeline_whose_stages_span_nodes_also_comes_as_hsdp(tmp_path):
     hsdp, within = rows[(32, "HSDP 2 x 8 x PP 2 (1f1b)")], rows[(16, "FSDP 8 x PP 2 (1f1b)")]
     assert (hsdp["dp_replicate"], hsdp["dp_shard"]) == (2, 8)
     assert hsdp["memory"] == within["memory"]
-    stage = doc["parameters"] / 2
+    # The last GPU paces the pipeline: half the blocks, the final norm and the output layer.
+    width, vocab = SMALL["hidden_size"], SMALL["vocab_size"]
+    stage = (doc["parameters"] - 2 * vocab * width - width) / 2 + vocab * width + width
     across = 2 * (2 - 1) / 2 * 4 * stage / 8 / 50e9 + 2 * (2 - 1) * 40e-6
     assert hsdp["time"]["fsdp"] == pytest.approx(within["time"]["fsdp"] + across, rel=1e-9)
 

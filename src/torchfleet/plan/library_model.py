@@ -76,6 +76,23 @@ def build(fields: dict, layers: int | None = None):
     return model
 
 
+STAGES = ("whole", "first", "middle", "last")
+
+
+def keep_stage(model, stage: str) -> None:
+    """Keep what a pipeline stage of `model` holds, as torchtitan cuts a decoder: the token embedding on the
+    first stage only, the final norm and the output layer on the last only. A stage without the embedding
+    takes hidden states (inputs_embeds); one without the output layer returns them."""
+    from torch import nn
+
+    inner = model.get_submodule(model.base_model_prefix)
+    if stage in ("middle", "last"):
+        inner.embed_tokens = None
+    if stage in ("first", "middle"):
+        inner.norm = nn.Identity()
+        model.lm_head = nn.Identity()
+
+
 def blocks(model):
     """The model's list of decoder blocks (FSDP's units, checkpointing's units), or one sentence."""
     from torch import nn

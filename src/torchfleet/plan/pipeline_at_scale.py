@@ -7,12 +7,14 @@ is the number of micro-batches, and FSDP sharding each stage's blocks over the d
 step and kept (reshard_after_forward off, torchtitan's default under pp), the gradients accumulated
 unsharded in fp32 and reduce-scattered after the last micro-batch (as torch's pipeline stage drives
 FSDP2). With a stage's ranks spread over several nodes, HSDP rows shard within a node and
-all-reduce the gradient shards across the nodes, as at_scale.py's rows without pp. A stage is traced as the model with its share of the blocks, micro-batch 1: its parameters, FSDP
-state, one micro-batch's activations and its FLOPs; the accumulated gradients are added where the trace
-of one micro-batch holds less. The embedding and the output layer are counted on
-that one stage, the stage that holds both at its worst (the first holds the most micro-batches in
-flight, the last the output layer). More micro-batches in flight add what a second sample adds to the
-trace's peak (a trace at micro-batch 2), once for each.
+all-reduce the gradient shards across the nodes, as at_scale.py's rows without pp. A GPU's stages are
+traced as the model with its share of the blocks, at micro-batch 1 and 2: the first GPU's with the token
+embedding (it holds the most micro-batches in flight), the last GPU's with the final norm and the output
+layer (the most parameters, and the FLOPs that pace the pipeline), each taking and giving hidden states
+where a neighbour sends or receives them. The row's memory is the fuller of the two. Under tensor
+parallelism the split embedding and output layer stay together on the one stage traced. More micro-batches
+in flight add what a second sample adds to the trace's peak, once each; the gradients accumulated in fp32
+over the micro-batches are added where the trace of one holds less.
 """
 
 from __future__ import annotations
@@ -55,29 +57,55 @@ def hsdp_replicas(gpus: int, pp: int, tp: int, per_node: int) -> int:
     return group // (shard * tp)
 
 
+def stage_parameters(fields: dict, params: int, pp: int, role: str) -> float:
+    """Parameters a GPU's stages hold (tp 1): its share of the blocks, the embedding on the first, the final norm
+    and the output layer on the last (a tied output layer is a copy there); "whole" counts both ends."""
+    vocab_by_width = fields["vocab_size"] * fields["hidden_size"]
+    tied = fields.get("tie_word_embeddings", False)
+    in_blocks = params - vocab_by_width * (1 if tied else 2) - fields["hidden_size"]
+    first = vocab_by_width if role in ("first", "whole") else 0
+    last = vocab_by_width + fields["hidden_size"] if role in ("last", "whole") else 0
+    return in_blocks / pp + first + last
+
+
+def _stage(stage_fields: dict, kept: trace.Workload, shard: int, role: str, held: float, parameters: float):
+    """One GPU's stage traced at one micro-batch and two: its memory with `held` micro-batches in flight and the
+    gradients it accumulates over them, fp32 and unsharded."""
+    one = trace.traced_at_scale(stage_fields, replace(kept, stage=role), shard)
+    two = trace.traced_at_scale(stage_fields, replace(kept, stage=role, local_batch=2 * MICROBATCH), shard)
+    grouped = scale_rows.memory_columns(one.kinds)
+    grouped["activations"] += (held - 1) * max(0.0, two.peak - one.peak)
+    grouped["gradients"] += max(0.0, 4 * parameters / kept.tp - one.kinds.get("UNSHARDED_GRAD", 0.0))
+    return one, grouped
+
+
 def row(fields: dict, work: trace.Workload, gpus: int, pp: int, schedule: str, v: int, params: int,
         request, replicas: int = 1) -> dict:
-    """One pipeline layout; `replicas` > 1: HSDP in each stage, its dp ranks `replicas` x shards."""
+    """One pipeline layout; `replicas` > 1: HSDP in each stage, its dp ranks `replicas` x shards. Its memory is
+    the fuller of the first GPU's and the last's; its pace is the last GPU's, which runs the output layer."""
     tp = work.tp
     dp = gpus // (tp * pp)
     shard = dp // replicas
     m = max(1, request.local_batch // MICROBATCH)
     stage = {**fields, "num_hidden_layers": fields["num_hidden_layers"] // pp}
     kept = replace(work, local_batch=MICROBATCH, reshard_after_forward=False)
-    one = trace.traced_at_scale(stage, kept, shard)  # the states shard over one replica's ranks only
-    two = trace.traced_at_scale(stage, replace(kept, local_batch=2 * MICROBATCH), shard)
-    in_flight = pipelines.activations_held(schedule, pp, m, v) * pp  # micro-batches of this stage's activations
-    grouped = scale_rows.memory_columns(one.kinds)
-    grouped["activations"] += (in_flight - 1) * max(0.0, two.peak - one.peak)
-    accumulated = 4 * params / pp / tp  # fp32, unsharded, for the stage's share of the model
-    grouped["gradients"] += max(0.0, accumulated - one.kinds.get("UNSHARDED_GRAD", 0.0))
-    peak = sum(grouped.values())
-    timing = step_time(one, params / pp, stage["num_hidden_layers"], gpus, pp, m, schedule, v, fields, request,
-                       replicas)
+    first_held = pipelines.activations_held(schedule, pp, m, v) * pp  # micro-batches of its own activations
+    # tp's split embedding and output layer expect each other's layouts: under tp both ends stay on one stage.
+    ends = ([("first", first_held), ("last", pipelines.held_by_last(schedule, pp, m, v))] if tp == 1
+            else [("whole", first_held)])
+    stages = {role: _stage(stage, kept, shard, role, held, stage_parameters(fields, params, pp, role))
+              for role, held in ends}  # the states shard over one replica's ranks only
+    fullest = max(stages, key=lambda role: sum(stages[role][1].values()))
+    grouped = stages[fullest][1]
+    pacing = ends[-1][0]
+    one = stages[pacing][0]
+    timing = step_time(one, stage_parameters(fields, params, pp, pacing), stage["num_hidden_layers"], gpus, pp, m,
+                       schedule, v, fields, request, replicas)
     name = scale_rows.layout_name(replicas, shard, tp)
     return scale_rows.table_row(request, gpus=gpus, tp=tp, pp=pp, schedule=schedule, microbatches=m,
-                                replicas=replicas, shard=shard, layout=f"{name} x PP {pp} ({schedule})",
-                                memory=grouped, peak=peak, flops=one.flops * m, timing=timing,
+                                peak_stage=fullest, replicas=replicas, shard=shard,
+                                layout=f"{name} x PP {pp} ({schedule})", memory=grouped, peak=sum(grouped.values()),
+                                flops=one.flops * m, timing=timing,
                                 collectives=tuple((kind, nbytes * m, calls * m) for kind, nbytes, calls in one.collectives))
 
 

@@ -38,6 +38,19 @@ from torchfleet.strategies.schedules import (
 )
 
 
+def held_by_last(schedule: str, p: int, m: int, v: int = 1) -> float:
+    """Micro-batches' worth of its own activations the last process holds at its peak, against the first's
+    p x activations_held: every forward under gpipe and looped-bfs (m); one under 1f1b, which runs a
+    micro-batch's backward right after its forward there; under the interleaved schedules its warm-up,
+    (v - 1) p chunks of 1/v of its layers, and the one in flight (the first process's warm-up has 2 (p - 1)
+    more, which gives activations_held's (p v + p - 1) / v)."""
+    if schedule in ("gpipe", "looped-bfs"):
+        return m
+    if schedule in ("interleaved-1f1b", "interleaved-zb"):
+        return min(m, ((v - 1) * p + 1) / v)
+    return 1.0
+
+
 def stages_per_process(schedule: str, requested: int | None) -> int:
     """The v a schedule runs with: 1 for gpipe and 1f1b, 2 for zbv, the request (default 2) for the loops."""
     takes = SCHEDULES[schedule][1]

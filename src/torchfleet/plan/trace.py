@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from dataclasses import dataclass
 
 from torchfleet.plan import tensor_parallel
@@ -50,6 +51,8 @@ class Workload:
     # FSDP2 frees each block's gathered parameters after its forward; a pipeline stage keeps them for its
     # micro-batches' backward instead (torchtitan's default under pp), and gathers once a step.
     reshard_after_forward: bool = True
+    # Which part of the model a pipeline stage holds (library_model.STAGES): "whole" outside pipelines.
+    stage: str = "whole"
 
 
 @dataclass(frozen=True)
@@ -149,17 +152,25 @@ def tracked_step(fields: dict, work: Workload, mesh, tracker_class, layers: int 
     from torchfleet.plan import library_model
 
     model = library_model.build(fields, layers)
+    if work.stage != "whole":
+        library_model.keep_stage(model, work.stage)
     _prepare(model, fields, work, mesh)
     # One parameter at a time: torchtitan's fused AdamW makes no temporaries the size of the model, and the
     # foreach form (which does) is not what a GPU run's peak would hold. (fused=True here counts every
     # parameter's state unsharded under fake tensors.)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
     tokens = torch.randint(0, fields["vocab_size"], (work.local_batch, work.seq + 1))
+    hidden = None
+    if work.stage in ("middle", "last"):  # the previous stage's output, as the send between them delivers it
+        dtype = torch.bfloat16 if work.precision == "bf16" else torch.float32
+        hidden = torch.randn(work.local_batch, work.seq, fields["hidden_size"], dtype=dtype, requires_grad=True)
     _make_optimizer_state(model, optimizer)
     tracker = tracker_class(model, optimizer)
-    tracker.track_inputs((tokens,))
-    with tracker, step_counter() as counter:
-        _step(model, optimizer, tokens, work.tp)
+    tracker.track_inputs((tokens,) if hidden is None else (tokens, hidden))
+    with tracker, step_counter() as counter, warnings.catch_warnings():
+        # A stage without the output layer returns a view of its blocks' output; the step does nothing in place.
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+        _step(model, optimizer, tokens, work.tp, hidden, last=work.stage in ("whole", "last"))
     return tracker, counter
 
 
@@ -337,14 +348,21 @@ def _timeline_tracker():
     return Timeline
 
 
-def _step(model, optimizer, tokens, tp: int = 1) -> None:
+def _step(model, optimizer, tokens, tp: int = 1, hidden=None, last: bool = True) -> None:
+    """One step: from the tokens (or a pipeline stage's input `hidden`) to the loss, or to the output whose
+    gradient the next stage sends back (not `last`)."""
+    import torch
     import torch.nn.functional as F
     from torch.distributed.tensor.parallel import loss_parallel
 
     # No key/value cache: a cache the blocks append to would differ between forward and recomputation.
-    logits = model(input_ids=tokens[:, :-1], use_cache=False).logits
-    with loss_parallel() if tp > 1 else contextlib.nullcontext():  # on the vocabulary's shards
-        F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten()).backward()
+    given = {"input_ids": tokens[:, :-1]} if hidden is None else {"inputs_embeds": hidden}
+    out = model(**given, use_cache=False).logits
+    if not last:
+        out.backward(torch.ones_like(out))  # the gradient arriving from the next stage
+    else:
+        with loss_parallel() if tp > 1 else contextlib.nullcontext():  # on the vocabulary's shards
+            F.cross_entropy(out.flatten(0, 1).float(), tokens[:, 1:].flatten()).backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
