@@ -18,7 +18,7 @@ from conftest import assert_refused_in_one_sentence, forked_torchfleet, require_
 require_module("transformers", "transformers (the test extra) builds the library models from configs")
 
 from torchfleet import launch  # noqa: E402 (after the skip)
-from torchfleet.plan import at_scale, library_model, pipelines, scale_rows, trace  # noqa: E402
+from torchfleet.plan import at_scale, library_model, pipeline_at_scale, pipelines, scale_rows, trace  # noqa: E402
 
 # A Llama of Llama 3.1's architecture at a size this machine trains in a second: deeper than the traced
 # depths (2, 4, 6), so its figures are carried, not traced whole.
@@ -108,6 +108,104 @@ def test_the_tensor_parallel_trace_predicts_real_tensor_parallel_processes():
     blocks = SMALL["num_hidden_layers"]
     assert real["none"]["collectives"]["all_gather"] == (4 * blocks + 2) * activation
     assert real["none"]["collectives"]["reduce_scatter"] == (4 * blocks + 2) * activation
+
+
+def _real_stage_peaks(fields: dict, microbatches: int) -> dict | None:
+    """In each of 2 gloo processes, one stage of a real 2-stage 1F1B pipeline of the small model (the first with
+    the embedding, the last with the output layer), FSDP2 over each stage's one rank as the plan lays it out,
+    activations and gradients sent between the processes; per checkpointing mode, each stage's tensor peak."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo")
+    rank, pp = dist.get_rank(), dist.get_world_size()
+    role = "first" if rank == 0 else "last"
+    mesh = init_device_mesh("cpu", (pp, 1), mesh_dim_names=("pp", "dp_shard"))["dp_shard"]
+    stage_fields = {**fields, "num_hidden_layers": fields["num_hidden_layers"] // pp}
+    # 1F1B: p - rank forwards to warm up, then one backward and one forward in turn, then the rest's backwards.
+    warm = min(microbatches, pp - rank)
+    order = ["F"] * warm + ["B", "F"] * (microbatches - warm) + ["B"] * warm
+    peaks = {}
+    for ac in trace.AC_MODES:
+        torch.manual_seed(0)
+        work = trace.Workload(seq=WORK["seq"], local_batch=1, ac=ac, reshard_after_forward=False, stage=role)
+        model = library_model.build(stage_fields)
+        library_model.keep_stage(model, role)
+        trace._prepare(model, stage_fields, work, mesh)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+        trace._make_optimizer_state(model, optimizer)
+        tokens = torch.randint(0, fields["vocab_size"], (microbatches, 1, WORK["seq"] + 1))
+        tracker = MemTracker()
+        tracker.track_external(model, optimizer)
+        held, sends, done = [], [], 0
+        with tracker:
+            for i, step in enumerate(order):
+                if step == "F":
+                    tracker.reset_mod_stats()  # it refuses a root module called twice a step; its peak stays
+                    f = order[:i].count("F")
+                    if role == "first":
+                        out = model(input_ids=tokens[f][:, :-1], use_cache=False).logits
+                        sends.append(dist.isend(out.detach().contiguous(), dst=rank + 1))
+                        held.append((None, out))
+                    else:
+                        x = torch.empty(1, WORK["seq"], fields["hidden_size"], dtype=torch.bfloat16)
+                        dist.recv(x, src=rank - 1)
+                        out = model(inputs_embeds=x.requires_grad_(), use_cache=False).logits
+                        held.append((x, F.cross_entropy(out.flatten(0, 1).float(), tokens[f][:, 1:].flatten())))
+                    continue
+                x, out = held.pop(0)
+                done += 1
+                final = done == microbatches  # as torch's PipelineStage drives FSDP2: accumulate until the last
+                model.set_is_last_backward(final)
+                model.set_reshard_after_backward(final)
+                model.set_requires_gradient_sync(final)
+                if role == "first":
+                    grad = torch.empty(out.shape, dtype=out.dtype)
+                    dist.recv(grad, src=rank + 1)
+                    out.backward(grad)
+                else:
+                    out.backward()
+                    sends.append(dist.isend(x.grad.contiguous(), dst=rank - 1))
+            for send in sends:
+                send.wait()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        peaks[ac] = sum(device["Total"] for device in tracker.get_tracker_snapshot("peak").values())
+    gathered = [None] * pp
+    dist.all_gather_object(gathered, peaks)
+    dist.destroy_process_group()
+    return dict(zip(("first", "last"), gathered, strict=True)) if rank == 0 else None
+
+
+@pytest.mark.timeout(300)
+def test_a_pipeline_stage_holds_what_the_plan_traces_within_10_percent():
+    """A real 2-stage 1F1B pipeline of 4 micro-batches in 2 gloo processes against the plan's stages: the first
+    (the embedding, 2 micro-batches held) and the last (the output layer, 1 held), each with the gradients it
+    accumulates, within 10% in every checkpointing mode. Measured on torch 2.14.1: first +3.4%, +5.8%, +8.5%;
+    last +1.7%, +3.0%, +7.7% (none, selective, full). GPipe, which plan runs only when asked (--schedule),
+    is over-predicted by 11% to 23% at this size."""
+    import torch
+
+    if torch.__version__.startswith("2.11."):
+        pytest.skip("torch 2.11's AdamW on fake tensors holds its step's temporaries at the end of the step: at"
+                    " this toy size that moment is the first stage's peak, 57% above the real one")
+    m = 4
+    real = launch(_real_stage_peaks, nprocs=2, args=(SMALL, m))[0]
+    params = library_model.parameter_count(SMALL)
+    stage_fields = {**SMALL, "num_hidden_layers": SMALL["num_hidden_layers"] // 2}
+    held = {"first": pipelines.activations_held("1f1b", 2, m) * 2, "last": pipelines.held_by_last("1f1b", 2, m)}
+    assert held == {"first": 2, "last": 1}
+    for ac in trace.AC_MODES:
+        kept = trace.Workload(seq=WORK["seq"], local_batch=1, ac=ac, reshard_after_forward=False)
+        for role in ("first", "last"):
+            parameters = pipeline_at_scale.stage_parameters(SMALL, params, 2, role)
+            _, memory = pipeline_at_scale._stage(stage_fields, kept, 1, role, held[role], parameters, m)
+            predicted, measured = sum(memory.values()), real[role][ac]
+            print(f"{ac} {role}: predicted {predicted / 2**20:.3f} MiB, measured {measured / 2**20:.3f} MiB")
+            assert measured > 0 and abs(predicted / measured - 1) <= 0.10, (ac, role, predicted, measured)
 
 
 def test_a_shipped_config_plans_its_columns_from_its_parameter_count(tmp_path):

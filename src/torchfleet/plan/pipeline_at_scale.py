@@ -68,14 +68,16 @@ def stage_parameters(fields: dict, params: int, pp: int, role: str) -> float:
     return in_blocks / pp + first + last
 
 
-def _stage(stage_fields: dict, kept: trace.Workload, shard: int, role: str, held: float, parameters: float):
-    """One GPU's stage traced at one micro-batch and two: its memory with `held` micro-batches in flight and the
-    gradients it accumulates over them, fp32 and unsharded."""
+def _stage(stage_fields: dict, kept: trace.Workload, shard: int, role: str, held: float, parameters: float,
+           microbatches: int):
+    """One GPU's stage traced at one micro-batch: its memory with `held` micro-batches in flight, each further one
+    holding what a micro-batch's forward leaves for its backward, and the gradients it accumulates over them,
+    fp32 and unsharded."""
     one = trace.traced_at_scale(stage_fields, replace(kept, stage=role), shard)
-    two = trace.traced_at_scale(stage_fields, replace(kept, stage=role, local_batch=2 * MICROBATCH), shard)
     grouped = scale_rows.memory_columns(one.kinds)
-    grouped["activations"] += (held - 1) * max(0.0, two.peak - one.peak)
-    grouped["gradients"] += max(0.0, 4 * parameters / kept.tp - one.kinds.get("UNSHARDED_GRAD", 0.0))
+    grouped["activations"] += (held - 1) * one.held
+    if microbatches > 1:  # one micro-batch reduce-scatters at once; more accumulate, and the last reduce-scatters
+        grouped["gradients"] += max(0.0, 4 * parameters / kept.tp - one.kinds.get("UNSHARDED_GRAD", 0.0))
     return one, grouped
 
 
@@ -93,7 +95,7 @@ def row(fields: dict, work: trace.Workload, gpus: int, pp: int, schedule: str, v
     # tp's split embedding and output layer expect each other's layouts: under tp both ends stay on one stage.
     ends = ([("first", first_held), ("last", pipelines.held_by_last(schedule, pp, m, v))] if tp == 1
             else [("whole", first_held)])
-    stages = {role: _stage(stage, kept, shard, role, held, stage_parameters(fields, params, pp, role))
+    stages = {role: _stage(stage, kept, shard, role, held, stage_parameters(fields, params, pp, role), m)
               for role, held in ends}  # the states shard over one replica's ranks only
     fullest = max(stages, key=lambda role: sum(stages[role][1].values()))
     grouped = stages[fullest][1]

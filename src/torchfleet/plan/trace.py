@@ -68,6 +68,9 @@ class Traced:
     # One rank's tensor-parallel collectives in a step, as DTensor issued them: (kind, bytes, calls), the
     # bytes summed over the calls, each call's the whole tensor it moves, as plan/comm.py's formulas take it.
     collectives: tuple[tuple[str, float, float], ...] = ()
+    # What one micro-batch's forward leaves for its backward (its saved activations and its input): what each
+    # further micro-batch a pipeline stage holds in flight adds.
+    held: float = 0.0
 
     @property
     def kinds(self) -> dict[str, float]:
@@ -81,7 +84,7 @@ class Traced:
     def at_world(self, world: int) -> Traced:
         scale = self.world / world
         return Traced(self.layers, world, tuple({k: v * scale if k in SHARDED_KINDS else v for k, v in m.items()}
-                                                for m in self.moments), self.flops, self.collectives)
+                                                for m in self.moments), self.flops, self.collectives, self.held)
 
 
 def candidate_moments(moments: list[dict[str, float]]) -> tuple[dict[str, float], ...]:
@@ -112,7 +115,7 @@ def at_depth(low: Traced, high: Traced, layers: int) -> Traced:
     collectives = tuple((kind, carried(low_comm.get(kind, (0.0, 0.0))[0], nbytes),
                          carried(low_comm.get(kind, (0.0, 0.0))[1], calls)) for kind, nbytes, calls in high.collectives)
     return Traced(layers, low.world, ({k: v for k, v in sorted(kinds.items()) if v > 0},),
-                  carried(low.flops, high.flops), collectives)
+                  carried(low.flops, high.flops), collectives, carried(low.held, high.held))
 
 
 def trace(fields: dict, work: Workload, world: int, layers: int | None = None) -> Traced:
@@ -132,7 +135,8 @@ def trace(fields: dict, work: Workload, world: int, layers: int | None = None) -
     finally:
         dist.destroy_process_group()
     return Traced(layers, world, candidate_moments(tracker.moments), counter.total,
-                  tuple((kind, nbytes, counter.calls[kind]) for kind, nbytes in sorted(counter.collectives.items())))
+                  tuple((kind, nbytes, counter.calls[kind]) for kind, nbytes in sorted(counter.collectives.items())),
+                  tracker.held)
 
 
 def _mesh(world: int, tp: int):
@@ -170,8 +174,17 @@ def tracked_step(fields: dict, work: Workload, mesh, tracker_class, layers: int 
     with tracker, step_counter() as counter, warnings.catch_warnings():
         # A stage without the output layer returns a view of its blocks' output; the step does nothing in place.
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-        _step(model, optimizer, tokens, work.tp, hidden, last=work.stage in ("whole", "last"))
+        _step(model, optimizer, tokens, work.tp, hidden, last=work.stage in ("whole", "last"),
+              after_forward=lambda: _note_held(tracker))
     return tracker, counter
+
+
+def _note_held(tracker) -> None:
+    """At the end of forward: the activations and inputs alive, what the micro-batch holds until its backward
+    (the timeline's last moment; nothing for a tracker that keeps no timeline)."""
+    moments = getattr(tracker, "moments", None)
+    if moments:
+        tracker.held = moments[-1].get("ACT", 0.0) + moments[-1].get("INP", 0.0)
 
 
 def traced_at_scale(fields: dict, work: Workload, world: int) -> Traced:
@@ -334,6 +347,7 @@ def _timeline_tracker():
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self.moments: list[dict[str, float]] = []
+            self.held = 0.0  # what a micro-batch's forward leaves for its backward (_note_held)
 
         def _update_peak_stats(self, peak_state) -> None:
             super()._update_peak_stats(peak_state)
@@ -348,9 +362,9 @@ def _timeline_tracker():
     return Timeline
 
 
-def _step(model, optimizer, tokens, tp: int = 1, hidden=None, last: bool = True) -> None:
+def _step(model, optimizer, tokens, tp: int = 1, hidden=None, last: bool = True, after_forward=None) -> None:
     """One step: from the tokens (or a pipeline stage's input `hidden`) to the loss, or to the output whose
-    gradient the next stage sends back (not `last`)."""
+    gradient the next stage sends back (not `last`); `after_forward` is called between the two passes."""
     import torch
     import torch.nn.functional as F
     from torch.distributed.tensor.parallel import loss_parallel
@@ -358,11 +372,14 @@ def _step(model, optimizer, tokens, tp: int = 1, hidden=None, last: bool = True)
     # No key/value cache: a cache the blocks append to would differ between forward and recomputation.
     given = {"input_ids": tokens[:, :-1]} if hidden is None else {"inputs_embeds": hidden}
     out = model(**given, use_cache=False).logits
-    if not last:
-        out.backward(torch.ones_like(out))  # the gradient arriving from the next stage
-    else:
-        with loss_parallel() if tp > 1 else contextlib.nullcontext():  # on the vocabulary's shards
-            F.cross_entropy(out.flatten(0, 1).float(), tokens[:, 1:].flatten()).backward()
+    with loss_parallel() if tp > 1 and last else contextlib.nullcontext():  # on the vocabulary's shards
+        loss = F.cross_entropy(out.flatten(0, 1).float(), tokens[:, 1:].flatten()) if last else None
+        if after_forward is not None:
+            after_forward()
+        if loss is None:
+            out.backward(torch.ones_like(out))  # the gradient arriving from the next stage
+        else:
+            loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
