@@ -150,7 +150,7 @@ def prepare(model, ac: str, mesh):
         if ac == "full" or (ac == "sel2" and i % 2 == 0):
             model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=False)
         elif ac == "selective":  # torchtitan's operator policy, as plan --hf-config traces it
-            from torchfleet.plan.trace import selective_contexts
+            from torchfleet.plan.checkpoint_policy import selective_contexts
 
             model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=False, context_fn=selective_contexts)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

@@ -32,7 +32,7 @@ import functools
 import warnings
 from dataclasses import dataclass
 
-from torchfleet.plan import tensor_parallel
+from torchfleet.plan import checkpoint_policy, tensor_parallel
 
 AC_MODES = ("none", "selective", "full")
 # What FSDP2 divides among the ranks: every other kind is held whole by each rank.
@@ -233,7 +233,7 @@ def _prepare(model, fields: dict, work: Workload, mesh) -> None:
 
         for i, block in enumerate(blocks):
             if work.ac == "selective":
-                blocks[i] = checkpoint_wrapper(block, preserve_rng_state=False, context_fn=selective_contexts)
+                blocks[i] = checkpoint_wrapper(block, preserve_rng_state=False, context_fn=checkpoint_policy.selective_contexts)
             else:
                 blocks[i] = checkpoint_wrapper(block, preserve_rng_state=False)
     policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -382,27 +382,3 @@ def _step(model, optimizer, tokens, tp: int = 1, hidden=None, last: bool = True,
             loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-
-
-def selective_contexts():
-    """torchtitan's operator-level policy: keep attention's output and every other matrix product's."""
-    import torch
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-
-    aten = torch.ops.aten
-    keep = {aten.mm.default, aten.max.default}
-    for name in ("_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
-                 "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_cudnn_attention"):
-        if hasattr(aten, name):
-            keep.add(getattr(aten, name).default)
-    products = {"forward": 0, "recompute": 0}
-
-    def policy(ctx, func, *args, **kwargs):
-        phase = "recompute" if ctx.is_recompute else "forward"
-        if func == aten.mm.default:
-            products[phase] += 1
-        if func in keep and not (func == aten.mm.default and products[phase] % 2 == 0):
-            return CheckpointPolicy.MUST_SAVE
-        return CheckpointPolicy.PREFER_RECOMPUTE
-
-    return create_selective_checkpoint_contexts(policy)
