@@ -167,11 +167,6 @@ def find(name: str) -> Preset | None:
     return presets().get(name)
 
 
-def mesh_degrees() -> dict[str, Mapping[str, int | None]]:
-    """name -> degrees, for every preset of the mesh."""
-    return {n: p.degrees for n, p in presets().items() if p.degrees is not None}
-
-
 def markdown_table() -> str:
     """The README's table of strategies."""
     rows = ["| strategy | what it does | what it needs |", "| --- | --- | --- |"]
