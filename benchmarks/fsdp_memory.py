@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 
 from torchfleet import launch
-from torchfleet.testing import memory_job
+from torchfleet.testing.real_models import memory_job
 
 
 def main() -> None:

@@ -70,14 +70,14 @@ def forked_torchfleet(*args: str, timeout: float = 60, env: dict | None = None) 
 
     For the many rows that check a help page or a refusal: each is still a
     process of its own with its own exit status and stderr (see
-    torchfleet.testing_cli), two seconds sooner. A few tests keep the real
+    torchfleet.testing.cli), two seconds sooner. A few tests keep the real
     `python -m torchfleet`, so the entry point itself stays covered.
     """
     import multiprocessing
 
     if "forkserver" not in multiprocessing.get_all_start_methods():  # not on Windows
         return torchfleet(*args, timeout=timeout, env=env)
-    from torchfleet.testing_cli import forked_cli
+    from torchfleet.testing.cli import forked_cli
 
     return forked_cli(list(args), env or clean_env(), str(ROOT), timeout=timeout)
 

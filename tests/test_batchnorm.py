@@ -19,7 +19,8 @@ from torchfleet import UsageError, launch
 from torchfleet.cli import _strategy_options, build_parser
 from torchfleet.fleet import Fleet
 from torchfleet.strategies.batchnorm import SyncBatchNorm, batchnorm_note, convert_sync_batchnorm
-from torchfleet.testing import full_weights, train_resnet
+from torchfleet.testing.equivalence import full_weights
+from torchfleet.testing.real_models import train_resnet
 from torchfleet.train.datasets import synthetic
 from torchfleet.train.models import build_optimizer
 
@@ -211,7 +212,7 @@ def test_a_pipeline_refuses_sync_batchnorm_in_one_sentence():
 
 @functools.lru_cache(maxsize=1)
 def _resnet_serial_float64() -> dict:
-    from torchfleet.testing import train_resnet
+    from torchfleet.testing.real_models import train_resnet
 
     return train_resnet("serial", float64=True)
 

@@ -12,7 +12,7 @@ import torch
 from conftest import ROOT, clean_env
 from torchfleet import Fleet, UsageError, checkpoint, launch
 from torchfleet.strategies import registry
-from torchfleet.testing import dropout_mlp, resume_job
+from torchfleet.testing.equivalence import dropout_mlp, resume_job
 
 SAVE_LOOP = str(ROOT / "tests" / "scripts" / "save_loop.py")
 

@@ -150,7 +150,7 @@ def test_the_real_entry_point_refuses_and_helps_as_the_forked_rows_do():
 
 def test_a_forked_row_shows_a_crash_as_a_process_would(tmp_path):
     """So that the rows' `"Traceback" not in stderr` can fail: an uncaught error reaches stderr, status 1."""
-    from torchfleet.testing_cli import forked_cli
+    from torchfleet.testing.cli import forked_cli
 
     result = forked_cli(["--version"], clean_env(), str(tmp_path / "no-such-directory"))  # chdir fails
     assert result.returncode == 1

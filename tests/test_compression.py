@@ -9,7 +9,7 @@ from torch import nn
 from torchfleet import UsageError, launch
 from torchfleet.fleet import Fleet
 from torchfleet.strategies.ddp import DataParallelDistributed
-from torchfleet.testing import full_weights
+from torchfleet.testing.equivalence import full_weights
 from torchfleet.train.datasets import synthetic
 from torchfleet.train.models import mlp
 

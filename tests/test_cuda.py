@@ -1,7 +1,7 @@
 """The GPU suite, run by `make gpu-check` on a machine with a CUDA GPU; skipped elsewhere.
 
 Every path one GPU allows, each against the CPU run of the same job (a fresh
-process that sees no GPU, `testing_devices.on_cpu`):
+process that sees no GPU, `testing.devices.on_cpu`):
 - serial, dp and mp on CUDA;
 - ddp and fsdp in one process that a launcher started: a group of one on NCCL;
 - ddp on 2 processes sharing the GPU: NCCL refuses two ranks on one device,
@@ -31,8 +31,8 @@ import torch
 
 from torchfleet import launch
 from torchfleet.launcher import LaunchError
-from torchfleet.testing import resumed_equals_straight, train_k_steps
-from torchfleet.testing_devices import fleet_facts, fp16_skip_job, on_cpu, trained_facts
+from torchfleet.testing.devices import fleet_facts, fp16_skip_job, on_cpu, trained_facts
+from torchfleet.testing.equivalence import resumed_equals_straight, train_k_steps
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU: `make gpu-check` runs this suite on a GPU machine")

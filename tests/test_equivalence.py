@@ -3,7 +3,7 @@
 import pytest
 
 from torchfleet import launch
-from torchfleet.testing import train_k_steps, train_matrix
+from torchfleet.testing.equivalence import train_k_steps, train_matrix
 
 CASES = [
     {"model": "mlp", "optimizer": "sgd", "grad_accum": 1},
@@ -59,8 +59,8 @@ def test_one_launched_process_keeps_ddp_and_fsdp_in_a_group_of_one(tmp_path):
     as torch runs it, so one GPU exercises NCCL, DDP and FSDP2 (tests/test_cuda.py); serial's weights."""
     import torch
 
-    from torchfleet.testing import resumed_equals_straight
-    from torchfleet.testing_devices import fleet_facts, trained_facts
+    from torchfleet.testing.devices import fleet_facts, trained_facts
+    from torchfleet.testing.equivalence import resumed_equals_straight
 
     serial = train_k_steps("serial")
     for strategy, wrapper in (("ddp", "DistributedDataParallel"), ("fsdp", "FSDPSequential")):

@@ -11,7 +11,7 @@ import torch
 
 from torchfleet import launch, precision
 from torchfleet.errors import TrainingError
-from torchfleet.testing_devices import fp16_skip_job
+from torchfleet.testing.devices import fp16_skip_job
 from torchfleet.train.config import TrainConfig
 from torchfleet.train.loop import FP16_NONFINITE_LIMIT, train
 

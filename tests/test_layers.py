@@ -27,10 +27,10 @@ LAYERS = [
     ("launcher",),  # starting processes, their failures and hangs
     ("fleet", "hogwild", "strategy_spec"),  # the API a script holds; what a strategy name comes to
     ("doctor", "train"),  # the machine report; the built-in job
-    ("testing", "testing_devices", "bench"),  # reference jobs; the strategy matrix
+    ("testing", "bench"),  # reference jobs; the strategy matrix
     ("plan",),  # predictions per strategy, checked against bench's cells
     ("clusters",),  # job writers for schedulers
-    ("cli", "__main__", "testing_cli"),  # the commands; the command line run for tests
+    ("cli", "__main__", "testing.cli"),  # the commands; the command line run for tests
 ]
 LAYER_OF = {name: i for i, names in enumerate(LAYERS) for name in names}
 

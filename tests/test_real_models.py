@@ -19,7 +19,8 @@ from torchfleet import launch
 from torchfleet.errors import UsageError
 from torchfleet.launcher import LaunchError
 from torchfleet.models import GPTConfig
-from torchfleet.testing import memory_job, misuse_job, real_model_matrix, train_real_model
+from torchfleet.testing.equivalence import misuse_job
+from torchfleet.testing.real_models import memory_job, real_model_matrix, train_real_model
 from torchfleet.versions import release
 
 require_module("transformers", "transformers (the test extra) builds GPT-2 from a config")
@@ -139,7 +140,7 @@ def test_a_cut_older_torch_cannot_train_is_refused_in_one_sentence():
 
 def test_a_model_compiled_before_setup_saves_its_own_keys(tmp_path):
     from torchfleet import Fleet
-    from torchfleet.testing import real_model
+    from torchfleet.testing.real_models import real_model
 
     net = real_model("gpt")
     fleet = Fleet(strategy="serial")
@@ -164,7 +165,7 @@ def test_a_hand_written_loop_under_a_pipeline_is_refused_in_one_sentence():
 
 def test_cuts_that_cannot_be_made_are_one_sentence():
     from torchfleet.strategies.cutting import stage_starts
-    from torchfleet.testing import real_model
+    from torchfleet.testing.real_models import real_model
 
     net = real_model("hf-gpt2")
     assert stage_starts(net, 2, None) == ["transformer.h.2"]

@@ -33,7 +33,7 @@ from torchfleet.strategies.schedules import (
     local_stages,
     stage_ranks,
 )
-from torchfleet.testing import full_weights, train_k_steps
+from torchfleet.testing.equivalence import full_weights, train_k_steps
 from torchfleet.train.datasets import synthetic
 from torchfleet.train.models import build_model, build_optimizer
 from torchfleet.versions import release

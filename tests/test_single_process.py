@@ -8,7 +8,7 @@ import torchfleet
 from torchfleet import UsageError
 from torchfleet.strategies.dp import scatter_sizes
 from torchfleet.strategies.mp import MicroBatchPipe, balanced_split, split_sequential
-from torchfleet.testing import train_k_steps
+from torchfleet.testing.equivalence import train_k_steps
 from torchfleet.train.models import cnn, mlp
 
 TOL = 1e-5

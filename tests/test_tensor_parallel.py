@@ -24,7 +24,7 @@ from torchfleet.precision import Precision
 from torchfleet.strategies import Runtime, class_for
 from torchfleet.strategies.dims import ParallelDims
 from torchfleet.strategies.tensor_parallel import tp_plan_for
-from torchfleet.testing import tp_job, train_real_model
+from torchfleet.testing.real_models import tp_job, train_real_model
 
 # lr 0.5 with max_grad_norm 0.05: every step clips (serial's norms are 1.2 to 1.6), and the
 # weights move far enough that a global norm counting a split gradient's shards wrongly shows

@@ -1,4 +1,4 @@
-"""Reference jobs about devices and precisions, beside testing.py's (used by the GPU suite too).
+"""Reference jobs about devices and precisions, beside testing/equivalence.py's (used by the GPU suite too).
 
 The CPU run a GPU run is compared with, the device and backend a Fleet picks,
 and fp16 training with one overflowing step. Module-level, so `launch` can
@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from torchfleet.fleet import Fleet
-from torchfleet.testing import full_weights, train_k_steps
+from torchfleet.testing.equivalence import full_weights, train_k_steps
 from torchfleet.train.datasets import synthetic
 from torchfleet.train.models import build_model
 
