@@ -195,10 +195,10 @@ def test_interface_for_unresolvable_host_is_none() -> None:
     (0, 1, ("serial", 1)),
 ])
 def test_auto_plans_processes_for_the_hardware(monkeypatch, gpus: int, cores: int, want: tuple) -> None:
-    from torchfleet.train import planner
+    from torchfleet.train import processes
 
-    monkeypatch.setattr(planner, "_gpus", lambda: gpus)
-    monkeypatch.setattr(planner, "_cpu_cores", lambda: cores)
-    strategy, nproc, why = planner.plan_processes("auto", None)
+    monkeypatch.setattr(processes, "_gpus", lambda: gpus)
+    monkeypatch.setattr(processes, "_cpu_cores", lambda: cores)
+    strategy, nproc, why = processes.plan_processes("auto", None)
     assert (strategy, nproc) == want and why.startswith("strategy auto: ")
-    assert planner.plan_processes("auto", 3)[:2] == ("ddp", 3)  # -n given: ddp on that many, whatever is here
+    assert processes.plan_processes("auto", 3)[:2] == ("ddp", 3)  # -n given: ddp on that many, whatever is here

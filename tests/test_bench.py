@@ -412,9 +412,9 @@ def test_link_mode_bad_input_is_one_sentence_and_status_2(args, sentence, tmp_pa
 
 
 def test_link_plan_rounds_to_whole_meeting_blocks():
-    from torchfleet.bench.link.plan import plan_from_flags
+    from torchfleet.bench.link.job import job_from_flags
 
-    plan, notes = plan_from_flags({"steps": 25, "warmup": 3, "strategies": ("diloco",)}, {"sync_every": 10}, 2)
+    plan, notes = job_from_flags({"steps": 25, "warmup": 3, "strategies": ("diloco",)}, {"sync_every": 10}, 2)
     assert (plan.steps, plan.warmup, plan.cells) == (30, 10, ("ddp", "diloco"))
     assert any("--steps 25 rounded up to 30" in n for n in notes) and any("ddp added" in n for n in notes)
     assert plan.fleet_options("diloco") == {"strategy": "diloco", "sync_every": 10}
@@ -430,9 +430,9 @@ def _link_row(cell, median, q1, q3, compute, plan):
 
 def test_link_verdict_names_the_winner_and_by_how_much():
     from torchfleet.bench.link import report
-    from torchfleet.bench.link.plan import LinkPlan
+    from torchfleet.bench.link.job import LinkJob
 
-    plan = LinkPlan()
+    plan = LinkJob()
     slow = [_link_row("ddp", 0.132, 0.130, 0.134, 0.05, plan), _link_row("powersgd", 0.081, 0.078, 0.084, 0.05, plan),
             _link_row("diloco", 0.044, 0.043, 0.046, 0.04, plan)]
     report.derive(slow)

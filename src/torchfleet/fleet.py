@@ -33,7 +33,11 @@ from torchfleet.precision import Precision
 from torchfleet.strategies import Runtime
 from torchfleet.strategies.base import Batch, LossFn, SetupArgs
 from torchfleet.strategies.batchnorm import batchnorm_note
-from torchfleet.strategies.knobs import COMPILE_MODES, adopt_late_compile, unwrap_compiled
+from torchfleet.strategies.block_transforms import (
+    COMPILE_MODES,
+    adopt_late_compile,
+    unwrap_compiled,
+)
 from torchfleet.strategy_spec import settle
 
 

@@ -9,7 +9,7 @@ stages per process where the schedule takes several); `serial` is always measure
 A single-process strategy (`distributed = False`) is measured in one process;
 a multi-process one at each process count of `--nproc` (2 and more). Every
 cell runs in new processes started through `torchfleet.launcher.launch`
-(cell.run_cell is what they run), so a cell that fails (a bad batch, an
+(measure_cell.run_cell is what they run), so a cell that fails (a bad batch, an
 out-of-memory, a crash, a hang past the timeout) is one row with its reason
 and the rest of the matrix still runs.
 
@@ -33,7 +33,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from torchfleet.bench import cell as bench_cell
+from torchfleet.bench import measure_cell as bench_cell
 from torchfleet.bench.config import BenchConfig
 from torchfleet.bench.flops import peak_flops
 from torchfleet.doctor import strategy_availability

@@ -3,7 +3,7 @@ flags, to link mode's `run_link_bench` (bench/link).
 
 Flags left out are chosen for this machine (see bench.resolve); `--quick`
 picks a tiny matrix (bench.QUICK) for flags not given. Link mode has its
-own defaults (bench/link/plan.py).
+own defaults (bench/link/job.py).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def _list(kind, what: str):
 
 
 def add_parser(sub, strategy_flags) -> None:
-    from torchfleet.strategies.knobs import COMPILE_MODES
+    from torchfleet.strategies.block_transforms import COMPILE_MODES
     from torchfleet.train.models import GPT_PRESETS, MODELS
 
     b = sub.add_parser(
@@ -90,7 +90,7 @@ def add_parser(sub, strategy_flags) -> None:
 
 def command(args, strategy_options: dict) -> int:
     from torchfleet.bench.config import BenchConfig
-    from torchfleet.bench.link.plan import machines_from_flags
+    from torchfleet.bench.link.job import machines_from_flags
     from torchfleet.bench.matrix import QUICK, run_bench
 
     given = {name: getattr(args, name) for name in
@@ -107,13 +107,13 @@ def command(args, strategy_options: dict) -> int:
 
 
 def _link_mode(args, given: dict, strategy_options: dict, machines) -> int:
-    from torchfleet.bench.link.plan import plan_from_flags
+    from torchfleet.bench.link.job import job_from_flags
     from torchfleet.bench.link.run import run_link_bench
     from torchfleet.config import at_least
 
     if args.threads is not None:
         at_least("--threads", args.threads, 1)
-    plan, notes = plan_from_flags(given, strategy_options, machines.nnodes, quick=args.quick)
+    plan, notes = job_from_flags(given, strategy_options, machines.nnodes, quick=args.quick)
     document = run_link_bench(plan, machines, args.out, threads=args.threads, notes=notes)
     # On node 0 every machine's cells; on the others their own part of each.
     return 0 if any(c["status"] == "ok" for c in document["cells"]) else 1

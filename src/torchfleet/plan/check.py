@@ -3,7 +3,7 @@
 The cells are bench's (bench/matrix.py chooses them: the strategies available
 here, at each process count), each run in fresh processes through the
 launcher as bench runs them, with bench's model, batch and optimizer (SGD with
-momentum) and bench's timing (bench/cell.py: warm-up, then steps that start
+momentum) and bench's timing (bench/measure_cell.py: warm-up, then steps that start
 from a barrier and last as long as the slowest rank). Memory is the peak
 tensor bytes of each rank over two more steps (tensor_memory.TensorMemory, a
 GPU's max_memory_allocated on any device), measured after the timed steps so
@@ -34,7 +34,7 @@ def run_check_cell(spec: dict) -> dict | None:
     import torch
     import torch.distributed as dist
 
-    from torchfleet.bench import cell as bench_cell
+    from torchfleet.bench import measure_cell as bench_cell
     from torchfleet.data import check_global_batch
     from torchfleet.fleet import Fleet
 

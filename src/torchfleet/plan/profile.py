@@ -97,7 +97,7 @@ def make_optimizer(name: str, params) -> torch.optim.Optimizer:
 
 
 def _workload(spec: dict, batch: int):
-    from torchfleet.bench.cell import workload
+    from torchfleet.bench.measure_cell import workload
 
     host = SimpleNamespace(device=torch.device("cpu"), to_device=lambda t: t)
     return workload(spec, batch, 0, host)  # pyright: ignore[reportArgumentType] (only device and to_device are read)

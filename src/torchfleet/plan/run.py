@@ -39,7 +39,7 @@ def target_of(cfg: PlanConfig, calib: probe.Calibration | None) -> hardware.Targ
 
 
 def spec_of(cfg: PlanConfig) -> dict:
-    """bench's spec keys for its workload (bench/cell.py)."""
+    """bench's spec keys for its workload (bench/measure_cell.py)."""
     from torchfleet.models import TOKEN_MODELS, gpt_config
 
     spec = {"model": cfg.model, "gpt_preset": cfg.gpt_preset, "image_size": cfg.image_size, "seed": cfg.seed,

@@ -19,7 +19,7 @@ from torch import nn
 from torchfleet.env import DistEnv
 from torchfleet.errors import UsageError
 from torchfleet.precision import Precision
-from torchfleet.strategies.knobs import checkpoint_activations, compile_model
+from torchfleet.strategies.block_transforms import checkpoint_activations, compile_model
 
 # (what the model returns: a tensor, or a library model's output object; targets) -> loss
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
@@ -119,7 +119,7 @@ class Strategy:
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, args: SetupArgs):
         """`Fleet.setup`'s call: checkpointing and compile on the model's blocks, then `wrap`.
 
-        Both change the blocks in place before any wrapper sees them (strategies/knobs.py);
+        Both change the blocks in place before any wrapper sees them (strategies/block_transforms.py);
         a strategy that cuts the model needs its plain forward first, and applies them
         to its stage after the cut.
         """

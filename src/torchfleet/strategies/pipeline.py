@@ -44,11 +44,11 @@ from torch.distributed.tensor import DTensor
 from torchfleet.errors import UsageError
 from torchfleet.strategies import cutting, schedules
 from torchfleet.strategies.base import SetupArgs, batch_size, split_batch
+from torchfleet.strategies.block_transforms import checkpoint_activations, compile_model
 from torchfleet.strategies.blocks import parameter_names
 from torchfleet.strategies.cutting import tied_groups
 from torchfleet.strategies.distributed import MeshStrategy
 from torchfleet.strategies.fsdp import memory_per_rank, rebuild_optimizer
-from torchfleet.strategies.knobs import checkpoint_activations, compile_model
 from torchfleet.strategies.local_stages import (
     LocalStages,
     cut_local,

@@ -31,7 +31,7 @@ from torchfleet.strategies.meetings import SyncOptions, refuse_alone
 from torchfleet.train.config import TrainConfig
 from torchfleet.train.loop import train
 from torchfleet.train.meetings import run_groups_here
-from torchfleet.train.planner import plan_processes
+from torchfleet.train.processes import plan_processes
 
 
 def run(cfg: TrainConfig, launch: LaunchConfig, nproc: int | None, argv: list[str]) -> int:

@@ -2,10 +2,10 @@
 
 Derived figures, for each cell that ran on every machine:
   step time      per block of sync_every steps, the slower machine's block time / sync_every; the median,
-                 quartiles and extremes over the blocks (cell.py says why blocks)
+                 quartiles and extremes over the blocks (measure_on_machine.py says why blocks)
   samples_per_s  = global batch / median step time (tokens_per_s: x the preset's block size, for gpt)
   speedup_vs_ddp = ddp's median step time / this cell's
-  compute_step_s = the slower machine's median compute-only step (cell.py's probe)
+  compute_step_s = the slower machine's median compute-only step (measure_on_machine.py's probe)
   comm_share     = 1 - compute_step_s / median step time: the share of a step the machines spend
                    exchanging (or, for PowerSGD, compressing), after whatever overlap the strategy achieves
 """
@@ -21,9 +21,9 @@ from pathlib import Path
 from rich.markup import escape
 from rich.table import Table
 
-from torchfleet.bench.cell import spread
+from torchfleet.bench.link.job import MEETING_CELLS, LinkJob, Machines
 from torchfleet.bench.link.measure import Link
-from torchfleet.bench.link.plan import MEETING_CELLS, LinkPlan, Machines
+from torchfleet.bench.measure_cell import spread
 from torchfleet.bench.report import throughput, throughput_unit
 from torchfleet.models import TOKEN_MODELS
 
@@ -42,7 +42,7 @@ COMM_METHOD = ("1 - the median compute-only step (the same batch through a priva
                " process group, once per block) / the median step")
 
 
-def combine(cell: str, plan: LinkPlan, machines: Machines, parts: list[dict | None]) -> dict:
+def combine(cell: str, plan: LinkJob, machines: Machines, parts: list[dict | None]) -> dict:
     """One row from every machine's post for `cell` (meeting.gather's list, None for a machine that said nothing)."""
     row = {"cell": cell, "label": plan.label(cell), "options": plan.fleet_options(cell), "model": plan.model,
            "machines": machines.nnodes, "processes_per_machine": 1, "global_batch": plan.global_batch,
@@ -111,7 +111,7 @@ def line(row: dict) -> str:
 # ---- the verdict -------------------------------------------------------------------------
 
 
-def _trade(row: dict, plan: LinkPlan) -> str:
+def _trade(row: dict, plan: LinkJob) -> str:
     """What the winner gives up for its speed: none of them is ddp's arithmetic."""
     if row["cell"] in MEETING_CELLS:
         return (f"{row['cell']} trades ddp's exact arithmetic for fewer exchanges: its replica groups train apart"
@@ -120,7 +120,7 @@ def _trade(row: dict, plan: LinkPlan) -> str:
             " the rest to later steps")
 
 
-def verdict(mbit_s: float, rows: list[dict], plan: LinkPlan) -> str:
+def verdict(mbit_s: float, rows: list[dict], plan: LinkJob) -> str:
     """Which cell wins on this link and by how much, in one sentence."""
     ok = sorted((r for r in rows if r["status"] == "ok"), key=lambda r: r["step_time_median_s"])
     link = f"on this {mbit_s:,.0f} Mbit/s link"
@@ -151,7 +151,7 @@ def verdict(mbit_s: float, rows: list[dict], plan: LinkPlan) -> str:
 # ---- files and the table -----------------------------------------------------------------
 
 
-def document(plan: LinkPlan, machines: Machines, machine: dict, link: Link, rows: list[dict],
+def document(plan: LinkJob, machines: Machines, machine: dict, link: Link, rows: list[dict],
              notes: list[str]) -> dict:
     cells = [{field: row.get(field) for field in FIELDS} for row in rows]
     return {

@@ -4,7 +4,7 @@
    store stays open until the end, the others join it;
 2. node 0 sends its plan; the others run it (and say where their own flags differed);
 3. the link's Mbit/s (measure.py), printed on every machine;
-4. each cell: every machine ready, then its `torchfleet run` (cells.py); each posts what it measured,
+4. each cell: every machine ready, then its `torchfleet run` (cell_process.py); each posts what it measured,
    node 0 combines the posts into a row and prints it;
 5. node 0: the table, the verdict, results.json in --out; the others print the verdict too.
 
@@ -17,11 +17,11 @@ import os
 import sys
 from dataclasses import asdict
 
-from torchfleet.bench.link import cells as link_cells
+from torchfleet.bench.link import cell_process as link_cells
 from torchfleet.bench.link import report
+from torchfleet.bench.link.job import LinkJob, Machines
 from torchfleet.bench.link.measure import measure
 from torchfleet.bench.link.meeting import Meeting
-from torchfleet.bench.link.plan import LinkPlan, Machines
 from torchfleet.launcher import preflight
 
 # How long a machine waits for the others between cells: one may still be finishing a cell that ran
@@ -45,12 +45,12 @@ def _exposure(machines: Machines, cells: int) -> str:
             " Gloo ports the OS chooses: run it on a private network (docs/guides/security.md)")
 
 
-def _differences(mine: LinkPlan, theirs: LinkPlan) -> list[str]:
+def _differences(mine: LinkJob, theirs: LinkJob) -> list[str]:
     return [f"{name} {value!r} (here {getattr(mine, name)!r})" for name, value in asdict(theirs).items()
             if getattr(mine, name) != value]
 
 
-def run_link_bench(plan: LinkPlan, machines: Machines, out: str, threads: int | None = None,
+def run_link_bench(plan: LinkJob, machines: Machines, out: str, threads: int | None = None,
                    notes: list[str] | None = None, console=None) -> dict:
     """Run link mode on this machine. Node 0 returns the results document; the others {"node", "verdict",
     "cells"}, their cells' statuses as they saw them (node 0 holds the figures)."""
@@ -78,7 +78,7 @@ def run_link_bench(plan: LinkPlan, machines: Machines, out: str, threads: int | 
         meeting.send_plan(asdict(plan))
     else:
         sent = meeting.receive_plan(SLACK_SECONDS)
-        theirs = LinkPlan(**{**sent, "cells": tuple(sent["cells"])})
+        theirs = LinkJob(**{**sent, "cells": tuple(sent["cells"])})
         differ = _differences(plan, theirs)
         if differ:
             say(f"note: node 0's plan is the one run: {'; '.join(differ)}")

@@ -3,7 +3,7 @@
 Every machine starts the same command at once (meeting.py brings them together first):
 
     python -m torchfleet run --nnodes N --node-rank R --master-addr A --master-port P+1+i -n 1 --no-preflight
-        [--fault-tolerance step] -m torchfleet.bench.link.cell SPEC RESULT
+        [--fault-tolerance step] -m torchfleet.bench.link.measure_on_machine SPEC RESULT
 
 so a cell goes through the real launcher: torchrun's static rendezvous for ddp and PowerSGD, one replica
 group per machine under torchft for diloco and localsgd (node 0's launcher starts the lighthouse). The
@@ -24,22 +24,22 @@ import sys
 import time
 from pathlib import Path
 
-from torchfleet.bench.link.plan import MEETING_CELLS, LinkPlan, Machines
+from torchfleet.bench.link.job import MEETING_CELLS, LinkJob, Machines
 
 _EXCEPTION = re.compile(r"^[\w.]*(Error|Exception)\b.*: ")
 STOP_SECONDS = 15.0  # after SIGTERM, how long the launcher gets to stop its workers itself
 
 
-def command(cell: str, index: int, plan: LinkPlan, machines: Machines, spec: dict, result: Path) -> list[str]:
+def command(cell: str, index: int, plan: LinkJob, machines: Machines, spec: dict, result: Path) -> list[str]:
     return [sys.executable, "-m", "torchfleet", "run", "--nnodes", str(machines.nnodes),
             "--node-rank", str(machines.node_rank), "--master-addr", machines.master_addr,
             "--master-port", str(machines.cell_port(index)), "-n", "1", "--no-preflight",
             *(["--fault-tolerance", "step"] if cell in MEETING_CELLS else []),
-            "-m", "torchfleet.bench.link.cell", json.dumps(spec), str(result)]
+            "-m", "torchfleet.bench.link.measure_on_machine", json.dumps(spec), str(result)]
 
 
-def spec_of(cell: str, plan: LinkPlan, machines: Machines, threads: int) -> dict:
-    """What cell.py's worker measures (bench/cell.py's workload fields, and the cell's own)."""
+def spec_of(cell: str, plan: LinkJob, machines: Machines, threads: int) -> dict:
+    """What measure_on_machine.py's worker measures (bench/measure_cell.py's workload fields, and the cell's own)."""
     return {"model": plan.model, "gpt_preset": plan.gpt_preset, "image_size": plan.image_size, "seed": plan.seed,
             "fleet": plan.fleet_options(cell), "precision": plan.precision, "threads": threads,
             "nnodes": machines.nnodes, "node_rank": machines.node_rank, "global_batch": plan.global_batch,
@@ -98,7 +98,7 @@ def failure_reason(log: str, code: int | None) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
-def run_here(cell: str, index: int, plan: LinkPlan, machines: Machines, threads: int, log: Path) -> dict:
+def run_here(cell: str, index: int, plan: LinkJob, machines: Machines, threads: int, log: Path) -> dict:
     """This machine's part of `cell`: {"status": "ok", "result": worker's figures, "wall_s"} or
     {"status": "failed", "error": one line, "wall_s"}. Never raises for the cell's own failure."""
     result = log.with_suffix(".json")

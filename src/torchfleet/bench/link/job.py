@@ -1,6 +1,7 @@
-"""bench's link mode: the machines, and the plan every machine runs, from the flags, validated once.
+"""bench's link mode: the machines, and the job each runs (the cells, in order, one workload), from the flags,
+validated once.
 
-Node 0's plan is the one run: it is sent to the other machines, which say where their own flags differ
+Node 0's job is the one run: it is sent to the other machines, which say where their own flags differ
 and run it anyway, so a flag typed differently on one machine cannot make the cells measure different
 things. Bad input is one sentence (UsageError), before anything starts.
 """
@@ -46,7 +47,7 @@ class Machines:
 
 
 @dataclass(frozen=True)
-class LinkPlan:
+class LinkJob:
     """What every machine runs: the cells, in order, on the same workload."""
 
     cells: tuple[str, ...] = DEFAULT_CELLS
@@ -127,7 +128,7 @@ def _blocks(value: int, sync_every: int, least: int) -> int:
     return max(least, math.ceil(value / sync_every)) * sync_every
 
 
-def plan_from_flags(flags: dict, options: dict, nnodes: int, quick: bool = False) -> tuple[LinkPlan, list[str]]:
+def job_from_flags(flags: dict, options: dict, nnodes: int, quick: bool = False) -> tuple[LinkJob, list[str]]:
     """The plan and notes about what was chosen, from bench's flags (`flags`: model, gpt_preset,
     image_size, strategies, nproc, batch_sizes, precisions, warmup, steps; None where not given) and
     the strategy flags given (`options`). UsageError for what link mode cannot measure."""
@@ -183,7 +184,7 @@ def plan_from_flags(flags: dict, options: dict, nnodes: int, quick: bool = False
     if warm != warmup:
         notes.append(f"--warmup {warmup} rounded up to {warm}: whole blocks of --sync-every {sync_every} steps, so"
                      " timing starts just after a meeting")
-    plan = LinkPlan(cells=cells, model=checked.model, gpt_preset=checked.gpt_preset or DEFAULT_PRESET,
+    plan = LinkJob(cells=cells, model=checked.model, gpt_preset=checked.gpt_preset or DEFAULT_PRESET,
                     image_size=checked.image_size, global_batch=batch, precision=precision, warmup=warm,
                     steps=timed, sync_every=sync_every, powersgd_rank=rank, outer_lr=options.get("outer_lr"),
                     outer_momentum=options.get("outer_momentum"))

@@ -1,9 +1,9 @@
-"""bench's link mode: one cell on one machine, as `torchfleet run` starts it on every machine (cells.py).
+"""bench's link mode: one cell on one machine, as `torchfleet run` starts it on every machine (cell_process.py).
 
-    python -m torchfleet.bench.link.cell SPEC_JSON RESULT_PATH
+    python -m torchfleet.bench.link.measure_on_machine SPEC_JSON RESULT_PATH
 
 One process per machine: the cell's `Fleet` (ddp, ddp with PowerSGD, or diloco/localsgd as a replica group
-of one), bench's model and one in-memory batch of this machine's share of the global batch (bench/cell.py's
+of one), bench's model and one in-memory batch of this machine's share of the global batch (bench/measure_cell.py's
 `workload`: gpt's is random tokens), AdamW. It writes RESULT_PATH as JSON: what node 0 combines (report.py).
 
 What is timed, and why so:
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from torchfleet.bench.cell import workload
+from torchfleet.bench.measure_cell import workload
 from torchfleet.fleet import Fleet
 from torchfleet.models import TOKEN_MODELS, gpt_config
 
@@ -58,7 +58,7 @@ def _autocast(device: torch.device, precision: str):
 
 
 def measure(spec: dict) -> dict:
-    """This machine's blocks and probes; `spec` is bench/cell.py's workload spec plus fleet, precision,
+    """This machine's blocks and probes; `spec` is bench/measure_cell.py's workload spec plus fleet, precision,
     threads, nnodes, node_rank, global_batch, warmup, steps and sync_every."""
     torch.set_num_threads(spec["threads"])
     fleet = Fleet(precision=spec["precision"], **spec["fleet"])
