@@ -45,7 +45,7 @@ def worker(args) -> None:
 
     from torchfleet import Fleet
     from torchfleet.train.datasets import digits
-    from torchfleet.train.loop import evaluate
+    from torchfleet.train.job import evaluate
     from torchfleet.train.models import mlp
 
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints every thread's stack

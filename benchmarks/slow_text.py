@@ -80,7 +80,7 @@ def worker(args) -> None:
     from torchfleet import Fleet
     from torchfleet.models import gpt, lm_loss
     from torchfleet.train.datasets import builtin_dataset
-    from torchfleet.train.loop import evaluate
+    from torchfleet.train.job import evaluate
     from torchfleet.train.tasks import LANGUAGE
 
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints every thread's stack

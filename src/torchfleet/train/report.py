@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 from rich.console import Console
@@ -13,7 +14,7 @@ from rich.table import Table
 console = Console(stderr=False)
 
 
-class _Bar:
+class StepBar:
     def __init__(self, progress: Progress | None, task):
         self._progress, self._task = progress, task
 
@@ -45,11 +46,11 @@ def describe(figures: dict) -> str:
 
 
 @contextlib.contextmanager
-def progress(enabled: bool, total: int, done: int = 0, groups: bool = False):
+def progress(enabled: bool, total: int, done: int = 0, groups: bool = False) -> Iterator[StepBar]:
     """A step bar with epoch and loss (and, with `groups`, the replica groups in each step's quorum);
     a silent stand-in on other ranks."""
     if not enabled:
-        yield _Bar(None, None)
+        yield StepBar(None, None)
         return
     columns = (
         TextColumn("epoch {task.fields[epoch]}"),
@@ -62,7 +63,7 @@ def progress(enabled: bool, total: int, done: int = 0, groups: bool = False):
     # A non-terminal (CI logs, pipes) gets the epoch lines without redraws.
     with Progress(*columns, console=console, transient=True, disable=not sys.stdout.isatty()) as bar:
         task = bar.add_task("train", total=total, completed=done, epoch=0, loss="-", groups="-")
-        yield _Bar(bar, task)
+        yield StepBar(bar, task)
 
 
 def _fmt(value) -> str:

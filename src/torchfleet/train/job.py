@@ -1,0 +1,69 @@
+"""The built-in job of `torchfleet train`: its data, model and optimizer set up by Fleet, and its validation."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from torchfleet.data import GlobalBatchSampler
+from torchfleet.fleet import Fleet
+from torchfleet.models import gpt_config
+from torchfleet.train.config import TrainConfig
+from torchfleet.train.datasets import builtin_dataset
+from torchfleet.train.models import build_model, build_optimizer
+from torchfleet.train.tasks import CLASSIFY, Task, task_for
+
+
+def evaluate(fleet: Fleet, dataset, on_batch=None, task: Task = CLASSIFY) -> dict:
+    """`task`'s validation figures over the whole validation set, each sample counted once
+    across ranks: {"val_accuracy": ...}, or val_loss and val_perplexity for gpt (train/tasks.py)."""
+    model = fleet.strategy.model
+    was_training = model.training
+    model.eval()
+    numerator = count = 0.0
+    for inputs, targets in fleet.eval_dataloader(dataset):
+        outputs = fleet.predict(inputs)
+        if on_batch:
+            on_batch()  # the watchdog's heartbeat: a long evaluation is progress too
+        if outputs is not None:  # pipeline stages other than the last return None
+            n, c = task.tally(outputs, targets)
+            numerator, count = numerator + n, count + c
+    model.train(was_training)
+    sums = fleet.all_reduce(torch.tensor([numerator, count], dtype=torch.float64), op="sum")
+    return task.figures(sums[0].item(), sums[1].item())
+
+
+@dataclasses.dataclass
+class Job:
+    """The built-in job, set up by Fleet: what the loop trains and evaluates."""
+
+    optimizer: torch.optim.Optimizer
+    task: Task
+    loader: torch.utils.data.DataLoader
+    sampler: GlobalBatchSampler
+    val_set: torch.utils.data.Dataset
+    block: int  # a gpt sample's tokens
+
+
+def set_up(cfg: TrainConfig, fleet: Fleet) -> Job:
+    """The built-in job's data, model and optimizer, set up by `fleet` for its strategy."""
+    torch.manual_seed(cfg.seed)  # the same initial weights on every rank and every run
+    block = gpt_config(cfg.gpt_preset).block_size  # read by --data text only
+    assert cfg.data is not None  # TrainConfig.__post_init__ puts the model's default there
+    train_set = builtin_dataset(cfg.data, "train", cfg.seed, cfg.synthetic_size, block_size=block)
+    val_set = builtin_dataset(cfg.data, "val", cfg.seed, cfg.synthetic_size, block_size=block)
+    in_shape = tuple(train_set[0][0].shape)
+    model = build_model(cfg.model, in_shape, num_classes=10, gpt_preset=cfg.gpt_preset)
+    task = task_for(cfg.model)  # the loss, and what validation reports
+    optimizer = build_optimizer(cfg.optimizer, model.parameters(), cfg.lr)
+    loader = fleet.dataloader(train_set, cfg.batch_size, shuffle=True, seed=cfg.seed)
+    sampler = loader.batch_sampler
+    assert isinstance(sampler, GlobalBatchSampler)  # fleet.dataloader's own: local_batch, epoch, state
+    # A batch of this rank's shape, for pipelines that trace the model to cut it. Made from
+    # the data set, not the loader: a loader's iterator draws from its shuffling generator.
+    example = torch.stack([train_set[i][0] for i in range(sampler.local_batch)])
+    _, optimizer = fleet.setup(model, optimizer, example_inputs=example)
+    for note in fleet.notes:  # after setup: the BatchNorm note needs the model
+        fleet.print(f"note: {note}")
+    return Job(optimizer, task, loader, sampler, val_set, block)

@@ -1,0 +1,166 @@
+"""Where a `torchfleet train` run stands, and what happens after each of its steps and epochs.
+
+train/loop.py holds the loop itself; this holds what the loop would
+otherwise carry as a dozen local variables: the step, the newest loss, the
+last checkpointed step, samples and training seconds, the loss window, the
+metrics files, the progress bar and the hang watchdog. Each method is one
+thing the loop does at one point of a step or an epoch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from collections.abc import Iterator
+
+import torch
+
+from torchfleet import checkpoint
+from torchfleet.fleet import Fleet
+from torchfleet.launcher import preempt
+from torchfleet.launcher.watchdog import Watchdog
+from torchfleet.train import faults, report
+from torchfleet.train.checkpoints import resume, save
+from torchfleet.train.config import TrainConfig
+from torchfleet.train.job import Job, evaluate
+from torchfleet.train.losses import LossWindow
+from torchfleet.train.metrics import MetricsLog
+
+
+class Run:
+    """One run's state on one rank, from its first step (or a checkpoint's) to its last."""
+
+    def __init__(self, cfg: TrainConfig, fleet: Fleet, job: Job, listener: preempt.Listener):
+        self.cfg, self.fleet, self.job, self.listener = cfg, fleet, job, listener
+        self.replicas = fleet.replicas  # under --fault-tolerance step: this machine's replica group
+        self.step = self.saved = 0
+        self.loss = torch.tensor(float("nan"))  # the newest step's; a resumed run starts with its checkpoint's
+        # After a restart by torchrun's agent (--max-restarts) the group resumes on its own; a replica group
+        # heals from a live peer instead, which is ahead of any checkpoint.
+        restarted = fleet.env.restart_count > 0 and self.replicas is None
+        if cfg.checkpoint_dir and (cfg.resume or cfg.resume_fallback or restarted):
+            self.step, saved_loss = resume(fleet, cfg, job.sampler)
+            self.saved = self.step
+            if saved_loss is not None:
+                self.loss = torch.tensor(saved_loss)
+        self.total_steps = len(job.sampler) * cfg.epochs
+        if cfg.max_steps is not None:
+            self.total_steps = min(self.total_steps, cfg.max_steps)
+        self.watchdog = Watchdog(fleet.rank, fleet.world_size, cfg.hang_timeout).start() if cfg.hang_timeout else None
+        # The loss reaches the host every --log-every steps, not every step (train/losses.py).
+        self.window = LossWindow(cfg.log_every, fleet.rank, fleet.strategy.runtime.precision.scaler, fleet.all_reduce)
+        # The validation figures' names (a tally of nothing gives them) are the file's columns.
+        self.metrics = MetricsLog(cfg.metrics_out, cfg.tensorboard, tuple(job.task.figures(0.0, 0.0)),
+                                  start_step=self.step, extras=("participants",) if self.replicas else ()
+                                  ) if fleet.is_main else MetricsLog()
+        self.val: dict = {}  # the newest validation figures (evaluate's)
+        self.samples = 0
+        self.train_seconds = 0.0
+        self.start = time.perf_counter()
+        self.bar: report.StepBar  # while shown()
+
+    @property
+    def done(self) -> bool:
+        return self.step >= self.total_steps
+
+    @contextlib.contextmanager
+    def shown(self) -> Iterator[None]:
+        """The progress bar (main rank, unless --no-progress) and the metrics files, open for the run."""
+        with report.progress(enabled=self.cfg.progress and self.fleet.is_main, total=self.total_steps,
+                             done=self.step, groups=self.replicas is not None) as bar, self.metrics:
+            self.bar = bar
+            yield
+
+    def took_peers_step(self) -> bool:
+        """Whether the step just taken was not this run's next one: torchft's count says otherwise.
+
+        A step that did not commit is done again on the same batch, and a group that healed goes on at its
+        peers' step; Fleet has moved the loader to its batch (step k reads batch k, everywhere).
+        """
+        if self.replicas is None or self.replicas.step == self.step + 1:
+            return False
+        self.step = self.replicas.step
+        if self.watchdog:
+            self.watchdog.beat(self.step)
+        self.bar.at(self.step)
+        return True
+
+    def stepped(self, epoch: int) -> None:
+        """After a step: count it, read the losses every --log-every steps, checkpoint every
+        --checkpoint-every, and leave if told to."""
+        cfg = self.cfg
+        self.step += 1
+        self.samples += cfg.batch_size
+        if self.watchdog:
+            self.watchdog.beat(self.step)
+        self.window.add(self.loss, self.step, injected=faults.maybe_fire(self.fleet.rank, self.step))
+        saving = cfg.checkpoint_dir and cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0
+        shown = None
+        if self.step % cfg.log_every == 0 or saving:  # read before saving: never a diverged checkpoint
+            shown = self._log(epoch)
+        groups = f"{self.replicas.participants}/{self.replicas.env.groups}" if self.replicas else None
+        self.bar.advance(epoch=epoch + 1, loss=shown, groups=groups)
+        if saving:
+            self._save()
+        self.leave_if_asked()
+
+    def epoch_read(self, epoch: int) -> None:
+        """At an epoch's end: the losses read, a leave acted on, and after the last step diloco's and
+        localsgd's last meeting (before the final evaluation)."""
+        self.bar.advance(epoch=epoch + 1, loss=self._log(epoch), steps=0)
+        self.leave_if_asked()  # before the evaluation, which the time left may not allow
+        if self.done:
+            self.fleet.finish()
+
+    def evaluated(self, epoch: int) -> None:
+        """After an epoch: the validation figures, shown and written; a checkpoint when saving per epoch."""
+        beat = functools.partial(self.watchdog.beat, self.step, "evaluate") if self.watchdog else None
+        self.val = evaluate(self.fleet, self.job.val_set, beat, self.job.task)
+        self.bar.epoch_done(epoch + 1, self.val)
+        self.metrics.epoch(self.step, epoch + 1, self.val)
+        if self.cfg.checkpoint_dir and not self.cfg.checkpoint_every:
+            self._save()
+
+    def ended(self) -> float:
+        """After the loop: the final weights saved whatever the interval, a finished run's figures, the
+        watchdog stopped. The run's wall time."""
+        if self.cfg.checkpoint_dir and self.saved != self.step:
+            self._save()
+        if self.step == self.total_steps and not self.val:  # resumed a run that had finished: no epoch ran
+            self.fleet.print(f"note: the checkpoint is at the run's last step ({self.step}): nothing is left to"
+                             " train, and the final loss is the checkpoint's")
+            self.val = evaluate(self.fleet, self.job.val_set, task=self.job.task)
+        if self.watchdog:
+            self.watchdog.stop()
+        return time.perf_counter() - self.start
+
+    def leave_if_asked(self) -> None:
+        """After a step or an epoch's read: when told to leave, save (unless just saved) and go.
+        One process acts on its own flag at once; many act on the flag their last read agreed on
+        (LossWindow.read), at most --log-every steps after the signal, all at the same step."""
+        single = self.fleet.world_size == 1
+        if not (self.listener.requested if single else self.window.leave):
+            return
+        if self.saved != self.step:
+            if single:  # the read that checks the losses: never a diverged checkpoint
+                self._log(self.job.sampler.epoch)
+            self._save()
+        if self.watchdog:
+            self.watchdog.stop()
+        assert self.cfg.checkpoint_dir is not None  # listening only with --checkpoint-dir
+        raise preempt.leave(self.listener, self.fleet.env.local_rank, self.fleet.is_main, self.step,
+                            checkpoint.step_path(self.cfg.checkpoint_dir, self.step))
+
+    def _log(self, epoch: int) -> float | None:
+        """Read the loss window (the host sync of a log interval) and record its mean; None if it was empty.
+        This rank's preemption flag is agreed on in the same read (window.leave)."""
+        loss = self.window.read(self.listener.requested)
+        if loss is not None:
+            extras = {"participants": self.replicas.participants} if self.replicas else {}
+            self.metrics.step(self.step, epoch + 1, loss, self.job.optimizer.param_groups[0]["lr"], self.samples,
+                              **extras)
+        return loss
+
+    def _save(self) -> None:
+        self.saved = save(self.fleet, self.cfg, self.step, self.job.sampler, self.loss)
