@@ -9,8 +9,8 @@ trains on a fixed batch under each schedule: gpipe and 1f1b with one stage
 per process, the multi-stage schedules with 2 per process (on 2 processes the
 model is cut into 4 stages, on 4 into 8). Each process's busy time is the time
 inside its stages' forward and backward (Pipeline.pipeline_report, timed by
-strategies/stages.TimedStage); its bubble is 1 - busy / step time, averaged
-over the processes. The formula is strategies/schedules.bubble_formula:
+strategies/pipeline/stages.TimedStage); its bubble is 1 - busy / step time, averaged
+over the processes. The formula is strategies/pipeline/schedules.bubble_formula:
 (p-1)/(m+p-1) for gpipe and 1f1b, (p-1)/(v*m+p-1) for v stages per process,
 a third of it or none for zero bubble. All schedules of one process count run in one set of
 processes, interleaved step by step over several rounds, so drift on a
@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torchfleet import Fleet, launch
-from torchfleet.strategies.schedules import MULTI_STAGE, available
+from torchfleet.strategies.pipeline.schedules import MULTI_STAGE, available
 
 BLOCKS, BATCH, MICROBATCHES = 8, 256, 8
 

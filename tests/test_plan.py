@@ -13,7 +13,7 @@ import pytest
 from conftest import assert_refused_in_one_sentence, clean_env, forked_torchfleet, run
 from torchfleet.plan import comm, contention, overheads, pipelines, predict, probe, profile
 from torchfleet.plan.hardware import Target
-from torchfleet.strategies.schedules import available
+from torchfleet.strategies.pipeline.schedules import available
 
 GPT_TINY = {"model": "gpt", "gpt_preset": "tiny", "image_size": 224, "seed": 0, "block_size": 64}
 

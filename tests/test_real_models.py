@@ -164,7 +164,7 @@ def test_a_hand_written_loop_under_a_pipeline_is_refused_in_one_sentence():
 
 
 def test_cuts_that_cannot_be_made_are_one_sentence():
-    from torchfleet.strategies.cutting import stage_starts
+    from torchfleet.strategies.pipeline.cutting import stage_starts
     from torchfleet.testing.real_models import real_model
 
     net = real_model("hf-gpt2")

@@ -17,7 +17,7 @@ import torch
 from conftest import ROOT, clean_env, torchfleet
 from torchfleet import UsageError
 from torchfleet.strategies import get_strategy, registry, resolve_dims
-from torchfleet.strategies.pipeline import Pipeline
+from torchfleet.strategies.pipeline.strategy import Pipeline
 
 PLUGIN = '''
 from torchfleet.strategies import Preset

@@ -7,7 +7,7 @@ loss, and a checkpoint written with 2 stages per process loaded back and
 into serial. One launch runs them all; a second, of 4 processes, runs
 ddp+pipeline and fsdp+pipeline with 2 stages per process and GPT-2 in 4
 stages under 1f1b (its attention mask, made in the first stage, is carried
-through the others: strategies/skips.py). On a torch without a schedule's
+through the others: strategies/pipeline/skips.py). On a torch without a schedule's
 class, the refusal is what is checked.
 """
 
@@ -25,7 +25,7 @@ from conftest import require_system, torchfleet
 from torchfleet import Fleet, launch
 from torchfleet.errors import UsageError
 from torchfleet.strategies import resolve_dims
-from torchfleet.strategies.schedules import (
+from torchfleet.strategies.pipeline.schedules import (
     MULTI_STAGE,
     NEEDS_RELEASE,
     available,
@@ -103,8 +103,8 @@ def _first_two_losses(strategy: str, **options) -> tuple[Fleet, list, list[float
 
     Every process reports the batch's loss, sent from the last stage: at the first step the receive is
     posted before the schedule runs (Gloo's way), at the second after it (NCCL's way, which has no tags
-    to keep the loss apart from the schedule's messages; strategies/stages.py)."""
-    from torchfleet.strategies import pipeline
+    to keep the loss apart from the schedule's messages; strategies/pipeline/stages.py)."""
+    from torchfleet.strategies.pipeline import strategy as pipeline
 
     fleet = Fleet(strategy=strategy, **options)
     torch.manual_seed(0)

@@ -17,7 +17,7 @@ from torchfleet.errors import UsageError
 from torchfleet.fleet import Fleet
 from torchfleet.strategies.dims import ParallelDims
 from torchfleet.strategies.parallelize import split_balanced
-from torchfleet.strategies.pipeline import Pipeline
+from torchfleet.strategies.pipeline.strategy import Pipeline
 from torchfleet.testing.equivalence import default_microbatches_job, full_weights, train_k_steps
 from torchfleet.train.datasets import synthetic
 from torchfleet.train.models import build_model, build_optimizer

@@ -29,7 +29,7 @@ LLAMAS = ["hf-llama", "hf-llama-tied"]  # the zoo's models that declare a tensor
 TWO = [(s, m) for s in ("ddp", "fsdp", "pipeline") for m in MODELS] + [("tp", m) for m in LLAMAS]
 FOUR = [(s, m) for s in ("ddp+pipeline", "fsdp+pipeline") for m in MODELS] + [("fsdp+tp", m) for m in LLAMAS]
 # Before 2.14, torch's schedules send a gradient back for every tensor a stage receives
-# (strategies/cutting.py refuses such cuts by name); from 2.14 on nothing is refused.
+# (strategies/pipeline/cutting.py refuses such cuts by name); from 2.14 on nothing is refused.
 OLD_TORCH_REFUSAL = "which torch 2.1"
 
 

@@ -104,7 +104,7 @@ def _schedule_actions(name: str, pp: int, microbatches: int) -> list[list]:
     """
     from torch.distributed.pipelining import _schedule_visualizer as simulator
 
-    from torchfleet.strategies.schedules import SCHEDULES, schedule_class
+    from torchfleet.strategies.pipeline.schedules import SCHEDULES, schedule_class
 
     per = SCHEDULES[name][1] or 2
     with contextlib.redirect_stdout(io.StringIO()):  # the simulator prints every step it takes
@@ -145,7 +145,7 @@ def _schedule_actions(name: str, pp: int, microbatches: int) -> list[list]:
 
 
 def schedules() -> bytes:
-    from torchfleet.strategies.schedules import available
+    from torchfleet.strategies.pipeline.schedules import available
 
     names = available()
     pp, microbatches = 2, 4

@@ -10,7 +10,7 @@ from torchfleet.errors import UsageError, choice_error
 from torchfleet.precision import PRECISIONS
 from torchfleet.strategies import registry
 from torchfleet.strategies.block_transforms import COMPILE_MODES
-from torchfleet.strategies.schedules import schedule_variant
+from torchfleet.strategies.pipeline.schedules import schedule_variant
 from torchfleet.train.models import GPT_PRESETS, MODELS
 
 

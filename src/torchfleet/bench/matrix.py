@@ -43,7 +43,7 @@ from torchfleet.models import TOKEN_MODELS, gpt_config
 from torchfleet.strategies import STRATEGIES, registry, resolve_dims
 from torchfleet.strategies.dims import DIM_NAMES
 from torchfleet.strategies.meetings import METHODS as MEETING_METHODS
-from torchfleet.strategies.schedules import schedule_variant
+from torchfleet.strategies.pipeline.schedules import schedule_variant
 
 # A smoke test in seconds on 2 CPU cores, whichever model is asked for.
 QUICK = {"model": "mlp", "batch_sizes": (64,), "nproc": (2,), "precisions": ("fp32",),

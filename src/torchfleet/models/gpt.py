@@ -62,7 +62,7 @@ class GPTConfig:
         """The pipeline plan, in transformers' form: {module: (inputs, outputs)} in forward order.
 
         torchfleet's pipelines cut a model with a plan between its blocks and run its own forward
-        on each stage (strategies/plan_cut.py) instead of tracing it: a traced stage's forward
+        on each stage (strategies/pipeline/declared_cut.py) instead of tracing it: a traced stage's forward
         was about 20% slower on gpt tiny (docs/benchmarks/history.md)."""
         return {"tok_emb": (["idx"], ["tokens"]), "pos_emb": (["idx"], ["positions"]),
                 "drop": (["tokens", "positions"], ["hidden"]), "blocks": (["hidden"], ["hidden"]),

@@ -39,7 +39,7 @@ class PlanConfig:
     steps: int = 5
     cell_timeout_s: float = 300.0
     seed: int = 0
-    schedule: str | None = None  # the pipelines' (strategies/schedules.py); None: their default
+    schedule: str | None = None  # the pipelines' (strategies/pipeline/schedules.py); None: their default
     stages_per_process: int | None = None
     hf_config: str | None = None  # a library model planned at scale on fake tensors (plan/at_scale.py)
     seq_len: int = 8192
@@ -81,7 +81,7 @@ class PlanConfig:
             raise UsageError("--check runs bench here, so it checks plans for this machine only; leave out"
                              " --nodes, --gpus-per-node and --cpus-per-node")
         if self.schedule is not None or self.stages_per_process is not None:
-            from torchfleet.strategies.schedules import check_schedule
+            from torchfleet.strategies.pipeline.schedules import check_schedule
 
             check_schedule(self.schedule, 2, self.stages_per_process)  # a bad pair is one sentence, as in bench
         at_least("--steps", self.steps, 2)

@@ -30,7 +30,7 @@ Activations a process holds at its peak, in micro-batches' worth of the whole mo
 
 from __future__ import annotations
 
-from torchfleet.strategies.schedules import (
+from torchfleet.strategies.pipeline.schedules import (
     MULTI_STAGE,
     SCHEDULES,
     ZERO_BUBBLE_SHARE,

@@ -141,13 +141,13 @@ def layout(strategy: str, processes: int, batch: int, profile: Profile, options:
         return Layout(strategy, 1)
     lay = Layout(strategy, processes, dims.dp_replicate, dims.dp_shard, dims.pp, dims.tp)
     if dims.pp > 1:
-        from torchfleet.strategies.schedules import default_schedule, microbatch_problem
-        from torchfleet.strategies.stages import default_microbatches
+        from torchfleet.strategies.pipeline.schedules import default_schedule, microbatch_problem
+        from torchfleet.strategies.pipeline.stages import default_microbatches
 
         schedule = options.get("schedule") or default_schedule(options.get("stages_per_process"))
         per = pipelines.stages_per_process(schedule, options.get("stages_per_process"))
         local = max(1, batch // lay.readers)
-        # The pipelines' own rule (strategies/stages.py); --check re-predicts with the count a cell really used.
+        # The pipelines' own rule (strategies/pipeline/stages.py); --check re-predicts with the count a cell really used.
         m = options.get("microbatches") or default_microbatches(
             local, dims.pp, lambda m: microbatch_problem(schedule, dims.pp, m) is None,
             profile.pointwise_convs and cpu_threads == 1) or 2 * dims.pp

@@ -119,7 +119,7 @@ def measure(spec: dict, optimizer: str, cores: int, batches: tuple[int, ...] | N
     from torchfleet.bench import flops
     from torchfleet.strategies.blocks import find_blocks
     from torchfleet.strategies.parallelize import fsdp_units
-    from torchfleet.strategies.stages import has_pointwise_convs
+    from torchfleet.strategies.pipeline.stages import has_pointwise_convs
 
     before = torch.get_num_threads()
     model, inputs, targets, loss_fn = _workload(spec, 2)

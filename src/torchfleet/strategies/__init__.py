@@ -25,7 +25,7 @@ from torchfleet.strategies.registry import DIM_NAMES, Preset, register
 _MESH = {
     "replicate": "ddp:DataParallelDistributed",
     "shard": "fsdp:FullyShardedDataParallel",
-    "pipeline": "pipeline:Pipeline",
+    "pipeline": "pipeline.strategy:Pipeline",
 }
 PIPELINE_OPTIONS = ("schedule", "stages_per_process", "microbatches")
 
@@ -93,7 +93,7 @@ def resolve_dims(name: str, world_size: int, nodes: int = 1, options: dict | Non
     if dims.pp > 1 and pipelined:
         # A schedule that cannot run is refused here, before any process starts, not in every
         # worker. Imported here: it pulls in torch.distributed.pipelining (see above).
-        from torchfleet.strategies.schedules import check_schedule
+        from torchfleet.strategies.pipeline.schedules import check_schedule
 
         check_schedule(pipelined.get("schedule"), dims.pp, pipelined.get("stages_per_process"),
                        pipelined.get("microbatches"))

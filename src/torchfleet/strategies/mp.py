@@ -26,9 +26,9 @@ from torch.utils._pytree import tree_leaves, tree_map
 from torchfleet.errors import UsageError
 from torchfleet.precision import Precision
 from torchfleet.strategies.base import Strategy
-from torchfleet.strategies.cutting import stage_starts
 from torchfleet.strategies.distributed import names_option
 from torchfleet.strategies.partition import partition
+from torchfleet.strategies.pipeline.cutting import stage_starts
 
 DEFAULT_MICROBATCHES = 4
 

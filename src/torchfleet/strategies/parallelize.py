@@ -193,7 +193,8 @@ def parallelize(model: nn.Module, *, dims: ParallelDims, mesh: DeviceMesh, devic
     """Apply every parallelism of `dims` to `model`, in the fixed order.
 
     `cut_stage` is this rank's stage when the pipeline cut the model itself (by tracing it,
-    or by its own plan: strategies/cutting.py); a Sequential is cut here, by its children.
+    strategies/pipeline/cutting.py, or by its own plan, strategies/pipeline/declared_cut.py);
+    a Sequential is cut here, by its children.
     `fsdp_classes` names the block classes FSDP2 shards as units (default: the repeated blocks).
     `tp_plan` is the tensor-parallel plan (`tensor_parallel.tp_plan_for`), needed when ``dims.tp > 1``.
     """

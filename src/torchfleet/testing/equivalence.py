@@ -159,7 +159,7 @@ def default_microbatches_job() -> tuple[int, dict[int, int]]:
                             nn.Conv2d(8, 8, kernel, padding=kernel // 2), nn.Flatten(), nn.Linear(128, 10))
         fleet.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
         fleet.train_step(torch.randn(32, 3, 4, 4), torch.randint(0, 10, (32,)), nn.functional.cross_entropy)
-        from torchfleet.strategies.pipeline import Pipeline
+        from torchfleet.strategies.pipeline.strategy import Pipeline
 
         assert isinstance(fleet.strategy, Pipeline)
         chosen[kernel] = fleet.strategy.microbatches

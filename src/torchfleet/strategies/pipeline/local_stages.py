@@ -1,7 +1,7 @@
 """Several pipeline stages in one process: cut them, share what they share, and hold them as one model.
 
 Interleaved, looped and zero-bubble schedules give each process K stages of
-a model cut into pp x K (strategies/schedules.py says which). What the rest
+a model cut into pp x K (strategies/pipeline/schedules.py says which). What the rest
 of torchfleet sees of a process (the optimizer, `state_dicts`, sharded
 checkpoints, clipping, the memory report) is one module holding this
 process's parameters under the model's own names: `LocalStages` grafts the
@@ -26,11 +26,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from torchfleet.strategies import cutting
 from torchfleet.strategies.dims import ParallelDims
 from torchfleet.strategies.parallelize import split_balanced
-from torchfleet.strategies.plan_cut import cut_by_plan
-from torchfleet.strategies.transfer import recv_tensors, send_tensors
+from torchfleet.strategies.pipeline import cutting
+from torchfleet.strategies.pipeline.declared_cut import cut_by_plan
+from torchfleet.strategies.pipeline.transfer import recv_tensors, send_tensors
 
 
 class LocalStages(nn.Module):

@@ -1,6 +1,6 @@
 """Cutting a model that is not an ``nn.Sequential`` into pipeline stages.
 
-A Sequential's children are cut where they stand (parallelize.py). Any other
+A Sequential's children are cut where they stand (strategies/parallelize.py). Any other
 model (a transformer from a library, a ResNet) is cut by
 `torch.distributed.pipelining`'s tracer: torch.export captures the forward
 on one example micro-batch, and the graph is split where a named module
@@ -44,7 +44,7 @@ from torch.utils import _pytree as pytree
 from torchfleet.errors import UsageError
 from torchfleet.strategies.blocks import describe, find_blocks, parameter_names
 from torchfleet.strategies.partition import partition
-from torchfleet.strategies.skips import carry_skips
+from torchfleet.strategies.pipeline.skips import carry_skips
 from torchfleet.versions import release
 
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from torchfleet.strategies.transfer import full, like, to_cpu
+from torchfleet.strategies.pipeline.transfer import full, like, to_cpu
 
 
 @dataclass(frozen=True)

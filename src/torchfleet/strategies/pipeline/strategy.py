@@ -1,18 +1,5 @@
-"""pipeline, ddp+pipeline and fsdp+pipeline: each process holds one stage of the model.
-
-Every preset of the parallel dimensions with ``pp > 1`` runs here
-(strategies/dims.py): ``pipeline`` is one pipeline through every process,
-``ddp+pipeline`` replicates it (DDP on each stage across replicas), and
-``fsdp+pipeline`` shards each stage across its data-parallel group (FSDP2).
-An ``nn.Sequential`` is cut into consecutive stages balanced by parameter
-count; a model that declares a pipeline plan is cut by it (plan_cut.py), any
-other model by tracing it (cutting.py). `torch.distributed.pipelining` runs each batch as `microbatches`
-micro-batches under the chosen schedule (schedules.py: GPipe, 1F1B, or with
-`stages_per_process` K > 1 interleaved 1F1B, looped BFS or zero bubble over
-pp x K stages, K on each process: local_stages.py); the last stage computes the
-loss. The stages of one pipeline read the same batch (the first stage uses
-the inputs, the last the targets), so a pipeline counts as one data-parallel
-rank.
+"""The `Pipeline` strategy: it cuts the model (the package's docstring says how), wraps each stage,
+and drives the stages through torch's schedule.
 
 Gradients across replicas or shards are synchronised by DDP or FSDP2 inside
 torch's schedule, once per schedule step at the last micro-batch; with
@@ -42,14 +29,16 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from torchfleet.errors import UsageError
-from torchfleet.strategies import cutting, schedules
 from torchfleet.strategies.base import SetupArgs, batch_size, split_batch
 from torchfleet.strategies.block_transforms import checkpoint_activations, compile_model
 from torchfleet.strategies.blocks import parameter_names
-from torchfleet.strategies.cutting import tied_groups
 from torchfleet.strategies.distributed import MeshStrategy
 from torchfleet.strategies.fsdp import memory_per_rank, rebuild_optimizer
-from torchfleet.strategies.local_stages import (
+from torchfleet.strategies.parallelize import parallelize
+from torchfleet.strategies.pipeline import cutting, schedules
+from torchfleet.strategies.pipeline.cutting import tied_groups
+from torchfleet.strategies.pipeline.declared_cut import declared_plan
+from torchfleet.strategies.pipeline.local_stages import (
     LocalStages,
     cut_local,
     run_stages,
@@ -58,10 +47,8 @@ from torchfleet.strategies.local_stages import (
     sync_tied_gradients,
     tied_process_groups,
 )
-from torchfleet.strategies.parallelize import parallelize, split_balanced
-from torchfleet.strategies.plan_cut import declared_plan
-from torchfleet.strategies.stage_state import ModelKeys, gather_stages, load_stage
-from torchfleet.strategies.stages import (
+from torchfleet.strategies.pipeline.stage_state import ModelKeys, gather_stages, load_stage
+from torchfleet.strategies.pipeline.stages import (
     TAGGED_BACKENDS,
     TimedStage,
     default_microbatches,
@@ -72,8 +59,7 @@ from torchfleet.strategies.stages import (
     sequential_ties,
 )
 
-SCHEDULES = schedules.SCHEDULES
-__all__ = ["SCHEDULES", "Pipeline", "split_balanced"]
+__all__ = ["Pipeline"]
 
 
 class Pipeline(MeshStrategy):

@@ -35,7 +35,7 @@ from torch.utils import _pytree as pytree
 
 from torchfleet.errors import UsageError
 from torchfleet.strategies.blocks import on_base_model
-from torchfleet.strategies.cutting import (
+from torchfleet.strategies.pipeline.cutting import (
     Cut,
     example_rows,
     flat_output,

@@ -13,7 +13,7 @@ from torch.utils import _pytree as pytree
 
 from torchfleet.errors import UsageError
 from torchfleet.strategies.base import batch_size
-from torchfleet.strategies.cutting import tied_groups
+from torchfleet.strategies.pipeline.cutting import tied_groups
 
 
 class TimedStage(PipelineStage):
