@@ -54,7 +54,7 @@ def run_once(net, ft: bool, args, folder: Path, port: int) -> float:
             raise SystemExit(f"a run failed ({'ft' if ft else 'ddp'}):\n{out}")
     rows = [r for r in csv.DictReader((folder / "host0.csv").open()) if r["kind"] == "train"]
     elapsed = [float(r["elapsed_s"]) for r in rows]
-    steps = [b - a for a, b in zip(elapsed, elapsed[1:])][args.skip:]
+    steps = [b - a for a, b in zip(elapsed, elapsed[1:], strict=False)][args.skip:]
     return statistics.median(steps)
 
 
