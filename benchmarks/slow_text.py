@@ -189,11 +189,11 @@ def table(bandwidth: str, cells: list[dict], args) -> str:
 def available(cells: list[str]) -> list[str]:
     """The cells Fleet can run here: diloco needs its strategy (being written) and torchft."""
     sys.path.insert(0, str(ROOT / "src"))
-    from torchfleet import ft
+    from torchfleet.replica_groups import torchft_setup
     from torchfleet.strategies import registry
 
     if "diloco" in cells:
-        reason = ("Fleet has no strategy 'diloco' yet" if registry.find("diloco") is None else ft.unavailable())
+        reason = ("Fleet has no strategy 'diloco' yet" if registry.find("diloco") is None else torchft_setup.unavailable())
         if reason:
             print(f"note: skipping the diloco cell: {reason}", flush=True)
             cells = [c for c in cells if c != "diloco"]

@@ -1,4 +1,4 @@
-"""diloco and localsgd: replica groups that meet every few steps on torchft (ft/outer.py), on one machine.
+"""diloco and localsgd: replica groups that meet every few steps on torchft (replica_groups/outer_step.py), on one machine.
 
 Groups are separate `torchfleet train` commands (node ranks at 127.0.0.1, as test_ft.py starts them) or one
 `torchfleet train -n 2`, with real processes, torchft's lighthouse and real sockets. What is checked: with one
@@ -196,9 +196,9 @@ def test_bad_meeting_input_is_one_sentence_and_status_2(flags, sentence, capsys)
 
 
 def test_without_torchft_diloco_is_refused_saying_what_to_install(monkeypatch, capsys):
-    from torchfleet import ft
+    from torchfleet.replica_groups import torchft_setup
 
-    monkeypatch.setattr(ft, "version", lambda: None)
+    monkeypatch.setattr(torchft_setup, "version", lambda: None)
     assert "diloco runs on torchft, which cannot run here: torchft is not installed" in refused_in_one_sentence(
         ["--strategy", "diloco", "-n", "2"], capsys)
 

@@ -136,12 +136,13 @@ def _code_paths_that_do_not_exist(files) -> list[str]:
 
 
 def test_the_code_names_only_paths_that_exist():
-    """strategies/__init__.py once named an ft/sync.py that did not exist; this one is its own self-test's."""
+    """strategies/__init__.py once named a sync.py of the replica groups' that did not exist; this file's
+    replica_groups/sync.py, which does not either, is its own self-test's."""
     files = [*PACKAGE.rglob("*.py"), *(ROOT / "benchmarks").glob("*.py"),
              *(f for f in (ROOT / "tests").glob("*.py") if f.name != "test_docs.py")]
     assert not (missing := _code_paths_that_do_not_exist(files)), "\n".join(missing)
     planted = _code_paths_that_do_not_exist([ROOT / "tests" / "test_docs.py"])  # this file names two on purpose
-    assert {line.split(": ")[1] for line in planted} == {"ft/sync.py", "src/torchfleet/nothing.py"}
+    assert {line.split(": ")[1] for line in planted} == {"replica_groups/sync.py", "src/torchfleet/nothing.py"}
 
 
 def test_the_checker_finds_a_flag_a_path_a_command_and_a_target_that_do_not_exist():

@@ -49,12 +49,13 @@ def test_report_on_this_machine(report: dict) -> None:
 
 
 def test_report_says_whether_per_step_fault_tolerance_can_run(report: dict, monkeypatch) -> None:
-    from torchfleet import doctor, ft
+    from torchfleet import doctor
+    from torchfleet.replica_groups import torchft_setup
 
-    installed = ft.version()
+    installed = torchft_setup.version()
     assert report["fault_tolerance"]["torchft"] == installed
     assert report["fault_tolerance"]["available"] == (installed is not None)
-    monkeypatch.setattr(ft, "version", lambda: None)  # as where torchft is not installed
+    monkeypatch.setattr(torchft_setup, "version", lambda: None)  # as where torchft is not installed
     missing = doctor._fault_tolerance()
     assert missing == {"torchft": None, "available": False,
                        "why": "torchft is not installed; pip install 'torchfleet[ft]' (or pip install torchft)"}

@@ -301,7 +301,7 @@ def test_a_script_runs_as_replica_groups_unless_they_start_from_different_weight
 
 
 def test_the_account_names_who_left_who_joined_and_the_pause():
-    from torchfleet.ft.account import Account
+    from torchfleet.replica_groups.quorum_log import Account
 
     account = Account(group=0, groups=3)
     transport = SimpleNamespace(received=None, sent=[])
@@ -330,7 +330,7 @@ def test_the_account_names_who_left_who_joined_and_the_pause():
 
 
 def test_a_quorum_is_recorded_as_the_groups_torchft_names():
-    from torchfleet.ft.account import recording
+    from torchfleet.replica_groups.quorum_log import recording
 
     class Base:
         def __init__(self, timeout=None):
@@ -348,7 +348,7 @@ def test_a_quorum_is_recorded_as_the_groups_torchft_names():
 
 def test_a_replica_groups_state_refuses_another_layout():
     from torchfleet.errors import TrainingError
-    from torchfleet.ft.state import TrainingState
+    from torchfleet.replica_groups.healing_state import TrainingState
 
     torch.manual_seed(0)
     small, large = torch.nn.Linear(4, 2), torch.nn.Linear(4, 3)
@@ -359,7 +359,7 @@ def test_a_replica_groups_state_refuses_another_layout():
 
 
 def test_a_healing_group_takes_weights_and_optimizer_state_in_place():
-    from torchfleet.ft.state import TrainingState
+    from torchfleet.replica_groups.healing_state import TrainingState
 
     torch.manual_seed(0)
     live, fresh = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
@@ -410,10 +410,10 @@ def test_bad_fault_tolerance_input_is_one_sentence_and_status_2(flags, sentence,
 
 
 def test_without_torchft_step_is_refused_saying_what_to_install(monkeypatch, capsys):
-    from torchfleet import ft
     from torchfleet.cli import main
+    from torchfleet.replica_groups import torchft_setup
 
-    monkeypatch.setattr(ft, "version", lambda: None)
+    monkeypatch.setattr(torchft_setup, "version", lambda: None)
     assert main(["train", *MLP, "--fault-tolerance", "step", "--nnodes", "2", "--master-addr", "127.0.0.1"]) == 2
     err = capsys.readouterr().err
     assert "--fault-tolerance step cannot run here: torchft is not installed; pip install 'torchfleet[ft]'" in err

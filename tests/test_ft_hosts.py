@@ -25,7 +25,7 @@ import torch
 from conftest import clean_env, read_outputs, require_module, said, torchfleet
 from netns import hosts
 from test_ft import MLP, SGD, _max_diff, replay
-from torchfleet.ft.lighthouse import HEARTBEAT_TIMEOUT_MS
+from torchfleet.replica_groups.lighthouse import HEARTBEAT_TIMEOUT_MS
 
 require_module("torchft", "--fault-tolerance step needs torchft (the dev extra installs it)")
 
@@ -104,7 +104,7 @@ def test_a_lost_host_leaves_the_others_training_and_heals_when_it_comes_back(str
         codes = {i: procs[i].returncode for i in range(3)}
     assert codes == {0: 0, 1: 0, 2: 0}, said(codes, {**outputs, "host 2 before it was lost": lost_output})
     # torch's noise a user can do nothing about: its reverse lookup of each socket's address failing (no DNS
-    # in the namespaces) and torchft's call of a deprecated no-op (env/name_lookup.py, ft.skip_noop_calls).
+    # in the namespaces) and torchft's call of a deprecated no-op (env/name_lookup.py, torchft_setup.skip_noop_calls).
     for text in (*outputs.values(), lost_output):
         assert "The hostname of the client socket cannot be retrieved" not in text, text
         assert "setSequenceNumberForGroup" not in text, text

@@ -21,12 +21,14 @@ LAYERS = [
     ("errors", "versions", "outputs", "allocator", "netif", "config"),  # no torch knowledge needed
     # what a process finds, core rules, built-in models, tensor memory
     ("env", "backend", "precision", "data", "models", "tensor_memory", "stores"),
-    ("strategies",),  # how a model is wrapped; the parallel dimensions
+    # how a model is wrapped; the parallel dimensions; diloco's and localsgd's options (no torch)
+    ("strategies", "replica_groups.sync_methods"),
     ("checkpoint",),  # verified directories, DCP
-    ("ft",),  # per-step fault tolerance on torchft: the lighthouse, the replica group
+    ("replica_groups",),  # replica groups on torchft: the lighthouse, per-step fault tolerance, the outer step
     ("launcher",),  # starting processes, their failures and hangs
     ("fleet", "hogwild", "strategy_spec"),  # the API a script holds; what a strategy name comes to
-    ("doctor", "train"),  # the machine report; the built-in job
+    # the machine report; the built-in job; its N replica groups on one machine (a launcher each)
+    ("doctor", "train", "replica_groups.on_one_machine"),
     ("testing", "bench"),  # reference jobs; the strategy matrix
     ("plan",),  # predictions per strategy, checked against bench's cells
     ("clusters",),  # job writers for schedulers

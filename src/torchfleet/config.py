@@ -72,7 +72,7 @@ class LaunchConfig:
     rdzv_id: str | None = None  # the job's id, the same on every machine (c10d)
     preflight: bool = True  # check the other machines before a multi-machine job
     # "restart" (torchrun's agent restarts the workers, which resume from a checkpoint) or "step"
-    # (each machine a replica group under torchft: the others go on when one is lost; ft/).
+    # (each machine a replica group under torchft: the others go on when one is lost; replica_groups/).
     fault_tolerance: str = "restart"
     lighthouse: str | None = None  # HOST:PORT of a lighthouse started elsewhere (torchfleet lighthouse)
     join_timeout: float = 120.0  # seconds a replica group waits for the others (or to commit a step)

@@ -97,9 +97,9 @@ def _world(need: int, oversubscribe: bool = False, shares_gpus: bool = False) ->
 
 def _meeting(hw: Hardware, cores: int) -> tuple[bool, str]:
     """diloco, localsgd: ddp's processes as replica groups under torchft, meeting every few steps."""
-    from torchfleet import ft
+    from torchfleet.replica_groups import torchft_setup
 
-    reason = ft.unavailable()
+    reason = torchft_setup.unavailable()
     if reason:
         return False, f"runs on torchft: {reason}"
     available, why = _world(2)(hw, cores)  # torchft's NCCL group between groups: a GPU each
@@ -197,10 +197,10 @@ def _interfaces() -> list[dict]:
 
 def _fault_tolerance() -> dict:
     """Whether --fault-tolerance step can run here: torchft installed, and loading with this torch."""
-    from torchfleet import ft
+    from torchfleet.replica_groups import torchft_setup
 
-    why = ft.unavailable()
-    version = ft.version()
+    why = torchft_setup.unavailable()
+    version = torchft_setup.version()
     return {"torchft": version, "available": why is None,
             "why": why or f"torchft {version} loads: --fault-tolerance step and torchfleet lighthouse can run here"}
 

@@ -26,10 +26,10 @@ from torchfleet.env import DistEnv
 from torchfleet.env.process_group import join_process_group
 from torchfleet.env.sagemaker import TrainingEnv
 from torchfleet.errors import UsageError
-from torchfleet.ft import join as ft_join
 from torchfleet.launcher import preempt
 from torchfleet.launcher.sagemaker import relaunch_per_gpu
 from torchfleet.precision import Precision
+from torchfleet.replica_groups import which_group
 from torchfleet.strategies import Runtime
 from torchfleet.strategies.base import Batch, LossFn, SetupArgs
 from torchfleet.strategies.batchnorm import batchnorm_note
@@ -96,7 +96,7 @@ class Fleet:
             allocator.keep_freed_memory()  # a step's memory stays for the next step
         if spec.grouped:
             join_process_group(self.env, self.backend)
-        self.replicas = ft_join.group(spec.joined, self.env, self.device)  # ft/replicas.py, ft/outer.py
+        self.replicas = which_group.group(spec.joined, self.env, self.device)  # replica_groups/per_step.py, replica_groups/outer_step.py
         runtime = Runtime(self.env, self.device, Precision(precision, self.device),
                           self.backend if spec.grouped else None, max_grad_norm, self.replicas)
         self.strategy = spec.build(runtime)

@@ -6,7 +6,7 @@ TCPStore also accepts `master_listen_fd`, a socket the caller has already
 bound and put into listening state; `bound_store` binds it to `host` that way.
 torchfleet's one-machine rendezvous keeps its stores on 127.0.0.1 with it
 (launcher/rendezvous.py), and a replica group under per-step fault tolerance
-opens torchft's store on the job's interface only (ft/replicas.py).
+opens torchft's store on the job's interface only (replica_groups/per_step.py).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from torchfleet.env import DistEnv
 from torchfleet.errors import UsageError
-from torchfleet.ft import join as ft_join
+from torchfleet.replica_groups import which_group
 from torchfleet.strategies import Runtime, Strategy, class_for, get_strategy, registry, resolve_dims
 from torchfleet.strategies.dims import DIM_NAMES, ParallelDims
 
@@ -28,7 +28,7 @@ class StrategySpec:
     cls: type[Strategy]  # the class that runs it in this process
     dims: ParallelDims | None  # its degrees on this job; None for one process
     options: dict  # the class's own options: the preset's defaults under the caller's, degree flags out
-    joined: ft_join.Plan  # its replica group and their meetings, or none
+    joined: which_group.Plan  # its replica group and their meetings, or none
     grouped: bool  # this process joins a process group (several processes, or a launcher's group of one)
     notes: list[str] = field(default_factory=list)
 
@@ -41,7 +41,7 @@ class StrategySpec:
 def settle(name: str, options: dict, env: DistEnv, fault_tolerance: str | None) -> StrategySpec:
     cls = get_strategy(name)  # an unknown name is one sentence naming those there are
     preset = registry.presets()[name]
-    joined = ft_join.plan(name, fault_tolerance, registry.options_for(name, options))
+    joined = which_group.plan(name, fault_tolerance, registry.options_for(name, options))
     meeting, options = joined.meeting, joined.strategy_options
     if meeting is not None and env.world_size == 1:  # a group of one process: nothing to share in it
         cls = get_strategy("serial")

@@ -40,9 +40,9 @@ from torchfleet.doctor import strategy_availability
 from torchfleet.errors import UsageError
 from torchfleet.launcher.agent import LaunchError, launch
 from torchfleet.models import TOKEN_MODELS, gpt_config
+from torchfleet.replica_groups.sync_methods import METHODS as MEETING_METHODS
 from torchfleet.strategies import STRATEGIES, registry, resolve_dims
 from torchfleet.strategies.dims import DIM_NAMES
-from torchfleet.strategies.meetings import METHODS as MEETING_METHODS
 from torchfleet.strategies.pipeline.schedules import schedule_variant
 
 # A smoke test in seconds on 2 CPU cores, whichever model is asked for.

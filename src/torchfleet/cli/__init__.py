@@ -215,14 +215,13 @@ def cmd_run(args) -> int:
 
 
 def cmd_lighthouse(args) -> int:
-    from torchfleet import ft
     from torchfleet.config import at_least
-    from torchfleet.ft import lighthouse
+    from torchfleet.replica_groups import lighthouse, torchft_setup
 
     if not 1 <= args.port <= 65535:
         raise UsageError(f"--port {args.port} is not a TCP port; use 1 to 65535")
     at_least("--min-replicas", args.min_replicas, 1)
-    reason = ft.unavailable()
+    reason = torchft_setup.unavailable()
     if reason:
         raise UsageError(f"the lighthouse cannot run here: {reason}")
     return lighthouse.serve(args.host, args.port, args.min_replicas)

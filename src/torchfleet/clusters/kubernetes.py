@@ -29,7 +29,7 @@ from pathlib import Path
 from torchfleet.clusters import at_least, check_script, train_args
 from torchfleet.config import FAULT_TOLERANCE
 from torchfleet.errors import UsageError
-from torchfleet.ft.lighthouse import DEFAULT_PORT as LIGHTHOUSE_PORT
+from torchfleet.replica_groups.lighthouse import DEFAULT_PORT as LIGHTHOUSE_PORT
 
 API_VERSION = "kubeflow.org/v1"
 CONTAINER = "pytorch"  # the operator injects its variables into every container, and

@@ -21,12 +21,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from torchfleet import ft, netif
+from torchfleet import netif
 from torchfleet.config import LaunchConfig, parse_endpoint
 from torchfleet.env.replicas import ReplicaEnv
 from torchfleet.errors import UsageError
-from torchfleet.ft import lighthouse
 from torchfleet.launcher import preflight
+from torchfleet.replica_groups import lighthouse, torchft_setup
 
 
 @dataclasses.dataclass
@@ -48,7 +48,7 @@ def endpoint(cfg: LaunchConfig) -> tuple[str, int]:
 
 
 def prepare(cfg: LaunchConfig) -> Group:
-    reason = ft.unavailable()
+    reason = torchft_setup.unavailable()
     if reason:
         raise UsageError(f"--fault-tolerance step cannot run here: {reason}")
     host, port = endpoint(cfg)

@@ -61,7 +61,7 @@ class SetupArgs:
 
 
 class Replicas(Protocol):
-    """Replica groups beside this one that share each step (per-step fault tolerance, ft/replicas.py)."""
+    """Replica groups beside this one that share each step (per-step fault tolerance, replica_groups/per_step.py)."""
 
     def start_step(self) -> None: ...  # at zero_grad: the step's quorum is formed meanwhile
     def average(self, optimizer: torch.optim.Optimizer) -> None: ...  # the gradients, across the groups

@@ -17,7 +17,6 @@ import os
 import runpy
 import sys
 
-from torchfleet import ft
 from torchfleet.config import LaunchConfig
 from torchfleet.data import check_global_batch
 from torchfleet.env import DistEnv
@@ -25,12 +24,13 @@ from torchfleet.errors import UsageError
 from torchfleet.launcher import failures, forked, preempt
 from torchfleet.launcher.agent import LaunchError, run_command
 from torchfleet.launcher.failures import PREEMPTED_EXIT
+from torchfleet.replica_groups import torchft_setup
+from torchfleet.replica_groups.on_one_machine import run_groups_here
+from torchfleet.replica_groups.sync_methods import SyncOptions, refuse_alone
 from torchfleet.strategies import data_readers, get_strategy, registry, resolve_dims
 from torchfleet.strategies.batchnorm import check_sync_batchnorm
-from torchfleet.strategies.meetings import SyncOptions, refuse_alone
 from torchfleet.train.config import TrainConfig
 from torchfleet.train.loop import train
-from torchfleet.train.meetings import run_groups_here
 from torchfleet.train.processes import plan_processes
 
 
@@ -54,7 +54,7 @@ def run(cfg: TrainConfig, launch: LaunchConfig, nproc: int | None, argv: list[st
         # ddp inside each replica group, the groups meeting every few steps under torchft: a group per
         # machine, or on one machine a group per process. Bad options are refused before any starts.
         SyncOptions.take(strategy, cfg.strategy_options)
-        reason = ft.unavailable()
+        reason = torchft_setup.unavailable()
         if reason:
             raise UsageError(f"{strategy} runs on torchft, which cannot run here: {reason}")
         refuse_alone(strategy, launch.max_nodes if launch.multi_node else nproc)

@@ -133,7 +133,11 @@ def job_from_flags(flags: dict, options: dict, nnodes: int, quick: bool = False)
     image_size, strategies, nproc, batch_sizes, precisions, warmup, steps; None where not given) and
     the strategy flags given (`options`). UsageError for what link mode cannot measure."""
     from torchfleet.bench.config import BenchConfig
-    from torchfleet.strategies.meetings import DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM, SyncOptions
+    from torchfleet.replica_groups.sync_methods import (
+        DEFAULT_OUTER_LR,
+        DEFAULT_OUTER_MOMENTUM,
+        SyncOptions,
+    )
 
     notes: list[str] = []
     if flags.get("nproc"):

@@ -40,9 +40,9 @@ def _bracketed(host: str) -> str:
 
 def start(host: str, port: int, min_replicas: int = 1):
     """A lighthouse listening on `host`:`port` only; keep the object alive while the job runs."""
-    from torchfleet import ft
+    from torchfleet.replica_groups import torchft_setup
 
-    ft.quiet()
+    torchft_setup.quiet()
     from torchft._torchft import LighthouseServer
 
     if not netif.is_local(host):

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from torchfleet.env.replicas import ReplicaEnv
 from torchfleet.errors import UsageError
-from torchfleet.strategies.meetings import METHODS, SyncOptions, refuse_alone
+from torchfleet.replica_groups.sync_methods import METHODS, SyncOptions, refuse_alone
 
 
 @dataclass(frozen=True)
@@ -43,9 +43,9 @@ def group(planned: Plan, dist_env, device):
     if planned.env is None:
         return None
     if planned.meeting is not None:
-        from torchfleet.ft.outer import OuterGroup
+        from torchfleet.replica_groups.outer_step import OuterGroup
 
         return OuterGroup(planned.env, dist_env, device, planned.meeting)
-    from torchfleet.ft.replicas import ReplicaGroup
+    from torchfleet.replica_groups.per_step import ReplicaGroup
 
     return ReplicaGroup(planned.env, dist_env, device)

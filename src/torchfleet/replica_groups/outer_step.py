@@ -33,8 +33,8 @@ import torch
 from torchfleet.env import DistEnv
 from torchfleet.env.replicas import ReplicaEnv
 from torchfleet.errors import TrainingError
-from torchfleet.ft.replicas import ReplicaGroup
-from torchfleet.strategies.meetings import SyncOptions
+from torchfleet.replica_groups.per_step import ReplicaGroup
+from torchfleet.replica_groups.sync_methods import SyncOptions
 
 
 class OuterGroup(ReplicaGroup):

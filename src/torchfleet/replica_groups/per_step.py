@@ -12,7 +12,7 @@ Every step of a strategy under `--fault-tolerance step` goes:
 4. `commit()`: torchft's should_commit, true when every rank of every group
    got through the step; only then does the optimizer step. A group that
    healed this step has already taken a live peer's weights and optimizer
-   state (state.py) and applies the same averaged step as the others.
+   state (healing_state.py) and applies the same averaged step as the others.
 
 Two rules of torchfleet's on top. At the job's start a group waits until every
 group has joined, so the job starts as a whole (as torchrun's static
@@ -32,10 +32,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from torchfleet import ft
 from torchfleet.env import DistEnv
 from torchfleet.env.replicas import ReplicaEnv
 from torchfleet.errors import TrainingError, UsageError
+from torchfleet.replica_groups import torchft_setup
 from torchfleet.stores import bound_store
 
 TIMEOUT = datetime.timedelta(seconds=30)  # a collective across groups, a transfer, a commit
@@ -71,7 +71,7 @@ class ReplicaGroup:
     """This process's place in a job of replica groups, and torchft's Manager once `attach` made it."""
 
     def __init__(self, env: ReplicaEnv, dist_env: DistEnv, device: torch.device):
-        reason = ft.unavailable()
+        reason = torchft_setup.unavailable()
         if reason:
             raise UsageError(f"--fault-tolerance step cannot run here: {reason}")
         self.env, self.dist_env, self.device = env, dist_env, device
@@ -89,10 +89,10 @@ class ReplicaGroup:
         from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
 
         from torchfleet.env.name_lookup import absorb_failed_lookup_warning
-        from torchfleet.ft.account import Account, RecordedTransport, recording
-        from torchfleet.ft.state import TrainingState
+        from torchfleet.replica_groups.healing_state import TrainingState
+        from torchfleet.replica_groups.quorum_log import Account, RecordedTransport, recording
 
-        ft.skip_noop_calls()
+        torchft_setup.skip_noop_calls()
         self.state = TrainingState(model, optimizer, precision)
         self.account = Account(self.env.group, self.env.groups)
         base = ProcessGroupNCCL if self.device.type == "cuda" else ProcessGroupGloo
@@ -120,7 +120,7 @@ class ReplicaGroup:
                                 " machine is lost") from None
 
     def _manager_options(self) -> dict:
-        """More of torchft Manager's options, for a kind of group that needs them (ft/outer.py)."""
+        """More of torchft Manager's options, for a kind of group that needs them (replica_groups/outer_step.py)."""
         return {}
 
     def _store_port(self) -> int:

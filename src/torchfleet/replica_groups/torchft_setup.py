@@ -1,24 +1,10 @@
-"""Per-step fault tolerance on torchft: a lost machine does not stop the job.
-
-Each machine (a replica group) trains as any strategy does; across groups
-torchft's Manager averages the gradients every step, after a quorum the
-lighthouse (torchft's server) forms. A group that dies leaves the quorum and
-the others go on at the next step; a group started again heals by taking the
-weights from a live peer (torchft's checkpoint transport), not from a file.
-torchfleet builds on torchft and adds no quorum, heartbeat or weight transfer
-of its own (https://github.com/pytorch/torchft).
-
-- `lighthouse.py`: starting the lighthouse, bound to the job's interface, and
-  checking that it answers before a group starts.
-- `replicas.py`: the worker's side, the Manager and what torchfleet asks of it
-  each step (start the quorum, average the gradients, commit), and the account
-  of groups that leave, join and heal.
-- `outer.py`: diloco and localsgd, whose groups meet every few steps instead
-  (torchft's DiLoCo and LocalSGD); `join.py`: which kind of group a Fleet is in.
+"""torchft in this process: whether it is installed and loads, and its logs and warnings kept quiet.
 
 torchft is optional (`pip install 'torchfleet[ft]'`): `unavailable()` says
 why it cannot run here, and the launcher refuses `--fault-tolerance step`
-with that sentence before any process starts.
+(train, diloco and localsgd) with that sentence before any process starts.
+`quiet()` and `skip_noop_calls()` keep torchft's own logging and a warning
+torch 2.14 prints on its behalf out of a run's output.
 """
 
 from __future__ import annotations
