@@ -24,7 +24,8 @@ LAYERS = [
     ("strategies",),  # how a model is wrapped; the parallel dimensions
     ("checkpoint",),  # verified directories, DCP
     ("ft",),  # per-step fault tolerance on torchft: the lighthouse, the replica group
-    ("launcher",),  # starting processes, their failures and hangs
+    ("launcher",),  # starting processes, reading back their failures
+    ("worker",),  # what runs inside the training processes: preemption, the hang watchdog, a script's entry
     ("fleet", "hogwild", "strategy_spec"),  # the API a script holds; what a strategy name comes to
     ("doctor", "train"),  # the machine report; the built-in job
     ("testing", "testing_devices", "bench"),  # reference jobs; the strategy matrix

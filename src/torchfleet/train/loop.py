@@ -17,8 +17,6 @@ import torch
 from torchfleet import checkpoint, outputs
 from torchfleet.data import GlobalBatchSampler
 from torchfleet.fleet import Fleet
-from torchfleet.launcher import preempt
-from torchfleet.launcher.watchdog import Watchdog
 from torchfleet.models import gpt_config
 from torchfleet.train import faults, report
 from torchfleet.train.config import TrainConfig
@@ -28,6 +26,8 @@ from torchfleet.train.losses import FP16_NONFINITE_LIMIT, LossWindow  # noqa: F4
 from torchfleet.train.metrics import MetricsLog
 from torchfleet.train.models import build_model, build_optimizer
 from torchfleet.train.tasks import CLASSIFY, Task, task_for
+from torchfleet.worker import preemption
+from torchfleet.worker.hang_watchdog import Watchdog
 
 
 def evaluate(fleet: Fleet, dataset, on_batch=None, task: Task = CLASSIFY) -> dict:
@@ -72,7 +72,7 @@ def train(cfg: TrainConfig, strategy: str, nproc: int = 1) -> dict:
     # Once the checkpoint directory is known (SageMaker's spot jobs get one here), before the model
     # is built: a signal during setup is acted on after the first step. Without a directory there
     # is nothing to save, and a signal must end the job as it always did, not be swallowed.
-    with preempt.listening(cfg.preempt_signals if cfg.checkpoint_dir else None,
+    with preemption.listening(cfg.preempt_signals if cfg.checkpoint_dir else None,
                            cfg.preempt_notice if cfg.checkpoint_dir else None,
                            watch=fleet.env.local_rank == 0) as listener:
         return _train(cfg, fleet, listener)
@@ -112,7 +112,7 @@ def _set_up(cfg: TrainConfig, fleet: Fleet) -> _Job:
     return _Job(optimizer, task, loader, sampler, val_set, block)
 
 
-def _train(cfg: TrainConfig, fleet: Fleet, listener: preempt.Listener) -> dict:
+def _train(cfg: TrainConfig, fleet: Fleet, listener: preemption.Listener) -> dict:
     job = _set_up(cfg, fleet)
     optimizer, task, loader, sampler, val_set = job.optimizer, job.task, job.loader, job.sampler, job.val_set
     loss_fn = task.loss_fn
@@ -158,7 +158,7 @@ def _train(cfg: TrainConfig, fleet: Fleet, listener: preempt.Listener) -> dict:
         if watchdog:
             watchdog.stop()
         assert cfg.checkpoint_dir is not None  # listening only with --checkpoint-dir
-        raise preempt.leave(listener, fleet.env.local_rank, fleet.is_main, step,
+        raise preemption.leave(listener, fleet.env.local_rank, fleet.is_main, step,
                             checkpoint.step_path(cfg.checkpoint_dir, step))
 
     def groups() -> dict:  # the replica groups in the step's quorum, for the bar and the metrics
