@@ -21,13 +21,13 @@ LAYERS = [
     ("errors", "versions", "outputs", "allocator", "netif", "config"),  # no torch knowledge needed
     # what a process finds, core rules, built-in models, tensor memory
     ("env", "backend", "precision", "data", "models", "tensor_memory", "stores"),
-    ("strategies",),  # how a model is wrapped; the parallel dimensions
+    ("strategies", "hogwild.worker"),  # how a model is wrapped; the parallel dimensions
     ("checkpoint",),  # verified directories, DCP
     ("ft",),  # per-step fault tolerance on torchft: the lighthouse, the replica group
-    ("launcher",),  # starting processes, reading back their failures
+    ("launcher", "hogwild.runner"),  # starting processes, reading back their failures
     ("worker",),  # what runs inside the training processes: preemption, the hang watchdog, a script's entry
     ("fleet", "hogwild", "strategy_spec"),  # the API a script holds; what a strategy name comes to
-    ("doctor", "train"),  # the machine report; the built-in job
+    ("doctor", "train", "hogwild.command"),  # the machine report; the built-in job
     ("testing", "testing_devices", "bench"),  # reference jobs; the strategy matrix
     ("plan",),  # predictions per strategy, checked against bench's cells
     ("clusters",),  # job writers for schedulers

@@ -17,11 +17,11 @@ import torch
 from torchfleet import checkpoint, outputs
 from torchfleet.data import GlobalBatchSampler
 from torchfleet.fleet import Fleet
+from torchfleet.hogwild.command import train_hogwild
 from torchfleet.models import gpt_config
 from torchfleet.train import faults, report
 from torchfleet.train.config import TrainConfig
 from torchfleet.train.datasets import builtin_dataset
-from torchfleet.train.hogwild import train_hogwild
 from torchfleet.train.losses import FP16_NONFINITE_LIMIT, LossWindow  # noqa: F401 - the limit stays importable from here
 from torchfleet.train.metrics import MetricsLog
 from torchfleet.train.models import build_model, build_optimizer
