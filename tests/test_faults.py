@@ -84,7 +84,7 @@ def _report(rank, step, *frames):
 
 
 def test_verdict_names_the_straggler_and_groups_the_waiters():
-    from torchfleet.launcher.watchdog import _TORCH_DIR, verdict
+    from torchfleet.worker.hang_watchdog import _TORCH_DIR, verdict
 
     collective = (f"{_TORCH_DIR}/distributed/distributed_c10d.py", 2800, "all_reduce")
     reports = {0: _report(0, 8, ("/home/me/train.py", 42, "sync"), collective),

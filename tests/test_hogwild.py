@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from torchfleet import UsageError, hogwild
-from torchfleet.strategies.hogwild import worker_info
+from torchfleet.hogwild.worker import worker_info
 from torchfleet.train.config import TrainConfig
 from torchfleet.train.loop import train
 

@@ -22,13 +22,14 @@ LAYERS = [
     # what a process finds, core rules, built-in models, tensor memory
     ("env", "backend", "precision", "data", "models", "tensor_memory", "stores"),
     # how a model is wrapped; the parallel dimensions; diloco's and localsgd's options (no torch)
-    ("strategies", "replica_groups.sync_methods"),
+    ("strategies", "replica_groups.sync_methods", "hogwild.worker"),
     ("checkpoint",),  # verified directories, DCP
     ("replica_groups",),  # replica groups on torchft: the lighthouse, per-step fault tolerance, the outer step
-    ("launcher",),  # starting processes, their failures and hangs
+    ("launcher", "hogwild.runner"),  # starting processes, reading back their failures
+    ("worker",),  # what runs inside the training processes: preemption, the hang watchdog, a script's entry
     ("fleet", "hogwild", "strategy_spec"),  # the API a script holds; what a strategy name comes to
     # the machine report; the built-in job; its N replica groups on one machine (a launcher each)
-    ("doctor", "train", "replica_groups.on_one_machine"),
+    ("doctor", "train", "replica_groups.on_one_machine", "hogwild.command"),
     ("testing", "bench"),  # reference jobs; the strategy matrix
     ("plan",),  # predictions per strategy, checked against bench's cells
     ("clusters",),  # job writers for schedulers

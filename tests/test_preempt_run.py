@@ -22,9 +22,9 @@ from conftest import ROOT, clean_env, torchfleet
 from test_preemption import _signalled, worker
 from torchfleet.checkpoint import list_checkpoints, verify
 from torchfleet.errors import UsageError
-from torchfleet.launcher import notices
 from torchfleet.launcher.agent import free_port
 from torchfleet.launcher.failures import PREEMPTED_EXIT
+from torchfleet.worker import spot_notices
 
 SCRIPT = str(ROOT / "tests" / "scripts" / "leaves_when_told.py")
 STEPS = 12
@@ -127,7 +127,7 @@ def metadata(monkeypatch):
     _Metadata.quiet, _Metadata.reads, _Metadata.tokens = 0, 0, []
     threading.Thread(target=server.serve_forever, daemon=True).start()
     endpoint = f"127.0.0.1:{server.server_address[1]}"
-    monkeypatch.setenv(notices.ENDPOINT_VARIABLE, endpoint)
+    monkeypatch.setenv(spot_notices.ENDPOINT_VARIABLE, endpoint)
     yield endpoint
     server.shutdown()
 
@@ -139,21 +139,21 @@ def metadata(monkeypatch):
 ])
 def test_each_clouds_notice_is_read_in_its_own_protocol(metadata, cloud, said):
     _Metadata.quiet = 1
-    assert notices.read_notice(cloud) is None
-    assert notices.read_notice(cloud) == said
+    assert spot_notices.read_notice(cloud) is None
+    assert spot_notices.read_notice(cloud) == said
     if cloud == "aws":
         assert _Metadata.tokens == ["token-1", "token-1"]  # IMDSv2: the GET carries the session token
     url = f"http://{metadata}/notice"
-    assert notices.read_notice(url) == f"a preemption notice from {url}"
+    assert spot_notices.read_notice(url) == f"a preemption notice from {url}"
 
 
 def test_a_notice_source_that_does_not_answer_is_refused_in_one_sentence(monkeypatch):
-    monkeypatch.setenv(notices.ENDPOINT_VARIABLE, f"127.0.0.1:{free_port()}")  # nothing listens there
+    monkeypatch.setenv(spot_notices.ENDPOINT_VARIABLE, f"127.0.0.1:{free_port()}")  # nothing listens there
     with pytest.raises(UsageError, match=r"^--preempt-notice aws: its metadata service did not answer .*;"
                                          " this machine is not on that cloud"):
-        notices.Watcher("aws", lambda reason: None).start()
+        spot_notices.Watcher("aws", lambda reason: None).start()
     with pytest.raises(UsageError, match="^--preempt-notice 'ec2' is not a source of notices; give aws, gcp"):
-        notices.check_spec("ec2")
+        spot_notices.check_spec("ec2")
 
 
 @pytest.mark.timeout(90)
@@ -162,7 +162,7 @@ def test_a_spot_notice_makes_train_save_and_exit_75(tmp_path, metadata):
     # enough (160,000 steps) that no machine finishes it first; the default 8 epochs took under 0.8 s here.
     _Metadata.quiet = 3
     ck = tmp_path / "ck"
-    env = clean_env(**{notices.ENDPOINT_VARIABLE: metadata, notices.INTERVAL_VARIABLE: "0.2"})
+    env = clean_env(**{spot_notices.ENDPOINT_VARIABLE: metadata, spot_notices.INTERVAL_VARIABLE: "0.2"})
     result = torchfleet("train", "--model", "mlp", "--data", "synthetic", "--synthetic-size", "512", "--batch-size",
                         "32", "--no-progress", "--checkpoint-dir", str(ck), "--preempt-notice", "aws",
                         "--epochs", "10000", env=env, timeout=80)

@@ -21,7 +21,7 @@ import torch
 from conftest import ROOT, clean_env, torchfleet, tree_digest
 from torchfleet.checkpoint import list_checkpoints, verify
 from torchfleet.launcher.failures import PREEMPTED_EXIT, FailureSummary, RankFailure
-from torchfleet.launcher.preempt import parse_signals
+from torchfleet.launcher.preempt_relay import parse_signals
 from torchfleet.train.config import TrainConfig
 from torchfleet.train.loop import train
 

@@ -52,7 +52,7 @@ VARIABLES: dict[str, tuple[str, str]] = {
 def exit_codes() -> list[tuple[int | str, str, str]]:
     """(status, the constant that produces it or "", what it means)."""
     from torchfleet.launcher.failures import PREEMPTED_EXIT, USAGE_EXIT
-    from torchfleet.launcher.watchdog import HANG_EXIT
+    from torchfleet.worker.hang_watchdog import HANG_EXIT
 
     return [
         (0, "", "The job finished."),

@@ -26,7 +26,6 @@ from torchfleet.env import DistEnv
 from torchfleet.env.process_group import join_process_group
 from torchfleet.env.sagemaker import TrainingEnv
 from torchfleet.errors import UsageError
-from torchfleet.launcher import preempt
 from torchfleet.launcher.sagemaker import relaunch_per_gpu
 from torchfleet.precision import Precision
 from torchfleet.replica_groups import which_group
@@ -39,6 +38,7 @@ from torchfleet.strategies.block_transforms import (
     unwrap_compiled,
 )
 from torchfleet.strategy_spec import settle
+from torchfleet.worker import preemption
 
 
 class Fleet:
@@ -80,7 +80,7 @@ class Fleet:
         if self.env.source == "sagemaker" and self.sagemaker is not None and self.sagemaker.needs_per_gpu_launch():
             relaunch_per_gpu(self.env)
         self.grad_accum = grad_accum
-        self._leaving = preempt.Leaving(preempt_signals, preempt_notice)
+        self._leaving = preemption.Leaving(preempt_signals, preempt_notice)
         self.notes: list[str] = list(spec.notes)
         self._samplers: list[GlobalBatchSampler] = []  # the training loaders' (dataloader)
         self._returned: torch.nn.Module | None = None  # what setup returned, until train_step's first check

@@ -205,8 +205,8 @@ def cmd_train(args, argv: list[str]) -> int:
 def cmd_run(args) -> int:
     from torchfleet.launcher import torchrun_flags
     from torchfleet.launcher.agent import run_script
-    from torchfleet.launcher.notices import check_spec
-    from torchfleet.launcher.preempt import parse_signals
+    from torchfleet.launcher.preempt_relay import parse_signals
+    from torchfleet.worker.spot_notices import check_spec
 
     parse_signals(args.preempt_signals)  # refused here, before any process starts
     check_spec(args.preempt_notice)

@@ -36,14 +36,14 @@ from torchfleet.clusters import at_least, check_script, train_args
 from torchfleet.config import FAULT_TOLERANCE
 from torchfleet.errors import UsageError
 from torchfleet.launcher.failures import PREEMPTED_EXIT
-from torchfleet.launcher.preempt import NOTE_VARIABLE as PREEMPT_NOTE
+from torchfleet.launcher.preempt_relay import NOTE_VARIABLE as PREEMPT_NOTE
 
 # Slurm's --time formats: minutes, minutes:seconds, hours:minutes:seconds,
 # days-hours, days-hours:minutes, days-hours:minutes:seconds (sbatch(1)).
 _TIME = re.compile(r"\d+(:\d{1,2}){0,2}|\d+-\d{1,2}(:\d{1,2}){0,2}|UNLIMITED|INFINITE")
 _NAME = re.compile(r"[A-Za-z0-9_.,-]+")
 # --requeue: the signal Slurm sends every task this long before the time limit (--signal), which
-# torchfleet train takes as a preemption (launcher/preempt.py): the tasks save and exit 75.
+# torchfleet train takes as a preemption (worker/preemption.py): the tasks save and exit 75.
 REQUEUE_SIGNAL = "USR1"
 REQUEUE_SECONDS = 120
 

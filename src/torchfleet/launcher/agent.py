@@ -35,7 +35,7 @@ from torchfleet.launcher import (
     failures,
     forked,
     groups,
-    preempt,
+    preempt_relay,
     preflight,
     rendezvous,
     torchrun_flags,
@@ -199,7 +199,7 @@ def _quiet_agent_logs() -> None:
     if not os.environ.get("TORCHFLEET_VERBOSE"):
         logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
         # This one has a level of its own: its "Received 15 death signal, shutting down workers" is said
-        # by the launcher's own line after a preemption signal (preempt.report).
+        # by the launcher's own line after a preemption signal (preempt_relay.report).
         logging.getLogger("torch.distributed.elastic.agent.server.api").setLevel(logging.ERROR)
         # Function workers (launch(), train's forked ones) are stopped through torch.multiprocessing, which
         # warns of each SIGTERM it sends after a rank failed: the summary names the rank that failed.
@@ -311,34 +311,34 @@ class _Agent(LocalElasticAgent):
 
 
 def run_command(cfg: LaunchConfig, argv: list[str], program: str | None = None,
-                overrides: dict[str, Any] | None = None, preempt_signals: str = preempt.DEFAULT_SIGNALS,
-                preempt_notice: str = "none", why: str = preempt.SCRIPT_WHY,
+                overrides: dict[str, Any] | None = None, preempt_signals: str = preempt_relay.DEFAULT_SIGNALS,
+                preempt_notice: str = "none", why: str = preempt_relay.SCRIPT_WHY,
                 forked_main: Callable[[list[str]], None] | None = None) -> int:
     """Run `python argv...` (or `program argv...`) on every rank; return the exit status for the shell.
 
     `forked_main`: a function that does in a worker what `python -u argv...` would, given argv; the workers
     then fork from a server that imported torch once (forked.py) instead of each starting an interpreter.
     The agent passes `preempt_signals` on to the workers; when one stops it, the exit is PREEMPTED_EXIT
-    once the workers have saved (their note says where: preempt.py), not a traceback, else 128+N.
+    once the workers have saved (their note says where: worker/preemption.py), not a traceback, else 128+N.
     """
-    agent_signals = {"signals_to_handle": preempt.agent_signals(preempt_signals)}
+    agent_signals = {"signals_to_handle": preempt_relay.agent_signals(preempt_signals)}
     if forked_main is not None:
         entrypoint, args = failures.Recorded(forked_main), [argv]
     else:
         entrypoint, args = program or sys.executable, argv if program else ["-u", *argv]
-    with preempt.noting(preempt_signals, preempt_notice) as note:
+    with preempt_relay.noting(preempt_signals, preempt_notice) as note:
         try:
             _start(cfg, entrypoint, args, {**(overrides or {}), **agent_signals})
         except LaunchError as exc:
             return failures.report(exc.summary)
         except SignalException as exc:
             # The agent has passed the signal on to the workers and waited for them.
-            return preempt.report(note, exc.sigval, why)
+            return preempt_relay.report(note, exc.sigval, why)
     return 0
 
 
 def run_script(cfg: LaunchConfig, script: str, script_args: list[str],
-               torchrun: dict[str, Any] | None = None, preempt_signals: str = preempt.DEFAULT_SIGNALS,
+               torchrun: dict[str, Any] | None = None, preempt_signals: str = preempt_relay.DEFAULT_SIGNALS,
                preempt_notice: str = "none") -> int:
     """`torchfleet run script.py args`: the script runs as __main__ on every rank.
 
@@ -360,7 +360,7 @@ def run_script(cfg: LaunchConfig, script: str, script_args: list[str],
     target = ["-m", script] if torchrun.get("module") else [script]
     # Not `python -u`: the bootstrap makes the streams line-buffered instead, so each
     # rank's lines reach the shared terminal whole and at once (bootstrap.line_buffered).
-    return run_command(cfg, ["-m", "torchfleet.launcher.bootstrap", *target, *script_args],
+    return run_command(cfg, ["-m", "torchfleet.worker.bootstrap", *target, *script_args],
                        program=sys.executable, overrides=overrides, **leaving)
 
 

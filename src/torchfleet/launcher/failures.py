@@ -22,7 +22,7 @@ from torchfleet.errors import TrainingError, UsageError
 
 # Exit status of a worker that failed on bad input: the launcher exits 2 as well.
 USAGE_EXIT = 2
-# Exit status of a job that was told to leave (SIGTERM, SIGUSR1: launcher/preempt.py) and saved its
+# Exit status of a job that was told to leave (SIGTERM, SIGUSR1: worker/preemption.py) and saved its
 # checkpoint first: sysexits.h's EX_TEMPFAIL, "a temporary failure, retry later". It is neither 1
 # (a failure), 2 (bad input) nor 128+N (killed by signal N), so a Kubernetes podFailurePolicy
 # (onExitCodes) or a Slurm script can tell it apart and requeue.

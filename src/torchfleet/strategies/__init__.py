@@ -32,7 +32,7 @@ PIPELINE_OPTIONS = ("schedule", "stages_per_process", "microbatches")
 
 def _load(where: str) -> type[Strategy]:
     module, cls = where.split(":")
-    return getattr(importlib.import_module(f"torchfleet.strategies.{module}"), cls)
+    return getattr(importlib.import_module(module if "." in module else f"torchfleet.strategies.{module}"), cls)
 
 
 def _kind(pipelined: bool, sharded: bool) -> str:

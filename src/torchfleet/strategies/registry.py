@@ -35,8 +35,9 @@ LAUNCHES = ("one process", "agent", "spawn", "replica groups")
 @dataclass(frozen=True)
 class Preset:
     """One strategy. `degrees` (mesh presets): the degree each dimension takes, None for "the processes
-    left over" (exactly one). `runs`: "module:Class" under torchfleet.strategies for a strategy that is a
-    class of its own rather than degrees. `defaults`: strategy options it sets unless a flag does.
+    left over" (exactly one). `runs`: "module:Class" under torchfleet.strategies, or a full dotted module
+    ("torchfleet.hogwild.worker:Hogwild"), for a strategy that is a class of its own rather than degrees.
+    `defaults`: strategy options it sets unless a flag does.
     `across_nodes`: the degree that takes the number of machines when there are several (hsdp's
     replicas). `cost`: how plan predicts it: "mesh" (from the degrees), "meetings" (replica groups meeting
     every few steps), "one" (one process), "mp" (one process, micro-batches through stages on its devices;
@@ -84,7 +85,7 @@ BUILT_IN = (
     Preset("serial", "one process on one device: the reference every other strategy is compared with", "nothing",
            runs="serial:Serial", launch=_ONE, cost="one"),
     Preset("hogwild", "workers on one machine share the model's memory and update it without locks",
-           "CPU; no checkpoints", runs="hogwild:Hogwild", launch="spawn", cost="here"),
+           "CPU; no checkpoints", runs="torchfleet.hogwild.worker:Hogwild", launch="spawn", cost="here"),
     Preset("dp", "`nn.DataParallel`: one process splits each batch across the visible GPUs", "2+ GPUs to pay",
            runs="dp:DataParallelSingleProcess", launch=_ONE, cost=None),
     Preset("mp", "one process, the model cut into stages on several devices, micro-batches flowing as a wavefront",

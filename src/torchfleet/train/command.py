@@ -21,7 +21,7 @@ from torchfleet.config import LaunchConfig
 from torchfleet.data import check_global_batch
 from torchfleet.env import DistEnv
 from torchfleet.errors import UsageError
-from torchfleet.launcher import failures, forked, preempt
+from torchfleet.launcher import failures, forked, preempt_relay
 from torchfleet.launcher.agent import LaunchError, run_command
 from torchfleet.launcher.failures import PREEMPTED_EXIT
 from torchfleet.replica_groups import torchft_setup
@@ -32,6 +32,7 @@ from torchfleet.strategies.batchnorm import check_sync_batchnorm
 from torchfleet.train.config import TrainConfig
 from torchfleet.train.loop import train
 from torchfleet.train.processes import plan_processes
+from torchfleet.worker import preemption
 
 
 def run(cfg: TrainConfig, launch: LaunchConfig, nproc: int | None, argv: list[str]) -> int:
@@ -86,9 +87,9 @@ def run(cfg: TrainConfig, launch: LaunchConfig, nproc: int | None, argv: list[st
 
 def _run_workers(cfg: TrainConfig, launch: LaunchConfig, argv: list[str]) -> int:
     """Start the workers through torchrun's agent; a preemption signal to this process ends in
-    PREEMPTED_EXIT once the workers have saved (launcher/preempt.py), not in a traceback."""
+    PREEMPTED_EXIT once the workers have saved (launcher/preempt_relay.py), not in a traceback."""
     return run_command(launch, argv, preempt_signals=cfg.preempt_signals, preempt_notice=cfg.preempt_notice,
-                       why=preempt.TRAIN_WHY, forked_main=worker_main)
+                       why=preempt_relay.TRAIN_WHY, forked_main=worker_main)
 
 
 def worker_main(argv: list[str]) -> None:
@@ -113,7 +114,7 @@ def _train_here(cfg: TrainConfig, env: DistEnv) -> int:
     code = 0
     try:
         failures.call_recorded(train, cfg, strategy)
-    except preempt.Preempted:  # saved and told to leave; under torchrun's agent call_recorded has exited
+    except preemption.Preempted:  # saved and told to leave; under torchrun's agent call_recorded has exited
         code = PREEMPTED_EXIT
     if forked.in_worker:
         return code  # a forked worker leaves by os._exit itself, once the agent has its result (forked.py)

@@ -6,14 +6,14 @@ from dataclasses import asdict, dataclass, field
 
 from torchfleet.config import BACKENDS, at_least, option
 from torchfleet.errors import UsageError, choice_error
-from torchfleet.launcher.notices import check_spec
-from torchfleet.launcher.preempt import parse_signals
+from torchfleet.launcher.preempt_relay import parse_signals
 from torchfleet.outputs import check_writable_dir, check_writable_file
 from torchfleet.precision import PRECISIONS
 from torchfleet.strategies import registry
 from torchfleet.train.datasets import DATASETS, TOKEN_DATASETS
 from torchfleet.train.metrics import check_metrics_out, check_tensorboard
 from torchfleet.train.models import GPT_PRESETS, MODELS, TOKEN_MODELS
+from torchfleet.worker.spot_notices import check_spec
 
 OPTIMIZERS = ("sgd", "adamw")
 RESUME_AUTO = "auto"  # --resume auto

@@ -16,14 +16,14 @@ import time
 
 from torchfleet import outputs
 from torchfleet.fleet import Fleet
-from torchfleet.launcher import preempt
+from torchfleet.hogwild.command import train_hogwild
 from torchfleet.train import report
 from torchfleet.train.config import TrainConfig
-from torchfleet.train.hogwild import train_hogwild
 from torchfleet.train.job import Job, set_up
 from torchfleet.train.losses import FP16_NONFINITE_LIMIT  # noqa: F401 - the limit stays importable from here
 from torchfleet.train.run_state import Run
 from torchfleet.train.tasks import CLASSIFY
+from torchfleet.worker import preemption
 
 
 def train(cfg: TrainConfig, strategy: str, nproc: int = 1) -> dict:
@@ -49,13 +49,13 @@ def train(cfg: TrainConfig, strategy: str, nproc: int = 1) -> dict:
     # Once the checkpoint directory is known (SageMaker's spot jobs get one here), before the model
     # is built: a signal during setup is acted on after the first step. Without a directory there
     # is nothing to save, and a signal must end the job as it always did, not be swallowed.
-    with preempt.listening(cfg.preempt_signals if cfg.checkpoint_dir else None,
+    with preemption.listening(cfg.preempt_signals if cfg.checkpoint_dir else None,
                            cfg.preempt_notice if cfg.checkpoint_dir else None,
                            watch=fleet.env.local_rank == 0) as listener:
         return _train(cfg, fleet, listener)
 
 
-def _train(cfg: TrainConfig, fleet: Fleet, listener: preempt.Listener) -> dict:
+def _train(cfg: TrainConfig, fleet: Fleet, listener: preemption.Listener) -> dict:
     job = set_up(cfg, fleet)
     run = Run(cfg, fleet, job, listener)  # at step 0, or at the checkpoint's step when resuming
     with run.shown():

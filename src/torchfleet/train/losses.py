@@ -43,7 +43,7 @@ class LossWindow:
         self._size = 0
         self._first = 0  # the step of the buffer's first slot
         self._streak = 0  # fp16: non-finite losses in a row, carried across windows
-        # Whether any rank has asked to leave (launcher/preempt.py), as of the last read: every rank
+        # Whether any rank has asked to leave (worker/preemption.py), as of the last read: every rank
         # reads at the same steps and gets the same sum, so all turn True at the same step.
         self.leave = False
 

@@ -18,20 +18,20 @@ import torch
 
 from torchfleet import checkpoint
 from torchfleet.fleet import Fleet
-from torchfleet.launcher import preempt
-from torchfleet.launcher.watchdog import Watchdog
 from torchfleet.train import faults, report
 from torchfleet.train.checkpoints import resume, save
 from torchfleet.train.config import TrainConfig
 from torchfleet.train.job import Job, evaluate
 from torchfleet.train.losses import LossWindow
 from torchfleet.train.metrics import MetricsLog
+from torchfleet.worker import preemption
+from torchfleet.worker.hang_watchdog import Watchdog
 
 
 class Run:
     """One run's state on one rank, from its first step (or a checkpoint's) to its last."""
 
-    def __init__(self, cfg: TrainConfig, fleet: Fleet, job: Job, listener: preempt.Listener):
+    def __init__(self, cfg: TrainConfig, fleet: Fleet, job: Job, listener: preemption.Listener):
         self.cfg, self.fleet, self.job, self.listener = cfg, fleet, job, listener
         self.replicas = fleet.replicas  # under --fault-tolerance step: this machine's replica group
         self.step = self.saved = 0
@@ -149,7 +149,7 @@ class Run:
         if self.watchdog:
             self.watchdog.stop()
         assert self.cfg.checkpoint_dir is not None  # listening only with --checkpoint-dir
-        raise preempt.leave(self.listener, self.fleet.env.local_rank, self.fleet.is_main, self.step,
+        raise preemption.leave(self.listener, self.fleet.env.local_rank, self.fleet.is_main, self.step,
                             checkpoint.step_path(self.cfg.checkpoint_dir, self.step))
 
     def _log(self, epoch: int) -> float | None:

@@ -5,7 +5,7 @@ posts spot/instance-action two minutes ahead, Google Compute Engine flips
 instance/preempted to TRUE about 30 s ahead, Azure lists a Preempt event in
 its scheduled events. `--preempt-notice aws|gcp|azure|URL` has one process per
 machine poll that every few seconds (AWS's advice is every 5 s) from a daemon
-thread, and a notice sets the same flag a SIGTERM would (preempt.Listener):
+thread, and a notice sets the same flag a SIGTERM would (preemption.Listener):
 the ranks agree, save once and leave.
 
 The first poll happens before training, so a machine with no such service

@@ -7,7 +7,7 @@ handed over as shared-memory handles when the workers are spawned), so this
 process stays the parent: it shares the model, spawns the workers with
 `torch.multiprocessing`, waits for them, and afterwards holds the trained
 model. `torchfleet train --strategy hogwild -n 4` runs through here
-(torchfleet/train/hogwild.py).
+(torchfleet/hogwild/command.py).
 
     from torchfleet import hogwild
 
@@ -40,9 +40,9 @@ from torch import nn
 from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
 
 from torchfleet.errors import UsageError
+from torchfleet.hogwild import worker as worker_side
+from torchfleet.hogwild.worker import WorkerInfo, resolve_sharing_strategy
 from torchfleet.launcher import failures
-from torchfleet.strategies import hogwild as worker_side
-from torchfleet.strategies.hogwild import WorkerInfo, resolve_sharing_strategy
 
 
 def run(fn: Callable, model: nn.Module, nprocs: int = 2, args: tuple = (),

@@ -5,65 +5,36 @@ Slurm sends SIGTERM on preemption or scancel and SIGKILL after KillWait (30 s
 by default), or a chosen signal ahead of the time limit (--signal=USR1@120);
 a spot reclaim reaches the processes as SIGTERM (SageMaker, Kubernetes'
 node-termination handlers) or only as a notice in the instance's metadata
-(notices.py watches it). The handler only sets a flag; the training loop
+(spot_notices.py watches it). The handler only sets a flag; the training loop
 (train/loop.py), or a script through Fleet.preempted(), finishes the step in
 flight, the ranks agree, one verified checkpoint is written, and the job exits
 with PREEMPTED_EXIT.
 
-Under torchfleet's launcher the agent (torchrun's) gets the signal first: it
-sends the same signal to every worker, waits 30 s for them (torch's shutdown
-timeout; TORCH_ELASTIC_SHUTDOWN_TIMEOUT on torch versions that read it), then
-SIGKILLs them and raises SignalException, which says nothing of what the
-workers did. So the launcher names a file in NOTE_VARIABLE, each machine's
-local rank 0 writes the preemption sentence there once the checkpoint is
-saved, and the launcher reads it back (`report`).
+This is the workers' side. Under torchfleet's launcher each machine's local
+rank 0 writes the preemption sentence to the file named in NOTE_VARIABLE once
+the checkpoint is saved, and the launcher reads it back
+(launcher/preempt_relay.py, which also holds the variables and signal names
+both sides share).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import sys
-import tempfile
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from torchfleet.errors import UsageError
-from torchfleet.launcher import notices
-from torchfleet.launcher.environ import exported
 from torchfleet.launcher.failures import PREEMPTED_EXIT, record_preempted
-
-NOTE_VARIABLE = "TORCHFLEET_PREEMPT_NOTE"
-# `torchfleet run --preempt-signals/--preempt-notice` reach the script's Fleet through these.
-SIGNALS_VARIABLE = "TORCHFLEET_PREEMPT_SIGNALS"
-NOTICE_VARIABLE = "TORCHFLEET_PREEMPT_NOTICE"
-DEFAULT_SIGNALS = "TERM,USR1"
-# torchrun's agent handles these by default (torch.distributed.launcher.api's signals_to_handle); any other it
-# would leave to the default action, which for SIGUSR1 kills the agent and orphans the workers.
-AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
-_UNCATCHABLE = (signal.SIGKILL, signal.SIGSTOP)
-
-
-def parse_signals(text: str) -> tuple[signal.Signals, ...]:
-    """"TERM,USR1" (or "SIGTERM,sigusr1", or "none") -> the signals; UsageError naming a bad one."""
-    names = [n.strip().upper() for n in text.split(",") if n.strip()]
-    if names == ["NONE"]:
-        return ()
-    found = []
-    for name in names:
-        full = name if name.startswith("SIG") else f"SIG{name}"
-        sig = getattr(signal.Signals, full, None)
-        if sig is None or sig in _UNCATCHABLE:
-            why = "cannot be caught" if sig is not None else "is not a signal name"
-            raise UsageError(f"--preempt-signals {text!r}: {name} {why}; give names such as TERM,USR1"
-                             " (or none)")
-        found.append(sig)
-    if not found:
-        raise UsageError(f"--preempt-signals {text!r} names no signal; give names such as TERM,USR1 (or none)")
-    return tuple(dict.fromkeys(found))
+from torchfleet.launcher.preempt_relay import (
+    DEFAULT_SIGNALS,
+    NOTE_VARIABLE,
+    NOTICE_VARIABLE,
+    SIGNALS_VARIABLE,
+    parse_signals,
+)
+from torchfleet.worker import spot_notices
 
 
 class Listener:
@@ -72,10 +43,10 @@ class Listener:
 
     def __init__(self, signals: tuple[signal.Signals, ...], notice: str | None = None):
         self.signals = signals
-        self.notice = notice  # notices.py's spec ("aws", a URL); None: no watcher
+        self.notice = notice  # spot_notices.py's spec ("aws", a URL); None: no watcher
         self.reason: str | None = None
         self._previous: dict[signal.Signals, Any] = {}  # whatever signal.signal returned
-        self._watcher: notices.Watcher | None = None
+        self._watcher: spot_notices.Watcher | None = None
 
     @property
     def requested(self) -> bool:
@@ -92,7 +63,7 @@ class Listener:
 
     def __enter__(self) -> Listener:
         if self.notice:  # checked first: an unreachable metadata service is refused before anything changes
-            self._watcher = notices.Watcher(self.notice, self.told).start()
+            self._watcher = spot_notices.Watcher(self.notice, self.told).start()
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
@@ -150,7 +121,7 @@ class Leaving:
 
     def __init__(self, signals: str | None = None, notice: str | None = None):
         self.signals = signals or os.environ.get(SIGNALS_VARIABLE) or DEFAULT_SIGNALS
-        self.notice = notices.check_spec(notice or os.environ.get(NOTICE_VARIABLE) or "none")
+        self.notice = spot_notices.check_spec(notice or os.environ.get(NOTICE_VARIABLE) or "none")
         parse_signals(self.signals)  # a bad name is refused when the Fleet is made, not at the first step
         self.listener: Listener | None = None
 
@@ -168,39 +139,3 @@ class Leaving:
         if self.listener is not None:
             self.listener.__exit__(None, None, None)
             self.listener = None
-
-
-def agent_signals(text: str) -> str:
-    """torchrun's signals_to_handle: its own, and the preemption signals, so that the agent passes
-    each on to the workers instead of dying of it."""
-    names = [*AGENT_SIGNALS, *(s.name for s in parse_signals(text) if s.name not in AGENT_SIGNALS)]
-    return ",".join(names)
-
-
-@contextlib.contextmanager
-def noting(signals: str, notice: str) -> Iterator[Path]:
-    """For the launcher while its workers run: the file their local rank 0 writes the preemption
-    sentence to (NOTE_VARIABLE), and the signals and notice source a script's Fleet listens for, all
-    in the environment the workers inherit; put back after."""
-    with tempfile.TemporaryDirectory(prefix="torchfleet-preempt-") as folder:
-        note = Path(folder) / "note"
-        with exported({NOTE_VARIABLE: str(note), SIGNALS_VARIABLE: signals, NOTICE_VARIABLE: notice}):
-            yield note
-
-
-def report(note: Path, sigval: signal.Signals, why: str) -> int:
-    """The launcher's exit after its agent was stopped by `sigval`: PREEMPTED_EXIT when the workers
-    saved (their note says where), else the shell's 128 + signal number, `why` saying what may have
-    kept them from saving."""
-    if note.is_file() and note.read_text().strip():
-        print(f"torchfleet: {note.read_text().strip()}", file=sys.stderr, flush=True)
-        return PREEMPTED_EXIT
-    print(f"torchfleet: error: stopped by {sigval.name} before a checkpoint was saved ({why})",
-          file=sys.stderr, flush=True)
-    return 128 + int(sigval)
-
-
-# What report says kept the workers from saving, for the built-in job and for a script.
-TRAIN_WHY = "without --checkpoint-dir, or before the first step, or the save outlasted the agent's 30 s"
-SCRIPT_WHY = ("the script does not ask fleet.preempted() and leave with fleet.leave(), or it was told before"
-              " its first call, or the save outlasted the agent's 30 s")

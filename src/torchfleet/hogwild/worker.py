@@ -27,7 +27,7 @@ class WorkerInfo:
     sharing_strategy: str
 
 
-_worker: WorkerInfo | None = None  # set by torchfleet.hogwild in each worker process
+_worker: WorkerInfo | None = None  # set by hogwild/runner.py in each worker process
 
 
 def worker_info() -> WorkerInfo | None:

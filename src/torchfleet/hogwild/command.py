@@ -1,6 +1,6 @@
 """The built-in job on hogwild workers: `torchfleet train --strategy hogwild -n 4`.
 
-The workers share this process's model (torchfleet/launcher/hogwild.py runs
+The workers share this process's model (torchfleet/hogwild/runner.py runs
 them); each has its own optimizer and its share of every global batch, and
 this process evaluates the shared model when they finish.
 """
@@ -18,12 +18,12 @@ from torchfleet.data import check_global_batch
 from torchfleet.env import DistEnv
 from torchfleet.errors import UsageError
 from torchfleet.fleet import Fleet
-from torchfleet.launcher import hogwild
+from torchfleet.hogwild import runner
+from torchfleet.hogwild.worker import Hogwild, worker_info
 from torchfleet.models import gpt_config
 from torchfleet.precision import Precision
 from torchfleet.strategies.base import Runtime
 from torchfleet.strategies.batchnorm import batchnorm_note
-from torchfleet.strategies.hogwild import Hogwild, worker_info
 from torchfleet.train import report
 from torchfleet.train.datasets import builtin_dataset
 from torchfleet.train.models import build_model, build_optimizer
@@ -55,7 +55,7 @@ def train_hogwild(cfg, workers: int) -> dict:
     if note:
         print(f"note: {note}", flush=True)
     start = time.perf_counter()
-    done = hogwild.run(_train_worker, model, workers, args=(cfg, train_set, val_set),
+    done = runner.run(_train_worker, model, workers, args=(cfg, train_set, val_set),
                sharing_strategy=cfg.strategy_options.get("sharing_strategy"))
     wall = time.perf_counter() - start
     train_seconds = max(d["seconds"] for d in done)
