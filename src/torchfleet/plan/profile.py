@@ -117,73 +117,128 @@ def measure(spec: dict, optimizer: str, cores: int, batches: tuple[int, ...] | N
 
     `timed=False` leaves out the step times (a described GPU's compute comes from FLOPs instead)."""
     from torchfleet.bench import flops
+
+    before = torch.get_num_threads()
+    model, inputs, targets, loss_fn = _workload(spec, 2)
+    shape = _shape(model, inputs)
+    flops_per_sample = flops.flops_per_sample(model, inputs, targets, loss_fn)
+    batches = batches or (_probe_batches(spec, optimizer, cores) if timed else (1, 2))
+    timed_steps = timed_steps or (3 if batches[0] == 1 else 7)  # a slow model's steps vary less
+    torch.set_num_threads(cores)
+    peaks = _Peaks(spec, optimizer, batches, shape.parameters)
+    line_at = peaks.line_batches()
+    # Timed at the batches the plan's ranks will run where it says them: the line is then drawn where it is
+    # used, not extrapolated from small batches (whose choice a loaded machine skews: a slow first step picks
+    # batches so small that the per-sample cost hides under the fixed one); those the machine holds.
+    local = tuple(sorted({b for b in time_at if peaks.holds(b)}))
+    timed_at = local if len(local) > 1 else batches
+    fits, stepping_s = _timings(peaks, spec, optimizer, timed_at, cores, timed_steps) if timed else ({}, {})
+    torch.set_num_threads(before)
+    slope, fixed = peaks.activation_line(line_at)
+    return Profile(spec["model"], shape.parameters, shape.in_blocks, shape.largest, shape.units, shape.boundary,
+                   spec.get("block_size"), flops_per_sample, optimizer, slope, fixed, peaks.optimizer_temporaries(),
+                   fits, timed_at if timed else batches, shape.pointwise_convs, shape.tensors, shape.tp_linears,
+                   stepping_s, workload_name(spec, optimizer), line_at)
+
+
+def _shape(model: nn.Module, inputs) -> SimpleNamespace:
+    """What the model's structure says: its parameters, how they fall into blocks and fsdp units, the bytes a
+    block hands on, and what its tensor-parallel plan splits."""
     from torchfleet.strategies.blocks import find_blocks
     from torchfleet.strategies.parallelize import fsdp_units
     from torchfleet.strategies.pipeline.stages import has_pointwise_convs
 
-    before = torch.get_num_threads()
-    model, inputs, targets, loss_fn = _workload(spec, 2)
     params = sum(p.numel() for p in model.parameters())
-    flops_per_sample = flops.flops_per_sample(model, inputs, targets, loss_fn)
     try:
         blocks = [module for _, module in find_blocks(model)]
     except Exception:  # noqa: BLE001 (any model: none found means one unit)
         blocks = []
     in_blocks = sum(p.numel() for b in blocks for p in b.parameters())
-    largest = max([sum(p.numel() for p in b.parameters()) for b in blocks] + [params - in_blocks])
-    boundary = _boundary_bytes(model, blocks, inputs)
-    tokens = spec.get("block_size")
-    batches = batches or (_probe_batches(spec, optimizer, cores) if timed else (1, 2))
-    timed_steps = timed_steps or (3 if batches[0] == 1 else 7)  # a slow model's steps vary less
+    tp_plan = getattr(model, "tp_plan", None)
+    split = tp_plan(1) if callable(tp_plan) else {}
+    try:  # fsdp's units as the strategy forms them (blocks that share a parameter are one), and the root
+        units = len(fsdp_units(model)) + 1
+    except Exception:  # noqa: BLE001 (as above)
+        units = len(blocks) + 1
+    return SimpleNamespace(
+        parameters=params, in_blocks=in_blocks, units=units, boundary=_boundary_bytes(model, blocks, inputs),
+        largest=max([sum(p.numel() for p in b.parameters()) for b in blocks] + [params - in_blocks]),
+        pointwise_convs=has_pointwise_convs(model), tensors=len(list(model.parameters())),
+        tp_linears=len(split) if isinstance(split, dict) else 0)
 
-    state = 4 * params + OPTIMIZER_STATE[optimizer] * params
-    peaks_fb, peaks_opt, made = {}, {}, {}
-    torch.set_num_threads(cores)
 
-    precision = spec.get("precision", "fp32")
+class _Peaks:
+    """The peak tensor bytes of a step's two phases at each measured batch, and the steps kept to time."""
 
-    def peaks_at(batch: int) -> None:
-        with _traced(precision):
-            model, inputs, targets, loss_fn = _workload(spec, batch)
-            opt = make_optimizer(optimizer, model.parameters())
+    def __init__(self, spec: dict, optimizer: str, batches: tuple[int, ...], parameters: int):
+        self.spec, self.optimizer, self.batches, self.parameters = spec, optimizer, batches, parameters
+        self.state = 4 * parameters + OPTIMIZER_STATE[optimizer] * parameters  # weights and optimizer state
+        self.precision = spec.get("precision", "fp32")
+        self.forward_backward: dict[int, int] = {}
+        self.optimizer_phase: dict[int, int] = {}
+        self.made: dict[int, tuple] = {}  # batch -> (model, optimizer, inputs, targets, loss_fn), stepped once
+        for batch in batches:
+            self.measure(batch)
+        # Only batches whose step this machine holds are run (a user plans GPT-2 for GPUs on a laptop): the
+        # peak of `batch` is taken as if all the smallest batch's bytes beyond the state grew with the batch,
+        # an over-estimate, against a third of the memory free now.
+        smallest = min(batches)
+        self.budget = _available_memory() / 3
+        self.per_sample = max(0, self.forward_backward[smallest] - self.state) / smallest
+
+    def measure(self, batch: int) -> None:
+        with _traced(self.precision):
+            model, inputs, targets, loss_fn = _workload(self.spec, batch)
+            opt = make_optimizer(self.optimizer, model.parameters())
             _step(model, opt, inputs, targets, loss_fn)  # the optimizer's state exists from here on
-            peaks_fb[batch], peaks_opt[batch] = _phase_peaks(model, opt, inputs, targets, loss_fn, precision)
-        if batch in batches and precision == "fp32":  # fake tensors cannot be timed
-            made[batch] = (model, opt, inputs, targets, loss_fn)
+            self.forward_backward[batch], self.optimizer_phase[batch] = _phase_peaks(
+                model, opt, inputs, targets, loss_fn, self.precision)
+        if batch in self.batches and self.precision == "fp32":  # fake tensors cannot be timed
+            self.made[batch] = (model, opt, inputs, targets, loss_fn)
 
-    for batch in batches:
-        peaks_at(batch)
-    # Only batches whose step this machine holds are run (a user plans GPT-2 for GPUs on a laptop): the
-    # peak of `batch` is taken as if all the smallest batch's bytes beyond the state grew with the batch,
-    # an over-estimate, against a third of the memory free now.
-    smallest, budget = min(batches), _available_memory() / 3
-    per_sample = max(0, peaks_fb[smallest] - state) / smallest
+    def holds(self, batch: int) -> bool:
+        return self.state + batch * self.per_sample <= self.budget
 
-    def holds(batch: int) -> bool:
-        return state + batch * per_sample <= budget
+    def line_batches(self) -> tuple[int, int]:
+        """The two batches the activation line is drawn through, measured.
 
-    # A slow model's timing batches, 1 and 2, are too small to draw its memory line: at them the peak comes
-    # at the end of backward, with every gradient alive and the activations gone, so it barely grows with
-    # the batch. Two larger batches are measured for memory alone and the line drawn through them (the
-    # largest pair of 4 and 8, 2 and 4, or 1 and 2 times the larger that the machine holds); the small-batch
-    # regime is the optimizer phase's peak, which the prediction takes when it is the larger.
-    top = max(batches)
-    extra = () if len(batches) > 2 else next(((k, 2 * k) for k in (4 * top, 2 * top, top) if holds(2 * k)), ())
-    for batch in extra:
-        if batch not in peaks_fb:
-            peaks_at(batch)
-    # Timed at the batches the plan's ranks will run where it says them: the line is then drawn where it is
-    # used, not extrapolated from small batches (whose choice a loaded machine skews: a slow first step picks
-    # batches so small that the per-sample cost hides under the fixed one); those the machine holds.
-    local = tuple(sorted({b for b in time_at if holds(b)}))
-    timed_at = local if len(local) > 1 else batches
-    for batch in timed_at if timed else ():
+        A slow model's timing batches, 1 and 2, are too small to draw its memory line: at them the peak comes
+        at the end of backward, with every gradient alive and the activations gone, so it barely grows with
+        the batch. Two larger batches are measured for memory alone and the line drawn through them (the
+        largest pair of 4 and 8, 2 and 4, or 1 and 2 times the larger that the machine holds); the small-batch
+        regime is the optimizer phase's peak, which the prediction takes when it is the larger.
+        """
+        top = max(self.batches)
+        extra = () if len(self.batches) > 2 else next(
+            ((k, 2 * k) for k in (4 * top, 2 * top, top) if self.holds(2 * k)), ())
+        for batch in extra:
+            if batch not in self.forward_backward:
+                self.measure(batch)
+        return extra or (min(self.batches), max(self.batches))
+
+    def activation_line(self, at: tuple[int, int]) -> tuple[float, float]:
+        """(bytes per sample, batch-independent bytes) of the forward-and-backward peak above the state."""
+        b1, b2 = at
+        act = [self.forward_backward[b] - self.state for b in (b1, b2)]
+        slope = max(0.0, (act[1] - act[0]) / (b2 - b1))
+        return slope, max(0.0, act[0] - slope * b1)
+
+    def optimizer_temporaries(self) -> float:
+        """The optimizer step's peak above parameters, gradients and state."""
+        return max(0.0, max(self.optimizer_phase.values()) - self.state - 4 * self.parameters)
+
+
+def _timings(peaks: _Peaks, spec: dict, optimizer: str, timed_at: tuple[int, ...], cores: int,
+             timed_steps: int) -> tuple[dict[int, StepFit], dict[int, float]]:
+    """({threads: step line}, {threads: the optimizer's step alone}) on 1 thread and on `cores`."""
+    made = peaks.made
+    for batch in timed_at:
         if batch not in made:
             model, inputs, targets, loss_fn = _workload(spec, batch)
             made[batch] = (model, make_optimizer(optimizer, model.parameters()), inputs, targets, loss_fn)
             _step(*made[batch])
     fits, stepping_s = {}, {}
-    for threads in sorted({1, cores}) if timed else ():
+    for threads in sorted({1, cores}):
         torch.set_num_threads(threads)
         samples: dict[int, list[float]] = {b: [] for b in timed_at}
         optimizer_steps: list[float] = []
@@ -198,22 +253,7 @@ def measure(spec: dict, optimizer: str, cores: int, batches: tuple[int, ...] | N
         # the fastest of each batch's steps: others' load on a shared machine only adds (probe.py's reasoning)
         fits[threads] = _fit_line({b: min(t) for b, t in samples.items()})
         stepping_s[threads] = min(optimizer_steps)  # the optimizer's step does not depend on the batch
-    torch.set_num_threads(before)
-
-    b1, b2 = extra or (min(batches), max(batches))
-    act = [peaks_fb[b] - state for b in (b1, b2)]
-    slope = max(0.0, (act[1] - act[0]) / (b2 - b1))
-    opt_tmp = max(0.0, max(peaks_opt.values()) - state - 4 * params)
-    tp_plan = getattr(model, "tp_plan", None)
-    split = tp_plan(1) if callable(tp_plan) else {}
-    try:  # fsdp's units as the strategy forms them (blocks that share a parameter are one), and the root
-        units = len(fsdp_units(model)) + 1
-    except Exception:  # noqa: BLE001 (as above)
-        units = len(blocks) + 1
-    return Profile(spec["model"], params, in_blocks, largest, units, boundary, tokens, flops_per_sample,
-                   optimizer, slope, max(0.0, act[0] - slope * b1), opt_tmp, fits, timed_at if timed else batches,
-                   has_pointwise_convs(model), len(list(model.parameters())),
-                   len(split) if isinstance(split, dict) else 0, stepping_s, workload_name(spec, optimizer), (b1, b2))
+    return fits, stepping_s
 
 
 def meminfo(field: str) -> float | None:
