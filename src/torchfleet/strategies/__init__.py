@@ -25,12 +25,14 @@ from torchfleet.strategies.registry import DIM_NAMES, Preset, register
 _MESH = {
     "replicate": "ddp:DataParallelDistributed",
     "shard": "fsdp:FullyShardedDataParallel",
-    "pipeline": "pipeline.strategy:Pipeline",
+    "pipeline": "torchfleet.strategies.pipeline.strategy:Pipeline",
 }
 PIPELINE_OPTIONS = ("schedule", "stages_per_process", "microbatches")
 
 
 def _load(where: str) -> type[Strategy]:
+    """The class `where` names: "module:Class", a bare module name under torchfleet.strategies, a dotted one whole
+    (a plug-in's own module, hogwild's room)."""
     module, cls = where.split(":")
     return getattr(importlib.import_module(module if "." in module else f"torchfleet.strategies.{module}"), cls)
 
