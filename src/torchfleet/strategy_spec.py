@@ -14,7 +14,8 @@ from torchfleet.env import DistEnv
 from torchfleet.errors import UsageError
 from torchfleet.replica_groups import which_group
 from torchfleet.strategies import Runtime, Strategy, class_for, get_strategy, registry, resolve_dims
-from torchfleet.strategies.dims import DIM_NAMES, ParallelDims
+from torchfleet.strategies.dims import ParallelDims
+from torchfleet.strategies.options import StrategyOptions
 
 # A launcher's one process for these is a process group of one, as torch runs `torchrun -n 1`
 # (NCCL on a GPU box's one GPU); any other strategy alone has nothing to share and runs serial.
@@ -27,21 +28,21 @@ class StrategySpec:
     preset: registry.Preset
     cls: type[Strategy]  # the class that runs it in this process
     dims: ParallelDims | None  # its degrees on this job; None for one process
-    options: dict  # the class's own options: the preset's defaults under the caller's, degree flags out
+    options: StrategyOptions  # the preset's defaults under the caller's, in their groups
     joined: which_group.Plan  # its replica group and their meetings, or none
     grouped: bool  # this process joins a process group (several processes, or a launcher's group of one)
     notes: list[str] = field(default_factory=list)
 
     def build(self, runtime: Runtime) -> Strategy:
-        if self.dims is None:
-            return self.cls(runtime, **self.options)
-        return self.cls(runtime, dims=self.dims, **self.options)
+        if self.dims is None:  # a one-process class: a degree given to it is refused in its own words
+            return self.cls(runtime, **self.options.given())
+        return self.cls(runtime, dims=self.dims, **self.options.for_class())
 
 
-def settle(name: str, options: dict, env: DistEnv, fault_tolerance: str | None) -> StrategySpec:
+def settle(name: str, given: dict, env: DistEnv, fault_tolerance: str | None) -> StrategySpec:
     cls = get_strategy(name)  # an unknown name is one sentence naming those there are
     preset = registry.presets()[name]
-    joined = which_group.plan(name, fault_tolerance, registry.options_for(name, options))
+    joined = which_group.plan(name, fault_tolerance, StrategyOptions.of(registry.options_for(name, given)))
     meeting, options = joined.meeting, joined.strategy_options
     if meeting is not None and env.world_size == 1:  # a group of one process: nothing to share in it
         cls = get_strategy("serial")
@@ -50,15 +51,14 @@ def settle(name: str, options: dict, env: DistEnv, fault_tolerance: str | None) 
     notes = []
     if cls.distributed and not grouped:
         notes.append(f"{name} with one process has nothing to share; running it as serial")
-        cls, options = get_strategy("serial"), {}
+        cls, options = get_strategy("serial"), StrategyOptions()
     if env.is_distributed and not cls.distributed:
         raise UsageError(f"strategy {name!r} runs in one process but {env.world_size} were started;"
                          " use -n 1, or a multi-process strategy such as ddp")
     dims = None
     if cls.distributed:  # (still distributed: several processes, or a group of one)
-        dims = resolve_dims(name, env.world_size, env.nnodes, options)
+        dims = resolve_dims(name, env.world_size, env.nnodes, options.given())
         assert dims is not None  # a distributed strategy always has degrees
-        options = {k: v for k, v in options.items() if k not in DIM_NAMES}
         if not alone:
             cls = class_for(dims)  # the degrees pick the class: ddp with --pp 2 runs as ddp+pipeline
     return StrategySpec(name, preset, cls, dims, options, joined, grouped, notes)

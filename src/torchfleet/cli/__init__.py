@@ -15,45 +15,16 @@ from torchfleet.errors import TrainingError, UsageError
 
 EPILOG = "Docs: docs/ in the repository (make docs builds the site). Every command takes --help."
 
-# Flags passed to the strategy only when given; a strategy rejects those it does not take.
-STRATEGY_FLAGS = (
-    ("--devices", str, "mp: comma-separated devices for the stages, e.g. cuda:0,cuda:1 or cpu,cpu"),
-    ("--microbatches", int, "mp, pipeline, ddp+pipeline: micro-batches per batch, so stages overlap"
-                            " (pipelines default to 2 per stage, or fewer that divide the batch; fewer"
-                            " still for 1x1 convolutions on one-thread CPU processes, to keep 16 samples)"),
-    ("--schedule", str, "pipelines: gpipe, 1f1b (one stage per process), interleaved-1f1b, looped-bfs,"
-                        " interleaved-zb (several) or zbv (zero bubble, 2 in a V) where the installed torch has them"
-                        " (default 1f1b, or interleaved-1f1b with --stages-per-process 2 or more)"),
-    ("--stages-per-process", int, "pipelines: stages each process holds, the model cut into processes x this"
-                                  " (default 1; 2 or more for interleaved-1f1b, looped-bfs and interleaved-zb,"
-                                  " exactly 2 for zbv)"),
-    ("--pp", int, "pipeline stages (the pp degree): ddp+pipeline and fsdp+pipeline default to 2"),
-    ("--dp-replicate", int, "replicas (the dp_replicate degree); hsdp defaults to 2, or one per machine"),
-    ("--dp-shard", int, "shards per replica (the dp_shard degree); the product of the four degrees"
-                        " is the number of processes"),
-    ("--tp", int, "tensor-parallel processes per group (the tp degree): fsdp+tp defaults to 2; needs a model"
-                  " with a plan (the built-in gpt has one)"),
-    ("--sharing-strategy", str, "hogwild: file_descriptor or file_system (default: the platform's)"),
-    ("--grad-compression", str, "ddp: none, fp16, bf16 or powersgd (DDP communication hooks)"),
-    ("--powersgd-rank", int, "ddp with --grad-compression powersgd: the low rank (default 2)"),
-    ("--fsdp-units", str, "fsdp, hsdp, fsdp+pipeline: block classes FSDP2 shards one by one, comma-separated"
-                          " (default: the blocks of the model's largest ModuleList)"),
-    ("--split-points", str, "pipelines and mp: the modules where stages after the first begin, comma-separated,"
-                            " e.g. transformer.h.2 (default: between repeated blocks, balanced)"),
-    ("--find-unused-parameters", bool, "ddp: let DDP find parameters the forward does not use (a cost"
-                                       " every step; without it such a model stops with their names)"),
-    ("--sync-every", int, "diloco, localsgd: steps each replica group takes on its own between meetings"
-                          " (default 100: 1%% of ddp's exchanges, and several meetings in a short run)"),
-    ("--outer-lr", float, "diloco: the outer SGD's learning rate on the averaged change of the weights"
-                          " (default 0.7, the DiLoCo paper's)"),
-    ("--outer-momentum", float, "diloco: the outer SGD's Nesterov momentum (default 0.9, the DiLoCo paper's)"),
-    ("--sync-batchnorm", bool, "ddp, fsdp, hsdp: BatchNorm normalises with the whole batch's statistics,"
-                               " all-reduced across processes (CPU and GPU), as serial does"),
-)
+def _strategy_flags() -> list[tuple[str, type, str]]:
+    """Flags passed to the strategy only when given; a strategy rejects those it does not take. Declared once,
+    with their help and their family, in strategies/options.py."""
+    from torchfleet.strategies.options import flags
+
+    return flags()
 
 
 def _strategy_options(args) -> dict:
-    names = (flag[2:].replace("-", "_") for flag, _, _ in STRATEGY_FLAGS)
+    names = (flag[2:].replace("-", "_") for flag, _, _ in _strategy_flags())
     return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
 
 
@@ -122,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train the built-in job (a CNN on digits by default)")
     add_flags(train, TrainConfig)
     opts = train.add_argument_group("strategy options (each applies to some strategies only)")
-    for flag, kind, text in STRATEGY_FLAGS:  # a bool is a switch: given means True
+    for flag, kind, text in _strategy_flags():  # a bool is a switch: given means True
         how: dict[str, Any] = {"action": "store_true"} if kind is bool else {"type": kind}
         opts.add_argument(flag, **how, default=None, help=text)
     _add_launch_flags(train)
@@ -157,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from torchfleet.cli import bench as bench_cli
 
-    bench_cli.add_parser(sub, STRATEGY_FLAGS)
+    bench_cli.add_parser(sub, _strategy_flags())
 
     from torchfleet.cli import plan as plan_cli
 

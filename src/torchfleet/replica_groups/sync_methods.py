@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from torchfleet.errors import UsageError
 
 METHODS = ("diloco", "localsgd")
-OPTIONS = ("sync_every", "outer_lr", "outer_momentum")
 
 # The paper meets every 500 steps over runs of tens of thousands; torchfleet's runs are often a few
 # hundred steps, where 500 would never meet. 100 keeps the meetings to 1% of ddp's exchanges (each
@@ -57,12 +56,6 @@ class SyncOptions:
         if not 0 <= self.outer_momentum < 1:
             raise UsageError(f"--outer-momentum {self.outer_momentum} must be at least 0 and below 1 (the"
                              f" DiLoCo paper's is {DEFAULT_OUTER_MOMENTUM})")
-
-    @classmethod
-    def take(cls, method: str, options: dict) -> tuple[SyncOptions, dict]:
-        """This method's options out of a strategy's options; the rest go to ddp inside each group."""
-        mine = {k: v for k, v in options.items() if k in OPTIONS and v is not None}
-        return cls(method, **mine), {k: v for k, v in options.items() if k not in OPTIONS}
 
     def describe(self) -> str:
         if self.method == "localsgd":

@@ -7,24 +7,27 @@ device is known (`group`: torchft's side of it, started by `attach` later).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from torchfleet.env.replicas import ReplicaEnv
 from torchfleet.errors import UsageError
 from torchfleet.replica_groups.sync_methods import METHODS, SyncOptions, refuse_alone
+from torchfleet.strategies.options import ReplicaGroupOptions, StrategyOptions
 
 
 @dataclass(frozen=True)
 class Plan:
     env: ReplicaEnv | None  # this process's replica group, None outside one
     meeting: SyncOptions | None  # diloco, localsgd: the groups meet every few steps (else every step)
-    strategy_options: dict  # what is left for the strategy inside the group
+    strategy_options: StrategyOptions  # what is left for the strategy inside the group
 
 
-def plan(strategy: str, fault_tolerance: str | None, strategy_options: dict) -> Plan:
+def plan(strategy: str, fault_tolerance: str | None, options: StrategyOptions) -> Plan:
     if strategy not in METHODS:
-        return Plan(ReplicaEnv.for_fleet(fault_tolerance, strategy), None, strategy_options)
-    meeting, rest = SyncOptions.take(strategy, strategy_options)
+        return Plan(ReplicaEnv.for_fleet(fault_tolerance, strategy), None, options)
+    meeting = meeting_of(strategy, options)
+    rest = dataclasses.replace(options, replica_groups=ReplicaGroupOptions())  # ddp's, inside each group
     if fault_tolerance == "restart":
         raise UsageError(f"{strategy} runs its replica groups under torchft, which is per-step fault tolerance"
                          " already; leave fault_tolerance out")
@@ -36,6 +39,12 @@ def plan(strategy: str, fault_tolerance: str | None, strategy_options: dict) -> 
                          " --fault-tolerance step --nnodes 2 or more")
     refuse_alone(strategy, env.groups)
     return Plan(env, meeting, rest)
+
+
+def meeting_of(method: str, options: StrategyOptions) -> SyncOptions:
+    """diloco's or localsgd's meetings as `options` set them, validated (one sentence for a bad value)."""
+    return SyncOptions(method, **{k: v for k, v in dataclasses.asdict(options.replica_groups).items()
+                                  if v is not None})
 
 
 def group(planned: Plan, dist_env, device):

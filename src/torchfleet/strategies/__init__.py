@@ -12,6 +12,7 @@ in torch.distributed.pipelining and with it torch._dynamo (about 2 s), which
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Iterator, Mapping
 
@@ -19,7 +20,8 @@ from torchfleet.errors import choice_error
 from torchfleet.strategies import registry
 from torchfleet.strategies.base import Runtime, Strategy
 from torchfleet.strategies.dims import ParallelDims
-from torchfleet.strategies.registry import DIM_NAMES, Preset, register
+from torchfleet.strategies.options import StrategyOptions
+from torchfleet.strategies.registry import Preset, register
 
 # The classes that run the mesh's presets, by what the degrees hold.
 _MESH = {
@@ -27,7 +29,6 @@ _MESH = {
     "shard": "fsdp:FullyShardedDataParallel",
     "pipeline": "torchfleet.strategies.pipeline.strategy:Pipeline",
 }
-PIPELINE_OPTIONS = ("schedule", "stages_per_process", "microbatches")
 
 
 def _load(where: str) -> type[Strategy]:
@@ -88,17 +89,16 @@ def resolve_dims(name: str, world_size: int, nodes: int = 1, options: dict | Non
     preset = registry.find(name)
     if preset is None or preset.degrees is None:
         return None
-    options = registry.options_for(name, options)
-    given = {k: v for k, v in (options or {}).items() if k in DIM_NAMES}
+    typed = StrategyOptions.of(registry.options_for(name, options))
+    given = {k: v for k, v in dataclasses.asdict(typed.degrees).items() if v is not None}
     dims = ParallelDims.from_preset(name, world_size, nodes=nodes, **given)
-    pipelined = {k: v for k, v in (options or {}).items() if k in PIPELINE_OPTIONS}
-    if dims.pp > 1 and pipelined:
+    pipeline = typed.pipeline
+    if dims.pp > 1 and (pipeline.schedule, pipeline.stages_per_process, pipeline.microbatches) != (None,) * 3:
         # A schedule that cannot run is refused here, before any process starts, not in every
         # worker. Imported here: it pulls in torch.distributed.pipelining (see above).
         from torchfleet.strategies.pipeline.schedules import check_schedule
 
-        check_schedule(pipelined.get("schedule"), dims.pp, pipelined.get("stages_per_process"),
-                       pipelined.get("microbatches"))
+        check_schedule(pipeline.schedule, dims.pp, pipeline.stages_per_process, pipeline.microbatches)
     return dims
 
 

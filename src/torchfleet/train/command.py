@@ -24,11 +24,12 @@ from torchfleet.errors import UsageError
 from torchfleet.launcher import failures, forked, preempt_relay
 from torchfleet.launcher.agent import LaunchError, run_command
 from torchfleet.launcher.failures import PREEMPTED_EXIT
-from torchfleet.replica_groups import torchft_setup
+from torchfleet.replica_groups import torchft_setup, which_group
 from torchfleet.replica_groups.on_one_machine import run_groups_here
-from torchfleet.replica_groups.sync_methods import SyncOptions, refuse_alone
+from torchfleet.replica_groups.sync_methods import refuse_alone
 from torchfleet.strategies import data_readers, get_strategy, registry, resolve_dims
 from torchfleet.strategies.batchnorm import check_sync_batchnorm
+from torchfleet.strategies.options import StrategyOptions
 from torchfleet.train.config import TrainConfig
 from torchfleet.train.loop import train
 from torchfleet.train.processes import plan_processes
@@ -51,10 +52,11 @@ def run(cfg: TrainConfig, launch: LaunchConfig, nproc: int | None, argv: list[st
     if why:
         print(f"torchfleet: {why}", flush=True)
     starts = registry.presets()[strategy].launch  # agent, one process, spawn (hogwild), replica groups
+    options = StrategyOptions.of(registry.options_for(strategy, cfg.strategy_options))
     if starts == "replica groups":
         # ddp inside each replica group, the groups meeting every few steps under torchft: a group per
         # machine, or on one machine a group per process. Bad options are refused before any starts.
-        SyncOptions.take(strategy, cfg.strategy_options)
+        which_group.meeting_of(strategy, options)
         reason = torchft_setup.unavailable()
         if reason:
             raise UsageError(f"{strategy} runs on torchft, which cannot run here: {reason}")
@@ -76,7 +78,7 @@ def run(cfg: TrainConfig, launch: LaunchConfig, nproc: int | None, argv: list[st
     world, copies = ((launch.nproc_per_node, launch.max_nodes) if launch.replica_groups
                      else (launch.world_size, 1))
     check_global_batch(cfg.batch_size, copies * data_readers(strategy, world, cfg.strategy_options))
-    if cfg.strategy_options.get("sync_batchnorm"):  # refused for pipelines before they start
+    if options.replication.sync_batchnorm:  # refused for pipelines before they start
         dims = resolve_dims(strategy, world, options=cfg.strategy_options)
         if dims is not None:  # None: a single-process strategy, which refuses the option itself
             check_sync_batchnorm(dims.pp, sync_batchnorm=True)

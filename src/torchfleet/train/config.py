@@ -89,7 +89,7 @@ class TrainConfig:
     compile: bool | str = option(False, "torch.compile each block (default) or the whole model",
                                  nargs="?", const="blocks", choices=("blocks", "model"))
     progress: bool = option(True, "no progress bar")  # on by default, so its flag is --no-progress
-    # Not flags of their own: STRATEGY_FLAGS in the CLI, shared with bench, each passed only when given.
+    # Not flags of their own: strategies/options.py declares them, shared with bench, each passed only when given.
     strategy_options: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
