@@ -24,6 +24,7 @@ from torchfleet.models import gpt_config
 from torchfleet.precision import Precision
 from torchfleet.strategies.base import Runtime
 from torchfleet.strategies.batchnorm import batchnorm_note
+from torchfleet.strategies.options import StrategyOptions
 from torchfleet.train import report
 from torchfleet.train.datasets import builtin_dataset
 from torchfleet.train.models import build_model, build_optimizer
@@ -37,7 +38,8 @@ def train_hogwild(cfg, workers: int) -> dict:
                          " `torchfleet train --strategy hogwild -n N`, not under torchrun, Slurm or mpirun")
     # Fail on bad options here, before any worker starts.
     cpu = torch.device("cpu")
-    Hogwild(Runtime(DistEnv(), cpu, Precision(cfg.precision, cpu), None), **cfg.strategy_options)
+    options = StrategyOptions.of(cfg.strategy_options)
+    Hogwild(Runtime(DistEnv(), cpu, Precision(cfg.precision, cpu), None), **options.given())
     if cfg.checkpoint_dir or cfg.resume:
         raise UsageError("hogwild has no single state to checkpoint (each worker keeps its own optimizer"
                          " and updates without locks); drop --checkpoint-dir, or use serial or ddp")
@@ -56,7 +58,7 @@ def train_hogwild(cfg, workers: int) -> dict:
         print(f"note: {note}", flush=True)
     start = time.perf_counter()
     done = runner.run(_train_worker, model, workers, args=(cfg, train_set, val_set),
-               sharing_strategy=cfg.strategy_options.get("sharing_strategy"))
+                      sharing_strategy=options.single_process.sharing_strategy)
     wall = time.perf_counter() - start
     train_seconds = max(d["seconds"] for d in done)
     result = {
