@@ -17,6 +17,7 @@ import time
 from torchfleet import outputs
 from torchfleet.fleet import Fleet
 from torchfleet.hogwild.command import train_hogwild
+from torchfleet.strategies import registry
 from torchfleet.train import report
 from torchfleet.train.config import TrainConfig
 from torchfleet.train.job import Job, set_up
@@ -32,7 +33,7 @@ def train(cfg: TrainConfig, strategy: str, nproc: int = 1) -> dict:
     `nproc` is read by hogwild only: its workers share this process's memory,
     so it spawns them itself (torchfleet.hogwild) instead of running in them.
     """
-    if strategy == "hogwild":
+    if registry.presets()[strategy].launch == "spawn":  # hogwild: workers sharing this process's memory
         return train_hogwild(cfg, nproc)
     fleet = Fleet(strategy=strategy, precision=cfg.precision, backend=cfg.backend,
                   grad_accum=cfg.grad_accum, max_grad_norm=cfg.max_grad_norm,
