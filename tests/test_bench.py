@@ -13,6 +13,8 @@ import sys
 import pytest
 
 from conftest import clean_env, require_module, run, torchfleet
+from torchfleet.bench import cells as bench_cells
+from torchfleet.bench import launch_cell, measure_cell
 from torchfleet.bench import matrix as bench
 from torchfleet.bench import report as bench_report
 from torchfleet.bench.config import BenchConfig
@@ -97,10 +99,10 @@ def test_quick_bench_figures_are_complete_and_consistent(tmp_path):
 def test_a_cell_past_its_timeout_is_stopped_and_reported():
     # 10**7 steps would take hours: the deadline kills the workers and the row says so.
     cfg = BenchConfig(model="mlp", steps=10**7, warmup=0, cell_timeout_s=3)
-    row = bench.run_one(bench.Cell("ddp", 2, 8, "fp32", 1), cfg)
+    row = launch_cell.run_one(bench_cells.Cell("ddp", 2, 8, "fp32", 1), cfg)
     assert row["status"] == "failed" and row["error"] == "timed out after 3 s"
     assert 3 <= row["wall_s"] < 60
-    assert bench._worker_processes() == []  # nothing left running
+    assert launch_cell._worker_processes() == []  # nothing left running
 
 
 class _Sharded(Strategy):  # stands in for a strategy another branch registers
@@ -114,13 +116,13 @@ class _OneProcess(Strategy):
 
 def test_plan_covers_whatever_is_registered_and_available(monkeypatch):
     registry = {"ddp": _Sharded, "serial": Strategy, "fsdp": _Sharded, "dp": _OneProcess}
-    monkeypatch.setattr(bench, "STRATEGIES", registry)
+    monkeypatch.setattr(bench_cells, "STRATEGIES", registry)
     availability = [{"name": "serial", "available": True, "why": ""},
                     {"name": "ddp", "available": True, "why": ""},
                     {"name": "fsdp", "available": True, "why": ""},
                     {"name": "dp", "available": False, "why": "needs 2 GPUs; 0 visible"}]
     cfg = BenchConfig(model="mlp", nproc=(1, 2, 4), batch_sizes=(32,), precisions=("fp32", "bf16"))
-    cells, notes = bench.plan(cfg, availability, cores=4)
+    cells, notes = bench_cells.plan(cfg, availability, cores=4)
     got = [(c.strategy, c.processes, c.precision, c.threads) for c in cells]
     # serial first in every (batch, precision); multi-process strategies at 2 and 4, never 1;
     # threads share the cores; dp is not available here, so it is left out with the reason.
@@ -128,12 +130,12 @@ def test_plan_covers_whatever_is_registered_and_available(monkeypatch):
                    for s, n in (("serial", 1), ("ddp", 2), ("ddp", 4), ("fsdp", 2), ("fsdp", 4))]
     assert any("dp (needs 2 GPUs; 0 visible)" in note for note in notes)
     # Named explicitly, an unavailable strategy is one skipped row with doctor's reason.
-    cells, notes = bench.plan(BenchConfig(strategies=("dp",), batch_sizes=(8,), nproc=(2,),
+    cells, notes = bench_cells.plan(BenchConfig(strategies=("dp",), batch_sizes=(8,), nproc=(2,),
                                           precisions=("fp32",), threads=1), availability, cores=4)
     assert [(c.strategy, c.skip) for c in cells] == [
         ("serial", None), ("dp", "not available here: needs 2 GPUs; 0 visible")]
     assert "serial added" in notes[0]
-    row = bench.run_one(cells[1], BenchConfig())
+    row = launch_cell.run_one(cells[1], BenchConfig())
     assert row["status"] == "skipped" and "needs 2 GPUs" in row["error"]
 
 
@@ -232,7 +234,7 @@ def test_model_flops_are_counted_on_shapes_alone():
     assert flops_per_sample(nn.Linear(2, 2), "not a tensor", y, nn.functional.cross_entropy) is None
     assert peak_flops("NVIDIA H100 PCIe", "bf16") == 756e12 and peak_flops("NVIDIA H200", "fp16") == 989.4e12
     assert peak_flops("Tesla V100-SXM2-16GB", "bf16") is None and peak_flops(None, "fp32") is None
-    assert bench.bench_cell.spread([1.0, 2.0, 3.0, 4.0, 5.0])["step_time_median_s"] == 3.0
+    assert measure_cell.spread([1.0, 2.0, 3.0, 4.0, 5.0])["step_time_median_s"] == 3.0
 
 
 @pytest.mark.timeout(600)
@@ -347,12 +349,12 @@ def test_bench_resnet50_reports_images_per_second(tmp_path):
 
 
 def test_bench_sizes_gpt_and_the_resnets_for_the_machine():
-    cpu, gpu = bench.resolve(BenchConfig(model="gpt"), gpus=0), bench.resolve(BenchConfig(model="gpt"), gpus=1)
+    cpu, gpu = bench_cells.resolve(BenchConfig(model="gpt"), gpus=0), bench_cells.resolve(BenchConfig(model="gpt"), gpus=1)
     assert (cpu.gpt_preset, cpu.batch_sizes) == ("tiny", (16, 64))
     assert (gpu.gpt_preset, gpu.batch_sizes) == ("gpt2", (8, 32))
-    assert bench.bench_cell.input_shape("resnet50") == (3, 224, 224)
-    assert bench.bench_cell.input_shape("resnet18", image_size=32) == (3, 32, 32)
-    assert bench.bench_cell.input_shape("cnn", image_size=32) == (1, 8, 8)  # the digits models keep theirs
+    assert measure_cell.input_shape("resnet50") == (3, 224, 224)
+    assert measure_cell.input_shape("resnet18", image_size=32) == (3, 32, 32)
+    assert measure_cell.input_shape("cnn", image_size=32) == (1, 8, 8)  # the digits models keep theirs
     assert bench.QUICK["gpt_preset"] == "tiny" and bench.QUICK["image_size"] == 32
 
 
@@ -362,7 +364,7 @@ def test_bench_sizes_gpt_and_the_resnets_for_the_machine():
 def test_one_machine_leaves_diloco_and_localsgd_to_link_mode():
     availability = [{"name": name, "available": True, "why": ""} for name in ("serial", "ddp", "diloco", "localsgd")]
     cfg = BenchConfig(model="mlp", nproc=(2,), batch_sizes=(32,), precisions=("fp32",))
-    cells, notes = bench.plan(cfg, availability, cores=2)
+    cells, notes = bench_cells.plan(cfg, availability, cores=2)
     # doctor lists them as available, yet the default list has neither: one machine has no slow link.
     assert [c.strategy for c in cells] == ["serial", "ddp"]
     (note,) = [n for n in notes if "diloco" in n]

@@ -137,13 +137,13 @@ def test_rdzv_conf_adds_to_the_rendezvous_options_torchfleet_chose():
     """--rdzv-conf once replaced them: the c10d host lost `is_host`, nobody hosted the store,
     and the test above timed out on every node; the static rendezvous took rank 0 everywhere."""
     from torchfleet.config import LaunchConfig
-    from torchfleet.launcher import agent, torchrun_flags
+    from torchfleet.launcher import elastic_config, torchrun_flags
 
     given = torchrun_flags.agent_overrides({"rdzv_conf": "last_call_timeout=5"}, "x.py", [], one_machine=False)
-    elastic = agent.agent_config(LaunchConfig(nnodes="2:3", rdzv_endpoint="127.0.0.1:29400"), given)
+    elastic = elastic_config.agent_config(LaunchConfig(nnodes="2:3", rdzv_endpoint="127.0.0.1:29400"), given)
     assert elastic.rdzv_configs["is_host"] is True and elastic.rdzv_configs["last_call_timeout"] == "5"
     assert "rank" not in elastic.rdzv_configs
-    static = agent.agent_config(LaunchConfig(nnodes=2, node_rank=1, master_addr="127.0.0.1"), given)
+    static = elastic_config.agent_config(LaunchConfig(nnodes=2, node_rank=1, master_addr="127.0.0.1"), given)
     assert (static.rdzv_configs["rank"], static.rdzv_configs["last_call_timeout"]) == (1, "5")
 
 
@@ -154,7 +154,7 @@ def test_an_elastic_machine_checks_the_endpoints_port_not_the_master_port():
 
     from torchfleet.config import LaunchConfig
     from torchfleet.errors import UsageError
-    from torchfleet.launcher import agent
+    from torchfleet.launcher import ports
 
     with socket.socket() as taken:
         taken.bind(("0.0.0.0", 0))
@@ -162,6 +162,6 @@ def test_an_elastic_machine_checks_the_endpoints_port_not_the_master_port():
         port = taken.getsockname()[1]
         # The store is elsewhere (192.0.2.1, TEST-NET: never this machine); the taken port is only
         # --master-port, which the c10d rendezvous does not use.
-        agent._preflight(LaunchConfig(nnodes="2:3", rdzv_endpoint="192.0.2.1:29400", master_port=port))
+        ports.check_ports(LaunchConfig(nnodes="2:3", rdzv_endpoint="192.0.2.1:29400", master_port=port))
         with pytest.raises(UsageError, match=f"--rdzv-endpoint 127.0.0.1:{port}: port {port} is already in use"):
-            agent._preflight(LaunchConfig(nnodes="2:3", rdzv_endpoint=f"127.0.0.1:{port}"))
+            ports.check_ports(LaunchConfig(nnodes="2:3", rdzv_endpoint=f"127.0.0.1:{port}"))

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from torchfleet import env as env_module
-from torchfleet.env import DistEnv, EnvError, detect, expand_hostlist
+from torchfleet.env import DistEnv, EnvError, detect, dist_env, expand_hostlist
 
 # A worker of `torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d ...`
 # on the second node, as torch.distributed.elastic's agent exports it.
@@ -246,7 +245,7 @@ def test_single_process() -> None:
 
 
 def test_precedence() -> None:
-    assert [f.__name__ for f in env_module._DETECTORS] == [
+    assert [f.__name__ for f in dist_env._DETECTORS] == [
         "_from_torchrun", "_from_pytorchjob", "_from_slurm", "_from_openmpi", "_from_mpich",
         "_from_sagemaker"]
     # torchrun inside an srun step: its variables describe the worker.

@@ -22,8 +22,8 @@ from conftest import ROOT, clean_env, torchfleet
 from test_preemption import _signalled, worker
 from torchfleet.checkpoint import list_checkpoints, verify
 from torchfleet.errors import UsageError
-from torchfleet.launcher.agent import free_port
 from torchfleet.launcher.failures import PREEMPTED_EXIT
+from torchfleet.launcher.ports import free_port
 from torchfleet.worker import spot_notices
 
 SCRIPT = str(ROOT / "tests" / "scripts" / "leaves_when_told.py")

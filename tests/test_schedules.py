@@ -381,8 +381,8 @@ def test_a_schedule_this_torch_cannot_run_is_refused_in_one_sentence():
 
 
 def test_bench_runs_other_schedules_only_when_asked():
+    from torchfleet.bench.cells import plan, variant
     from torchfleet.bench.config import BenchConfig
-    from torchfleet.bench.matrix import plan, variant
 
     here = [{"name": "serial", "available": True, "why": ""}, {"name": "pipeline", "available": True, "why": ""}]
     cfg = BenchConfig(model="cnn", nproc=(2,), batch_sizes=(64,), precisions=("fp32",))

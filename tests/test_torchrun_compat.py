@@ -15,7 +15,7 @@ from torch.distributed.run import config_from_args, get_args_parser
 from conftest import clean_env, run, torchfleet
 from torchfleet.cli import _launch_config, build_parser
 from torchfleet.errors import UsageError
-from torchfleet.launcher.agent import agent_config
+from torchfleet.launcher.elastic_config import agent_config
 from torchfleet.launcher.torchrun_flags import PREFIX, agent_overrides, given, torchrun_actions
 
 # A valid value for each flag that takes one (the rest get their first choice, or "1").

@@ -20,7 +20,7 @@ class BenchConfig:
     (bench.plan does, from doctor's availability and the hardware)."""
 
     model: str = "cnn"
-    gpt_preset: str | None = None  # --model gpt's size; None: gpt2 with GPUs, tiny without (matrix.resolve)
+    gpt_preset: str | None = None  # --model gpt's size; None: gpt2 with GPUs, tiny without (cells.resolve)
     image_size: int = 224  # --model resnet18/resnet50: mock images are 3 x image_size x image_size
     strategies: tuple[str, ...] = ()
     nproc: tuple[int, ...] = ()  # process counts for multi-process strategies

@@ -11,7 +11,8 @@ a multi-process one at each process count of `--nproc` (2 and more). Every
 cell runs in new processes started through `torchfleet.launcher.launch`
 (measure_cell.run_cell is what they run), so a cell that fails (a bad batch, an
 out-of-memory, a crash, a hang past the timeout) is one row with its reason
-and the rest of the matrix still runs.
+and the rest of the matrix still runs. cells.py chooses the cells, launch_cell.py
+runs one; here the whole command runs them in turn and derives the figures below.
 
 Derived figures, for each cell that ran:
   samples_per_s = global_batch / median step time
@@ -27,40 +28,18 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
-import threading
-import time
-from dataclasses import asdict, dataclass, replace
-from pathlib import Path
+from dataclasses import replace
 
-from torchfleet.bench import measure_cell as bench_cell
+from torchfleet.bench.cells import plan, resolve
 from torchfleet.bench.config import BenchConfig
 from torchfleet.bench.flops import peak_flops
+from torchfleet.bench.launch_cell import run_one
 from torchfleet.doctor import strategy_availability
 from torchfleet.errors import UsageError
-from torchfleet.launcher.agent import LaunchError, launch
-from torchfleet.models import TOKEN_MODELS, gpt_config
-from torchfleet.replica_groups.sync_methods import METHODS as MEETING_METHODS
-from torchfleet.strategies import STRATEGIES, registry, resolve_dims
-from torchfleet.strategies.dims import DIM_NAMES
-from torchfleet.strategies.pipeline.schedules import schedule_variant
 
 # A smoke test in seconds on 2 CPU cores, whichever model is asked for.
 QUICK = {"model": "mlp", "batch_sizes": (64,), "nproc": (2,), "precisions": ("fp32",),
          "warmup": 2, "steps": 6, "gpt_preset": "tiny", "image_size": 32}
-
-
-@dataclass(frozen=True)
-class Cell:
-    strategy: str
-    processes: int
-    global_batch: int
-    precision: str
-    threads: int  # intra-op threads per process
-    skip: str | None = None  # why the cell is not run, when it is not
-
-
-# ---- the plan ----------------------------------------------------------------------------
 
 
 def _usable_cores() -> int:
@@ -68,228 +47,6 @@ def _usable_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:
         return os.cpu_count() or 1
-
-
-def _default_batches(model: str, gpus: int) -> tuple[int, ...]:
-    if model in TOKEN_MODELS:
-        # gpt2's 1,024-token sequences: batch 32 in fp32 takes about half of an 80 GB GPU.
-        return (8, 32) if gpus else (16, 64)
-    if gpus:
-        return (128, 512)  # the notebook's ResNet-50 batches
-    return (16, 64) if model.startswith("resnet") else (64, 512)
-
-
-def _default_precisions(gpus: int) -> tuple[str, ...]:
-    if not gpus:
-        return ("fp32",)  # bf16 runs on CPU too (ask for it), but rarely faster there
-    import torch
-
-    return ("fp32", "bf16", "fp16") if torch.cuda.is_bf16_supported() else ("fp32", "fp16")
-
-
-def resolve(cfg: BenchConfig, gpus: int) -> BenchConfig:
-    """`cfg` with every "choose for this machine" default filled in."""
-    nproc = cfg.nproc or (tuple(sorted({2, gpus})) if gpus >= 2 else (2,))
-    return replace(cfg, nproc=nproc, gpt_preset=cfg.gpt_preset or ("gpt2" if gpus else "tiny"),
-                   batch_sizes=cfg.batch_sizes or _default_batches(cfg.model, gpus),
-                   precisions=cfg.precisions or _default_precisions(gpus))
-
-
-def plan(cfg: BenchConfig, availability: list[dict], cores: int) -> tuple[list[Cell], list[str]]:
-    """The cells to run, in order, and notes about what was chosen and why.
-
-    Within each (batch, precision) serial runs first, so a speedup is known as
-    soon as its cell ends.
-    """
-    here = {a["name"]: a for a in availability}
-    notes = []
-    if cfg.strategies:
-        chosen = list(dict.fromkeys(cfg.strategies))
-    else:
-        chosen = [name for name in STRATEGIES if here.get(name, {}).get("available")]
-    # diloco and localsgd are replica groups meeting every few steps, to spare a slow link between machines:
-    # on one machine there is no such link (and Fleet refuses them alone), so link mode measures them.
-    meeting = [name for name in chosen if name in MEETING_METHODS]
-    if meeting:
-        chosen = [name for name in chosen if name not in MEETING_METHODS]
-        they, pays, them = ("they", "pay", "them") if len(meeting) > 1 else ("it", "pays", "it")
-        notes.append(f"{' and '.join(meeting)} left out: {they} {pays} only over a slow link between machines,"
-                     f" where ddp spends most of each step exchanging gradients; measure {them} against ddp there"
-                     " with link mode, the same command on every machine: torchfleet bench --nnodes 2"
-                     " --node-rank R --master-addr NODE0_ADDRESS")
-    if not cfg.strategies:
-        if cfg.model not in TOKEN_MODELS:  # tensor parallelism needs a plan: the built-in gpt has one
-            planless = [name for name in chosen if "tp" in _degrees(name)]
-            chosen = [name for name in chosen if name not in planless]
-            if planless:
-                notes.append(f"{', '.join(planless)} left out: {cfg.model} has no tensor-parallel plan"
-                             " (ask for them with --strategies on a model with one)")
-        left_out = [f"{name} ({here[name]['why']})" for name in STRATEGIES
-                    if name in here and not here[name]["available"]]
-        if left_out:
-            notes.append("not available here: " + "; ".join(left_out))
-    if "serial" not in chosen:
-        notes.append("serial added: it is the baseline every speedup is measured against")
-    chosen = ["serial"] + [name for name in chosen if name != "serial"]
-
-    cells = []
-    for batch in cfg.batch_sizes:
-        for precision in cfg.precisions:
-            for name in chosen:
-                cells.extend(_cells_of(name, batch, precision, cfg, here, cores, notes))
-    return cells, list(dict.fromkeys(notes))
-
-
-def variant(name: str) -> tuple[str, dict]:
-    """(strategy, options) of a cell's name: "pipeline/interleaved-1f1b" is the pipeline under that
-    schedule (opt-in: asked for by name with --strategies, never in the default matrix)."""
-    return schedule_variant(name) if "/" in name else (name, {})
-
-
-def _cells_of(name, batch, precision, cfg, here, cores, notes) -> list[Cell]:
-    base = variant(name)[0]
-    cls = STRATEGIES[base]
-    if not cls.distributed:
-        counts = [1]
-    else:
-        counts = [n for n in cfg.nproc if n >= 2]
-        if not counts:
-            notes.append(f"{name} needs 2 or more processes; --nproc {cfg.nproc} gives none")
-        # A preset of two dimensions on too few processes degenerates (hsdp on 2 is
-        # ddp): such a cell would carry a name it did not run, so it is left out.
-        fits = [n for n in counts if _shows_its_degrees(base, n, cfg.strategy_options)]
-        if counts and len(fits) < len(counts):
-            notes.append(f"{name} left out on {', '.join(str(n) for n in counts if n not in fits)} processes:"
-                         f" its degrees need more (e.g. --nproc 4 for 2 x 2)")
-        counts = fits
-    threads = {n: cfg.threads or max(1, cores // n) for n in counts}
-    info = here.get(base)
-    skip = None
-    if info is not None and not info["available"]:
-        skip = f"not available here: {info['why']}"
-    return [Cell(name, n, batch, precision, threads[n], skip) for n in counts]
-
-
-def _degrees(name: str) -> dict:
-    """The degrees the preset `name` names ({} for a strategy that is a class of its own)."""
-    preset = registry.find(name)
-    return dict(preset.degrees or {}) if preset is not None else {}
-
-
-def _shows_its_degrees(name: str, processes: int, options: dict) -> bool:
-    """Whether `name` on `processes` has every dimension its preset names above 1 (hsdp on 2 is ddp)."""
-    given = {k: v for k, v in options.items() if k in _degrees(name)}
-    try:
-        dims = resolve_dims(name, processes, options=given)
-    except UsageError:
-        return False
-    return dims is None or all(getattr(dims, d) > 1 for d in _degrees(name))
-
-
-# ---- running one cell --------------------------------------------------------------------
-
-
-def _worker_processes() -> list[int]:
-    """The cell's worker processes: children of this process started by multiprocessing's spawn, or children
-    of the forkserver this process started, which `launch` forks its workers from (launcher/forked.py)."""
-    from torchfleet.launcher import forked
-
-    server = forked.server_pid()
-    me, found = os.getpid(), []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            cmdline = (entry / "cmdline").read_bytes()
-        except (OSError, ValueError, IndexError):
-            continue
-        if (ppid == me and b"spawn_main" in cmdline) or (server is not None and ppid == server):
-            found.append(int(entry.name))
-    return found
-
-
-class _Deadline:
-    """Kill the cell's workers when it runs past `seconds`; the launcher then reports them failed.
-
-    After the deadline it keeps killing once a second, so workers that were
-    still being started at that moment do not escape.
-    """
-
-    def __init__(self, seconds: float):
-        self.seconds, self.expired = seconds, False
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, daemon=True)
-
-    def _watch(self) -> None:
-        if self._stop.wait(self.seconds):
-            return
-        self.expired = True
-        while not self._stop.is_set():
-            for pid in _worker_processes():
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            self._stop.wait(1.0)
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
-def failure_reason(summary) -> str:
-    """One line saying why a cell failed, from the launcher's failure summary."""
-    first = summary.first
-    if first.usage_error:
-        text = first.error.split(": ", 1)[-1]
-    elif first.error:
-        text = f"rank {first.rank}: {first.error}"
-    else:
-        text = f"rank {first.rank} {first.how}"
-        if first.how == "killed by SIGKILL":
-            text += " (the kernel's OOM killer does this when memory runs out)"
-    text = text.strip().splitlines()[0] if text.strip() else "no reason recorded"
-    return text if len(text) <= 300 else text[:297] + "..."
-
-
-def run_one(cell: Cell, cfg: BenchConfig) -> dict:
-    """Measure `cell` in its own processes; always returns a row, never raises for the cell's failure."""
-    row = {"model": cfg.model, **asdict(cell), "compile": cfg.compile or "off", "warmup": cfg.warmup,
-           "steps": cfg.steps}
-    row.pop("threads")
-    row["threads_per_process"] = cell.threads
-    row.pop("skip")
-    if cell.skip:
-        return {**row, "status": "skipped", "error": cell.skip}
-    base, extra = variant(cell.strategy)
-    cls = STRATEGIES[base]
-    preset = cfg.gpt_preset or "tiny"  # resolve() has chosen; an unresolved config gets the CPU's choice
-    if cfg.model in TOKEN_MODELS:
-        row["tokens_per_sample"] = gpt_config(preset).block_size
-    spec = {"model": cfg.model, "gpt_preset": preset, "image_size": cfg.image_size,
-            "strategy": base, "processes": cell.processes,
-            "global_batch": cell.global_batch, "precision": cell.precision,
-            "threads": cell.threads, "warmup": cfg.warmup, "steps": cfg.steps, "seed": cfg.seed,
-            "compile": cfg.compile,
-            # each strategy gets only the options it takes: --microbatches is for mp and pipeline,
-            # and a degree flag only for the presets that have that dimension (--pp not for ddp)
-            "options": {**{k: v for k, v in cfg.strategy_options.items()
-                           if k in cls.options and (k not in DIM_NAMES or k in _degrees(base))}, **extra}}
-    start = time.perf_counter()
-    try:
-        with _Deadline(cfg.cell_timeout_s) as deadline:
-            figures = launch(bench_cell.run_cell, nprocs=cell.processes, args=(spec,))[0]
-    except LaunchError as exc:
-        reason = (f"timed out after {cfg.cell_timeout_s:g} s" if deadline.expired
-                  else failure_reason(exc.summary))
-        return {**row, "status": "failed", "error": reason, "wall_s": time.perf_counter() - start}
-    return {**row, **figures, "status": "ok", "error": None, "wall_s": time.perf_counter() - start}
 
 
 # ---- derived figures ---------------------------------------------------------------------

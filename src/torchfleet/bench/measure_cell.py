@@ -1,7 +1,7 @@
 """One cell of `torchfleet bench`, run inside each of the cell's own fresh processes.
 
 A cell is one strategy x process count x global batch x precision. The parent
-(matrix.py) starts it through `torchfleet.launcher.launch`, so every cell has
+(launch_cell.py) starts it through `torchfleet.launcher.launch`, so every cell has
 new processes and a new process group, and nothing one cell leaves behind
 (allocator caches, warmed-up threads, a broken group) touches the next.
 

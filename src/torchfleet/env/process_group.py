@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from torchfleet import netif
 from torchfleet.backend import choose_socket_interface
-from torchfleet.env import DistEnv
+from torchfleet.env.dist_env import DistEnv
 from torchfleet.env.name_lookup import absorb_failed_lookup_warning
 
 # How long a collective may wait before the process group gives up. Long

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from torchfleet.config import FAULT_TOLERANCE
-from torchfleet.env import EnvError
+from torchfleet.env.variables import EnvError
 from torchfleet.errors import UsageError, choice_error
 
 LIGHTHOUSE = "TORCHFT_LIGHTHOUSE"

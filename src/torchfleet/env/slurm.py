@@ -1,7 +1,7 @@
 """Slurm's compressed notations, parsed as Slurm itself expands them.
 
 Host lists ("node[01-03,07]") and task counts per node ("2(x3),1") appear in
-the variables srun sets. Errors are ValueErrors saying what is wrong; torchfleet.env
+the variables srun sets. Errors are ValueErrors saying what is wrong; slurm_layout.py
 turns them into one sentence naming the variable.
 """
 

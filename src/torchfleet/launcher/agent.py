@@ -1,10 +1,10 @@
-"""Starting processes, always through torchrun's own agent.
+"""Starting processes, always through torchrun's own agent, and reading back how they ended.
 
-`run_command` and `launch` build a `torch.distributed.launcher.LaunchConfig`
-from torchrun's knobs and hand it to `elastic_launch`: the agent that
-starts, watches and restarts workers is PyTorch's, not ours. What we add is
-the choice of rendezvous (loopback and a free port on one machine) and one
-readable summary when a rank fails, without any decorator in user code.
+`run_command` and `launch` hand torchrun's `LaunchConfig` (elastic_config.py builds it from
+torchrun's knobs) to `elastic_launch`: the agent that starts, watches and restarts workers is
+PyTorch's, not ours. What we add is the choice of rendezvous (loopback and a free port on one
+machine; ports.py checks them first) and one readable summary when a rank fails, without any
+decorator in user code.
 """
 
 from __future__ import annotations
@@ -12,19 +12,15 @@ from __future__ import annotations
 import logging
 import os
 import pickle
-import socket
 import sys
-import time
-import uuid
 from typing import Any, Callable
 
 import torch.distributed.launcher.api as launcher_api
 from torch.distributed.elastic.agent.server.api import WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
+from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.api import MultiprocessContext
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
-from torch.distributed.launcher.api import LaunchConfig as AgentConfig
 from torch.distributed.launcher.api import elastic_launch
 
 from torchfleet import netif
@@ -37,13 +33,11 @@ from torchfleet.launcher import (
     groups,
     preempt_relay,
     preflight,
-    rendezvous,
     torchrun_flags,
 )
+from torchfleet.launcher.elastic_config import agent_config, node_in_messages, worker_env
 from torchfleet.launcher.environ import exported
-
-LOOPBACK = "127.0.0.1"
-MASTER_WAIT = 60.0  # seconds a node waits for node 0's rendezvous to answer
+from torchfleet.launcher.ports import check_ports
 
 
 class LaunchError(RuntimeError):
@@ -52,44 +46,6 @@ class LaunchError(RuntimeError):
     def __init__(self, summary: failures.FailureSummary):
         super().__init__(summary.render())
         self.summary = summary
-
-
-def free_port(host: str = LOOPBACK) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
-def check_port_free(host: str, port: int, endpoint: str | None = None) -> None:
-    """UsageError when `port` is taken, before any process starts (`endpoint`: the
-    --rdzv-endpoint that names it, where that flag chose the port)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind((host, port))
-        except OSError as exc:
-            if endpoint:
-                raise UsageError(f"--rdzv-endpoint {endpoint}: port {port} is already in use on this machine"
-                                 f" ({exc.strerror}); choose another port") from None
-            raise UsageError(f"--master-port {port} is already in use on {host} ({exc.strerror}); choose another"
-                             " port, or leave --master-port out on one machine for a free one") from None
-
-
-def wait_for_master(addr: str, port: int, wait: float = MASTER_WAIT) -> None:
-    """UsageError when node 0's rendezvous at addr:port cannot be reached within `wait` seconds."""
-    try:
-        socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
-    except socket.gaierror as exc:
-        raise UsageError(f"--master-addr {addr!r} cannot be resolved ({exc.strerror}); give node 0's host name or IP address") from None
-    deadline = time.monotonic() + wait
-    while True:
-        try:
-            with socket.create_connection((addr, port), timeout=min(5.0, max(0.1, wait))):
-                return
-        except OSError as exc:
-            if time.monotonic() >= deadline:
-                raise UsageError(f"cannot reach the master at {addr}:{port} within {wait:.0f} s ({exc.strerror or exc});"
-                                 " check --master-addr and --master-port, and that node 0 has started") from None
-        time.sleep(1.0)
 
 
 def exposure(cfg: LaunchConfig) -> str:
@@ -104,85 +60,6 @@ def exposure(cfg: LaunchConfig) -> str:
                 f" authentication), and Gloo/NCCL ports chosen by the OS; anyone who reaches them can join or"
                 f" disturb the job: run it on a private network (docs/guides/security.md)")
     return f"torchfleet: {who} joins the rendezvous at {host}:{port} (docs/guides/security.md)"
-
-
-def agent_config(cfg: LaunchConfig, overrides: dict[str, Any] | None = None,
-                 start_method: str = "spawn") -> AgentConfig:
-    """torchrun's configuration for `cfg`, as torchrun itself would build it (`start_method`: a function
-    entrypoint's; a command's workers are always new processes)."""
-    run_id = cfg.rdzv_id or os.environ.get("TORCHFLEET_RUN_ID")
-    if not cfg.multi_node:
-        # One machine: like `torchrun --standalone`, a c10d rendezvous on a port
-        # the OS picks, but its stores listen on loopback only (see rendezvous.py).
-        backend, endpoint, local_addr = rendezvous.register(), f"{LOOPBACK}:{cfg.master_port or 0}", LOOPBACK
-        rdzv_configs: dict[str, Any] = {}
-        run_id = run_id or uuid.uuid4().hex[:12]
-    elif cfg.elastic:
-        host, port = cfg.endpoint
-        # torch's c10d, re-reading where the workers' store is each round (rendezvous.py).
-        backend, endpoint = rendezvous.register_elastic(), f"{host}:{port}"
-        # torch decides who hosts the store by comparing the endpoint with the
-        # host name's address; where the host name resolves to 127.0.0.1 no
-        # machine would host it. Whether the endpoint is one of ours is exact.
-        rdzv_configs = {"is_host": netif.is_local(host)}
-        # The node that becomes rank 0 advertises local_addr as the workers'
-        # MASTER_ADDR; torch's default, the FQDN, may resolve to 127.0.0.1.
-        local_addr = netif.source_address(host)
-        run_id = run_id or "torchfleet"  # must be the same on every machine
-    else:
-        # Many machines: torchrun's static rendezvous at the master's address.
-        backend = "static"
-        endpoint = f"{cfg.master_addr}:{cfg.master_port or 29500}"
-        rdzv_configs = {"rank": cfg.node_rank}
-        local_addr = netif.source_address(cfg.master_addr)
-        run_id = run_id or "torchfleet"
-    fields: dict[str, Any] = dict(
-        min_nodes=cfg.min_nodes,
-        max_nodes=cfg.max_nodes,
-        nproc_per_node=cfg.nproc_per_node,
-        run_id=run_id,
-        rdzv_endpoint=endpoint,
-        rdzv_backend=backend,
-        rdzv_configs=rdzv_configs,
-        max_restarts=cfg.max_restarts,
-        monitor_interval=0.1,
-        start_method=start_method,
-        local_addr=local_addr,
-        logs_specs=DefaultLogsSpecs(),
-    )
-    # torchrun flags torchfleet does not handle itself, as torchrun would apply them.
-    overrides = dict(overrides or {})
-    if "rdzv_configs" in overrides:
-        # --rdzv-conf adds to the rendezvous options above instead of replacing them: replaced,
-        # the c10d host lost `is_host` and, as its host name resolves to 127.0.0.1 on many
-        # machines, nobody hosted the store and every node timed out connecting to it. "rank"
-        # is torchrun's own parse of its --node-rank, which torchfleet reads itself (it is 0
-        # there on every node), so the static rendezvous keeps ours.
-        theirs = {k: v for k, v in overrides.pop("rdzv_configs").items() if k != "rank"}
-        fields["rdzv_configs"] = {**rdzv_configs, **theirs}
-    return AgentConfig(**{**fields, **overrides})
-
-
-def socket_env(cfg: LaunchConfig) -> dict[str, str]:
-    """GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME for the workers, where the user set none.
-
-    Without them Gloo advertises the address the host name resolves to, often
-    127.0.0.1, and ranks on other machines never connect. Many machines: the
-    interface that routes to the master. One machine: loopback, so nothing
-    listens on the network.
-    """
-    if cfg.multi_node:
-        return preflight.route_env(_node(cfg), cfg.endpoint[0])
-    else:
-        lo = next((i.name for i in netif.list_interfaces() if i.is_loopback), None)
-        wanted = {"GLOO_SOCKET_IFNAME": lo} if lo else {}
-    return {k: v for k, v in wanted.items() if not os.environ.get(k)}
-
-
-def _node(cfg: LaunchConfig) -> int | None:
-    """This machine's node rank for messages; None where the c10d rendezvous assigns it later
-    (every elastic machine would otherwise call itself node 0)."""
-    return None if cfg.elastic else cfg.node_rank
 
 
 def check_nodes(cfg: LaunchConfig) -> preflight.Outcome:
@@ -206,36 +83,6 @@ def _quiet_agent_logs() -> None:
         logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
 
 
-def worker_env(cfg: LaunchConfig) -> dict[str, str]:
-    """What the agent's environment gets for its workers (and gives back after the run)."""
-    chosen = socket_env(cfg)
-    # As torchrun does: several processes on one host each get one intra-op
-    # thread unless the user chose, or they fight over the same cores.
-    if cfg.nproc_per_node > 1 and not os.environ.get("OMP_NUM_THREADS"):
-        chosen["OMP_NUM_THREADS"] = "1"
-    return chosen
-
-
-def _preflight(cfg: LaunchConfig) -> None:
-    """Refuse what would only fail later, slowly: a busy port, an unreachable master."""
-    if not cfg.multi_node:
-        if cfg.master_port:
-            check_port_free(LOOPBACK, cfg.master_port)
-        return
-    if cfg.elastic:
-        # Not node_rank, which is 0 on every elastic machine until the rendezvous assigns it: that
-        # had each machine check the master port (29500), which the job never opens. The store
-        # opens on the endpoint's port, on the machine the endpoint names.
-        host, port = cfg.endpoint
-        if netif.is_local(host):
-            check_port_free("0.0.0.0", port, endpoint=f"{host}:{port}")
-        return
-    if cfg.node_rank == 0:
-        check_port_free("0.0.0.0", cfg.master_port or 29500)
-    elif not cfg.preflight:
-        # Without the preflight's checks, still refuse to wait forever on a master nobody answers at.
-        wait_for_master(cfg.master_addr, cfg.master_port or 29500)
-
 
 def _start(cfg: LaunchConfig, entrypoint: Callable | str, args: list,
            overrides: dict[str, Any] | None = None) -> dict[int, Any]:
@@ -248,7 +95,7 @@ def _start(cfg: LaunchConfig, entrypoint: Callable | str, args: list,
         print(f"torchfleet: {group.sentence}", flush=True)
         print(group.exposure, file=sys.stderr, flush=True)
         cfg = group.agent
-    _preflight(cfg)
+    check_ports(cfg)
     _quiet_agent_logs()
     # A function's workers fork from a server (forked.py), started before the variables below are exported.
     start_method = forked.start_method() if isinstance(entrypoint, failures.Recorded) else "spawn"
@@ -259,7 +106,7 @@ def _start(cfg: LaunchConfig, entrypoint: Callable | str, args: list,
         try:
             if cfg.multi_node and cfg.preflight:
                 checked = check_nodes(cfg)
-                print(f"torchfleet: {checked.sentence(_node(cfg))}", flush=True)
+                print(f"torchfleet: {checked.sentence(node_in_messages(cfg))}", flush=True)
             if cfg.multi_node:
                 print(exposure(cfg), file=sys.stderr, flush=True)  # once the checks have passed
             if isinstance(entrypoint, failures.Recorded) and start_method == forked.START_METHOD:

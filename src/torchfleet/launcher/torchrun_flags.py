@@ -27,7 +27,7 @@ PREFIX = "torchrun__"  # namespace attributes of the flags passed through to tor
 OWN_FIELDS = {"min_nodes", "max_nodes", "nproc_per_node", "run_id", "rdzv_endpoint", "max_restarts"}
 
 
-# The rendezvous torchfleet chooses (agent.agent_config): torchrun's values only where the
+# The rendezvous torchfleet chooses (elastic_config.agent_config): torchrun's values only where the
 # user's flags changed them, and never on one machine, whose rendezvous stays on loopback.
 RENDEZVOUS_FIELDS = {"rdzv_backend", "rdzv_configs", "local_addr"}
 

@@ -1,6 +1,6 @@
 """`torchfleet plan --check`: the plan's predictions against bench's measurements, cell by cell.
 
-The cells are bench's (bench/matrix.py chooses them: the strategies available
+The cells are bench's (bench/cells.py chooses them: the strategies available
 here, at each process count), each run in fresh processes through the
 launcher as bench runs them, with bench's model, batch and optimizer (SGD with
 momentum) and bench's timing (bench/measure_cell.py: warm-up, then steps that start
@@ -89,7 +89,7 @@ def _tensor_peak(model, optimizer, step, device) -> tuple[int | None, str | None
 
 def run_cell(cell, spec: dict, timeout_s: float) -> dict:
     """Run one bench cell for the check; a row with status ok or failed (and why), never an exception."""
-    from torchfleet.bench.matrix import _Deadline, failure_reason
+    from torchfleet.bench.launch_cell import _Deadline, failure_reason
     from torchfleet.launcher.agent import LaunchError, launch
 
     spec = {**spec, "strategy": cell.strategy, "processes": cell.processes, "global_batch": cell.global_batch,

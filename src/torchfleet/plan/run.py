@@ -50,7 +50,7 @@ def spec_of(cfg: PlanConfig) -> dict:
 
 
 def default_batch(cfg: PlanConfig, gpus: bool) -> int:
-    from torchfleet.bench.matrix import _default_batches
+    from torchfleet.bench.cells import _default_batches
 
     return _default_batches(cfg.model, 1 if gpus else 0)[0]
 
@@ -59,8 +59,8 @@ def candidates(cfg: PlanConfig, target: hardware.Target, profile: Profile, cores
     """(strategy, processes) pairs to plan: bench's cells here, every preset's degrees on a described cluster."""
     if target.here:
         from torchfleet.backend import probe_hardware
+        from torchfleet.bench.cells import plan as bench_plan
         from torchfleet.bench.config import BenchConfig
-        from torchfleet.bench.matrix import plan as bench_plan
         from torchfleet.doctor import strategy_availability
 
         counts = tuple(n for n in (cfg.nproc or (1, 2, 4)) if n >= 2) or (2,)
@@ -217,7 +217,7 @@ def plan_document(cfg: PlanConfig, say=print) -> dict:
 
 def run_check(cfg: PlanConfig, document: dict, say=print) -> dict:
     """bench's cells here, each predicted and measured; the rows and their summary."""
-    from torchfleet.bench.matrix import Cell
+    from torchfleet.bench.cells import Cell
 
     spec = {**spec_of(cfg), "precision": "fp32", "warmup": cfg.warmup, "steps": cfg.steps, "options": {}}
     rows = []
