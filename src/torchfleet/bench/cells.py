@@ -114,7 +114,7 @@ def _cells_of(name, batch, precision, cfg, here, cores, notes) -> list[Cell]:
             notes.append(f"{name} needs 2 or more processes; --nproc {cfg.nproc} gives none")
         # A preset of two dimensions on too few processes degenerates (hsdp on 2 is
         # ddp): such a cell would carry a name it did not run, so it is left out.
-        fits = [n for n in counts if _shows_itspreset_degrees(base, n, cfg.strategy_options)]
+        fits = [n for n in counts if _shows_its_degrees(base, n, cfg.strategy_options)]
         if counts and len(fits) < len(counts):
             notes.append(f"{name} left out on {', '.join(str(n) for n in counts if n not in fits)} processes:"
                          f" its degrees need more (e.g. --nproc 4 for 2 x 2)")
@@ -133,7 +133,7 @@ def preset_degrees(name: str) -> dict:
     return dict(preset.degrees or {}) if preset is not None else {}
 
 
-def _shows_itspreset_degrees(name: str, processes: int, options: dict) -> bool:
+def _shows_its_degrees(name: str, processes: int, options: dict) -> bool:
     """Whether `name` on `processes` has every dimension its preset names above 1 (hsdp on 2 is ddp)."""
     given = {k: v for k, v in options.items() if k in preset_degrees(name)}
     try:
