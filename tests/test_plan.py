@@ -11,8 +11,9 @@ import sys
 import pytest
 
 from conftest import assert_refused_in_one_sentence, clean_env, forked_torchfleet, run
-from torchfleet.plan import comm, contention, overheads, pipelines, predict, probe, profile
+from torchfleet.plan import comm, contention, overheads, pipelines, predict, probe, profiler
 from torchfleet.plan.hardware import Target
+from torchfleet.plan.profile import Profile
 from torchfleet.strategies.pipeline.schedules import available
 
 GPT_TINY = {"model": "gpt", "gpt_preset": "tiny", "image_size": 224, "seed": 0, "block_size": 64}
@@ -31,27 +32,27 @@ def test_collective_formulas_on_known_inputs():
 
 
 @pytest.fixture(scope="module")
-def gpt_adamw() -> profile.Profile:
-    return profile.measure(GPT_TINY, "adamw", cores=1, batches=(1, 2), timed_steps=1)
+def gpt_adamw() -> Profile:
+    return profiler.measure(GPT_TINY, "adamw", cores=1, batches=(1, 2), timed_steps=1)
 
 
 def test_the_profile_runs_only_batches_this_machine_holds(monkeypatch):
     # Planning GPT-2 for GPUs on a 24 GB machine used to run its memory batches 8 and 16 on the CPU
     # (about 1.4 GB of activations a sample at 1,024 tokens) and be killed for memory after 5 minutes.
     spec = dict(GPT_TINY)
-    roomy = profile.measure(spec, "adamw", cores=1, batches=(1, 2), timed=False)
+    roomy = profiler.measure(spec, "adamw", cores=1, batches=(1, 2), timed=False)
     assert roomy.memory_batches == (8, 16)  # 4 and 8 times the larger: where the activations show
     state = 12 * roomy.parameters  # fp32 weights and AdamW's two moments
-    model, inputs, targets, loss_fn = profile._workload(spec, 1)
-    optimizer = profile.make_optimizer("adamw", model.parameters())
-    profile._step(model, optimizer, inputs, targets, loss_fn)
-    beyond = profile._phase_peaks(model, optimizer, inputs, targets, loss_fn)[0] - state  # batch 1's, over the state
+    model, inputs, targets, loss_fn = profiler._workload(spec, 1)
+    optimizer = profiler.make_optimizer("adamw", model.parameters())
+    profiler._step(model, optimizer, inputs, targets, loss_fn)
+    beyond = profiler._phase_peaks(model, optimizer, inputs, targets, loss_fn)[0] - state  # batch 1's, over the state
     # A third of the free memory holds 12 samples' worth, by the profile's over-estimate: batch 8, not 16.
-    monkeypatch.setattr(profile, "_available_memory", lambda: 3 * (state + 12 * beyond))
-    assert profile.measure(spec, "adamw", cores=1, batches=(1, 2), timed=False).memory_batches == (4, 8)
+    monkeypatch.setattr(profiler, "_available_memory", lambda: 3 * (state + 12 * beyond))
+    assert profiler.measure(spec, "adamw", cores=1, batches=(1, 2), timed=False).memory_batches == (4, 8)
     # Only the state: the line goes through the probe's own batches, and so does the timing.
-    monkeypatch.setattr(profile, "_available_memory", lambda: 3.0 * state)
-    tight = profile.measure(spec, "adamw", cores=1, batches=(1, 2), timed_steps=1, time_at=(16, 8))
+    monkeypatch.setattr(profiler, "_available_memory", lambda: 3.0 * state)
+    tight = profiler.measure(spec, "adamw", cores=1, batches=(1, 2), timed_steps=1, time_at=(16, 8))
     assert tight.memory_batches == (1, 2) and tight.probe_batches == (1, 2)
 
 
@@ -346,8 +347,8 @@ def test_a_plan_in_bf16_counts_the_activations_that_autocast_keeps():
     said 39.85 for both until its profile ran under autocast (on fake tensors: no bf16 arithmetic on a CPU
     without it, which ran gpt2 about 50 times slower than fp32)."""
     spec = {"model": "gpt", "gpt_preset": "tiny", "image_size": 224, "seed": 0, "block_size": 64}
-    fp32 = profile.measure({**spec, "precision": "fp32"}, "sgd", 1, timed=False)
-    bf16 = profile.measure({**spec, "precision": "bf16"}, "sgd", 1, timed=False)
+    fp32 = profiler.measure({**spec, "precision": "fp32"}, "sgd", 1, timed=False)
+    bf16 = profiler.measure({**spec, "precision": "bf16"}, "sgd", 1, timed=False)
     ratio = bf16.activation_per_sample / fp32.activation_per_sample
     assert 0.5 < ratio < 0.8, ratio  # 0.68: bf16 where autocast casts, fp32 for the loss and norms
     assert bf16.parameters == fp32.parameters and bf16.flops_per_sample == fp32.flops_per_sample
