@@ -13,6 +13,7 @@ import pytest
 from conftest import assert_refused_in_one_sentence, clean_env, forked_torchfleet, run
 from torchfleet.plan import comm, contention, overheads, pipelines, predict, probe, profiler
 from torchfleet.plan.hardware import Target
+from torchfleet.plan.layouts import layout
 from torchfleet.plan.profile import Profile
 from torchfleet.strategies.pipeline.schedules import available
 
@@ -59,19 +60,19 @@ def test_the_profile_runs_only_batches_this_machine_holds(monkeypatch):
 def test_fsdp_training_state_is_16_bytes_per_parameter_over_n(gpt_adamw):
     target = Target("t", 1, 8, 1e12, comm.Link(1e9), comm.Link(1e9), rate=1e12)
     for n in (2, 4, 8):
-        lay = predict.layout("fsdp", n, 32, gpt_adamw)
+        lay = layout("fsdp", n, 32, gpt_adamw)
         state = predict.memory(gpt_adamw, lay, 32)["training_state"]
         assert state == pytest.approx(16 * gpt_adamw.parameters / n, rel=0.01)
         assert predict.predict(gpt_adamw, lay, 32, target, 1, None).fits
     # ddp holds it all on every rank, and its buckets on top
-    ddp = predict.memory(gpt_adamw, predict.layout("ddp", 4, 32, gpt_adamw), 32)
+    ddp = predict.memory(gpt_adamw, layout("ddp", 4, 32, gpt_adamw), 32)
     assert ddp["training_state"] == pytest.approx(16 * gpt_adamw.parameters, rel=0.01)
     assert ddp["buffers"] == pytest.approx(4 * gpt_adamw.parameters, rel=0.01)
 
 
 def test_pipeline_bubble_is_p_minus_1_over_m_plus_p_minus_1(gpt_adamw):
     target = Target("t", 1, 4, 1e12, comm.Link(1e12), comm.Link(1e12), rate=1e12)
-    lay = predict.layout("pipeline", 4, 32, gpt_adamw, {"microbatches": 8})
+    lay = layout("pipeline", 4, 32, gpt_adamw, {"microbatches": 8})
     times = predict.step_time(gpt_adamw, lay, 32, target, 1, None)
     assert times["bubble"] / times["compute"] == pytest.approx(3 / (8 + 3), rel=0.01)
 
@@ -91,7 +92,7 @@ def test_each_schedule_has_its_bubble(gpt_adamw, schedule, v, bubble):
         return  # an older torch cannot run it (zbv before 2.14), and the plan refuses it as the pipelines do
     target = Target("t", 1, 4, 1e12, comm.Link(1e12), comm.Link(1e12), rate=1e12)
     options = {"microbatches": 8, "schedule": schedule} | ({"stages_per_process": v} if v else {})
-    lay = predict.layout("pipeline", 4, 32, gpt_adamw, options)
+    lay = layout("pipeline", 4, 32, gpt_adamw, options)
     assert (lay.schedule, lay.stages_per_process) == (schedule, v or 1)
     times = predict.step_time(gpt_adamw, lay, 32, target, 1, None)
     assert times["bubble"] / times["compute"] == pytest.approx(bubble, abs=1e-9)
@@ -104,7 +105,7 @@ def test_schedules_order_their_bubbles_and_activations(gpt_adamw):
 
     def activations(schedule, v=None):
         options = {"microbatches": 8, "schedule": schedule} | ({"stages_per_process": v} if v else {})
-        return predict.memory(gpt_adamw, predict.layout("pipeline", 4, 32, gpt_adamw, options), 32)["activations"]
+        return predict.memory(gpt_adamw, layout("pipeline", 4, 32, gpt_adamw, options), 32)["activations"]
 
     per_micro = 4 * gpt_adamw.activation_per_sample  # a micro-batch of 4 samples through the whole model
     rest = activations("1f1b") - per_micro * 4 / 4  # what no schedule changes: the hand-overs, the fixed part
@@ -173,7 +174,7 @@ def test_measured_overheads_enter_the_step_time_as_written(gpt_adamw):
     bytes_ = 4 * p.parameters
 
     def comm_of(strategy, options=None):
-        lay = predict.layout(strategy, 2, 32, p, options)
+        lay = layout(strategy, 2, 32, p, options)
         times = predict.step_time(p, lay, 32, here, 2, calib)
         # The step is its compute (the bubble inside it) and the communication left exposed, nothing more:
         # with the parts checked here by hand, the step time is too.
@@ -206,7 +207,7 @@ def test_four_processes_use_the_2x2_figures_and_the_measured_slowdown(gpt_adamw)
     here = Target("here", 1, 4, 1e12, link, link, cores_per_node=0, here=True)
 
     def times(strategy):
-        lay = predict.layout(strategy, 4, 32, p)
+        lay = layout(strategy, 4, 32, p)
         return predict.step_time(p, lay, 32, here, 2, calib)
 
     units, linears = p.units, p.tp_linears
@@ -220,7 +221,7 @@ def test_four_processes_use_the_2x2_figures_and_the_measured_slowdown(gpt_adamw)
     assert times("ddp")["compute"] == pytest.approx(3 * serial_like)  # measured: cores and bandwidth shared
     # mp runs the forward and backward once per micro-batch, the optimizer's step once
     fit, opt = p.step_fit(2), p.optimizer_time(2, 0.0)
-    mp = predict.step_time(p, predict.layout("mp", 1, 32, p), 32, here, 2, calib)["compute"]
+    mp = predict.step_time(p, layout("mp", 1, 32, p), 32, here, 2, calib)["compute"]
     assert opt > 0 and mp == pytest.approx(4 * (fit.fixed_s - min(opt, fit.fixed_s)) + fit.per_sample_s * 32
                                           + min(opt, fit.fixed_s))
 

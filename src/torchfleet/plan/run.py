@@ -6,7 +6,7 @@ import datetime
 
 from torchfleet.errors import UsageError
 from torchfleet.plan import check as plan_check
-from torchfleet.plan import contention, hardware, predict, probe
+from torchfleet.plan import contention, hardware, layouts, predict, probe
 from torchfleet.plan.config import PlanConfig
 from torchfleet.plan.profile import Profile
 from torchfleet.plan.profiler import meminfo
@@ -107,7 +107,7 @@ def predictions(cfg: PlanConfig, target: hardware.Target, profile: Profile, cali
     for name, n in candidates(cfg, target, profile, cores):
         threads = max(1, cores // n)
         try:
-            lay = predict.layout(name, n, batch, profile, options, cpu_threads=threads)
+            lay = layouts.layout(name, n, batch, profile, options, cpu_threads=threads)
         except UsageError as exc:
             notes.append(f"{name} on {n} processes left out: {exc}")
             continue
@@ -238,7 +238,7 @@ def run_check(cfg: PlanConfig, document: dict, say=print) -> dict:
 
 def _repredicted(document: dict, p: predict.Prediction, microbatches: int) -> predict.Prediction:
     profile, target, calib = document["_profile"], document["_target"], document["_calibration"]
-    lay = predict.layout(p.strategy, p.processes, p.global_batch, profile,
+    lay = layouts.layout(p.strategy, p.processes, p.global_batch, profile,
                          {**pipeline_options(document["_config"]), "microbatches": microbatches})
     return predict.predict(profile, lay, p.global_batch, target, calib.cores, calib)
 
