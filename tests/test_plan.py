@@ -11,8 +11,10 @@ import sys
 import pytest
 
 from conftest import assert_refused_in_one_sentence, clean_env, forked_torchfleet, run
-from torchfleet.plan import comm, contention, overheads, pipelines, predict, probe, profile
+from torchfleet.plan import comm, contention, overheads, pipelines, predict, probe, profiler
 from torchfleet.plan.hardware import Target
+from torchfleet.plan.layouts import layout
+from torchfleet.plan.profile import Profile
 from torchfleet.strategies.pipeline.schedules import available
 
 GPT_TINY = {"model": "gpt", "gpt_preset": "tiny", "image_size": 224, "seed": 0, "block_size": 64}
@@ -31,46 +33,46 @@ def test_collective_formulas_on_known_inputs():
 
 
 @pytest.fixture(scope="module")
-def gpt_adamw() -> profile.Profile:
-    return profile.measure(GPT_TINY, "adamw", cores=1, batches=(1, 2), timed_steps=1)
+def gpt_adamw() -> Profile:
+    return profiler.measure(GPT_TINY, "adamw", cores=1, batches=(1, 2), timed_steps=1)
 
 
 def test_the_profile_runs_only_batches_this_machine_holds(monkeypatch):
     # Planning GPT-2 for GPUs on a 24 GB machine used to run its memory batches 8 and 16 on the CPU
     # (about 1.4 GB of activations a sample at 1,024 tokens) and be killed for memory after 5 minutes.
     spec = dict(GPT_TINY)
-    roomy = profile.measure(spec, "adamw", cores=1, batches=(1, 2), timed=False)
+    roomy = profiler.measure(spec, "adamw", cores=1, batches=(1, 2), timed=False)
     assert roomy.memory_batches == (8, 16)  # 4 and 8 times the larger: where the activations show
     state = 12 * roomy.parameters  # fp32 weights and AdamW's two moments
-    model, inputs, targets, loss_fn = profile._workload(spec, 1)
-    optimizer = profile.make_optimizer("adamw", model.parameters())
-    profile._step(model, optimizer, inputs, targets, loss_fn)
-    beyond = profile._phase_peaks(model, optimizer, inputs, targets, loss_fn)[0] - state  # batch 1's, over the state
+    model, inputs, targets, loss_fn = profiler._workload(spec, 1)
+    optimizer = profiler.make_optimizer("adamw", model.parameters())
+    profiler._step(model, optimizer, inputs, targets, loss_fn)
+    beyond = profiler._phase_peaks(model, optimizer, inputs, targets, loss_fn)[0] - state  # batch 1's, over the state
     # A third of the free memory holds 12 samples' worth, by the profile's over-estimate: batch 8, not 16.
-    monkeypatch.setattr(profile, "_available_memory", lambda: 3 * (state + 12 * beyond))
-    assert profile.measure(spec, "adamw", cores=1, batches=(1, 2), timed=False).memory_batches == (4, 8)
+    monkeypatch.setattr(profiler, "_available_memory", lambda: 3 * (state + 12 * beyond))
+    assert profiler.measure(spec, "adamw", cores=1, batches=(1, 2), timed=False).memory_batches == (4, 8)
     # Only the state: the line goes through the probe's own batches, and so does the timing.
-    monkeypatch.setattr(profile, "_available_memory", lambda: 3.0 * state)
-    tight = profile.measure(spec, "adamw", cores=1, batches=(1, 2), timed_steps=1, time_at=(16, 8))
+    monkeypatch.setattr(profiler, "_available_memory", lambda: 3.0 * state)
+    tight = profiler.measure(spec, "adamw", cores=1, batches=(1, 2), timed_steps=1, time_at=(16, 8))
     assert tight.memory_batches == (1, 2) and tight.probe_batches == (1, 2)
 
 
 def test_fsdp_training_state_is_16_bytes_per_parameter_over_n(gpt_adamw):
     target = Target("t", 1, 8, 1e12, comm.Link(1e9), comm.Link(1e9), rate=1e12)
     for n in (2, 4, 8):
-        lay = predict.layout("fsdp", n, 32, gpt_adamw)
+        lay = layout("fsdp", n, 32, gpt_adamw)
         state = predict.memory(gpt_adamw, lay, 32)["training_state"]
         assert state == pytest.approx(16 * gpt_adamw.parameters / n, rel=0.01)
         assert predict.predict(gpt_adamw, lay, 32, target, 1, None).fits
     # ddp holds it all on every rank, and its buckets on top
-    ddp = predict.memory(gpt_adamw, predict.layout("ddp", 4, 32, gpt_adamw), 32)
+    ddp = predict.memory(gpt_adamw, layout("ddp", 4, 32, gpt_adamw), 32)
     assert ddp["training_state"] == pytest.approx(16 * gpt_adamw.parameters, rel=0.01)
     assert ddp["buffers"] == pytest.approx(4 * gpt_adamw.parameters, rel=0.01)
 
 
 def test_pipeline_bubble_is_p_minus_1_over_m_plus_p_minus_1(gpt_adamw):
     target = Target("t", 1, 4, 1e12, comm.Link(1e12), comm.Link(1e12), rate=1e12)
-    lay = predict.layout("pipeline", 4, 32, gpt_adamw, {"microbatches": 8})
+    lay = layout("pipeline", 4, 32, gpt_adamw, {"microbatches": 8})
     times = predict.step_time(gpt_adamw, lay, 32, target, 1, None)
     assert times["bubble"] / times["compute"] == pytest.approx(3 / (8 + 3), rel=0.01)
 
@@ -90,7 +92,7 @@ def test_each_schedule_has_its_bubble(gpt_adamw, schedule, v, bubble):
         return  # an older torch cannot run it (zbv before 2.14), and the plan refuses it as the pipelines do
     target = Target("t", 1, 4, 1e12, comm.Link(1e12), comm.Link(1e12), rate=1e12)
     options = {"microbatches": 8, "schedule": schedule} | ({"stages_per_process": v} if v else {})
-    lay = predict.layout("pipeline", 4, 32, gpt_adamw, options)
+    lay = layout("pipeline", 4, 32, gpt_adamw, options)
     assert (lay.schedule, lay.stages_per_process) == (schedule, v or 1)
     times = predict.step_time(gpt_adamw, lay, 32, target, 1, None)
     assert times["bubble"] / times["compute"] == pytest.approx(bubble, abs=1e-9)
@@ -103,7 +105,7 @@ def test_schedules_order_their_bubbles_and_activations(gpt_adamw):
 
     def activations(schedule, v=None):
         options = {"microbatches": 8, "schedule": schedule} | ({"stages_per_process": v} if v else {})
-        return predict.memory(gpt_adamw, predict.layout("pipeline", 4, 32, gpt_adamw, options), 32)["activations"]
+        return predict.memory(gpt_adamw, layout("pipeline", 4, 32, gpt_adamw, options), 32)["activations"]
 
     per_micro = 4 * gpt_adamw.activation_per_sample  # a micro-batch of 4 samples through the whole model
     rest = activations("1f1b") - per_micro * 4 / 4  # what no schedule changes: the hand-overs, the fixed part
@@ -172,7 +174,7 @@ def test_measured_overheads_enter_the_step_time_as_written(gpt_adamw):
     bytes_ = 4 * p.parameters
 
     def comm_of(strategy, options=None):
-        lay = predict.layout(strategy, 2, 32, p, options)
+        lay = layout(strategy, 2, 32, p, options)
         times = predict.step_time(p, lay, 32, here, 2, calib)
         # The step is its compute (the bubble inside it) and the communication left exposed, nothing more:
         # with the parts checked here by hand, the step time is too.
@@ -205,7 +207,7 @@ def test_four_processes_use_the_2x2_figures_and_the_measured_slowdown(gpt_adamw)
     here = Target("here", 1, 4, 1e12, link, link, cores_per_node=0, here=True)
 
     def times(strategy):
-        lay = predict.layout(strategy, 4, 32, p)
+        lay = layout(strategy, 4, 32, p)
         return predict.step_time(p, lay, 32, here, 2, calib)
 
     units, linears = p.units, p.tp_linears
@@ -219,7 +221,7 @@ def test_four_processes_use_the_2x2_figures_and_the_measured_slowdown(gpt_adamw)
     assert times("ddp")["compute"] == pytest.approx(3 * serial_like)  # measured: cores and bandwidth shared
     # mp runs the forward and backward once per micro-batch, the optimizer's step once
     fit, opt = p.step_fit(2), p.optimizer_time(2, 0.0)
-    mp = predict.step_time(p, predict.layout("mp", 1, 32, p), 32, here, 2, calib)["compute"]
+    mp = predict.step_time(p, layout("mp", 1, 32, p), 32, here, 2, calib)["compute"]
     assert opt > 0 and mp == pytest.approx(4 * (fit.fixed_s - min(opt, fit.fixed_s)) + fit.per_sample_s * 32
                                           + min(opt, fit.fixed_s))
 
@@ -346,8 +348,8 @@ def test_a_plan_in_bf16_counts_the_activations_that_autocast_keeps():
     said 39.85 for both until its profile ran under autocast (on fake tensors: no bf16 arithmetic on a CPU
     without it, which ran gpt2 about 50 times slower than fp32)."""
     spec = {"model": "gpt", "gpt_preset": "tiny", "image_size": 224, "seed": 0, "block_size": 64}
-    fp32 = profile.measure({**spec, "precision": "fp32"}, "sgd", 1, timed=False)
-    bf16 = profile.measure({**spec, "precision": "bf16"}, "sgd", 1, timed=False)
+    fp32 = profiler.measure({**spec, "precision": "fp32"}, "sgd", 1, timed=False)
+    bf16 = profiler.measure({**spec, "precision": "bf16"}, "sgd", 1, timed=False)
     ratio = bf16.activation_per_sample / fp32.activation_per_sample
     assert 0.5 < ratio < 0.8, ratio  # 0.68: bf16 where autocast casts, fp32 for the loss and norms
     assert bf16.parameters == fp32.parameters and bf16.flops_per_sample == fp32.flops_per_sample

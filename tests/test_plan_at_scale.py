@@ -19,6 +19,7 @@ require_module("transformers", "transformers (the test extra) builds the library
 
 from torchfleet import launch  # noqa: E402 (after the skip)
 from torchfleet.plan import at_scale, library_model, pipeline_at_scale, pipelines, scale_rows, trace  # noqa: E402
+from torchfleet.plan.step_counter import step_counter  # noqa: E402
 
 # A Llama of Llama 3.1's architecture at a size this machine trains in a second: deeper than the traced
 # depths (2, 4, 6), so its figures are carried, not traced whole.
@@ -412,7 +413,7 @@ def test_a_mixture_of_experts_counts_its_grouped_experts_as_their_loop_would():
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model("mixtral", **fields,
                                                                       experts_implementation=experts))
         tokens = torch.randint(0, 128, (2, 32))
-        with trace.step_counter() as counter:
+        with step_counter() as counter:
             model(input_ids=tokens).logits.float().sum().backward()
         counted[experts] = counter.total
     assert counted["grouped_mm"] == counted["eager"] > 0

@@ -28,6 +28,7 @@ from torchfleet.plan.scale_rows import (
     memory_columns,
     table_row,
 )
+from torchfleet.plan.traced import Traced
 
 SCHEMA = "torchfleet-plan-at-scale/1"
 # Bytes a parameter costs in training whatever the layout: the fp32 master weight, its fp32 gradient and
@@ -147,7 +148,7 @@ def _row(fields: dict, work: trace.Workload, gpus: int, params: int, request: Sc
                      peak=traced.peak, flops=traced.flops, collectives=traced.collectives, timing=timing)
 
 
-def step_time(traced: trace.Traced, params: int, blocks: int, gpus: int, request: ScaleRequest,
+def step_time(traced: Traced, params: int, blocks: int, gpus: int, request: ScaleRequest,
               replicas: int = 1) -> dict:
     """One step's seconds: compute at the target's achieved rate, then two kinds of collectives.
 

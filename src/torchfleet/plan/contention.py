@@ -1,6 +1,6 @@
 """How much slower a model's step runs when N processes on this machine run it at once: measured, per model.
 
-The profile (profile.py) times the model's step in one process. A job's N
+The profile (profiler.py) times the model's step in one process. A job's N
 processes run that step at the same time, and on a CPU they share more than
 the cores each is given: the memory bandwidth, the last-level cache, a
 physical core's two hyper-threads where the "cores" are those; and where N
@@ -64,7 +64,7 @@ def _rounds(spec: dict, batch: int, threads: int, optimizer: str) -> float | Non
     import torch
     import torch.distributed as dist
 
-    from torchfleet.plan.profile import _step, _workload, make_optimizer
+    from torchfleet.plan.profiler import _step, _workload, make_optimizer
 
     torch.set_num_threads(threads)
     dist.init_process_group("gloo")

@@ -23,6 +23,7 @@ from dataclasses import replace
 
 from torchfleet.errors import UsageError
 from torchfleet.plan import comm, pipelines, scale_rows, trace
+from torchfleet.plan.traced import Traced
 
 SCHEDULES = ("1f1b", "interleaved-1f1b")  # torchtitan's two in its published 405B table
 MICROBATCH = 1  # samples a micro-batch, torchtitan's default
@@ -111,7 +112,7 @@ def row(fields: dict, work: trace.Workload, gpus: int, pp: int, schedule: str, v
                                 collectives=tuple((kind, nbytes * m, calls * m) for kind, nbytes, calls in one.collectives))
 
 
-def step_time(one: trace.Traced, stage_params: float, blocks: int, gpus: int, pp: int, m: int, schedule: str,
+def step_time(one: Traced, stage_params: float, blocks: int, gpus: int, pp: int, m: int, schedule: str,
               v: int, fields: dict, request, replicas: int = 1) -> dict:
     """A GPU's step: m micro-batches through its stages, the schedule's idle slots (plan/pipelines.py), each
     micro-batch's tensor-parallel collectives, its activations and their gradients sent to the neighbouring

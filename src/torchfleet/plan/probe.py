@@ -3,7 +3,7 @@
 - Matrix multiply rate at each thread count from 1 to the usable cores: the
   best of a few 1024 x 1024 fp32 products (2 GFLOP each). The plan uses the
   ratio between thread counts, not the figure itself: a model's own rate comes
-  from timing its step (profile.py).
+  from timing its step (profiler.py).
 - Gloo all-reduce among N local processes (N = 2 and 4), started through the
   launcher as a job's processes are: a small message gives the per-message
   latency, a large one the bandwidth, fitted to the ring formula of comm.py.

@@ -6,9 +6,10 @@ import datetime
 
 from torchfleet.errors import UsageError
 from torchfleet.plan import check as plan_check
-from torchfleet.plan import contention, hardware, predict, probe
+from torchfleet.plan import contention, hardware, layouts, predict, probe
 from torchfleet.plan.config import PlanConfig
-from torchfleet.plan.profile import Profile, meminfo
+from torchfleet.plan.profile import Profile
+from torchfleet.plan.profiler import meminfo
 from torchfleet.strategies import registry
 
 SCHEMA = "torchfleet-plan/1"
@@ -106,7 +107,7 @@ def predictions(cfg: PlanConfig, target: hardware.Target, profile: Profile, cali
     for name, n in candidates(cfg, target, profile, cores):
         threads = max(1, cores // n)
         try:
-            lay = predict.layout(name, n, batch, profile, options, cpu_threads=threads)
+            lay = layouts.layout(name, n, batch, profile, options, cpu_threads=threads)
         except UsageError as exc:
             notes.append(f"{name} on {n} processes left out: {exc}")
             continue
@@ -172,7 +173,7 @@ def _gib(nbytes: float) -> str:
 
 
 def plan_document(cfg: PlanConfig, say=print) -> dict:
-    from torchfleet.plan import profile as plan_profile
+    from torchfleet.plan import profiler
 
     needs_here = cfg.check or not (cfg.gpus_per_node or cfg.gpu or cfg.tflops)
     links = tuple(sorted({n for n in (cfg.nproc or (1, 2, 4)) if n >= 2} or {2}))
@@ -190,7 +191,7 @@ def plan_document(cfg: PlanConfig, say=print) -> dict:
     # were predicted 16 to 30% slow (docs/benchmarks/history.md).
     counts = links if target.here else cluster_counts(cfg, target) if target.rate is None else ()
     local = tuple(max(1, batch // n) for n in (1, *counts)) if counts else ()
-    profile = plan_profile.measure(spec_of(cfg), optimizer, cores, timed=target.rate is None, time_at=local)
+    profile = profiler.measure(spec_of(cfg), optimizer, cores, timed=target.rate is None, time_at=local)
     if target.here:
         contention.measure_missing(calib, profile, spec_of(cfg), batch, links, say=say)
     found, notes = predictions(cfg, target, profile, calib, cores, batch)
@@ -237,7 +238,7 @@ def run_check(cfg: PlanConfig, document: dict, say=print) -> dict:
 
 def _repredicted(document: dict, p: predict.Prediction, microbatches: int) -> predict.Prediction:
     profile, target, calib = document["_profile"], document["_target"], document["_calibration"]
-    lay = predict.layout(p.strategy, p.processes, p.global_batch, profile,
+    lay = layouts.layout(p.strategy, p.processes, p.global_batch, profile,
                          {**pipeline_options(document["_config"]), "microbatches": microbatches})
     return predict.predict(profile, lay, p.global_batch, target, calib.cores, calib)
 

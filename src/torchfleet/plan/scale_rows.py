@@ -6,7 +6,8 @@ rows, plan/pipeline_at_scale.py the pipeline rows.
 
 from __future__ import annotations
 
-from torchfleet.plan import comm, hardware, trace
+from torchfleet.plan import comm, hardware
+from torchfleet.plan.traced import Traced
 
 # What the CUDA caching allocator holds (reserved) over the tensors' own peak (allocated), one figure for every
 # plan: the mean of two cells measured on one H100 80GB HBM3 (torch 2.11, 27 Nov 2026), a Llama 3.2 1B-shaped
@@ -54,7 +55,7 @@ def layout_name(replicas: int, shard: int, tp: int) -> str:
     return data + (f" x TP {tp}" if tp > 1 else "")
 
 
-def collectives_s(traced: trace.Traced, tp: int, target: hardware.Target) -> float:
+def collectives_s(traced: Traced, tp: int, target: hardware.Target) -> float:
     """The traced tensor-parallel collectives' seconds: rings over the tp ranks of one node."""
     within = target.link_for(tp)
     costs = {"all_gather": comm.all_gather_s, "reduce_scatter": comm.reduce_scatter_s,

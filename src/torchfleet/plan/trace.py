@@ -12,17 +12,15 @@ torch's FSDPMemTracker (torch.distributed._tools) follows every tensor of one
 step, with AdamW's state made beforehand, under FakeTensorMode and a fake
 process group, and gives the memory by kind after every operator: sharded and
 unsharded parameters, gradients, optimizer state, activations, temporaries,
-all-gather and reduce-scatter buffers. The same pass counts the step's FLOPs.
+all-gather and reduce-scatter buffers. The same pass counts the step's FLOPs
+(plan/step_counter.py).
 On one H200 (torch 2.11) the tracker's peak matched max_memory_allocated within
 0.1% in 4 of 5 Llama-shaped cells; traced here on the CPU, a 1B shape's peak is
 within 0.3% of a real H100's and its FLOPs equal the H100's count
 (docs/benchmarks/history.md).
 
 Tracing costs time per operator, so deep models are traced at three or more
-small depths and the figures carried to the full depth: every block is the
-same, so each kind grows by the same amount per block (`at_depth`) once the
-same moment is the peak. The sharded kinds shrink with the number of ranks and
-nothing else does (`at_world`).
+small depths and the figures carried to the full depth (plan/traced.py).
 """
 
 from __future__ import annotations
@@ -33,10 +31,10 @@ import warnings
 from dataclasses import dataclass
 
 from torchfleet.plan import checkpoint_policy, tensor_parallel
+from torchfleet.plan.step_counter import step_counter
+from torchfleet.plan.traced import Traced, at_depth, candidate_moments
 
 AC_MODES = ("none", "selective", "full")
-# What FSDP2 divides among the ranks: every other kind is held whole by each rank.
-SHARDED_KINDS = ("SHARDED_PARAM", "SHARDED_GRAD", "OPT")
 TRACE_DEPTHS = (2, 4)  # decoder blocks traced first; deeper models are carried from these and deeper ones
 TRACE_WORLD = 8  # ranks traced; other worlds scale the sharded kinds (Traced.at_world)
 
@@ -53,69 +51,6 @@ class Workload:
     reshard_after_forward: bool = True
     # Which part of the model a pipeline stage holds (library_model.STAGES): "whole" outside pipelines.
     stage: str = "whole"
-
-
-@dataclass(frozen=True)
-class Traced:
-    """One rank's memory by kind (bytes) at the moments of a step that can be its peak, for `layers` blocks
-    sharded over `world` ranks. Which moment is the peak depends on the world: the sharded kinds shrink as
-    it grows and the rest does not, so every moment that is highest for some world is kept."""
-
-    layers: int
-    world: int  # FSDP's ranks (those of one tensor-parallel rank's shard)
-    moments: tuple[dict[str, float], ...]
-    flops: float = 0.0  # one rank's step, by torch's FLOP formulas (recomputation included)
-    # One rank's tensor-parallel collectives in a step, as DTensor issued them: (kind, bytes, calls), the
-    # bytes summed over the calls, each call's the whole tensor it moves, as plan/comm.py's formulas take it.
-    collectives: tuple[tuple[str, float, float], ...] = ()
-    # What one micro-batch's forward leaves for its backward (its saved activations and its input): what each
-    # further micro-batch a pipeline stage holds in flight adds.
-    held: float = 0.0
-
-    @property
-    def kinds(self) -> dict[str, float]:
-        """The peak moment's figures."""
-        return max(self.moments, key=lambda kinds: sum(kinds.values()))
-
-    @property
-    def peak(self) -> float:
-        return sum(self.kinds.values())
-
-    def at_world(self, world: int) -> Traced:
-        scale = self.world / world
-        return Traced(self.layers, world, tuple({k: v * scale if k in SHARDED_KINDS else v for k, v in m.items()}
-                                                for m in self.moments), self.flops, self.collectives, self.held)
-
-
-def candidate_moments(moments: list[dict[str, float]]) -> tuple[dict[str, float], ...]:
-    """The moments that are the peak for some number of ranks: those no other moment exceeds in both the
-    sharded and the whole-held kinds."""
-    def split(kinds):
-        sharded = sum(v for k, v in kinds.items() if k in SHARDED_KINDS)
-        return sum(kinds.values()) - sharded, sharded
-
-    kept, best_sharded = [], -1.0
-    for kinds in sorted(moments, key=lambda m: (-split(m)[0], -split(m)[1])):
-        if split(kinds)[1] > best_sharded:
-            kept.append(kinds)
-            best_sharded = split(kinds)[1]
-    return tuple(kept)
-
-
-def at_depth(low: Traced, high: Traced, layers: int) -> Traced:
-    """The figures for `layers` blocks, carried linearly from traces at two depths (same world)."""
-    low_kinds, high_kinds = low.kinds, high.kinds
-    per_block = {k: (high_kinds.get(k, 0.0) - low_kinds.get(k, 0.0)) / (high.layers - low.layers)
-                 for k in set(low_kinds) | set(high_kinds)}
-    kinds = {k: low_kinds.get(k, 0.0) + per_block[k] * (layers - low.layers) for k in per_block}
-    def carried(a: float, b: float) -> float:
-        return a + (b - a) / (high.layers - low.layers) * (layers - low.layers)
-
-    low_comm = {kind: (nbytes, calls) for kind, nbytes, calls in low.collectives}
-    collectives = tuple((kind, carried(low_comm.get(kind, (0.0, 0.0))[0], nbytes),
-                         carried(low_comm.get(kind, (0.0, 0.0))[1], calls)) for kind, nbytes, calls in high.collectives)
-    return Traced(layers, low.world, ({k: v for k, v in sorted(kinds.items()) if v > 0},),
-                  carried(low.flops, high.flops), collectives, carried(low.held, high.held))
 
 
 def trace(fields: dict, work: Workload, world: int, layers: int | None = None) -> Traced:
@@ -241,91 +176,6 @@ def _prepare(model, fields: dict, work: Workload, mesh) -> None:
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=work.reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=work.reshard_after_forward)
-
-
-def step_counter():
-    """A dispatch mode summing torch's FLOP formulas (torch.utils.flop_counter's table) over every operator it
-    sees, with the CPU's fused attention added, which that table leaves out: the same products as the GPU's
-    kernels (full, not causal-halved, as torch counts those). Unlike FlopCounterMode it tracks no modules, so
-    the memory tracker beside it sees the step exactly as it would alone; `.total` after the step. It also
-    adds up DTensor's collectives (tensor parallelism's) by kind in `.collectives`: FSDP2's own go through
-    c10d, not these functional collectives, and plan/at_scale.py costs them from the parameters."""
-    import torch
-    from torch._guards import active_fake_mode
-    from torch.distributed.tensor import DTensor
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils.flop_counter import (
-        flop_registry,
-        sdpa_backward_flop_count,
-        sdpa_flop_count,
-        shape_wrapper,
-    )
-
-    aten = torch.ops.aten
-    table = dict(flop_registry)
-
-    def heads_of(q, kv):
-        # Grouped key/value heads (enable_gqa) count as the query's heads, as the kernels broadcast them;
-        # torch before 2.14 counts only equal head counts.
-        return (kv[0], q[1], *kv[2:])
-
-    if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
-        table[aten._scaled_dot_product_flash_attention_for_cpu] = shape_wrapper(
-            lambda q, k, v, *args, out_shape=None, **kwargs: sdpa_flop_count(q, heads_of(q, k), heads_of(q, v)))
-    if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward"):
-        table[aten._scaled_dot_product_flash_attention_for_cpu_backward] = shape_wrapper(
-            lambda grad, q, k, v, *args, out_shape=None, **kwargs: sdpa_backward_flop_count(
-                grad, q, heads_of(q, k), heads_of(q, v)))
-    if hasattr(aten, "_grouped_mm") and aten._grouped_mm not in table:
-        table[aten._grouped_mm] = shape_wrapper(grouped_mm_flops)
-
-    functional = torch.ops._c10d_functional
-    gathered = {functional.all_gather_into_tensor.default: "all_gather"}  # the output is group_size inputs
-    whole = {functional.reduce_scatter_tensor.default: "reduce_scatter", functional.all_reduce.default: "all_reduce"}
-
-    class StepCounter(TorchDispatchMode):
-        total = 0
-        fake_mode = None  # the one the step runs under, set on entry
-
-        def __enter__(self):
-            self.fake_mode = active_fake_mode()
-            self.collectives: dict[str, float] = {}  # bytes by kind
-            self.calls: dict[str, int] = {}
-            return super().__enter__()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if any(issubclass(t, DTensor) for t in types):
-                # A tensor-parallel operator at the DTensor level has the whole tensors' shapes: declining it
-                # here lets DTensor run it on each rank's shards, whose operators come back to be counted.
-                return NotImplemented
-            out = func(*args, **(kwargs or {}))
-            formula = table.get(func._overloadpacket)
-            # DTensor works out an output's shape by running the operator on whole-shaped fake tensors under
-            # a fake mode of its own: that is not work a rank does.
-            if active_fake_mode() is not self.fake_mode:
-                return out
-            if formula is not None:
-                self.total += formula(*args, **(kwargs or {}), out_val=out)
-            elif func in gathered or func in whole:
-                kind = gathered.get(func) or whole[func]
-                tensor = out if func in gathered else args[0]
-                self.collectives[kind] = self.collectives.get(kind, 0.0) + tensor.numel() * tensor.element_size()
-                self.calls[kind] = self.calls.get(kind, 0) + 1
-            return out
-
-    return StepCounter()
-
-
-def grouped_mm_flops(a, b, *args, out_shape=None, **kwargs) -> int:
-    """FLOPs of one grouped matrix product (a mixture of experts' experts, as transformers runs them), which
-    torch's table leaves out. Tokens (a's rows) are split among the groups, each group's products over its
-    own tokens: 2 x tokens x in x out in all, whatever the split. Backward's weight gradient contracts over
-    the tokens instead (two 2-D operands, one 3-D output)."""
-    import math
-
-    if len(a) == 2 and len(b) == 2:  # [in, tokens] x [tokens, out] -> [groups, in, out]
-        return 2 * a[0] * a[1] * b[1]
-    return 2 * math.prod(out_shape or ()) * a[-1]
 
 
 def _make_optimizer_state(model, optimizer) -> None:
