@@ -22,10 +22,15 @@ The modules, one job each:
 - declared_cut.py: cutting a model that declares its own pipeline plan (transformers'
   ``base_model_pp_plan``), without tracing it.
 - skips.py: activations that skip stages, carried through the stages in between.
+- example_cut.py: this process's stages of a model that is not a Sequential, cut at setup
+  (by its plan or by tracing) on one micro-batch of the example, checkpointed and compiled as asked.
 - stages.py: a stage that times its compute; sizing micro-batches, sending the loss.
 - local_stages.py: several stages in one process (the multi-stage schedules).
+- gradients.py: tied parameters' gradients summed across processes; clipping to the
+  whole model's norm.
 - schedules.py: which torch class runs each schedule, and what it accepts.
 - stage_state.py: the whole model's state gathered from the stages, and back.
+- report.py: the pipeline report, with each process's measured bubble.
 - transfer.py: tensors between stages outside a schedule; whole states from shards.
 
 Importing the package imports none of them: `torchfleet.strategies` imports

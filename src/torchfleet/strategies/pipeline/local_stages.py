@@ -12,7 +12,7 @@ any other cut, strategy or number of processes, as one stage's does.
 A parameter two local stages both hold (a tied embedding and head on the
 first and last stage of a V, or a module a plan gives every stage) becomes
 one Parameter again before the graft: autograd adds both stages' gradients
-into it, and only the copies on other processes need summing.
+into it, and only the copies on other processes need summing (gradients.py).
 """
 
 from __future__ import annotations
@@ -22,11 +22,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from torchfleet.strategies.dims import ParallelDims
 from torchfleet.strategies.parallelize import split_balanced
 from torchfleet.strategies.pipeline import cutting
 from torchfleet.strategies.pipeline.declared_cut import cut_by_plan
@@ -148,39 +145,3 @@ def run_stages(stages: Sequence[tuple[int, nn.Module]], total: int, first_args: 
         if index + 1 not in held:
             send_tensors(out if isinstance(out, tuple) else (out,), peer(index + 1), device)
     return None
-
-
-def tied_process_groups(tied: Sequence[tuple[list[str], list[int]]], dims: ParallelDims, stage_rank: Sequence[int],
-                        rank: int) -> list:
-    """For each tied parameter: the group of this replica's processes holding a copy of it (None: none here,
-    or all copies on this process, one Parameter already: share_tensors).
-
-    Every rank makes every group, in the same order (torch requires it).
-    """
-    place = {(dims.dp_rank(r), dims.coords(r)["pp"]): r for r in range(dims.world_size)}
-    mine_dp, mine_pp = dims.dp_rank(rank), dims.coords(rank)["pp"]
-    mine = []
-    for _, holders in tied:
-        ranks = sorted({stage_rank[stage] for stage in holders})
-        chosen = None
-        for dp_rank in range(dims.dp if len(ranks) > 1 else 0):
-            group = dist.new_group([place[(dp_rank, pp_rank)] for pp_rank in ranks])
-            if dp_rank == mine_dp and mine_pp in ranks:
-                chosen = group
-        mine.append(chosen)
-    return mine
-
-
-def sync_tied_gradients(model: nn.Module, tied: Sequence[tuple[list[str], list[int]]], groups: list) -> None:
-    """Sum a tied parameter's gradient over the processes holding copies: the one parameter's gradient."""
-    params = dict(model.named_parameters(remove_duplicate=False))
-    for (names, _), group in zip(tied, groups, strict=True):
-        if group is None:
-            continue
-        param = next(params[n] for n in names if n in params)
-        if not param.requires_grad:  # frozen (a fine-tuned model's tied embedding): nothing to sum
-            continue
-        if param.grad is None:  # this process's copy took no part in the step: it adds nothing
-            param.grad = torch.zeros_like(param)
-        grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
-        dist.all_reduce(grad, group=group)

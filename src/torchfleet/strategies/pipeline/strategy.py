@@ -21,32 +21,32 @@ through DCP) loads into any other cut of the same model.
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from torchfleet.errors import UsageError
 from torchfleet.strategies.base import SetupArgs, batch_size, split_batch
-from torchfleet.strategies.block_transforms import checkpoint_activations, compile_model
 from torchfleet.strategies.blocks import parameter_names
 from torchfleet.strategies.distributed import MeshStrategy
 from torchfleet.strategies.fsdp import memory_per_rank, rebuild_optimizer
 from torchfleet.strategies.parallelize import parallelize
 from torchfleet.strategies.pipeline import cutting, schedules
 from torchfleet.strategies.pipeline.cutting import tied_groups
-from torchfleet.strategies.pipeline.declared_cut import declared_plan
-from torchfleet.strategies.pipeline.local_stages import (
-    LocalStages,
-    cut_local,
-    run_stages,
-    sequential_stages,
-    share_tensors,
+from torchfleet.strategies.pipeline.example_cut import cut_on_example
+from torchfleet.strategies.pipeline.gradients import (
+    clip_to_global_norm,
     sync_tied_gradients,
     tied_process_groups,
 )
+from torchfleet.strategies.pipeline.local_stages import (
+    LocalStages,
+    run_stages,
+    sequential_stages,
+    share_tensors,
+)
+from torchfleet.strategies.pipeline.report import layers_per_stage, pipeline_report
 from torchfleet.strategies.pipeline.stage_state import ModelKeys, gather_stages, load_stage
 from torchfleet.strategies.pipeline.stages import (
     TAGGED_BACKENDS,
@@ -150,40 +150,17 @@ class Pipeline(MeshStrategy):
 
     def _cut(self, model, setup: SetupArgs) -> list[cutting.Cut]:
         """This process's stages of a model that is not a Sequential: by its own pipeline plan, or by tracing
-        one example micro-batch."""
-        example, grad_accum = setup.example, setup.grad_accum
-        if example is None:
+        one example micro-batch (example_cut.py)."""
+        if setup.example is None:
             raise UsageError(
                 f"{self.name} cuts a {type(model).__name__} into stages and needs one batch to trace it"
                 " (or, with a pipeline plan, to size the stages):"
                 " fleet.setup(model, optimizer, example_inputs=batch)")
-        per_step = batch_size(example) // grad_accum
         if self._default_microbatches:
-            self._fit_default_microbatches(per_step)
-        if per_step % self.microbatches or per_step < self.microbatches:
-            raise UsageError(f"each pipeline's batch of {per_step} does not split into {self.microbatches}"
-                             f" micro-batches; use a batch size per replica that is a multiple of it")
-        micro = split_batch(example, batch_size(example) // (per_step // self.microbatches))[0]
-        args, kwargs = ((), dict(micro)) if isinstance(micro, dict) else ((micro,), {})
-        model.to(self.runtime.device)  # the example is there already
-        plan = declared_plan(model)
-        cuts = cut_local(model, self.stages, self.stage_indices, split_points=self.split_points, args=args,
-                         kwargs=kwargs, plan=plan)
-        if plan is not None:
-            self.notes.append(f"pipeline stages from {type(model).__name__}'s own pipeline plan"
-                              f" ({', '.join(plan)}), cut at {', '.join(cuts[0].starts)}")
-        checkpointing, compile_mode = setup.activation_checkpointing, setup.compile
-        # A traced stage is one graph: checkpointed and compiled as a whole; a plan's keeps its blocks.
-        how = "each pipeline stage as a whole (traced)" if plan is None else "each block of each pipeline stage"
-        for cut in cuts:
-            if checkpointing:
-                checkpoint_activations(cut.module)
-            if compile_mode:
-                compile_model(cut.module, "model" if plan is None else "blocks")
-        if checkpointing:
-            self.notes.append(f"activation checkpointing: {how}")
-        if compile_mode:
-            self.notes.append(f"torch.compile: {how}")
+            self._fit_default_microbatches(batch_size(setup.example) // setup.grad_accum)
+        cuts, notes = cut_on_example(model, setup, self.microbatches, self.stages, self.stage_indices,
+                                     self.split_points, self.runtime.device)
+        self.notes += notes
         return cuts
 
     @property
@@ -294,35 +271,16 @@ class Pipeline(MeshStrategy):
     def _busy(self) -> float:
         return sum(stage.busy for stage in self._stages)
 
-    # -- inference: activations passed stage to stage -----------------------
     def clip_gradients(self):
-        """Clip to the global norm of the whole model: every stage's and every shard's gradients.
-
-        Each rank adds the squares of the gradient it holds; the sum over all
-        ranks counts each replica once per replica (divided out) and a tied
-        parameter once per stage holding it (only its first holder counts).
-        """
+        """Clip to the global norm of the whole model: every stage's and every shard's gradients (gradients.py)."""
         max_norm = self.runtime.max_grad_norm
         if max_norm is None:
             return None
         self.runtime.precision.unscale(self.optimizer)
-        params = dict(self.model.named_parameters())
-        skip = {id(params[n]) for (names, holders) in self.tied if self.stage_rank[holders[0]] != self.pp_rank
-                for n in names if n in params}
-        held = [(p, p.grad) for p in params.values() if p.grad is not None]
-        local = [g.to_local() if isinstance(g, DTensor) else g for _, g in held]
-        total = torch.zeros((), dtype=torch.float32, device=self.runtime.device)
-        for (p, _), g in zip(held, local, strict=True):
-            if id(p) not in skip:  # counted once, scaled on every stage below
-                total += g.detach().float().pow(2).sum()
-        dist.all_reduce(total)
-        norm = (total / self.dims.dp_replicate).sqrt()
-        # torch's clip_grad_norm_ formula, so a pipeline clips as serial does.
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for g in local:
-            g.mul_(coef.to(g.dtype))
-        return norm
+        return clip_to_global_norm(self.model, self.tied, self.stage_rank, self.pp_rank, self.dims.dp_replicate,
+                                   max_norm, self.runtime.device)
 
+    # -- inference: activations passed stage to stage -----------------------
     @torch.no_grad()
     def predict(self, inputs):
         """The last stage returns the outputs; the other stages return None."""
@@ -369,18 +327,5 @@ class Pipeline(MeshStrategy):
     def pipeline_report(self) -> dict:
         """Measured idle fraction of each pipeline process (its stages together) next to the schedule's
         formula (schedules.bubble_formula: (p-1)/(m+p-1) for GPipe and 1F1B)."""
-        every: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(every, (self.pp_rank, *self._busy_wall))
-        idle = []
-        for rank in range(self.pp):
-            busy = sum(b for r, b, _ in every if r == rank)
-            wall = sum(w for r, _, w in every if r == rank)
-            idle.append(round(1 - busy / wall, 3) if wall else float("nan"))
-        p, m = self.pp, self.microbatches
-        return {"schedule": self.schedule_name, "stages": self.stages, "stages_per_process": self.per_process,
-                "processes": p, "replicas": self.dp, "microbatches": m,
-                "layers_per_stage": ([f"{a}-{b - 1}" for a, b in self.bounds] if self.bounds
-                                     else [f"{name}.." for name in ("input", *self.cut.starts)] if self.cut
-                                     else []),
-                "bubble_formula": round(schedules.bubble_formula(self.schedule_name, p, self.per_process, m), 3),
-                "bubble_measured": idle}
+        return pipeline_report(self.schedule_name, self.pp, self.per_process, self.dp, self.microbatches,
+                               layers_per_stage(self.bounds, self.cut), self.pp_rank, self._busy_wall)
