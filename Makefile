@@ -13,7 +13,7 @@ TORCH ?=
 # pip's own progress bars and the "location ignored" notes of local indexes are noise here.
 PIP    := $(BIN)/python -m pip install --quiet --disable-pip-version-check
 
-.PHONY: demo test test-floor floor-venv lint doctor bench parity gpu-check cpu-scaling clean system-deps docs docs-serve docs-screenshots
+.PHONY: demo test test-floor floor-venv lint format doctor bench parity gpu-check cpu-scaling clean system-deps docs docs-serve docs-screenshots
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -123,11 +123,17 @@ floor-venv:
 test-floor:
 	$(MAKE) test VENV=.venv-floor TORCH=$(TORCH_FLOOR) PYTEST_ARGS="$(foreach t,$(FLOOR_TESTS),tests/$(t).py)"
 
-# ruff, then basedpyright over src/ (pyproject's [tool.basedpyright]): it sees what ruff
+# ruff's formatting and rules, then basedpyright over src/ (pyproject's [tool.basedpyright]): it sees what ruff
 # cannot, such as a call of an attribute torch does not have. --pythonpath: this venv's torch.
 lint: $(VENV)/.dev
-	$(BIN)/ruff check src tests docs/hooks
+	$(BIN)/ruff format --check src tests docs/hooks benchmarks
+	$(BIN)/ruff check src tests docs/hooks benchmarks
 	$(BIN)/basedpyright --pythonpath $(BIN)/python
+
+# What make lint's first line checks, applied.
+format: $(VENV)/.dev
+	$(BIN)/ruff format src tests docs/hooks benchmarks
+	$(BIN)/ruff check --fix src tests docs/hooks benchmarks
 
 doctor: $(VENV)/.base
 	$(BIN)/torchfleet doctor

@@ -74,10 +74,18 @@ def _job(steps: int, warmup: int, rounds: int, width: int) -> list[dict] | None:
     for schedule, per, fleet in fleets:
         report = fleet.strategy.pipeline_report()  # the busy time of the timed steps (warm-up too, but the first)
         measured = [b for b in report["bubble_measured"] if b == b]
-        rows.append({"processes": dist.get_world_size(), "schedule": schedule, "stages": report["stages"],
-                     "per_process": per, "microbatches": report["microbatches"],
-                     "step_ms": 1000 * statistics.median(times[schedule]),
-                     "bubble": statistics.mean(measured), "formula": report["bubble_formula"]})
+        rows.append(
+            {
+                "processes": dist.get_world_size(),
+                "schedule": schedule,
+                "stages": report["stages"],
+                "per_process": per,
+                "microbatches": report["microbatches"],
+                "step_ms": 1000 * statistics.median(times[schedule]),
+                "bubble": statistics.mean(measured),
+                "formula": report["bubble_formula"],
+            }
+        )
     return rows if dist.get_rank() == 0 else None
 
 
@@ -87,22 +95,29 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="timed steps per schedule (default 20)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=4, help="interleaving rounds (default 4)")
-    parser.add_argument("--width", type=int, default=512,
-                        help="each block's Linear(width, width) (default 512); wider blocks make a stage's compute dwarf its sends")
+    parser.add_argument(
+        "--width",
+        type=int,
+        default=512,
+        help="each block's Linear(width, width) (default 512); wider blocks make a stage's compute dwarf its sends",
+    )
     args = parser.parse_args()
-    print(f"# {time.strftime('%d %b %Y %H:%M UTC', time.gmtime())}, torch {torch.__version__}, Gloo,"
-          f" Sequential of {BLOCKS} Linear({args.width}, {args.width}) + ReLU, batch {BATCH}, {MICROBATCHES} micro-batches")
+    print(
+        f"# {time.strftime('%d %b %Y %H:%M UTC', time.gmtime())}, torch {torch.__version__}, Gloo,"
+        f" Sequential of {BLOCKS} Linear({args.width}, {args.width}) + ReLU, batch {BATCH}, {MICROBATCHES} micro-batches"
+    )
     print("| processes | schedule | stages (per process) | step ms (median) | bubble measured | formula |")
     print("| ---: | --- | --- | ---: | ---: | ---: |")
     for nproc in (int(n) for n in args.nproc.split(",")):
         rows = launch(_job, nprocs=nproc, args=(args.steps, args.warmup, args.rounds, args.width))[0]
         for r in rows:
-            print(f"| {r['processes']} | {r['schedule']} | {r['stages']} ({r['per_process']}) | {r['step_ms']:.1f}"
-                  f" | {r['bubble']:.3f} | {r['formula']:.3f} |")
+            print(
+                f"| {r['processes']} | {r['schedule']} | {r['stages']} ({r['per_process']}) | {r['step_ms']:.1f}"
+                f" | {r['bubble']:.3f} | {r['formula']:.3f} |"
+            )
         base = next(r for r in rows if r["schedule"] == "1f1b")
         best = min(rows, key=lambda r: r["step_ms"])
-        print(f"| {nproc} | best: {best['schedule']} | | {base['step_ms'] / best['step_ms']:.2f}x 1f1b's speed"
-              f" | | |")
+        print(f"| {nproc} | best: {best['schedule']} | | {base['step_ms'] / best['step_ms']:.2f}x 1f1b's speed | | |")
 
 
 if __name__ == "__main__":

@@ -43,12 +43,22 @@ from torchfleet.models.gpt import gpt, lm_loss
 
 STEP_LABEL = "decompose.step"
 PEER_WAIT = "wait for the other stage"
-CATEGORIES = ("compute", "optimizer", "all-gather", "reduce-scatter", "send/recv",
-              PEER_WAIT, "other collectives", "framework", "untraced Python")
+CATEGORIES = (
+    "compute",
+    "optimizer",
+    "all-gather",
+    "reduce-scatter",
+    "send/recv",
+    PEER_WAIT,
+    "other collectives",
+    "framework",
+    "untraced Python",
+)
 
 
 def categorize(names: list[str]) -> str:
     """The category of a main-thread event's own time, from its name and its enclosing ranges' (innermost first)."""
+
     def anywhere(test: Callable[[str], bool]) -> bool:
         return any(test(n) for n in names)
 
@@ -59,8 +69,17 @@ def categorize(names: list[str]) -> str:
     # FSDP2 labels its hooks: before a unit's forward or backward it gathers (and, in backward, prefetches
     # the next unit's gather); after its backward it reduce-scatters. Everything inside those is the
     # collective's cost: the copy in and out, the wait, and the hook's own Python.
-    if anywhere(lambda n: n.startswith(("FSDP::all_gather", "FSDP::pre_forward", "FSDP::pre_backward",
-                                        "FSDP::backward_prefetch", "FSDP::forward_prefetch"))):
+    if anywhere(
+        lambda n: n.startswith(
+            (
+                "FSDP::all_gather",
+                "FSDP::pre_forward",
+                "FSDP::pre_backward",
+                "FSDP::backward_prefetch",
+                "FSDP::forward_prefetch",
+            )
+        )
+    ):
         return "all-gather"
     if anywhere(lambda n: n.startswith(("FSDP::post_backward", "FSDP::root_post_backward"))):
         return "reduce-scatter"
@@ -118,8 +137,9 @@ def decompose(step: Callable[[], None], steps: int) -> dict[str, float]:
 
 
 def _tokens(preset_model, batch: int, length: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    ids = torch.randint(0, preset_model.config.vocab_size, (batch, length + 1),
-                        generator=torch.Generator().manual_seed(seed))
+    ids = torch.randint(
+        0, preset_model.config.vocab_size, (batch, length + 1), generator=torch.Generator().manual_seed(seed)
+    )
     return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
 
 
@@ -131,15 +151,15 @@ def _hand_fsdp(initial, x, y, *, keep_gathered: bool, prefetch: int, blocks_per_
     blocks = list(net.blocks)
     sharded = []
     for i in range(0, len(blocks), blocks_per_unit):
-        unit = blocks[i:i + blocks_per_unit]
+        unit = blocks[i : i + blocks_per_unit]
         sharded.append(fully_shard(unit[0] if len(unit) == 1 else unit, reshard_after_forward=not keep_gathered))
     fully_shard(net)
     # Explicit prefetch, as torchtitan sets it. On CPU nothing runs ahead of the collectives, so FSDP2's
     # own prefetch is one unit, in backward only.
     if prefetch > 1:
         for i, unit in enumerate(sharded):
-            unit.set_modules_to_forward_prefetch(sharded[i + 1:i + 1 + prefetch])
-            unit.set_modules_to_backward_prefetch(list(reversed(sharded[max(0, i - prefetch):i])))
+            unit.set_modules_to_forward_prefetch(sharded[i + 1 : i + 1 + prefetch])
+            unit.set_modules_to_backward_prefetch(list(reversed(sharded[max(0, i - prefetch) : i])))
     optimizer = torch.optim.AdamW(net.parameters(), lr=3e-4)
 
     def step():
@@ -161,17 +181,19 @@ def _versions(strategy: str, initial, global_batch: int, length: int) -> dict[st
     world, rank = dist.get_world_size(), dist.get_rank()
     if strategy == "pipeline":
         x, y = _tokens(initial, global_batch, length, seed=0)  # every stage reads the whole batch
-        return {"torchfleet 1f1b, 4 micro-batches": _fleet(initial, x, y, "pipeline", microbatches=4),
-                "torchfleet 1f1b, 8 micro-batches": _fleet(initial, x, y, "pipeline", microbatches=8),
-                "torchfleet gpipe, 4 micro-batches": _fleet(initial, x, y, "pipeline", microbatches=4,
-                                                            schedule="gpipe")}
+        return {
+            "torchfleet 1f1b, 4 micro-batches": _fleet(initial, x, y, "pipeline", microbatches=4),
+            "torchfleet 1f1b, 8 micro-batches": _fleet(initial, x, y, "pipeline", microbatches=8),
+            "torchfleet gpipe, 4 micro-batches": _fleet(initial, x, y, "pipeline", microbatches=4, schedule="gpipe"),
+        }
     x, y = _tokens(initial, global_batch // world, length, seed=rank)
-    return {"FSDP2 defaults (by hand)": _hand_fsdp(initial, x, y, keep_gathered=False, prefetch=1, blocks_per_unit=1),
-            "torchfleet fsdp": _fleet(initial, x, y, "fsdp"),
-            "no unit resharded after forward": _hand_fsdp(initial, x, y, keep_gathered=True, prefetch=1,
-                                                          blocks_per_unit=1),
-            "prefetch 2 units ahead": _hand_fsdp(initial, x, y, keep_gathered=False, prefetch=2, blocks_per_unit=1),
-            "units of 2 blocks": _hand_fsdp(initial, x, y, keep_gathered=False, prefetch=1, blocks_per_unit=2)}
+    return {
+        "FSDP2 defaults (by hand)": _hand_fsdp(initial, x, y, keep_gathered=False, prefetch=1, blocks_per_unit=1),
+        "torchfleet fsdp": _fleet(initial, x, y, "fsdp"),
+        "no unit resharded after forward": _hand_fsdp(initial, x, y, keep_gathered=True, prefetch=1, blocks_per_unit=1),
+        "prefetch 2 units ahead": _hand_fsdp(initial, x, y, keep_gathered=False, prefetch=2, blocks_per_unit=1),
+        "units of 2 blocks": _hand_fsdp(initial, x, y, keep_gathered=False, prefetch=1, blocks_per_unit=2),
+    }
 
 
 def _timed(fn: Callable[[], object], repeats: int = 100) -> float:
@@ -195,14 +217,17 @@ def _collectives(numel: int) -> dict[str, float]:
     world, rank = dist.get_world_size(), dist.get_rank()
     full, shard = torch.randn(numel - numel % world), torch.empty(numel // world)
     peer = torch.empty(numel)
-    return {"all_gather_into_tensor": _timed(lambda: dist.all_gather_into_tensor(full, shard)),
-            "reduce_scatter_tensor": _timed(lambda: dist.reduce_scatter_tensor(shard, full)),
-            "all_reduce": _timed(lambda: dist.all_reduce(full)),
-            "send + recv": _timed(lambda: dist.send(peer, 1) if rank == 0 else dist.recv(peer, 0))}
+    return {
+        "all_gather_into_tensor": _timed(lambda: dist.all_gather_into_tensor(full, shard)),
+        "reduce_scatter_tensor": _timed(lambda: dist.reduce_scatter_tensor(shard, full)),
+        "all_reduce": _timed(lambda: dist.all_reduce(full)),
+        "send + recv": _timed(lambda: dist.send(peer, 1) if rank == 0 else dist.recv(peer, 0)),
+    }
 
 
-def _job(strategy: str, preset: str, global_batch: int, length: int, steps: int, rounds: int,
-         profiled: int) -> list[dict] | None:
+def _job(
+    strategy: str, preset: str, global_batch: int, length: int, steps: int, rounds: int, profiled: int
+) -> list[dict] | None:
     torch.set_num_threads(1)  # one core per process: the machine has 2
     dist.init_process_group("gloo")  # the versions share it; torchfleet's Fleets join it
     _mark_waits()
@@ -217,13 +242,22 @@ def _job(strategy: str, preset: str, global_batch: int, length: int, steps: int,
         slowest = torch.tensor([parts[c] if c in parts else 0.0 for c in (*CATEGORIES, "step")])
         gathered = [torch.zeros_like(slowest) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, slowest)
-        rows.append({"version": name, "median_ms": 1000 * statistics.median(times[name]),
-                     "per_rank": [dict(zip((*CATEGORIES, "step"), t.tolist(), strict=True)) for t in gathered]})
+        rows.append(
+            {
+                "version": name,
+                "median_ms": 1000 * statistics.median(times[name]),
+                "per_rank": [dict(zip((*CATEGORIES, "step"), t.tolist(), strict=True)) for t in gathered],
+            }
+        )
     # fsdp's message: one block's parameters; the pipeline's: one micro-batch's activations at the cut.
     block = sum(p.numel() for p in initial.blocks[0].parameters())
     cut = global_batch // 4 * length * initial.config.n_embd
-    rows.append({"collectives": _collectives(block if strategy == "fsdp" else cut),
-                 "numel": block if strategy == "fsdp" else cut})
+    rows.append(
+        {
+            "collectives": _collectives(block if strategy == "fsdp" else cut),
+            "numel": block if strategy == "fsdp" else cut,
+        }
+    )
     return rows if dist.get_rank() == 0 else None
 
 
@@ -231,16 +265,17 @@ def _print(strategy: str, preset: str, rows: list[dict]) -> None:
     probe = rows.pop()
     shown = [c for c in CATEGORIES if any(r[c] > 0.0005 for row in rows for r in row["per_rank"])]
     print(f"\n### {strategy}, gpt {preset}\n")
-    print("| version | rank | step ms (not profiled, median) | profiled ms | "
-          + " | ".join(shown) + " |")
+    print("| version | rank | step ms (not profiled, median) | profiled ms | " + " | ".join(shown) + " |")
     print("| --- | ---: | ---: | ---: | " + " | ".join("---:" for _ in shown) + " |")
     for row in rows:
         for rank, parts in enumerate(row["per_rank"]):
             cells = " | ".join(f"{1000 * parts[c]:.1f} ({parts[c] / parts['step']:.0%})" for c in shown)
             print(f"| {row['version']} | {rank} | {row['median_ms']:.1f} | {1000 * parts['step']:.1f} | {cells} |")
     what = "one block's parameters" if strategy == "fsdp" else "one micro-batch's activations at the cut (of 4)"
-    print(f"\nOne collective on {probe['numel']:,} fp32 values ({what}), median ms: "
-          + ", ".join(f"{name} {ms:.2f}" for name, ms in probe["collectives"].items()))
+    print(
+        f"\nOne collective on {probe['numel']:,} fp32 values ({what}), median ms: "
+        + ", ".join(f"{name} {ms:.2f}" for name, ms in probe["collectives"].items())
+    )
 
 
 def main() -> None:
@@ -253,12 +288,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="turns each version takes (default 3)")
     parser.add_argument("--profiled", type=int, default=3, help="profiled steps per version (default 3)")
     args = parser.parse_args()
-    print(f"# {time.strftime('%d %b %Y %H:%M UTC', time.gmtime())}, torch {torch.__version__}, Gloo, 2 processes,"
-          f" one thread each, global batch {args.global_batch} x {args.length} tokens")
+    print(
+        f"# {time.strftime('%d %b %Y %H:%M UTC', time.gmtime())}, torch {torch.__version__}, Gloo, 2 processes,"
+        f" one thread each, global batch {args.global_batch} x {args.length} tokens"
+    )
     for preset in args.preset.split(","):
         for strategy in args.strategies.split(","):
-            rows = launch(_job, nprocs=2, args=(strategy, preset, args.global_batch, args.length, args.steps,
-                                                args.rounds, args.profiled))[0]
+            rows = launch(
+                _job,
+                nprocs=2,
+                args=(strategy, preset, args.global_batch, args.length, args.steps, args.rounds, args.profiled),
+            )[0]
             _print(strategy, preset, rows)
 
 

@@ -30,22 +30,26 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
     rows = {}
-    for strategy in ([args.strategy] if args.strategy else ["ddp", "fsdp"]):
+    for strategy in [args.strategy] if args.strategy else ["ddp", "fsdp"]:
         # One launch per strategy: a process's resident peak cannot be reset.
         rows[strategy] = launch(memory_job, nprocs=2, args=([strategy], args.preset, args.steps))[0][strategy]
-    mib = 2 ** 20
+    mib = 2**20
     for strategy, row in rows.items():
         held = sum(row["held"]["rank 0"].values())
         ideal = 16 * row["parameters"] / (2 if strategy == "fsdp" else 1)
-        print(f"{strategy:5s} {row['parameters'] / 1e6:.1f}M parameters: held {held / mib:8.1f} MiB per rank"
-              f" ({held / ideal:.3f} x 16 B x P{' / 2' if strategy == 'fsdp' else ''}),"
-              f" tensor peak {max(row['peak']) / mib:8.1f} MiB,"
-              f" resident peak {max(row['resident']) / mib:8.1f} MiB above start")
+        print(
+            f"{strategy:5s} {row['parameters'] / 1e6:.1f}M parameters: held {held / mib:8.1f} MiB per rank"
+            f" ({held / ideal:.3f} x 16 B x P{' / 2' if strategy == 'fsdp' else ''}),"
+            f" tensor peak {max(row['peak']) / mib:8.1f} MiB,"
+            f" resident peak {max(row['resident']) / mib:8.1f} MiB above start"
+        )
     if len(rows) == 2:
         fsdp, ddp = rows["fsdp"], rows["ddp"]
-        print(f"fsdp / ddp: held {sum(fsdp['held']['rank 0'].values()) / sum(ddp['held']['rank 0'].values()):.3f},"
-              f" tensor peak {max(fsdp['peak']) / max(ddp['peak']):.3f},"
-              f" resident peak {max(fsdp['resident']) / max(ddp['resident']):.3f}")
+        print(
+            f"fsdp / ddp: held {sum(fsdp['held']['rank 0'].values()) / sum(ddp['held']['rank 0'].values()):.3f},"
+            f" tensor peak {max(fsdp['peak']) / max(ddp['peak']):.3f},"
+            f" resident peak {max(fsdp['resident']) / max(ddp['resident']):.3f}"
+        )
 
 
 if __name__ == "__main__":

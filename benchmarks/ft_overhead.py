@@ -37,24 +37,64 @@ def run_once(net, ft: bool, args, folder: Path, port: int) -> float:
     """One job on the hosts; the median seconds per step of host 0's main rank."""
     procs = []
     for i in range(args.hosts):
-        data = ["--data", "synthetic", "--synthetic-size", str(args.batch_size * (args.steps + 1))] \
-            if args.model != "gpt" else []  # one epoch holds every step: no evaluation between them
-        argv = [sys.executable, "-m", "torchfleet", "train", "--strategy", "ddp", "--model", args.model, *data,
-                "--batch-size", str(args.batch_size), "--epochs", "1", "--max-steps", str(args.steps),
-                "--log-every", "1", "--no-progress", "--hang-timeout", "0", "--nnodes", str(args.hosts), "--node-rank", str(i),
-                "--master-addr", net.addr(0), "--master-port", str(port), "-n", "1",
-                "--metrics-out", str(folder / f"host{i}.csv")]
+        data = (
+            ["--data", "synthetic", "--synthetic-size", str(args.batch_size * (args.steps + 1))]
+            if args.model != "gpt"
+            else []
+        )  # one epoch holds every step: no evaluation between them
+        argv = [
+            sys.executable,
+            "-m",
+            "torchfleet",
+            "train",
+            "--strategy",
+            "ddp",
+            "--model",
+            args.model,
+            *data,
+            "--batch-size",
+            str(args.batch_size),
+            "--epochs",
+            "1",
+            "--max-steps",
+            str(args.steps),
+            "--log-every",
+            "1",
+            "--no-progress",
+            "--hang-timeout",
+            "0",
+            "--nnodes",
+            str(args.hosts),
+            "--node-rank",
+            str(i),
+            "--master-addr",
+            net.addr(0),
+            "--master-port",
+            str(port),
+            "-n",
+            "1",
+            "--metrics-out",
+            str(folder / f"host{i}.csv"),
+        ]
         if ft:
             argv += ["--fault-tolerance", "step"]
-        procs.append(net.popen(i, argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env={**__import__("os").environ, "OMP_NUM_THREADS": str(args.threads)}))
+        procs.append(
+            net.popen(
+                i,
+                argv,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env={**__import__("os").environ, "OMP_NUM_THREADS": str(args.threads)},
+            )
+        )
     outputs = [p.communicate(timeout=900)[0] for p in procs]
     for p, out in zip(procs, outputs, strict=True):
         if p.returncode != 0:
             raise SystemExit(f"a run failed ({'ft' if ft else 'ddp'}):\n{out}")
     rows = [r for r in csv.DictReader((folder / "host0.csv").open()) if r["kind"] == "train"]
     elapsed = [float(r["elapsed_s"]) for r in rows]
-    steps = [b - a for a, b in zip(elapsed, elapsed[1:], strict=False)][args.skip:]
+    steps = [b - a for a, b in zip(elapsed, elapsed[1:], strict=False)][args.skip :]
     return statistics.median(steps)
 
 
@@ -79,8 +119,10 @@ def main() -> None:
                 results[name].append(seconds)
                 print(f"round {r + 1}: {name:3s} {seconds * 1e3:8.1f} ms/step", flush=True)
     ddp, ft = statistics.median(results["ddp"]), statistics.median(results["ft"])
-    print(f"\n{args.model}, global batch {args.batch_size}, {args.hosts} hosts x 1 process"
-          f"{', ' + args.bandwidth if args.bandwidth else ''}, {args.rounds} rounds:")
+    print(
+        f"\n{args.model}, global batch {args.batch_size}, {args.hosts} hosts x 1 process"
+        f"{', ' + args.bandwidth if args.bandwidth else ''}, {args.rounds} rounds:"
+    )
     print(f"  ddp                      {ddp * 1e3:8.1f} ms/step (median of rounds)")
     print(f"  --fault-tolerance step   {ft * 1e3:8.1f} ms/step")
     print(f"  ratio ft / ddp           {ft / ddp:8.3f}")

@@ -46,15 +46,21 @@ GIB = 2**30
 KERNEL_KINDS = ("matmul", "convolution", "attention", "layout", "normalization", "optimizer", "other")
 
 # (model, preset, batch, precision): the order compiled cells run in, the targets' cells first.
-FULL_CELLS = [("gpt", "gpt2", 32, p) for p in ("bf16", "fp32", "fp16")] + [
-    ("resnet50", None, 512, p) for p in ("bf16", "fp32", "fp16")] + [
-    ("resnet50", None, 128, p) for p in ("bf16", "fp32", "fp16")]
+FULL_CELLS = (
+    [("gpt", "gpt2", 32, p) for p in ("bf16", "fp32", "fp16")]
+    + [("resnet50", None, 512, p) for p in ("bf16", "fp32", "fp16")]
+    + [("resnet50", None, 128, p) for p in ("bf16", "fp32", "fp16")]
+)
 DRY_CELLS = [("gpt", "tiny", 8, "fp32"), ("mlp", None, 64, "fp32")]
 
 
 def _env(**extra) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "PYTHONUNBUFFERED": "1", **extra}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "PYTHONUNBUFFERED": "1",
+        **extra,
+    }
     return env
 
 
@@ -70,14 +76,22 @@ class Run:
     def left(self) -> float:
         return self.budget - (time.monotonic() - self.start)
 
-    def step(self, name: str, cmd: list[str], timeout: float, env: dict | None = None,
-             cores: list[int] | None = None) -> dict:
+    def step(
+        self, name: str, cmd: list[str], timeout: float, env: dict | None = None, cores: list[int] | None = None
+    ) -> dict:
         """Run `cmd`, its output in OUT/NAME.txt; one log entry with its exit status and seconds."""
         began = time.monotonic()
         with (self.out / f"{name}.txt").open("w") as fh:
             try:
-                rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env or _env(), cwd=ROOT,
-                                    timeout=max(5.0, timeout), preexec_fn=_pin(cores)).returncode
+                rc = subprocess.run(
+                    cmd,
+                    stdout=fh,
+                    stderr=subprocess.STDOUT,
+                    env=env or _env(),
+                    cwd=ROOT,
+                    timeout=max(5.0, timeout),
+                    preexec_fn=_pin(cores),
+                ).returncode
             except subprocess.TimeoutExpired:
                 rc = "timed out"
         entry = {"step": name, "rc": rc, "seconds": round(time.monotonic() - began, 1)}
@@ -96,11 +110,29 @@ def _plan_gpu(name: str | None) -> str:
     return "H200" if name and "H200" in name else "H100"
 
 
-def _bench_cmd(model: str, preset: str | None, batches: list[int], precisions: list[str], out: Path,
-               compiled: bool, dry: bool) -> list[str]:
-    cmd = [sys.executable, "-m", "torchfleet", "bench", "--model", model, "--strategies", "serial",
-           "--batch-sizes", ",".join(map(str, batches)), "--precisions", ",".join(precisions),
-           "--warmup", "3", "--steps", "10" if not dry else "3", "--out", str(out)]
+def _bench_cmd(
+    model: str, preset: str | None, batches: list[int], precisions: list[str], out: Path, compiled: bool, dry: bool
+) -> list[str]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "torchfleet",
+        "bench",
+        "--model",
+        model,
+        "--strategies",
+        "serial",
+        "--batch-sizes",
+        ",".join(map(str, batches)),
+        "--precisions",
+        ",".join(precisions),
+        "--warmup",
+        "3",
+        "--steps",
+        "10" if not dry else "3",
+        "--out",
+        str(out),
+    ]
     if preset:
         cmd += ["--gpt-preset", preset]
     if dry and model == "resnet50":
@@ -109,9 +141,30 @@ def _bench_cmd(model: str, preset: str | None, batches: list[int], precisions: l
 
 
 def _plan_cmd(model: str, preset: str | None, batch: int, precision: str, gpu: str, out: Path) -> list[str]:
-    cmd = [sys.executable, "-m", "torchfleet", "plan", "--model", model, "--batch-size", str(batch),
-           "--precision", precision, "--optimizer", "sgd", "--gpu", gpu, "--gpus-per-node", "1",
-           "--strategies", "serial", "--nproc", "1", "--json-out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torchfleet",
+        "plan",
+        "--model",
+        model,
+        "--batch-size",
+        str(batch),
+        "--precision",
+        precision,
+        "--optimizer",
+        "sgd",
+        "--gpu",
+        gpu,
+        "--gpus-per-node",
+        "1",
+        "--strategies",
+        "serial",
+        "--nproc",
+        "1",
+        "--json-out",
+        str(out),
+    ]
     return cmd + (["--gpt-preset", preset] if preset else [])
 
 
@@ -134,9 +187,13 @@ def plans_here(out: Path) -> None:
         preset = preset if model == "gpt" else None  # bench's config names its default preset for any model
         target = folder / f"{model}-b{batch}-{precision}.json"
         print(f"planning {model} {preset or ''} batch {batch} {precision} ...", flush=True)
-        subprocess.run(_plan_cmd(model, preset, batch, precision,
-                                 _plan_gpu(info.get("gpu")), target), env=_env(CUDA_VISIBLE_DEVICES=""), cwd=ROOT,
-                       stdout=subprocess.DEVNULL, check=False)
+        subprocess.run(
+            _plan_cmd(model, preset, batch, precision, _plan_gpu(info.get("gpu")), target),
+            env=_env(CUDA_VISIBLE_DEVICES=""),
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            check=False,
+        )
 
 
 def _cells(folder: Path) -> list[dict]:
@@ -175,14 +232,36 @@ def summarise(out: Path, info: dict, log: list[dict]) -> dict:
     for c in cells:
         pred = _predicted(out, c)
         peak = max(c["peak_memory_bytes"]) if c.get("peak_memory_bytes") else None
-        rows.append({**{k: c.get(k) for k in ("model", "gpt_preset", "global_batch", "precision", "compile", "status",
-                                               "error", "step_time_median_s", "samples_per_s", "tokens_per_s",
-                                               "mfu", "model_tflops", "vs_fp32", "first_step_s")},
-                     "peak_bytes": peak, "predicted": pred,
-                     "step_ratio": (pred["step_s"] / c["step_time_median_s"]) if pred and c.get("step_time_median_s")
-                     else None,
-                     "memory_ratio": (pred["peak_bytes"] / peak) if pred and peak else None,
-                     "kernels": _kernels(out, c)})
+        rows.append(
+            {
+                **{
+                    k: c.get(k)
+                    for k in (
+                        "model",
+                        "gpt_preset",
+                        "global_batch",
+                        "precision",
+                        "compile",
+                        "status",
+                        "error",
+                        "step_time_median_s",
+                        "samples_per_s",
+                        "tokens_per_s",
+                        "mfu",
+                        "model_tflops",
+                        "vs_fp32",
+                        "first_step_s",
+                    )
+                },
+                "peak_bytes": peak,
+                "predicted": pred,
+                "step_ratio": (pred["step_s"] / c["step_time_median_s"])
+                if pred and c.get("step_time_median_s")
+                else None,
+                "memory_ratio": (pred["peak_bytes"] / peak) if pred and peak else None,
+                "kernels": _kernels(out, c),
+            }
+        )
     scaling_path = out / "scaling" / "parity.json"
     scaling = json.loads(scaling_path.read_text()).get("scaling") if scaling_path.exists() else None
     host = {}
@@ -190,8 +269,15 @@ def summarise(out: Path, info: dict, log: list[dict]) -> dict:
         path = out / "host-sync" / f"log-every-{n}.json"
         if path.exists():
             host[n] = json.loads(path.read_text())["samples_per_s"]
-    doc = {"info": info, "log": log, "cells": rows, "scaling": scaling, "host_sync_samples_per_s": host,
-           "suite": _suite(out), "targets": _targets(rows, scaling)}
+    doc = {
+        "info": info,
+        "log": log,
+        "cells": rows,
+        "scaling": scaling,
+        "host_sync_samples_per_s": host,
+        "suite": _suite(out),
+        "targets": _targets(rows, scaling),
+    }
     (out / "summary.json").write_text(json.dumps(doc, indent=2) + "\n")
     (out / "summary.md").write_text(markdown(doc))
     return doc
@@ -206,8 +292,18 @@ def _suite(out: Path) -> str | None:
 
 
 def _cell(rows, model, batch, precision, compiled) -> dict | None:
-    return next((r for r in rows if r["model"] == model and r["global_batch"] == batch and r["precision"] == precision
-                 and (r["compile"] != "off") == compiled and r["status"] == "ok"), None)
+    return next(
+        (
+            r
+            for r in rows
+            if r["model"] == model
+            and r["global_batch"] == batch
+            and r["precision"] == precision
+            and (r["compile"] != "off") == compiled
+            and r["status"] == "ok"
+        ),
+        None,
+    )
 
 
 def _targets(rows: list[dict], scaling: dict | None) -> list[str]:
@@ -218,37 +314,56 @@ def _targets(rows: list[dict], scaling: dict | None) -> list[str]:
         said.append(f"bf16 / fp32 on resnet50 at batch 512 (eager): x{gain:.2f} (target 1.5)")
     gpt = _cell(rows, "gpt", 32, "bf16", True) or _cell(rows, "gpt", 32, "bf16", False)
     if gpt and gpt["mfu"] is not None:
-        said.append(f"gpt2 bf16 ({'compiled' if gpt['compile'] != 'off' else 'eager: no compiled cell ran'}):"
-                    f" MFU {gpt['mfu']:.1%} (target 40%)")
+        said.append(
+            f"gpt2 bf16 ({'compiled' if gpt['compile'] != 'off' else 'eager: no compiled cell ran'}):"
+            f" MFU {gpt['mfu']:.1%} (target 40%)"
+        )
     for name, key, bound in (("step time", "step_ratio", 0.2), ("memory", "memory_ratio", 0.1)):
         ratios = [r[key] for r in rows if r[key] is not None]
         if ratios:
             worst = max(ratios, key=lambda x: abs(x - 1))
-            said.append(f"planner {name}, predicted / measured: median x{statistics.median(ratios):.2f},"
-                        f" worst x{worst:.2f} over {len(ratios)} cells (target within {bound:.0%})")
+            said.append(
+                f"planner {name}, predicted / measured: median x{statistics.median(ratios):.2f},"
+                f" worst x{worst:.2f} over {len(ratios)} cells (target within {bound:.0%})"
+            )
     if scaling and "torchfleet" in scaling:
         eff = scaling["torchfleet"]["efficiency"]
-        said.append("cpu ddp scaling: " + ", ".join(f"{n} processes {e:.3f}" for n, e in eff.items())
-                    + " (targets 0.90 at 2, 0.80 at 8)")
+        said.append(
+            "cpu ddp scaling: "
+            + ", ".join(f"{n} processes {e:.3f}" for n, e in eff.items())
+            + " (targets 0.90 at 2, 0.80 at 8)"
+        )
     return said
 
 
 def markdown(doc: dict) -> str:
     info = doc["info"]
-    lines = [f"# gpu-check: {info.get('gpu') or 'no GPU'}, torch {info['torch']}, {info['date']}", "",
-             f"{info['cores']} cores; budget {info['budget_s']} s, took {info.get('took_s', '?')} s."
-             f" CUDA suite: {doc['suite'] or 'no result'}.", "", "## Targets", ""]
+    lines = [
+        f"# gpu-check: {info.get('gpu') or 'no GPU'}, torch {info['torch']}, {info['date']}",
+        "",
+        f"{info['cores']} cores; budget {info['budget_s']} s, took {info.get('took_s', '?')} s."
+        f" CUDA suite: {doc['suite'] or 'no result'}.",
+        "",
+        "## Targets",
+        "",
+    ]
     lines += [f"- {t}" for t in doc["targets"]] or ["- none measured"]
-    lines += ["", "## Bench (serial, one GPU) and the planner's prediction", "",
-              "| model | batch | precision | compile | ms/step | samples/s | tokens/s | MFU | vs fp32 | peak GiB |"
-              " first step s | predicted ms | predicted GiB | step pred/meas | mem pred/meas |",
-              "|" + "---|" * 15]
+    lines += [
+        "",
+        "## Bench (serial, one GPU) and the planner's prediction",
+        "",
+        "| model | batch | precision | compile | ms/step | samples/s | tokens/s | MFU | vs fp32 | peak GiB |"
+        " first step s | predicted ms | predicted GiB | step pred/meas | mem pred/meas |",
+        "|" + "---|" * 15,
+    ]
     for r in doc["cells"]:
         pred = r["predicted"] or {}
         name = r["model"] + (f" {r['gpt_preset']}" if r["model"] == "gpt" else "")
         if r["status"] != "ok":
-            lines.append(f"| {name} | {r['global_batch']} | {r['precision']} | {r['compile']} |"
-                         f" {r['status']}: {r['error']} |" + " |" * 10)
+            lines.append(
+                f"| {name} | {r['global_batch']} | {r['precision']} | {r['compile']} |"
+                f" {r['status']}: {r['error']} |" + " |" * 10
+            )
             continue
         lines.append(
             f"| {name} | {r['global_batch']} | {r['precision']} | {r['compile']} |"
@@ -256,30 +371,51 @@ def markdown(doc: dict) -> str:
             f" {_fmt(r['tokens_per_s'], ',.0f')} | {_fmt(r['mfu'], '.1%')} | {_fmt(r['vs_fp32'], '.2f')} |"
             f" {_fmt(r['peak_bytes'], '.2f', 1 / GIB)} | {_fmt(r['first_step_s'], '.1f')} |"
             f" {_fmt(pred.get('step_s'), '.1f', 1e3)} | {_fmt(pred.get('peak_bytes'), '.2f', 1 / GIB)} |"
-            f" {_fmt(r['step_ratio'], '.2f')} | {_fmt(r['memory_ratio'], '.2f')} |")
-    lines += ["", "## Where the time goes (3 profiled steps a cell; ms per step)", "",
-              "| model | batch | precision | compile | wall | " + " | ".join(KERNEL_KINDS) + " | no kernel |",
-              "|" + "---|" * (6 + len(KERNEL_KINDS))]
+            f" {_fmt(r['step_ratio'], '.2f')} | {_fmt(r['memory_ratio'], '.2f')} |"
+        )
+    lines += [
+        "",
+        "## Where the time goes (3 profiled steps a cell; ms per step)",
+        "",
+        "| model | batch | precision | compile | wall | " + " | ".join(KERNEL_KINDS) + " | no kernel |",
+        "|" + "---|" * (6 + len(KERNEL_KINDS)),
+    ]
     for r in doc["cells"]:
         k = r.get("kernels") or {}
         ms = k.get("kernel_ms_per_step", {})
         if "wall_ms_per_step" not in k:
             continue
-        lines.append(f"| {r['model']} | {r['global_batch']} | {r['precision']} | {r['compile']} |"
-                     f" {k['wall_ms_per_step']:.1f} | " + " | ".join(
-                         _fmt(ms.get(kind), '.1f') for kind in KERNEL_KINDS) + f" | {k['no_kernel_share']:.0%} |")
+        lines.append(
+            f"| {r['model']} | {r['global_batch']} | {r['precision']} | {r['compile']} |"
+            f" {k['wall_ms_per_step']:.1f} | "
+            + " | ".join(_fmt(ms.get(kind), ".1f") for kind in KERNEL_KINDS)
+            + f" | {k['no_kernel_share']:.0%} |"
+        )
     host = doc["host_sync_samples_per_s"]
     if len(host) == 2:
-        lines += ["", "## Host sync", "", f"cnn serial on the GPU: {host[1]:,.0f} samples/s reading the loss every"
-                  f" step, {host[100]:,.0f} every 100 steps: x{host[100] / host[1]:.3f}"]
+        lines += [
+            "",
+            "## Host sync",
+            "",
+            f"cnn serial on the GPU: {host[1]:,.0f} samples/s reading the loss every"
+            f" step, {host[100]:,.0f} every 100 steps: x{host[100] / host[1]:.3f}",
+        ]
     if doc["scaling"]:
-        lines += ["", "## CPU ddp scaling (CNN, 256 samples a process, 1 thread a process, cores 8-15)", "",
-                  "| way | 1 process samples/s | " + " | ".join(
-                      f"{n} processes (efficiency)" for n in next(iter(doc['scaling'].values()))["efficiency"]) + " |",
-                  "|" + "---|" * (2 + len(next(iter(doc['scaling'].values()))["efficiency"]))]
+        lines += [
+            "",
+            "## CPU ddp scaling (CNN, 256 samples a process, 1 thread a process, cores 8-15)",
+            "",
+            "| way | 1 process samples/s | "
+            + " | ".join(f"{n} processes (efficiency)" for n in next(iter(doc["scaling"].values()))["efficiency"])
+            + " |",
+            "|" + "---|" * (2 + len(next(iter(doc["scaling"].values()))["efficiency"])),
+        ]
         for f in doc["scaling"].values():
-            lines.append(f"| {f['label']} | {f['samples_per_s']['1']:,.0f} | " + " | ".join(
-                f"{f['samples_per_s'][n]:,.0f} ({e:.3f})" for n, e in f["efficiency"].items()) + " |")
+            lines.append(
+                f"| {f['label']} | {f['samples_per_s']['1']:,.0f} | "
+                + " | ".join(f"{f['samples_per_s'][n]:,.0f} ({e:.3f})" for n, e in f["efficiency"].items())
+                + " |"
+            )
     lines += ["", "## Steps", "", "| step | exit | seconds |", "|---|---|---|"]
     lines += [f"| {e['step']} | {e['rc']} | {e['seconds']} |" for e in doc["log"]]
     return "\n".join(lines) + "\n"
@@ -289,9 +425,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--out", default="runs/gpu-check")
     parser.add_argument("--budget", type=float, default=420.0, help="seconds for the whole run (default 420)")
-    parser.add_argument("--plans-here", metavar="DIR", default=None,
-                        help="after the lease, on any machine: the planner's predictions for the cells measured in"
-                        " DIR (a gpu-check folder brought back), then DIR's summaries written again")
+    parser.add_argument(
+        "--plans-here",
+        metavar="DIR",
+        default=None,
+        help="after the lease, on any machine: the planner's predictions for the cells measured in"
+        " DIR (a gpu-check folder brought back), then DIR's summaries written again",
+    )
     parser.add_argument("--scaling-rounds", default="1", help="cpu-scaling's rounds (default 1)")
     parser.add_argument("--dry-run", action="store_true", help="tiny cells on this machine's CPU: checks the script")
     args = parser.parse_args()
@@ -311,20 +451,46 @@ def main() -> int:
     run = Run(out, args.budget, args.dry_run)
     cores = sorted(os.sched_getaffinity(0))
     low, high = (cores[:8], cores[8:16]) if len(cores) >= 16 else (None, None)
-    info = {"gpu": gpu, "torch": torch.__version__, "cuda": torch.version.cuda, "cores": len(cores),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "budget_s": args.budget, "python": sys.version.split()[0]}
+    info = {
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cores": len(cores),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "budget_s": args.budget,
+        "python": sys.version.split()[0],
+    }
     print(f"gpu-check: {gpu or 'no GPU (dry run)'}, torch {torch.__version__}, {len(cores)} cores", flush=True)
     cells = DRY_CELLS if args.dry_run else FULL_CELLS
 
     # cpu-scaling in the background on the upper cores, from the start: it needs no GPU.
-    counts, rounds, ways = ("2", "1", "torchfleet,free") if args.dry_run else ("2,4,8", args.scaling_rounds, "free,torchfleet")
-    scaling_cmd = [sys.executable, str(PARITY), "--only", "scaling", "--nprocs", counts, "--rounds", rounds,
-                   "--scaling-ways", ways, "--out", str(out / "scaling")]
+    counts, rounds, ways = (
+        ("2", "1", "torchfleet,free") if args.dry_run else ("2,4,8", args.scaling_rounds, "free,torchfleet")
+    )
+    scaling_cmd = [
+        sys.executable,
+        str(PARITY),
+        "--only",
+        "scaling",
+        "--nprocs",
+        counts,
+        "--rounds",
+        rounds,
+        "--scaling-ways",
+        ways,
+        "--out",
+        str(out / "scaling"),
+    ]
     scaling_log = (out / "scaling.txt").open("w")
     scaling_began = time.monotonic()
-    scaling = subprocess.Popen(scaling_cmd, stdout=scaling_log, stderr=subprocess.STDOUT, cwd=ROOT,
-                               env=_env(CUDA_VISIBLE_DEVICES=""), preexec_fn=_pin(high))
+    scaling = subprocess.Popen(
+        scaling_cmd,
+        stdout=scaling_log,
+        stderr=subprocess.STDOUT,
+        cwd=ROOT,
+        env=_env(CUDA_VISIBLE_DEVICES=""),
+        preexec_fn=_pin(high),
+    )
     if low:
         os.sched_setaffinity(0, low)  # every later child inherits the lower cores
 
@@ -334,9 +500,24 @@ def main() -> int:
     # The CUDA suite, on the lower cores: nothing is timed while it runs.
     xdist = subprocess.run([sys.executable, "-c", "import xdist"], capture_output=True).returncode == 0
     suite = subprocess.Popen(
-        [sys.executable, "-m", "pytest", "tests/test_cuda.py", "-p", "no:cacheprovider", "-ra", "-o", "addopts=",
-         *(["-n", "4"] if xdist else []), f"--junitxml={out / 'suite.xml'}"],
-        stdout=(out / "suite.txt").open("w"), stderr=subprocess.STDOUT, cwd=ROOT, env=_env())
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "tests/test_cuda.py",
+            "-p",
+            "no:cacheprovider",
+            "-ra",
+            "-o",
+            "addopts=",
+            *(["-n", "4"] if xdist else []),
+            f"--junitxml={out / 'suite.xml'}",
+        ],
+        stdout=(out / "suite.txt").open("w"),
+        stderr=subprocess.STDOUT,
+        cwd=ROOT,
+        env=_env(),
+    )
     began = time.monotonic()
     try:
         rc = suite.wait(timeout=max(10.0, min(150.0, run.left() - 120)))
@@ -352,27 +533,66 @@ def main() -> int:
     for (model, preset), wanted in groups.items():  # eager: one bench run per model
         batches = sorted({b for b, _ in wanted})
         precisions = list(dict.fromkeys(p for _, p in wanted))
-        run.step(f"bench-{model}-eager", _bench_cmd(model, preset, batches, precisions,
-                                                    out / f"bench-{model}-eager", False, args.dry_run),
-                 run.left(), env=kernels)
+        run.step(
+            f"bench-{model}-eager",
+            _bench_cmd(model, preset, batches, precisions, out / f"bench-{model}-eager", False, args.dry_run),
+            run.left(),
+            env=kernels,
+        )
     host = out / "host-sync"
     host.mkdir(exist_ok=True)
     for n in (1, 100):
-        run.step(f"host-sync-{n}", [sys.executable, "-m", "torchfleet", "train", "--strategy", "serial", "--model",
-                                    "cnn", "--data", "synthetic", "--synthetic-size", "131072", "--batch-size",
-                                    "256", "--epochs", "1", "--max-steps", "500" if not args.dry_run else "20",
-                                    "--log-every", str(n), "--no-progress", "--json-out",
-                                    str(host / f"log-every-{n}.json")], 120)
+        run.step(
+            f"host-sync-{n}",
+            [
+                sys.executable,
+                "-m",
+                "torchfleet",
+                "train",
+                "--strategy",
+                "serial",
+                "--model",
+                "cnn",
+                "--data",
+                "synthetic",
+                "--synthetic-size",
+                "131072",
+                "--batch-size",
+                "256",
+                "--epochs",
+                "1",
+                "--max-steps",
+                "500" if not args.dry_run else "20",
+                "--log-every",
+                str(n),
+                "--no-progress",
+                "--json-out",
+                str(host / f"log-every-{n}.json"),
+            ],
+            120,
+        )
     # Compiled cells, one bench run each, while a cell's likely time is left (the first one's, or 75 s).
     took = 75.0
     for model, preset, batch, precision in cells:
         if run.left() < took + 10:
-            run.log.append({"step": f"bench-{model}-b{batch}-{precision}-compiled", "rc": "not run: budget",
-                            "seconds": 0})
+            run.log.append(
+                {"step": f"bench-{model}-b{batch}-{precision}-compiled", "rc": "not run: budget", "seconds": 0}
+            )
             continue
-        entry = run.step(f"bench-{model}-b{batch}-{precision}-compiled",
-                         _bench_cmd(model, preset, [batch], [precision], out / f"bench-{model}-b{batch}-{precision}"
-                                    "-compiled", True, args.dry_run), run.left(), env=kernels)
+        entry = run.step(
+            f"bench-{model}-b{batch}-{precision}-compiled",
+            _bench_cmd(
+                model,
+                preset,
+                [batch],
+                [precision],
+                out / f"bench-{model}-b{batch}-{precision}-compiled",
+                True,
+                args.dry_run,
+            ),
+            run.left(),
+            env=kernels,
+        )
         took = max(took if took != 75.0 else 0.0, entry["seconds"])
 
     try:

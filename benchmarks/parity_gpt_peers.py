@@ -50,6 +50,7 @@ def full_weights(net: nn.Module) -> dict:
 
 def _step(backward: Callable, model, optimizer, batches: Iterator) -> Step:
     """One training step through a peer's own backward (its loss scaling and hooks)."""
+
     def step():
         x, y = next(batches)
         optimizer.zero_grad()
@@ -72,8 +73,11 @@ def accelerate_way(strategy: str, net: GPT, optimizer_for: Callable, batches: It
     from accelerate.utils import FullyShardedDataParallelPlugin
 
     if strategy == "fsdp":
-        plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
-                                                transformer_cls_names_to_wrap=[type(net.blocks[0]).__name__])
+        plugin = FullyShardedDataParallelPlugin(
+            fsdp_version=2,
+            auto_wrap_policy="transformer_based_wrap",
+            transformer_cls_names_to_wrap=[type(net.blocks[0]).__name__],
+        )
         accelerator = Accelerator(cpu=True, fsdp_plugin=plugin)
         _force_fsdp(accelerator, plugin)
     else:
@@ -102,8 +106,11 @@ def fabric_way(strategy: str, net: GPT, optimizer_for: Callable, batches: Iterat
     if strategy == "fsdp":
         from lightning.fabric.strategies import ModelParallelStrategy
 
-        fabric = Fabric(accelerator="cpu", devices=world,
-                        strategy=ModelParallelStrategy(_shard_blocks, data_parallel_size=world, tensor_parallel_size=1))
+        fabric = Fabric(
+            accelerator="cpu",
+            devices=world,
+            strategy=ModelParallelStrategy(_shard_blocks, data_parallel_size=world, tensor_parallel_size=1),
+        )
         fabric.launch()  # under torchrun: joins the running processes, starts none
         model = fabric.setup_module(net)
         optimizer = fabric.setup_optimizers(optimizer_for(model.parameters()))
@@ -112,14 +119,17 @@ def fabric_way(strategy: str, net: GPT, optimizer_for: Callable, batches: Iterat
         fabric = Fabric(accelerator="cpu", devices=world, strategy="ddp")
         fabric.launch()
         model, optimizer = fabric.setup(net, optimizer_for(net.parameters()))
-    return _step(fabric.backward, model, optimizer, batches), (lambda: full_weights(net)) if strategy == "fsdp" else net.state_dict
+    return _step(fabric.backward, model, optimizer, batches), (
+        lambda: full_weights(net)
+    ) if strategy == "fsdp" else net.state_dict
 
 
 MAKERS: dict[str, Callable[..., tuple[Step, Weights]]] = {"accelerate": accelerate_way, "fabric": fabric_way}
 
 
-def make(name: str, strategy: str, net: GPT, optimizer_for: Callable,
-         batches: Iterator) -> tuple[tuple[Step, Weights] | None, str]:
+def make(
+    name: str, strategy: str, net: GPT, optimizer_for: Callable, batches: Iterator
+) -> tuple[tuple[Step, Weights] | None, str]:
     """One peer's (step, weights), or None and one line saying why not: not installed, or it failed
     to set up. Every rank must agree (a peer that one rank drops would hang the other in a
     collective), so the ranks compare notes and drop it everywhere if it failed anywhere."""

@@ -36,8 +36,11 @@ from torchfleet.models.gpt import gpt, lm_loss
 parser = argparse.ArgumentParser()
 parser.add_argument("--out", required=True)
 parser.add_argument("--strategy", choices=("ddp", "fsdp", "pipeline"), required=True)
-parser.add_argument("--ways", default="hand,torchfleet,accelerate,fabric",
-                    help="hand and torchfleet always run; accelerate and fabric under ddp and fsdp")
+parser.add_argument(
+    "--ways",
+    default="hand,torchfleet,accelerate,fabric",
+    help="hand and torchfleet always run; accelerate and fabric under ddp and fsdp",
+)
 parser.add_argument("--preset", default="small50m")
 parser.add_argument("--global-batch", type=int, default=16)
 parser.add_argument("--microbatches", type=int, default=4, help="pipeline: micro-batches per step")
@@ -53,8 +56,9 @@ torch.manual_seed(args.seed)
 INITIAL = gpt(args.preset)
 T = INITIAL.config.block_size
 STEPS = args.blocks * args.block_steps
-tokens = torch.randint(0, INITIAL.config.vocab_size, (args.global_batch * STEPS, T + 1),
-                       generator=torch.Generator().manual_seed(args.seed))
+tokens = torch.randint(
+    0, INITIAL.config.vocab_size, (args.global_batch * STEPS, T + 1), generator=torch.Generator().manual_seed(args.seed)
+)
 DATA = torch.utils.data.TensorDataset(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
 # The order torchfleet's GlobalBatchSampler draws for epoch 0 (rank r reads the r-th slice of
 # each global batch; a pipeline's ranks all read the whole batch).
@@ -71,7 +75,7 @@ def hand_batches():
     reader = 0 if READERS == 1 else RANK
     for k in range(len(DATA) // args.global_batch):
         lo = k * args.global_batch + reader * LOCAL
-        yield DATA[ORDER[lo:lo + LOCAL]]
+        yield DATA[ORDER[lo : lo + LOCAL]]
 
 
 def hand():
@@ -163,7 +167,7 @@ def torchfleet_way():
     fleet = Fleet(args.strategy, **options)
     net = copy.deepcopy(INITIAL)
     optimizer = optimizer_for(net.parameters())
-    example = DATA[ORDER[:args.global_batch // READERS]][0]
+    example = DATA[ORDER[: args.global_batch // READERS]][0]
     fleet.setup(net, optimizer, example_inputs=example)
     it = iter(fleet.dataloader(DATA, args.global_batch, shuffle=True, seed=args.seed))
 
@@ -194,8 +198,7 @@ def peers() -> tuple[dict, dict[str, str]]:
 ways = {"hand": hand(), "torchfleet": torchfleet_way()}
 made, left_out = peers()
 ways.update(made)
-times = take_turns({name: step for name, (step, _) in ways.items()}, args.blocks, args.block_steps,
-                   args.warmup_blocks)
+times = take_turns({name: step for name, (step, _) in ways.items()}, args.blocks, args.block_steps, args.warmup_blocks)
 
 # Compare the weights each rank can see: the hand pipeline's rank holds its stage's, by the model's names.
 mine = ways["hand"][1]()
@@ -209,13 +212,28 @@ if RANK == 0:
     # How far training moved them: equal weights that never moved prove nothing.
     moved, _ = largest_difference(INITIAL.state_dict(), hand_weights)
     out = Path(args.out)
-    (out / "steps.json").write_text(json.dumps({"strategy": args.strategy, "world_size": WORLD,
-                                                "global_batch": args.global_batch, "preset": args.preset,
-                                                "step_times": times, "left_out": left_out}))
-    (out / "weights.json").write_text(json.dumps({
-        "max_abs_difference": {name: d for name, (d, _) in differences.items()},
-        "compared": {name: n for name, (_, n) in differences.items()},
-        "hand": len(hand_weights), "moved": moved}))
+    (out / "steps.json").write_text(
+        json.dumps(
+            {
+                "strategy": args.strategy,
+                "world_size": WORLD,
+                "global_batch": args.global_batch,
+                "preset": args.preset,
+                "step_times": times,
+                "left_out": left_out,
+            }
+        )
+    )
+    (out / "weights.json").write_text(
+        json.dumps(
+            {
+                "max_abs_difference": {name: d for name, (d, _) in differences.items()},
+                "compared": {name: n for name, (_, n) in differences.items()},
+                "hand": len(hand_weights),
+                "moved": moved,
+            }
+        )
+    )
 dist.barrier()
 sys.stdout.flush()
 os._exit(0)  # as parity_worker.py: no Gloo teardown after the figures are written

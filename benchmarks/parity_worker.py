@@ -74,7 +74,7 @@ def hand():
 
     def batches():
         for k in range(len(inputs) // args.global_batch):
-            idx = order[k * args.global_batch + RANK * LOCAL: k * args.global_batch + (RANK + 1) * LOCAL]
+            idx = order[k * args.global_batch + RANK * LOCAL : k * args.global_batch + (RANK + 1) * LOCAL]
             yield inputs[idx], targets[idx]
 
     it = batches()
@@ -154,7 +154,7 @@ def unsynced(lockstep: bool):
 
     def step():
         lo = k[0] * args.global_batch + RANK * LOCAL
-        x, y = inputs[lo:lo + LOCAL], targets[lo:lo + LOCAL]
+        x, y = inputs[lo : lo + LOCAL], targets[lo : lo + LOCAL]
         k[0] += 1
         optimizer.zero_grad(set_to_none=True)
         loss_fn(net(x), y).backward()
@@ -165,15 +165,22 @@ def unsynced(lockstep: bool):
     return step, net
 
 
-MAKERS = {"hand": hand, "free": lambda: unsynced(False), "lockstep": lambda: unsynced(True), "torchfleet": torchfleet_way, "accelerate": accelerate_way, "fabric": fabric_way}
+MAKERS = {
+    "hand": hand,
+    "free": lambda: unsynced(False),
+    "lockstep": lambda: unsynced(True),
+    "torchfleet": torchfleet_way,
+    "accelerate": accelerate_way,
+    "fabric": fabric_way,
+}
 ways = {name: MAKERS[name]() for name in args.ways.split(",")}
-times = take_turns({name: step for name, (step, _) in ways.items()}, args.blocks, args.block_steps,
-                   args.warmup_blocks)
+times = take_turns({name: step for name, (step, _) in ways.items()}, args.blocks, args.block_steps, args.warmup_blocks)
 
 if RANK == 0:
     out = Path(args.out)
-    (out / "steps.json").write_text(json.dumps({"world_size": WORLD, "global_batch": args.global_batch,
-                                                "step_times": times}))
+    (out / "steps.json").write_text(
+        json.dumps({"world_size": WORLD, "global_batch": args.global_batch, "step_times": times})
+    )
     for name in ("hand", "torchfleet"):
         if name in ways:
             torch.save(ways[name][1].state_dict(), out / f"{name}.pt")

@@ -38,23 +38,65 @@ def worker(args) -> None:
     from torchfleet.plan.run import spec_of
 
     cfg = PlanConfig(model=args.model, gpt_preset=args.gpt_preset, image_size=args.image_size, batch=args.batch_size)
-    spec = {**spec_of(cfg), "precision": "fp32", "warmup": args.warmup, "steps": args.steps, "options": {},
-            "strategy": args.strategy, "processes": 2, "global_batch": args.batch_size, "threads": 1}
+    spec = {
+        **spec_of(cfg),
+        "precision": "fp32",
+        "warmup": args.warmup,
+        "steps": args.steps,
+        "options": {},
+        "strategy": args.strategy,
+        "processes": 2,
+        "global_batch": args.batch_size,
+        "threads": 1,
+    }
     result = run_check_cell(spec)
     if result is not None:
         Path(args.out).write_text(json.dumps(result))
 
 
 def measure(net, strategy: str, port: int, args, out: Path) -> float:
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="eth0")
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        OMP_NUM_THREADS="1",
+        GLOO_SOCKET_IFNAME="eth0",
+    )
     procs = []
     for node in range(2):
-        cmd = [sys.executable, "-m", "torchfleet", "run", "--nnodes", "2", "--node-rank", str(node),
-               "--master-addr", net.addr(0), "--master-port", str(port), "-n", "1", str(Path(__file__).resolve()),
-               "--worker", "--strategy", strategy, "--model", args.model, "--gpt-preset", args.gpt_preset,
-               "--image-size", str(args.image_size), "--batch-size", str(args.batch_size), "--warmup",
-               str(args.warmup), "--steps", str(args.steps), "--out", str(out)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torchfleet",
+            "run",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            str(node),
+            "--master-addr",
+            net.addr(0),
+            "--master-port",
+            str(port),
+            "-n",
+            "1",
+            str(Path(__file__).resolve()),
+            "--worker",
+            "--strategy",
+            strategy,
+            "--model",
+            args.model,
+            "--gpt-preset",
+            args.gpt_preset,
+            "--image-size",
+            str(args.image_size),
+            "--batch-size",
+            str(args.batch_size),
+            "--warmup",
+            str(args.warmup),
+            "--steps",
+            str(args.steps),
+            "--out",
+            str(out),
+        ]
         procs.append(net.popen(node, cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = [p.communicate(timeout=1800)[0] for p in procs]
     if any(p.returncode for p in procs) or not out.exists():
@@ -64,10 +106,34 @@ def measure(net, strategy: str, port: int, args, out: Path) -> float:
 
 def predict(args, gbit: float, workdir: Path) -> dict[str, float]:
     out = workdir / f"plan-{gbit}.json"
-    cmd = [sys.executable, "-m", "torchfleet", "plan", "--model", args.model, "--gpt-preset", args.gpt_preset,
-           "--image-size", str(args.image_size), "--batch-size", str(args.batch_size), "--optimizer", "sgd",
-           "--nodes", "2", "--cpus-per-node", "1", "--link", str(gbit), "--strategies", "ddp,fsdp",
-           "--nproc", "2", "--json-out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torchfleet",
+        "plan",
+        "--model",
+        args.model,
+        "--gpt-preset",
+        args.gpt_preset,
+        "--image-size",
+        str(args.image_size),
+        "--batch-size",
+        str(args.batch_size),
+        "--optimizer",
+        "sgd",
+        "--nodes",
+        "2",
+        "--cpus-per-node",
+        "1",
+        "--link",
+        str(gbit),
+        "--strategies",
+        "ddp,fsdp",
+        "--nproc",
+        "2",
+        "--json-out",
+        str(out),
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT / "src")))
     if done.returncode:
         raise SystemExit(f"plan failed: {done.stderr[-2000:]}")
@@ -105,8 +171,11 @@ def main() -> None:
                     started = time.monotonic()
                     measured = measure(net, strategy, port, args, Path(tmp) / f"{bandwidth}-{strategy}.json")
                     rows.append((bandwidth, strategy, predicted[strategy], measured))
-                    print(f"{bandwidth:>8} {strategy:>5}: predicted {predicted[strategy] * 1e3:8.1f} ms, measured"
-                          f" {measured * 1e3:8.1f} ms ({time.monotonic() - started:.0f} s)", flush=True)
+                    print(
+                        f"{bandwidth:>8} {strategy:>5}: predicted {predicted[strategy] * 1e3:8.1f} ms, measured"
+                        f" {measured * 1e3:8.1f} ms ({time.monotonic() - started:.0f} s)",
+                        flush=True,
+                    )
     name = args.model + (f" {args.gpt_preset}" if args.model == "gpt" else f" {args.image_size} px")
     print(f"\n{name}, global batch {args.batch_size}, SGD with momentum, 2 hosts x 1 process (1 thread)\n")
     print("| link (tbf) | strategy | predicted step (ms) | measured step (ms) | predicted / measured |")

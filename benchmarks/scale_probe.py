@@ -51,23 +51,34 @@ class Llama:
 
 
 # Llama 3.2 1B and 3B's public shapes (untied output layer here, as Llama 3.1's larger models have).
-SHAPES = {"1b": Llama(2048, 16, 32, 8, 8192), "3b": Llama(3072, 28, 24, 8, 8192), "8b": Llama(4096, 32, 32, 8, 14336),
-          "tiny": Llama(64, 4, 4, 2, 128, vocab=512),
-          # One GPU's share of Llama 3.1 70B and 405B under tp 8 as torchtitan lays them out: heads, the feed-forward
-          # width and the vocabulary split eight ways, the model width whole. Their steps' speed says whether the
-          # planner's one efficiency holds for the shapes the at-scale layouts give each GPU.
-          "70b-tp8": Llama(8192, 80, 8, 1, 3584, vocab=16032, head=128),
-          "405b-tp8": Llama(16384, 126, 16, 1, 6656, vocab=16032, head=128),
-          "tiny-tp2": Llama(64, 4, 2, 1, 64, vocab=256, head=16)}
+SHAPES = {
+    "1b": Llama(2048, 16, 32, 8, 8192),
+    "3b": Llama(3072, 28, 24, 8, 8192),
+    "8b": Llama(4096, 32, 32, 8, 14336),
+    "tiny": Llama(64, 4, 4, 2, 128, vocab=512),
+    # One GPU's share of Llama 3.1 70B and 405B under tp 8 as torchtitan lays them out: heads, the feed-forward
+    # width and the vocabulary split eight ways, the model width whole. Their steps' speed says whether the
+    # planner's one efficiency holds for the shapes the at-scale layouts give each GPU.
+    "70b-tp8": Llama(8192, 80, 8, 1, 3584, vocab=16032, head=128),
+    "405b-tp8": Llama(16384, 126, 16, 1, 6656, vocab=16032, head=128),
+    "tiny-tp2": Llama(64, 4, 2, 1, 64, vocab=256, head=16),
+}
 
 
 def shape_of(name: str) -> Llama:
     """`8b` is the whole shape; `8b@4` keeps its first four blocks, so a wide model's step fits one GPU."""
     base, _, layers = name.partition("@")
     return replace(SHAPES[base], layers=int(layers)) if layers else SHAPES[base]
+
+
 # (shape, sequence, local batch, checkpointing)
-CELLS = [("1b", 8192, 2, "none"), ("1b", 8192, 2, "sel2"), ("1b", 8192, 2, "full"),
-         ("3b", 8192, 1, "full"), ("3b", 4096, 2, "sel2")]
+CELLS = [
+    ("1b", 8192, 2, "none"),
+    ("1b", 8192, 2, "sel2"),
+    ("1b", 8192, 2, "full"),
+    ("3b", 8192, 1, "full"),
+    ("3b", 4096, 2, "sel2"),
+]
 DRY_CELLS = [("tiny", 64, 2, "none"), ("tiny", 64, 2, "full"), ("tiny-tp2@2", 64, 2, "full")]
 # Fake only, as torchtitan's published Llama 3.1 8B run: FSDP over 8 GPUs (shape, sequence, local batch, checkpointing, world).
 FAKE_ONLY = [("8b", 8192, 2, "sel2", 8), ("8b", 8192, 2, "full", 8)]
@@ -179,8 +190,9 @@ def run_real(cell: dict) -> dict:
 
     device = torch.device(cell["device"])
     shape, seq, batch = shape_of(cell["shape"]), cell["seq"], cell["batch"]
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1,
-                            init_method="tcp://127.0.0.1:29533")
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:29533"
+    )
     torch.manual_seed(0)
     with device:
         model = build(shape, seq)
@@ -206,8 +218,16 @@ def run_real(cell: dict) -> dict:
     # A step near the card's capacity makes the allocator free its cache and retry: slower, and not the model's speed.
     retries = torch.cuda.memory_stats().get("num_alloc_retries") if device.type == "cuda" else None
     dist.destroy_process_group()
-    return {"params": params, "peak_gib": peak and peak / GIB, "reserved_gib": reserved and reserved / GIB, "step_ms": 1e3 * statistics.median(times),
-            "flops": flops, "alloc_retries": retries, "tokens_per_s": batch * seq / statistics.median(times), "loss": float(loss)}
+    return {
+        "params": params,
+        "peak_gib": peak and peak / GIB,
+        "reserved_gib": reserved and reserved / GIB,
+        "step_ms": 1e3 * statistics.median(times),
+        "flops": flops,
+        "alloc_retries": retries,
+        "tokens_per_s": batch * seq / statistics.median(times),
+        "loss": float(loss),
+    }
 
 
 def run_fake(cell: dict) -> dict:
@@ -242,8 +262,9 @@ def run_fake(cell: dict) -> dict:
         # The H200 run (torch 2.11) found a second device in this snapshot besides cuda:0, holding optimizer
         # state only, 16 bytes a parameter and unsharded; the cuda:0 entry alone matched max_memory_allocated.
         out["fake_peak_gib"] = sum(d.get("Total", 0) for d in peak.values()) / GIB
-        out["fake_peak_by_device_gib"] = {str(dev): {str(k).split(".")[-1]: v / GIB for k, v in d.items() if v}
-                                          for dev, d in peak.items()}
+        out["fake_peak_by_device_gib"] = {
+            str(dev): {str(k).split(".")[-1]: v / GIB for k, v in d.items() if v} for dev, d in peak.items()
+        }
         if device.type == "cuda":
             # The roofline refuses an operator with two output dtypes (fused attention's bf16 output and fp32
             # log-sum-exp): the math backend's matrix products count the same FLOPs in single-dtype operators.
@@ -320,8 +341,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--dry-run", action="store_true")
     parser.add_argument("--only", default="real,fake,vocab", help="parts, in the order they run")
-    parser.add_argument("--cells", default=None,
-                        help="only these real/fake cells, as SHAPE:SEQ:BATCH:AC separated by commas (1b:8192:2:selective)")
+    parser.add_argument(
+        "--cells",
+        default=None,
+        help="only these real/fake cells, as SHAPE:SEQ:BATCH:AC separated by commas (1b:8192:2:selective)",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -331,8 +355,11 @@ def main() -> None:
 
     args.out.mkdir(parents=True, exist_ok=True)
     device = "cuda" if torch.cuda.is_available() and not args.dry_run else "cpu"
-    info = {"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu", "torch": torch.__version__,
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    info = {
+        "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
     (args.out / "info.json").write_text(json.dumps(info, indent=1))
     print(json.dumps(info), flush=True)
     cells = []
@@ -340,26 +367,47 @@ def main() -> None:
         if part == "vocab":
             for compiled in (False, True):
                 for vocab in (50257, 50304):
-                    cells.append({"part": "vocab", "preset": "tiny" if args.dry_run else "gpt2", "vocab": vocab,
-                                  "batch": 2 if args.dry_run else 32, "compiled": compiled, "warmup": 3,
-                                  "steps": 2 if args.dry_run else 10})
+                    cells.append(
+                        {
+                            "part": "vocab",
+                            "preset": "tiny" if args.dry_run else "gpt2",
+                            "vocab": vocab,
+                            "batch": 2 if args.dry_run else 32,
+                            "compiled": compiled,
+                            "warmup": 3,
+                            "steps": 2 if args.dry_run else 10,
+                        }
+                    )
             continue
         chosen = DRY_CELLS if args.dry_run else CELLS
         if args.cells:
             chosen = [(a, int(b), int(c), d) for a, b, c, d in (cell.split(":") for cell in args.cells.split(","))]
         for shape, seq, batch, ac in chosen:
-            cells.append({"part": part, "shape": shape, "seq": seq, "batch": batch, "ac": ac,
-                          "warmup": 2, "steps": 2 if args.dry_run else 5})
+            cells.append(
+                {
+                    "part": part,
+                    "shape": shape,
+                    "seq": seq,
+                    "batch": batch,
+                    "ac": ac,
+                    "warmup": 2,
+                    "steps": 2 if args.dry_run else 5,
+                }
+            )
         if part == "fake" and not args.cells:
-            for shape, seq, batch, ac, world in ([("tiny", 64, 2, "full", 8)] if args.dry_run else FAKE_ONLY):
+            for shape, seq, batch, ac, world in [("tiny", 64, 2, "full", 8)] if args.dry_run else FAKE_ONLY:
                 cells.append({"part": part, "shape": shape, "seq": seq, "batch": batch, "ac": ac, "world": world})
     with (args.out / "cells.jsonl").open("a") as sink:
         for cell in cells:
             cell["device"] = device
             began = time.monotonic()
             try:
-                done = subprocess.run([sys.executable, __file__, "--out", str(args.out), "--child", json.dumps(cell)],
-                                      capture_output=True, text=True, timeout=240)
+                done = subprocess.run(
+                    [sys.executable, __file__, "--out", str(args.out), "--child", json.dumps(cell)],
+                    capture_output=True,
+                    text=True,
+                    timeout=240,
+                )
                 rows = [json.loads(line[5:]) for line in done.stdout.splitlines() if line.startswith("CELL ")]
                 row = rows[-1] if rows else {**cell, "error": f"exit {done.returncode}: {done.stderr[-600:]}"}
             except subprocess.TimeoutExpired:
@@ -371,13 +419,31 @@ def main() -> None:
 
 
 def summary(row: dict) -> str:
-    name = " ".join(str(row.get(k)) for k in ("part", "shape", "preset", "vocab", "compiled", "seq", "batch", "ac", "world")
-                    if k in row)
+    name = " ".join(
+        str(row.get(k))
+        for k in ("part", "shape", "preset", "vocab", "compiled", "seq", "batch", "ac", "world")
+        if k in row
+    )
     if "error" in row:
         return f"{name}: ERROR {row['error'][:300]}"
-    figures = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()
-               if k in ("peak_gib", "reserved_gib", "step_ms", "tokens_per_s", "fake_peak_gib", "roofline_ms", "first_step_s",
-                        "wall_s", "flops", "params", "alloc_retries")}
+    figures = {
+        k: (round(v, 3) if isinstance(v, float) else v)
+        for k, v in row.items()
+        if k
+        in (
+            "peak_gib",
+            "reserved_gib",
+            "step_ms",
+            "tokens_per_s",
+            "fake_peak_gib",
+            "roofline_ms",
+            "first_step_s",
+            "wall_s",
+            "flops",
+            "params",
+            "alloc_retries",
+        )
+    }
     return f"{name}: {figures}"
 
 

@@ -70,10 +70,18 @@ def worker(args) -> None:
     step_s = fleet.all_reduce(step_s, op="max").item()  # the slower node sets the pace
     if fleet.is_main:
         params = sum(p.numel() for p in net.parameters())
-        Path(args.out).write_text(json.dumps({
-            "compression": args.compression, "step_s": step_s, "steps": len(steps),
-            "samples_per_s": args.batch_size / step_s, "val_accuracy": accuracy,
-            "params": params}))
+        Path(args.out).write_text(
+            json.dumps(
+                {
+                    "compression": args.compression,
+                    "step_s": step_s,
+                    "steps": len(steps),
+                    "samples_per_s": args.batch_size / step_s,
+                    "val_accuracy": accuracy,
+                    "params": params,
+                }
+            )
+        )
     fleet.close()
 
 
@@ -82,18 +90,46 @@ def worker(args) -> None:
 
 def run_cell(net, bandwidth: str, compression: str, port: int, args, workdir: Path) -> dict:
     out = workdir / f"{bandwidth}-{compression}.json"
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               OMP_NUM_THREADS=str(args.threads))
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        OMP_NUM_THREADS=str(args.threads),
+    )
     procs = []
     for node in range(2):
-        cmd = [sys.executable, "-m", "torchfleet", "run", "--nnodes", "2", "--node-rank", str(node),
-               "--master-addr", net.addr(0), "--master-port", str(port), "-n", "1",
-               str(Path(__file__).resolve()), "--worker", "--compression", compression,
-               "--hidden", str(args.hidden), "--epochs", str(args.epochs),
-               "--batch-size", str(args.batch_size), "--lr", str(args.lr),
-               "--powersgd-rank", str(args.powersgd_rank), "--out", str(out)]
-        procs.append(net.popen(node, cmd, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True))
+        cmd = [
+            sys.executable,
+            "-m",
+            "torchfleet",
+            "run",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            str(node),
+            "--master-addr",
+            net.addr(0),
+            "--master-port",
+            str(port),
+            "-n",
+            "1",
+            str(Path(__file__).resolve()),
+            "--worker",
+            "--compression",
+            compression,
+            "--hidden",
+            str(args.hidden),
+            "--epochs",
+            str(args.epochs),
+            "--batch-size",
+            str(args.batch_size),
+            "--lr",
+            str(args.lr),
+            "--powersgd-rank",
+            str(args.powersgd_rank),
+            "--out",
+            str(out),
+        ]
+        procs.append(net.popen(node, cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = [p.communicate(timeout=1800)[0] for p in procs]
     if any(p.returncode for p in procs) or not out.exists():
         raise SystemExit(f"{bandwidth} {compression} failed:\n" + "\n".join(o[-3000:] for o in outputs))
@@ -106,15 +142,19 @@ def run_cell(net, bandwidth: str, compression: str, port: int, args, workdir: Pa
 
 
 def table(results: dict[str, list[dict]], args) -> str:
-    rows = [f"| link (tbf) | compression | step time (ms) | samples/s | speed-up vs none | "
-            f"val accuracy after {args.epochs} epochs |",
-            "| --- | --- | ---: | ---: | ---: | ---: |"]
+    rows = [
+        f"| link (tbf) | compression | step time (ms) | samples/s | speed-up vs none | "
+        f"val accuracy after {args.epochs} epochs |",
+        "| --- | --- | ---: | ---: | ---: | ---: |",
+    ]
     for bandwidth, cells in results.items():
         base = next(c["step_s"] for c in cells if c["compression"] == "none")
         for c in cells:
             name = c["compression"] + (f" (rank {args.powersgd_rank})" if c["compression"] == "powersgd" else "")
-            rows.append(f"| {bandwidth} | {name} | {c['step_s'] * 1e3:.1f} | {c['samples_per_s']:.0f} |"
-                        f" {base / c['step_s']:.2f}x | {100 * c['val_accuracy']:.1f}% |")
+            rows.append(
+                f"| {bandwidth} | {name} | {c['step_s'] * 1e3:.1f} | {c['samples_per_s']:.0f} |"
+                f" {base / c['step_s']:.2f}x | {100 * c['val_accuracy']:.1f}% |"
+            )
     return "\n".join(rows)
 
 
@@ -148,13 +188,18 @@ def main() -> None:
                     started = time.monotonic()
                     cell = run_cell(net, bandwidth, compression, port, args, Path(tmp))
                     results.setdefault(bandwidth, []).append(cell)
-                    print(f"{bandwidth:>8} {compression:>8}: {cell['step_s'] * 1e3:8.1f} ms/step,"
-                          f" {100 * cell['val_accuracy']:.1f}% ({time.monotonic() - started:.0f} s,"
-                          f" preflight link {cell.get('link_mbit_s', float('nan')):.0f} Mbit/s)", flush=True)
+                    print(
+                        f"{bandwidth:>8} {compression:>8}: {cell['step_s'] * 1e3:8.1f} ms/step,"
+                        f" {100 * cell['val_accuracy']:.1f}% ({time.monotonic() - started:.0f} s,"
+                        f" preflight link {cell.get('link_mbit_s', float('nan')):.0f} Mbit/s)",
+                        flush=True,
+                    )
     params = next(iter(results.values()))[0]["params"]
-    print(f"\nDDP, 2 nodes x 1 process, MLP 64-{args.hidden}-{args.hidden}-10 ({params / 1e6:.2f} M"
-          f" parameters, {params * 4 / 2**20:.1f} MiB of fp32 gradients per step), digits,"
-          f" global batch {args.batch_size}, AdamW lr {args.lr}, {args.epochs} epochs\n")
+    print(
+        f"\nDDP, 2 nodes x 1 process, MLP 64-{args.hidden}-{args.hidden}-10 ({params / 1e6:.2f} M"
+        f" parameters, {params * 4 / 2**20:.1f} MiB of fp32 gradients per step), digits,"
+        f" global batch {args.batch_size}, AdamW lr {args.lr}, {args.epochs} epochs\n"
+    )
     print(table(results, args))
 
 

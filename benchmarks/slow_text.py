@@ -65,8 +65,9 @@ def fleet_options(args) -> dict:
     return {
         "ddp": dict(strategy="ddp"),
         "powersgd": dict(strategy="ddp", grad_compression="powersgd", powersgd_rank=args.powersgd_rank),
-        "diloco": dict(strategy="diloco", sync_every=args.sync_every, outer_lr=args.outer_lr,
-                       outer_momentum=args.outer_momentum),
+        "diloco": dict(
+            strategy="diloco", sync_every=args.sync_every, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum
+        ),
     }[args.cell]
 
 
@@ -125,11 +126,19 @@ def worker(args) -> None:
     # The mean, not the median, is a step's cost: diloco's median step is one between meetings.
     mean = wall / (len(times) - 1)
     compute = statistics.median(computes or [float("nan")])
-    result = {"cell": args.cell, "steps": len(times), "wall_s": wall, "mean_step_s": mean,
-              "median_step_s": statistics.median(times[SKIP:]), "compute_step_s": compute,
-              "steps_per_epoch": len(loader), "params": sum(p.numel() for p in net.parameters()),
-              "load": os.getloadavg()[0], "step_ms": [round(t * 1e3, 2) for t in times],
-              **evaluate(fleet, val_set, task=LANGUAGE)}  # val_loss, val_perplexity
+    result = {
+        "cell": args.cell,
+        "steps": len(times),
+        "wall_s": wall,
+        "mean_step_s": mean,
+        "median_step_s": statistics.median(times[SKIP:]),
+        "compute_step_s": compute,
+        "steps_per_epoch": len(loader),
+        "params": sum(p.numel() for p in net.parameters()),
+        "load": os.getloadavg()[0],
+        "step_ms": [round(t * 1e3, 2) for t in times],
+        **evaluate(fleet, val_set, task=LANGUAGE),
+    }  # val_loss, val_perplexity
     Path(args.out).write_text(json.dumps(result))
     fleet.close()
 
@@ -139,19 +148,53 @@ def worker(args) -> None:
 
 def run_cell(net, cell: str, port: int, args, workdir: Path) -> dict:
     """Run `cell` on both hosts at once; the hosts' results combined (the slower host's times)."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               OMP_NUM_THREADS=str(args.threads))
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        OMP_NUM_THREADS=str(args.threads),
+    )
     outs = [workdir / f"{cell}-{port}-host{node}.json" for node in range(2)]
     procs = []
     for node in range(2):
-        cmd = [sys.executable, "-m", "torchfleet", "run", "--nnodes", "2", "--node-rank", str(node),
-               "--master-addr", net.addr(0), "--master-port", str(port), "-n", "1",
-               *(["--fault-tolerance", "step"] if cell == "diloco" else []),
-               str(Path(__file__).resolve()), "--worker", "--cell", cell, "--out", str(outs[node]),
-               "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--lr", str(args.lr),
-               "--seed", str(args.seed), "--powersgd-rank", str(args.powersgd_rank),
-               "--sync-every", str(args.sync_every), "--outer-lr", str(args.outer_lr),
-               "--outer-momentum", str(args.outer_momentum)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torchfleet",
+            "run",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            str(node),
+            "--master-addr",
+            net.addr(0),
+            "--master-port",
+            str(port),
+            "-n",
+            "1",
+            *(["--fault-tolerance", "step"] if cell == "diloco" else []),
+            str(Path(__file__).resolve()),
+            "--worker",
+            "--cell",
+            cell,
+            "--out",
+            str(outs[node]),
+            "--steps",
+            str(args.steps),
+            "--batch-size",
+            str(args.batch_size),
+            "--lr",
+            str(args.lr),
+            "--seed",
+            str(args.seed),
+            "--powersgd-rank",
+            str(args.powersgd_rank),
+            "--sync-every",
+            str(args.sync_every),
+            "--outer-lr",
+            str(args.outer_lr),
+            "--outer-momentum",
+            str(args.outer_momentum),
+        ]
         procs.append(net.popen(node, cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = [p.communicate(timeout=1800)[0] for p in procs]
     if any(p.returncode for p in procs) or not all(o.exists() for o in outs):
@@ -162,8 +205,11 @@ def run_cell(net, cell: str, port: int, args, workdir: Path) -> dict:
         result[key] = max(h[key] for h in each)
     result["comm_share"] = 1 - result["compute_step_s"] / result["mean_step_s"]
     if abs(each[0]["val_loss"] - each[1]["val_loss"]) > 1e-6:
-        print(f"warning: {cell}: the hosts end with different weights (val loss {each[0]['val_loss']:.6f} and"
-              f" {each[1]['val_loss']:.6f}); host 0's is reported", flush=True)
+        print(
+            f"warning: {cell}: the hosts end with different weights (val loss {each[0]['val_loss']:.6f} and"
+            f" {each[1]['val_loss']:.6f}); host 0's is reported",
+            flush=True,
+        )
     for line in outputs[0].splitlines():  # ddp's preflight measures the link: what this cell got
         if "preflight ok" in line and "Mbit/s" in line:
             result["link_mbit_s"] = float(line.rsplit("(", 1)[1].split()[0])
@@ -173,16 +219,20 @@ def run_cell(net, cell: str, port: int, args, workdir: Path) -> dict:
 def table(bandwidth: str, cells: list[dict], args) -> str:
     base = next((c for c in cells if c["cell"] == "ddp"), None)
     names = {"powersgd": f"ddp + powersgd (rank {args.powersgd_rank})", "diloco": f"diloco (H={args.sync_every})"}
-    rows = ["| link (tbf) | cell | wall (s) | median step (ms) | mean step (ms) | compute (ms) | comm share |"
-            " val loss | speed-up vs ddp | val loss / ddp's |",
-            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    rows = [
+        "| link (tbf) | cell | wall (s) | median step (ms) | mean step (ms) | compute (ms) | comm share |"
+        " val loss | speed-up vs ddp | val loss / ddp's |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for c in cells:
         speed = f"{base['wall_s'] / c['wall_s']:.2f}x" if base else "-"
         loss = f"{c['val_loss'] / base['val_loss']:.3f}" if base else "-"
-        rows.append(f"| {bandwidth} | {names.get(c['cell'], c['cell'])} | {c['wall_s']:.1f} |"
-                    f" {c['median_step_s'] * 1e3:.1f} | {c['mean_step_s'] * 1e3:.1f} |"
-                    f" {c['compute_step_s'] * 1e3:.1f} | {100 * c['comm_share']:.0f}% | {c['val_loss']:.4f} |"
-                    f" {speed} | {loss} |")
+        rows.append(
+            f"| {bandwidth} | {names.get(c['cell'], c['cell'])} | {c['wall_s']:.1f} |"
+            f" {c['median_step_s'] * 1e3:.1f} | {c['mean_step_s'] * 1e3:.1f} |"
+            f" {c['compute_step_s'] * 1e3:.1f} | {100 * c['comm_share']:.0f}% | {c['val_loss']:.4f} |"
+            f" {speed} | {loss} |"
+        )
     return "\n".join(rows)
 
 
@@ -193,7 +243,9 @@ def available(cells: list[str]) -> list[str]:
     from torchfleet.strategies import registry
 
     if "diloco" in cells:
-        reason = ("Fleet has no strategy 'diloco' yet" if registry.find("diloco") is None else torchft_setup.unavailable())
+        reason = (
+            "Fleet has no strategy 'diloco' yet" if registry.find("diloco") is None else torchft_setup.unavailable()
+        )
         if reason:
             print(f"note: skipping the diloco cell: {reason}", flush=True)
             cells = [c for c in cells if c != "diloco"]
@@ -205,25 +257,37 @@ def main() -> None:
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--cell", default="ddp", choices=CELLS, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--cells", default=os.environ.get("SLOW_TEXT_ONLY", ",".join(CELLS)),
-                   help="comma-separated, of ddp, powersgd, diloco (default all; env SLOW_TEXT_ONLY too)")
+    p.add_argument(
+        "--cells",
+        default=os.environ.get("SLOW_TEXT_ONLY", ",".join(CELLS)),
+        help="comma-separated, of ddp, powersgd, diloco (default all; env SLOW_TEXT_ONLY too)",
+    )
     p.add_argument("--bandwidths", default="100mbit,1gbit", help="comma-separated tbf rates")
-    p.add_argument("--steps", type=int, default=360, help="optimizer steps per cell (default 360: 20 epochs"
-                   " at batch 32)")
-    p.add_argument("--batch-size", type=int, default=32, help="GLOBAL batch of 64-token sequences (default 32:"
-                   " 16 per process)")
-    p.add_argument("--lr", type=float, default=2e-3, help="AdamW's lr, the inner one for diloco (default 2e-3,"
-                   " the train command's)")
+    p.add_argument(
+        "--steps", type=int, default=360, help="optimizer steps per cell (default 360: 20 epochs at batch 32)"
+    )
+    p.add_argument(
+        "--batch-size", type=int, default=32, help="GLOBAL batch of 64-token sequences (default 32: 16 per process)"
+    )
+    p.add_argument(
+        "--lr",
+        type=float,
+        default=2e-3,
+        help="AdamW's lr, the inner one for diloco (default 2e-3, the train command's)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--powersgd-rank", type=int, default=4, help="default 4 (2 loses more val loss here)")
     p.add_argument("--sync-every", type=int, default=10, help="DiLoCo's inner steps per meeting (default 10)")
     p.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer SGD (default 0.7, the paper's)")
     # Not the paper's 0.9: over 360 steps with a meeting every 10, 0.9 overshoots (validation loss 2.549 against
     # ddp's 2.386) where 0.5 does not (2.408); outer lr 1 without momentum gave 2.459 (one run each, exact).
-    p.add_argument("--outer-momentum", type=float, default=0.5,
-                   help="its Nesterov momentum (default 0.5; the paper's 0.9 overshoots on runs this short)")
-    p.add_argument("--threads", type=int, default=1, help="OMP threads per process (default 1: 2 processes,"
-                   " 2 cores)")
+    p.add_argument(
+        "--outer-momentum",
+        type=float,
+        default=0.5,
+        help="its Nesterov momentum (default 0.5; the paper's 0.9 overshoots on runs this short)",
+    )
+    p.add_argument("--threads", type=int, default=1, help="OMP threads per process (default 1: 2 processes, 2 cores)")
     p.add_argument("--port", type=int, default=29700, help="the first cell's master port; each next cell +1")
     p.add_argument("--json-out", default=None, help="write every cell's figures (and every step's time) here")
     args = p.parse_args()
@@ -251,19 +315,24 @@ def main() -> None:
                     port += 1
                     results.setdefault(bandwidth, []).append(c)
                     link = f", link {c['link_mbit_s']:.0f} Mbit/s" if "link_mbit_s" in c else ""
-                    print(f"{bandwidth:>8} {cell:>8}: {c['median_step_s'] * 1e3:6.1f} ms/step median,"
-                          f" {c['mean_step_s'] * 1e3:6.1f} mean, {c['compute_step_s'] * 1e3:5.1f} compute,"
-                          f" comm {100 * c['comm_share']:3.0f}%, wall {c['wall_s']:5.1f} s, val loss"
-                          f" {c['val_loss']:.4f} ({time.monotonic() - started:.0f} s in all, load {c['load']:.1f}"
-                          f"{link})", flush=True)
+                    print(
+                        f"{bandwidth:>8} {cell:>8}: {c['median_step_s'] * 1e3:6.1f} ms/step median,"
+                        f" {c['mean_step_s'] * 1e3:6.1f} mean, {c['compute_step_s'] * 1e3:5.1f} compute,"
+                        f" comm {100 * c['comm_share']:3.0f}%, wall {c['wall_s']:5.1f} s, val loss"
+                        f" {c['val_loss']:.4f} ({time.monotonic() - started:.0f} s in all, load {c['load']:.1f}"
+                        f"{link})",
+                        flush=True,
+                    )
     if not results:
         return
     first = next(iter(results.values()))[0]
-    print(f"\ngpt {PRESET} ({first['params'] / 1e6:.3f} M parameters, {first['params'] * 4 / 2**20:.2f} MiB of"
-          f" fp32 gradients), text corpus, 2 hosts x 1 process, global batch {args.batch_size} x 64 tokens,"
-          f" AdamW lr {args.lr}, {args.steps} steps ({args.steps / first['steps_per_epoch']:.1f} epochs),"
-          f" {args.threads} thread(s) per process. Wall: the end of step 1 to the last, the slower host's;"
-          f" comm share: 1 - compute / mean step.\n")
+    print(
+        f"\ngpt {PRESET} ({first['params'] / 1e6:.3f} M parameters, {first['params'] * 4 / 2**20:.2f} MiB of"
+        f" fp32 gradients), text corpus, 2 hosts x 1 process, global batch {args.batch_size} x 64 tokens,"
+        f" AdamW lr {args.lr}, {args.steps} steps ({args.steps / first['steps_per_epoch']:.1f} epochs),"
+        f" {args.threads} thread(s) per process. Wall: the end of step 1 to the last, the slower host's;"
+        f" comm share: 1 - compute / mean step.\n"
+    )
     for bandwidth, done in results.items():
         print(table(bandwidth, done, args) + "\n")
     if args.json_out:

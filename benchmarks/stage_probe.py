@@ -35,8 +35,9 @@ sys.path.insert(0, str(ROOT / "src"))
 GIB = 2**30
 
 
-def run_stage(fields: dict, role: str, pp: int, microbatches: int, seq: int, ac: str, device: str,
-              tracker_class=None, mesh=None) -> dict:
+def run_stage(
+    fields: dict, role: str, pp: int, microbatches: int, seq: int, ac: str, device: str, tracker_class=None, mesh=None
+) -> dict:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -67,8 +68,17 @@ def run_stage(fields: dict, role: str, pp: int, microbatches: int, seq: int, ac:
     if tracker_class:
         peak = max(sum(kinds.values()) for kinds in tracker.moments)
     dist.barrier()
-    return {"role": role, "pp": pp, "blocks": blocks, "microbatches": microbatches, "seq": seq, "ac": ac,
-            "held": warm, "peak": peak, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
+    return {
+        "role": role,
+        "pp": pp,
+        "blocks": blocks,
+        "microbatches": microbatches,
+        "seq": seq,
+        "ac": ac,
+        "held": warm,
+        "peak": peak,
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+    }
 
 
 def _run_order(model, optimizer, order, tokens, fields, role, seq, device, microbatches, tracker) -> None:
@@ -84,8 +94,9 @@ def _run_order(model, optimizer, order, tokens, fields, role, seq, device, micro
                 out = model(input_ids=tokens[f][:, :-1], use_cache=False).logits
             else:
                 x = torch.randn(1, seq, fields["hidden_size"], dtype=torch.bfloat16, device=device, requires_grad=True)
-                out = F.cross_entropy(model(inputs_embeds=x, use_cache=False).logits.flatten(0, 1).float(),
-                                      tokens[f][:, 1:].flatten())
+                out = F.cross_entropy(
+                    model(inputs_embeds=x, use_cache=False).logits.flatten(0, 1).float(), tokens[f][:, 1:].flatten()
+                )
             held.append(out)
             f += 1
             continue
@@ -105,8 +116,11 @@ def predict(fields: dict, row: dict) -> float:
 
     stage_fields = {**fields, "num_hidden_layers": row["blocks"]}
     kept = trace.Workload(seq=row["seq"], local_batch=1, ac=row["ac"], reshard_after_forward=False)
-    held = (pipelines.activations_held("1f1b", row["pp"], row["microbatches"]) * row["pp"] if row["role"] == "first"
-            else pipelines.held_by_last("1f1b", row["pp"], row["microbatches"]))
+    held = (
+        pipelines.activations_held("1f1b", row["pp"], row["microbatches"]) * row["pp"]
+        if row["role"] == "first"
+        else pipelines.held_by_last("1f1b", row["pp"], row["microbatches"])
+    )
     params = library_model.parameter_count(fields)
     parameters = pipeline_at_scale.stage_parameters(fields, params, row["pp"], row["role"])
     _, memory = pipeline_at_scale._stage(stage_fields, kept, 1, row["role"], held, parameters, row["microbatches"])
@@ -125,8 +139,17 @@ def fake_schedule(fields: dict, row: dict) -> float:
     try:
         mesh = trace._mesh(1, 1)  # outside fake mode: it reads its ranks
         with FakeTensorMode():
-            got = run_stage(fields, row["role"], row["pp"], row["microbatches"], row["seq"], row["ac"], "cpu",
-                            trace._timeline_tracker(), mesh)
+            got = run_stage(
+                fields,
+                row["role"],
+                row["pp"],
+                row["microbatches"],
+                row["seq"],
+                row["ac"],
+                "cpu",
+                trace._timeline_tracker(),
+                mesh,
+            )
     finally:
         dist.destroy_process_group()
     return got["peak"]
@@ -145,17 +168,28 @@ def main() -> None:
 
     fields = library_model.read_config("llama-3.1-8b")
     if args.dry_run:
-        fields = {**fields, "hidden_size": 64, "intermediate_size": 160, "num_attention_heads": 4,
-                  "num_key_value_heads": 2, "vocab_size": 512, "num_hidden_layers": 8}
+        fields = {
+            **fields,
+            "hidden_size": 64,
+            "intermediate_size": 160,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "vocab_size": 512,
+            "num_hidden_layers": 8,
+        }
     if args.predict:
         for line in (Path(args.predict) / "stages.jsonl").read_text().splitlines():
             row = json.loads(line)
             guess = predict(fields, row)
             fake = f", fake schedule {fake_schedule(fields, row) / GIB:.2f} GiB" if args.fake_schedule else ""
-            print(f"{row['role']:5} pp {row['pp']} blocks {row['blocks']} m {row['microbatches']} held {row['held']}"
-                  f" {row['ac']}: measured {row['peak'] / GIB:.2f} GiB, predicted {guess / GIB:.2f} GiB,"
-                  f" ratio {guess / row['peak']:.3f}{fake}" if row["peak"] else f"{row['role']}: no GPU peak",
-                  flush=True)
+            print(
+                f"{row['role']:5} pp {row['pp']} blocks {row['blocks']} m {row['microbatches']} held {row['held']}"
+                f" {row['ac']}: measured {row['peak'] / GIB:.2f} GiB, predicted {guess / GIB:.2f} GiB,"
+                f" ratio {guess / row['peak']:.3f}{fake}"
+                if row["peak"]
+                else f"{row['role']}: no GPU peak",
+                flush=True,
+            )
         return
     import os
 

@@ -28,9 +28,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # The tests whose claims involve time: killed, hung and lost ranks and hosts, restarts, healing, lighthouses,
 # and the preflight's verdicts on many hosts (it failed CI once when a second torch lane ran beside it).
-FAULT_TESTS = ["tests/test_ft.py", "tests/test_ft_hosts.py", "tests/test_elastic.py", "tests/test_faults.py",
-               "tests/test_diloco.py::test_a_group_killed_between_meetings_heals_at_the_next_and_the_other_never_waits_long",
-               "tests/test_multinode.py::test_preflight_names_the_node_and_the_cause_in_seconds"]
+FAULT_TESTS = [
+    "tests/test_ft.py",
+    "tests/test_ft_hosts.py",
+    "tests/test_elastic.py",
+    "tests/test_faults.py",
+    "tests/test_diloco.py::test_a_group_killed_between_meetings_heals_at_the_next_and_the_other_never_waits_long",
+    "tests/test_multinode.py::test_preflight_names_the_node_and_the_cause_in_seconds",
+]
 
 
 class LoadSampler(threading.Thread):
@@ -54,8 +59,13 @@ def one_round(tests: list[str], python: str) -> tuple[int, int, int, float, str]
     """(passed, failed, skipped, seconds, pytest's summary lines) of one pytest run over `tests`."""
     env = {**os.environ, "TORCHFLEET_REQUIRE_SYSTEM_TESTS": "1"}
     start = time.time()
-    done = subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", *tests], cwd=ROOT,
-                          env=env, capture_output=True, text=True)
+    done = subprocess.run(
+        [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", *tests],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     seconds = time.time() - start
     tail = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
     passed = sum(int(n) for n in re.findall(r"(\d+) passed", tail))
@@ -68,10 +78,16 @@ def one_round(tests: list[str], python: str) -> tuple[int, int, int, float, str]
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[1], formatter_class=argparse.RawTextHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[1], formatter_class=argparse.RawTextHelpFormatter
+    )
     parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--workers", type=int, default=4, help="stress-ng CPU workers (default 4: a load of about 5-6 on 2 cores)")
-    parser.add_argument("--tests", nargs="+", default=FAULT_TESTS, help="pytest paths (default: the fault-tolerance and elastic tests)")
+    parser.add_argument(
+        "--workers", type=int, default=4, help="stress-ng CPU workers (default 4: a load of about 5-6 on 2 cores)"
+    )
+    parser.add_argument(
+        "--tests", nargs="+", default=FAULT_TESTS, help="pytest paths (default: the fault-tolerance and elastic tests)"
+    )
     parser.add_argument("--keep-going", action="store_true", help="run every round even after one failed")
     parser.add_argument("--python", default=sys.executable, help="the interpreter with torchfleet and pytest")
     args = parser.parse_args()
@@ -92,8 +108,11 @@ def main() -> int:
             totals["passed"] += passed
             totals["failed"] += failed
             totals["rounds"] += 1
-            print(f"round {n}: {passed} passed, {failed} failed, {skipped} skipped in {seconds:.0f} s; load average median "
-                  f"{statistics.median(samples):.2f}, max {max(samples):.2f}", flush=True)
+            print(
+                f"round {n}: {passed} passed, {failed} failed, {skipped} skipped in {seconds:.0f} s; load average median "
+                f"{statistics.median(samples):.2f}, max {max(samples):.2f}",
+                flush=True,
+            )
             if failed:
                 print(summary, flush=True)
                 if not args.keep_going:
@@ -101,9 +120,11 @@ def main() -> int:
     finally:
         load.terminate()
         load.wait()
-    print(f"{totals['rounds']} rounds: {totals['passed']} passed, {totals['failed']} failed; load average over all "
-          f"rounds median {statistics.median(every_sample):.2f}, min {min(every_sample):.2f}, "
-          f"max {max(every_sample):.2f}")
+    print(
+        f"{totals['rounds']} rounds: {totals['passed']} passed, {totals['failed']} failed; load average over all "
+        f"rounds median {statistics.median(every_sample):.2f}, min {min(every_sample):.2f}, "
+        f"max {max(every_sample):.2f}"
+    )
     return 1 if totals["failed"] else 0
 
 

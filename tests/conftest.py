@@ -16,9 +16,22 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 
 # Variables that would make a child think it is already part of a job.
-_CLUSTER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-                 "MASTER_PORT", "TORCHELASTIC_RUN_ID", "SLURM_PROCID", "SLURM_NTASKS", "OMPI_COMM_WORLD_RANK",
-                 "PMI_RANK", "SM_HOSTS", "SM_CURRENT_HOST")
+_CLUSTER_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+    "OMPI_COMM_WORLD_RANK",
+    "PMI_RANK",
+    "SM_HOSTS",
+    "SM_CURRENT_HOST",
+)
 
 
 # Set by .ci/run: a test that needs something of the machine (root, network namespaces,
@@ -31,8 +44,7 @@ def require_system(reason: str) -> NoReturn:
     """Skip the calling test (or module) for `reason` (what the machine lacks), or fail it when
     TORCHFLEET_REQUIRE_SYSTEM_TESTS is set to anything but "" or "0"."""
     if os.environ.get(REQUIRE_SYSTEM, "") not in ("", "0"):
-        pytest.fail(f"{reason}; {REQUIRE_SYSTEM} is set, so this test must run here, not skip",
-                    pytrace=False)
+        pytest.fail(f"{reason}; {REQUIRE_SYSTEM} is set, so this test must run here, not skip", pytrace=False)
     pytest.skip(reason, allow_module_level=True)
 
 
@@ -57,8 +69,9 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 def run(args: list[str], timeout: float = 120, env: dict | None = None, cwd=None) -> subprocess.CompletedProcess:
     """Run a command, failing the test (not hanging it) past `timeout` seconds."""
-    return subprocess.run(args, capture_output=True, text=True, timeout=timeout,
-                          env=env or clean_env(), cwd=cwd or ROOT)
+    return subprocess.run(
+        args, capture_output=True, text=True, timeout=timeout, env=env or clean_env(), cwd=cwd or ROOT
+    )
 
 
 def torchfleet(*args: str, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -94,8 +107,19 @@ def good_checkpoint(tmp_path_factory):
     from torchfleet.train.loop import train
 
     directory = tmp_path_factory.mktemp("good") / "ckpt"
-    train(TrainConfig(strategy="serial", model="mlp", data="synthetic", synthetic_size=256, max_steps=2,
-                      progress=False, checkpoint_dir=str(directory), hang_timeout=0), "serial")
+    train(
+        TrainConfig(
+            strategy="serial",
+            model="mlp",
+            data="synthetic",
+            synthetic_size=256,
+            max_steps=2,
+            progress=False,
+            checkpoint_dir=str(directory),
+            hang_timeout=0,
+        ),
+        "serial",
+    )
     return directory
 
 
@@ -103,8 +127,11 @@ def tree_digest(path: Path) -> dict[str, str]:
     """Every file under `path` and its sha256: equal digests mean nothing changed."""
     import hashlib
 
-    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(path.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(path.rglob("*"))
+        if p.is_file()
+    }
 
 
 def newest_checkpoint_model(directory: Path) -> tuple[str, dict]:

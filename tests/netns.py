@@ -82,7 +82,7 @@ def _remove_stale() -> None:
         name = entry.name
         if not name.startswith(PREFIX):
             continue
-        pid = name[len(PREFIX):].split("x", 1)[0]
+        pid = name[len(PREFIX) :].split("x", 1)[0]
         if pid.isdigit() and not Path(f"/proc/{pid}").exists():
             _delete_namespace(name)
 
@@ -157,16 +157,18 @@ def _build(n: int, bandwidth: str | None) -> Network:
             _ip("netns", "add", ns)
             # Interface names need only be unique inside their namespace, so the pair is
             # created straight into the switch and the host: nothing touches the root namespace.
-            _ip("-n", net.switch, "link", "add", f"p{i}", "type", "veth",
-                "peer", "name", net.interface, "netns", ns)
+            _ip("-n", net.switch, "link", "add", f"p{i}", "type", "veth", "peer", "name", net.interface, "netns", ns)
             _ip("-n", net.switch, "link", "set", f"p{i}", "master", "br0", "up")
             _ip("-n", ns, "link", "set", "lo", "up")
             _ip("-n", ns, "addr", "add", f"{net.addr(i)}/24", "dev", net.interface)
             _ip("-n", ns, "link", "set", net.interface, "up")
             if bandwidth:
-                out = subprocess.run(["tc", "-n", ns, "qdisc", "add", "dev", net.interface,
-                                      "root", *_tbf(bandwidth)],
-                                     capture_output=True, text=True, timeout=30)
+                out = subprocess.run(
+                    ["tc", "-n", ns, "qdisc", "add", "dev", net.interface, "root", *_tbf(bandwidth)],
+                    capture_output=True,
+                    text=True,
+                    timeout=30,
+                )
                 if out.returncode != 0:
                     raise NetnsUnavailable(f"tc tbf failed: {out.stderr.strip()}")
     except BaseException:

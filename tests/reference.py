@@ -27,8 +27,7 @@ def weights(path) -> torch.Tensor:
 def serial_weights() -> torch.Tensor:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "serial.pt"
-        result = run([sys.executable, SCRIPT, "--strategy", "serial", "--epochs", EPOCHS,
-                      "--out", str(out)])
+        result = run([sys.executable, SCRIPT, "--strategy", "serial", "--epochs", EPOCHS, "--out", str(out)])
         assert result.returncode == 0, result.stderr
         return weights(out)
 

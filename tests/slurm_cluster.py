@@ -35,8 +35,9 @@ def unavailable_reason() -> str | None:
     """Why a Slurm cluster cannot be started here, or None when it can."""
     missing = [name for name in (*DAEMONS, *CLIENTS) if _which(name) is None]
     if missing:
-        return (f"{', '.join(missing)} not installed "
-                f"(Debian: apt-get install slurm-wlm munge; `make system-deps` does it)")
+        return (
+            f"{', '.join(missing)} not installed (Debian: apt-get install slurm-wlm munge; `make system-deps` does it)"
+        )
     if not hasattr(os, "geteuid") or os.geteuid() != 0:
         return "slurmd must run as root to start job tasks as their user"
     return None
@@ -67,8 +68,9 @@ class Cluster:
         return {**os.environ, **self.env_extra}
 
     def command(self, *argv: str, timeout: float = 30) -> subprocess.CompletedProcess:
-        return subprocess.run([_which(argv[0]), *argv[1:]], capture_output=True, text=True,
-                              timeout=timeout, env=self.env)
+        return subprocess.run(
+            [_which(argv[0]), *argv[1:]], capture_output=True, text=True, timeout=timeout, env=self.env
+        )
 
     def wait(self, job_id: str, timeout: float) -> tuple[str, str]:
         """Wait for the job to end; (JobState, ExitCode) as scontrol shows them."""
@@ -85,8 +87,7 @@ class Cluster:
             time.sleep(0.3)
 
     def logs(self) -> str:
-        return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}"
-                         for p in sorted((self.root / "log").glob("*")))
+        return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted((self.root / "log").glob("*")))
 
 
 def _config(root: Path, node: str) -> str:
@@ -199,14 +200,23 @@ def running(skip: bool = True, idle_timeout: float = 30):
 
 def _boot(cluster: Cluster, key: Path, idle_timeout: float) -> None:
     root = cluster.root
-    _start([_which("munged"), "--force", f"--socket={root}/munge/socket", f"--key-file={key}",
-            f"--pid-file={root}/munge/pid", f"--log-file={root}/log/munged.log",
-            f"--seed-file={root}/munge/seed"], cluster.env, "munged")
+    _start(
+        [
+            _which("munged"),
+            "--force",
+            f"--socket={root}/munge/socket",
+            f"--key-file={key}",
+            f"--pid-file={root}/munge/pid",
+            f"--log-file={root}/log/munged.log",
+            f"--seed-file={root}/munge/seed",
+        ],
+        cluster.env,
+        "munged",
+    )
     _start([_which("slurmctld"), "-i"], cluster.env, "slurmctld")  # -i: ignore old state
     _start([_which("slurmd")], cluster.env, "slurmd")
     deadline = time.monotonic() + idle_timeout
     while (state := cluster.command("sinfo", "-h", "-o", "%T").stdout.strip()) != "idle":
         if time.monotonic() > deadline:
-            raise RuntimeError(f"the node is {state or 'unknown'}, not idle, after "
-                               f"{idle_timeout} s\n{cluster.logs()}")
+            raise RuntimeError(f"the node is {state or 'unknown'}, not idle, after {idle_timeout} s\n{cluster.logs()}")
         time.sleep(0.2)

@@ -44,8 +44,15 @@ def _faults(*choices: str | None) -> list[dict]:
         env = clean_env()
         if choice is not None:
             env["TORCHFLEET_MALLOC"] = choice
-        started.append(subprocess.Popen([sys.executable, "-c", FAULTS_PER_STEP], env=env, text=True,
-                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        started.append(
+            subprocess.Popen(
+                [sys.executable, "-c", FAULTS_PER_STEP],
+                env=env,
+                text=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
+        )
     counted = []
     for process in started:
         out, err = process.communicate(timeout=120)

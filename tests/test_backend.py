@@ -13,8 +13,9 @@ CUDA_BUILD = frozenset({"gloo", "nccl"})
 MPI_BUILD = frozenset({"gloo", "mpi"})
 
 
-def hardware(gpus: int = 0, infiniband: bool = False, ip_over_ib: bool = False,
-             built: frozenset[str] = CUDA_BUILD) -> Hardware:
+def hardware(
+    gpus: int = 0, infiniband: bool = False, ip_over_ib: bool = False, built: frozenset[str] = CUDA_BUILD
+) -> Hardware:
     return Hardware(
         gpus=gpus,
         gpu_names=("NVIDIA H100",) * gpus,
@@ -66,8 +67,7 @@ def test_gpus_use_nccl(gpus: int, words: str) -> None:
 
 
 def test_gpus_with_infiniband_use_nccl_for_gpudirect() -> None:
-    name, reason = choose_backend(hardware(gpus=8, infiniband=True, built=frozenset(
-        {"gloo", "nccl", "mpi"})))
+    name, reason = choose_backend(hardware(gpus=8, infiniband=True, built=frozenset({"gloo", "nccl", "mpi"})))
     assert name == "nccl"
     assert "8 CUDA GPUs" in reason and "InfiniBand" in reason and "GPUDirect" in reason
 
@@ -87,8 +87,11 @@ def test_more_processes_than_gpus_share_them_over_gloo(gpus: int, procs: int) ->
 
 
 def test_nccl_asked_for_more_processes_than_gpus_says_how_many_fit() -> None:
-    with pytest.raises(BackendError, match=r"--backend nccl: 2 processes on this host would share 1 GPU,"
-                                           r" .* start at most 1 per host \(-n 1\) or use gloo"):
+    with pytest.raises(
+        BackendError,
+        match=r"--backend nccl: 2 processes on this host would share 1 GPU,"
+        r" .* start at most 1 per host \(-n 1\) or use gloo",
+    ):
         choose_backend(hardware(gpus=1), "nccl", local_procs=2)
 
 
@@ -188,12 +191,15 @@ def test_interface_for_unresolvable_host_is_none() -> None:
     assert netif.interface_for("no-such-host.invalid") is None
 
 
-@pytest.mark.parametrize("gpus, cores, want", [
-    (4, 16, ("ddp", 4)),  # one process per GPU
-    (1, 16, ("serial", 1)),  # one GPU: two processes would take turns on it
-    (0, 16, ("ddp", 2)),  # CPU cores, no GPU
-    (0, 1, ("serial", 1)),
-])
+@pytest.mark.parametrize(
+    "gpus, cores, want",
+    [
+        (4, 16, ("ddp", 4)),  # one process per GPU
+        (1, 16, ("serial", 1)),  # one GPU: two processes would take turns on it
+        (0, 16, ("ddp", 2)),  # CPU cores, no GPU
+        (0, 1, ("serial", 1)),
+    ],
+)
 def test_auto_plans_processes_for_the_hardware(monkeypatch, gpus: int, cores: int, want: tuple) -> None:
     from torchfleet.train import processes
 

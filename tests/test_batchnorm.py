@@ -34,9 +34,17 @@ def bn_cnn() -> nn.Sequential:
     float noise around 0, which AdamW scales up to full steps of lr in whatever direction the
     noise points (4e-3 apart from serial after 5 steps with such biases, measured).
     """
-    return nn.Sequential(nn.Conv2d(1, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
-                         nn.MaxPool2d(2), nn.Flatten(), nn.Linear(8 * 4 * 4, 32, bias=False),
-                         nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 10))
+    return nn.Sequential(
+        nn.Conv2d(1, 8, 3, padding=1, bias=False),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(8 * 4 * 4, 32, bias=False),
+        nn.BatchNorm1d(32),
+        nn.ReLU(),
+        nn.Linear(32, 10),
+    )
 
 
 def _train(strategy: str, optimizer: str, lr: float, steps: int = 5, batch_size: int = 32, **options):
@@ -45,17 +53,19 @@ def _train(strategy: str, optimizer: str, lr: float, steps: int = 5, batch_size:
     torch.manual_seed(0)
     net = bn_cnn()
     fleet.setup(net, build_optimizer(optimizer, net.parameters(), lr))
-    for inputs, targets in fleet.dataloader(synthetic(batch_size * steps, shape=(1, 8, 8), seed=0),
-                                            batch_size, seed=0):
+    for inputs, targets in fleet.dataloader(synthetic(batch_size * steps, shape=(1, 8, 8), seed=0), batch_size, seed=0):
         fleet.train_step(inputs, targets, nn.functional.cross_entropy)
     return full_weights(fleet), list(fleet.notes)
 
 
 def _layer_cases():
     """(a BatchNorm, an input for it): every kind, and momentum=None's cumulative average."""
-    return [(nn.BatchNorm1d(6), torch.randn(8, 6) * 3 + 1), (nn.BatchNorm1d(6), torch.randn(8, 6, 5)),
-            (nn.BatchNorm2d(4, momentum=None), torch.randn(8, 4, 5, 5) + 2),
-            (nn.BatchNorm3d(3, affine=False), torch.randn(8, 3, 2, 3, 3))]
+    return [
+        (nn.BatchNorm1d(6), torch.randn(8, 6) * 3 + 1),
+        (nn.BatchNorm1d(6), torch.randn(8, 6, 5)),
+        (nn.BatchNorm2d(4, momentum=None), torch.randn(8, 4, 5, 5) + 2),
+        (nn.BatchNorm3d(3, affine=False), torch.randn(8, 3, 2, 3, 3)),
+    ]
 
 
 def _layer_differences() -> float:
@@ -80,8 +90,12 @@ def _layer_differences() -> float:
             mine = x.chunk(world)[rank].clone().requires_grad_()
             got = synced(mine)
             (got * weights.chunk(world)[rank]).sum().backward()
-            pairs = [(got.detach(), want.detach().chunk(world)[rank]), (mine.grad, whole.grad.chunk(world)[rank]),
-                     (synced.running_mean, bn.running_mean), (synced.running_var, bn.running_var)]
+            pairs = [
+                (got.detach(), want.detach().chunk(world)[rank]),
+                (mine.grad, whole.grad.chunk(world)[rank]),
+                (synced.running_mean, bn.running_mean),
+                (synced.running_var, bn.running_var),
+            ]
             for p, q in zip(synced.parameters(), bn.parameters(), strict=True):
                 grad = p.grad.clone()
                 dist.all_reduce(grad)
@@ -130,7 +144,8 @@ def test_ddp_with_sync_batchnorm_equals_serial_and_without_it_does_not():
     assert apart > 1e-3, apart
     assert [n for n in notes if "BatchNorm" in n] == [
         "BatchNorm under ddp normalises each process's share of the batch with that share's statistics;"
-        " pass --sync-batchnorm (sync_batchnorm=True) to normalise with the whole batch's, as serial does"]
+        " pass --sync-batchnorm (sync_batchnorm=True) to normalise with the whole batch's, as serial does"
+    ]
 
 
 @pytest.mark.timeout(120)
@@ -207,7 +222,8 @@ def test_a_pipeline_refuses_sync_batchnorm_in_one_sentence():
     assert result.stderr.strip().splitlines() == [
         "torchfleet train: error: --sync-batchnorm does not apply to a pipeline (pp 2): each stage normalises"
         " one micro-batch at a time, so there are no whole-batch statistics to synchronise; drop"
-        " --sync-batchnorm, or use ddp or fsdp without --pp"]
+        " --sync-batchnorm, or use ddp or fsdp without --pp"
+    ]
 
 
 @functools.lru_cache(maxsize=1)

@@ -33,8 +33,9 @@ def test_quick_bench_figures_are_complete_and_consistent(tmp_path):
     # Batch 3 cannot be split between 2 processes: that cell fails inside its
     # workers, on purpose, and the other three cells must still run.
     out = tmp_path / "bench"
-    result = torchfleet("bench", "--quick", "--strategies", "serial,ddp", "--batch-sizes", "64,3",
-                        "--out", str(out), timeout=280)
+    result = torchfleet(
+        "bench", "--quick", "--strategies", "serial,ddp", "--batch-sizes", "64,3", "--out", str(out), timeout=280
+    )
     assert result.returncode == 0, result.stderr
     doc = json.loads((out / "results.json").read_text())
     assert doc["schema"] == "torchfleet-bench/1"
@@ -80,7 +81,8 @@ def test_quick_bench_figures_are_complete_and_consistent(tmp_path):
         rows = list(csv.DictReader(fh))
     assert tuple(rows[0]) == bench_report.FIELDS
     assert [(r["strategy"], int(r["global_batch"]), r["status"]) for r in rows] == [
-        (c["strategy"], c["global_batch"], c["status"]) for c in doc["cells"]]
+        (c["strategy"], c["global_batch"], c["status"]) for c in doc["cells"]
+    ]
     assert float(rows[0]["speedup"]) == 1.0
 
     fastest = max((c for c in doc["cells"] if c["status"] == "ok"), key=lambda c: c["samples_per_s"])
@@ -117,23 +119,33 @@ class _OneProcess(Strategy):
 def test_plan_covers_whatever_is_registered_and_available(monkeypatch):
     registry = {"ddp": _Sharded, "serial": Strategy, "fsdp": _Sharded, "dp": _OneProcess}
     monkeypatch.setattr(bench_cells, "STRATEGIES", registry)
-    availability = [{"name": "serial", "available": True, "why": ""},
-                    {"name": "ddp", "available": True, "why": ""},
-                    {"name": "fsdp", "available": True, "why": ""},
-                    {"name": "dp", "available": False, "why": "needs 2 GPUs; 0 visible"}]
+    availability = [
+        {"name": "serial", "available": True, "why": ""},
+        {"name": "ddp", "available": True, "why": ""},
+        {"name": "fsdp", "available": True, "why": ""},
+        {"name": "dp", "available": False, "why": "needs 2 GPUs; 0 visible"},
+    ]
     cfg = BenchConfig(model="mlp", nproc=(1, 2, 4), batch_sizes=(32,), precisions=("fp32", "bf16"))
     cells, notes = bench_cells.plan(cfg, availability, cores=4)
     got = [(c.strategy, c.processes, c.precision, c.threads) for c in cells]
     # serial first in every (batch, precision); multi-process strategies at 2 and 4, never 1;
     # threads share the cores; dp is not available here, so it is left out with the reason.
-    assert got == [(s, n, p, 4 // n) for p in ("fp32", "bf16")
-                   for s, n in (("serial", 1), ("ddp", 2), ("ddp", 4), ("fsdp", 2), ("fsdp", 4))]
+    assert got == [
+        (s, n, p, 4 // n)
+        for p in ("fp32", "bf16")
+        for s, n in (("serial", 1), ("ddp", 2), ("ddp", 4), ("fsdp", 2), ("fsdp", 4))
+    ]
     assert any("dp (needs 2 GPUs; 0 visible)" in note for note in notes)
     # Named explicitly, an unavailable strategy is one skipped row with doctor's reason.
-    cells, notes = bench_cells.plan(BenchConfig(strategies=("dp",), batch_sizes=(8,), nproc=(2,),
-                                          precisions=("fp32",), threads=1), availability, cores=4)
+    cells, notes = bench_cells.plan(
+        BenchConfig(strategies=("dp",), batch_sizes=(8,), nproc=(2,), precisions=("fp32",), threads=1),
+        availability,
+        cores=4,
+    )
     assert [(c.strategy, c.skip) for c in cells] == [
-        ("serial", None), ("dp", "not available here: needs 2 GPUs; 0 visible")]
+        ("serial", None),
+        ("dp", "not available here: needs 2 GPUs; 0 visible"),
+    ]
     assert "serial added" in notes[0]
     row = launch_cell.run_one(cells[1], BenchConfig())
     assert row["status"] == "skipped" and "needs 2 GPUs" in row["error"]
@@ -141,13 +153,32 @@ def test_plan_covers_whatever_is_registered_and_available(monkeypatch):
 
 def test_derived_figures_and_verdict():
     def ok(strategy, processes, batch, median, comm=None):
-        return {"model": "cnn", "strategy": strategy, "processes": processes, "global_batch": batch,
-                "precision": "fp32", "status": "ok", "step_time_median_s": median, "comm_share": comm}
+        return {
+            "model": "cnn",
+            "strategy": strategy,
+            "processes": processes,
+            "global_batch": batch,
+            "precision": "fp32",
+            "status": "ok",
+            "step_time_median_s": median,
+            "comm_share": comm,
+        }
 
-    rows = [ok("serial", 1, 32, 0.010), ok("ddp", 2, 32, 0.0125, comm=0.4),
-            ok("serial", 1, 256, 0.080), ok("ddp", 2, 256, 0.047, comm=0.08),
-            {"model": "cnn", "strategy": "fsdp", "processes": 2, "global_batch": 256,
-             "precision": "fp32", "status": "failed", "error": "boom"}]
+    rows = [
+        ok("serial", 1, 32, 0.010),
+        ok("ddp", 2, 32, 0.0125, comm=0.4),
+        ok("serial", 1, 256, 0.080),
+        ok("ddp", 2, 256, 0.047, comm=0.08),
+        {
+            "model": "cnn",
+            "strategy": "fsdp",
+            "processes": 2,
+            "global_batch": 256,
+            "precision": "fp32",
+            "status": "failed",
+            "error": "boom",
+        },
+    ]
     bench.derive(rows)
     assert [r["speedup"] for r in rows[:4]] == pytest.approx([1.0, 0.8, 1.0, 80 / 47])
     assert rows[1]["efficiency"] == pytest.approx(0.4) and rows[4]["speedup"] is None
@@ -193,12 +224,25 @@ def test_kernels_are_sorted_into_the_kinds_an_h100_run_showed():
 
 def test_mixed_precision_gain_and_mfu_on_a_known_gpu():
     def ok(strategy, processes, precision, median):
-        return {"model": "resnet50", "strategy": strategy, "processes": processes, "global_batch": 512,
-                "precision": precision, "status": "ok", "step_time_median_s": median, "comm_share": None,
-                "flops_per_sample": 24.3e9, "device_name": "NVIDIA H100 80GB HBM3"}
+        return {
+            "model": "resnet50",
+            "strategy": strategy,
+            "processes": processes,
+            "global_batch": 512,
+            "precision": precision,
+            "status": "ok",
+            "step_time_median_s": median,
+            "comm_share": None,
+            "flops_per_sample": 24.3e9,
+            "device_name": "NVIDIA H100 80GB HBM3",
+        }
 
-    rows = [ok("serial", 1, "fp32", 0.40), ok("serial", 1, "bf16", 0.25), ok("ddp", 2, "bf16", 0.15),
-            ok("dp", 1, "bf16", 0.20)]
+    rows = [
+        ok("serial", 1, "fp32", 0.40),
+        ok("serial", 1, "bf16", 0.25),
+        ok("ddp", 2, "bf16", 0.15),
+        ok("dp", 1, "bf16", 0.20),
+    ]
     bench.derive(rows, gpus=2)
     assert rows[0]["vs_fp32"] is None and rows[1]["vs_fp32"] == pytest.approx(1.6)
     assert rows[2]["vs_fp32"] is None  # no fp32 cell of ddp to compare with
@@ -223,8 +267,12 @@ def test_model_flops_are_counted_on_shapes_alone():
     assert flops_per_sample(layer, x, y, nn.functional.cross_entropy) == 4 * 100 * 10  # x needs no gradient
     assert torch.equal(layer.weight, before) and layer.weight.grad is None  # the model itself untouched
     # ResNet-50 at 224 x 224: 4.1 GMACs forward, so about 3 x 8.1 GFLOPs with backward
-    big = flops_per_sample(resnet50(num_classes=1000), torch.randn(2, 3, 224, 224), torch.randint(0, 1000, (2,)),
-                           nn.functional.cross_entropy)
+    big = flops_per_sample(
+        resnet50(num_classes=1000),
+        torch.randn(2, 3, 224, 224),
+        torch.randint(0, 1000, (2,)),
+        nn.functional.cross_entropy,
+    )
     assert 23e9 < big < 25e9
     tokens = torch.randint(0, 256, (2, 65))
     small = gpt("tiny")
@@ -288,9 +336,28 @@ def plain():
 def test_bench_runs_the_users_own_model(tmp_path):
     (tmp_path / "my_models.py").write_text(USER_MODULE)
     out = tmp_path / "bench"
-    result = run([sys.executable, "-m", "torchfleet", "bench", "--model", "my_models:build", "--strategies",
-                  "serial,ddp,pipeline", "--batch-sizes", "32", "--steps", "4", "--warmup", "1", "--out", str(out)],
-                 cwd=tmp_path, timeout=280)
+    result = run(
+        [
+            sys.executable,
+            "-m",
+            "torchfleet",
+            "bench",
+            "--model",
+            "my_models:build",
+            "--strategies",
+            "serial,ddp,pipeline",
+            "--batch-sizes",
+            "32",
+            "--steps",
+            "4",
+            "--warmup",
+            "1",
+            "--out",
+            str(out),
+        ],
+        cwd=tmp_path,
+        timeout=280,
+    )
     assert result.returncode == 0, result.stderr
     cells = json.loads((out / "results.json").read_text())["cells"]
     assert [(c["strategy"], c["status"]) for c in cells] == [("serial", "ok"), ("ddp", "ok"), ("pipeline", "ok")]
@@ -298,29 +365,49 @@ def test_bench_runs_the_users_own_model(tmp_path):
     assert "my_models:build" in result.stdout
 
     # Without a batch maker: the built-ins' 8x8 input; by path, from anywhere.
-    result = torchfleet("bench", "--model", f"{tmp_path / 'my_models.py'}:plain", "--strategies", "serial",
-                        "--batch-sizes", "8", "--steps", "3", "--warmup", "0", "--out", str(tmp_path / "b2"))
+    result = torchfleet(
+        "bench",
+        "--model",
+        f"{tmp_path / 'my_models.py'}:plain",
+        "--strategies",
+        "serial",
+        "--batch-sizes",
+        "8",
+        "--steps",
+        "3",
+        "--warmup",
+        "0",
+        "--out",
+        str(tmp_path / "b2"),
+    )
     assert result.returncode == 0, result.stderr
     assert json.loads((tmp_path / "b2" / "results.json").read_text())["cells"][0]["status"] == "ok"
 
 
-@pytest.mark.parametrize("model,said", [
-    ("no_such_module:build", "cannot import 'no_such_module'"),
-    ("my_models:missing", "'my_models' has no function 'missing'"),
-    ("my_models:not_a_model", "returned int; return a torch.nn.Module"),
-])
+@pytest.mark.parametrize(
+    "model,said",
+    [
+        ("no_such_module:build", "cannot import 'no_such_module'"),
+        ("my_models:missing", "'my_models' has no function 'missing'"),
+        ("my_models:not_a_model", "returned int; return a torch.nn.Module"),
+    ],
+)
 def test_a_bad_user_model_is_one_sentence(model, said, tmp_path):
     (tmp_path / "my_models.py").write_text(USER_MODULE + "\n\ndef not_a_model():\n    return 3\n")
-    result = run([sys.executable, "-m", "torchfleet", "bench", "--model", model, "--out", str(tmp_path / "b")],
-                 cwd=tmp_path, timeout=60)
+    result = run(
+        [sys.executable, "-m", "torchfleet", "bench", "--model", model, "--out", str(tmp_path / "b")],
+        cwd=tmp_path,
+        timeout=60,
+    )
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert said in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
 @pytest.mark.timeout(300)
 def test_bench_gpt_reports_tokens_per_second(tmp_path):
-    result = torchfleet("bench", "--quick", "--model", "gpt", "--strategies", "serial", "--out", str(tmp_path),
-                        timeout=280)
+    result = torchfleet(
+        "bench", "--quick", "--model", "gpt", "--strategies", "serial", "--out", str(tmp_path), timeout=280
+    )
     assert result.returncode == 0, result.stderr
     doc = json.loads((tmp_path / "results.json").read_text())
     (cell,) = doc["cells"]
@@ -332,8 +419,9 @@ def test_bench_gpt_reports_tokens_per_second(tmp_path):
 @pytest.mark.timeout(300)
 def test_bench_resnet50_reports_images_per_second(tmp_path):
     # --quick: 32 x 32 images, batch 64; ddp is there so that one cell has two ranks
-    result = torchfleet("bench", "--quick", "--model", "resnet50", "--strategies", "serial,ddp",
-                        "--out", str(tmp_path), timeout=280)
+    result = torchfleet(
+        "bench", "--quick", "--model", "resnet50", "--strategies", "serial,ddp", "--out", str(tmp_path), timeout=280
+    )
     assert result.returncode == 0, result.stderr
     doc = json.loads((tmp_path / "results.json").read_text())
     cells = {c["strategy"]: c for c in doc["cells"]}
@@ -344,12 +432,16 @@ def test_bench_resnet50_reports_images_per_second(tmp_path):
         # resnet50's weights, gradients and SGD momentum alone are 3 x 94 MiB (23.5M parameters at 10 classes)
         assert min(cell["peak_memory_bytes"]) > 3 * 23_500_000 * 4 * 0.9  # one figure per rank
     assert cells["ddp"]["processes"] == 2 and cells["ddp"]["speedup"] == pytest.approx(
-        cells["serial"]["step_time_median_s"] / cells["ddp"]["step_time_median_s"], rel=1e-12)
+        cells["serial"]["step_time_median_s"] / cells["ddp"]["step_time_median_s"], rel=1e-12
+    )
     assert "images/s" in result.stdout and "samples/s" not in result.stdout
 
 
 def test_bench_sizes_gpt_and_the_resnets_for_the_machine():
-    cpu, gpu = bench_cells.resolve(BenchConfig(model="gpt"), gpus=0), bench_cells.resolve(BenchConfig(model="gpt"), gpus=1)
+    cpu, gpu = (
+        bench_cells.resolve(BenchConfig(model="gpt"), gpus=0),
+        bench_cells.resolve(BenchConfig(model="gpt"), gpus=1),
+    )
     assert (cpu.gpt_preset, cpu.batch_sizes) == ("tiny", (16, 64))
     assert (gpu.gpt_preset, gpu.batch_sizes) == ("gpt2", (8, 32))
     assert measure_cell.input_shape("resnet50") == (3, 224, 224)
@@ -374,12 +466,28 @@ def test_one_machine_leaves_diloco_and_localsgd_to_link_mode():
 
 @pytest.mark.timeout(120)
 def test_bench_diloco_on_one_machine_is_a_note_not_a_failed_cell(tmp_path):
-    result = torchfleet("bench", "--model", "mlp", "--strategies", "diloco", "--batch-sizes", "8", "--steps", "2",
-                        "--warmup", "0", "--out", str(tmp_path), timeout=110)
+    result = torchfleet(
+        "bench",
+        "--model",
+        "mlp",
+        "--strategies",
+        "diloco",
+        "--batch-sizes",
+        "8",
+        "--steps",
+        "2",
+        "--warmup",
+        "0",
+        "--out",
+        str(tmp_path),
+        timeout=110,
+    )
     assert result.returncode == 0, result.stderr
     said = " ".join(result.stdout.split())
-    assert ("note: diloco left out: it pays only over a slow link between machines" in said
-            and "link mode, the same command on every machine: torchfleet bench --nnodes 2" in said)
+    assert (
+        "note: diloco left out: it pays only over a slow link between machines" in said
+        and "link mode, the same command on every machine: torchfleet bench --nnodes 2" in said
+    )
     cells = json.loads((tmp_path / "results.json").read_text())["cells"]
     assert [(c["strategy"], c["status"]) for c in cells] == [("serial", "ok")]  # no diloco row, failed or not
 
@@ -388,17 +496,23 @@ def test_bench_diloco_on_one_machine_is_a_note_not_a_failed_cell(tmp_path):
 
 LINK_BAD = [
     (["--nnodes", "1"], "--nnodes 1 has no link to measure: bench's link mode runs on 2 or more machines"),
-    (["--nnodes", "2", "--node-rank", "2", "--master-addr", "10.0.0.1"],
-     "--node-rank 2 is out of range for --nnodes 2: give each machine its own index, 0 to 1"),
+    (
+        ["--nnodes", "2", "--node-rank", "2", "--master-addr", "10.0.0.1"],
+        "--node-rank 2 is out of range for --nnodes 2: give each machine its own index, 0 to 1",
+    ),
     (["--node-rank", "1", "--master-addr", "10.0.0.1"], "which also needs --nnodes N (2 or more)"),
     (["--nnodes", "2"], "bench's link mode needs --master-addr"),
     (["--nnodes", "1:4", "--master-addr", "10.0.0.1"], "--nnodes '1:4' is not a number of machines"),
     (["--nnodes", "2", "--master-addr", "10.0.0.1", "--nproc", "2"], "--nproc does not apply to bench's link mode"),
     (["--nnodes", "2", "--master-addr", "10.0.0.1", "--pp", "2"], "--pp does not apply to bench's link mode"),
-    (["--nnodes", "2", "--master-addr", "10.0.0.1", "--strategies", "ddp,fsdp"],
-     "unknown link-mode cell 'fsdp'; choose one of ddp, powersgd, diloco, localsgd"),
-    (["--nnodes", "2", "--master-addr", "10.0.0.1", "--batch-sizes", "33"],
-     "--batch-sizes 33 does not split evenly among the 2 machines"),
+    (
+        ["--nnodes", "2", "--master-addr", "10.0.0.1", "--strategies", "ddp,fsdp"],
+        "unknown link-mode cell 'fsdp'; choose one of ddp, powersgd, diloco, localsgd",
+    ),
+    (
+        ["--nnodes", "2", "--master-addr", "10.0.0.1", "--batch-sizes", "33"],
+        "--batch-sizes 33 does not split evenly among the 2 machines",
+    ),
     (["--nnodes", "2", "--master-addr", "10.0.0.1", "--sync-every", "0"], "--sync-every 0 must be a whole number"),
 ]
 
@@ -425,9 +539,18 @@ def test_link_plan_rounds_to_whole_meeting_blocks():
 
 
 def _link_row(cell, median, q1, q3, compute, plan):
-    return {"cell": cell, "label": plan.label(cell), "model": "gpt", "global_batch": 32, "status": "ok",
-            "step_time_median_s": median, "step_time_q1_s": q1, "step_time_q3_s": q3, "compute_step_s": compute,
-            "tokens_per_sample": 64}
+    return {
+        "cell": cell,
+        "label": plan.label(cell),
+        "model": "gpt",
+        "global_batch": 32,
+        "status": "ok",
+        "step_time_median_s": median,
+        "step_time_q1_s": q1,
+        "step_time_q3_s": q3,
+        "compute_step_s": compute,
+        "tokens_per_sample": 64,
+    }
 
 
 def test_link_verdict_names_the_winner_and_by_how_much():
@@ -435,36 +558,67 @@ def test_link_verdict_names_the_winner_and_by_how_much():
     from torchfleet.bench.link.job import LinkJob
 
     plan = LinkJob()
-    slow = [_link_row("ddp", 0.132, 0.130, 0.134, 0.05, plan), _link_row("powersgd", 0.081, 0.078, 0.084, 0.05, plan),
-            _link_row("diloco", 0.044, 0.043, 0.046, 0.04, plan)]
+    slow = [
+        _link_row("ddp", 0.132, 0.130, 0.134, 0.05, plan),
+        _link_row("powersgd", 0.081, 0.078, 0.084, 0.05, plan),
+        _link_row("diloco", 0.044, 0.043, 0.046, 0.04, plan),
+    ]
     report.derive(slow)
     assert slow[2]["speedup_vs_ddp"] == pytest.approx(3.0) and slow[0]["comm_share"] == pytest.approx(1 - 0.05 / 0.132)
     assert slow[2]["tokens_per_s"] == pytest.approx(32 / 0.044 * 64)
     assert report.verdict(96.4, slow, plan) == (
         "on this 96 Mbit/s link diloco (meeting every 10 steps) is the fastest, 3.00x ddp's speed, ddp + PowerSGD"
         " (rank 2) 1.63x; diloco trades ddp's exact arithmetic for fewer exchanges: its replica groups train apart"
-        " for 10 steps between meetings (docs/guides/slow-links.md).")
-    fast = [_link_row("ddp", 0.030, 0.029, 0.031, 0.027, plan), _link_row("powersgd", 0.035, 0.034, 0.036, 0.03, plan),
-            _link_row("diloco", 0.0305, 0.030, 0.031, 0.029, plan)]
+        " for 10 steps between meetings (docs/guides/slow-links.md)."
+    )
+    fast = [
+        _link_row("ddp", 0.030, 0.029, 0.031, 0.027, plan),
+        _link_row("powersgd", 0.035, 0.034, 0.036, 0.03, plan),
+        _link_row("diloco", 0.0305, 0.030, 0.031, 0.029, plan),
+    ]
     report.derive(fast)
     text = report.verdict(940, fast, plan)
-    assert text.startswith("on this 940 Mbit/s link ddp is the fastest (too close to call against diloco (meeting"
-                           " every 10 steps): their blocks' quartiles overlap")
+    assert text.startswith(
+        "on this 940 Mbit/s link ddp is the fastest (too close to call against diloco (meeting"
+        " every 10 steps): their blocks' quartiles overlap"
+    )
     assert "communication is 10% of its step" in text and "ddp + PowerSGD (rank 2) runs at 0.86x its speed" in text
     # Other work on a machine slows a cell as a slow link would: the busy ones are named.
     for row, load in zip(fast, (1.9, 3.5, 2.0), strict=True):
         row.update(load_avg=load, cores=2)
-    assert report.busy(fast).startswith("a machine had other work on its 2 cores during ddp + PowerSGD (rank 2)"
-                                        " (load 3.5): those cells are slower")
+    assert report.busy(fast).startswith(
+        "a machine had other work on its 2 cores during ddp + PowerSGD (rank 2) (load 3.5): those cells are slower"
+    )
     assert report.busy(slow) is None
 
 
 def _link_bench_on_hosts(net, out, extra: list[str], timeout: float) -> list:
     """`torchfleet bench` in link mode on every namespace host at once; (exit status, output) of each."""
-    procs = [net.popen(i, [sys.executable, "-m", "torchfleet", "bench", "--nnodes", str(len(net.names)),
-                           "--node-rank", str(i), "--master-addr", net.addr(0), "--out", str(out / f"node{i}"), *extra],
-                       env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for i in range(len(net.names))]
+    procs = [
+        net.popen(
+            i,
+            [
+                sys.executable,
+                "-m",
+                "torchfleet",
+                "bench",
+                "--nnodes",
+                str(len(net.names)),
+                "--node-rank",
+                str(i),
+                "--master-addr",
+                net.addr(0),
+                "--out",
+                str(out / f"node{i}"),
+                *extra,
+            ],
+            env=clean_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(len(net.names))
+    ]
     return [(p.returncode, text) for p, text in ((p, p.communicate(timeout=timeout)[0]) for p in procs)]
 
 
@@ -477,14 +631,17 @@ def test_link_mode_on_two_hosts_over_a_100mbit_link(tmp_path):
     from netns import hosts
 
     with hosts(2, bandwidth="100mbit") as net:
-        runs = _link_bench_on_hosts(net, tmp_path, ["--steps", "10", "--warmup", "5", "--sync-every", "5",
-                                                    "--threads", "1"], timeout=220)
+        runs = _link_bench_on_hosts(
+            net, tmp_path, ["--steps", "10", "--warmup", "5", "--sync-every", "5", "--threads", "1"], timeout=220
+        )
     assert [code for code, _ in runs] == [0, 0], runs
     doc = json.loads((tmp_path / "node0" / "results.json").read_text())
     assert doc["schema"] == "torchfleet-bench-link/1" and not (tmp_path / "node1" / "results.json").exists()
     link = doc["link"]
-    print(f"link {link['mbit_s']:.1f} Mbit/s; " + "; ".join(
-        f"{c['cell']} {c['step_time_median_s'] * 1e3:.1f} ms" for c in doc["cells"]))
+    print(
+        f"link {link['mbit_s']:.1f} Mbit/s; "
+        + "; ".join(f"{c['cell']} {c['step_time_median_s'] * 1e3:.1f} ms" for c in doc["cells"])
+    )
     # tbf's 100 Mbit/s, less TCP's and Gloo's overhead and a loaded machine's stalls; never much above it.
     assert 60 <= link["mbit_s"] <= 105 and link["bytes"] == 4 * 2**20 and link["interface"] == "eth0"
 
@@ -513,4 +670,5 @@ def test_link_mode_on_two_hosts_over_a_100mbit_link(tmp_path):
         assert f"verdict: {doc['verdict'][:60]}" in " ".join(output.split())
     for node in (0, 1):
         assert sorted(p.name for p in (tmp_path / f"node{node}" / "logs").glob("*.log")) == [
-            f"cell-{cell}-node{node}.log" for cell in ("ddp", "diloco", "powersgd")]
+            f"cell-{cell}-node{node}.log" for cell in ("ddp", "diloco", "powersgd")
+        ]

@@ -64,8 +64,9 @@ def test_kill_9_during_saves_leaves_the_newest_complete_one_loadable(tmp_path):
         # The hook's step: the first after `first` whose save has the layout (save_loop: even steps shard).
         doomed = first + 1 if ((first + 1) % 2 == 0) == (layout == "sharded") else first + 2
         env = clean_env(**{checkpoint.KILL_IN_SAVE: str(doomed)}) if how == "hook" else clean_env()
-        proc = subprocess.Popen([sys.executable, SAVE_LOOP, str(tmp_path), str(first)],
-                                stdout=subprocess.PIPE, text=True, env=env)
+        proc = subprocess.Popen(
+            [sys.executable, SAVE_LOOP, str(tmp_path), str(first)], stdout=subprocess.PIPE, text=True, env=env
+        )
         assert proc.stdout.readline() == f"saved {first}\n"  # one complete save, then the kill
         if how == "random":
             time.sleep(rng.uniform(0.0, 0.8))

@@ -23,8 +23,12 @@ def _train(options: dict, steps: int = 40) -> dict:
     model, opt = fleet.setup(net, torch.optim.SGD(net.parameters(), lr=0.05))
     loader = fleet.dataloader(synthetic(32 * steps, shape=(1, 8, 8), seed=0), 32, seed=0)
     losses = [fleet.all_reduce(fleet.train_step(x, y, nn.CrossEntropyLoss())).item() for x, y in loader]
-    return {"hook": model._get_ddp_logging_data().get("comm_hook", ""),
-            "first": sum(losses[:5]) / 5, "last": sum(losses[-5:]) / 5, "weights": full_weights(fleet)}
+    return {
+        "hook": model._get_ddp_logging_data().get("comm_hook", ""),
+        "first": sum(losses[:5]) / 5,
+        "last": sum(losses[-5:]) / 5,
+        "weights": full_weights(fleet),
+    }
 
 
 def _all_cases() -> list[dict]:
@@ -41,6 +45,7 @@ def test_fp16_and_powersgd_learn_and_change_the_traffic():
     assert powersgd["hook"] == "powerSGD_hook"
     for result in (plain, fp16, powersgd):
         assert result["last"] < 0.85 * result["first"], result  # the loss falls
+
     def gap(result):  # relative distance from plain DDP's weights
         return ((result["weights"] - plain["weights"]).norm() / plain["weights"].norm()).item()
 
@@ -52,12 +57,15 @@ def test_fp16_and_powersgd_learn_and_change_the_traffic():
     assert abs(powersgd["last"] - plain["last"]) < 0.5
 
 
-@pytest.mark.parametrize("options,sentence", [
-    ({"grad_compression": "zip"}, "unknown gradient compression 'zip'; choose one of none, fp16, bf16, powersgd"),
-    ({"powersgd_rank": 4}, "--powersgd-rank 4 needs --grad-compression powersgd"),
-    ({"grad_compression": "powersgd", "powersgd_rank": 0}, "--powersgd-rank 0 must be at least 1"),
-    ({"grad_compresion": "fp16"}, "option 'grad_compresion' does not apply to strategy 'ddp'"),
-])
+@pytest.mark.parametrize(
+    "options,sentence",
+    [
+        ({"grad_compression": "zip"}, "unknown gradient compression 'zip'; choose one of none, fp16, bf16, powersgd"),
+        ({"powersgd_rank": 4}, "--powersgd-rank 4 needs --grad-compression powersgd"),
+        ({"grad_compression": "powersgd", "powersgd_rank": 0}, "--powersgd-rank 0 must be at least 1"),
+        ({"grad_compresion": "fp16"}, "option 'grad_compresion' does not apply to strategy 'ddp'"),
+    ],
+)
 def test_bad_compression_options_are_one_sentence(options, sentence):
     with pytest.raises(UsageError, match=sentence.replace("(", r"\(")):
         DataParallelDistributed(runtime=None, **options)

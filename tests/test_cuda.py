@@ -34,8 +34,9 @@ from torchfleet.launcher import LaunchError
 from torchfleet.testing.devices import fleet_facts, fp16_skip_job, on_cpu, trained_facts
 from torchfleet.testing.equivalence import resumed_equals_straight, train_k_steps
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
-                                reason="needs a CUDA GPU: `make gpu-check` runs this suite on a GPU machine")
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU: `make gpu-check` runs this suite on a GPU machine"
+)
 
 FP32_BOUND, BF16_BOUND = 1e-4, 2e-2
 
@@ -111,7 +112,6 @@ def test_checkpoint_and_resume_on_cuda_equal_the_straight_run(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_doctor_names_nccl_and_why():
-    out = subprocess.run([sys.executable, "-m", "torchfleet", "doctor"], capture_output=True, text=True,
-                         timeout=100)
+    out = subprocess.run([sys.executable, "-m", "torchfleet", "doctor"], capture_output=True, text=True, timeout=100)
     assert out.returncode == 0, out.stderr
     assert "nccl" in out.stdout.lower() and "CUDA GPU" in out.stdout and "fastest" in out.stdout

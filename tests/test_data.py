@@ -73,11 +73,20 @@ def test_the_built_in_data_is_scikit_learns_read_without_importing_it():
     assert torch.equal(pixels, torch.tensor(want_pixels, dtype=torch.float32))
     assert torch.equal(labels, torch.tensor(want_labels)) and labels.dtype == torch.int64
     assert len(digits("train")) + len(digits("val")) == 1797
-    files = sorted((f for f in importlib.resources.files("sklearn.datasets.descr").iterdir()
-                    if f.name.endswith(".rst")), key=lambda f: f.name)
+    files = sorted(
+        (f for f in importlib.resources.files("sklearn.datasets.descr").iterdir() if f.name.endswith(".rst")),
+        key=lambda f: f.name,
+    )
     assert corpus() == b"".join(f.read_bytes().rstrip(b"\n") + b"\n\n" for f in files)
     imported = subprocess.run(
-        [sys.executable, "-c", "import sys; from torchfleet.train.datasets import digits, text;"
-         " digits(); text('train', 64); print(sorted(m for m in sys.modules if m.startswith('sklearn')))"],
-        capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-c",
+            "import sys; from torchfleet.train.datasets import digits, text;"
+            " digits(); text('train', 64); print(sorted(m for m in sys.modules if m.startswith('sklearn')))",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert imported.stdout.strip() == "[]", imported.stderr

@@ -18,15 +18,7 @@ import pytest
 import torch
 
 from conftest import require_module, torchfleet
-from test_ft import (
-    MLP,
-    _groups,
-    _max_diff,
-    _serial,
-    one_group_killed,
-    outside_replica_groups,
-    refused_in_one_sentence,
-)
+from test_ft import MLP, _groups, _max_diff, _serial, one_group_killed, outside_replica_groups, refused_in_one_sentence
 
 require_module("torchft", "diloco and localsgd run on torchft (the dev extra installs it)")
 
@@ -40,8 +32,9 @@ def _same(states: list[dict]) -> bool:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("method,nproc", [("diloco", 1), ("localsgd", 1), ("diloco", 2)],
-                         ids=["diloco-2x1", "localsgd-2x1", "diloco-2x2"])
+@pytest.mark.parametrize(
+    "method,nproc", [("diloco", 1), ("localsgd", 1), ("diloco", 2)], ids=["diloco-2x1", "localsgd-2x1", "diloco-2x2"]
+)
 def test_meeting_every_step_with_a_plain_outer_step_equals_serial(method, nproc, tmp_path):
     """Inner SGD, a meeting after every step: localsgd's average of the weights and diloco's outer step of
     lr 1 without momentum on the averaged change both give the weights ddp's averaged gradient gives (SGD's
@@ -89,13 +82,33 @@ def test_a_diloco_meeting_takes_the_outer_nesterov_step_on_the_averaged_change(t
     step-1 checkpoint holds them); mean(w_g) is what the same run with an outer step of lr 1 and no momentum
     ends with (its inner steps are the same). An outer optimizer that ignored the flags would give mean(w_g)."""
     lr, momentum = 0.7, 0.9
-    common = [*MLP, "--strategy", "diloco", "--sync-every", "3", "--epochs", "1", "--max-steps", "3",
-              "--optimizer", "sgd", "--lr", "0.05", "--checkpoint-every", "1", "--keep-checkpoints", "5"]
+    common = [
+        *MLP,
+        "--strategy",
+        "diloco",
+        "--sync-every",
+        "3",
+        "--epochs",
+        "1",
+        "--max-steps",
+        "3",
+        "--optimizer",
+        "sgd",
+        "--lr",
+        "0.05",
+        "--checkpoint-every",
+        "1",
+        "--keep-checkpoints",
+        "5",
+    ]
     paper, plain = tmp_path / "paper", tmp_path / "plain"
     for run, outer in ((paper, [str(lr), str(momentum)]), (plain, ["1", "0"])):
         run.mkdir()
-        runs = _groups(2, [*common, "--outer-lr", outer[0], "--outer-momentum", outer[1],
-                           "--checkpoint-dir", str(run / "ckpt")], run)
+        runs = _groups(
+            2,
+            [*common, "--outer-lr", outer[0], "--outer-momentum", outer[1], "--checkpoint-dir", str(run / "ckpt")],
+            run,
+        )
         assert [s for s, _ in runs] == [0, 0], runs
     after, average = _weights(paper), _weights(plain)
     assert _same(after) and _same(average)
@@ -120,16 +133,33 @@ def test_a_diloco_run_stopped_between_meetings_resumes_bit_for_bit(tmp_path):
     resumed from it (its weights, both optimizers, the weights at the last meeting, the position) ends with
     exactly the weights of the run that went straight through."""
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    argv = [*MLP, "--strategy", "diloco", "--sync-every", "4", "--epochs", "1", "--max-steps", "14",
-            "--checkpoint-every", "3", "--keep-checkpoints", "10"]
+    argv = [
+        *MLP,
+        "--strategy",
+        "diloco",
+        "--sync-every",
+        "4",
+        "--epochs",
+        "1",
+        "--max-steps",
+        "14",
+        "--checkpoint-every",
+        "3",
+        "--keep-checkpoints",
+        "10",
+    ]
     straight.mkdir()
     runs = _groups(2, [*argv, "--checkpoint-dir", str(straight / "ckpt")], straight)
     assert [s for s, _ in runs] == [0, 0], runs
-    saved = torch.load(straight / "ckpt" / "group1" / "step-00000006" / "ranks.pt", weights_only=True)[0]["extra"]["replicas"]
+    saved = torch.load(straight / "ckpt" / "group1" / "step-00000006" / "ranks.pt", weights_only=True)[0]["extra"][
+        "replicas"
+    ]
     assert (saved["position"], saved["local"]) == (6, 2) and len(saved["at_meeting"]) > 0
     resumed.mkdir()
     for g in range(2):
-        shutil.copytree(straight / "ckpt" / f"group{g}" / "step-00000006", resumed / "ckpt" / f"group{g}" / "step-00000006")
+        shutil.copytree(
+            straight / "ckpt" / f"group{g}" / "step-00000006", resumed / "ckpt" / f"group{g}" / "step-00000006"
+        )
     runs = _groups(2, [*argv, "--checkpoint-dir", str(resumed / "ckpt"), "--resume"], resumed)
     assert [s for s, _ in runs] == [0, 0], runs
     assert "resumed from" in runs[0][1] + runs[1][1]
@@ -147,10 +177,14 @@ def test_a_group_killed_between_meetings_heals_at_the_next_and_the_other_never_w
     assert healed and int(healed.group(1)) > 7 and int(healed.group(1)) % 5 == 0, outputs[1]  # at a meeting
     # Group 0's account of it: group 1 left at the meeting and later joined and healed; or, when its agent
     # started it again within the 3 s the lighthouse waits for heartbeats, one line for both (seen once here).
-    left_and_joined = (re.search(r"group 1 left at step 10: group 0 went on after a pause of", outputs[0])
-                       and re.search(r"group 1 joined at step \d+ and healed from this group \(0\)", outputs[0]))
-    back_at_once = re.search(r"group 1 was lost and started again at step 10, healing from this group \(0\);"
-                             r" groups 0, 1 went on after a pause of", outputs[0])
+    left_and_joined = re.search(r"group 1 left at step 10: group 0 went on after a pause of", outputs[0]) and re.search(
+        r"group 1 joined at step \d+ and healed from this group \(0\)", outputs[0]
+    )
+    back_at_once = re.search(
+        r"group 1 was lost and started again at step 10, healing from this group \(0\);"
+        r" groups 0, 1 went on after a pause of",
+        outputs[0],
+    )
     assert left_and_joined or back_at_once, outputs[0]
     assert "resumed from" not in outputs[1]
     assert _same(_weights(tmp_path))
@@ -161,10 +195,29 @@ def test_a_group_killed_between_meetings_heals_at_the_next_and_the_other_never_w
 @pytest.mark.timeout(300)
 def test_train_on_one_machine_runs_a_group_per_process(tmp_path):
     """`torchfleet train --strategy localsgd -n 2`: two groups of one process, the first's output and files."""
-    out = torchfleet("train", *MLP, "--strategy", "localsgd", "--sync-every", "1", "--optimizer", "sgd",
-                     "--lr", "0.05", "--epochs", "1", "--max-steps", "6", "-n", "2",
-                     "--json-out", str(tmp_path / "run.json"), "--save-model", str(tmp_path / "model.pt"),
-                     timeout=240)
+    out = torchfleet(
+        "train",
+        *MLP,
+        "--strategy",
+        "localsgd",
+        "--sync-every",
+        "1",
+        "--optimizer",
+        "sgd",
+        "--lr",
+        "0.05",
+        "--epochs",
+        "1",
+        "--max-steps",
+        "6",
+        "-n",
+        "2",
+        "--json-out",
+        str(tmp_path / "run.json"),
+        "--save-model",
+        str(tmp_path / "model.pt"),
+        timeout=240,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.count("torchfleet train") == 1  # one summary: the first group's
     summary = json.loads((tmp_path / "run.json").read_text())
@@ -174,19 +227,31 @@ def test_train_on_one_machine_runs_a_group_per_process(tmp_path):
 
 
 BAD = {
-    "sync every 0": (["--strategy", "diloco", "-n", "2", "--sync-every", "0"],
-                     "--sync-every 0 must be a whole number of steps, at least 1"),
+    "sync every 0": (
+        ["--strategy", "diloco", "-n", "2", "--sync-every", "0"],
+        "--sync-every 0 must be a whole number of steps, at least 1",
+    ),
     "outer lr 0": (["--strategy", "diloco", "-n", "2", "--outer-lr", "0"], "--outer-lr 0.0 must be a positive"),
-    "outer lr negative": (["--strategy", "diloco", "-n", "2", "--outer-lr", "-0.5"],
-                          "--outer-lr -0.5 must be a positive"),
-    "momentum 1": (["--strategy", "diloco", "-n", "2", "--outer-momentum", "1"],
-                   "--outer-momentum 1.0 must be at least 0 and below 1"),
-    "one process": (["--strategy", "diloco", "-n", "1"], "diloco on one process (or one replica group) has no"
-                    " one to meet"),
-    "localsgd outer lr": (["--strategy", "localsgd", "-n", "2", "--outer-lr", "0.5"],
-                          "localsgd averages the weights and has no outer optimizer"),
-    "sync every on ddp": (["--strategy", "ddp", "-n", "2", "--sync-every", "5"],
-                          "option 'sync_every' does not apply to strategy 'ddp'"),
+    "outer lr negative": (
+        ["--strategy", "diloco", "-n", "2", "--outer-lr", "-0.5"],
+        "--outer-lr -0.5 must be a positive",
+    ),
+    "momentum 1": (
+        ["--strategy", "diloco", "-n", "2", "--outer-momentum", "1"],
+        "--outer-momentum 1.0 must be at least 0 and below 1",
+    ),
+    "one process": (
+        ["--strategy", "diloco", "-n", "1"],
+        "diloco on one process (or one replica group) has no one to meet",
+    ),
+    "localsgd outer lr": (
+        ["--strategy", "localsgd", "-n", "2", "--outer-lr", "0.5"],
+        "localsgd averages the weights and has no outer optimizer",
+    ),
+    "sync every on ddp": (
+        ["--strategy", "ddp", "-n", "2", "--sync-every", "5"],
+        "option 'sync_every' does not apply to strategy 'ddp'",
+    ),
 }
 
 
@@ -200,7 +265,8 @@ def test_without_torchft_diloco_is_refused_saying_what_to_install(monkeypatch, c
 
     monkeypatch.setattr(torchft_setup, "version", lambda: None)
     assert "diloco runs on torchft, which cannot run here: torchft is not installed" in refused_in_one_sentence(
-        ["--strategy", "diloco", "-n", "2"], capsys)
+        ["--strategy", "diloco", "-n", "2"], capsys
+    )
 
 
 def test_a_fleet_outside_replica_groups_refuses_diloco(monkeypatch):

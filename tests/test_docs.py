@@ -31,7 +31,9 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 SCRIPT_COMMANDS = {"run", "slurm", "sagemaker", "k8s"}
 FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.M | re.S)
 INLINE = re.compile(r"(?<!`)`([^`\n]+)`(?!`)")
-PATH = re.compile(r"^(?:src|tests|benchmarks|docs|examples|\.ci)/[\w./-]*\w/?$|^(?:Makefile|pyproject\.toml|mkdocs\.yml)$")
+PATH = re.compile(
+    r"^(?:src|tests|benchmarks|docs|examples|\.ci)/[\w./-]*\w/?$|^(?:Makefile|pyproject\.toml|mkdocs\.yml)$"
+)
 
 
 # The same walk of the parsers the generated reference makes.
@@ -60,7 +62,7 @@ def _torchfleet_calls(snippet: str) -> list[list[str]]:
         words = [w for w in words if w != "\\"]
         for i, word in enumerate(words):
             if word in ("torchfleet", ".venv/bin/torchfleet") and (i == 0 or words[i - 1] in ("-m", "$", "sudo")):
-                calls.append(words[i + 1:])
+                calls.append(words[i + 1 :])
     return calls
 
 
@@ -113,8 +115,19 @@ def _problems(name: str, text: str) -> list[str]:
 
 # Flags of other tools that the docs name on their own: pytest's, pip's, MkDocs', mpirun's, sbatch's
 # and srun's, and a script's own in an example.
-FOREIGN_FLAGS = {"--durations", "--strict", "--no-deps", "--allow-run-as-root", "--open-mode", "--chdir",
-                 "--kill-on-bad-exit", "--overlap", "--requeue", "--signal", "--name"}
+FOREIGN_FLAGS = {
+    "--durations",
+    "--strict",
+    "--no-deps",
+    "--allow-run-as-root",
+    "--open-mode",
+    "--chdir",
+    "--kill-on-bad-exit",
+    "--overlap",
+    "--requeue",
+    "--signal",
+    "--name",
+}
 
 
 def test_the_docs_name_only_paths_commands_flags_and_targets_that_exist():
@@ -125,34 +138,49 @@ def test_the_docs_name_only_paths_commands_flags_and_targets_that_exist():
 # A path in the code's own comments and docstrings: from the repository's root, or from the package's
 # (strategies/registry.py), ending in a file's suffix.
 PACKAGE = ROOT / "src" / "torchfleet"
-CODE_PATH = re.compile(r"(?<![\w./-])((?:src|tests|benchmarks|docs|examples|"
-                       + "|".join(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists())
-                       + r")/[\w./-]*\.(?:py|md|toml|yml|json))\b")
+CODE_PATH = re.compile(
+    r"(?<![\w./-])((?:src|tests|benchmarks|docs|examples|"
+    + "|".join(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists())
+    + r")/[\w./-]*\.(?:py|md|toml|yml|json))\b"
+)
 
 
 def _code_paths_that_do_not_exist(files) -> list[str]:
-    return [f"{f.relative_to(ROOT)}: {m}" for f in files for m in CODE_PATH.findall(f.read_text())
-            if not any((base / m).exists() for base in (ROOT, PACKAGE))]
+    return [
+        f"{f.relative_to(ROOT)}: {m}"
+        for f in files
+        for m in CODE_PATH.findall(f.read_text())
+        if not any((base / m).exists() for base in (ROOT, PACKAGE))
+    ]
 
 
 def test_the_code_names_only_paths_that_exist():
     """strategies/__init__.py once named a sync.py of the replica groups' that did not exist; this file's
     replica_groups/sync.py, which does not either, is its own self-test's."""
-    files = [*PACKAGE.rglob("*.py"), *(ROOT / "benchmarks").glob("*.py"),
-             *(f for f in (ROOT / "tests").glob("*.py") if f.name != "test_docs.py")]
+    files = [
+        *PACKAGE.rglob("*.py"),
+        *(ROOT / "benchmarks").glob("*.py"),
+        *(f for f in (ROOT / "tests").glob("*.py") if f.name != "test_docs.py"),
+    ]
     assert not (missing := _code_paths_that_do_not_exist(files)), "\n".join(missing)
     planted = _code_paths_that_do_not_exist([ROOT / "tests" / "test_docs.py"])  # this file names two on purpose
     assert {line.split(": ")[1] for line in planted} == {"replica_groups/sync.py", "src/torchfleet/nothing.py"}
 
 
 def test_the_checker_finds_a_flag_a_path_a_command_and_a_target_that_do_not_exist():
-    page = ("Run `torchfleet train --strategy ddp --stratgy fsdp`, read `src/torchfleet/nothing.py`,\n"
-            "then\n\n```bash\nmake tset\ntorchfleet plann\ntorchfleet run -n 2 train.py --epochs 3\n```\n")
+    page = (
+        "Run `torchfleet train --strategy ddp --stratgy fsdp`, read `src/torchfleet/nothing.py`,\n"
+        "then\n\n```bash\nmake tset\ntorchfleet plann\ntorchfleet run -n 2 train.py --epochs 3\n```\n"
+    )
     found = [p.split(": ", 1)[1] for p in _problems("page.md", page)]
-    assert sorted(found) == sorted(["torchfleet train --stratgy: no such flag",
-                                    "src/torchfleet/nothing.py: no such file or directory in the repository",
-                                    "torchfleet plann: no such command",
-                                    "make tset: no such target in the Makefile"]), found
+    assert sorted(found) == sorted(
+        [
+            "torchfleet train --stratgy: no such flag",
+            "src/torchfleet/nothing.py: no such file or directory in the repository",
+            "torchfleet plann: no such command",
+            "make tset: no such target in the Makefile",
+        ]
+    ), found
 
 
 def test_every_flag_of_every_command_is_in_the_generated_reference():
@@ -160,8 +188,11 @@ def test_every_flag_of_every_command_is_in_the_generated_reference():
     sections = dict(re.findall(r"^## torchfleet (\S+) \{ #\S+ \}\n(.*?)(?=^## |\Z)", page, re.M | re.S))
     assert set(sections) == set(COMMANDS)
     for name, parser in COMMANDS.items():
-        shown = [a for a in parser._actions if a.help != argparse.SUPPRESS and a.option_strings
-                 and not isinstance(a, argparse._HelpAction)]
+        shown = [
+            a
+            for a in parser._actions
+            if a.help != argparse.SUPPRESS and a.option_strings and not isinstance(a, argparse._HelpAction)
+        ]
         assert shown, name
         for action in shown:
             for spelling in action.option_strings:
@@ -171,8 +202,7 @@ def test_every_flag_of_every_command_is_in_the_generated_reference():
 def _runnable_blocks() -> list[tuple[str, str]]:
     found = []
     for page in PAGES:
-        for i, block in enumerate(re.findall(r"^<!-- run -->\n```[^\n]*\n(.*?)^```", page.read_text(),
-                                             re.M | re.S)):
+        for i, block in enumerate(re.findall(r"^<!-- run -->\n```[^\n]*\n(.*?)^```", page.read_text(), re.M | re.S)):
             found.append((f"{page.relative_to(ROOT)}#{i}", block))
     return found
 
@@ -188,6 +218,5 @@ def test_there_are_runnable_examples():
 @pytest.mark.parametrize("block", [b for _, b in RUNNABLE], ids=[n for n, _ in RUNNABLE])
 def test_a_runnable_example_runs(block, tmp_path):
     env = clean_env(PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
-    done = subprocess.run(["bash", "-e", "-c", block], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=240)
+    done = subprocess.run(["bash", "-e", "-c", block], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"

@@ -13,15 +13,25 @@ from torchfleet.doctor import collect_report, render_report, strategy_availabili
 from torchfleet.strategies import registry
 
 KEYS = {
-    "python", "torch", "torchfleet", "cpu_cores", "gpus", "infiniband", "ip_over_ib",
-    "backends_built", "cluster", "interfaces", "backend", "strategies", "fault_tolerance",
+    "python",
+    "torch",
+    "torchfleet",
+    "cpu_cores",
+    "gpus",
+    "infiniband",
+    "ip_over_ib",
+    "backends_built",
+    "cluster",
+    "interfaces",
+    "backend",
+    "strategies",
+    "fault_tolerance",
 }
 CPU_HOST = Hardware(0, (), (), False, False, frozenset({"gloo"}))
 
 
 def gpu_host(gpus: int) -> Hardware:
-    return Hardware(gpus, ("NVIDIA A100",) * gpus, (40 * 2**30,) * gpus, False, False,
-                    frozenset({"gloo", "nccl"}))
+    return Hardware(gpus, ("NVIDIA A100",) * gpus, (40 * 2**30,) * gpus, False, False, frozenset({"gloo", "nccl"}))
 
 
 def by_name(hw: Hardware, cores: int) -> dict[str, dict]:
@@ -57,8 +67,11 @@ def test_report_says_whether_per_step_fault_tolerance_can_run(report: dict, monk
     assert report["fault_tolerance"]["available"] == (installed is not None)
     monkeypatch.setattr(torchft_setup, "version", lambda: None)  # as where torchft is not installed
     missing = doctor._fault_tolerance()
-    assert missing == {"torchft": None, "available": False,
-                       "why": "torchft is not installed; pip install 'torchfleet[ft]' (or pip install torchft)"}
+    assert missing == {
+        "torchft": None,
+        "available": False,
+        "why": "torchft is not installed; pip install 'torchfleet[ft]' (or pip install torchft)",
+    }
     out = io.StringIO()
     render_report({**report, "fault_tolerance": missing}, Console(file=out, width=200))
     assert "Per-step fault tolerance: no: torchft is not installed; pip install 'torchfleet[ft]'" in out.getvalue()
@@ -81,9 +94,20 @@ def test_report_uses_given_hardware() -> None:
 def test_cpu_host_rules() -> None:
     found = by_name(CPU_HOST, cores=2)
     assert {n: s["available"] for n, s in found.items()} == {
-        "serial": True, "hogwild": True, "dp": False, "mp": True,
-        "ddp": True, "fsdp": True, "hsdp": True, "pipeline": True, "ddp+pipeline": True, "fsdp+pipeline": True,
-        "tp": True, "fsdp+tp": True, "diloco": True, "localsgd": True,
+        "serial": True,
+        "hogwild": True,
+        "dp": False,
+        "mp": True,
+        "ddp": True,
+        "fsdp": True,
+        "hsdp": True,
+        "pipeline": True,
+        "ddp+pipeline": True,
+        "fsdp+pipeline": True,
+        "tp": True,
+        "fsdp+tp": True,
+        "diloco": True,
+        "localsgd": True,
     }
     assert "pays only where the link between machines is slow" in found["diloco"]["why"]
     assert "CPU only" in found["mp"]["why"] and ">= 2 GPUs" in found["mp"]["why"]
@@ -116,7 +140,10 @@ def test_one_gpu_host_offers_only_what_runs_on_processes_sharing_it() -> None:
     for gpus, need in ((1, 2), (2, 4)):
         found = by_name(gpu_host(gpus), cores=16)
         offered = {n for n, s in found.items() if s["available"]}
-        assert offered == ({"serial", "hogwild", "mp", "ddp"} | ({"dp", "fsdp", "pipeline", "tp", "diloco", "localsgd"} if gpus == 2 else set()))
+        assert offered == (
+            {"serial", "hogwild", "mp", "ddp"}
+            | ({"dp", "fsdp", "pipeline", "tp", "diloco", "localsgd"} if gpus == 2 else set())
+        )
         if gpus == 1:
             assert "2 processes share the one GPU over Gloo" in found["ddp"]["why"]
         refused = found["fsdp" if gpus == 1 else "hsdp"]["why"]
@@ -133,8 +160,7 @@ def test_render_report_shows_the_backend_and_reason(report: dict) -> None:
 
 
 def test_cluster_is_detected_from_the_given_environment() -> None:
-    environ = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "node0",
-               "MASTER_PORT": "1234"}
+    environ = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "node0", "MASTER_PORT": "1234"}
     cluster = collect_report(CPU_HOST, environ=environ)["cluster"]
     assert (cluster["rank"], cluster["world_size"], cluster["master_port"]) == (1, 2, 1234)
 

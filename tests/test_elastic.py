@@ -29,8 +29,24 @@ STEPS, EVERY, LOST_AFTER = 10, 4, 5  # checkpoints at 4, 8, 10; host 2 stops aft
 PORT = 29410  # inside the namespaces: no other job can hold it
 # 48 splits among 3 processes and among 2: the global batch is what each step takes,
 # whatever the number of processes (README, "--batch-size is the global batch").
-JOB = ["train", "--strategy", "ddp", "--model", "mlp", "--data", "digits", "--epochs", "1",
-       "--max-steps", str(STEPS), "--batch-size", "48", "--no-progress", "--hang-timeout", "0"]
+JOB = [
+    "train",
+    "--strategy",
+    "ddp",
+    "--model",
+    "mlp",
+    "--data",
+    "digits",
+    "--epochs",
+    "1",
+    "--max-steps",
+    str(STEPS),
+    "--batch-size",
+    "48",
+    "--no-progress",
+    "--hang-timeout",
+    "0",
+]
 # torch's c10d defaults would add about 45 s: a lost node is declared dead after 3 missed
 # heartbeats 5 s apart, and a rendezvous that has its minimum waits 30 s more for latecomers.
 RDZV_CONF = "last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3,join_timeout=60"
@@ -78,26 +94,50 @@ def test_a_host_of_three_is_lost_and_two_finish_with_the_uninterrupted_weights(l
     stall = f"sleep:rank={lost}:step={LOST_AFTER}:once={fired}"
 
     def command(i: int) -> list[str]:
-        return [sys.executable, "-m", "torchfleet", "run", "--nnodes", "2:3", "-n", "1",
-                "--rdzv-endpoint", f"{net.addr(store)}:{PORT}", "--rdzv-conf", RDZV_CONF,
-                "--max-restarts", "2", "-m", "torchfleet", *JOB,
-                "--checkpoint-dir", str(ckpt), "--checkpoint-every", str(EVERY),
-                "--json-out", str(tmp_path / f"host{i}.json")]
+        return [
+            sys.executable,
+            "-m",
+            "torchfleet",
+            "run",
+            "--nnodes",
+            "2:3",
+            "-n",
+            "1",
+            "--rdzv-endpoint",
+            f"{net.addr(store)}:{PORT}",
+            "--rdzv-conf",
+            RDZV_CONF,
+            "--max-restarts",
+            "2",
+            "-m",
+            "torchfleet",
+            *JOB,
+            "--checkpoint-dir",
+            str(ckpt),
+            "--checkpoint-every",
+            str(EVERY),
+            "--json-out",
+            str(tmp_path / f"host{i}.json"),
+        ]
 
     with hosts(3) as net:
+
         def start_host(i: int) -> subprocess.Popen:
             env = clean_env(**({"TORCHFLEET_FAULT": stall} if i == lost else {}))
-            return net.popen(i, command(i), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             text=True)
+            return net.popen(i, command(i), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
         # The reference: 2 processes on this machine, never interrupted. It stands for an
         # uninterrupted two-host run because ddp's result does not depend on how many
         # processes or machines share the global batch (test_multinode.py checks 2 hosts
         # against 1 process; test_equivalence.py ddp against serial, within 1e-5). It runs
         # alongside the hosts, which spend seconds waiting on the rendezvous.
-        reference = subprocess.Popen([sys.executable, "-m", "torchfleet", *JOB, "-n", "2", "--checkpoint-dir",
-                                      str(tmp_path / "reference")], env=clean_env(), stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True)
+        reference = subprocess.Popen(
+            [sys.executable, "-m", "torchfleet", *JOB, "-n", "2", "--checkpoint-dir", str(tmp_path / "reference")],
+            env=clean_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         net.procs.append(reference)  # killed with the hosts if the test fails first
 
         # The store's host first: the others' preflight knocks on its rendezvous port for a

@@ -32,8 +32,20 @@ from torchfleet.train.config import TrainConfig
 from torchfleet.train.datasets import synthetic
 
 SCRIPT = str(ROOT / "tests" / "scripts" / "crash.py")
-JOB = ["train", "--strategy", "serial", "--model", "mlp", "--data", "synthetic", "--synthetic-size", "256",
-       "--no-progress", "--hang-timeout", "0"]
+JOB = [
+    "train",
+    "--strategy",
+    "serial",
+    "--model",
+    "mlp",
+    "--data",
+    "synthetic",
+    "--synthetic-size",
+    "256",
+    "--no-progress",
+    "--hang-timeout",
+    "0",
+]
 
 
 @dataclass
@@ -68,8 +80,10 @@ def _mount(args: list[str]) -> None:
     try:
         subprocess.run(args, check=True, capture_output=True)
     except (OSError, subprocess.CalledProcessError) as exc:
-        require_system(f"mount is not permitted here ({getattr(exc, 'stderr', b'') or exc!s}); it needs root"
-                       " in a container that allows mounts")
+        require_system(
+            f"mount is not permitted here ({getattr(exc, 'stderr', b'') or exc!s}); it needs root"
+            " in a container that allows mounts"
+        )
 
 
 def _read_only(ckpt: Path, cleanups: list) -> None:
@@ -93,52 +107,143 @@ MOUNTS = {"read-only": _read_only, "full": _full}
 
 ROWS = [
     Row("unknown-backend", ["train", "--backend", "carrier-pigeon"], "invalid choice: 'carrier-pigeon'"),
-    Row("accumulation-does-not-divide", [*JOB, "--batch-size", "64", "--grad-accum", "3", "--checkpoint-dir", "{ckpt}"],
-        "does not split into 3 accumulation steps"),
-    Row("batch-larger-than-data", [*JOB, "--synthetic-size", "100", "--batch-size", "128", "--checkpoint-dir", "{ckpt}"],
-        "batch size 128 is larger than the data set (100 samples)"),
-    Row("negative-checkpoint-interval", [*JOB, "--checkpoint-every", "-1", "--checkpoint-dir", "{ckpt}"],
-        "--checkpoint-every -1 must be at least 0"),
-    Row("keep-zero-checkpoints", [*JOB, "--keep-checkpoints", "0", "--checkpoint-dir", "{ckpt}"],
-        "--keep-checkpoints 0 must be at least 1"),
-    Row("negative-hang-timeout", ["train", "--hang-timeout", "-5", "--checkpoint-dir", "{ckpt}"],
-        "--hang-timeout -5.0 must be 0 (off) or a positive number"),
-    Row("negative-restarts", ["train", "--max-restarts", "-1", "--checkpoint-dir", "{ckpt}"],
-        "--max-restarts -1 must be at least 0"),
-    Row("zero-nodes", ["train", "--strategy", "ddp", "--nnodes", "0", "--checkpoint-dir", "{ckpt}"],
-        "--nnodes '0' is not a number of machines like 2 or a range like 1:4"),
-    Row("zero-max-steps", ["train", "--max-steps", "0", "--checkpoint-dir", "{ckpt}"], "--max-steps 0 must be at least 1"),
-    Row("zero-batch", ["train", "--batch-size", "0", "--checkpoint-dir", "{ckpt}"], "--batch-size 0 must be at least 1"),
+    Row(
+        "accumulation-does-not-divide",
+        [*JOB, "--batch-size", "64", "--grad-accum", "3", "--checkpoint-dir", "{ckpt}"],
+        "does not split into 3 accumulation steps",
+    ),
+    Row(
+        "batch-larger-than-data",
+        [*JOB, "--synthetic-size", "100", "--batch-size", "128", "--checkpoint-dir", "{ckpt}"],
+        "batch size 128 is larger than the data set (100 samples)",
+    ),
+    Row(
+        "negative-checkpoint-interval",
+        [*JOB, "--checkpoint-every", "-1", "--checkpoint-dir", "{ckpt}"],
+        "--checkpoint-every -1 must be at least 0",
+    ),
+    Row(
+        "keep-zero-checkpoints",
+        [*JOB, "--keep-checkpoints", "0", "--checkpoint-dir", "{ckpt}"],
+        "--keep-checkpoints 0 must be at least 1",
+    ),
+    Row(
+        "negative-hang-timeout",
+        ["train", "--hang-timeout", "-5", "--checkpoint-dir", "{ckpt}"],
+        "--hang-timeout -5.0 must be 0 (off) or a positive number",
+    ),
+    Row(
+        "negative-restarts",
+        ["train", "--max-restarts", "-1", "--checkpoint-dir", "{ckpt}"],
+        "--max-restarts -1 must be at least 0",
+    ),
+    Row(
+        "zero-nodes",
+        ["train", "--strategy", "ddp", "--nnodes", "0", "--checkpoint-dir", "{ckpt}"],
+        "--nnodes '0' is not a number of machines like 2 or a range like 1:4",
+    ),
+    Row(
+        "zero-max-steps",
+        ["train", "--max-steps", "0", "--checkpoint-dir", "{ckpt}"],
+        "--max-steps 0 must be at least 1",
+    ),
+    Row(
+        "zero-batch", ["train", "--batch-size", "0", "--checkpoint-dir", "{ckpt}"], "--batch-size 0 must be at least 1"
+    ),
     Row("fallback-without-directory", ["train", "--resume-fallback"], "--resume-fallback needs --checkpoint-dir"),
-    Row("corrupt-checkpoint", [*JOB, "--resume", "--checkpoint-dir", "{ckpt}"],
+    Row(
+        "corrupt-checkpoint",
+        [*JOB, "--resume", "--checkpoint-dir", "{ckpt}"],
         "state.pt' is corrupt or truncated: its sha256 does not match manifest.json; pass --resume-fallback",
-        setup="flip"),
-    Row("truncated-checkpoint", [*JOB, "--resume", "--checkpoint-dir", "{ckpt}"],
-        "state.pt' is corrupt or truncated", setup="truncate"),
-    Row("incomplete-checkpoint", [*JOB, "--resume", "--checkpoint-dir", "{ckpt}"],
-        "has no manifest.json: it is incomplete or not a torchfleet checkpoint", setup="no-manifest"),
-    Row("no-intact-checkpoint-left", [*JOB, "--resume-fallback", "--checkpoint-dir", "{ckpt}"],
-        "none of the 1 checkpoints in", setup="flip"),
-    Row("checkpoint-of-another-model", [*JOB[:4], "cnn", *JOB[5:], "--resume", "--checkpoint-dir", "{ckpt}"],
-        "holds a different model: this model's 0.bias [32] is not in it"),
-    Row("checkpoint-of-another-optimizer", [*JOB, "--optimizer", "sgd", "--resume", "--checkpoint-dir", "{ckpt}"],
-        "was saved with optimizer AdamW and this run uses SGD"),
-    Row("read-only-checkpoint-directory", [*JOB, "--checkpoint-dir", "{ckpt}"],
-        "is not writable (Read-only file system)", setup="read-only"),
-    Row("full-checkpoint-directory",
+        setup="flip",
+    ),
+    Row(
+        "truncated-checkpoint",
+        [*JOB, "--resume", "--checkpoint-dir", "{ckpt}"],
+        "state.pt' is corrupt or truncated",
+        setup="truncate",
+    ),
+    Row(
+        "incomplete-checkpoint",
+        [*JOB, "--resume", "--checkpoint-dir", "{ckpt}"],
+        "has no manifest.json: it is incomplete or not a torchfleet checkpoint",
+        setup="no-manifest",
+    ),
+    Row(
+        "no-intact-checkpoint-left",
+        [*JOB, "--resume-fallback", "--checkpoint-dir", "{ckpt}"],
+        "none of the 1 checkpoints in",
+        setup="flip",
+    ),
+    Row(
+        "checkpoint-of-another-model",
+        [*JOB[:4], "cnn", *JOB[5:], "--resume", "--checkpoint-dir", "{ckpt}"],
+        "holds a different model: this model's 0.bias [32] is not in it",
+    ),
+    Row(
+        "checkpoint-of-another-optimizer",
+        [*JOB, "--optimizer", "sgd", "--resume", "--checkpoint-dir", "{ckpt}"],
+        "was saved with optimizer AdamW and this run uses SGD",
+    ),
+    Row(
+        "read-only-checkpoint-directory",
+        [*JOB, "--checkpoint-dir", "{ckpt}"],
+        "is not writable (Read-only file system)",
+        setup="read-only",
+    ),
+    Row(
+        "full-checkpoint-directory",
         [*JOB, "--resume", "--checkpoint-every", "1", "--max-steps", "3", "--checkpoint-dir", "{ckpt}"],
-        "(No space left on device); the earlier checkpoints are untouched", setup="full"),
-    Row("malformed-launcher-variable", ["train", "--checkpoint-dir", "{ckpt}"],
-        "RANK='first' is not an integer", env={"RANK": "first", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}),
-    Row("unknown-allocator-choice", [*JOB, "--checkpoint-dir", "{ckpt}"],
+        "(No space left on device); the earlier checkpoints are untouched",
+        setup="full",
+    ),
+    Row(
+        "malformed-launcher-variable",
+        ["train", "--checkpoint-dir", "{ckpt}"],
+        "RANK='first' is not an integer",
+        env={"RANK": "first", "WORLD_SIZE": "2", "LOCAL_RANK": "0"},
+    ),
+    Row(
+        "unknown-allocator-choice",
+        [*JOB, "--checkpoint-dir", "{ckpt}"],
         "TORCHFLEET_MALLOC='jemalloc' is not a choice; use keep (the default) or default",
-        env={"TORCHFLEET_MALLOC": "jemalloc"}),
-    Row("mesh-does-not-multiply-out", ["train", "--strategy", "ddp+pipeline", "-n", "3", "--pp", "2",
-                                       "--batch-size", "66", "--checkpoint-dir", "{ckpt}"], "dp_replicate(1) * dp_shard(1) * pp(2) != 3 processes"),
+        env={"TORCHFLEET_MALLOC": "jemalloc"},
+    ),
+    Row(
+        "mesh-does-not-multiply-out",
+        [
+            "train",
+            "--strategy",
+            "ddp+pipeline",
+            "-n",
+            "3",
+            "--pp",
+            "2",
+            "--batch-size",
+            "66",
+            "--checkpoint-dir",
+            "{ckpt}",
+        ],
+        "dp_replicate(1) * dp_shard(1) * pp(2) != 3 processes",
+    ),
     Row("run-zero-processes", ["run", "-n", "0", SCRIPT], "--nproc-per-node 0 must be at least 1"),
     Row("port-in-use", ["run", "-n", "2", "--master-port", "{busy_port}", SCRIPT], "is already in use on 127.0.0.1"),
-    Row("unresolvable-master", ["run", "--nnodes", "2", "--node-rank", "1", "--master-addr", "no-such-host.invalid",
-                                "--master-port", "29400", SCRIPT], "--master-addr 'no-such-host.invalid' cannot be resolved"),
+    Row(
+        "unresolvable-master",
+        [
+            "run",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--master-addr",
+            "no-such-host.invalid",
+            "--master-port",
+            "29400",
+            SCRIPT,
+        ],
+        "--master-addr 'no-such-host.invalid' cannot be resolved",
+    ),
 ]
 
 
@@ -202,25 +307,42 @@ def _closed_port():
 
 
 API = {
-    "config-unknown-optimizer": (lambda ckpt: TrainConfig(optimizer="lbfgs"), "unknown optimizer 'lbfgs'; choose one of sgd, adamw"),
+    "config-unknown-optimizer": (
+        lambda ckpt: TrainConfig(optimizer="lbfgs"),
+        "unknown optimizer 'lbfgs'; choose one of sgd, adamw",
+    ),
     "config-unknown-data": (lambda ckpt: TrainConfig(data="imagenet"), "unknown data set 'imagenet'"),
-    "config-unknown-precision": (lambda ckpt: TrainConfig(precision="fp8"), "unknown precision 'fp8'; choose one of fp32, bf16, fp16"),
+    "config-unknown-precision": (
+        lambda ckpt: TrainConfig(precision="fp8"),
+        "unknown precision 'fp8'; choose one of fp32, bf16, fp16",
+    ),
     "config-port-zero": (lambda ckpt: LaunchConfig(master_port=0), "--master-port 0 is not a TCP port; use 1 to 65535"),
     "api-unknown-strategy": (lambda ckpt: Fleet(strategy="warp"), "unknown strategy 'warp'"),
     "api-zero-accumulation": (lambda ckpt: Fleet(grad_accum=0), "grad_accum 0 must be at least 1"),
-    "api-unknown-option": (lambda ckpt: Fleet(strategy="serial", pp=2), "option 'pp' does not apply to strategy 'serial'"),
+    "api-unknown-option": (
+        lambda ckpt: Fleet(strategy="serial", pp=2),
+        "option 'pp' does not apply to strategy 'serial'",
+    ),
     "api-fp16-on-cpu": (lambda ckpt: Fleet(precision="fp16"), "precision fp16 needs a CUDA device"),
     "api-unknown-reduction": (lambda ckpt: Fleet().all_reduce(1.0, op="median"), "unknown reduction 'median'"),
-    "api-uneven-global-batch": (lambda ckpt: GlobalBatchSampler(100, 30, rank=0, world_size=4),
-                                "batch size 30 does not split evenly among 4 processes; use a multiple of 4 such as 28 or 32"),
-    "api-rank-out-of-range": (lambda ckpt: DistEnv.detect({"RANK": "3", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}),
-                              "RANK=3 is out of range for WORLD_SIZE=2"),
+    "api-uneven-global-batch": (
+        lambda ckpt: GlobalBatchSampler(100, 30, rank=0, world_size=4),
+        "batch size 30 does not split evenly among 4 processes; use a multiple of 4 such as 28 or 32",
+    ),
+    "api-rank-out-of-range": (
+        lambda ckpt: DistEnv.detect({"RANK": "3", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}),
+        "RANK=3 is out of range for WORLD_SIZE=2",
+    ),
     "api-missing-checkpoint": (lambda ckpt: _fleet_and_model().load(ckpt / "step-99999999"), "does not exist"),
-    "api-checkpoint-of-another-model": (lambda ckpt: _fleet_and_model().load(next(ckpt.glob("step-*"))),
-                                        "holds a different model"),
+    "api-checkpoint-of-another-model": (
+        lambda ckpt: _fleet_and_model().load(next(ckpt.glob("step-*"))),
+        "holds a different model",
+    ),
     "api-unreachable-master": (lambda ckpt: _closed_port(), "cannot reach the master at 127.0.0.1:"),
-    "api-dataloader-for-dataset": (lambda ckpt: Fleet().dataloader(DataLoader(synthetic(16), batch_size=32), 32),
-                                   "fleet.dataloader takes a Dataset, not a DataLoader"),
+    "api-dataloader-for-dataset": (
+        lambda ckpt: Fleet().dataloader(DataLoader(synthetic(16), batch_size=32), 32),
+        "fleet.dataloader takes a Dataset, not a DataLoader",
+    ),
 }
 
 

@@ -10,8 +10,24 @@ import torch
 
 from conftest import clean_env, torchfleet
 
-JOB = ["train", "--strategy", "ddp", "-n", "2", "--model", "mlp", "--data", "synthetic", "--synthetic-size", "512",
-       "--batch-size", "32", "--epochs", "1", "--no-progress"]  # 16 steps
+JOB = [
+    "train",
+    "--strategy",
+    "ddp",
+    "-n",
+    "2",
+    "--model",
+    "mlp",
+    "--data",
+    "synthetic",
+    "--synthetic-size",
+    "512",
+    "--batch-size",
+    "32",
+    "--epochs",
+    "1",
+    "--no-progress",
+]  # 16 steps
 
 
 def _final_model(directory):
@@ -22,8 +38,16 @@ def _final_model(directory):
 def test_sigkilled_rank_restarts_the_group_which_resumes_to_the_same_weights(tmp_path):
     marker = tmp_path / "fired"
     every = ["--checkpoint-every", "4"]
-    killed = torchfleet(*JOB, *every, "--max-restarts", "1", "--checkpoint-dir", str(tmp_path / "killed"),
-                        env=clean_env(TORCHFLEET_FAULT=f"kill:rank=1:step=6:once={marker}"), timeout=240)
+    killed = torchfleet(
+        *JOB,
+        *every,
+        "--max-restarts",
+        "1",
+        "--checkpoint-dir",
+        str(tmp_path / "killed"),
+        env=clean_env(TORCHFLEET_FAULT=f"kill:rank=1:step=6:once={marker}"),
+        timeout=240,
+    )
     assert killed.returncode == 0, killed.stderr
     assert marker.exists()  # it did fire, once
     assert "resumed from" in killed.stdout and "step-00000004 at step 4" in killed.stdout  # 2 steps redone <= 4
@@ -36,8 +60,7 @@ def test_sigkilled_rank_restarts_the_group_which_resumes_to_the_same_weights(tmp
 
 @pytest.mark.timeout(180)
 def test_a_sleeping_rank_gets_one_verdict_and_a_non_zero_exit(tmp_path):
-    result = torchfleet(*JOB, "--hang-timeout", "3", env=clean_env(TORCHFLEET_FAULT="sleep:rank=1:step=5"),
-                        timeout=150)
+    result = torchfleet(*JOB, "--hang-timeout", "3", env=clean_env(TORCHFLEET_FAULT="sleep:rank=1:step=5"), timeout=150)
     assert result.returncode == 124, result.stderr
     err = result.stderr
     verdict = err.split("\n")[0]
@@ -67,9 +90,30 @@ def test_a_crash_is_summarised_once_and_the_other_rank_stops_within_10_s(tmp_pat
 def test_a_non_finite_loss_stops_with_step_and_rank(tmp_path, capsys):
     from torchfleet import cli
 
-    code = cli.main(["train", "--strategy", "serial", "--model", "mlp", "--data", "synthetic", "--synthetic-size",
-                     "512", "--optimizer", "sgd", "--lr", "1e20", "--max-steps", "30", "--no-progress",
-                     "--hang-timeout", "0", "--checkpoint-dir", str(tmp_path)])
+    code = cli.main(
+        [
+            "train",
+            "--strategy",
+            "serial",
+            "--model",
+            "mlp",
+            "--data",
+            "synthetic",
+            "--synthetic-size",
+            "512",
+            "--optimizer",
+            "sgd",
+            "--lr",
+            "1e20",
+            "--max-steps",
+            "30",
+            "--no-progress",
+            "--hang-timeout",
+            "0",
+            "--checkpoint-dir",
+            str(tmp_path),
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 1
     lines = err.strip().splitlines()
@@ -79,24 +123,34 @@ def test_a_non_finite_loss_stops_with_step_and_rank(tmp_path, capsys):
 
 
 def _report(rank, step, *frames):
-    return {"rank": rank, "host": f"host-{rank}", "pid": 100 + rank, "step": step, "phase": "train",
-            "stack": [("/home/me/train.py", 10, "<module>"), *frames]}
+    return {
+        "rank": rank,
+        "host": f"host-{rank}",
+        "pid": 100 + rank,
+        "step": step,
+        "phase": "train",
+        "stack": [("/home/me/train.py", 10, "<module>"), *frames],
+    }
 
 
 def test_verdict_names_the_straggler_and_groups_the_waiters():
     from torchfleet.worker.hang_watchdog import _TORCH_DIR, verdict
 
     collective = (f"{_TORCH_DIR}/distributed/distributed_c10d.py", 2800, "all_reduce")
-    reports = {0: _report(0, 8, ("/home/me/train.py", 42, "sync"), collective),
-               1: _report(1, 7, ("/home/me/data.py", 9, "read_shard")),
-               2: _report(2, 8, ("/home/me/train.py", 42, "sync"), collective)}
+    reports = {
+        0: _report(0, 8, ("/home/me/train.py", 42, "sync"), collective),
+        1: _report(1, 7, ("/home/me/data.py", 9, "read_shard")),
+        2: _report(2, 8, ("/home/me/train.py", 42, "sync"), collective),
+    }
     assert verdict(reports, 4, 61.2) == (
         "rank 1 on host-1 has been in read_shard for 61 s at data.py:9 (step 7);"
         " rank 3 did not answer in 10 s (stuck in native code holding the GIL, or frozen);"
-        " ranks 0, 2 wait in all_reduce at train.py:42 (step 8)")
+        " ranks 0, 2 wait in all_reduce at train.py:42 (step 8)"
+    )
     everyone_waits = {r: _report(r, 8, ("/home/me/train.py", 42, "sync"), collective) for r in range(2)}
     assert verdict(everyone_waits, 2, 30).startswith(
-        "no rank has made progress for 30 s: all ranks wait in all_reduce at train.py:42 (step 8)")
+        "no rank has made progress for 30 s: all ranks wait in all_reduce at train.py:42 (step 8)"
+    )
 
 
 def test_a_malformed_fault_is_refused():
@@ -125,16 +179,20 @@ def test_the_agent_adds_the_cause_its_poll_did_not_find(tmp_path):
     from torchfleet.launcher import failures
     from torchfleet.launcher.agent import _Agent
 
-    pcontext = start_processes("both-fail", failures.Recorded(_fail), args={0: ("echo",), 1: ("cause",)},
-                               envs={0: {}, 1: {}}, logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path)),
-                               start_method="spawn")
+    pcontext = start_processes(
+        "both-fail",
+        failures.Recorded(_fail),
+        args={0: ("echo",), 1: ("cause",)},
+        envs={0: {}, 1: {}},
+        logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path)),
+        start_method="spawn",
+    )
     try:
         processes = pcontext._pc.processes
         for process in processes:
             process.join(timeout=60)
         assert [p.exitcode for p in processes] == [1, 1]
-        found = {0: ProcessFailure(local_rank=0, pid=processes[0].pid, exitcode=1,
-                                   error_file=pcontext.error_files[0])}
+        found = {0: ProcessFailure(local_rank=0, pid=processes[0].pid, exitcode=1, error_file=pcontext.error_files[0])}
         agent = _Agent.__new__(_Agent)  # the method reads only the process context
         agent._pcontext = pcontext
         group = WorkerGroup.__new__(WorkerGroup)

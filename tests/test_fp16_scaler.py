@@ -41,8 +41,18 @@ def test_an_overflow_on_one_rank_skips_that_step_on_every_rank(strategy, options
 def test_a_diverged_fp16_run_stops_after_the_limit_of_skipped_steps(monkeypatch, capsys):
     monkeypatch.setattr(precision, "FP16_DEVICES", ("cuda", "cpu"))
     # lr 1e6 drives the weights to inf within a few steps; from then every loss is NaN.
-    cfg = TrainConfig(model="mlp", data="synthetic", synthetic_size=2048, batch_size=32, epochs=1,
-                      optimizer="sgd", lr=1e6, precision="fp16", progress=False, hang_timeout=0)
+    cfg = TrainConfig(
+        model="mlp",
+        data="synthetic",
+        synthetic_size=2048,
+        batch_size=32,
+        epochs=1,
+        optimizer="sgd",
+        lr=1e6,
+        precision="fp16",
+        progress=False,
+        hang_timeout=0,
+    )
     with pytest.raises(TrainingError) as caught:
         train(cfg, "serial")
     message = str(caught.value)
@@ -50,7 +60,7 @@ def test_a_diverged_fp16_run_stops_after_the_limit_of_skipped_steps(monkeypatch,
     step = int(message.split("up to step ")[1].split()[0])
     assert FP16_NONFINITE_LIMIT <= step < 2048 // 32  # stopped before the epoch ended
     scale = float(message.split("lowered its scale to ")[1].split(";")[0])
-    assert scale <= INITIAL_SCALE / 2 ** FP16_NONFINITE_LIMIT  # halved once per skipped step
+    assert scale <= INITIAL_SCALE / 2**FP16_NONFINITE_LIMIT  # halved once per skipped step
 
 
 def test_fp16_is_refused_on_cpu_without_the_test_switch():

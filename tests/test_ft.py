@@ -34,18 +34,43 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _groups(n: int, argv: list[str], tmp: Path, nproc: int = 1, port: int | None = None,
-            timeout: float = 240, env=None) -> list[tuple[int, str]]:
+def _groups(
+    n: int, argv: list[str], tmp: Path, nproc: int = 1, port: int | None = None, timeout: float = 240, env=None
+) -> list[tuple[int, str]]:
     """`torchfleet train --fault-tolerance step` as n groups on this machine; (status, output) each."""
     port = port or _free_port()
     procs = []
     for rank in range(n):
-        command = [sys.executable, "-m", "torchfleet", "train", *argv, "--fault-tolerance", "step",
-                   "--nnodes", str(n), "--node-rank", str(rank), "--master-addr", "127.0.0.1",
-                   "--master-port", str(port), "-n", str(nproc), "--save-model", str(tmp / f"group{rank}.pt"),
-                   "--json-out", str(tmp / f"group{rank}.json"), "--metrics-out", str(tmp / f"group{rank}.csv")]
-        procs.append(subprocess.Popen(command, env=env or clean_env(), stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True, cwd=ROOT))
+        command = [
+            sys.executable,
+            "-m",
+            "torchfleet",
+            "train",
+            *argv,
+            "--fault-tolerance",
+            "step",
+            "--nnodes",
+            str(n),
+            "--node-rank",
+            str(rank),
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(port),
+            "-n",
+            str(nproc),
+            "--save-model",
+            str(tmp / f"group{rank}.pt"),
+            "--json-out",
+            str(tmp / f"group{rank}.json"),
+            "--metrics-out",
+            str(tmp / f"group{rank}.csv"),
+        ]
+        procs.append(
+            subprocess.Popen(
+                command, env=env or clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT
+            )
+        )
     try:
         outputs = [p.communicate(timeout=timeout)[0] for p in procs]
         return [(p.returncode, out) for p, out in zip(procs, outputs, strict=True)]
@@ -55,8 +80,16 @@ def _groups(n: int, argv: list[str], tmp: Path, nproc: int = 1, port: int | None
 
 
 def _serial(argv: list[str], tmp: Path) -> dict:
-    out = torchfleet("train", *argv, "--strategy", "serial", "--save-model", str(tmp / "serial.pt"),
-                     "--json-out", str(tmp / "serial.json"))
+    out = torchfleet(
+        "train",
+        *argv,
+        "--strategy",
+        "serial",
+        "--save-model",
+        str(tmp / "serial.pt"),
+        "--json-out",
+        str(tmp / "serial.json"),
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     return torch.load(tmp / "serial.pt", weights_only=True)
 
@@ -82,25 +115,56 @@ def one_group_killed(argv: list[str], step: int, tmp: Path) -> list[str]:
 
     def group(rank: int, **env) -> subprocess.Popen:
         return subprocess.Popen(
-            [sys.executable, "-m", "torchfleet", "train", *argv, "--fault-tolerance", "step", "--nnodes", "2",
-             "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port), "-n", "1",
-             "--max-restarts", "1", "--save-model", str(tmp / f"group{rank}.pt"),
-             "--json-out", str(tmp / f"group{rank}.json"), "--metrics-out", str(tmp / f"group{rank}.csv")],
-            env=clean_env(**env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+            [
+                sys.executable,
+                "-m",
+                "torchfleet",
+                "train",
+                *argv,
+                "--fault-tolerance",
+                "step",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(rank),
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(port),
+                "-n",
+                "1",
+                "--max-restarts",
+                "1",
+                "--save-model",
+                str(tmp / f"group{rank}.pt"),
+                "--json-out",
+                str(tmp / f"group{rank}.json"),
+                "--metrics-out",
+                str(tmp / f"group{rank}.csv"),
+            ],
+            env=clean_env(**env),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=ROOT,
+        )
 
-    procs = [group(0, TORCHFLEET_FAULT=f"pace:rank=0:step={step}:seconds=0.2:until={healed}"),
-             group(1, TORCHFLEET_FAULT=f"kill:rank=0:step={step}:once={fired}")]
+    procs = [
+        group(0, TORCHFLEET_FAULT=f"pace:rank=0:step={step}:seconds=0.2:until={healed}"),
+        group(1, TORCHFLEET_FAULT=f"kill:rank=0:step={step}:once={fired}"),
+    ]
     outputs = read_outputs(procs, timeout=240, when={1: (HEALED, healed.touch)})
     assert [p.returncode for p in procs] == [0, 0], said([p.returncode for p in procs], dict(enumerate(outputs)))
     assert fired.exists()
     return outputs
 
 
-
-
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("strategy,groups,nproc", [("ddp", 3, 1), ("fsdp", 2, 2), ("pipeline", 2, 2)],
-                         ids=["ddp-3x1", "fsdp-2x2", "pipeline-2x2"])
+@pytest.mark.parametrize(
+    "strategy,groups,nproc",
+    [("ddp", 3, 1), ("fsdp", 2, 2), ("pipeline", 2, 2)],
+    ids=["ddp-3x1", "fsdp-2x2", "pipeline-2x2"],
+)
 def test_an_uninterrupted_job_of_replica_groups_trains_serials_weights(strategy, groups, nproc, tmp_path):
     argv = [*MLP, "--strategy", strategy, "--epochs", "1", "--max-steps", "12", "--log-every", "1"]
     runs = _groups(groups, argv, tmp_path, nproc=nproc)
@@ -116,8 +180,9 @@ def test_an_uninterrupted_job_of_replica_groups_trains_serials_weights(strategy,
     print(f"{strategy} {groups} groups x {nproc}: max |weight - serial's| = {diff:.3g}")
     assert diff < 1e-5
     summaries = [json.loads((tmp_path / f"group{g}.json").read_text()) for g in range(groups)]
-    assert [(s["replica_group"], s["replica_groups"], s["steps"]) for s in summaries] == \
-        [(g, groups, 12) for g in range(groups)]
+    assert [(s["replica_group"], s["replica_groups"], s["steps"]) for s in summaries] == [
+        (g, groups, 12) for g in range(groups)
+    ]
     serial = json.loads((tmp_path / "serial.json").read_text())
     assert {s["val_accuracy"] for s in summaries} == {serial["val_accuracy"]}
     # The mean of the groups' final losses (each over its share of the last batch) is serial's.
@@ -192,8 +257,11 @@ def test_a_group_whose_worker_dies_is_restarted_by_its_agent_and_heals_from_a_li
     healed = re.search(r"group 1 healed from group 0 at step (\d+)", outputs[1])
     assert healed and int(healed.group(1)) >= 8, outputs[1]
     # Its agent started it again within the 3 s the lighthouse waits for heartbeats, or after them.
-    assert re.search(r"group 1 was lost and started again at step \d+, healing from this group \(0\); groups 0, 1"
-                     r" went on after a pause of|group 1 left at step \d+: group 0 went on", outputs[0]), outputs[0]
+    assert re.search(
+        r"group 1 was lost and started again at step \d+, healing from this group \(0\); groups 0, 1"
+        r" went on after a pause of|group 1 left at step \d+: group 0 went on",
+        outputs[0],
+    ), outputs[0]
     assert "resumed from" not in outputs[1]
     weights = [torch.load(tmp_path / f"group{g}.pt", weights_only=True) for g in range(2)]
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
@@ -210,8 +278,10 @@ def test_a_group_whose_worker_dies_is_restarted_by_its_agent_and_heals_from_a_li
     after = [int(r["step"]) for r in _train_rows(tmp_path / "group1.csv")]
     assert after and after[0] > int(healed.group(1)) and after == list(range(after[0], steps + 1)), after
     diff = _max_diff(weights[0], replay(participants, steps))
-    print(f"group 0 went on alone for {len(alone)} steps; group 1 healed at step {healed.group(1)};"
-          f" max |weight - replay| = {diff:.3g}")
+    print(
+        f"group 0 went on alone for {len(alone)} steps; group 1 healed at step {healed.group(1)};"
+        f" max |weight - replay| = {diff:.3g}"
+    )
     assert diff < 1e-5
 
 
@@ -221,14 +291,39 @@ def test_a_group_with_no_live_peer_says_so_and_stops(tmp_path):
     """torchfleet lighthouse runs alone; group 1 of 2 starts, no other group ever comes: after
     --join-timeout it stops with one sentence instead of training alone from its initial weights."""
     port = _free_port()
-    lighthouse = subprocess.Popen([sys.executable, "-m", "torchfleet", "lighthouse", "--host", "127.0.0.1",
-                                   "--port", str(port)], env=clean_env(), stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    lighthouse = subprocess.Popen(
+        [sys.executable, "-m", "torchfleet", "lighthouse", "--host", "127.0.0.1", "--port", str(port)],
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+    )
     try:
         start = time.monotonic()
-        out = torchfleet("train", *MLP, "--strategy", "ddp", "--epochs", "1", "--fault-tolerance", "step",
-                         "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
-                         "--lighthouse", f"127.0.0.1:{port}", "--join-timeout", "4", "-n", "1", timeout=90)
+        out = torchfleet(
+            "train",
+            *MLP,
+            "--strategy",
+            "ddp",
+            "--epochs",
+            "1",
+            "--fault-tolerance",
+            "step",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--master-addr",
+            "127.0.0.1",
+            "--lighthouse",
+            f"127.0.0.1:{port}",
+            "--join-timeout",
+            "4",
+            "-n",
+            "1",
+            timeout=90,
+        )
         seconds = time.monotonic() - start
     finally:
         lighthouse.terminate()
@@ -248,15 +343,53 @@ def test_groups_whose_lighthouse_is_lost_stop_with_one_sentence(tmp_path):
     """The lighthouse (torchfleet lighthouse, apart) is killed while two groups train: each stops at its next
     step saying so, instead of a traceback from torchft's quorum after the timeout."""
     port = _free_port()
-    lighthouse = subprocess.Popen([sys.executable, "-m", "torchfleet", "lighthouse", "--host", "127.0.0.1",
-                                   "--port", str(port)], env=clean_env(), stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True, cwd=ROOT)
-    procs = [subprocess.Popen(
-        [sys.executable, "-m", "torchfleet", "train", *MLP, "--strategy", "ddp", "--epochs", "50",
-         "--fault-tolerance", "step", "--nnodes", "2", "--node-rank", str(g), "--master-addr", "127.0.0.1",
-         "--lighthouse", f"127.0.0.1:{port}", "--join-timeout", "20", "-n", "1", "--log-every", "1",
-         "--metrics-out", str(tmp_path / f"group{g}.csv")],
-        env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT) for g in range(2)]
+    lighthouse = subprocess.Popen(
+        [sys.executable, "-m", "torchfleet", "lighthouse", "--host", "127.0.0.1", "--port", str(port)],
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+    )
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torchfleet",
+                "train",
+                *MLP,
+                "--strategy",
+                "ddp",
+                "--epochs",
+                "50",
+                "--fault-tolerance",
+                "step",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(g),
+                "--master-addr",
+                "127.0.0.1",
+                "--lighthouse",
+                f"127.0.0.1:{port}",
+                "--join-timeout",
+                "20",
+                "-n",
+                "1",
+                "--log-every",
+                "1",
+                "--metrics-out",
+                str(tmp_path / f"group{g}.csv"),
+            ],
+            env=clean_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=ROOT,
+        )
+        for g in range(2)
+    ]
     try:
         deadline = time.monotonic() + 90
         metrics = tmp_path / "group0.csv"
@@ -272,8 +405,11 @@ def test_groups_whose_lighthouse_is_lost_stop_with_one_sentence(tmp_path):
             p.kill()
     for p, text in zip(procs, outputs, strict=True):
         assert p.returncode == 1, text
-        assert re.search(r"replica group [01] got no quorum at step \d+ \(.*\): the lighthouse at"
-                         rf" http://127.0.0.1:{port} does not answer", text), text
+        assert re.search(
+            r"replica group [01] got no quorum at step \d+ \(.*\): the lighthouse at"
+            rf" http://127.0.0.1:{port} does not answer",
+            text,
+        ), text
     print(f"both groups stopped {seconds:.1f} s after the lighthouse was lost")
     assert seconds < 60
 
@@ -285,11 +421,35 @@ def test_a_script_runs_as_replica_groups_unless_they_start_from_different_weight
     would step apart forever, and Fleet stops them."""
     port = _free_port()
     script = [str(ROOT / "tests" / "scripts" / "ft_seeds.py"), *(["--seed-by-group"] if seeds == "by-group" else [])]
-    procs = [subprocess.Popen([sys.executable, "-m", "torchfleet", "run", "--fault-tolerance", "step",
-                               "--nnodes", "2", "--node-rank", str(g), "--master-addr", "127.0.0.1",
-                               "--master-port", str(port), "-n", "1", *script],
-                              env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              cwd=ROOT) for g in range(2)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torchfleet",
+                "run",
+                "--fault-tolerance",
+                "step",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(g),
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(port),
+                "-n",
+                "1",
+                *script,
+            ],
+            env=clean_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=ROOT,
+        )
+        for g in range(2)
+    ]
     outputs = [p.communicate(timeout=120)[0] for p in procs]
     for p, text in zip(procs, outputs, strict=True):
         if seeds == "same":
@@ -316,17 +476,21 @@ def test_the_account_names_who_left_who_joined_and_the_pause():
     assert 0.25 < account.pauses[0] < 0.6
     transport.sent = [([2], 9)]  # this group sent its state to replica rank 2 (group 2) at step 9
     assert account.committed(10, (0, 1, 2), transport) == [
-        "group 2 joined at step 9 and healed from this group (0) (3 of 3 groups)"]
+        "group 2 joined at step 9 and healed from this group (0) (3 of 3 groups)"
+    ]
     assert account.committed(15, (0, 1, 2), transport, quorum_id=7) == []  # the first quorum id seen
     time.sleep(0.2)
     transport.sent = [([1], 15)]  # group 1 died and came back before the lighthouse gave up on it
     lines = account.committed(16, (0, 1, 2), transport, quorum_id=8)
-    assert lines[0].startswith("group 1 was lost and started again at step 15, healing from this group (0); groups"
-                               " 0, 1, 2 went on after a pause of"), lines
+    assert lines[0].startswith(
+        "group 1 was lost and started again at step 15, healing from this group (0); groups"
+        " 0, 1, 2 went on after a pause of"
+    ), lines
     healing = Account(group=2, groups=3)
     received = SimpleNamespace(received=(1, 9, 0.25), sent=[])
     assert healing.committed(10, (0, 1, 2), received) == [
-        "group 2 healed from group 1 at step 9: took its weights in 0.2 s, and goes on with groups 0, 1, 2"]
+        "group 2 healed from group 1 at step 9: took its weights in 0.2 s, and goes on with groups 0, 1, 2"
+    ]
 
 
 def test_a_quorum_is_recorded_as_the_groups_torchft_names():
@@ -336,8 +500,17 @@ def test_a_quorum_is_recorded_as_the_groups_torchft_names():
         def __init__(self, timeout=None):
             self.configured = None
 
-        def configure(self, store_addr, replica_id, rank, world_size, quorum_id=None, group_rank=None,
-                      group_world_size=None, global_ranks=None):
+        def configure(
+            self,
+            store_addr,
+            replica_id,
+            rank,
+            world_size,
+            quorum_id=None,
+            group_rank=None,
+            group_world_size=None,
+            global_ranks=None,
+        ):
             self.configured = (store_addr, rank, world_size)
 
     pg = recording(Base)()
@@ -378,12 +551,19 @@ def test_a_healing_group_takes_weights_and_optimizer_state_in_place():
 BAD = {
     "unknown mode": (["--fault-tolerance", "always"], "--fault-tolerance 'always' is not a mode; choose restart"),
     "elastic": (["--fault-tolerance", "step", "--nnodes", "2:3"], "--fault-tolerance step takes a fixed --nnodes"),
-    "lighthouse without step": (["--lighthouse", "10.0.0.1:29510"], "--lighthouse 10.0.0.1:29510 applies with"
-                                " --fault-tolerance step"),
-    "bad lighthouse": (["--fault-tolerance", "step", "--lighthouse", "10.0.0.1:http"], "--lighthouse '10.0.0.1:http' is not HOST:PORT"),
+    "lighthouse without step": (
+        ["--lighthouse", "10.0.0.1:29510"],
+        "--lighthouse 10.0.0.1:29510 applies with --fault-tolerance step",
+    ),
+    "bad lighthouse": (
+        ["--fault-tolerance", "step", "--lighthouse", "10.0.0.1:http"],
+        "--lighthouse '10.0.0.1:http' is not HOST:PORT",
+    ),
     "join timeout": (["--fault-tolerance", "step", "--join-timeout", "0"], "--join-timeout 0.0 must be a positive"),
-    "hogwild": (["--fault-tolerance", "step", "--strategy", "hogwild", "-n", "2"],
-                "hogwild shares memory inside one machine and has no gradients to average across replica groups"),
+    "hogwild": (
+        ["--fault-tolerance", "step", "--strategy", "hogwild", "-n", "2"],
+        "hogwild shares memory inside one machine and has no gradients to average across replica groups",
+    ),
 }
 
 
@@ -424,15 +604,21 @@ def test_a_fleet_asked_for_a_mode_its_launcher_did_not_set_up_is_refused(monkeyp
     from torchfleet.env import replicas
 
     outside_replica_groups(monkeypatch)
-    with pytest.raises(UsageError, match="fault_tolerance='step' needs replica groups: launch the script with"
-                                         " torchfleet run --fault-tolerance step"):
+    with pytest.raises(
+        UsageError,
+        match="fault_tolerance='step' needs replica groups: launch the script with"
+        " torchfleet run --fault-tolerance step",
+    ):
         Fleet(strategy="serial", fault_tolerance="step")
     monkeypatch.setenv(replicas.GROUP, "1")
     monkeypatch.setenv(replicas.GROUPS, "2")
     monkeypatch.setenv(replicas.LIGHTHOUSE, "http://127.0.0.1:29510")
     monkeypatch.setenv(replicas.ADDR, "127.0.0.1")
-    with pytest.raises(UsageError, match="this process was started as replica group 1 of 2 .* but Fleet was given"
-                                         " fault_tolerance='restart'; leave it out"):
+    with pytest.raises(
+        UsageError,
+        match="this process was started as replica group 1 of 2 .* but Fleet was given"
+        " fault_tolerance='restart'; leave it out",
+    ):
         Fleet(strategy="serial", fault_tolerance="restart")
     with pytest.raises(UsageError, match="unknown fault_tolerance 'always'; choose one of restart, step"):
         Fleet(strategy="serial", fault_tolerance="always")

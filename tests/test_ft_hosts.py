@@ -38,10 +38,7 @@ JOB = ["train", *MLP, *SGD, "--log-every", "1"]
 # finished when host 1 came back); the survivors, paced from step LOST_AFTER on (PACE_S a step) until host 2
 # says it healed, are still training when it is back: 67 s of pacing in 3 epochs.
 PACE_S = 1.0
-CASES = {
-    "ddp-1-per-group": ("ddp", 1, 3),
-    "fsdp-2-per-group": ("fsdp", 2, 3),
-}
+CASES = {"ddp-1-per-group": ("ddp", 1, 3), "fsdp-2-per-group": ("fsdp", 2, 3)}
 # Beyond the lighthouse's heartbeat timeout after the loss, what a survivor's pause may take: the quorum
 # without host 2, the step it broke done again, and one step's pacing, on a loaded machine.
 PAUSE_SLACK_S = 10.0
@@ -77,20 +74,47 @@ def test_a_lost_host_leaves_the_others_training_and_heals_when_it_comes_back(str
     paced = f"pace:rank=0:step={LOST_AFTER}:seconds={PACE_S}:until={healed}"
 
     def command(i: int, run: str) -> list[str]:
-        return [sys.executable, "-m", "torchfleet", *job, "--fault-tolerance", "step", "--nnodes", "3",
-                "--node-rank", str(i), "--master-addr", net.addr(0), "--master-port", str(PORT), "-n", str(nproc),
-                "--checkpoint-dir", str(ckpt), "--checkpoint-every", "50",
-                "--json-out", str(tmp_path / f"{run}.json"), "--metrics-out", str(tmp_path / f"{run}.csv"),
-                "--save-model", str(tmp_path / f"{run}.pt")]
+        return [
+            sys.executable,
+            "-m",
+            "torchfleet",
+            *job,
+            "--fault-tolerance",
+            "step",
+            "--nnodes",
+            "3",
+            "--node-rank",
+            str(i),
+            "--master-addr",
+            net.addr(0),
+            "--master-port",
+            str(PORT),
+            "-n",
+            str(nproc),
+            "--checkpoint-dir",
+            str(ckpt),
+            "--checkpoint-every",
+            "50",
+            "--json-out",
+            str(tmp_path / f"{run}.json"),
+            "--metrics-out",
+            str(tmp_path / f"{run}.csv"),
+            "--save-model",
+            str(tmp_path / f"{run}.pt"),
+        ]
 
     with hosts(3) as net:
+
         def start(i: int, run: str, **env) -> subprocess.Popen:
-            return net.popen(i, command(i, run), env=clean_env(**env), stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
+            return net.popen(
+                i, command(i, run), env=clean_env(**env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
 
         procs = {0: start(0, "host0", TORCHFLEET_FAULT=paced)}
-        procs |= {1: start(1, "host1", TORCHFLEET_FAULT=paced),
-                  LOST: start(LOST, "lost", TORCHFLEET_FAULT=f"sleep:rank=0:step={LOST_AFTER}:once={fired}")}
+        procs |= {
+            1: start(1, "host1", TORCHFLEET_FAULT=paced),
+            LOST: start(LOST, "lost", TORCHFLEET_FAULT=f"sleep:rank=0:step={LOST_AFTER}:once={fired}"),
+        }
         _wait_for(f"host {LOST} to stall after step {LOST_AFTER}", fired.exists, net, procs, 150)
         listening = {i: _listening(net, i) for i in range(3)}
         lost_at = time.time()
@@ -98,8 +122,9 @@ def test_a_lost_host_leaves_the_others_training_and_heals_when_it_comes_back(str
         stalled = lost_at - float(fired.read_text())  # how long host 2 held the others before it died
         lost_output = procs[LOST].communicate(timeout=30)[0]
         procs[LOST] = start(LOST, "host2")  # the machine is back: the same command
-        printed = read_outputs([procs[0], procs[1], procs[LOST]], timeout=300,
-                               when={2: (f"group {LOST} healed from group", healed.touch)})
+        printed = read_outputs(
+            [procs[0], procs[1], procs[LOST]], timeout=300, when={2: (f"group {LOST} healed from group", healed.touch)}
+        )
         outputs = dict(enumerate(printed))
         codes = {i: procs[i].returncode for i in range(3)}
     assert codes == {0: 0, 1: 0, 2: 0}, said(codes, {**outputs, "host 2 before it was lost": lost_output})
@@ -146,8 +171,10 @@ def test_a_lost_host_leaves_the_others_training_and_heals_when_it_comes_back(str
     participants = {int(r["step"]): int(r["participants"]) for r in rows}
     assert sorted(participants) == list(range(1, epochs * 29 + 1)) and 2 in participants.values(), participants
     diff = _max_diff(weights[0], replay(participants, epochs * 29, groups=3))
-    print(f"{strategy}: host 2 healed at step {healed.group(2)} from group {healed.group(1)};"
-          f" max |weight - replay| = {diff:.3g}")
+    print(
+        f"{strategy}: host 2 healed at step {healed.group(2)} from group {healed.group(1)};"
+        f" max |weight - replay| = {diff:.3g}"
+    )
     assert diff < 1e-5
     # Periodic checkpoints went on, written by one group (the first in each quorum).
     assert (ckpt / f"step-{epochs * 29:08d}").is_dir()
@@ -158,9 +185,31 @@ def test_a_lost_host_leaves_the_others_training_and_heals_when_it_comes_back(str
 def test_an_unreachable_lighthouse_is_one_sentence_and_status_2_after_25_s_of_knocking(tmp_path):
     with hosts(2) as net:
         start = time.monotonic()
-        out = net.run(1, [sys.executable, "-m", "torchfleet", *JOB, "--strategy", "ddp", "--fault-tolerance", "step",
-                          "--nnodes", "2", "--node-rank", "1", "--master-addr", net.addr(0), "--master-port",
-                          str(PORT), "-n", "1"], env=clean_env(), timeout=90)
+        out = net.run(
+            1,
+            [
+                sys.executable,
+                "-m",
+                "torchfleet",
+                *JOB,
+                "--strategy",
+                "ddp",
+                "--fault-tolerance",
+                "step",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                "1",
+                "--master-addr",
+                net.addr(0),
+                "--master-port",
+                str(PORT),
+                "-n",
+                "1",
+            ],
+            env=clean_env(),
+            timeout=90,
+        )
         seconds = time.monotonic() - start
     assert out.returncode == 2, out.stdout + out.stderr
     assert out.stderr.strip().count("\n") == 0 and "Traceback" not in out.stderr, out.stderr
@@ -186,23 +235,48 @@ def test_a_lost_diloco_host_leaves_the_other_training_and_heals_at_a_meeting(tmp
     job = [*JOB, "--strategy", "diloco", "--sync-every", str(every), "--epochs", str(epochs)]
 
     with hosts(2) as net:
+
         def start(i: int, run: str, **env) -> subprocess.Popen:
-            command = [sys.executable, "-m", "torchfleet", *job, "--nnodes", "2", "--node-rank", str(i),
-                       "--master-addr", net.addr(0), "--master-port", str(PORT), "-n", "1",
-                       "--json-out", str(tmp_path / f"{run}.json"), "--metrics-out", str(tmp_path / f"{run}.csv"),
-                       "--save-model", str(tmp_path / f"{run}.pt")]
-            return net.popen(i, command, env=clean_env(**env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             text=True)
+            command = [
+                sys.executable,
+                "-m",
+                "torchfleet",
+                *job,
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(i),
+                "--master-addr",
+                net.addr(0),
+                "--master-port",
+                str(PORT),
+                "-n",
+                "1",
+                "--json-out",
+                str(tmp_path / f"{run}.json"),
+                "--metrics-out",
+                str(tmp_path / f"{run}.csv"),
+                "--save-model",
+                str(tmp_path / f"{run}.pt"),
+            ]
+            return net.popen(
+                i, command, env=clean_env(**env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
 
         # Host 0 paced from step 20 until host 1 says it healed, as in the test above.
-        procs = {0: start(0, "host0", TORCHFLEET_FAULT=f"pace:rank=0:step=20:seconds={PACE_S}:until={healed}"),
-                 1: start(1, "lost", TORCHFLEET_FAULT=f"sleep:rank=0:step=20:once={fired}")}
+        procs = {
+            0: start(0, "host0", TORCHFLEET_FAULT=f"pace:rank=0:step=20:seconds={PACE_S}:until={healed}"),
+            1: start(1, "lost", TORCHFLEET_FAULT=f"sleep:rank=0:step=20:once={fired}"),
+        }
         _wait_for("host 1 to stall after step 20", fired.exists, net, procs, 150)
         net.lose(1)
         procs[1].communicate(timeout=30)
         procs[1] = start(1, "host1")
-        outputs = dict(enumerate(read_outputs([procs[0], procs[1]], timeout=240,
-                                              when={1: ("group 1 healed from group 0", healed.touch)})))
+        outputs = dict(
+            enumerate(
+                read_outputs([procs[0], procs[1]], timeout=240, when={1: ("group 1 healed from group 0", healed.touch)})
+            )
+        )
         codes = {i: procs[i].returncode for i in range(2)}
     assert codes == {0: 0, 1: 0}, said(codes, outputs)
     for text in outputs.values():  # a group of one process opens no process group, and still says none of it
@@ -211,8 +285,11 @@ def test_a_lost_diloco_host_leaves_the_other_training_and_heals_at_a_meeting(tmp
     # the lighthouse missed its heartbeats, one line for both (seen on a quiet machine).
     left = re.search(r"group 1 left at step (\d+): group 0 went on after a pause of ([\d.]+) s", outputs[0])
     joined = re.search(r"group 1 joined at step (\d+) and healed from this group \(0\)", outputs[0])
-    back = re.search(r"group 1 was lost and started again at step (\d+), healing from this group \(0\); groups"
-                     r" 0, 1 went on after a pause of ([\d.]+) s", outputs[0])
+    back = re.search(
+        r"group 1 was lost and started again at step (\d+), healing from this group \(0\); groups"
+        r" 0, 1 went on after a pause of ([\d.]+) s",
+        outputs[0],
+    )
     assert (left and joined) or back, outputs[0]
     left, joined = (left, joined) if left and joined else (back, back)
     assert int(left.group(1)) % every == 0 and int(left.group(1)) >= 20, outputs[0]
@@ -228,5 +305,7 @@ def test_a_lost_diloco_host_leaves_the_other_training_and_heals_at_a_meeting(tmp
     assert _steps(tmp_path / "host1.csv")[0] == int(healed.group(1)) + 1, _steps(tmp_path / "host1.csv")[:3]
     weights = [torch.load(tmp_path / f"host{i}.pt", weights_only=True) for i in range(2)]
     assert all(torch.equal(weights[1][k], weights[0][k]) for k in weights[0]), "host 1 differs from host 0"
-    print(f"diloco: host 0 paused {left.group(2)} s at step {left.group(1)}; host 1 healed at step"
-          f" {healed.group(1)} and both ended alike")
+    print(
+        f"diloco: host 0 paused {left.group(2)} s at step {left.group(1)}; host 1 healed at step"
+        f" {healed.group(1)} and both ended alike"
+    )

@@ -95,7 +95,9 @@ def test_a_workers_usage_error_reaches_the_parent_as_one(warm):
 
 def test_bad_options_fail_before_any_worker_starts(tmp_path):
     model = nn.Linear(2, 2)
-    with pytest.raises(UsageError, match="unknown sharing strategy 'shm'; this platform offers file_descriptor, file_system"):
+    with pytest.raises(
+        UsageError, match="unknown sharing strategy 'shm'; this platform offers file_descriptor, file_system"
+    ):
         hogwild.run(exchange, model, nprocs=2, sharing_strategy="shm")
     assert not model.weight.is_shared()
     with pytest.raises(UsageError, match="no single state to checkpoint"):
@@ -117,8 +119,7 @@ def test_train_from_the_command_line(tmp_path):
     from conftest import torchfleet as cli
 
     out = tmp_path / "result.json"
-    result = cli("train", "--strategy", "hogwild", "-n", "2", "--model", "mlp", "--epochs", "1",
-                 "--json-out", str(out))
+    result = cli("train", "--strategy", "hogwild", "-n", "2", "--model", "mlp", "--epochs", "1", "--json-out", str(out))
     assert result.returncode == 0, result.stderr
     import json
 

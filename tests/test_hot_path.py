@@ -95,12 +95,17 @@ def _host_reads(monkeypatch, **options) -> int:
             if sys._getframe(1).f_code.co_filename.startswith(package):
                 count[0] += 1
             return original(self, *args, **kwargs)
+
         return read
 
     for name in SYNCS:
         monkeypatch.setattr(torch.Tensor, name, counted(getattr(torch.Tensor, name)))
-    train(TrainConfig(model="mlp", data="synthetic", synthetic_size=2048, batch_size=32, epochs=1,
-                      hang_timeout=0, **options), "serial")
+    train(
+        TrainConfig(
+            model="mlp", data="synthetic", synthetic_size=2048, batch_size=32, epochs=1, hang_timeout=0, **options
+        ),
+        "serial",
+    )
     return count[0]
 
 
@@ -120,14 +125,38 @@ def test_a_nan_between_reads_is_named_by_its_step(monkeypatch, tmp_path, capsys)
     from torchfleet import cli
 
     monkeypatch.setenv("TORCHFLEET_FAULT", "nan:rank=0:step=7")  # faults.py: step 7's loss becomes NaN
-    code = cli.main(["train", "--strategy", "serial", "--model", "mlp", "--data", "synthetic", "--synthetic-size",
-                     "2048", "--batch-size", "32", "--max-steps", "30", "--log-every", "5", "--checkpoint-every", "10", "--no-progress",
-                     "--hang-timeout", "0", "--checkpoint-dir", str(tmp_path)])
+    code = cli.main(
+        [
+            "train",
+            "--strategy",
+            "serial",
+            "--model",
+            "mlp",
+            "--data",
+            "synthetic",
+            "--synthetic-size",
+            "2048",
+            "--batch-size",
+            "32",
+            "--max-steps",
+            "30",
+            "--log-every",
+            "5",
+            "--checkpoint-every",
+            "10",
+            "--no-progress",
+            "--hang-timeout",
+            "0",
+            "--checkpoint-dir",
+            str(tmp_path),
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 1 and "Traceback" not in err
     assert err.strip().splitlines() == [
         "torchfleet train: error: the loss is nan at step 7 on rank 0; training stopped at step 10, which read"
-        " the losses of steps 6-10 together (--log-every 5) (lower --lr, or use --precision fp32 if it was bf16)"]
+        " the losses of steps 6-10 together (--log-every 5) (lower --lr, or use --precision fp32 if it was bf16)"
+    ]
     assert not list(tmp_path.iterdir())  # step 10's checkpoint was not saved: the read came first
 
 
@@ -153,4 +182,5 @@ def test_fp16_skipped_steps_are_counted_across_reads():
                 window.read()
     assert str(caught.value).startswith(
         f"the loss has been nan for {FP16_NONFINITE_LIMIT} steps in a row up to step {4 + FP16_NONFINITE_LIMIT} on"
-        " rank 1, though the fp16 scaler skipped each one and lowered its scale to 256; training stopped")
+        " rank 1, though the fp16 scaler skipped each one and lowered its scale to 256; training stopped"
+    )

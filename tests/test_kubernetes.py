@@ -42,8 +42,11 @@ def _strict(schema):
 
     def walk(node):
         if isinstance(node, dict):
-            if ("properties" in node and "additionalProperties" not in node
-                    and not node.get("x-kubernetes-preserve-unknown-fields")):
+            if (
+                "properties" in node
+                and "additionalProperties" not in node
+                and not node.get("x-kubernetes-preserve-unknown-fields")
+            ):
                 node["additionalProperties"] = False
             for value in node.values():
                 walk(value)
@@ -70,8 +73,20 @@ def _errors(obj) -> list[str]:
 
 def test_manifest_validates_against_the_pytorchjob_schema(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(ROOT)
-    job = _write(tmp_path, "--nodes", "3", "--nproc-per-node", "4", "--gpus-per-node", "4",
-                 "--image", "registry.example.com/me/train:1", "--", "--epochs", "3")
+    job = _write(
+        tmp_path,
+        "--nodes",
+        "3",
+        "--nproc-per-node",
+        "4",
+        "--gpus-per-node",
+        "4",
+        "--image",
+        "registry.example.com/me/train:1",
+        "--",
+        "--epochs",
+        "3",
+    )
     assert _errors(job) == []
     assert "PyTorchJob torchfleet-train-digits, 12 processes (3 pod(s) x 4)" in capsys.readouterr().out
     assert (job["apiVersion"], job["kind"]) == ("kubeflow.org/v1", "PyTorchJob")
@@ -148,40 +163,83 @@ def _check_lighthouse(deployment: dict, service: dict, image: str) -> None:
     assert pod["restartPolicy"] == "Always"
     (container,) = pod["containers"]
     assert container["image"] == image
-    assert container["command"] == ["python", "-m", "torchfleet", "lighthouse", "--host", "$(POD_IP)",
-                                    "--port", "29510"]
+    assert container["command"] == [
+        "python",
+        "-m",
+        "torchfleet",
+        "lighthouse",
+        "--host",
+        "$(POD_IP)",
+        "--port",
+        "29510",
+    ]
     assert container["env"] == [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
     assert container["ports"] == [{"name": "lighthouse", "containerPort": 29510, "protocol": "TCP"}]
-    assert service["spec"]["ports"] == [{"name": "lighthouse", "port": 29510, "targetPort": "lighthouse",
-                                         "protocol": "TCP"}]
+    assert service["spec"]["ports"] == [
+        {"name": "lighthouse", "port": 29510, "targetPort": "lighthouse", "protocol": "TCP"}
+    ]
 
 
 def test_ft_manifest_adds_a_lighthouse_and_runs_one_replica_group_per_pod(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(ROOT)
     image = "registry.example.com/me/train:1"
-    documents = _ft_documents(tmp_path, "--nodes", "3", "--nproc-per-node", "2", "--gpus-per-node", "2",
-                              "--image", image, "--", "--epochs", "3")
+    documents = _ft_documents(
+        tmp_path,
+        "--nodes",
+        "3",
+        "--nproc-per-node",
+        "2",
+        "--gpus-per-node",
+        "2",
+        "--image",
+        image,
+        "--",
+        "--epochs",
+        "3",
+    )
     assert [d["kind"] for d in documents] == ["Deployment", "Service", "PyTorchJob"]
     deployment, service, job = documents
     _check_lighthouse(deployment, service, image)
     assert service["metadata"]["name"] == "torchfleet-train-digits-lighthouse"
-    assert ("one replica group each; the lighthouse's Deployment and Service torchfleet-train-digits-lighthouse"
-            in capsys.readouterr().out)
+    assert (
+        "one replica group each; the lighthouse's Deployment and Service torchfleet-train-digits-lighthouse"
+        in capsys.readouterr().out
+    )
     assert _errors(job) == []
     assert job["metadata"]["name"] == "torchfleet-train-digits"
     replicas = job["spec"]["pytorchReplicaSpecs"]
     assert {k: (v["replicas"], v["restartPolicy"]) for k, v in replicas.items()} == {
-        "Master": (1, "OnFailure"), "Worker": (2, "OnFailure")}
+        "Master": (1, "OnFailure"),
+        "Worker": (2, "OnFailure"),
+    }
     for kind, replica in replicas.items():
         (container,) = replica["template"]["spec"]["containers"]
         assert container["command"] == [
-            "python", "-m", "torchfleet", "run", "--fault-tolerance", "step", "--nnodes", "3",
-            "--node-rank", "$(PET_NODE_RANK)", "--master-addr", "torchfleet-train-digits-lighthouse",
-            "--lighthouse", "torchfleet-train-digits-lighthouse:29510", "-n", "2", SCRIPT, "--epochs", "3"]
+            "python",
+            "-m",
+            "torchfleet",
+            "run",
+            "--fault-tolerance",
+            "step",
+            "--nnodes",
+            "3",
+            "--node-rank",
+            "$(PET_NODE_RANK)",
+            "--master-addr",
+            "torchfleet-train-digits-lighthouse",
+            "--lighthouse",
+            "torchfleet-train-digits-lighthouse:29510",
+            "-n",
+            "2",
+            SCRIPT,
+            "--epochs",
+            "3",
+        ]
         assert container["resources"] == {"limits": {"nvidia.com/gpu": 2}}
         # The operator gives each pod its own index there: one group per pod, 0 to 2.
-        assert [_expand("$(PET_NODE_RANK)", _operator_env(job, kind, i, 23456))
-                for i in range(replica["replicas"])] == (["0"] if kind == "Master" else ["1", "2"])
+        assert [
+            _expand("$(PET_NODE_RANK)", _operator_env(job, kind, i, 23456)) for i in range(replica["replicas"])
+        ] == (["0"] if kind == "Master" else ["1", "2"])
 
 
 def test_ft_manifest_keeps_the_lighthouse_service_a_dns_label(tmp_path):
@@ -222,9 +280,16 @@ def _operator_env(job: dict, replica: str, index: int, master_port: int) -> dict
     pods = sum(spec["replicas"] for spec in specs.values())
     nproc = int(job["spec"]["nprocPerNode"])
     rank = index + 1 if replica == "Worker" else index
-    return {"PYTHONUNBUFFERED": "1", "MASTER_PORT": str(master_port), "MASTER_ADDR": "127.0.0.1",
-            "WORLD_SIZE": str(pods * nproc), "RANK": str(rank), "PET_NODE_RANK": str(rank),
-            "PET_NPROC_PER_NODE": str(nproc), "PET_NNODES": str(pods)}
+    return {
+        "PYTHONUNBUFFERED": "1",
+        "MASTER_PORT": str(master_port),
+        "MASTER_ADDR": "127.0.0.1",
+        "WORLD_SIZE": str(pods * nproc),
+        "RANK": str(rank),
+        "PET_NODE_RANK": str(rank),
+        "PET_NPROC_PER_NODE": str(nproc),
+        "PET_NNODES": str(pods),
+    }
 
 
 def _expand(arg: str, env: dict[str, str]) -> str:
@@ -246,9 +311,16 @@ def test_pods_train_like_one_process(tmp_path, monkeypatch):
         (container,) = job["spec"]["pytorchReplicaSpecs"][replica]["template"]["spec"]["containers"]
         command = [_expand(arg, env) for arg in container["command"]]
         assert command[0] == "python"
-        pods.append(subprocess.Popen([sys.executable, *command[1:]], cwd=ROOT, text=True,
-                                     env=clean_env(**env), stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT))
+        pods.append(
+            subprocess.Popen(
+                [sys.executable, *command[1:]],
+                cwd=ROOT,
+                text=True,
+                env=clean_env(**env),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            )
+        )
     reference.serial_weights()  # trains while the pods do
     logs = [pod.communicate(timeout=240)[0] for pod in pods]
     assert [pod.returncode for pod in pods] == [0, 0], "\n".join(logs)
@@ -271,19 +343,32 @@ def test_ft_pods_meet_at_the_lighthouse_and_train(tmp_path, monkeypatch):
     def local(command: list[str], env: dict[str, str]) -> list[str]:
         swapped = [_expand(arg, env).replace(f"{name}:29510", f"127.0.0.1:{port}") for arg in command]
         assert swapped[0] == "python"
-        return [sys.executable, *(str(port) if a == "29510" else "127.0.0.1" if a == name else a
-                                  for a in swapped[1:])]
+        return [sys.executable, *(str(port) if a == "29510" else "127.0.0.1" if a == name else a for a in swapped[1:])]
 
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
-    lighthouse = subprocess.Popen(local(container["command"], {"POD_IP": "127.0.0.1"}), cwd=ROOT, text=True,
-                                  env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    lighthouse = subprocess.Popen(
+        local(container["command"], {"POD_IP": "127.0.0.1"}),
+        cwd=ROOT,
+        text=True,
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     pods = []
     try:
         for replica, index in (("Master", 0), ("Worker", 0)):
             env = _operator_env(job, replica, index, free_port())
             (container,) = job["spec"]["pytorchReplicaSpecs"][replica]["template"]["spec"]["containers"]
-            pods.append(subprocess.Popen(local(container["command"], env), cwd=ROOT, text=True,
-                                         env=clean_env(**env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+            pods.append(
+                subprocess.Popen(
+                    local(container["command"], env),
+                    cwd=ROOT,
+                    text=True,
+                    env=clean_env(**env),
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                )
+            )
         logs = [pod.communicate(timeout=150)[0] for pod in pods]
     finally:
         for pod in pods:
@@ -303,8 +388,19 @@ def _write_train(tmp_path, *flags) -> dict:
     return yaml.safe_load(out.read_text())
 
 
-TRAIN_ARGS = ["--model", "mlp", "--data", "synthetic", "--synthetic-size", "512", "--batch-size", "32",
-              "--no-progress", "--hang-timeout", "0"]  # 16 steps an epoch
+TRAIN_ARGS = [
+    "--model",
+    "mlp",
+    "--data",
+    "synthetic",
+    "--synthetic-size",
+    "512",
+    "--batch-size",
+    "32",
+    "--no-progress",
+    "--hang-timeout",
+    "0",
+]  # 16 steps an epoch
 
 
 def test_train_manifest_gives_a_grace_period_for_a_save_and_resumes_auto(tmp_path, monkeypatch):
@@ -322,8 +418,16 @@ def test_train_manifest_gives_a_grace_period_for_a_save_and_resumes_auto(tmp_pat
         (container,) = pod["containers"]
         assert container["env"] == [{"name": "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "value": "100"}]
         assert container["command"][:2] == ["python", "-m"] and "torch.distributed.run" in container["command"]
-        assert container["command"][-len(TRAIN_ARGS) - 7:] == ["-m", "torchfleet", "train", *TRAIN_ARGS,
-                                                               "--checkpoint-dir", "/ck", "--resume", "auto"]
+        assert container["command"][-len(TRAIN_ARGS) - 7 :] == [
+            "-m",
+            "torchfleet",
+            "train",
+            *TRAIN_ARGS,
+            "--checkpoint-dir",
+            "/ck",
+            "--resume",
+            "auto",
+        ]
     # A script of the user's keeps its command, and gets the grace period too.
     script = _write(tmp_path)["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
     assert script["terminationGracePeriodSeconds"] == 120 and script["containers"][0]["command"][-1] == SCRIPT
@@ -350,17 +454,37 @@ def test_a_train_pod_told_sigterm_saves_and_its_restart_resumes(tmp_path, monkey
 
     monkeypatch.chdir(ROOT)
     ck, marker, final = tmp_path / "ck", tmp_path / "fired", tmp_path / "final.pt"
-    job = _write_train(tmp_path, "--nproc-per-node", "2", "--", *TRAIN_ARGS, "--checkpoint-dir", str(ck),
-                 "--max-steps", "20", "--save-model", str(final))
+    job = _write_train(
+        tmp_path,
+        "--nproc-per-node",
+        "2",
+        "--",
+        *TRAIN_ARGS,
+        "--checkpoint-dir",
+        str(ck),
+        "--max-steps",
+        "20",
+        "--save-model",
+        str(final),
+    )
     (container,) = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"]
     given = {e["name"]: e["value"] for e in container["env"]}
 
     def pod() -> subprocess.Popen:
-        env = {**_operator_env(job, "Master", 0, free_port()), **given,
-               "TORCHFLEET_FAULT": f"sleep:rank=0:step=6:seconds=1:once={marker}"}
+        env = {
+            **_operator_env(job, "Master", 0, free_port()),
+            **given,
+            "TORCHFLEET_FAULT": f"sleep:rank=0:step=6:seconds=1:once={marker}",
+        }
         command = [_expand(arg, env) for arg in container["command"]]
-        return subprocess.Popen([sys.executable, *command[1:]], cwd=ROOT, text=True, env=clean_env(**env),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        return subprocess.Popen(
+            [sys.executable, *command[1:]],
+            cwd=ROOT,
+            text=True,
+            env=clean_env(**env),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
 
     first = pod()
     deadline = time.monotonic() + 120
@@ -377,11 +501,24 @@ def test_a_train_pod_told_sigterm_saves_and_its_restart_resumes(tmp_path, monkey
     out2, err2 = second.communicate(timeout=150)
     assert second.returncode == 0, out2 + err2
     assert f"resumed from {ck / 'step-00000010'} at step 10" in out2, out2
-    train(TrainConfig(strategy="serial", model="mlp", data="synthetic", synthetic_size=512, batch_size=32,
-                      progress=False, hang_timeout=0, max_steps=20, save_model=str(tmp_path / "straight.pt")),
-          "serial")
+    train(
+        TrainConfig(
+            strategy="serial",
+            model="mlp",
+            data="synthetic",
+            synthetic_size=512,
+            batch_size=32,
+            progress=False,
+            hang_timeout=0,
+            max_steps=20,
+            save_model=str(tmp_path / "straight.pt"),
+        ),
+        "serial",
+    )
     a, b = torch.load(final, weights_only=True), torch.load(tmp_path / "straight.pt", weights_only=True)
     difference = max((a[k] - b[k]).abs().max().item() for k in a)
-    print(f"\nk8s pod: SIGTERM to exit {seconds:.1f} s (status {first.returncode}); max weight difference"
-          f" {difference:.3g}")
+    print(
+        f"\nk8s pod: SIGTERM to exit {seconds:.1f} s (status {first.returncode}); max weight difference"
+        f" {difference:.3g}"
+    )
     assert difference < 1e-5

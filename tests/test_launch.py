@@ -25,8 +25,19 @@ def test_same_script_python_torchfleet_torchrun(tmp_path):
     fleet = torchfleet("run", "-n", "2", SCRIPT, "--out", str(tmp_path / "fleet.pt"))
     assert fleet.returncode == 0, fleet.stderr
     # Plain torchrun, as `python -m torch.distributed.run` (what the torchrun script runs).
-    plain = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                 SCRIPT, "--out", str(tmp_path / "torchrun.pt")])
+    plain = run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            SCRIPT,
+            "--out",
+            str(tmp_path / "torchrun.pt"),
+        ]
+    )
     assert plain.returncode == 0, plain.stderr
     reference = _weights(tmp_path / "python.pt")
     for name in ("fleet.pt", "torchrun.pt"):
@@ -96,8 +107,13 @@ def _surroundings(name: str) -> tuple:
 
     from torchfleet.launcher import forked
 
-    return (os.environ.get(name), os.environ["OMP_NUM_THREADS"], torch.get_num_threads(), os.getcwd(),
-            os.getpid() != forked.SERVER_PID)
+    return (
+        os.environ.get(name),
+        os.environ["OMP_NUM_THREADS"],
+        torch.get_num_threads(),
+        os.getcwd(),
+        os.getpid() != forked.SERVER_PID,
+    )
 
 
 @pytest.mark.timeout(180)
@@ -149,8 +165,7 @@ def test_a_failure_reports_its_first_cause_not_the_cleanup():
         launch(_fail_then_fail_cleaning_up, nprocs=2)
     first = info.value.summary.first
     assert first.rank == 1
-    assert first.error == ("ValueError: the cause (then, while handling it,"
-                           " RuntimeError: the cleanup failed too)")
+    assert first.error == ("ValueError: the cause (then, while handling it, RuntimeError: the cleanup failed too)")
 
 
 def test_python_launch_rejects_zero_processes():

@@ -90,8 +90,13 @@ def test_every_module_has_a_layer():
 
 
 def test_no_module_imports_a_layer_above_its_own():
-    upward = [f"{m} imports {t}" for m, targets in GRAPH.items() if m != "torchfleet"
-              for t in sorted(targets) if t != "torchfleet" and _layer(t) > _layer(m)]
+    upward = [
+        f"{m} imports {t}"
+        for m, targets in GRAPH.items()
+        if m != "torchfleet"
+        for t in sorted(targets)
+        if t != "torchfleet" and _layer(t) > _layer(m)
+    ]
     assert upward == []
 
 
@@ -103,7 +108,7 @@ def test_no_import_cycles():
         state[module] = 1
         for target in sorted(GRAPH.get(module, ())):
             if state.get(target) == 1:
-                cycles.append(" -> ".join(path[path.index(target):] + [target]))
+                cycles.append(" -> ".join(path[path.index(target) :] + [target]))
             elif target not in state:
                 visit(target, path + [target])
         state[module] = 2

@@ -25,8 +25,10 @@ def _rows(path) -> list[dict]:
     if path.suffix != ".csv":
         return [json.loads(line) for line in path.read_text().splitlines()]
     with open(path, newline="") as f:  # numbers back to numbers; an empty cell is a figure the row lacks
-        return [{k: v if k == "kind" else int(v) if k in ("step", "epoch") else float(v)
-                 for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
+        return [
+            {k: v if k == "kind" else int(v) if k in ("step", "epoch") else float(v) for k, v in row.items() if v != ""}
+            for row in csv.DictReader(f)
+        ]
 
 
 def test_a_row_per_logged_step_and_per_epoch(tmp_path):
@@ -38,8 +40,16 @@ def test_a_row_per_logged_step_and_per_epoch(tmp_path):
     rows = _rows(tmp_path / "sparse.csv")
     # Every third step, and each epoch's last step (8, 16) before its validation row.
     assert [(r["kind"], r["step"], r["epoch"]) for r in rows] == [
-        ("train", 3, 1), ("train", 6, 1), ("train", 8, 1), ("val", 8, 1),
-        ("train", 9, 2), ("train", 12, 2), ("train", 15, 2), ("train", 16, 2), ("val", 16, 2)]
+        ("train", 3, 1),
+        ("train", 6, 1),
+        ("train", 8, 1),
+        ("val", 8, 1),
+        ("train", 9, 2),
+        ("train", 12, 2),
+        ("train", 15, 2),
+        ("train", 16, 2),
+        ("val", 16, 2),
+    ]
     previous = 0
     for row in rows:
         if row["kind"] == "train":  # the mean of the steps since the last row
@@ -58,8 +68,24 @@ def test_a_row_per_logged_step_and_per_epoch(tmp_path):
 def test_ddp_logs_the_whole_batchs_loss_as_serial_does(tmp_path):
     from conftest import torchfleet
 
-    job = ["train", "--model", "mlp", "--data", "synthetic", "--synthetic-size", "256", "--batch-size", "32",
-           "--epochs", "1", "--log-every", "3", "--no-progress", "--hang-timeout", "0"]
+    job = [
+        "train",
+        "--model",
+        "mlp",
+        "--data",
+        "synthetic",
+        "--synthetic-size",
+        "256",
+        "--batch-size",
+        "32",
+        "--epochs",
+        "1",
+        "--log-every",
+        "3",
+        "--no-progress",
+        "--hang-timeout",
+        "0",
+    ]
     for strategy, n in (("ddp", "2"), ("serial", "1")):
         done = torchfleet(*job, "--strategy", strategy, "-n", n, "--metrics-out", str(tmp_path / f"{strategy}.csv"))
         assert done.returncode == 0, done.stderr
@@ -72,12 +98,20 @@ def test_ddp_logs_the_whole_batchs_loss_as_serial_does(tmp_path):
 @pytest.mark.timeout(120)
 def test_gpt_rows_hold_its_validation_loss_and_perplexity(tmp_path):
     out = tmp_path / "gpt.json"  # .json is JSON lines too
-    result = train(TrainConfig(model="gpt", max_steps=2, log_every=2, progress=False, hang_timeout=0,
-                               metrics_out=str(out)), "serial")
+    result = train(
+        TrainConfig(model="gpt", max_steps=2, log_every=2, progress=False, hang_timeout=0, metrics_out=str(out)),
+        "serial",
+    )
     train_row, val_row = _rows(out)
     assert train_row["kind"] == "train" and train_row["step"] == 2
-    assert val_row == {"kind": "val", "step": 2, "epoch": 1, "elapsed_s": val_row["elapsed_s"],
-                       "val_loss": result["val_loss"], "val_perplexity": result["val_perplexity"]}
+    assert val_row == {
+        "kind": "val",
+        "step": 2,
+        "epoch": 1,
+        "elapsed_s": val_row["elapsed_s"],
+        "val_loss": result["val_loss"],
+        "val_perplexity": result["val_perplexity"],
+    }
 
 
 @pytest.mark.parametrize("suffix", [".csv", ".jsonl"])
@@ -111,7 +145,11 @@ def test_a_restart_drops_the_rows_it_computes_again(tmp_path):
         log.step(9, 2, 0.25, LR, samples=96)
     rows = _rows(path)
     assert [(r["kind"], r["step"], r.get("loss")) for r in rows] == [
-        ("train", 3, 0.5), ("train", 6, 0.5), ("val", 6, None), ("train", 9, 0.25)]
+        ("train", 3, 0.5),
+        ("train", 6, 0.5),
+        ("val", 6, None),
+        ("train", 9, 0.25),
+    ]
     with pytest.raises(UsageError, match="has other columns than this run writes"):
         MetricsLog(str(path), figures=("val_loss", "val_perplexity"), start_step=6)
 
@@ -126,17 +164,23 @@ def test_tensorboard_holds_the_same_scalars_as_the_file(tmp_path):
     events.Reload()
     assert sorted(events.Tags()["scalars"]) == ["train/loss", "train/lr", "train/samples_per_s", "val/accuracy"]
     f32 = lambda v: torch.tensor(v, dtype=torch.float32).item()  # noqa: E731 - TensorBoard keeps float32
-    for tag, kind, column in (("train/loss", "train", "loss"), ("train/lr", "train", "lr"),
-                              ("train/samples_per_s", "train", "samples_per_s"),
-                              ("val/accuracy", "val", "val_accuracy")):
+    for tag, kind, column in (
+        ("train/loss", "train", "loss"),
+        ("train/lr", "train", "lr"),
+        ("train/samples_per_s", "train", "samples_per_s"),
+        ("val/accuracy", "val", "val_accuracy"),
+    ):
         scalars = [(e.step, e.value) for e in events.Scalars(tag)]
         assert scalars == [(r["step"], f32(r[column])) for r in rows if r["kind"] == kind], tag
     assert [e.step for e in events.Scalars("train/loss")] == [3, 6, 8, 9, 12, 15, 16]
 
 
 def test_bad_metrics_options_are_one_sentence(tmp_path, monkeypatch, capsys):
-    with pytest.raises(UsageError, match=r"--metrics-out 'm.txt' must end in .csv \(a table with a header\)"
-                                         r" or .jsonl \(JSON lines; .json is read the same way\)"):
+    with pytest.raises(
+        UsageError,
+        match=r"--metrics-out 'm.txt' must end in .csv \(a table with a header\)"
+        r" or .jsonl \(JSON lines; .json is read the same way\)",
+    ):
         TrainConfig(metrics_out="m.txt")
     with pytest.raises(UsageError, match="--log-every 0 must be at least 1"):
         TrainConfig(log_every=0)
@@ -147,11 +191,13 @@ def test_bad_metrics_options_are_one_sentence(tmp_path, monkeypatch, capsys):
     from torchfleet.train import metrics
 
     real = metrics.importlib.util.find_spec
-    monkeypatch.setattr(metrics.importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard"
-                        else real(name, *a))
+    monkeypatch.setattr(
+        metrics.importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a)
+    )
     code = cli.main(["train", "--strategy", "serial", "--tensorboard", str(tmp_path / "tb")])
     assert code == 2
     assert capsys.readouterr().err.strip().splitlines() == [
         "torchfleet train: error: --tensorboard needs the tensorboard package, which is not installed;"
-        " run `pip install tensorboard` (or `pip install 'torchfleet[tensorboard]'`)"]
+        " run `pip install tensorboard` (or `pip install 'torchfleet[tensorboard]'`)"
+    ]
     assert not (tmp_path / "tb").exists()  # refused before anything was made

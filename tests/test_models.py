@@ -14,16 +14,7 @@ from torch import nn
 from conftest import require_module, torchfleet
 from torchfleet import cli
 from torchfleet.errors import UsageError
-from torchfleet.models import (
-    GPT,
-    GPT_PRESETS,
-    MODELS,
-    GPTConfig,
-    build_model,
-    lm_loss,
-    resnet18,
-    resnet50,
-)
+from torchfleet.models import GPT, GPT_PRESETS, MODELS, GPTConfig, build_model, lm_loss, resnet18, resnet50
 from torchfleet.models.gpt import Attention
 from torchfleet.train import text
 from torchfleet.train.config import TrainConfig
@@ -91,15 +82,29 @@ def test_gpt_init_is_gpt2s():
 
 def test_gpt_matches_hugging_face_gpt2_given_the_same_weights():
     transformers = require_module("transformers", "transformers is in the test extra; not installed")
-    hf_cfg = transformers.GPT2Config(vocab_size=97, n_positions=32, n_embd=48, n_layer=2, n_head=4, resid_pdrop=0.0,
-                                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    hf_cfg = transformers.GPT2Config(
+        vocab_size=97,
+        n_positions=32,
+        n_embd=48,
+        n_layer=2,
+        n_head=4,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     torch.manual_seed(0)
     hf = transformers.GPT2LMHeadModel(hf_cfg).eval()
     ours = GPT(GPTConfig(**{**SMALL.__dict__, "tie_embeddings": True})).eval()
     src = hf.state_dict()
-    mine = {"tok_emb.weight": src["transformer.wte.weight"], "pos_emb.weight": src["transformer.wpe.weight"],
-            "norm.weight": src["transformer.ln_f.weight"], "norm.bias": src["transformer.ln_f.bias"],
-            "head.weight": src["lm_head.weight"]}
+    mine = {
+        "tok_emb.weight": src["transformer.wte.weight"],
+        "pos_emb.weight": src["transformer.wpe.weight"],
+        "norm.weight": src["transformer.ln_f.weight"],
+        "norm.bias": src["transformer.ln_f.bias"],
+        "head.weight": src["lm_head.weight"],
+    }
     for i in range(2):
         h = f"transformer.h.{i}."
         for ln in ("ln_1", "ln_2"):
@@ -156,8 +161,12 @@ def test_attention_runs_on_a_column_shard_of_its_heads():
 
 def test_lm_loss_is_mean_cross_entropy_over_positions():
     logits, targets = torch.randn(2, 5, 7), torch.randint(0, 7, (2, 5))
-    expected = sum(nn.functional.cross_entropy(logits[b, t:t + 1], targets[b, t:t + 1])
-                   for b in range(2) for t in range(5)) / 10
+    expected = (
+        sum(
+            nn.functional.cross_entropy(logits[b, t : t + 1], targets[b, t : t + 1]) for b in range(2) for t in range(5)
+        )
+        / 10
+    )
     assert lm_loss(logits, targets).item() == pytest.approx(expected.item(), rel=1e-6)
 
 
@@ -178,14 +187,25 @@ def test_resnets_have_torchvisions_size(build, keys, params):
         model = build(num_classes=1000)
     assert len(model.state_dict()) == keys and _count(model) == params
     names = set(model.state_dict())
-    assert {"conv1.weight", "bn1.running_var", "layer1.0.conv1.weight", "layer2.0.downsample.0.weight",
-            "layer2.0.downsample.1.num_batches_tracked", "layer4.1.bn2.bias", "fc.weight", "fc.bias"} <= names
+    assert {
+        "conv1.weight",
+        "bn1.running_var",
+        "layer1.0.conv1.weight",
+        "layer2.0.downsample.0.weight",
+        "layer2.0.downsample.1.num_batches_tracked",
+        "layer4.1.bn2.bias",
+        "fc.weight",
+        "fc.bias",
+    } <= names
 
 
 @pytest.mark.parametrize("name", ["resnet18", "resnet50"])
 def test_resnet_state_dict_equals_torchvisions(name):
-    tv = pytest.importorskip("torchvision.models", reason="torchvision is not installed (and not needed: this"
-                             " compares our ResNets with it where a lane happens to have it)")
+    tv = pytest.importorskip(
+        "torchvision.models",
+        reason="torchvision is not installed (and not needed: this"
+        " compares our ResNets with it where a lane happens to have it)",
+    )
     theirs = getattr(tv, name)(num_classes=10).state_dict()
     ours = build_model(name, (3, 64, 64), num_classes=10).state_dict()
     assert list(ours) == list(theirs)
@@ -248,10 +268,14 @@ def test_the_data_follows_the_model():
 # ---- the commands ------------------------------------------------------------------------
 
 BAD = [
-    (["train", "--model", "gpt", "--data", "digits"],
-     "--model gpt reads token sequences but --data digits holds images; use --data text"),
-    (["train", "--model", "cnn", "--data", "text"],
-     "--data text holds token sequences for --model gpt, but --model cnn classifies images"),
+    (
+        ["train", "--model", "gpt", "--data", "digits"],
+        "--model gpt reads token sequences but --data digits holds images; use --data text",
+    ),
+    (
+        ["train", "--model", "cnn", "--data", "text"],
+        "--data text holds token sequences for --model gpt, but --model cnn classifies images",
+    ),
     (["train", "--model", "gpt", "--gpt-preset", "huge"], "invalid choice: 'huge'"),
     (["bench", "--model", "resnet50", "--image-size", "0"], "--image-size 0 must be at least 1"),
 ]
@@ -271,8 +295,21 @@ def test_bad_combinations_are_one_sentence(argv, sentence, capsys):
 @pytest.mark.timeout(120)
 def test_train_gpt_reports_validation_loss_and_perplexity(tmp_path):
     out = tmp_path / "result.json"
-    result = torchfleet("train", "--model", "gpt", "--strategy", "serial", "--epochs", "1", "--max-steps", "5",
-                        "--hang-timeout", "0", "--json-out", str(out))
+    result = torchfleet(
+        "train",
+        "--model",
+        "gpt",
+        "--strategy",
+        "serial",
+        "--epochs",
+        "1",
+        "--max-steps",
+        "5",
+        "--hang-timeout",
+        "0",
+        "--json-out",
+        str(out),
+    )
     assert result.returncode == 0, result.stderr
     figures = json.loads(out.read_text())
     assert figures["model"] == "gpt" and figures["data"] == "text" and figures["gpt_preset"] == "tiny"

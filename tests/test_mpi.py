@@ -22,7 +22,7 @@ def _address(hex_addr: str) -> str:
     """/proc/net/tcp's "0100007F:1F90" -> "127.0.0.1"; IPv6 entries stay hex."""
     host = hex_addr.split(":")[0]
     if len(host) == 8:
-        return ".".join(str(int(host[i:i + 2], 16)) for i in (6, 4, 2, 0))
+        return ".".join(str(int(host[i : i + 2], 16)) for i in (6, 4, 2, 0))
     return host
 
 
@@ -32,18 +32,33 @@ def _mpirun_job(out, timeout: float):
     if mpirun is None:
         require_system("mpirun is not installed (Debian: apt-get install openmpi-bin; `make system-deps`)")
     # OpenMPI refuses root unless told; -x passes the variables the ranks need.
-    env = clean_env(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-                    MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
-    passed = [arg for name in ("PYTHONPATH", "MASTER_PORT", "OMP_NUM_THREADS") if name in env
-              for arg in ("-x", name)]
-    return run([mpirun, "-np", "2", "--oversubscribe", *passed, sys.executable, JOB, "--out", str(out)],
-               env=env, timeout=timeout)
+    env = clean_env(
+        OMPI_ALLOW_RUN_AS_ROOT="1",
+        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+        MASTER_PORT=str(free_port()),
+        OMP_NUM_THREADS="1",
+    )
+    passed = [arg for name in ("PYTHONPATH", "MASTER_PORT", "OMP_NUM_THREADS") if name in env for arg in ("-x", name)]
+    return run(
+        [mpirun, "-np", "2", "--oversubscribe", *passed, sys.executable, JOB, "--out", str(out)],
+        env=env,
+        timeout=timeout,
+    )
 
 
 @pytest.mark.timeout(300)
 def test_mpirun_trains_what_torchfleet_run_trains(tmp_path):
-    fleet = torchfleet("run", "-n", "2", JOB, "--out", str(tmp_path / "fleet.pt"),
-                       "--listening", str(tmp_path / "listening.txt"), timeout=200)
+    fleet = torchfleet(
+        "run",
+        "-n",
+        "2",
+        JOB,
+        "--out",
+        str(tmp_path / "fleet.pt"),
+        "--listening",
+        str(tmp_path / "listening.txt"),
+        timeout=200,
+    )
     assert fleet.returncode == 0, fleet.stderr
     # torchrun's c10d rendezvous would listen on [::]: both of the agent's stores
     # (the rendezvous and the workers') must be bound to 127.0.0.1 only.

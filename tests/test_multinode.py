@@ -20,8 +20,20 @@ from conftest import clean_env, newest_checkpoint_model, torchfleet
 from netns import hosts
 from torchfleet.launcher import preflight
 
-JOB = ["train", "--strategy", "ddp", "--model", "mlp", "--epochs", "1", "--max-steps", "4",
-       "--batch-size", "32", "--no-progress"]
+JOB = [
+    "train",
+    "--strategy",
+    "ddp",
+    "--model",
+    "mlp",
+    "--epochs",
+    "1",
+    "--max-steps",
+    "4",
+    "--batch-size",
+    "32",
+    "--no-progress",
+]
 
 
 def _final_weights(directory) -> torch.Tensor:
@@ -32,10 +44,17 @@ def _final_weights(directory) -> torch.Tensor:
 def _on_hosts(net, argv_for, env_for=None, timeout=200) -> list[tuple[int, str, float]]:
     """Start `torchfleet argv_for(i)` on every host at once; (status, output, seconds) each."""
     start = time.monotonic()
-    procs = [net.popen(i, [sys.executable, "-m", "torchfleet", *argv_for(i)],
-                       env=(env_for or (lambda i: clean_env()))(i), stdout=subprocess.PIPE,
-                       stderr=subprocess.STDOUT, text=True)
-             for i in range(len(net.names))]
+    procs = [
+        net.popen(
+            i,
+            [sys.executable, "-m", "torchfleet", *argv_for(i)],
+            env=(env_for or (lambda i: clean_env()))(i),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(len(net.names))
+    ]
     results = []
     for proc in procs:
         out, _ = proc.communicate(timeout=timeout)
@@ -50,14 +69,41 @@ def test_two_nodes_train_the_weights_of_one_machine(tmp_path):
     expected = _final_weights(tmp_path / "one")
     with hosts(2) as net:
         # 2 nodes x 1 process, torchrun's static rendezvous at node 0.
-        static = _on_hosts(net, lambda i: [*JOB, "--nnodes", "2", "--node-rank", str(i), "-n", "1",
-                                           "--master-addr", net.addr(0), "--master-port", "29401",
-                                           "--checkpoint-dir", str(tmp_path / "static")])
+        static = _on_hosts(
+            net,
+            lambda i: [
+                *JOB,
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(i),
+                "-n",
+                "1",
+                "--master-addr",
+                net.addr(0),
+                "--master-port",
+                "29401",
+                "--checkpoint-dir",
+                str(tmp_path / "static"),
+            ],
+        )
         # 2 nodes x 2 processes, the c10d rendezvous (torchrun's --rdzv-endpoint).
-        elastic = _on_hosts(net, lambda i: [*JOB, "--nnodes", "2", "-n", "2",
-                                            "--rdzv-endpoint", f"{net.addr(0)}:29402",
-                                            "--checkpoint-dir", str(tmp_path / "elastic"),
-                                            "--json-out", str(tmp_path / "elastic.json")])
+        elastic = _on_hosts(
+            net,
+            lambda i: [
+                *JOB,
+                "--nnodes",
+                "2",
+                "-n",
+                "2",
+                "--rdzv-endpoint",
+                f"{net.addr(0)}:29402",
+                "--checkpoint-dir",
+                str(tmp_path / "elastic"),
+                "--json-out",
+                str(tmp_path / "elastic.json"),
+            ],
+        )
     for runs in (static, elastic):
         assert [status for status, _, _ in runs] == [0, 0], runs
     node1 = static[1][1]
@@ -71,8 +117,7 @@ def test_two_nodes_train_the_weights_of_one_machine(tmp_path):
 
 
 def _doctor(master: str, port: int, node: int) -> list[str]:
-    return ["doctor", "--master-addr", master, "--master-port", str(port), "--nnodes", "2",
-            "--node-rank", str(node)]
+    return ["doctor", "--master-addr", master, "--master-port", str(port), "--nnodes", "2", "--node-rank", str(node)]
 
 
 def _one_error(status: int, out: str, seconds: float) -> str:
@@ -99,21 +144,47 @@ def test_preflight_names_the_node_and_the_cause_in_seconds():
         # then the right address but a port nothing listens on.
         for what, master, port in (("no host there", "10.77.0.9", 29403), ("closed port", net.addr(0), 29404)):
             start = time.monotonic()
-            ran = net.run(1, [sys.executable, "-m", "torchfleet", *_doctor(master, port, 1)],
-                          env=clean_env(), timeout=60)
+            ran = net.run(
+                1, [sys.executable, "-m", "torchfleet", *_doctor(master, port, 1)], env=clean_env(), timeout=60
+            )
             errors[what] = _one_error(ran.returncode, ran.stdout + ran.stderr, time.monotonic() - start)
-        shown = net.run(1, [sys.executable, "-m", "torchfleet", "doctor", "--master-addr", net.addr(0)],
-                        env=clean_env(), timeout=60)
-        no_route = net.run(1, [sys.executable, "-c", "from torchfleet.launcher import preflight\n"
-                               "try: preflight.route(1, '192.0.2.1')\n"
-                               "except preflight.PreflightError as e: print(e)"], env=clean_env(), timeout=60)
+        shown = net.run(
+            1, [sys.executable, "-m", "torchfleet", "doctor", "--master-addr", net.addr(0)], env=clean_env(), timeout=60
+        )
+        no_route = net.run(
+            1,
+            [
+                sys.executable,
+                "-c",
+                "from torchfleet.launcher import preflight\n"
+                "try: preflight.route(1, '192.0.2.1')\n"
+                "except preflight.PreflightError as e: print(e)",
+            ],
+            env=clean_env(),
+            timeout=60,
+        )
         # A version mismatch, simulated on node 1, found by the preflight of `train` itself.
         mismatch = _on_hosts(
-            net, lambda i: [*JOB, "--nnodes", "2", "--node-rank", str(i), "-n", "1",
-                            "--master-addr", net.addr(0), "--master-port", "29406"],
-            env_for=lambda i: clean_env(**({"TORCHFLEET_PREFLIGHT_TORCH_VERSION": "2.13.0"} if i else {})))
-    assert ("node 1 (10.77.0.2): connection to the master 10.77.0.9:29403 timed out" in errors["no host there"]
-            or "10.77.0.9:29403 failed: no route to host" in errors["no host there"])
+            net,
+            lambda i: [
+                *JOB,
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(i),
+                "-n",
+                "1",
+                "--master-addr",
+                net.addr(0),
+                "--master-port",
+                "29406",
+            ],
+            env_for=lambda i: clean_env(**({"TORCHFLEET_PREFLIGHT_TORCH_VERSION": "2.13.0"} if i else {})),
+        )
+    assert (
+        "node 1 (10.77.0.2): connection to the master 10.77.0.9:29403 timed out" in errors["no host there"]
+        or "10.77.0.9:29403 failed: no route to host" in errors["no host there"]
+    )
     assert "node 1 (10.77.0.2): connection to the master 10.77.0.1:29404 was refused" in errors["closed port"]
     # doctor shows the choice: the veth that routes to the master, for Gloo and NCCL alike.
     assert shown.returncode == 0, shown.stderr

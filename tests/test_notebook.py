@@ -25,8 +25,9 @@ def test_the_example_notebook_trains_ddp_in_a_real_kernel(monkeypatch):
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
     notebook = nbformat.read(EXAMPLES / "ddp_notebook.ipynb", as_version=4)
-    nbclient.NotebookClient(notebook, timeout=240, kernel_name="python3",
-                            resources={"metadata": {"path": str(EXAMPLES)}}).execute()
+    nbclient.NotebookClient(
+        notebook, timeout=240, kernel_name="python3", resources={"metadata": {"path": str(EXAMPLES)}}
+    ).execute()
     out = "".join(o.get("text", "") for o in notebook.cells[-1].outputs)
     found = re.findall(r"rank (\d) of (\d): validation accuracy ([\d.]+)", out)
     assert [(rank, world) for rank, world, _ in found] == [("0", "2"), ("1", "2")], out

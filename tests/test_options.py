@@ -29,8 +29,17 @@ def test_every_declared_option_is_a_flag_of_train_and_bench_and_nothing_else_is(
 
 
 def test_options_are_sorted_into_their_groups_and_given_back_flat():
-    given = {"pp": 2, "schedule": "gpipe", "microbatches": 4, "fsdp_units": "Block", "sync_every": 10,
-             "grad_compression": "fp16", "sync_batchnorm": True, "devices": "cpu,cpu", "tp": None}
+    given = {
+        "pp": 2,
+        "schedule": "gpipe",
+        "microbatches": 4,
+        "fsdp_units": "Block",
+        "sync_every": 10,
+        "grad_compression": "fp16",
+        "sync_batchnorm": True,
+        "devices": "cpu,cpu",
+        "tp": None,
+    }
     options = StrategyOptions.of(given)
     assert options.degrees.pp == 2 and options.degrees.tp is None
     assert (options.pipeline.schedule, options.pipeline.microbatches) == ("gpipe", 4)

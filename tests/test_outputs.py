@@ -14,10 +14,16 @@ SCRIPT = "print('hello')\n"
 # Each output flag, with a path whose directory cannot be created (a file is in its way).
 UNWRITABLE = [
     ("train --json-out", ["train", "--strategy", "serial", "--json-out", "{blocked}/result.json"], "--json-out"),
-    ("train --checkpoint-dir", ["train", "--strategy", "serial", "--checkpoint-dir", "{blocked}/ckpt"],
-     "--checkpoint-dir"),
-    ("train -n 2 --json-out", ["train", "--strategy", "ddp", "-n", "2", "--json-out", "{blocked}/result.json"],
-     "--json-out"),
+    (
+        "train --checkpoint-dir",
+        ["train", "--strategy", "serial", "--checkpoint-dir", "{blocked}/ckpt"],
+        "--checkpoint-dir",
+    ),
+    (
+        "train -n 2 --json-out",
+        ["train", "--strategy", "ddp", "-n", "2", "--json-out", "{blocked}/result.json"],
+        "--json-out",
+    ),
     ("bench --out", ["bench", "--quick", "--out", "{blocked}/bench"], "--out"),
     ("slurm --out", ["slurm", "{script}", "--out", "{blocked}/job.sbatch"], "--out"),
     ("k8s --out", ["k8s", "{script}", "--out", "{blocked}/job.yaml"], "--out"),
@@ -58,9 +64,23 @@ def test_json_out_that_is_a_directory_is_refused(tmp_path):
 def test_missing_directories_are_created(tmp_path, paths):
     figures = tmp_path / "new" / "deeper" / "result.json"
     checkpoints = tmp_path / "also-new" / "ckpt"
-    result = torchfleet("train", "--strategy", "serial", "--model", "mlp", "--max-steps", "3",
-                        "--epochs", "1", "--json-out", str(figures), "--checkpoint-dir", str(checkpoints),
-                        "--no-progress", timeout=240)
+    result = torchfleet(
+        "train",
+        "--strategy",
+        "serial",
+        "--model",
+        "mlp",
+        "--max-steps",
+        "3",
+        "--epochs",
+        "1",
+        "--json-out",
+        str(figures),
+        "--checkpoint-dir",
+        str(checkpoints),
+        "--no-progress",
+        timeout=240,
+    )
     assert result.returncode == 0, result.stderr
     assert json.loads(figures.read_text())["steps"] == 3
     assert [p.name for p in checkpoints.iterdir() if p.name.startswith("step-")] == ["step-00000003"]

@@ -78,14 +78,17 @@ def test_pipeline_bubble_is_p_minus_1_over_m_plus_p_minus_1(gpt_adamw):
 
 
 # p = 4 processes, m = 8 micro-batches, v = 2 stages per process where the schedule takes several
-@pytest.mark.parametrize("schedule, v, bubble", [
-    ("gpipe", None, 3 / (8 + 3)),
-    ("1f1b", None, 3 / (8 + 3)),
-    ("interleaved-1f1b", 2, 3 / (2 * 8 + 3)),
-    ("looped-bfs", 2, 3 / (2 * 8 + 3)),
-    ("interleaved-zb", 2, 3 / (3 * 2 * 8 + 3)),  # ZB-H1: a third of 1F1B's fill and drain (Qi et al.)
-    ("zbv", 2, 0.0),
-])
+@pytest.mark.parametrize(
+    "schedule, v, bubble",
+    [
+        ("gpipe", None, 3 / (8 + 3)),
+        ("1f1b", None, 3 / (8 + 3)),
+        ("interleaved-1f1b", 2, 3 / (2 * 8 + 3)),
+        ("looped-bfs", 2, 3 / (2 * 8 + 3)),
+        ("interleaved-zb", 2, 3 / (3 * 2 * 8 + 3)),  # ZB-H1: a third of 1F1B's fill and drain (Qi et al.)
+        ("zbv", 2, 0.0),
+    ],
+)
 def test_each_schedule_has_its_bubble(gpt_adamw, schedule, v, bubble):
     assert pipelines.bubble_fraction(schedule, 4, 8, v or 1) == pytest.approx(bubble, abs=1e-12)
     if schedule not in available():
@@ -120,22 +123,52 @@ def test_schedules_order_their_bubbles_and_activations(gpt_adamw):
 
 def test_a_described_cluster_plans_every_preset_and_recommends_one(tmp_path):
     out = tmp_path / "plan.json"
-    result = forked_torchfleet("plan", "--model", "gpt", "--gpt-preset", "tiny", "--batch-size", "64", "--nodes",
-                               "2", "--gpus-per-node", "4", "--gpu", "A100", "--link", "100", "--json-out", str(out),
-                               "--chart", str(tmp_path / "plan.png"))
+    result = forked_torchfleet(
+        "plan",
+        "--model",
+        "gpt",
+        "--gpt-preset",
+        "tiny",
+        "--batch-size",
+        "64",
+        "--nodes",
+        "2",
+        "--gpus-per-node",
+        "4",
+        "--gpu",
+        "A100",
+        "--link",
+        "100",
+        "--json-out",
+        str(out),
+        "--chart",
+        str(tmp_path / "plan.png"),
+    )
     assert result.returncode == 0, result.stderr
     doc = json.loads(out.read_text())
-    assert doc["target"]["nodes"] == 2 and doc["target"]["rate"] == pytest.approx(19.5e12 * 0.65)  # fp32: the plain FP32 peak
+    assert doc["target"]["nodes"] == 2 and doc["target"]["rate"] == pytest.approx(
+        19.5e12 * 0.65
+    )  # fp32: the plain FP32 peak
     names = {(p["strategy"], p["processes"]) for p in doc["predictions"]}
     assert {("serial", 1), ("ddp", 8), ("fsdp", 8), ("pipeline", 4), ("tp", 2), ("diloco", 8)} <= names
     assert doc["recommendation"]["best"]["strategy"] in {s for s, _ in names}
     assert "the fastest that fits" in result.stdout and (tmp_path / "plan.png").stat().st_size > 0
 
 
-@pytest.mark.parametrize("written, gbit", [
-    ("100", 100.0), ("100Gb/s", 100.0), ("400 Gbit/s", 400.0), ("400Gbps", 400.0), ("800Mb/s", 0.8),
-    ("1Tb/s", 1000.0), ("900GB/s", 7200.0), ("100MBps", 0.8), ("12.5 GB/s", 100.0),
-])
+@pytest.mark.parametrize(
+    "written, gbit",
+    [
+        ("100", 100.0),
+        ("100Gb/s", 100.0),
+        ("400 Gbit/s", 400.0),
+        ("400Gbps", 400.0),
+        ("800Mb/s", 0.8),
+        ("1Tb/s", 1000.0),
+        ("900GB/s", 7200.0),
+        ("100MBps", 0.8),
+        ("12.5 GB/s", 100.0),
+    ],
+)
 def test_a_bandwidth_is_read_with_its_unit(written, gbit):
     """Bits with a lower-case b (or "bit"), bytes with an upper-case B, as datasheets write them."""
     from torchfleet.cli.plan import gbit_per_s
@@ -147,8 +180,21 @@ def test_a_link_written_with_its_unit_plans_as_the_bare_number(tmp_path):
     outs = []
     for link in ("400", "400Gb/s", "50GB/s"):
         out = tmp_path / f"{link.replace('/', '_')}.json"
-        result = forked_torchfleet("plan", "--model", "mlp", "--nodes", "2", "--gpus-per-node", "8", "--gpu",
-                                   "H100", "--link", link, "--json-out", str(out))
+        result = forked_torchfleet(
+            "plan",
+            "--model",
+            "mlp",
+            "--nodes",
+            "2",
+            "--gpus-per-node",
+            "8",
+            "--gpu",
+            "H100",
+            "--link",
+            link,
+            "--json-out",
+            str(out),
+        )
         assert result.returncode == 0, result.stderr
         outs.append(json.loads(out.read_text())["target"])
     assert outs[0] == outs[1] == outs[2] and outs[0]["inter"]["bandwidth_bytes_s"] == pytest.approx(400e9 / 8)
@@ -165,8 +211,15 @@ def test_measured_overheads_enter_the_step_time_as_written(gpt_adamw):
     """fsdp: bytes over the link plus the probe's per-step and per-unit machinery; tp: per parallel Linear;
     a pipeline: per slot; ddp: per step and per gradient tensor; each step, its compute and that. Links with
     no latency keep the sums exact."""
-    costs = {"fsdp_unit_s": 0.002, "fsdp_step_s": 0.003, "tp_linear_s": 0.001, "tp_step_s": 0.0005,
-             "pipeline_slot_s": 0.004, "ddp_tensor_s": 1e-5, "ddp_step_s": 0.001}
+    costs = {
+        "fsdp_unit_s": 0.002,
+        "fsdp_step_s": 0.003,
+        "tp_linear_s": 0.001,
+        "tp_step_s": 0.0005,
+        "pipeline_slot_s": 0.004,
+        "ddp_tensor_s": 1e-5,
+        "ddp_step_s": 0.001,
+    }
     link = comm.Link(1e9, 0.0)
     calib = probe.Calibration("h", "t", 2, {1: 1e9}, {2: link}, {2: link}, {2: costs})
     here = Target("here", 1, 2, 1e12, link, link, cores_per_node=0, here=True)
@@ -199,8 +252,15 @@ def test_four_processes_use_the_2x2_figures_and_the_measured_slowdown(gpt_adamw)
     """Degrees of 2 among 4 processes take the 2 x 2 mesh's overheads (hsdp its own); the compute is the
     profile's step times the probed slowdown of 4 processes at once; the optimizer step is paid once."""
     p = gpt_adamw
-    whole = {"fsdp_unit_s": 0.02, "fsdp_step_s": 0.0, "tp_linear_s": 0.008, "tp_step_s": 0.0, "ddp_tensor_s": 1e-4,
-             "ddp_step_s": 0.003, "pipeline_slot_s": 0.005}
+    whole = {
+        "fsdp_unit_s": 0.02,
+        "fsdp_step_s": 0.0,
+        "tp_linear_s": 0.008,
+        "tp_step_s": 0.0,
+        "ddp_tensor_s": 1e-4,
+        "ddp_step_s": 0.003,
+        "pipeline_slot_s": 0.005,
+    }
     pairs = {overheads.PAIRS + k: v / 2 for k, v in whole.items()} | {"hsdp_unit_s": 0.009, "hsdp_step_s": 0.001}
     link = comm.Link(1e12, 0.0)
     calib = probe.Calibration("h", "t", 2, {1: 1e9}, {4: link}, {4: link}, {4: whole | pairs})
@@ -222,8 +282,9 @@ def test_four_processes_use_the_2x2_figures_and_the_measured_slowdown(gpt_adamw)
     # mp runs the forward and backward once per micro-batch, the optimizer's step once
     fit, opt = p.step_fit(2), p.optimizer_time(2, 0.0)
     mp = predict.step_time(p, layout("mp", 1, 32, p), 32, here, 2, calib)["compute"]
-    assert opt > 0 and mp == pytest.approx(4 * (fit.fixed_s - min(opt, fit.fixed_s)) + fit.per_sample_s * 32
-                                          + min(opt, fit.fixed_s))
+    assert opt > 0 and mp == pytest.approx(
+        4 * (fit.fixed_s - min(opt, fit.fixed_s)) + fit.per_sample_s * 32 + min(opt, fit.fixed_s)
+    )
 
 
 # docs/benchmarks/history.md: median |predicted / bench's median step - 1| over a model's cells within 0.25 on a quiet machine
@@ -241,9 +302,28 @@ def _check(tmp_path, attempt: int) -> tuple[dict, str]:
     --reprobe, so that each attempt's calibration is taken minutes before its own cells."""
     out = tmp_path / f"plan{attempt}.json"
     env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
-    argv = [sys.executable, "-m", "torchfleet", "plan", "--model", "gpt", "--batch-size", "16", "--strategies",
-            "ddp,fsdp,pipeline", "--nproc", "2", "--check", "--warmup", "1", "--steps", "3", "--json-out", str(out),
-            *(["--reprobe"] if attempt else [])]
+    argv = [
+        sys.executable,
+        "-m",
+        "torchfleet",
+        "plan",
+        "--model",
+        "gpt",
+        "--batch-size",
+        "16",
+        "--strategies",
+        "ddp,fsdp,pipeline",
+        "--nproc",
+        "2",
+        "--check",
+        "--warmup",
+        "1",
+        "--steps",
+        "3",
+        "--json-out",
+        str(out),
+        *(["--reprobe"] if attempt else []),
+    ]
     result = run(_ahead_of_neighbours(argv), timeout=300, env=clean_env(**env))
     assert result.returncode == 0, result.stderr
     return json.loads(out.read_text()), result.stdout
@@ -271,8 +351,15 @@ def test_check_measures_cells_and_meets_the_step_time_the_docs_claim(tmp_path):
     cal = doc["calibration"]
     assert cal["links"]["2"]["bandwidth_bytes_s"] > 0 and cal["matmul_flops"]["1"] > 0
     # the strategies' overheads, measured with the real wrappers in the probe's two processes
-    assert set(cal["overheads"]["2"]) == {"fsdp_unit_s", "fsdp_step_s", "tp_linear_s", "tp_step_s",
-                                          "pipeline_slot_s", "ddp_tensor_s", "ddp_step_s"}
+    assert set(cal["overheads"]["2"]) == {
+        "fsdp_unit_s",
+        "fsdp_step_s",
+        "tp_linear_s",
+        "tp_step_s",
+        "pipeline_slot_s",
+        "ddp_tensor_s",
+        "ddp_step_s",
+    }
     assert all(v >= 0 for v in cal["overheads"]["2"].values()) and cal["overheads"]["2"]["fsdp_unit_s"] > 0
     assert "torchfleet plan: gpt tiny, global batch 16" in stdout
     attempts = []
@@ -290,37 +377,58 @@ def test_check_measures_cells_and_meets_the_step_time_the_docs_claim(tmp_path):
             assert cell["fastest_ratio"] == pytest.approx(cell["predicted_step_s"] / cell["measured_fastest_step_s"])
             assert cell["measured_fastest_step_s"] <= cell["measured_step_s"]
         summary = doc["check"]["summary"]
-        printed = re.search(r"check: step time: median \|predicted/measured - 1\| = ([\d.]+) over (\d+) cells",
-                            stdout)
+        printed = re.search(r"check: step time: median \|predicted/measured - 1\| = ([\d.]+) over (\d+) cells", stdout)
         assert printed and float(printed.group(1)) == pytest.approx(summary["step_time"]["median_error"], abs=5e-4)
         assert int(printed.group(2)) == summary["step_time"]["cells"] == 4
         printed = re.search(r"check: peak memory: median \|predicted/measured - 1\| = ([\d.]+)", stdout)
         assert printed and float(printed.group(1)) == pytest.approx(summary["peak_memory"]["median_error"], abs=5e-4)
         error = summary["step_time"]["median_error"]
         ddp, fsdp = cells[("ddp", 2)], cells[("fsdp", 2)]
-        ordered = (fsdp["predicted_step_s"] > ddp["predicted_step_s"]
-                   and fsdp["measured_step_s"] > ddp["measured_step_s"])
-        attempts.append((round(error, 3), ordered, {f"{k[0]} x{k[1]}": (round(c["step_ratio"], 2),
-                                                                        round(c["fastest_ratio"], 2))
-                                                    for k, c in cells.items()}))
-        print(f"attempt {attempt + 1}: median |predicted/measured - 1| = {error:.3f}, fsdp slower than ddp"
-              f" predicted and measured: {ordered}; per cell {attempts[-1][2]}")
+        ordered = (
+            fsdp["predicted_step_s"] > ddp["predicted_step_s"] and fsdp["measured_step_s"] > ddp["measured_step_s"]
+        )
+        attempts.append(
+            (
+                round(error, 3),
+                ordered,
+                {
+                    f"{k[0]} x{k[1]}": (round(c["step_ratio"], 2), round(c["fastest_ratio"], 2))
+                    for k, c in cells.items()
+                },
+            )
+        )
+        print(
+            f"attempt {attempt + 1}: median |predicted/measured - 1| = {error:.3f}, fsdp slower than ddp"
+            f" predicted and measured: {ordered}; per cell {attempts[-1][2]}"
+        )
         if error <= STEP_TIME_CLAIM and ordered:
             return
-    pytest.fail(f"the step-time claim (median error within {STEP_TIME_CLAIM}, fsdp slower than ddp) failed in"
-                f" {CHECK_ATTEMPTS} attempts: {attempts}")
+    pytest.fail(
+        f"the step-time claim (median error within {STEP_TIME_CLAIM}, fsdp slower than ddp) failed in"
+        f" {CHECK_ATTEMPTS} attempts: {attempts}"
+    )
 
 
-@pytest.mark.parametrize("args, said", [
-    (["--gpu", "Z100", "--gpus-per-node", "8"], "GPU 'Z100' is not in torchfleet's table"),
-    (["--nodes", "0", "--gpus-per-node", "8", "--gpu", "H100"], "--nodes 0 must be at least 1"),
-    (["--model", "mlp", "--batch-size", "1000000000000", "--gpu", "T4", "--gpus-per-node", "2"],
-     "a global batch of 1000000000000 fits no strategy on 1 x 2 T4"),
-    (["--gpu", "H100", "--gpus-per-node", "4", "--schedule", "zbv", "--stages-per-process", "3"],
-     "schedule zbv places exactly 2 stages on each process"),
-    (["--gpu", "H100", "--gpus-per-node", "8", "--nodes", "2", "--link", "100 furlongs"],
-     "--link '100 furlongs' is not a bandwidth; give Gbit/s as a number (100) or with a unit"),
-], ids=["unknown-gpu", "zero-nodes", "batch-fits-nowhere", "bad-schedule", "bad-link"])
+@pytest.mark.parametrize(
+    "args, said",
+    [
+        (["--gpu", "Z100", "--gpus-per-node", "8"], "GPU 'Z100' is not in torchfleet's table"),
+        (["--nodes", "0", "--gpus-per-node", "8", "--gpu", "H100"], "--nodes 0 must be at least 1"),
+        (
+            ["--model", "mlp", "--batch-size", "1000000000000", "--gpu", "T4", "--gpus-per-node", "2"],
+            "a global batch of 1000000000000 fits no strategy on 1 x 2 T4",
+        ),
+        (
+            ["--gpu", "H100", "--gpus-per-node", "4", "--schedule", "zbv", "--stages-per-process", "3"],
+            "schedule zbv places exactly 2 stages on each process",
+        ),
+        (
+            ["--gpu", "H100", "--gpus-per-node", "8", "--nodes", "2", "--link", "100 furlongs"],
+            "--link '100 furlongs' is not a bandwidth; give Gbit/s as a number (100) or with a unit",
+        ),
+    ],
+    ids=["unknown-gpu", "zero-nodes", "batch-fits-nowhere", "bad-schedule", "bad-link"],
+)
 def test_bad_input_is_one_sentence(args, said):
     assert_refused_in_one_sentence(forked_torchfleet("plan", *args), said)
 
@@ -353,4 +461,3 @@ def test_a_plan_in_bf16_counts_the_activations_that_autocast_keeps():
     ratio = bf16.activation_per_sample / fp32.activation_per_sample
     assert 0.5 < ratio < 0.8, ratio  # 0.68: bf16 where autocast casts, fp32 for the loss and norms
     assert bf16.parameters == fp32.parameters and bf16.flops_per_sample == fp32.flops_per_sample
-

@@ -23,9 +23,17 @@ from torchfleet.plan.step_counter import step_counter  # noqa: E402
 
 # A Llama of Llama 3.1's architecture at a size this machine trains in a second: deeper than the traced
 # depths (2, 4, 6), so its figures are carried, not traced whole.
-SMALL = {**library_model.read_config("llama-3.1-8b"), "hidden_size": 64, "intermediate_size": 160,
-         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512, "num_hidden_layers": 8,
-         "bos_token_id": None, "eos_token_id": None}
+SMALL = {
+    **library_model.read_config("llama-3.1-8b"),
+    "hidden_size": 64,
+    "intermediate_size": 160,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 512,
+    "num_hidden_layers": 8,
+    "bos_token_id": None,
+    "eos_token_id": None,
+}
 WORK = {"seq": 64, "local_batch": 2}
 
 
@@ -59,15 +67,22 @@ def _real_peaks(fields: dict, tp: int = 1) -> dict | None:
 
     dist.init_process_group("gloo")  # launch sets the rendezvous's environment, as torchrun does
     world = dist.get_world_size()
-    mesh = (init_device_mesh("cpu", (world,)) if tp == 1
-            else init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp_shard", "tp")))
+    mesh = (
+        init_device_mesh("cpu", (world,))
+        if tp == 1
+        else init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp_shard", "tp"))
+    )
     measured = {}
     for ac in trace.AC_MODES:
         torch.manual_seed(0)
         tracker, counter = trace.tracked_step(fields, trace.Workload(**WORK, ac=ac, tp=tp), mesh, FSDPMemTracker)
         peak = sum(device["Total"] for device in tracker.get_tracker_snapshot("peak").values())
-        measured[ac] = {"peak": peak, "flops": counter.total, "collectives": counter.collectives,
-                        "calls": counter.calls}
+        measured[ac] = {
+            "peak": peak,
+            "flops": counter.total,
+            "collectives": counter.collectives,
+            "calls": counter.calls,
+        }
     rank = dist.get_rank()
     dist.destroy_process_group()
     return measured if rank == 0 else None
@@ -191,8 +206,10 @@ def test_a_pipeline_stage_holds_what_the_plan_traces_within_10_percent():
     import torch
 
     if torch.__version__.startswith("2.11."):
-        pytest.skip("torch 2.11's AdamW on fake tensors holds its step's temporaries at the end of the step: at"
-                    " this toy size that moment is the first stage's peak, 57% above the real one")
+        pytest.skip(
+            "torch 2.11's AdamW on fake tensors holds its step's temporaries at the end of the step: at"
+            " this toy size that moment is the first stage's peak, 57% above the real one"
+        )
     m = 4
     real = launch(_real_stage_peaks, nprocs=2, args=(SMALL, m))[0]
     params = library_model.parameter_count(SMALL)
@@ -211,8 +228,25 @@ def test_a_pipeline_stage_holds_what_the_plan_traces_within_10_percent():
 
 def test_a_shipped_config_plans_its_columns_from_its_parameter_count(tmp_path):
     out = tmp_path / "plan.json"
-    result = forked_torchfleet("plan", "--hf-config", "llama-3.1-8b", "--gpu", "H100", "--gpus-per-node", "8",
-                               "--nodes", "16", "--nproc", "8,128", "--link", "400", "--tp", "1", "--json-out", str(out))
+    result = forked_torchfleet(
+        "plan",
+        "--hf-config",
+        "llama-3.1-8b",
+        "--gpu",
+        "H100",
+        "--gpus-per-node",
+        "8",
+        "--nodes",
+        "16",
+        "--nproc",
+        "8,128",
+        "--link",
+        "400",
+        "--tp",
+        "1",
+        "--json-out",
+        str(out),
+    )
     assert result.returncode == 0, result.stderr
     doc = json.loads(out.read_text())
     params = doc["parameters"]
@@ -251,9 +285,25 @@ def test_tensor_parallel_and_hsdp_layouts_cost_their_collectives_on_the_links_th
     HSDP shards within each machine and all-reduces the shards' gradients between them. The recommendation
     is the fastest layout that fits 16 GPUs."""
     out = tmp_path / "plan.json"
-    result = forked_torchfleet("plan", "--hf-config", "llama-3.1-8b", "--gpu", "H100", "--gpus-per-node", "8",
-                               "--nodes", "2", "--nproc", "16", "--link", "400", "--tp", "1,8",
-                               "--json-out", str(out))
+    result = forked_torchfleet(
+        "plan",
+        "--hf-config",
+        "llama-3.1-8b",
+        "--gpu",
+        "H100",
+        "--gpus-per-node",
+        "8",
+        "--nodes",
+        "2",
+        "--nproc",
+        "16",
+        "--link",
+        "400",
+        "--tp",
+        "1,8",
+        "--json-out",
+        str(out),
+    )
     assert result.returncode == 0, result.stderr
     doc = json.loads(out.read_text())
     rows = {r["layout"]: r for r in doc["rows"]}
@@ -267,8 +317,9 @@ def test_tensor_parallel_and_hsdp_layouts_cost_their_collectives_on_the_links_th
     # Rings of 8 over NVLink (450 GB/s): 7/8 of the bytes each way, and 20 us a hop for every call; an all-reduce
     # is both, twice.
     twice = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2}
-    expected = sum(twice[kind] * (7 / 8 * c["bytes"] / 450e9 + c["calls"] * 7 * 20e-6)
-                   for kind, c in tp["collectives"].items())
+    expected = sum(
+        twice[kind] * (7 / 8 * c["bytes"] / 450e9 + c["calls"] * 7 * 20e-6) for kind, c in tp["collectives"].items()
+    )
     assert t["tp"] == pytest.approx(expected, rel=1e-6)
     # One bf16 activation of batch 2 x 8192 x 4096 is 128 MiB; selective checkpointing gathers it 6 times a block
     # (twice in forward, again when recomputing, and twice as backward's reduce-scatters' reverse).
@@ -297,9 +348,27 @@ def test_pipeline_layouts_add_their_bubble_held_micro_batches_and_accumulated_gr
     config = tmp_path / "config.json"
     config.write_text(json.dumps(SMALL))
     out = tmp_path / "plan.json"
-    result = forked_torchfleet("plan", "--hf-config", str(config), "--gpu", "H100", "--gpus-per-node", "8",
-                               "--nproc", "8", "--tp", "1", "--pp", "2,4", "--local-batch", "4", "--seq-len", "64",
-                               "--json-out", str(out))
+    result = forked_torchfleet(
+        "plan",
+        "--hf-config",
+        str(config),
+        "--gpu",
+        "H100",
+        "--gpus-per-node",
+        "8",
+        "--nproc",
+        "8",
+        "--tp",
+        "1",
+        "--pp",
+        "2,4",
+        "--local-batch",
+        "4",
+        "--seq-len",
+        "64",
+        "--json-out",
+        str(out),
+    )
     assert result.returncode == 0, result.stderr
     doc = json.loads(out.read_text())
     rows = {(r.get("pp", 1), r.get("schedule")): r for r in doc["rows"]}
@@ -315,8 +384,9 @@ def test_pipeline_layouts_add_their_bubble_held_micro_batches_and_accumulated_gr
         assert plain["tokens_per_s_per_gpu"] == pytest.approx(4 * 64 / pp / t["step"])
         assert plain["memory"]["gradients"] >= 4 * params / pp * 0.999
         held = {"1f1b": pp, "interleaved-1f1b": pp * (1 + (pp - 1) / (2 * pp))}
-        one_more = (plain["memory"]["activations"] - looped["memory"]["activations"]) / (held["1f1b"] - held[
-            "interleaved-1f1b"])
+        one_more = (plain["memory"]["activations"] - looped["memory"]["activations"]) / (
+            held["1f1b"] - held["interleaved-1f1b"]
+        )
         assert one_more > 0
     # The pace is the last GPU's: half the blocks and the output layer, for each of its micro-batches.
     assert rows[(2, "1f1b")]["flops"] < rows[(1, None)]["flops"] * 8 / 2
@@ -325,7 +395,10 @@ def test_pipeline_layouts_add_their_bubble_held_micro_batches_and_accumulated_gr
     # 1F1B's last GPU holds one micro-batch, GPipe's all, interleaved 1F1B's its warm-up of (v-1) p chunks and one
     # more, each 1/v of its layers: 2.5 at p 4, v 2, where the first holds (p v + p - 1) / v = 5.5.
     assert [pipelines.held_by_last(s, 4, 8, v) for s, v in (("1f1b", 1), ("gpipe", 1), ("interleaved-1f1b", 2))] == [
-        1.0, 8, 2.5]
+        1.0,
+        8,
+        2.5,
+    ]
     assert pipelines.activations_held("interleaved-1f1b", 4, 8, 2) * 4 == 5.5
 
 
@@ -355,9 +428,33 @@ def test_a_pipeline_whose_stages_span_nodes_also_comes_as_hsdp(tmp_path):
     config = tmp_path / "config.json"
     config.write_text(json.dumps(SMALL))
     out = tmp_path / "plan.json"
-    result = forked_torchfleet("plan", "--hf-config", str(config), "--gpu", "H100", "--gpus-per-node", "8",
-                               "--nodes", "4", "--nproc", "16,32", "--link", "400", "--tp", "1", "--pp", "2",
-                               "--schedule", "1f1b", "--local-batch", "4", "--seq-len", "64", "--json-out", str(out))
+    result = forked_torchfleet(
+        "plan",
+        "--hf-config",
+        str(config),
+        "--gpu",
+        "H100",
+        "--gpus-per-node",
+        "8",
+        "--nodes",
+        "4",
+        "--nproc",
+        "16,32",
+        "--link",
+        "400",
+        "--tp",
+        "1",
+        "--pp",
+        "2",
+        "--schedule",
+        "1f1b",
+        "--local-batch",
+        "4",
+        "--seq-len",
+        "64",
+        "--json-out",
+        str(out),
+    )
     assert result.returncode == 0, result.stderr
     doc = json.loads(out.read_text())
     rows = {(r["gpus"], r["layout"]): r for r in doc["rows"]}
@@ -373,26 +470,55 @@ def test_a_pipeline_whose_stages_span_nodes_also_comes_as_hsdp(tmp_path):
     assert hsdp["time"]["fsdp"] == pytest.approx(within["time"]["fsdp"] + across, rel=1e-9)
 
 
-@pytest.mark.parametrize("args, said", [
-    (["--hf-config", "llama-3.1-8b"], "--hf-config plans a described GPU cluster"),
-    (["--hf-config", "README.md", "--gpu", "H100", "--gpus-per-node", "8"],
-     "--hf-config README.md is not a model config: it cannot be read as JSON"),
-    (["--hf-config", "no-such-model", "--gpu", "H100", "--gpus-per-node", "8"],
-     "is neither a file nor a shipped config; give a config.json's path or one of llama-3.1-405b"),
-    (["--hf-config", "llama-3.1-8b", "--gpu", "H100", "--gpus-per-node", "8", "--ac", "some"],
-     "--ac 'some' is not a checkpointing mode; choose one of none, selective, full"),
-    (["--hf-config", "llama-3.1-405b", "--gpu", "H100", "--gpus-per-node", "8"],
-     "llama-3.1-405b's 405.9 B parameters are 1,623 GB as fp32 weights alone, more than 8 GPUs x 80 GB = 640 GB"),
-    (["--hf-config", "llama-3.1-8b", "--gpu", "H100", "--gpus-per-node", "8", "--tp", "3"],
-     "--tp 3 does not divide the model's 32 attention heads; give a tp that divides 32 heads and 8 key/value heads"),
-    (["--hf-config", "llama-3.1-8b", "--gpu", "H100", "--gpus-per-node", "4", "--tp", "8"],
-     "--tp 8 is more than a node's 4 GPUs"),
-    (["--hf-config", "mixtral-8x7b", "--gpu", "H100", "--gpus-per-node", "8", "--tp", "8"],
-     "--tp 8: mixtral's blocks are not split by plain column and row products"),
-    (["--hf-config", "llama-3.1-8b", "--gpu", "H100", "--gpus-per-node", "8", "--pp", "5"],
-     "--pp 5 does not divide the model's 32 decoder blocks into equal stages; give a pp that divides 32"),
-], ids=["no-cluster", "not-json", "unknown-name", "bad-ac", "weights-beyond-the-cluster", "tp-not-dividing-heads",
-        "tp-beyond-a-node", "tp-of-experts", "pp-not-dividing-blocks"])
+@pytest.mark.parametrize(
+    "args, said",
+    [
+        (["--hf-config", "llama-3.1-8b"], "--hf-config plans a described GPU cluster"),
+        (
+            ["--hf-config", "README.md", "--gpu", "H100", "--gpus-per-node", "8"],
+            "--hf-config README.md is not a model config: it cannot be read as JSON",
+        ),
+        (
+            ["--hf-config", "no-such-model", "--gpu", "H100", "--gpus-per-node", "8"],
+            "is neither a file nor a shipped config; give a config.json's path or one of llama-3.1-405b",
+        ),
+        (
+            ["--hf-config", "llama-3.1-8b", "--gpu", "H100", "--gpus-per-node", "8", "--ac", "some"],
+            "--ac 'some' is not a checkpointing mode; choose one of none, selective, full",
+        ),
+        (
+            ["--hf-config", "llama-3.1-405b", "--gpu", "H100", "--gpus-per-node", "8"],
+            "llama-3.1-405b's 405.9 B parameters are 1,623 GB as fp32 weights alone, more than 8 GPUs x 80 GB = 640 GB",
+        ),
+        (
+            ["--hf-config", "llama-3.1-8b", "--gpu", "H100", "--gpus-per-node", "8", "--tp", "3"],
+            "--tp 3 does not divide the model's 32 attention heads; give a tp that divides 32 heads and 8 key/value heads",
+        ),
+        (
+            ["--hf-config", "llama-3.1-8b", "--gpu", "H100", "--gpus-per-node", "4", "--tp", "8"],
+            "--tp 8 is more than a node's 4 GPUs",
+        ),
+        (
+            ["--hf-config", "mixtral-8x7b", "--gpu", "H100", "--gpus-per-node", "8", "--tp", "8"],
+            "--tp 8: mixtral's blocks are not split by plain column and row products",
+        ),
+        (
+            ["--hf-config", "llama-3.1-8b", "--gpu", "H100", "--gpus-per-node", "8", "--pp", "5"],
+            "--pp 5 does not divide the model's 32 decoder blocks into equal stages; give a pp that divides 32",
+        ),
+    ],
+    ids=[
+        "no-cluster",
+        "not-json",
+        "unknown-name",
+        "bad-ac",
+        "weights-beyond-the-cluster",
+        "tp-not-dividing-heads",
+        "tp-beyond-a-node",
+        "tp-of-experts",
+        "pp-not-dividing-blocks",
+    ],
+)
 def test_bad_input_is_one_sentence(args, said):
     assert_refused_in_one_sentence(forked_torchfleet("plan", *args), said)
 
@@ -405,13 +531,22 @@ def test_a_mixture_of_experts_counts_its_grouped_experts_as_their_loop_would():
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    fields = {"hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "num_hidden_layers": 2, "num_local_experts": 4, "num_experts_per_tok": 2, "vocab_size": 128}
+    fields = {
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 2,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "vocab_size": 128,
+    }
     counted = {}
     for experts in ("eager", "grouped_mm"):
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model("mixtral", **fields,
-                                                                      experts_implementation=experts))
+        model = AutoModelForCausalLM.from_config(
+            AutoConfig.for_model("mixtral", **fields, experts_implementation=experts)
+        )
         tokens = torch.randint(0, 128, (2, 32))
         with step_counter() as counter:
             model(input_ids=tokens).logits.float().sum().backward()

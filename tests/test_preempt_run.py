@@ -31,8 +31,20 @@ STEPS = 12
 
 
 def _run(*flags: str, ck: Path, out: Path, marker: Path | None = None) -> list[str]:
-    return [sys.executable, "-m", "torchfleet", "run", "-n", "2", *flags, SCRIPT, str(ck), str(out), str(STEPS),
-            *([str(marker)] if marker else [])]
+    return [
+        sys.executable,
+        "-m",
+        "torchfleet",
+        "run",
+        "-n",
+        "2",
+        *flags,
+        SCRIPT,
+        str(ck),
+        str(out),
+        str(STEPS),
+        *([str(marker)] if marker else []),
+    ]
 
 
 def _assert_close(a: Path, b: Path, tol: float = 1e-5) -> float:
@@ -47,8 +59,9 @@ def _assert_close(a: Path, b: Path, tol: float = 1e-5) -> float:
 def test_sigterm_to_torchfleet_run_saves_exits_75_and_the_script_resumes_to_the_same_weights(tmp_path):
     # As Kubernetes sends it: SIGTERM to the pod's process, the launcher; its agent passes it on.
     ck, marker = tmp_path / "ck", tmp_path / "fired"
-    result, seconds = _signalled(_run(ck=ck, out=tmp_path / "never.pt", marker=marker), signal.SIGTERM, marker,
-                                 clean_env())
+    result, seconds = _signalled(
+        _run(ck=ck, out=tmp_path / "never.pt", marker=marker), signal.SIGTERM, marker, clean_env()
+    )
     assert result.returncode == PREEMPTED_EXIT, result.stderr
     assert "Traceback" not in result.stderr and "error" not in result.stderr
     assert f"torchfleet: preempted by SIGTERM at step 5, checkpoint saved to {ck / 'step-00000005'}\n" in result.stderr
@@ -59,8 +72,9 @@ def test_sigterm_to_torchfleet_run_saves_exits_75_and_the_script_resumes_to_the_
     resumed = torchfleet("run", "-n", "2", SCRIPT, str(ck), str(tmp_path / "resumed.pt"), str(STEPS), env=clean_env())
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed at step 5" in resumed.stdout
-    whole = torchfleet("run", "-n", "2", SCRIPT, str(tmp_path / "none"), str(tmp_path / "whole.pt"), str(STEPS),
-                       env=clean_env())
+    whole = torchfleet(
+        "run", "-n", "2", SCRIPT, str(tmp_path / "none"), str(tmp_path / "whole.pt"), str(STEPS), env=clean_env()
+    )
     assert whole.returncode == 0, whole.stderr
     _assert_close(tmp_path / "resumed.pt", tmp_path / "whole.pt")
 
@@ -74,8 +88,13 @@ def test_a_worker_told_alone_is_not_restarted_under_max_restarts(tmp_path):
     def local_rank_0(launcher: int) -> int:
         return worker(launcher, 0)
 
-    result, _ = _signalled(_run("--max-restarts", "2", ck=ck, out=tmp_path / "never.pt", marker=marker),
-                           signal.SIGUSR1, marker, clean_env(), target=local_rank_0)
+    result, _ = _signalled(
+        _run("--max-restarts", "2", ck=ck, out=tmp_path / "never.pt", marker=marker),
+        signal.SIGUSR1,
+        marker,
+        clean_env(),
+        target=local_rank_0,
+    )
     assert result.returncode == PREEMPTED_EXIT, result.stderr
     assert "attempt 1" not in result.stdout and "resumed" not in result.stdout  # no restart ran
     assert f"torchfleet: preempted by SIGUSR1 at step 5, checkpoint saved to {ck / 'step-00000005'}" in result.stderr
@@ -107,8 +126,9 @@ class _Metadata(BaseHTTPRequestHandler):
         notice = cls.reads > cls.quiet
         if self.path == "/latest/meta-data/spot/instance-action":
             cls.tokens.append(self.headers.get("X-aws-ec2-metadata-token", ""))
-            self._answer(200, json.dumps({"action": "terminate", "time": "2026-11-25T06:00:00Z"})) if notice \
-                else self._answer(404)
+            self._answer(
+                200, json.dumps({"action": "terminate", "time": "2026-11-25T06:00:00Z"})
+            ) if notice else self._answer(404)
         elif self.path == "/computeMetadata/v1/instance/preempted" and self.headers.get("Metadata-Flavor") == "Google":
             self._answer(200, "TRUE" if notice else "FALSE")
         elif self.path.startswith("/metadata/scheduledevents") and self.headers.get("Metadata") == "true":
@@ -132,11 +152,14 @@ def metadata(monkeypatch):
     server.shutdown()
 
 
-@pytest.mark.parametrize("cloud, said", [
-    ("aws", "an AWS spot notice (terminate at 2026-11-25T06:00:00Z)"),
-    ("gcp", "a Google Compute Engine preemption notice"),
-    ("azure", "an Azure Preempt event (not before Wed, 25 Nov 2026 06:00:30 GMT)"),
-])
+@pytest.mark.parametrize(
+    "cloud, said",
+    [
+        ("aws", "an AWS spot notice (terminate at 2026-11-25T06:00:00Z)"),
+        ("gcp", "a Google Compute Engine preemption notice"),
+        ("azure", "an Azure Preempt event (not before Wed, 25 Nov 2026 06:00:30 GMT)"),
+    ],
+)
 def test_each_clouds_notice_is_read_in_its_own_protocol(metadata, cloud, said):
     _Metadata.quiet = 1
     assert spot_notices.read_notice(cloud) is None
@@ -149,8 +172,11 @@ def test_each_clouds_notice_is_read_in_its_own_protocol(metadata, cloud, said):
 
 def test_a_notice_source_that_does_not_answer_is_refused_in_one_sentence(monkeypatch):
     monkeypatch.setenv(spot_notices.ENDPOINT_VARIABLE, f"127.0.0.1:{free_port()}")  # nothing listens there
-    with pytest.raises(UsageError, match=r"^--preempt-notice aws: its metadata service did not answer .*;"
-                                         " this machine is not on that cloud"):
+    with pytest.raises(
+        UsageError,
+        match=r"^--preempt-notice aws: its metadata service did not answer .*;"
+        " this machine is not on that cloud",
+    ):
         spot_notices.Watcher("aws", lambda reason: None).start()
     with pytest.raises(UsageError, match="^--preempt-notice 'ec2' is not a source of notices; give aws, gcp"):
         spot_notices.check_spec("ec2")
@@ -163,9 +189,26 @@ def test_a_spot_notice_makes_train_save_and_exit_75(tmp_path, metadata):
     _Metadata.quiet = 3
     ck = tmp_path / "ck"
     env = clean_env(**{spot_notices.ENDPOINT_VARIABLE: metadata, spot_notices.INTERVAL_VARIABLE: "0.2"})
-    result = torchfleet("train", "--model", "mlp", "--data", "synthetic", "--synthetic-size", "512", "--batch-size",
-                        "32", "--no-progress", "--checkpoint-dir", str(ck), "--preempt-notice", "aws",
-                        "--epochs", "10000", env=env, timeout=80)
+    result = torchfleet(
+        "train",
+        "--model",
+        "mlp",
+        "--data",
+        "synthetic",
+        "--synthetic-size",
+        "512",
+        "--batch-size",
+        "32",
+        "--no-progress",
+        "--checkpoint-dir",
+        str(ck),
+        "--preempt-notice",
+        "aws",
+        "--epochs",
+        "10000",
+        env=env,
+        timeout=80,
+    )
     assert result.returncode == PREEMPTED_EXIT, result.stderr
     lines = [x for x in result.stderr.splitlines() if "preempted" in x]
     assert len(lines) == 1, result.stderr
@@ -181,6 +224,8 @@ def test_a_spot_notice_makes_train_save_and_exit_75(tmp_path, metadata):
 def test_train_refuses_an_unknown_notice_source_before_starting(tmp_path):
     result = torchfleet("train", "--preempt-notice", "ec2", "--checkpoint-dir", str(tmp_path / "ck"))
     assert result.returncode == 2
-    assert result.stderr.strip() == ("torchfleet train: error: --preempt-notice 'ec2' is not a source of notices; give aws,"
-                                     " gcp, azure, an http:// URL (polled: an answer of 200 with a body is the"
-                                     " notice), or none")
+    assert result.stderr.strip() == (
+        "torchfleet train: error: --preempt-notice 'ec2' is not a source of notices; give aws,"
+        " gcp, azure, an http:// URL (polled: an answer of 200 with a body is the"
+        " notice), or none"
+    )

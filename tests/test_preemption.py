@@ -25,12 +25,25 @@ from torchfleet.launcher.preempt_relay import parse_signals
 from torchfleet.train.config import TrainConfig
 from torchfleet.train.loop import train
 
-JOB = ["train", "--model", "mlp", "--data", "synthetic", "--synthetic-size", "512", "--batch-size", "32",
-       "--no-progress", "--hang-timeout", "0"]  # 16 steps an epoch; the serial reference below is the same
+JOB = [
+    "train",
+    "--model",
+    "mlp",
+    "--data",
+    "synthetic",
+    "--synthetic-size",
+    "512",
+    "--batch-size",
+    "32",
+    "--no-progress",
+    "--hang-timeout",
+    "0",
+]  # 16 steps an epoch; the serial reference below is the same
 
 
-def _signalled(args: list[str], sig: signal.Signals, marker: Path, env: dict, target=None,
-               timeout: float = 90) -> tuple[subprocess.CompletedProcess, float]:
+def _signalled(
+    args: list[str], sig: signal.Signals, marker: Path, env: dict, target=None, timeout: float = 90
+) -> tuple[subprocess.CompletedProcess, float]:
     """Run `args`, send `sig` once `marker` exists (to the process, or to target(pid)'s pid); the
     finished process and the seconds from the signal to its exit."""
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
@@ -93,8 +106,10 @@ def _preempted_then_resumed(tmp_path, run: list[str], sig, fault: str, step: int
     assert result.returncode == PREEMPTED_EXIT, result.stderr
     assert "Traceback" not in result.stderr
     how = f"by {sig.name} " if target is None else ""  # a rank that learned it from its peers names none
-    line = (f"torchfleet: preempted {how}at step {step}, checkpoint saved to {ck / f'step-{step:08d}'},"
-            " resume with --resume")
+    line = (
+        f"torchfleet: preempted {how}at step {step}, checkpoint saved to {ck / f'step-{step:08d}'},"
+        " resume with --resume"
+    )
     assert line in result.stderr.splitlines(), result.stderr
     assert [p.name for p in list_checkpoints(ck)] == [f"step-{step:08d}"]  # exactly one, at the step said
     verify(ck / f"step-{step:08d}")
@@ -103,9 +118,20 @@ def _preempted_then_resumed(tmp_path, run: list[str], sig, fault: str, step: int
     assert resumed.returncode == 0, resumed.stderr
     assert f"at step {step}" in resumed.stdout
     if "serial" in run:  # the same job in this process: one interpreter's start-up less
-        train(TrainConfig(strategy="serial", model="mlp", data="synthetic", synthetic_size=512, batch_size=32,
-                          progress=False, hang_timeout=0, checkpoint_dir=str(tmp_path / "straight"),
-                          max_steps=end), "serial")
+        train(
+            TrainConfig(
+                strategy="serial",
+                model="mlp",
+                data="synthetic",
+                synthetic_size=512,
+                batch_size=32,
+                progress=False,
+                hang_timeout=0,
+                checkpoint_dir=str(tmp_path / "straight"),
+                max_steps=end,
+            ),
+            "serial",
+        )
     else:
         straight = torchfleet(*run, "--checkpoint-dir", str(tmp_path / "straight"), "--max-steps", str(end))
         assert straight.returncode == 0, straight.stderr
@@ -128,8 +154,22 @@ def test_sigusr1_to_one_worker_alone_stops_every_rank_at_the_same_step(tmp_path)
     # it in the next read's all-reduce, and both save step 10 and exit 75 (the summary says so).
     ck, marker = tmp_path / "preempted", tmp_path / "fired"
     env = clean_env(TORCHFLEET_FAULT=f"sleep:rank=0:step=6:seconds=1:once={marker}")
-    args = [sys.executable, "-m", "torchfleet", *JOB, "--strategy", "ddp", "-n", "2", "--log-every", "5",
-            "--checkpoint-dir", str(ck), "--max-steps", "1000"]
+    args = [
+        sys.executable,
+        "-m",
+        "torchfleet",
+        *JOB,
+        "--strategy",
+        "ddp",
+        "-n",
+        "2",
+        "--log-every",
+        "5",
+        "--checkpoint-dir",
+        str(ck),
+        "--max-steps",
+        "1000",
+    ]
     result, _ = _signalled(args, signal.SIGUSR1, marker, env, target=_local_rank_1)
     assert result.returncode == PREEMPTED_EXIT, result.stderr
     assert "Traceback" not in result.stderr and "error" not in result.stderr
@@ -149,7 +189,8 @@ def test_without_a_checkpoint_dir_sigterm_ends_the_job_in_one_line_and_128_plus_
     assert result.returncode == 128 + signal.SIGTERM, result.stderr
     assert result.stderr.strip().splitlines() == [
         "torchfleet: error: stopped by SIGTERM before a checkpoint was saved (without --checkpoint-dir, or before"
-        " the first step, or the save outlasted the agent's 30 s)"]
+        " the first step, or the save outlasted the agent's 30 s)"
+    ]
     assert seconds < 30
 
 
@@ -190,8 +231,14 @@ sys.exit(main(sys.argv[3:]))
 def test_a_signal_during_a_save_leaves_the_previous_checkpoint_intact(tmp_path):
     ck, digest = tmp_path / "ck", tmp_path / "digest.json"
     run = [*JOB, "--strategy", "serial", "--checkpoint-every", "4", "--checkpoint-dir", str(ck), "--max-steps", "100"]
-    result = subprocess.run([sys.executable, "-c", _IN_SAVE, str(ck), str(digest), *run], capture_output=True,
-                            text=True, env=clean_env(), cwd=ROOT, timeout=50)
+    result = subprocess.run(
+        [sys.executable, "-c", _IN_SAVE, str(ck), str(digest), *run],
+        capture_output=True,
+        text=True,
+        env=clean_env(),
+        cwd=ROOT,
+        timeout=50,
+    )
     assert result.returncode == PREEMPTED_EXIT, result.stderr
     # The save in flight completes, is the one checkpoint of the preemption, and the one before is as it was.
     assert f"preempted by SIGUSR1 at step 8, checkpoint saved to {ck / 'step-00000008'}" in result.stderr
@@ -208,8 +255,15 @@ def test_signal_names():
 
 
 def test_the_summary_of_preempted_workers_is_no_error():
-    saved = RankFailure(rank=0, local_rank=0, host="h", pid=1, exitcode=PREEMPTED_EXIT, preempted=True,
-                        error="preempted at step 10, checkpoint saved to d/step-00000010, resume with --resume")
+    saved = RankFailure(
+        rank=0,
+        local_rank=0,
+        host="h",
+        pid=1,
+        exitcode=PREEMPTED_EXIT,
+        preempted=True,
+        error="preempted at step 10, checkpoint saved to d/step-00000010, resume with --resume",
+    )
     summary = FailureSummary(saved, [RankFailure(rank=1, local_rank=1, host="h", pid=2, exitcode=-15)])
     assert summary.exit_status == PREEMPTED_EXIT
     assert summary.render() == saved.error

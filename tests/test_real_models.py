@@ -93,6 +93,7 @@ def _launched(nprocs: int) -> dict:
         jobs += [("ddp", [COMPILED]), ("fsdp", [COMPILED_AFTER])]
     results = launch(real_model_matrix, nprocs=nprocs, args=(jobs,))
     assert all(r is None for job in results[1] for r in job)  # only the main rank reports weights
+
     def name(job):
         return {id(COMPILED): "compiled", id(COMPILED_AFTER): "compiled after setup"}.get(id(job[1][0]), job[0])
 
@@ -133,8 +134,11 @@ def test_a_model_compiled_after_setup_is_what_train_step_runs():
 @pytest.mark.skipif(not OLD_PIPELINES, reason="torch 2.14 and later train through a bool tensor between stages")
 @pytest.mark.timeout(120)
 def test_a_cut_older_torch_cannot_train_is_refused_in_one_sentence():
-    with pytest.raises(LaunchError, match=r"sends torch.bool tensors between pipeline stages, which torch 2\.\d+"
-                                          r"\S* cannot train through \(2.14 can\)"):
+    with pytest.raises(
+        LaunchError,
+        match=r"sends torch.bool tensors between pipeline stages, which torch 2\.\d+"
+        r"\S* cannot train through \(2.14 can\)",
+    ):
         launch(real_model_matrix, nprocs=2, args=([("pipeline", [CASES[3]])],))
 
 
@@ -154,7 +158,10 @@ def test_a_model_compiled_before_setup_saves_its_own_keys(tmp_path):
 def test_unused_parameters_under_ddp_are_named_or_handled():
     said = launch(misuse_job, nprocs=2, args=("unused",))
     assert "pooler.weight, pooler.bias" in said[0] and "find_unused_parameters" in said[0]
-    assert launch(functools.partial(misuse_job, find_unused_parameters=True), nprocs=2, args=("unused",)) == [None, None]
+    assert launch(functools.partial(misuse_job, find_unused_parameters=True), nprocs=2, args=("unused",)) == [
+        None,
+        None,
+    ]
 
 
 @pytest.mark.timeout(120)
@@ -170,7 +177,9 @@ def test_cuts_that_cannot_be_made_are_one_sentence():
     net = real_model("hf-gpt2")
     assert stage_starts(net, 2, None) == ["transformer.h.2"]
     assert stage_starts(net, 4, None) == ["transformer.h.1", "transformer.h.2", "transformer.h.3"]
-    with pytest.raises(UsageError, match=r"it has 4 repeated blocks .*transformer.h.0..transformer.h.3 \(4 GPT2Block\)"):
+    with pytest.raises(
+        UsageError, match=r"it has 4 repeated blocks .*transformer.h.0..transformer.h.3 \(4 GPT2Block\)"
+    ):
         stage_starts(net, 5, None)
     with pytest.raises(UsageError, match="names 2 points for 2 stages; give 1"):
         stage_starts(net, 2, ["transformer.h.1", "transformer.h.2"])

@@ -19,12 +19,12 @@ from torchfleet import UsageError
 from torchfleet.strategies import get_strategy, registry, resolve_dims
 from torchfleet.strategies.pipeline.strategy import Pipeline
 
-PLUGIN = '''
+PLUGIN = """
 from torchfleet.strategies import Preset
 
 GPIPE = Preset("gpipe", "a pipeline under the GPipe schedule", "2+ processes", {"pp": None},
                defaults={"schedule": "gpipe"})
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +41,9 @@ def plugin_env(tmp_path_factory) -> dict:
 def test_the_readme_table_is_the_registrys():
     readme = (ROOT / "README.md").read_text()
     table = re.search(r"<!-- --8<-- \[start:strategies\] -->\n(.*?)\n\n", readme, re.S).group(1)
-    assert table == registry.markdown_table(), "README's table differs from registry.markdown_table():\n" + \
-        registry.markdown_table()
+    assert table == registry.markdown_table(), (
+        "README's table differs from registry.markdown_table():\n" + registry.markdown_table()
+    )
 
 
 def test_every_built_in_name_is_declared_once_and_resolves_to_its_class():
@@ -56,12 +57,15 @@ def test_every_built_in_name_is_declared_once_and_resolves_to_its_class():
         assert (dims is None) == (not preset.mesh), name
 
 
-@pytest.mark.parametrize("bad, says", [
-    (dict(name="x", summary="", needs="", degrees={"pp": None, "dp_shard": None}), "exactly one of them None"),
-    (dict(name="x", summary="", needs="", degrees={"ep": None}), "must name only dp_replicate"),
-    (dict(name="x", summary="", needs=""), "give its degrees or the class"),
-    (dict(name="x", summary="", needs="", degrees={"pp": None}, launch="ssh"), "launch 'ssh' is not one of"),
-])
+@pytest.mark.parametrize(
+    "bad, says",
+    [
+        (dict(name="x", summary="", needs="", degrees={"pp": None, "dp_shard": None}), "exactly one of them None"),
+        (dict(name="x", summary="", needs="", degrees={"ep": None}), "must name only dp_replicate"),
+        (dict(name="x", summary="", needs=""), "give its degrees or the class"),
+        (dict(name="x", summary="", needs="", degrees={"pp": None}, launch="ssh"), "launch 'ssh' is not one of"),
+    ],
+)
 def test_a_bad_declaration_is_one_sentence(bad, says):
     with pytest.raises(UsageError, match=says):
         registry.Preset(**bad)
@@ -71,8 +75,11 @@ def test_a_taken_name_is_refused_and_a_new_one_resolves_in_this_process(monkeypa
     monkeypatch.setattr(registry, "_presets", dict(registry.presets()))  # undone after the test
     with pytest.raises(UsageError, match="'ddp' is registered already"):
         registry.register(registry.Preset("ddp", "", "", {"dp_shard": None}))
-    registry.register(registry.Preset("deep", "pipeline of 4 stages", "4 processes", {"dp_replicate": None, "pp": 4},
-                                      defaults={"microbatches": 8}))
+    registry.register(
+        registry.Preset(
+            "deep", "pipeline of 4 stages", "4 processes", {"dp_replicate": None, "pp": 4}, defaults={"microbatches": 8}
+        )
+    )
     assert get_strategy("deep") is Pipeline
     dims = resolve_dims("deep", 8)
     assert (dims.dp_replicate, dims.pp) == (2, 4)
@@ -88,11 +95,31 @@ def _lines(proc) -> str:
 def test_a_plugged_in_preset_trains_as_its_declaration_says(plugin_env, tmp_path):
     """train --strategy gpipe (the plug-in) ends with the weights of --strategy pipeline --schedule gpipe."""
     common = ("-n", "2", "--model", "gpt", "--max-steps", "3", "--epochs", "1", "--no-progress")
-    plugged = torchfleet("train", "--strategy", "gpipe", *common, "--save-model", str(tmp_path / "a.pt"),
-                         "--json-out", str(tmp_path / "a.json"), env=plugin_env, timeout=240)
+    plugged = torchfleet(
+        "train",
+        "--strategy",
+        "gpipe",
+        *common,
+        "--save-model",
+        str(tmp_path / "a.pt"),
+        "--json-out",
+        str(tmp_path / "a.json"),
+        env=plugin_env,
+        timeout=240,
+    )
     assert plugged.returncode == 0, _lines(plugged)
-    built_in = torchfleet("train", "--strategy", "pipeline", "--schedule", "gpipe", *common, "--save-model",
-                          str(tmp_path / "b.pt"), env=plugin_env, timeout=240)
+    built_in = torchfleet(
+        "train",
+        "--strategy",
+        "pipeline",
+        "--schedule",
+        "gpipe",
+        *common,
+        "--save-model",
+        str(tmp_path / "b.pt"),
+        env=plugin_env,
+        timeout=240,
+    )
     assert built_in.returncode == 0, _lines(built_in)
     a, b = torch.load(tmp_path / "a.pt"), torch.load(tmp_path / "b.pt")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -111,17 +138,48 @@ def test_a_plugged_in_preset_is_in_doctor_bench_and_plan(plugin_env, tmp_path):
     listed = {s["name"]: s for s in json.loads(doctor.stdout)["strategies"]}
     assert listed["gpipe"]["available"] == listed["pipeline"]["available"]
 
-    plan = torchfleet("plan", "--model", "gpt", "--strategies", "gpipe,pipeline", "--gpu", "H100",
-                      "--gpus-per-node", "2", "--nproc", "2", "--json-out", str(tmp_path / "plan.json"),
-                      env=plugin_env, timeout=240)
+    plan = torchfleet(
+        "plan",
+        "--model",
+        "gpt",
+        "--strategies",
+        "gpipe,pipeline",
+        "--gpu",
+        "H100",
+        "--gpus-per-node",
+        "2",
+        "--nproc",
+        "2",
+        "--json-out",
+        str(tmp_path / "plan.json"),
+        env=plugin_env,
+        timeout=240,
+    )
     assert plan.returncode == 0, _lines(plan)
     rows = {r["strategy"]: r for r in json.loads((tmp_path / "plan.json").read_text())["predictions"]}
     assert rows["gpipe"]["degrees"] == "pp2 m4 gpipe" and rows["pipeline"]["degrees"] == "pp2 m4"
     # The same pipeline under another schedule: same memory of state, another bubble.
     assert rows["gpipe"]["memory"]["training_state"] == rows["pipeline"]["memory"]["training_state"]
 
-    bench = torchfleet("bench", "--model", "gpt", "--strategies", "gpipe", "--nproc", "2", "--batch-sizes", "8",
-                       "--warmup", "1", "--steps", "2", "--out", str(tmp_path / "bench"), env=plugin_env, timeout=240)
+    bench = torchfleet(
+        "bench",
+        "--model",
+        "gpt",
+        "--strategies",
+        "gpipe",
+        "--nproc",
+        "2",
+        "--batch-sizes",
+        "8",
+        "--warmup",
+        "1",
+        "--steps",
+        "2",
+        "--out",
+        str(tmp_path / "bench"),
+        env=plugin_env,
+        timeout=240,
+    )
     assert bench.returncode == 0, _lines(bench)
     results = json.loads((tmp_path / "bench" / "results.json").read_text())
     cells = {(r["strategy"], r["processes"]): r for r in results["cells"]}
@@ -134,8 +192,10 @@ def test_a_broken_plug_in_is_left_out_in_one_line_and_the_rest_runs(tmp_path):
     info = tmp_path / "tf_broken-1.0.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: tf-broken\nVersion: 1.0\n")
-    (info / "entry_points.txt").write_text("[torchfleet.strategies]\nmissing = tf_no_such_module:X\n"
-                                           "number = tf_clash:NOT_A_PRESET\nclash = tf_clash:GPIPE\n")
+    (info / "entry_points.txt").write_text(
+        "[torchfleet.strategies]\nmissing = tf_no_such_module:X\n"
+        "number = tf_clash:NOT_A_PRESET\nclash = tf_clash:GPIPE\n"
+    )
     env = clean_env(PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
     doctor = torchfleet("doctor", "--json", env=env)
     assert doctor.returncode == 0, _lines(doctor)

@@ -27,14 +27,37 @@ from torchfleet.cli import build_parser
 from torchfleet.train.config import TrainConfig
 from torchfleet.train.loop import train
 
-JOB = ["--model", "mlp", "--data", "synthetic", "--synthetic-size", "512", "--batch-size", "32",
-       "--no-progress", "--hang-timeout", "0"]  # 16 steps an epoch
+JOB = [
+    "--model",
+    "mlp",
+    "--data",
+    "synthetic",
+    "--synthetic-size",
+    "512",
+    "--batch-size",
+    "32",
+    "--no-progress",
+    "--hang-timeout",
+    "0",
+]  # 16 steps an epoch
 
 
 def _straight(path: Path, steps: int) -> None:
     """The uninterrupted serial run of JOB to `steps`, its weights in `path` (in this process)."""
-    train(TrainConfig(strategy="serial", model="mlp", data="synthetic", synthetic_size=512, batch_size=32,
-                      progress=False, hang_timeout=0, max_steps=steps, save_model=str(path)), "serial")
+    train(
+        TrainConfig(
+            strategy="serial",
+            model="mlp",
+            data="synthetic",
+            synthetic_size=512,
+            batch_size=32,
+            progress=False,
+            hang_timeout=0,
+            max_steps=steps,
+            save_model=str(path),
+        ),
+        "serial",
+    )
 
 
 def _max_difference(a: Path, b: Path) -> float:
@@ -46,15 +69,32 @@ def _max_difference(a: Path, b: Path) -> float:
 @pytest.mark.timeout(120)
 def test_resume_auto_starts_fresh_when_empty_and_continues_when_a_checkpoint_is_there(tmp_path):
     ck = tmp_path / "ck"
-    args = ["train", "--strategy", "serial", *JOB, "--checkpoint-dir", str(ck), "--checkpoint-every", "3",
-            "--resume", "auto"]
+    args = [
+        "train",
+        "--strategy",
+        "serial",
+        *JOB,
+        "--checkpoint-dir",
+        str(ck),
+        "--checkpoint-every",
+        "3",
+        "--resume",
+        "auto",
+    ]
     first = torchfleet(*args, "--max-steps", "6")
     assert first.returncode == 0, first.stderr
     assert f"note: no checkpoint in {ck}; starting from the beginning" in first.stdout, first.stdout
     assert "resumed from" not in first.stdout
     # The same command again, further: it continues from step 6 instead of starting over.
-    second = torchfleet(*args, "--max-steps", "12", "--save-model", str(tmp_path / "resumed.pt"),
-                        "--json-out", str(tmp_path / "second.json"))
+    second = torchfleet(
+        *args,
+        "--max-steps",
+        "12",
+        "--save-model",
+        str(tmp_path / "resumed.pt"),
+        "--json-out",
+        str(tmp_path / "second.json"),
+    )
     assert second.returncode == 0, second.stderr
     assert f"resumed from {ck / 'step-00000006'} at step 6" in second.stdout, second.stdout
     _straight(tmp_path / "straight.pt", 12)
@@ -94,9 +134,31 @@ def _submit(cluster, folder: Path, sig: signal.Signals) -> tuple[str, Path, Path
     folder.mkdir()
     marker = folder / "fired"
     env = clean_env(**cluster.env_extra, TORCHFLEET_FAULT=f"sleep:rank=0:step=6:seconds=20:once={marker}")
-    submitted = run([sys.executable, "-m", "torchfleet", "slurm", "train", "--requeue", "--ntasks-per-node",
-                     "2", "--out", str(folder / "train.sbatch"), "--submit", "--", *JOB, "--checkpoint-dir", "ck",
-                     "--max-steps", "20", "--save-model", "final.pt"], env=env, cwd=folder)
+    submitted = run(
+        [
+            sys.executable,
+            "-m",
+            "torchfleet",
+            "slurm",
+            "train",
+            "--requeue",
+            "--ntasks-per-node",
+            "2",
+            "--out",
+            str(folder / "train.sbatch"),
+            "--submit",
+            "--",
+            *JOB,
+            "--checkpoint-dir",
+            "ck",
+            "--max-steps",
+            "20",
+            "--save-model",
+            "final.pt",
+        ],
+        env=env,
+        cwd=folder,
+    )
     assert submitted.returncode == 0, submitted.stderr
     assert "saving on SIGUSR1 (120 s before the time limit) or SIGTERM and requeueing itself" in submitted.stdout
     (job_id,) = re.findall(r"Submitted batch job (\d+)", submitted.stdout)
@@ -125,8 +187,9 @@ def test_requeue_jobs_on_a_real_slurm_save_on_the_signal_requeue_themselves_and_
             sent[sig] = time.monotonic()
             # To every task, not the batch shell: what `#SBATCH --signal=USR1@120` does before the time limit.
             signalled = cluster.command("scancel", f"--signal={sig.name[3:]}", job_id)
-            assert signalled.returncode == 0, (signalled.stderr + _read(log) + cluster.logs()
-                                               + cluster.command("scontrol", "show", "job").stdout)
+            assert signalled.returncode == 0, (
+                signalled.stderr + _read(log) + cluster.logs() + cluster.command("scontrol", "show", "job").stdout
+            )
         for sig, (job_id, log, _) in jobs.items():
             while _job_fields(cluster, job_id).get("Restarts", "0") == "0":
                 assert time.monotonic() < sent[sig] + 90, _read(log) + cluster.logs()
@@ -146,11 +209,15 @@ def test_requeue_jobs_on_a_real_slurm_save_on_the_signal_requeue_themselves_and_
             finished[sig] = time.monotonic() - sent[sig]
             assert (state, exit_code) == ("COMPLETED", "0:0"), _read(log) + cluster.logs()
     for sig, (job_id, log, _) in jobs.items():
-        print(f"\nslurm --requeue, {sig.name}: signal to requeued {requeued[sig]:.1f} s (EligibleTime was"
-              f" {held[sig]}), signal to finished {finished[sig]:.1f} s")
+        print(
+            f"\nslurm --requeue, {sig.name}: signal to requeued {requeued[sig]:.1f} s (EligibleTime was"
+            f" {held[sig]}), signal to finished {finished[sig]:.1f} s"
+        )
         text = _read(log)
-        assert f"torchfleet: preempted by {sig.name} at step 10, checkpoint saved to ck/step-00000010, resume" \
-               f" with --resume; requeueing job {job_id}" in text, text
+        assert (
+            f"torchfleet: preempted by {sig.name} at step 10, checkpoint saved to ck/step-00000010, resume"
+            f" with --resume; requeueing job {job_id}" in text
+        ), text
         assert text.count(f"torchfleet: job {job_id} starts") == 2, text
         assert f"torchfleet: job {job_id} starts (requeued 1 time(s) so far)" in text, text
         assert "resumed from ck/step-00000010 at step 10" in text, text

@@ -16,18 +16,34 @@ import torch
 
 from conftest import torchfleet
 
-JOB = ["train", "--model", "mlp", "--data", "digits", "--batch-size", "48", "--no-progress", "--hang-timeout", "0",
-       "--epochs", "1"]
-SAVED = {"serial": ["--strategy", "serial"], "fsdp-2": ["--strategy", "fsdp", "-n", "2"],
-         "pipeline-2": ["--strategy", "pipeline", "-n", "2"]}
+JOB = [
+    "train",
+    "--model",
+    "mlp",
+    "--data",
+    "digits",
+    "--batch-size",
+    "48",
+    "--no-progress",
+    "--hang-timeout",
+    "0",
+    "--epochs",
+    "1",
+]
+SAVED = {
+    "serial": ["--strategy", "serial"],
+    "fsdp-2": ["--strategy", "fsdp", "-n", "2"],
+    "pipeline-2": ["--strategy", "pipeline", "-n", "2"],
+}
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> dict:
     """Each layout saved at step 6, and the uninterrupted serial run's weights at step 12."""
     root = tmp_path_factory.mktemp("reshard")
-    out = torchfleet(*JOB, "--strategy", "serial", "--max-steps", "12", "--save-model", str(root / "straight.pt"),
-                     timeout=240)
+    out = torchfleet(
+        *JOB, "--strategy", "serial", "--max-steps", "12", "--save-model", str(root / "straight.pt"), timeout=240
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     for name, flags in SAVED.items():
         out = torchfleet(*JOB, *flags, "--max-steps", "6", "--checkpoint-dir", str(root / name), timeout=240)
@@ -47,8 +63,18 @@ CELLS = {
 def test_a_checkpoint_resumes_under_another_strategy_as_if_uninterrupted(source, flags, saved, tmp_path):
     ckpt = tmp_path / "ckpt"
     shutil.copytree(saved["root"] / source, ckpt)
-    out = torchfleet(*JOB, *flags, "--max-steps", "12", "--checkpoint-dir", str(ckpt), "--resume",
-                     "--save-model", str(tmp_path / "resumed.pt"), timeout=240)
+    out = torchfleet(
+        *JOB,
+        *flags,
+        "--max-steps",
+        "12",
+        "--checkpoint-dir",
+        str(ckpt),
+        "--resume",
+        "--save-model",
+        str(tmp_path / "resumed.pt"),
+        timeout=240,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "resumed from" in out.stdout and "resharded" in out.stdout, out.stdout
     resumed = torch.load(tmp_path / "resumed.pt", weights_only=True)

@@ -50,9 +50,13 @@ def test_two_ranks_printing_at_once_give_whole_lines(env):
 def test_a_line_arrives_while_its_rank_still_runs(tmp_path):
     """Line-buffered, not block-buffered: the line is there before the worker exits."""
     release = tmp_path / "release"
-    proc = subprocess.Popen([*RUN, "-n", "2", str(SCRIPTS / "print_then_wait.py"), str(release)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env=_without_unbuffered(), cwd=ROOT)
+    proc = subprocess.Popen(
+        [*RUN, "-n", "2", str(SCRIPTS / "print_then_wait.py"), str(release)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=_without_unbuffered(),
+        cwd=ROOT,
+    )
     # Raw reads, not readline: a text reader may take both ranks' lines from the pipe at
     # once and keep the second in its own buffer, which communicate() below never sees.
     seen, deadline = b"", time.monotonic() + 50
@@ -77,11 +81,13 @@ def test_a_line_arrives_while_its_rank_still_runs(tmp_path):
 @pytest.mark.timeout(120)
 def test_the_exposure_notice_names_the_port_the_store_listens_on():
     port = free_port()
-    result = run([*RUN, "--rdzv_endpoint", f"127.0.0.1:{port}", "-n", "1", str(SCRIPTS / "agent_ports.py")],
-                 timeout=100)
+    result = run(
+        [*RUN, "--rdzv_endpoint", f"127.0.0.1:{port}", "-n", "1", str(SCRIPTS / "agent_ports.py")], timeout=100
+    )
     assert result.returncode == 0, result.stderr
-    notice = re.search(r"torchfleet: this machine exposes the rendezvous store on every interface, port (\d+)",
-                       result.stderr)
+    notice = re.search(
+        r"torchfleet: this machine exposes the rendezvous store on every interface, port (\d+)", result.stderr
+    )
     assert notice, result.stderr
     listening = json.loads(result.stdout.splitlines()[-1])["agent_listens_on"]
     assert int(notice[1]) == port
@@ -114,9 +120,10 @@ def test_a_traceback_starts_at_the_users_frame(how):
     assert result.returncode == 1, result.stderr
     err = result.stderr
     assert err.count("Traceback (most recent call last):") == 1, err
-    trace = err[err.index("Traceback (most recent call last):"):].splitlines()
+    trace = err[err.index("Traceback (most recent call last):") :].splitlines()
     frames = [line.strip() for line in trace if line.strip().startswith("File ")]
-    assert [re.sub(r"^File \"(.*)\", line \d+, in (.*)$", lambda m: f"{m[1].rsplit('/', 1)[-1]} {m[2]}", f)
-            for f in frames] == ["raise_nested.py <module>", "raise_nested.py inner"], err
+    assert [
+        re.sub(r"^File \"(.*)\", line \d+, in (.*)$", lambda m: f"{m[1].rsplit('/', 1)[-1]} {m[2]}", f) for f in frames
+    ] == ["raise_nested.py <module>", "raise_nested.py inner"], err
     assert trace[-1] == "ValueError: raised by the user's code"
     assert "runpy" not in err and "torchfleet/launcher" not in err, err

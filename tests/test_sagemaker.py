@@ -31,43 +31,72 @@ HOSTS = ["algo-1", "algo-2"]
 def _estimator_kwargs(path: Path) -> dict:
     """The keyword arguments of the PyTorch(...) call in the written estimator file."""
     tree = ast.parse(path.read_text())
-    (call,) = [n for n in ast.walk(tree) if isinstance(n, ast.Call)
-               and getattr(n.func, "id", None) == "PyTorch"]
+    (call,) = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "PyTorch"]
     return {k.arg: ast.literal_eval(k.value) for k in call.keywords if k.arg != "role"}
 
 
 def test_gpu_job_uses_torch_distributed(tmp_path, capsys):
     out = tmp_path / "job"
-    assert main(["sagemaker", SCRIPT, "--instance-type", "ml.g5.12xlarge", "--instance-count", "2",
-                 "--role", "arn:aws:iam::111122223333:role/Trainer", "--out", str(out),
-                 "--", "--epochs", "3", "--lr", "0.001"]) == 0
+    assert (
+        main(
+            [
+                "sagemaker",
+                SCRIPT,
+                "--instance-type",
+                "ml.g5.12xlarge",
+                "--instance-count",
+                "2",
+                "--role",
+                "arn:aws:iam::111122223333:role/Trainer",
+                "--out",
+                str(out),
+                "--",
+                "--epochs",
+                "3",
+                "--lr",
+                "0.001",
+            ]
+        )
+        == 0
+    )
     assert "8 processes (2 x ml.g5.12xlarge, torchrun on each host)" in capsys.readouterr().out
     kwargs = _estimator_kwargs(out / "estimator.py")
     assert kwargs == {
-        "entry_point": "train_digits.py", "source_dir": str(EXAMPLES), "framework_version": "2.3.0",
-        "py_version": "py311", "instance_type": "ml.g5.12xlarge", "instance_count": 2,
+        "entry_point": "train_digits.py",
+        "source_dir": str(EXAMPLES),
+        "framework_version": "2.3.0",
+        "py_version": "py311",
+        "instance_type": "ml.g5.12xlarge",
+        "instance_count": 2,
         "hyperparameters": {"epochs": 3, "lr": 0.001},
         "distribution": {"torch_distributed": {"enabled": True}},
-        "base_job_name": "torchfleet-train-digits", "checkpoint_local_path": "/opt/ml/checkpoints"}
+        "base_job_name": "torchfleet-train-digits",
+        "checkpoint_local_path": "/opt/ml/checkpoints",
+    }
     assert "role = 'arn:aws:iam::111122223333:role/Trainer'" in (out / "estimator.py").read_text()
     request = json.loads((out / "create_training_job.json").read_text())
-    assert request["ResourceConfig"] == {"InstanceType": "ml.g5.12xlarge", "InstanceCount": 2,
-                                         "VolumeSizeInGB": 30}
+    assert request["ResourceConfig"] == {"InstanceType": "ml.g5.12xlarge", "InstanceCount": 2, "VolumeSizeInGB": 30}
     assert request["RoleArn"] == "arn:aws:iam::111122223333:role/Trainer"
     hps = request["HyperParameters"]
     assert all(isinstance(v, str) for v in hps.values())  # CreateTrainingJob takes strings
     assert {k: json.loads(v) for k, v in hps.items()} == {
-        "epochs": 3, "lr": 0.001, "sagemaker_program": "train_digits.py",
+        "epochs": 3,
+        "lr": 0.001,
+        "sagemaker_program": "train_digits.py",
         "sagemaker_submit_directory": "s3://<bucket>/torchfleet-train-digits/source/sourcedir.tar.gz",
-        "sagemaker_region": "us-east-1", "sagemaker_container_log_level": 20,
-        "sagemaker_torch_distributed_enabled": True}
+        "sagemaker_region": "us-east-1",
+        "sagemaker_container_log_level": 20,
+        "sagemaker_torch_distributed_enabled": True,
+    }
     assert request["AlgorithmSpecification"]["TrainingImage"].endswith("pytorch-training:2.3.0-gpu-py311")
     assert request["CheckpointConfig"]["LocalPath"] == "/opt/ml/checkpoints"
 
 
 def test_cpu_job_runs_one_process_per_host(tmp_path, capsys):
-    assert main(["sagemaker", SCRIPT, "--instance-type", "ml.c5.2xlarge", "--instance-count", "3",
-                 "--out", str(tmp_path)]) == 0
+    assert (
+        main(["sagemaker", SCRIPT, "--instance-type", "ml.c5.2xlarge", "--instance-count", "3", "--out", str(tmp_path)])
+        == 0
+    )
     assert "3 processes (3 x ml.c5.2xlarge, one process per host)" in capsys.readouterr().out
     assert _estimator_kwargs(tmp_path / "estimator.py")["distribution"] is None
     request = json.loads((tmp_path / "create_training_job.json").read_text())
@@ -114,17 +143,25 @@ def _container(opt_ml: Path, host: str, num_gpus: int, hps: dict) -> dict[str, s
     train = opt_ml / "input" / "data" / "train"
     for folder in (config, train, opt_ml / "model", opt_ml / "output" / "data"):
         folder.mkdir(parents=True, exist_ok=True)
-    (config / "resourceconfig.json").write_text(json.dumps(
-        {"current_host": host, "hosts": HOSTS, "network_interface_name": "eth0"}))
+    (config / "resourceconfig.json").write_text(
+        json.dumps({"current_host": host, "hosts": HOSTS, "network_interface_name": "eth0"})
+    )
     (config / "hyperparameters.json").write_text(json.dumps({k: json.dumps(v) for k, v in hps.items()}))
     return {
-        "SM_HOSTS": json.dumps(HOSTS), "SM_CURRENT_HOST": host, "SM_NUM_GPUS": str(num_gpus),
-        "SM_NUM_CPUS": "2", "SM_MODEL_DIR": str(opt_ml / "model"),
-        "SM_INPUT_DIR": str(opt_ml / "input"), "SM_INPUT_CONFIG_DIR": str(config),
-        "SM_OUTPUT_DATA_DIR": str(opt_ml / "output" / "data"), "SM_CHANNELS": '["train"]',
-        "SM_CHANNEL_TRAIN": str(train), "SM_HPS": json.dumps(hps),
+        "SM_HOSTS": json.dumps(HOSTS),
+        "SM_CURRENT_HOST": host,
+        "SM_NUM_GPUS": str(num_gpus),
+        "SM_NUM_CPUS": "2",
+        "SM_MODEL_DIR": str(opt_ml / "model"),
+        "SM_INPUT_DIR": str(opt_ml / "input"),
+        "SM_INPUT_CONFIG_DIR": str(config),
+        "SM_OUTPUT_DATA_DIR": str(opt_ml / "output" / "data"),
+        "SM_CHANNELS": '["train"]',
+        "SM_CHANNEL_TRAIN": str(train),
+        "SM_HPS": json.dumps(hps),
         "SM_USER_ARGS": json.dumps([x for k, v in hps.items() for x in (f"--{k}", str(v))]),
-        "SM_NETWORK_INTERFACE_NAME": "eth0", "SM_CURRENT_INSTANCE_TYPE": "ml.g5.12xlarge",
+        "SM_NETWORK_INTERFACE_NAME": "eth0",
+        "SM_CURRENT_INSTANCE_TYPE": "ml.g5.12xlarge",
         "TORCHFLEET_SAGEMAKER_ROOT": str(opt_ml),
     }
 
@@ -157,8 +194,9 @@ def test_two_hosts_train_together_and_the_model_lands_in_the_model_dir(tmp_path)
         for i, host in enumerate(HOSTS):
             env = clean_env(**_container(tmp_path / host, host, num_gpus=2, hps=hps))
             args = [x for k, v in hps.items() for x in (f"--{k}", str(v))]
-            procs.append(net.popen(i, [sys.executable, SCRIPT, *args], cwd=EXAMPLES, env=env,
-                                   text=True, stdout=-1, stderr=-2))
+            procs.append(
+                net.popen(i, [sys.executable, SCRIPT, *args], cwd=EXAMPLES, env=env, text=True, stdout=-1, stderr=-2)
+            )
         reference.serial_weights()  # trains meanwhile
         logs = [p.communicate(timeout=240)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(logs)

@@ -131,8 +131,10 @@ def _schedule_seen(schedule: str) -> dict:
     fleet.train_step(x, y, nn.CrossEntropyLoss())
     running = fleet.strategy._schedule
     order = getattr(running, "pipeline_order", {}).get(fleet.strategy.pp_rank, [])
-    return {"class": type(running).__name__,
-            "actions": [(a.stage_index, a.computation_type.name, a.microbatch_index) for a in order if a is not None]}
+    return {
+        "class": type(running).__name__,
+        "actions": [(a.stage_index, a.computation_type.name, a.microbatch_index) for a in order if a is not None],
+    }
 
 
 def _save_and_load(directory: str) -> dict:
@@ -164,15 +166,26 @@ def _job(directory: str) -> dict:
     seen = {name: _schedule_seen(name) for name in available()}
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
-    return {"weights": weights, "library": library, "gpt2": gpt2, "predict": predicted, "checkpoint": checkpoint,
-            "seen": seen}
+    return {
+        "weights": weights,
+        "library": library,
+        "gpt2": gpt2,
+        "predict": predicted,
+        "checkpoint": checkpoint,
+        "seen": seen,
+    }
 
 
 def _four_job() -> dict:
-    weights = [train_k_steps(case["strategy"], steps=STEPS, **{k: v for k, v in case.items() if k != "strategy"})
-               for case in FOUR]
-    gpt2 = [_library("hf-gpt2", s, strategy, stages_per_process=1, **o) for strategy, s, o in GPT2_FOUR] \
-        if HAS_TRANSFORMERS else []
+    weights = [
+        train_k_steps(case["strategy"], steps=STEPS, **{k: v for k, v in case.items() if k != "strategy"})
+        for case in FOUR
+    ]
+    gpt2 = (
+        [_library("hf-gpt2", s, strategy, stages_per_process=1, **o) for strategy, s, o in GPT2_FOUR]
+        if HAS_TRANSFORMERS
+        else []
+    )
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
     return {"weights": weights, "gpt2": gpt2}
@@ -186,8 +199,9 @@ def results(tmp_path_factory) -> dict:
     found["directory"] = directory
     found["losses"] = [r["checkpoint"]["losses"] for r in every]
     # predict returns the outputs on the process holding the last stage (rank 1 in a loop of 2)
-    found["predict"] = next((r["predict"] for r in every if r["predict"] and r["predict"]["full"] is not None),
-                            every[0]["predict"])
+    found["predict"] = next(
+        (r["predict"] for r in every if r["predict"] and r["predict"]["full"] is not None), every[0]["predict"]
+    )
     return found
 
 
@@ -197,8 +211,9 @@ def four() -> dict:
 
 
 def _serial(case: dict) -> torch.Tensor:
-    plain = {k: v for k, v in case.items()
-             if k not in ("schedule", "microbatches", "stages_per_process", "pp", "strategy")}
+    plain = {
+        k: v for k, v in case.items() if k not in ("schedule", "microbatches", "stages_per_process", "pp", "strategy")
+    }
     return _serial_run(tuple(sorted(plain.items())))
 
 
@@ -219,9 +234,14 @@ def test_each_schedule_equals_serial_with_two_stages_per_process(results):
 
 # torch's class for each --schedule, written out here rather than read from schedules.SCHEDULES, so that a
 # wrong entry there fails (every schedule computes the same gradients: equal weights cannot tell them apart).
-CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B",
-           "looped-bfs": "ScheduleLoopedBFS", "interleaved-zb": "ScheduleInterleavedZeroBubble",
-           "zbv": "ScheduleZBVZeroBubble"}
+CLASSES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved-1f1b": "ScheduleInterleaved1F1B",
+    "looped-bfs": "ScheduleLoopedBFS",
+    "interleaved-zb": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
+}
 
 
 def test_each_schedule_runs_its_own_class_and_order_of_actions(results):
@@ -285,9 +305,11 @@ def test_predict_on_a_model_returning_its_own_loss_with_two_stages_per_process(r
     assert (logits - want_logits).abs().max().item() < 1e-5
     assert abs(loss.item() - want_loss.item()) < 1e-5  # the mean of the full chunks' means
     assert "refused7" not in want  # serial predicts any number of rows
-    assert found["refused7"] == ("this model returns a scalar (its loss) and its pipeline stages take micro-batches"
-                                 " of 2, so predict on 7 rows would pad the last one and count the padding in that"
-                                 " scalar; predict on a multiple of 2 rows")
+    assert found["refused7"] == (
+        "this model returns a scalar (its loss) and its pipeline stages take micro-batches"
+        " of 2, so predict on 7 rows would pad the last one and count the padding in that"
+        " scalar; predict on a multiple of 2 rows"
+    )
 
 
 @pytest.mark.timeout(300)
@@ -331,13 +353,19 @@ def test_stage_placement_loops_or_makes_a_v():
 
 
 REFUSALS = [
-    (["--schedule", "1f1b", "--stages-per-process", "2"], "schedule 1f1b runs one stage per process and"
-                                                         " --stages-per-process is 2"),
-    (["--schedule", "interleaved-1f1b"], "schedule interleaved-1f1b runs several stages on each process;"
-                                         " give --stages-per-process 2 or more"),
+    (
+        ["--schedule", "1f1b", "--stages-per-process", "2"],
+        "schedule 1f1b runs one stage per process and --stages-per-process is 2",
+    ),
+    (
+        ["--schedule", "interleaved-1f1b"],
+        "schedule interleaved-1f1b runs several stages on each process; give --stages-per-process 2 or more",
+    ),
     (["--schedule", "zbv", "--stages-per-process", "3"], "schedule zbv places exactly 2 stages on each process"),
-    (["--schedule", "interleaved-1f1b", "--stages-per-process", "2", "--microbatches", "5"],
-     "--microbatches 5 on 2 processes is not a whole number of rounds; use a multiple of 2"),
+    (
+        ["--schedule", "interleaved-1f1b", "--stages-per-process", "2", "--microbatches", "5"],
+        "--microbatches 5 on 2 processes is not a whole number of rounds; use a multiple of 2",
+    ),
     (["--stages-per-process", "0"], "--stages-per-process 0 must be a whole number, at least 1"),
 ]
 
@@ -345,8 +373,10 @@ REFUSALS = [
 @pytest.mark.parametrize("flags, sentence", REFUSALS, ids=[" ".join(f) for f, _ in REFUSALS])
 def test_combinations_that_cannot_run_are_one_sentence_before_any_process_starts(flags, sentence):
     # resolve_dims is what `train` checks before starting workers; the CLI row proves exit 2.
-    options = {f[2:].replace("-", "_"): (v if f == "--schedule" else int(v)) for f, v in zip(flags[::2], flags[1::2],
-                                                                                            strict=True)}
+    options = {
+        f[2:].replace("-", "_"): (v if f == "--schedule" else int(v))
+        for f, v in zip(flags[::2], flags[1::2], strict=True)
+    }
     with pytest.raises(UsageError) as info:
         resolve_dims("pipeline", 2, options=options)
     assert sentence in str(info.value) and "\n" not in str(info.value)
@@ -354,13 +384,27 @@ def test_combinations_that_cannot_run_are_one_sentence_before_any_process_starts
 
 @pytest.mark.timeout(120)
 def test_a_refusal_from_the_command_line_is_exit_2_without_a_traceback():
-    out = torchfleet("train", "--strategy", "pipeline", "-n", "2", "--model", "cnn", "--schedule", "zbv",
-                     "--stages-per-process", "3", "--no-progress", timeout=100)
+    out = torchfleet(
+        "train",
+        "--strategy",
+        "pipeline",
+        "-n",
+        "2",
+        "--model",
+        "cnn",
+        "--schedule",
+        "zbv",
+        "--stages-per-process",
+        "3",
+        "--no-progress",
+        timeout=100,
+    )
     assert out.returncode == 2, out.stderr
     assert "Traceback" not in out.stderr
     assert out.stderr.strip().splitlines() == [
         "torchfleet train: error: schedule zbv places exactly 2 stages on each process (a V) and --stages-per-process is 3;"
-        " give --stages-per-process 2"]
+        " give --stages-per-process 2"
+    ]
 
 
 def test_a_schedule_the_installed_torch_lacks_is_refused_in_one_sentence(monkeypatch):
@@ -387,10 +431,17 @@ def test_bench_runs_other_schedules_only_when_asked():
     here = [{"name": "serial", "available": True, "why": ""}, {"name": "pipeline", "available": True, "why": ""}]
     cfg = BenchConfig(model="cnn", nproc=(2,), batch_sizes=(64,), precisions=("fp32",))
     assert not any("/" in c.strategy for c in plan(cfg, here, 2)[0])  # not in the default matrix
-    asked = BenchConfig(model="cnn", strategies=("pipeline", "pipeline/interleaved-1f1b"), nproc=(2,),
-                        batch_sizes=(64,), precisions=("fp32",))
+    asked = BenchConfig(
+        model="cnn",
+        strategies=("pipeline", "pipeline/interleaved-1f1b"),
+        nproc=(2,),
+        batch_sizes=(64,),
+        precisions=("fp32",),
+    )
     assert [c.strategy for c in plan(asked, here, 2)[0]] == ["serial", "pipeline", "pipeline/interleaved-1f1b"]
-    assert variant("pipeline/interleaved-1f1b") == ("pipeline", {"schedule": "interleaved-1f1b",
-                                                                 "stages_per_process": 2})
+    assert variant("pipeline/interleaved-1f1b") == (
+        "pipeline",
+        {"schedule": "interleaved-1f1b", "stages_per_process": 2},
+    )
     with pytest.raises(UsageError, match="unknown schedule 'zigzag'; choose one of gpipe, 1f1b"):
         BenchConfig(strategies=("pipeline/zigzag",))

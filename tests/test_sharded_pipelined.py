@@ -65,8 +65,16 @@ def _resume_and_evaluate(strategy: str, path: str, **options) -> dict:
             fleet.train_step(batches[0][0][:30], batches[0][1][:30], loss_fn)
     except UsageError as exc:
         bad_split = str(exc)
-    return {"straight": straight, "resumed": resumed, "step": extra["step"], "memory": memory, "losses": losses,
-            "counts": counts, "val_loss": val_loss, "bad_split": bad_split}
+    return {
+        "straight": straight,
+        "resumed": resumed,
+        "step": extra["step"],
+        "memory": memory,
+        "losses": losses,
+        "counts": counts,
+        "val_loss": val_loss,
+        "bad_split": bad_split,
+    }
 
 
 def _load_and_continue(strategy: str, paths: list[str], options: dict) -> list[tuple]:
@@ -130,13 +138,21 @@ def _check_resume(check, world: int, replicas: int, tmp_path, **options):
     return memory
 
 
-TWO = [("fsdp", MLP), ("fsdp", CNN), ("fsdp", dict(MLP, grad_accum=2)), ("fsdp", dict(CNN, **BF16)),
-       ("pipeline", dict(MLP, schedule="gpipe")), ("pipeline", dict(CNN, schedule="gpipe")),
-       ("pipeline", dict(MLP, schedule="1f1b")), ("pipeline", dict(CNN, schedule="1f1b", microbatches=2)),
-       ("pipeline", dict(MLP, schedule="1f1b", grad_accum=2, microbatches=2)),
-       ("pipeline", dict(CNN, schedule="gpipe", **BF16)),
-       # The loader built before setup reads the same share as one built after.
-       ("fsdp", dict(MLP, loader_first=True)), ("pipeline", dict(MLP, schedule="gpipe", loader_first=True))]
+TWO = [
+    ("fsdp", MLP),
+    ("fsdp", CNN),
+    ("fsdp", dict(MLP, grad_accum=2)),
+    ("fsdp", dict(CNN, **BF16)),
+    ("pipeline", dict(MLP, schedule="gpipe")),
+    ("pipeline", dict(CNN, schedule="gpipe")),
+    ("pipeline", dict(MLP, schedule="1f1b")),
+    ("pipeline", dict(CNN, schedule="1f1b", microbatches=2)),
+    ("pipeline", dict(MLP, schedule="1f1b", grad_accum=2, microbatches=2)),
+    ("pipeline", dict(CNN, schedule="gpipe", **BF16)),
+    # The loader built before setup reads the same share as one built after.
+    ("fsdp", dict(MLP, loader_first=True)),
+    ("pipeline", dict(MLP, schedule="gpipe", loader_first=True)),
+]
 
 
 @pytest.mark.timeout(300)
@@ -157,13 +173,21 @@ def test_fsdp_and_pipeline_two_processes(tmp_path):
     assert "batch of 30 does not split into 1 accumulation steps x 4 micro-batches" in pipe["bad_split"]
 
 
-FOUR = [("ddp+pipeline", dict(MLP, pp=2)), ("ddp+pipeline", dict(CNN, pp=2, schedule="gpipe")),
-        ("ddp+pipeline", dict(MLP, pp=2, loader_first=True)),
-        ("fsdp+pipeline", MLP), ("fsdp+pipeline", dict(CNN, schedule="gpipe", loader_first=True)),
-        ("hsdp", MLP), ("hsdp", dict(CNN, grad_accum=2, loader_first=True))]
+FOUR = [
+    ("ddp+pipeline", dict(MLP, pp=2)),
+    ("ddp+pipeline", dict(CNN, pp=2, schedule="gpipe")),
+    ("ddp+pipeline", dict(MLP, pp=2, loader_first=True)),
+    ("fsdp+pipeline", MLP),
+    ("fsdp+pipeline", dict(CNN, schedule="gpipe", loader_first=True)),
+    ("hsdp", MLP),
+    ("hsdp", dict(CNN, grad_accum=2, loader_first=True)),
+]
 # Each 2 x 2: the checkpoint is saved after 2 steps, with accumulation on.
-RESUME_FOUR = [("ddp+pipeline", {"pp": 2, "microbatches": 2, "grad_accum": 2}),
-               ("fsdp+pipeline", {"microbatches": 2, "grad_accum": 2}), ("hsdp", {"grad_accum": 2})]
+RESUME_FOUR = [
+    ("ddp+pipeline", {"pp": 2, "microbatches": 2, "grad_accum": 2}),
+    ("fsdp+pipeline", {"microbatches": 2, "grad_accum": 2}),
+    ("hsdp", {"grad_accum": 2}),
+]
 
 
 @pytest.mark.timeout(400)
@@ -189,7 +213,8 @@ def test_two_dimensional_presets_four_processes(tmp_path):
     step2 = torch.load(tmp_path / "serial.pt" / "state.pt", weights_only=True)["model"]
     step2 = torch.cat([t.flatten() for t in step2.values()])
     for check, (serial_loaded, serial_after), (pipe_loaded, pipe_after) in zip(
-            results[0]["resume"], serial, pipe, strict=True):
+        results[0]["resume"], serial, pipe, strict=True
+    ):
         assert torch.equal(serial_loaded, pipe_loaded)
         assert (serial_loaded - step2).abs().max().item() < 1e-5
         for after in (serial_after, pipe_after):  # AdamW's moments came back too: a fresh AdamW lands elsewhere
@@ -228,8 +253,15 @@ def test_mesh_arithmetic_is_checked():
 
 
 def test_names_and_layout_follow_the_degrees():
-    names = {(1, 4, 1): "fsdp", (4, 1, 1): "ddp", (2, 2, 1): "hsdp", (1, 1, 4): "pipeline",
-             (2, 1, 2): "ddp+pipeline", (1, 2, 2): "fsdp+pipeline", (1, 1, 1): "ddp"}
+    names = {
+        (1, 4, 1): "fsdp",
+        (4, 1, 1): "ddp",
+        (2, 2, 1): "hsdp",
+        (1, 1, 4): "pipeline",
+        (2, 1, 2): "ddp+pipeline",
+        (1, 2, 2): "fsdp+pipeline",
+        (1, 1, 1): "ddp",
+    }
     for (r, s, p), name in names.items():
         assert ParallelDims(r, s, p, world_size=r * s * p).name == name
     # Row-major ("dp_replicate", "dp_shard", "pp"): a pipeline's stages are neighbouring ranks.
@@ -238,15 +270,35 @@ def test_names_and_layout_follow_the_degrees():
     assert [dims.dp_rank(rank) for rank in range(4)] == [0, 0, 1, 1]
     hsdp = ParallelDims(2, 2, 1, world_size=4)
     assert [(hsdp.coords(r)["dp_replicate"], hsdp.coords(r)["dp_shard"]) for r in range(4)] == [
-        (0, 0), (0, 1), (1, 0), (1, 1)]
+        (0, 0),
+        (0, 1),
+        (1, 0),
+        (1, 1),
+    ]
 
 
 @pytest.mark.timeout(300)
 def test_pipeline_train_command_reports_memory_and_bubble(tmp_path):
     out = tmp_path / "result.json"
-    result = torchfleet("train", "--strategy", "pipeline", "-n", "2", "--model", "cnn", "--epochs", "2",
-                        "--schedule", "gpipe", "--microbatches", "4", "--json-out", str(out),
-                        "--no-progress", timeout=240)
+    result = torchfleet(
+        "train",
+        "--strategy",
+        "pipeline",
+        "-n",
+        "2",
+        "--model",
+        "cnn",
+        "--epochs",
+        "2",
+        "--schedule",
+        "gpipe",
+        "--microbatches",
+        "4",
+        "--json-out",
+        str(out),
+        "--no-progress",
+        timeout=240,
+    )
     assert result.returncode == 0, result.stderr
     figures = json.loads(out.read_text())
     assert figures["strategy"] == "pipeline" and figures["val_accuracy"] > 0.9
@@ -262,8 +314,22 @@ def test_pipeline_train_command_reports_memory_and_bubble(tmp_path):
 @pytest.mark.timeout(240)
 def test_a_two_stage_checkpoint_resumes_as_three_stages_from_the_cli(tmp_path):
     """64 samples per batch: 3 stages take 4 micro-batches by default (6 would not divide it)."""
-    common = ["train", "--strategy", "pipeline", "--model", "mlp", "--data", "synthetic", "--epochs", "1",
-              "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "5", "--no-progress"]
+    common = [
+        "train",
+        "--strategy",
+        "pipeline",
+        "--model",
+        "mlp",
+        "--data",
+        "synthetic",
+        "--epochs",
+        "1",
+        "--checkpoint-dir",
+        str(tmp_path / "ck"),
+        "--checkpoint-every",
+        "5",
+        "--no-progress",
+    ]
     first = torchfleet(*common, "-n", "2", "--max-steps", "10")
     assert first.returncode == 0, first.stderr
     second = torchfleet(*common, "-n", "3", "--max-steps", "15", "--resume", "--json-out", str(tmp_path / "r.json"))

@@ -33,8 +33,9 @@ def test_mp_and_dp_match_serial(model, opts):
     _close(train_k_steps("dp", model=model, steps=4, **opts), serial, f"dp {model}")
 
 
-@pytest.mark.parametrize("strategy,options", [("serial", {}), ("dp", {}), ("hogwild", {}),
-                                              ("mp", {"devices": "cpu,cpu", "microbatches": 2})])
+@pytest.mark.parametrize(
+    "strategy,options", [("serial", {}), ("dp", {}), ("hogwild", {}), ("mp", {"devices": "cpu,cpu", "microbatches": 2})]
+)
 def test_loader_built_before_setup(strategy, options):
     """Scripts often build the loader first: it must read what one built after setup reads."""
     want = train_k_steps("serial", steps=3)
@@ -101,7 +102,8 @@ def test_dp_wraps_and_says_once_it_has_nothing_to_split():
     if gpus < 2:
         assert [n for n in fleet.notes if "nothing to split" in n] == [
             f"dp splits each batch across GPUs and {gpus} {'is' if gpus == 1 else 'are'} visible,"
-            f" so nn.DataParallel has nothing to split; running on {fleet.device} alone"]
+            f" so nn.DataParallel has nothing to split; running on {fleet.device} alone"
+        ]
         assert fleet.strategy.chunk_sizes(64) == [64]
 
 
@@ -146,8 +148,11 @@ def test_mp_bad_models():
         fleet.setup(nn.Sequential(nn.Linear(2, 2), nn.ReLU()), None)
     with pytest.raises(UsageError, match="mp was given 2 stages for 3 devices"):
         fleet.setup([nn.Linear(2, 2), nn.Linear(2, 2)], None)
-    with pytest.raises(UsageError, match=r"cannot cut this Linear into 3 stages automatically: it has 0"
-                                         r" repeated blocks \(none\); pass split_points"):
+    with pytest.raises(
+        UsageError,
+        match=r"cannot cut this Linear into 3 stages automatically: it has 0"
+        r" repeated blocks \(none\); pass split_points",
+    ):
         fleet.setup(nn.Linear(2, 2), None)
 
 
@@ -157,8 +162,21 @@ def test_train_from_the_command_line(tmp_path, strategy, flags):
     from conftest import torchfleet as cli
 
     out = tmp_path / "result.json"
-    result = cli("train", "--strategy", strategy, *flags, "--model", "mlp", "--epochs", "1", "--max-steps", "8",
-                 "--no-progress", "--json-out", str(out))
+    result = cli(
+        "train",
+        "--strategy",
+        strategy,
+        *flags,
+        "--model",
+        "mlp",
+        "--epochs",
+        "1",
+        "--max-steps",
+        "8",
+        "--no-progress",
+        "--json-out",
+        str(out),
+    )
     assert result.returncode == 0, result.stderr
     import json
 

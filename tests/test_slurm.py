@@ -32,17 +32,44 @@ FT_SCRIPT = str(ROOT / "tests" / "scripts" / "slurm_ft_kill.py")
 def test_batch_script_for_two_gpu_nodes(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(ROOT)
     out = tmp_path / "job.sbatch"
-    assert main(["slurm", SCRIPT, "--nodes", "2", "--gpus-per-node", "4", "--partition", "gpu",
-                 "--time", "2:00:00", "--out", str(out), "--", "--epochs", "3"]) == 0
+    assert (
+        main(
+            [
+                "slurm",
+                SCRIPT,
+                "--nodes",
+                "2",
+                "--gpus-per-node",
+                "4",
+                "--partition",
+                "gpu",
+                "--time",
+                "2:00:00",
+                "--out",
+                str(out),
+                "--",
+                "--epochs",
+                "3",
+            ]
+        )
+        == 0
+    )
     stdout = capsys.readouterr().out
     assert f"wrote {out}: 8 processes (2 x 4)" in stdout
     assert f"sbatch {out}" in stdout
     text = out.read_text()
     assert text.startswith("#!/bin/bash\n")
     directives = re.findall(r"^#SBATCH (\S+)$", text, flags=re.M)
-    assert directives == ["--job-name=torchfleet-train_digits", "--nodes=2",
-                          "--ntasks-per-node=4", "--gpus-per-node=4", "--partition=gpu",
-                          "--time=2:00:00", f"--chdir={ROOT}", "--output=%x-%j.out"]
+    assert directives == [
+        "--job-name=torchfleet-train_digits",
+        "--nodes=2",
+        "--ntasks-per-node=4",
+        "--gpus-per-node=4",
+        "--partition=gpu",
+        "--time=2:00:00",
+        f"--chdir={ROOT}",
+        "--output=%x-%j.out",
+    ]
     (srun,) = [line for line in text.splitlines() if line.startswith("srun ")]
     assert srun == f"srun --kill-on-bad-exit=1 {sys.executable} -u {SCRIPT} --epochs 3"
     assert 'OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"' in text
@@ -57,8 +84,7 @@ def test_batch_script_to_stdout_for_a_cpu_job(capsys):
 
 BAD = [
     (["--nodes", "0"], "--nodes 0 must be at least 1"),
-    (["--gpus-per-node", "2", "--ntasks-per-node", "3"],
-     "--ntasks-per-node 3 is more than --gpus-per-node 2"),
+    (["--gpus-per-node", "2", "--ntasks-per-node", "3"], "--ntasks-per-node 3 is more than --gpus-per-node 2"),
     (["--time", "two hours"], "--time 'two hours' is not a Slurm time limit"),
     (["--partition", "gpu a"], "--partition 'gpu a' is not a partition name"),
     (["--out", "-", "--submit"], "--submit needs it in a file"),
@@ -87,15 +113,32 @@ def test_two_tasks_on_a_real_slurm_train_like_one_process(tmp_path):
     with slurm_cluster.running() as cluster:
         job_file = tmp_path / "digits.sbatch"
         # Run from tmp_path: the job's working folder (--chdir) and its output go there.
-        submitted = run([sys.executable, "-m", "torchfleet", "slurm", SCRIPT, "--ntasks-per-node",
-                         "2", "--out", str(job_file), "--submit", "--", "--epochs", "1", "--out",
-                         str(tmp_path / "slurm.pt")], env=clean_env(**cluster.env_extra),
-                        cwd=tmp_path)
+        submitted = run(
+            [
+                sys.executable,
+                "-m",
+                "torchfleet",
+                "slurm",
+                SCRIPT,
+                "--ntasks-per-node",
+                "2",
+                "--out",
+                str(job_file),
+                "--submit",
+                "--",
+                "--epochs",
+                "1",
+                "--out",
+                str(tmp_path / "slurm.pt"),
+            ],
+            env=clean_env(**cluster.env_extra),
+            cwd=tmp_path,
+        )
         assert submitted.returncode == 0, submitted.stderr
         (job_id,) = re.findall(r"Submitted batch job (\d+)", submitted.stdout)
         reference.serial_weights()  # the single-process reference trains meanwhile
         state, exit_code = cluster.wait(job_id, timeout=240)
-        log = (tmp_path / f"torchfleet-train_digits-{job_id}.out")
+        log = tmp_path / f"torchfleet-train_digits-{job_id}.out"
         output = log.read_text() if log.exists() else "(no output file)"
         assert (state, exit_code) == ("COMPLETED", "0:0"), output + cluster.logs()
     assert output.count("epoch 1:") == 1, output  # two tasks, one printing rank
@@ -110,26 +153,34 @@ def _ft_script(tmp_path, *flags: str) -> str:
 
 def test_ft_batch_script_runs_one_restartable_group_per_node(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(ROOT)
-    text = _ft_script(tmp_path, "--nodes", "3", "--gpus-per-node", "2", "--max-restarts", "2",
-                      "--", "--lr", "0.1")
+    text = _ft_script(tmp_path, "--nodes", "3", "--gpus-per-node", "2", "--max-restarts", "2", "--", "--lr", "0.1")
     assert "a replica group per node, each started again at most 2 times" in capsys.readouterr().out
     assert re.findall(r"^#SBATCH (\S+)$", text, flags=re.M) == [
-        "--job-name=torchfleet-slurm_ft_kill", "--nodes=3", "--ntasks-per-node=2", "--gpus-per-node=2",
-        f"--chdir={ROOT}", "--output=%x-%j.out", "--no-kill"]
+        "--job-name=torchfleet-slurm_ft_kill",
+        "--nodes=3",
+        "--ntasks-per-node=2",
+        "--gpus-per-node=2",
+        f"--chdir={ROOT}",
+        "--output=%x-%j.out",
+        "--no-kill",
+    ]
     lines = text.splitlines()
-    assert 'head=$(scontrol show node "${nodes[0]}" | sed -n \'s/.*NodeAddr=\\([^ ]*\\).*/\\1/p\')' in lines
+    assert "head=$(scontrol show node \"${nodes[0]}\" | sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p')" in lines
     assert "head=${head:-${nodes[0]}}" in lines  # the host name where no NodeAddr is shown
     assert "port=$((15000 + SLURM_JOB_ID % 10000))" in lines
     assert 'export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"' in lines
     # The lighthouse: one step on node 0, apart from its group, so that group can fail and start again.
     assert [line for line in lines if line.startswith("srun ")] == [
         f'srun --overlap --quiet --nodes=1 --ntasks=1 --nodelist="${{nodes[0]}}" {sys.executable} -m torchfleet'
-        ' lighthouse --host "$head" --port "$port" &']
+        ' lighthouse --host "$head" --port "$port" &'
+    ]
     groups = [line for line in lines if re.match(r"group \d+ srun ", line)]
     assert groups == [
         f'group {i} srun --nodes=1 --ntasks=1 --nodelist="${{nodes[{i}]}}" --kill-on-bad-exit=1'
         f" {sys.executable} -m torchfleet run --fault-tolerance step --nnodes 3 --node-rank {i}"
-        f' --master-addr "$head" --lighthouse "$endpoint" -n 2 {FT_SCRIPT} --lr 0.1 &' for i in range(3)]
+        f' --master-addr "$head" --lighthouse "$endpoint" -n 2 {FT_SCRIPT} --lr 0.1 &'
+        for i in range(3)
+    ]
     assert lines.count("pids+=($!)") == 3
     assert '        if [ "$attempt" -ge 2 ]; then' in lines  # the bound: 2 more attempts at most
     assert 'for pid in "${pids[@]}"; do wait "$pid" || failed=$((failed + 1)); done' in lines
@@ -173,8 +224,13 @@ def test_ft_batch_script_starts_failed_groups_again_within_the_bound(address, tm
     for name, body in (("scontrol", FAKE_SCONTROL), ("srun", FAKE_SRUN), ("sleep", "#!/bin/sh\n")):
         (bin_dir / name).write_text(body)
         (bin_dir / name).chmod(stat.S_IRWXU)
-    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "CALLS": str(calls), "SLURM_JOB_ID": "12345",
-           "SLURM_JOB_NODELIST": "node-[a-c]", **({} if address else {"NO_NODE_ADDR": "1"})}
+    env = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "CALLS": str(calls),
+        "SLURM_JOB_ID": "12345",
+        "SLURM_JOB_NODELIST": "node-[a-c]",
+        **({} if address else {"NO_NODE_ADDR": "1"}),
+    }
     done = subprocess.run(["bash", "-c", text], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 1, done.stdout + done.stderr
     assert sorted(done.stderr.splitlines()) == [
@@ -184,18 +240,24 @@ def test_ft_batch_script_starts_failed_groups_again_within_the_bound(address, tm
         "group 1 ended with status 3; starting it again (attempt 1 of 2)",
         "group 1 ended with status 3; starting it again (attempt 2 of 2)",
     ]
-    runs = {node: (calls / node).read_text().splitlines()
-            for node in ("lighthouse", "node-a", "node-b", "node-c")}
+    runs = {node: (calls / node).read_text().splitlines() for node in ("lighthouse", "node-a", "node-b", "node-c")}
     assert {node: len(lines) for node, lines in runs.items()} == {
-        "lighthouse": 1, "node-a": 2, "node-b": 3, "node-c": 1}
+        "lighthouse": 1,
+        "node-a": 2,
+        "node-b": 3,
+        "node-c": 1,
+    }
     head = "10.0.0.1" if address else "node-a"  # node 0's address, else its name
-    assert runs["lighthouse"] == [f"--overlap --quiet --nodes=1 --ntasks=1 --nodelist=node-a {sys.executable} -m"
-                                  f" torchfleet lighthouse --host {head} --port 17345"]
+    assert runs["lighthouse"] == [
+        f"--overlap --quiet --nodes=1 --ntasks=1 --nodelist=node-a {sys.executable} -m"
+        f" torchfleet lighthouse --host {head} --port 17345"
+    ]
     for i, node in enumerate(("node-a", "node-b", "node-c")):
         assert set(runs[node]) == {
             f"--nodes=1 --ntasks=1 --nodelist={node} --kill-on-bad-exit=1 {sys.executable} -m torchfleet run"
             f" --fault-tolerance step --nnodes 3 --node-rank {i} --master-addr {head} --lighthouse {head}:17345"
-            f" -n 1 {FT_SCRIPT}"}
+            f" -n 1 {FT_SCRIPT}"
+        }
 
 
 def _bindable(port: int) -> bool:
@@ -229,13 +291,27 @@ def test_ft_job_on_a_real_slurm_starts_a_killed_group_again(tmp_path):
         start = time.monotonic()
         _skip_ids_whose_ports_linger(cluster, 2)
         jobs = {}
-        for name, fault, bound in (("heals", f"once={tmp_path / 'fired'}", []),
-                                   ("bound", "", ["--max-restarts", "1"])):
+        for name, fault, bound in (("heals", f"once={tmp_path / 'fired'}", []), ("bound", "", ["--max-restarts", "1"])):
             folder = tmp_path / name
             folder.mkdir()
             env = clean_env(**cluster.env_extra, TORCHFLEET_FAULT=f"kill:rank=0:step=2:{fault}".rstrip(":"))
-            submitted = run([sys.executable, "-m", "torchfleet", "slurm", FT_SCRIPT, "--fault-tolerance", "step",
-                             *bound, "--out", str(folder / "ft.sbatch"), "--submit"], env=env, cwd=folder)
+            submitted = run(
+                [
+                    sys.executable,
+                    "-m",
+                    "torchfleet",
+                    "slurm",
+                    FT_SCRIPT,
+                    "--fault-tolerance",
+                    "step",
+                    *bound,
+                    "--out",
+                    str(folder / "ft.sbatch"),
+                    "--submit",
+                ],
+                env=env,
+                cwd=folder,
+            )
             assert submitted.returncode == 0, submitted.stderr
             (jobs[name],) = re.findall(r"Submitted batch job (\d+)", submitted.stdout)
         ended, outputs = {}, {}
@@ -245,7 +321,8 @@ def test_ft_job_on_a_real_slurm_starts_a_killed_group_again(tmp_path):
             outputs[name] = log.read_text() if log.exists() else "(no output file)"
         seconds = time.monotonic() - start
         assert ended == {"heals": ("COMPLETED", "0:0"), "bound": ("FAILED", "1:0")}, (
-            str(ended) + "\n".join(outputs.values()) + cluster.logs())
+            str(ended) + "\n".join(outputs.values()) + cluster.logs()
+        )
     print(f"the two ft jobs took {seconds:.1f} s")
     heals, bound = outputs["heals"], outputs["bound"]
     # The lighthouse listened on node 0's NodeAddr (127.0.0.1 here), at the job's own port, all along.
@@ -270,30 +347,66 @@ def test_requeue_batch_script_signals_saves_and_requeues(tmp_path, monkeypatch, 
     the other's 75, the note written)."""
     monkeypatch.chdir(ROOT)
     out = tmp_path / "train.sbatch"
-    assert main(["slurm", "train", "--requeue", "--ntasks-per-node", "2", "--time", "1:00:00", "--out", str(out),
-                 "--", "--checkpoint-dir", "ck", "--epochs", "3"]) == 0
+    assert (
+        main(
+            [
+                "slurm",
+                "train",
+                "--requeue",
+                "--ntasks-per-node",
+                "2",
+                "--time",
+                "1:00:00",
+                "--out",
+                str(out),
+                "--",
+                "--checkpoint-dir",
+                "ck",
+                "--epochs",
+                "3",
+            ]
+        )
+        == 0
+    )
     assert "saving on SIGUSR1 (120 s before the time limit) or SIGTERM and requeueing itself" in capsys.readouterr().out
     text = out.read_text()
     assert re.findall(r"^#SBATCH (\S+)$", text, flags=re.M) == [
-        "--job-name=torchfleet-train", "--nodes=1", "--ntasks-per-node=2", "--time=1:00:00", f"--chdir={ROOT}",
-        "--output=%x-%j.out", "--signal=USR1@120", "--requeue", "--open-mode=append"]
+        "--job-name=torchfleet-train",
+        "--nodes=1",
+        "--ntasks-per-node=2",
+        "--time=1:00:00",
+        f"--chdir={ROOT}",
+        "--output=%x-%j.out",
+        "--signal=USR1@120",
+        "--requeue",
+        "--open-mode=append",
+    ]
     (srun,) = [line for line in text.splitlines() if line.startswith("srun ")]
-    assert srun == (f"srun --kill-on-bad-exit=1 {sys.executable} -u -m torchfleet train --checkpoint-dir ck"
-                    " --epochs 3 --resume auto || status=$?")
+    assert srun == (
+        f"srun --kill-on-bad-exit=1 {sys.executable} -u -m torchfleet train --checkpoint-dir ck"
+        " --epochs 3 --resume auto || status=$?"
+    )
     assert subprocess.run(["bash", "-n", str(out)]).returncode == 0
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    stand_ins = {"srun": '#!/bin/bash\necho "$*" >> "$CALLS"\n[ -n "${PREEMPT:-}" ] || exit 0\n'
-                         'echo "preempted by SIGUSR1 at step 10, checkpoint saved to ck/step-00000010, resume with'
-                         ' --resume" > "$TORCHFLEET_PREEMPT_NOTE"\nexit 143\n',
-                 "scontrol": '#!/bin/bash\necho "scontrol $*" >> "$CALLS"\n'}
+    stand_ins = {
+        "srun": '#!/bin/bash\necho "$*" >> "$CALLS"\n[ -n "${PREEMPT:-}" ] || exit 0\n'
+        'echo "preempted by SIGUSR1 at step 10, checkpoint saved to ck/step-00000010, resume with'
+        ' --resume" > "$TORCHFLEET_PREEMPT_NOTE"\nexit 143\n',
+        "scontrol": '#!/bin/bash\necho "scontrol $*" >> "$CALLS"\n',
+    }
     for name, body in stand_ins.items():
         (bin_dir / name).write_text(body)
         (bin_dir / name).chmod(stat.S_IRWXU)
     for preempted, status in ((True, 75), (False, 0)):
         calls = tmp_path / f"calls-{preempted}"
-        env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "CALLS": str(calls), "SLURM_JOB_ID": "42", "TMPDIR": str(tmp_path),
-               **({"PREEMPT": "1"} if preempted else {})}
+        env = {
+            "PATH": f"{bin_dir}:/usr/bin:/bin",
+            "CALLS": str(calls),
+            "SLURM_JOB_ID": "42",
+            "TMPDIR": str(tmp_path),
+            **({"PREEMPT": "1"} if preempted else {}),
+        }
         done = subprocess.run(["bash", str(out)], env=env, capture_output=True, text=True, timeout=60)
         assert done.returncode == status, done.stdout + done.stderr
         lines = calls.read_text().splitlines()
@@ -305,8 +418,10 @@ def test_requeue_batch_script_signals_saves_and_requeues(tmp_path, monkeypatch, 
 
 REQUEUE_BAD = [
     (["train", "--requeue"], "--requeue needs --checkpoint-dir among train's arguments"),
-    (["train", "--requeue", "--fault-tolerance", "step", "--", "--checkpoint-dir", "ck"],
-     "`train` under --fault-tolerance step is not written by torchfleet slurm"),
+    (
+        ["train", "--requeue", "--fault-tolerance", "step", "--", "--checkpoint-dir", "ck"],
+        "`train` under --fault-tolerance step is not written by torchfleet slurm",
+    ),
     ([SCRIPT, "--requeue", "--fault-tolerance", "step"], "--requeue applies with --fault-tolerance restart"),
 ]
 

@@ -31,8 +31,12 @@ from torchfleet.testing.real_models import tp_job, train_real_model
 # (it did: FSDP2's _StridedShard is no Shard, 1.5e-6 from serial at lr 1e-2, 6e-5 here).
 CLIPPED = {"model": "gpt", "lr": 0.5, "fleet_options": {"max_grad_norm": 0.05}}
 MLP_ONLY = {"blocks.*.mlp.fc": ColwiseParallel(), "blocks.*.mlp.proj": RowwiseParallel()}
-CASES = [{"model": "gpt"}, CLIPPED, {"model": "gpt", "tp_plan": MLP_ONLY},
-         {"model": "gpt", "fleet_options": {"grad_accum": 2}}]
+CASES = [
+    {"model": "gpt"},
+    CLIPPED,
+    {"model": "gpt", "tp_plan": MLP_ONLY},
+    {"model": "gpt", "fleet_options": {"grad_accum": 2}},
+]
 
 
 @functools.lru_cache(maxsize=None)
@@ -86,16 +90,22 @@ def test_refusals_are_one_sentence():
         ParallelDims.from_preset("tp", 4, tp=3)
     with pytest.raises(UsageError, match=r"dp_replicate\(1\) \* dp_shard\(1\) \* pp\(1\) \* tp\(2\) != 3 processes"):
         ParallelDims.from_preset("fsdp+tp", 3)
-    with pytest.raises(UsageError, match=r"pp\(2\) \* tp\(2\): tensor parallelism inside pipeline stages is not"
-                                         r" supported yet; drop --tp, or drop --pp"):
+    with pytest.raises(
+        UsageError,
+        match=r"pp\(2\) \* tp\(2\): tensor parallelism inside pipeline stages is not"
+        r" supported yet; drop --tp, or drop --pp",
+    ):
         ParallelDims.from_preset("ddp", 8, pp=2, tp=2)
     with pytest.raises(UsageError, match="tp with --pp 2: tensor parallelism inside pipeline stages"):
         ParallelDims.from_preset("tp", 2, pp=2)  # not quietly a pipeline with tp(1)
     with pytest.raises(UsageError, match="fsdp[+]pipeline with --tp 2: tensor parallelism inside pipeline"):
         ParallelDims.from_preset("fsdp+pipeline", 8, tp=2)
     heads = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=4, n_embd=32))
-    with pytest.raises(UsageError, match="over 3 processes would split this GPT's 4 attention heads unevenly"
-                                         r" \(each rank needs whole heads\); choose a --tp that divides 4"):
+    with pytest.raises(
+        UsageError,
+        match="over 3 processes would split this GPT's 4 attention heads unevenly"
+        r" \(each rank needs whole heads\); choose a --tp that divides 4",
+    ):
         tp_plan_for(heads, 3)
     assert len(tp_plan_for(heads, 2)[0]) == 6  # q, k, v, fc by columns; the two projections by rows
     with pytest.raises(UsageError, match="the tp_plan option names 'blocks.0.attn.qkv', which is not a module"):

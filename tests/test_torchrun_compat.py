@@ -19,13 +19,32 @@ from torchfleet.launcher.elastic_config import agent_config
 from torchfleet.launcher.torchrun_flags import PREFIX, agent_overrides, given, torchrun_actions
 
 # A valid value for each flag that takes one (the rest get their first choice, or "1").
-VALUES = {"nnodes": "1", "nproc_per_node": "2", "rdzv_backend": "c10d", "rdzv_endpoint": "localhost:29400",
-          "rdzv_id": "job", "rdzv_conf": "timeout=5", "max_restarts": "1", "monitor_interval": "0.5",
-          "event_log_handler": "null", "role": "trainer", "log_dir": "/tmp/logs", "redirects": "3",
-          "tee": "3", "log_line_prefix_template": "[${rank}]", "local_ranks_filter": "0",
-          "duplicate_stdout_filters": "err", "duplicate_stderr_filters": "err", "node_rank": "0",
-          "master_addr": "127.0.0.1", "master_port": "29500", "local_addr": "127.0.0.1",
-          "signals_to_handle": "SIGTERM", "shutdown_timeout": "5", "logs_specs": "default"}
+VALUES = {
+    "nnodes": "1",
+    "nproc_per_node": "2",
+    "rdzv_backend": "c10d",
+    "rdzv_endpoint": "localhost:29400",
+    "rdzv_id": "job",
+    "rdzv_conf": "timeout=5",
+    "max_restarts": "1",
+    "monitor_interval": "0.5",
+    "event_log_handler": "null",
+    "role": "trainer",
+    "log_dir": "/tmp/logs",
+    "redirects": "3",
+    "tee": "3",
+    "log_line_prefix_template": "[${rank}]",
+    "local_ranks_filter": "0",
+    "duplicate_stdout_filters": "err",
+    "duplicate_stderr_filters": "err",
+    "node_rank": "0",
+    "master_addr": "127.0.0.1",
+    "master_port": "29500",
+    "local_addr": "127.0.0.1",
+    "signals_to_handle": "SIGTERM",
+    "shutdown_timeout": "5",
+    "logs_specs": "default",
+}
 FLAGS = [(option, action) for action in torchrun_actions() for option in action.option_strings]
 
 
@@ -46,14 +65,34 @@ def test_every_torchrun_flag_parses(option, action):
 
 # -- what each flag gives torchrun's agent, without starting anything ---------------------------
 # Values unlike torchrun's defaults and CONTEXTS', so that a flag whose value never reached the agent shows.
-AGENT_VALUES = {"nnodes": "3", "nproc_per_node": "3", "rdzv_backend": "c10d", "rdzv_endpoint": "10.1.2.3:29400",
-                "rdzv_id": "job7", "rdzv_conf": "timeout=5", "max_restarts": "2", "monitor_interval": "0.5",
-                "start_method": "fork", "event_log_handler": "console", "role": "trainer", "log_dir": "LOGS",
-                "redirects": "3", "tee": "2", "log_line_prefix_template": "[${rank}]", "local_ranks_filter": "0,1",
-                "duplicate_stdout_filters": "err", "duplicate_stderr_filters": "warn", "node_rank": "1",
-                "master_addr": "10.4.5.6", "master_port": "29522", "local_addr": "10.9.8.7",
-                "signals_to_handle": "SIGTERM", "shutdown_timeout": "5", "numa_binding": "node",
-                "logs_specs": "default"}
+AGENT_VALUES = {
+    "nnodes": "3",
+    "nproc_per_node": "3",
+    "rdzv_backend": "c10d",
+    "rdzv_endpoint": "10.1.2.3:29400",
+    "rdzv_id": "job7",
+    "rdzv_conf": "timeout=5",
+    "max_restarts": "2",
+    "monitor_interval": "0.5",
+    "start_method": "fork",
+    "event_log_handler": "console",
+    "role": "trainer",
+    "log_dir": "LOGS",
+    "redirects": "3",
+    "tee": "2",
+    "log_line_prefix_template": "[${rank}]",
+    "local_ranks_filter": "0,1",
+    "duplicate_stdout_filters": "err",
+    "duplicate_stderr_filters": "warn",
+    "node_rank": "1",
+    "master_addr": "10.4.5.6",
+    "master_port": "29522",
+    "local_addr": "10.9.8.7",
+    "signals_to_handle": "SIGTERM",
+    "shutdown_timeout": "5",
+    "numa_binding": "node",
+    "logs_specs": "default",
+}
 # Each flag is compared on one machine and, after these, on two (torchrun's static rendezvous).
 CONTEXTS = {"one machine": [], "two machines": ["--nnodes", "2", "--master-addr", "10.1.2.3", "--master-port", "29511"]}
 # Agent fields where torchfleet differs from torchrun on purpose, when no flag of the user's sets them.
@@ -68,32 +107,44 @@ ON_PURPOSE = {
     "two machines": {
         "run_id": "'torchfleet', the same on every machine without --rdzv-id (torchrun: 'none')",
         "local_addr": "the address that routes to the master: torch's default, the host name, may resolve"
-                      " to 127.0.0.1, and then ranks on the other machines never connect",
+        " to 127.0.0.1, and then ranks on the other machines never connect",
     },
 }
 # Fields where, in one context, torchfleet does not follow what a flag does to torchrun's config.
 OVERRIDDEN = {
-    ("one machine", "rdzv_backend"): ({"rdzv_backend", "rdzv_endpoint", "rdzv_configs"},
-                                      "one machine keeps torchfleet's loopback rendezvous"),
+    ("one machine", "rdzv_backend"): (
+        {"rdzv_backend", "rdzv_endpoint", "rdzv_configs"},
+        "one machine keeps torchfleet's loopback rendezvous",
+    ),
     ("one machine", "rdzv_conf"): ({"rdzv_configs"}, "one machine keeps the loopback rendezvous' options"),
-    ("one machine", "rdzv_endpoint"): ({"rdzv_endpoint"}, "one machine keeps its loopback rendezvous, which"
-                                       " opens nothing to the network"),
-    ("one machine", "master_addr"): ({"rdzv_endpoint"}, "one machine keeps loopback; --master-addr counts"
-                                     " with --nnodes above 1"),
+    ("one machine", "rdzv_endpoint"): (
+        {"rdzv_endpoint"},
+        "one machine keeps its loopback rendezvous, which opens nothing to the network",
+    ),
+    ("one machine", "master_addr"): (
+        {"rdzv_endpoint"},
+        "one machine keeps loopback; --master-addr counts with --nnodes above 1",
+    ),
     ("one machine", "local_addr"): ({"local_addr"}, "one machine keeps loopback"),
-    ("two machines", "rdzv_backend"): ({"rdzv_endpoint", "rdzv_configs"}, "torchrun leaves a c10d endpoint"
-                                       " empty (its handler then tries localhost); torchfleet keeps the master's"
-                                       " address and port, and its options (the node's rank) beside torchrun's"),
-    ("two machines", "rdzv_endpoint"): ({"rdzv_backend", "rdzv_configs"}, "an endpoint makes torchfleet's"
-                                        " rendezvous c10d (elastic, is_host where it is local) where torchrun"
-                                        " keeps static: test_elastic runs that case for real"),
+    ("two machines", "rdzv_backend"): (
+        {"rdzv_endpoint", "rdzv_configs"},
+        "torchrun leaves a c10d endpoint"
+        " empty (its handler then tries localhost); torchfleet keeps the master's"
+        " address and port, and its options (the node's rank) beside torchrun's",
+    ),
+    ("two machines", "rdzv_endpoint"): (
+        {"rdzv_backend", "rdzv_configs"},
+        "an endpoint makes torchfleet's"
+        " rendezvous c10d (elastic, is_host where it is local) where torchrun"
+        " keeps static: test_elastic runs that case for real",
+    ),
 }
 # Flag values torchfleet refuses in one context, where torchrun would start and wait.
 REFUSED = {("one machine", "node_rank"): "node rank 1 of --nnodes 1 can never meet a node 0"}
 # Flags that change nothing in torchrun's agent configuration (config_from_args), only how it runs.
 NO_AGENT_EFFECT = {
     "standalone": "torchrun's run() turns it into a c10d rendezvous before config_from_args; torchfleet's"
-                  " one machine always is one (test_torchrun_flags_give_the_ranks_what_torchrun_gives)",
+    " one machine always is one (test_torchrun_flags_give_the_ranks_what_torchrun_gives)",
     "module": "how each worker starts the script (-m), not the agent: the ranks' test runs it",
     "no_python": "how each worker starts the program, not the agent: test_no_python_runs_a_program",
     "run_path": "how each worker starts the script (runpy.run_path), not the agent",
@@ -107,8 +158,9 @@ def _comparable(config, temp: str) -> dict:
     for field in dataclasses.fields(config):
         value = getattr(config, field.name)
         if field.name == "logs_specs":
-            value = {k: "<a new temporary directory>" if str(v).startswith(temp) else v
-                     for k, v in vars(value).items()} | {"class": type(value).__name__}
+            value = {
+                k: "<a new temporary directory>" if str(v).startswith(temp) else v for k, v in vars(value).items()
+            } | {"class": type(value).__name__}
         out[field.name] = value
     return out
 
@@ -155,13 +207,16 @@ def test_every_torchrun_flag_gives_the_agent_what_torchrun_gives(action, tmp_pat
             if name not in excused:
                 assert ours[name] == theirs[name], (
                     f"{' '.join(words)} ({context}): torchfleet gives the agent {name}={ours[name]!r},"
-                    f" torchrun {theirs[name]!r}")
+                    f" torchrun {theirs[name]!r}"
+                )
         compared += len(effect - excused)
     if action.dest in NO_AGENT_EFFECT:
         assert compared == 0, f"{flag} now changes torchrun's agent config: take it off NO_AGENT_EFFECT"
     else:
-        assert compared, (f"{' '.join(words)} changes nothing compared in torchrun's agent config: pick another"
-                          " value in AGENT_VALUES, or say why in NO_AGENT_EFFECT")
+        assert compared, (
+            f"{' '.join(words)} changes nothing compared in torchrun's agent config: pick another"
+            " value in AGENT_VALUES, or say why in NO_AGENT_EFFECT"
+        )
 
 
 def _seen(directory) -> dict:
@@ -186,16 +241,37 @@ def test_torchrun_flags_give_the_ranks_what_torchrun_gives(tmp_path):
         "seen['argv'] = sys.argv[1:]\n"
         "print(f\"rank {seen['RANK']} says hello\", flush=True)\n"
         "with open(os.path.join(os.environ['SHOW_OUT'], f\"rank{seen['RANK']}.json\"), 'w') as fh:\n"
-        "    json.dump(seen, fh)\n")
-    flags = ["--standalone", "--nproc_per_node=2", "--rdzv-backend", "c10d", "--max_restarts", "1",
-             "--role", "trainer", "--local-ranks-filter", "0", "--tee", "3", "--monitor_interval", "0.2"]
+        "    json.dump(seen, fh)\n"
+    )
+    flags = [
+        "--standalone",
+        "--nproc_per_node=2",
+        "--rdzv-backend",
+        "c10d",
+        "--max_restarts",
+        "1",
+        "--role",
+        "trainer",
+        "--local-ranks-filter",
+        "0",
+        "--tee",
+        "3",
+        "--monitor_interval",
+        "0.2",
+    ]
     results = {}
-    for name, command in (("torchfleet", [sys.executable, "-m", "torchfleet", "run"]),
-                          ("torchrun", [sys.executable, "-m", "torch.distributed.run"])):
+    for name, command in (
+        ("torchfleet", [sys.executable, "-m", "torchfleet", "run"]),
+        ("torchrun", [sys.executable, "-m", "torch.distributed.run"]),
+    ):
         out, logs = tmp_path / f"{name}-out", tmp_path / f"{name}-logs"
         out.mkdir()
-        result = run([*command, *flags, "--log_dir", str(logs), "-m", "pkg.show", "--epochs", "3"],
-                     env=clean_env(SHOW_OUT=str(out), PYTHONPATH=str(tmp_path)), cwd=tmp_path, timeout=200)
+        result = run(
+            [*command, *flags, "--log_dir", str(logs), "-m", "pkg.show", "--epochs", "3"],
+            env=clean_env(SHOW_OUT=str(out), PYTHONPATH=str(tmp_path)),
+            cwd=tmp_path,
+            timeout=200,
+        )
         assert result.returncode == 0, result.stderr
         results[name] = (_seen(out), result.stdout, logs)
     ours, theirs = results["torchfleet"][0], results["torchrun"][0]

@@ -6,15 +6,25 @@ import pytest
 
 from conftest import newest_checkpoint_model, torchfleet
 
-FIELDS = {"strategy", "world_size", "backend", "epochs", "steps", "final_loss", "val_accuracy",
-          "samples_per_s", "wall_s"}
+FIELDS = {
+    "strategy",
+    "world_size",
+    "backend",
+    "epochs",
+    "steps",
+    "final_loss",
+    "val_accuracy",
+    "samples_per_s",
+    "wall_s",
+}
 
 
 @pytest.mark.timeout(180)
 def test_ddp_train_writes_summary_json(tmp_path):
     out = tmp_path / "result.json"
-    result = torchfleet("train", "--strategy", "ddp", "-n", "2", "--epochs", "2", "--json-out", str(out),
-                        "--no-progress")
+    result = torchfleet(
+        "train", "--strategy", "ddp", "-n", "2", "--epochs", "2", "--json-out", str(out), "--no-progress"
+    )
     assert result.returncode == 0, result.stderr
     figures = json.loads(out.read_text())
     assert FIELDS <= set(figures)
@@ -27,8 +37,18 @@ def test_ddp_train_writes_summary_json(tmp_path):
 
 @pytest.mark.timeout(180)
 def test_resume_continues_to_the_same_weights(tmp_path):
-    common = ["train", "--strategy", "serial", "--model", "mlp", "--epochs", "3", "--no-progress",
-              "--checkpoint-every", "5"]
+    common = [
+        "train",
+        "--strategy",
+        "serial",
+        "--model",
+        "mlp",
+        "--epochs",
+        "3",
+        "--no-progress",
+        "--checkpoint-every",
+        "5",
+    ]
     straight = tmp_path / "straight"
     assert torchfleet(*common, "--checkpoint-dir", str(straight)).returncode == 0
     stopped = tmp_path / "stopped"

@@ -40,32 +40,69 @@ def _tokens(batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 def hf_gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=4, n_head=4,
-                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    return GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=VOCAB,
+            n_positions=SEQ,
+            n_embd=32,
+            n_layer=4,
+            n_head=4,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
+    )
 
 
 def hf_llama(tie: bool):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                                        num_hidden_layers=4, num_attention_heads=4,
-                                        max_position_embeddings=SEQ, tie_word_embeddings=tie))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            max_position_embeddings=SEQ,
+            tie_word_embeddings=tie,
+        )
+    )
 
 
 def hf_bert():
     from transformers import BertConfig, BertForMaskedLM
 
-    return BertForMaskedLM(BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4,
-                                      num_attention_heads=4, intermediate_size=64, max_position_embeddings=SEQ,
-                                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+    return BertForMaskedLM(
+        BertConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            intermediate_size=64,
+            max_position_embeddings=SEQ,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
+    )
 
 
 def hf_vit():
     from transformers import ViTConfig, ViTForImageClassification
 
-    return ViTForImageClassification(ViTConfig(image_size=16, patch_size=4, hidden_size=32, num_hidden_layers=4,
-                                               num_attention_heads=4, intermediate_size=64, num_labels=CLASSES,
-                                               hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+    return ViTForImageClassification(
+        ViTConfig(
+            image_size=16,
+            patch_size=4,
+            hidden_size=32,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            intermediate_size=64,
+            num_labels=CLASSES,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
+    )
 
 
 class _Block(nn.Module):
@@ -143,9 +180,14 @@ class NanoGPT(nn.Module):
 
     def __init__(self, width: int = 32, depth: int = 4, heads: int = 4):
         super().__init__()
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(VOCAB, width), wpe=nn.Embedding(SEQ, width),
-            h=nn.ModuleList(NanoBlock(width, heads) for _ in range(depth)), ln_f=nn.LayerNorm(width)))
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(VOCAB, width),
+                wpe=nn.Embedding(SEQ, width),
+                h=nn.ModuleList(NanoBlock(width, heads) for _ in range(depth)),
+                ln_f=nn.LayerNorm(width),
+            )
+        )
         self.lm_head = nn.Linear(width, VOCAB, bias=False)
         self.transformer.wte.weight = self.lm_head.weight
         for p in self.parameters():
@@ -166,11 +208,13 @@ class NanoGPT(nn.Module):
 
 def frozen(build: Callable[[], nn.Module], trains: Callable[[str], bool]) -> Callable[[], nn.Module]:
     """`build`, with every parameter whose name `trains` refuses frozen (requires_grad False)."""
+
     def make():
         net = build()
         for name, p in net.named_parameters(remove_duplicate=False):
             p.requires_grad_(trains(name))
         return net
+
     return make
 
 
@@ -233,8 +277,11 @@ ZOO: dict[str, Entry] = {
     "hf-llama-tied": Entry(lambda: hf_llama(True), _ids, _lm_loss),
     "hf-llama-labels": Entry(lambda: hf_llama(False), _ids_labels, lambda out, _targets: out.loss),
     "hf-bert": Entry(hf_bert, _masked, _lm_loss),
-    "hf-vit": Entry(hf_vit, lambda b, s: ({"pixel_values": _images(b, s)[0]}, _images(b, s)[1]),
-                    lambda out, y: F.cross_entropy(out.logits, y)),
+    "hf-vit": Entry(
+        hf_vit,
+        lambda b, s: ({"pixel_values": _images(b, s)[0]}, _images(b, s)[1]),
+        lambda out, y: F.cross_entropy(out.logits, y),
+    ),
     "dict-out": Entry(DictOut, _digits, lambda out, y: F.cross_entropy(out["logits"], y)),
     "buffers": Entry(WithBuffers, _digits, F.cross_entropy),
     "nanogpt": Entry(NanoGPT, _idx_targets, _nano_loss),
@@ -243,13 +290,23 @@ ZOO: dict[str, Entry] = {
     # one, and adapters (every block's own layers frozen, a small trainable layer in each).
     "frozen-tied": Entry(frozen(hf_gpt2, lambda n: "wte" not in n and "lm_head" not in n), _ids, _lm_loss),
     "frozen-embed": Entry(frozen(lambda: hf_llama(False), lambda n: "embed_tokens" not in n), _ids, _lm_loss),
-    "adapters": Entry(frozen(lambda: DictOut(block=AdapterBlock), lambda n: "adapter" in n or ".up." in n),
-                      _digits, lambda out, y: F.cross_entropy(out["logits"], y)),
+    "adapters": Entry(
+        frozen(lambda: DictOut(block=AdapterBlock), lambda n: "adapter" in n or ".up." in n),
+        _digits,
+        lambda out, y: F.cross_entropy(out["logits"], y),
+    ),
 }
 
 
-def train_zoo(strategy: str, name: str, steps: int = 5, batch_size: int = 8, lr: float = 1e-2,
-              save_to: str | None = None, memory: bool = False) -> dict | None:
+def train_zoo(
+    strategy: str,
+    name: str,
+    steps: int = 5,
+    batch_size: int = 8,
+    lr: float = 1e-2,
+    save_to: str | None = None,
+    memory: bool = False,
+) -> dict | None:
     """Zoo model `name` after `steps` SGD steps under `strategy`, as the main rank reports it.
 
     {"weights": {name: tensor}, "notes": fleet.notes, "memory": the strategy's memory report
@@ -280,8 +337,11 @@ def train_zoo(strategy: str, name: str, steps: int = 5, batch_size: int = 8, lr:
         return {"refused": str(error)} if fleet is None or fleet.is_main else None
     if not fleet.is_main:
         return None
-    return {"weights": {k: v.detach().float().cpu().clone() for k, v in state.items()},
-            "notes": list(fleet.notes), "memory": report}
+    return {
+        "weights": {k: v.detach().float().cpu().clone() for k, v in state.items()},
+        "notes": list(fleet.notes),
+        "memory": report,
+    }
 
 
 def checkpoint_job(strategy: str, name: str, directory: str) -> dict | None:
@@ -308,7 +368,11 @@ def checkpoint_job(strategy: str, name: str, directory: str) -> dict | None:
     fleet.close()
     if not fleet.is_main:
         return None
-    return {"saved": saved, "loaded": loaded, "keys": sorted(k[len("model."):] for k in held if k.startswith("model."))}
+    return {
+        "saved": saved,
+        "loaded": loaded,
+        "keys": sorted(k[len("model.") :] for k in held if k.startswith("model.")),
+    }
 
 
 def _rows(batch, rank: int, world: int):

@@ -22,8 +22,12 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 # Colours by role: forward, whole backward, the input's gradient, the weights' gradient (zero bubble).
-KINDS = {"F": ("#4c72b0", "forward"), "B": ("#dd8452", "backward"), "I": ("#c44e52", "backward (input)"),
-         "W": ("#8172b3", "backward (weights)")}
+KINDS = {
+    "F": ("#4c72b0", "forward"),
+    "B": ("#dd8452", "backward"),
+    "I": ("#c44e52", "backward (input)"),
+    "W": ("#8172b3", "backward (weights)"),
+}
 
 
 def _png(fig) -> bytes:
@@ -36,9 +40,11 @@ def _png(fig) -> bytes:
 def mesh() -> bytes:
     from torchfleet.strategies.dims import ParallelDims
 
-    layouts = [("hsdp", ParallelDims.from_preset("hsdp", 8, nodes=2), "on 2 machines of 4"),
-               ("fsdp+pipeline", ParallelDims.from_preset("fsdp+pipeline", 8), ""),
-               ("fsdp+tp", ParallelDims.from_preset("fsdp+tp", 8), "")]
+    layouts = [
+        ("hsdp", ParallelDims.from_preset("hsdp", 8, nodes=2), "on 2 machines of 4"),
+        ("fsdp+pipeline", ParallelDims.from_preset("fsdp+pipeline", 8), ""),
+        ("fsdp+tp", ParallelDims.from_preset("fsdp+tp", 8), ""),
+    ]
     fig, axes = plt.subplots(1, len(layouts), figsize=(13, 3.6))
     palette = plt.get_cmap("tab10")
     for ax, (word, dims, where) in zip(axes, layouts, strict=True):
@@ -48,8 +54,9 @@ def mesh() -> bytes:
             x = c["dp_shard"] * model_slots + c["pp"] * dims.tp + c["tp"]
             y = dims.dp_replicate - 1 - c["dp_replicate"]
             slot = c["pp"] if dims.pp > 1 else c["tp"]
-            ax.add_patch(plt.Rectangle((x + 0.05, y + 0.05), 0.9, 0.9, facecolor=palette(slot), alpha=0.35,
-                                       edgecolor="black"))
+            ax.add_patch(
+                plt.Rectangle((x + 0.05, y + 0.05), 0.9, 0.9, facecolor=palette(slot), alpha=0.35, edgecolor="black")
+            )
             parts = [f"shard {c['dp_shard']}"] if dims.dp_shard > 1 else []
             parts += [f"replica {c['dp_replicate']}"] if dims.dp_replicate > 1 else []
             parts += [f"stage {c['pp']}"] if dims.pp > 1 else []
@@ -65,8 +72,9 @@ def mesh() -> bytes:
 
 
 def _kind(action) -> str:
-    return {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I",
-            "BACKWARD_WEIGHT": "W"}.get(str(action.computation_type).split(".")[-1], "")
+    return {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}.get(
+        str(action.computation_type).split(".")[-1], ""
+    )
 
 
 def _one_stage_order(name: str, first: list, pp: int, microbatches: int) -> list[list]:
@@ -86,7 +94,7 @@ def _one_stage_order(name: str, first: list, pp: int, microbatches: int) -> list
             return forward + backward
         warm = min(microbatches, pp - rank)
         steady = [a for pair in zip(backward, forward[warm:], strict=False) for a in pair]
-        return forward[:warm] + steady + backward[len(forward) - warm:]
+        return forward[:warm] + steady + backward[len(forward) - warm :]
 
     mine = [(_kind(a), a.microbatch_index) for a in order(0)]
     if mine != [(_kind(a), a.microbatch_index) for a in first]:
@@ -117,9 +125,11 @@ def _schedule_actions(name: str, pp: int, microbatches: int) -> list[list]:
 
     def ready(a, now: int) -> bool:
         kind, s, m = _kind(a), a.stage_index, a.microbatch_index
-        needs = {"F": [("F", s - 1, m)] if s else [],
-                 "B": [("F", s, m)] + ([("B", s + 1, m), ("I", s + 1, m)] if s < last else []),
-                 "W": [("I", s, m)]}
+        needs = {
+            "F": [("F", s - 1, m)] if s else [],
+            "B": [("F", s, m)] + ([("B", s + 1, m), ("I", s + 1, m)] if s < last else []),
+            "W": [("I", s, m)],
+        }
         needs["I"] = needs["B"]
         wanted = needs[kind]
         if kind in ("B", "I") and s < last:  # the next stage's gradient, whole or the input's part
@@ -136,8 +146,11 @@ def _schedule_actions(name: str, pp: int, microbatches: int) -> list[list]:
                 done[(_kind(action), action.stage_index, action.microbatch_index)] = now
                 heads[rank] += 1
                 moved = True
-            timeline[rank].append(action if action is not None and done.get(
-                (_kind(action), action.stage_index, action.microbatch_index)) == now else None)
+            timeline[rank].append(
+                action
+                if action is not None and done.get((_kind(action), action.stage_index, action.microbatch_index)) == now
+                else None
+            )
         if not moved:
             raise SystemExit(f"docs: the {name} schedule's actions wait on each other at slot {now}")
         now += 1
@@ -157,22 +170,35 @@ def schedules() -> bytes:
                 if action is None:
                     continue
                 kind = _kind(action)
-                ax.add_patch(plt.Rectangle((t, pp - 1 - rank + 0.1), 0.95, 0.8, facecolor=KINDS[kind][0],
-                                           alpha=0.85))
-                ax.text(t + 0.47, pp - 1 - rank + 0.5, f"{action.microbatch_index}\ns{action.stage_index}",
-                        ha="center", va="center", fontsize=6, color="white")
+                ax.add_patch(plt.Rectangle((t, pp - 1 - rank + 0.1), 0.95, 0.8, facecolor=KINDS[kind][0], alpha=0.85))
+                ax.text(
+                    t + 0.47,
+                    pp - 1 - rank + 0.5,
+                    f"{action.microbatch_index}\ns{action.stage_index}",
+                    ha="center",
+                    va="center",
+                    fontsize=6,
+                    color="white",
+                )
         ax.set_xlim(0, max(len(a) for a in timeline))
         ax.set_ylim(0, pp)
         ax.set_yticks([pp - 1 - r + 0.5 for r in range(pp)], [f"process {r}" for r in range(pp)], fontsize=7)
         ax.set_xticks([])
-        ax.set_title(f"--schedule {name}: {sum(a is not None for r in timeline for a in r)} actions over"
-                     f" {max(len(a) for a in timeline)} slots", fontsize=8, loc="left")
+        ax.set_title(
+            f"--schedule {name}: {sum(a is not None for r in timeline for a in r)} actions over"
+            f" {max(len(a) for a in timeline)} slots",
+            fontsize=8,
+            loc="left",
+        )
         for side in ("top", "right", "bottom"):
             ax.spines[side].set_visible(False)
     handles = [plt.Rectangle((0, 0), 1, 1, facecolor=c) for c, _ in KINDS.values()]
     fig.legend(handles, [label for _, label in KINDS.values()], loc="lower center", ncol=4, fontsize=8)
-    fig.suptitle(f"Pipeline schedules on {pp} processes, {microbatches} micro-batches (a box: micro-batch, stage"
-                 "; time runs right)", fontsize=10)
+    fig.suptitle(
+        f"Pipeline schedules on {pp} processes, {microbatches} micro-batches (a box: micro-batch, stage"
+        "; time runs right)",
+        fontsize=10,
+    )
     fig.tight_layout(rect=(0, 0.05, 1, 1))
     return _png(fig)
 
@@ -200,5 +226,9 @@ def plan() -> bytes:
     return _through_file(lambda path: report.chart(document, str(path)))
 
 
-PICTURES = {"images/mesh.png": mesh, "images/schedules.png": schedules, "images/bench.png": bench,
-            "images/plan.png": plan}
+PICTURES = {
+    "images/mesh.png": mesh,
+    "images/schedules.png": schedules,
+    "images/bench.png": bench,
+    "images/plan.png": plan,
+}

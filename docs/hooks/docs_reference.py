@@ -59,18 +59,26 @@ def commands() -> str:
     from torchfleet import cli
 
     parser = cli.build_parser()
-    out = ["# Commands", "",
-           "Every command and flag of `torchfleet`, read from its parsers when this site was built"
-           " (`torchfleet COMMAND --help` prints the same). `run` also takes each flag in torchrun's"
-           " underscore spelling (`--nproc_per_node`).", ""]
+    out = [
+        "# Commands",
+        "",
+        "Every command and flag of `torchfleet`, read from its parsers when this site was built"
+        " (`torchfleet COMMAND --help` prints the same). `run` also takes each flag in torchrun's"
+        " underscore spelling (`--nproc_per_node`).",
+        "",
+    ]
     for name, summary, sub in _subcommands(parser):
         out += [f"## torchfleet {name} {{ #{name} }}", "", f"{summary[:1].upper()}{summary[1:]}.", ""]
         if sub.description:
             out += [sub.description.strip(), ""]
         out += ["```", sub.format_usage().strip(), "```", ""]
         for title, rows in _flag_rows(sub):
-            out += [f"**{title[:1].upper()}{title[1:]}**", "", "| flag | value | default | what it does |",
-                    "| --- | --- | --- | --- |"]
+            out += [
+                f"**{title[:1].upper()}{title[1:]}**",
+                "",
+                "| flag | value | default | what it does |",
+                "| --- | --- | --- | --- |",
+            ]
             out += [f"| {' | '.join(row)} |" for row in rows]
             out.append("")
     return "\n".join(out)
@@ -79,15 +87,23 @@ def commands() -> str:
 def train_config() -> str:
     from torchfleet.train.config import TrainConfig
 
-    out = ["# Training configuration", "",
-           "`TrainConfig` holds everything `torchfleet train` runs; each field is also the `train` flag of"
-           " the same name (`batch_size` is `--batch-size`), declared once in"
-           " `src/torchfleet/train/config.py`. Read from the class when this site was built.", "",
-           "| field | flag | type | default | what it does |", "| --- | --- | --- | --- | --- |"]
+    out = [
+        "# Training configuration",
+        "",
+        "`TrainConfig` holds everything `torchfleet train` runs; each field is also the `train` flag of"
+        " the same name (`batch_size` is `--batch-size`), declared once in"
+        " `src/torchfleet/train/config.py`. Read from the class when this site was built.",
+        "",
+        "| field | flag | type | default | what it does |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for f in dataclasses.fields(TrainConfig):
         helptext = f.metadata.get("help", "")
-        default = f.default if f.default is not dataclasses.MISSING else (
-            f.default_factory() if f.default_factory is not dataclasses.MISSING else "")
+        default = (
+            f.default
+            if f.default is not dataclasses.MISSING
+            else (f.default_factory() if f.default_factory is not dataclasses.MISSING else "")
+        )
         helptext = helptext.replace("%(default)s", str(default))
         flag = f"`--{f.name.replace('_', '-')}`" if "help" in f.metadata else ""
         kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
@@ -96,16 +112,28 @@ def train_config() -> str:
 
 
 def api() -> str:
-    return "\n".join([
-        "# Python API", "",
-        "What a training script imports, from the docstrings in `src/torchfleet/` when this site was built.", "",
-        "::: torchfleet.Fleet", "",
-        "::: torchfleet.launch", "",
-        "::: torchfleet.notebook_launch", "",
-        "::: torchfleet.hogwild.run", "",
-        "::: torchfleet.strategies.registry.Preset", "",
-        "::: torchfleet.strategies.registry.register", "",
-        "::: torchfleet.UsageError", ""])
+    return "\n".join(
+        [
+            "# Python API",
+            "",
+            "What a training script imports, from the docstrings in `src/torchfleet/` when this site was built.",
+            "",
+            "::: torchfleet.Fleet",
+            "",
+            "::: torchfleet.launch",
+            "",
+            "::: torchfleet.notebook_launch",
+            "",
+            "::: torchfleet.hogwild.run",
+            "",
+            "::: torchfleet.strategies.registry.Preset",
+            "",
+            "::: torchfleet.strategies.registry.register",
+            "",
+            "::: torchfleet.UsageError",
+            "",
+        ]
+    )
 
 
 def _variables_in_source() -> dict[str, list[str]]:
@@ -122,16 +150,23 @@ def environment() -> str:
     undescribed = sorted(set(found) - set(registry.VARIABLES))
     gone = sorted(set(registry.VARIABLES) - set(found))
     if undescribed or gone:
-        raise SystemExit(f"docs: environment variables without a description in docs/hooks/docs_registry.py:"
-                         f" {undescribed or 'none'}; described but no longer in src/: {gone or 'none'}")
-    out = ["# Environment variables", "",
-           "Every `TORCHFLEET_*` variable the source reads, found in `src/` when this site was built.", ""]
-    headings = {"users": "Set by you", "launcher": "Set by torchfleet's launcher for its workers",
-                "tests": "For tests"}
+        raise SystemExit(
+            f"docs: environment variables without a description in docs/hooks/docs_registry.py:"
+            f" {undescribed or 'none'}; described but no longer in src/: {gone or 'none'}"
+        )
+    out = [
+        "# Environment variables",
+        "",
+        "Every `TORCHFLEET_*` variable the source reads, found in `src/` when this site was built.",
+        "",
+    ]
+    headings = {"users": "Set by you", "launcher": "Set by torchfleet's launcher for its workers", "tests": "For tests"}
     unknown = {who for who, _ in registry.VARIABLES.values()} - set(headings)
     if unknown:
-        raise SystemExit(f"docs: docs/hooks/docs_registry.py names who sets a variable as {sorted(unknown)};"
-                         f" use one of {', '.join(headings)}")
+        raise SystemExit(
+            f"docs: docs/hooks/docs_registry.py names who sets a variable as {sorted(unknown)};"
+            f" use one of {', '.join(headings)}"
+        )
     for audience, heading in headings.items():
         rows = [(n, m) for n, (who, m) in registry.VARIABLES.items() if who == audience]
         out += [f"## {heading}", "", "| variable | what it does | named in |", "| --- | --- | --- |"]
@@ -141,15 +176,24 @@ def environment() -> str:
 
 
 def exit_codes() -> str:
-    out = ["# Exit codes", "",
-           "What `torchfleet train` and `torchfleet run` return, and what each status means. The values"
-           " come from the launcher's constants when this site was built.", "",
-           "| status | name in the code | meaning |", "| --- | --- | --- |"]
+    out = [
+        "# Exit codes",
+        "",
+        "What `torchfleet train` and `torchfleet run` return, and what each status means. The values"
+        " come from the launcher's constants when this site was built.",
+        "",
+        "| status | name in the code | meaning |",
+        "| --- | --- | --- |",
+    ]
     for status, constant, meaning in registry.exit_codes():
         out.append(f"| {status} | {f'`{constant}`' if constant else ''} | {_cell(meaning)} |")
     return "\n".join(out) + "\n"
 
 
-PAGES = {"reference/commands.md": commands, "reference/train-config.md": train_config,
-         "reference/api.md": api, "reference/environment.md": environment,
-         "reference/exit-codes.md": exit_codes}
+PAGES = {
+    "reference/commands.md": commands,
+    "reference/train-config.md": train_config,
+    "reference/api.md": api,
+    "reference/environment.md": environment,
+    "reference/exit-codes.md": exit_codes,
+}

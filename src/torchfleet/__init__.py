@@ -28,8 +28,11 @@ __all__ = ["Fleet", "UsageError", "launch", "notebook_launch", "__version__"]
 # use keeps `torchfleet --help` and `torchfleet doctor --json` quick. The
 # version too: finding the package's metadata scans sys.path (~0.1 s), which
 # every worker of `torchfleet run` would pay before the user's script starts.
-_LAZY = {"Fleet": "torchfleet.fleet", "launch": "torchfleet.launcher.agent",
-         "notebook_launch": "torchfleet.launcher.notebook"}
+_LAZY = {
+    "Fleet": "torchfleet.fleet",
+    "launch": "torchfleet.launcher.agent",
+    "notebook_launch": "torchfleet.launcher.notebook",
+}
 
 
 def _version() -> str:

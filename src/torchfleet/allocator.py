@@ -51,6 +51,5 @@ def keep_freed_memory() -> bool:
         return False
     # mallopt returns 1 on success. glibc accepts both values on 64-bit Linux;
     # were the second refused, the first alone would leave it worse than before.
-    _applied = bool(libc.mallopt(_M_MMAP_THRESHOLD, _KEEP_BYTES)) and bool(
-        libc.mallopt(_M_TRIM_THRESHOLD, _KEEP_BYTES))
+    _applied = bool(libc.mallopt(_M_MMAP_THRESHOLD, _KEEP_BYTES)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, _KEEP_BYTES))
     return _applied

@@ -53,11 +53,7 @@ def _probe_built() -> frozenset[str]:
 
     if not dist.is_available():  # e.g. some macOS or mobile builds
         return frozenset()
-    checks = {
-        "gloo": dist.is_gloo_available,
-        "nccl": dist.is_nccl_available,
-        "mpi": dist.is_mpi_available,
-    }
+    checks = {"gloo": dist.is_gloo_available, "nccl": dist.is_nccl_available, "mpi": dist.is_mpi_available}
     return frozenset(name for name, check in checks.items() if check())
 
 
@@ -69,9 +65,7 @@ def _has_infiniband() -> bool:
 
 
 def _has_ip_over_ib() -> bool:
-    return any(
-        i.kind == "infiniband" and i.is_up and i.addresses for i in netif.list_interfaces()
-    )
+    return any(i.kind == "infiniband" and i.is_up and i.addresses for i in netif.list_interfaces())
 
 
 def probe_hardware() -> Hardware:
@@ -94,8 +88,7 @@ def _plural(count: int, noun: str) -> str:
 # Why a build may lack a backend, and what to use instead, for explicit requests.
 _NOT_BUILT = {
     "gloo": "this PyTorch build has no Gloo backend; use nccl for GPUs or mpi if it is built",
-    "nccl": "this PyTorch build has no NCCL backend (it is only included in CUDA builds "
-    "on Linux); use gloo",
+    "nccl": "this PyTorch build has no NCCL backend (it is only included in CUDA builds on Linux); use gloo",
     "mpi": "this PyTorch build has no MPI backend (it is only included when PyTorch is built "
     "from source on a host with MPI installed); use gloo for CPUs or nccl for GPUs",
 }
@@ -130,14 +123,9 @@ def _choose_for_gpus(hw: Hardware, local_procs: int) -> tuple[str, str]:
         )
     if "nccl" not in hw.built:
         # The docs name Gloo as NCCL's fallback for GPUs: it works, only slower.
-        return "gloo", (
-            f"{found} but this PyTorch build has no NCCL; Gloo handles GPU tensors too, only slower"
-        )
+        return "gloo", (f"{found} but this PyTorch build has no NCCL; Gloo handles GPU tensors too, only slower")
     if hw.infiniband:
-        return "nccl", (
-            f"{found} with InfiniBand; NCCL is the only backend that supports "
-            "InfiniBand and GPUDirect"
-        )
+        return "nccl", (f"{found} with InfiniBand; NCCL is the only backend that supports InfiniBand and GPUDirect")
     return "nccl", f"{found}; NCCL is PyTorch's fastest backend for GPU training"
 
 
@@ -147,8 +135,7 @@ def _choose_for_cpus(hw: Hardware) -> tuple[str, str]:
     needs_mpi = hw.infiniband and not hw.ip_over_ib
     if needs_mpi and "mpi" in hw.built:
         return "mpi", (
-            "no GPU found and InfiniBand has no IP-over-IB, so MPI, which uses InfiniBand "
-            "directly, is faster than Gloo"
+            "no GPU found and InfiniBand has no IP-over-IB, so MPI, which uses InfiniBand directly, is faster than Gloo"
         )
     if needs_mpi:
         return "gloo", (

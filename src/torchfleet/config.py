@@ -42,12 +42,13 @@ def parse_nnodes(value: int | str) -> tuple[int, int]:
         low, high = int(parts[0]), int(parts[-1])
         if 1 <= low <= high:
             return low, high
-    raise UsageError(f"--nnodes {text!r} is not a number of machines like 2 or a range like 1:4"
-                     " (MIN:MAX, 1 <= MIN <= MAX)")
+    raise UsageError(
+        f"--nnodes {text!r} is not a number of machines like 2 or a range like 1:4 (MIN:MAX, 1 <= MIN <= MAX)"
+    )
 
 
 def parse_endpoint(value: str, default_port: int, flag: str = "--rdzv-endpoint") -> tuple[str, int]:
-    """"host:port", "host" or "[v6]:port" -> (host, port)."""
+    """ "host:port", "host" or "[v6]:port" -> (host, port)."""
     text = value.strip()
     host, sep, port = text.rpartition(":")
     if not sep or "]" in port or (host.count(":") and not host.startswith("[")):
@@ -95,17 +96,21 @@ class LaunchConfig:
 
     def _check_fault_tolerance(self) -> None:
         if self.fault_tolerance not in FAULT_TOLERANCE:
-            raise UsageError(f"--fault-tolerance {self.fault_tolerance!r} is not a mode; choose restart (torchrun"
-                             " restarts the workers from the newest checkpoint) or step (torchft: the other"
-                             " machines go on at the next step)")
+            raise UsageError(
+                f"--fault-tolerance {self.fault_tolerance!r} is not a mode; choose restart (torchrun"
+                " restarts the workers from the newest checkpoint) or step (torchft: the other"
+                " machines go on at the next step)"
+            )
         if self.fault_tolerance == "restart":
             if self.lighthouse is not None:
                 raise UsageError(f"--lighthouse {self.lighthouse} applies with --fault-tolerance step")
             return
         if self.elastic:
-            raise UsageError(f"--fault-tolerance step takes a fixed --nnodes N, not --nnodes {self.nnodes} or"
-                             " --rdzv-endpoint: each machine is a replica group, and torchft's quorum lets groups"
-                             " leave and join; drop MIN: and --rdzv-endpoint")
+            raise UsageError(
+                f"--fault-tolerance step takes a fixed --nnodes N, not --nnodes {self.nnodes} or"
+                " --rdzv-endpoint: each machine is a replica group, and torchft's quorum lets groups"
+                " leave and join; drop MIN: and --rdzv-endpoint"
+            )
         if self.lighthouse is not None:
             parse_endpoint(self.lighthouse, 29510, "--lighthouse")
         if not self.join_timeout > 0:

@@ -178,11 +178,14 @@ def check_global_batch(global_batch: int, world_size: int) -> None:
 def dataset_length(dataset, method: str) -> int:
     """The data set's length, after refusing what is not a data set of known length."""
     if isinstance(dataset, DataLoader):
-        raise UsageError(f"fleet.{method} takes a Dataset, not a DataLoader: it builds the loader itself,"
-                         " giving each process its share of every batch; pass the loader's .dataset")
+        raise UsageError(
+            f"fleet.{method} takes a Dataset, not a DataLoader: it builds the loader itself,"
+            " giving each process its share of every batch; pass the loader's .dataset"
+        )
     if not isinstance(dataset, Sized):
-        raise UsageError(f"fleet.{method} splits a data set by index and needs its length;"
-                         f" {type(dataset).__name__} has no __len__")
+        raise UsageError(
+            f"fleet.{method} splits a data set by index and needs its length; {type(dataset).__name__} has no __len__"
+        )
     return len(dataset)
 
 
@@ -193,6 +196,11 @@ def batch_loader(dataset: Dataset, sampler: GlobalBatchSampler, seed: int, num_w
     generator = torch.Generator().manual_seed(seed)
     if type(dataset) is TensorDataset:
         # In-memory tensors: gather each batch at once instead of sample by sample.
-        return DataLoader(TensorBatches(dataset), batch_sampler=sampler, num_workers=num_workers,
-                          collate_fn=as_batch, generator=generator)
+        return DataLoader(
+            TensorBatches(dataset),
+            batch_sampler=sampler,
+            num_workers=num_workers,
+            collate_fn=as_batch,
+            generator=generator,
+        )
     return DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers, generator=generator)

@@ -45,8 +45,7 @@ def _dp(hw: Hardware, cores: int) -> tuple[bool, str]:
         return True, f"nn.DataParallel splits each batch across the {hw.gpus} GPUs"
     # It would still run on one device, but it would only add overhead to serial.
     return False, (
-        f"nn.DataParallel splits the batch across GPUs; {hw.gpus} visible "
-        "(it runs on one device but brings nothing)"
+        f"nn.DataParallel splits the batch across GPUs; {hw.gpus} visible (it runs on one device but brings nothing)"
     )
 
 
@@ -74,11 +73,14 @@ def _world(need: int, oversubscribe: bool = False, shares_gpus: bool = False) ->
         if hw.gpus >= need:
             return True, f"{need} or more processes, one per GPU ({hw.gpus} GPUs)"
         if hw.gpus and shares_gpus:
-            return True, (f"{need} processes share the {_gpus(hw)} over Gloo (NCCL needs a GPU for each);"
-                          f" pays with {need} GPUs")
+            return True, (
+                f"{need} processes share the {_gpus(hw)} over Gloo (NCCL needs a GPU for each); pays with {need} GPUs"
+            )
         if hw.gpus:
-            return False, (f"needs {need} GPUs, one per process (NCCL), and {_gpus(hw)} here; processes"
-                           " sharing a GPU run ddp only. CUDA_VISIBLE_DEVICES= runs it on the CPU cores")
+            return False, (
+                f"needs {need} GPUs, one per process (NCCL), and {_gpus(hw)} here; processes"
+                " sharing a GPU run ddp only. CUDA_VISIBLE_DEVICES= runs it on the CPU cores"
+            )
         if cores >= need:
             return True, f"{need} or more CPU processes with gloo ({cores} cores)"
         if oversubscribe:
@@ -105,8 +107,10 @@ def _meeting(hw: Hardware, cores: int) -> tuple[bool, str]:
     available, why = _world(2)(hw, cores)  # torchft's NCCL group between groups: a GPU each
     if not available:
         return available, why
-    return True, (f"{why}; pays only where the link between machines is slow enough that ddp spends most of"
-                  " each step exchanging gradients: on one machine ddp is faster (docs/benchmarks/history.md)")
+    return True, (
+        f"{why}; pays only where the link between machines is slow enough that ddp spends most of"
+        " each step exchanging gradients: on one machine ddp is faster (docs/benchmarks/history.md)"
+    )
 
 
 # The strategies that are classes of their own; every preset of the mesh's degrees follows one rule.
@@ -190,9 +194,7 @@ def _backend(hw: Hardware) -> dict:
 
 
 def _interfaces() -> list[dict]:
-    return [
-        {**dataclasses.asdict(i), "addresses": list(i.addresses)} for i in netif.list_interfaces()
-    ]
+    return [{**dataclasses.asdict(i), "addresses": list(i.addresses)} for i in netif.list_interfaces()]
 
 
 def _fault_tolerance() -> dict:
@@ -201,8 +203,11 @@ def _fault_tolerance() -> dict:
 
     why = torchft_setup.unavailable()
     version = torchft_setup.version()
-    return {"torchft": version, "available": why is None,
-            "why": why or f"torchft {version} loads: --fault-tolerance step and torchfleet lighthouse can run here"}
+    return {
+        "torchft": version,
+        "available": why is None,
+        "why": why or f"torchft {version} loads: --fault-tolerance step and torchfleet lighthouse can run here",
+    }
 
 
 def collect_report(hw: Hardware | None = None, environ: Mapping[str, str] | None = None) -> dict:
@@ -215,10 +220,7 @@ def collect_report(hw: Hardware | None = None, environ: Mapping[str, str] | None
         "torch": _torch_info(),
         "torchfleet": _torchfleet_version(),
         "cpu_cores": cores,
-        "gpus": [
-            {"index": i, "name": name, "memory_bytes": memory}
-            for i, (name, memory) in enumerate(gpus)
-        ],
+        "gpus": [{"index": i, "name": name, "memory_bytes": memory} for i, (name, memory) in enumerate(gpus)],
         "infiniband": hw.infiniband,
         "ip_over_ib": hw.ip_over_ib,
         "backends_built": {name: name in hw.built for name in BACKENDS},
@@ -294,9 +296,11 @@ def render_report(report: dict, console: Console) -> None:
     name = backend["name"] or "none usable"
     console.print(f"[bold]Backend:[/] [cyan]{escape(name)}[/]: {escape(backend['reason'])}")
     if not report["backends_built"].get("mpi"):
-        console.print("[bold]MPI:[/] `mpirun -np N python script.py` works: ranks come from"
-                      " OpenMPI's variables and Gloo carries the tensors. The MPI backend itself"
-                      " needs PyTorch built from source on a host with MPI installed.")
+        console.print(
+            "[bold]MPI:[/] `mpirun -np N python script.py` works: ranks come from"
+            " OpenMPI's variables and Gloo carries the tensors. The MPI backend itself"
+            " needs PyTorch built from source on a host with MPI installed."
+        )
     console.print(_strategy_table(report))
     ft = report["fault_tolerance"]
     console.print(f"[bold]Per-step fault tolerance:[/] {_yes(ft['available'])}: {escape(ft['why'])}")
@@ -324,25 +328,28 @@ def multinode_report(master: str, port: int | None, nnodes: int, node_rank: int)
     from torchfleet.launcher import preflight
 
     iface = netif.interface_for(master)
-    report = {"master": master, "interface": iface.name if iface else None,
-              "address": netif.source_address(master),
-              "socket_env": {k: os.environ[k] for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
-                             if os.environ.get(k)},
-              "socket_env_set_by_torchfleet": preflight.route_env(node_rank, master)}
+    report = {
+        "master": master,
+        "interface": iface.name if iface else None,
+        "address": netif.source_address(master),
+        "socket_env": {k: os.environ[k] for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if os.environ.get(k)},
+        "socket_env_set_by_torchfleet": preflight.route_env(node_rank, master),
+    }
     if port is not None:
         report["preflight"] = preflight.run(master, port, node_rank, nnodes).sentence(node_rank)
     return report
 
 
-def print_multinode(master: str, port: int | None, nnodes: int = 1, node_rank: int = 0,
-                    json_out: bool = False) -> int:
+def print_multinode(master: str, port: int | None, nnodes: int = 1, node_rank: int = 0, json_out: bool = False) -> int:
     """Exit 0 when every check passed; a failed check raises PreflightError (exit 2)."""
     report = multinode_report(master, port, nnodes, node_rank)
     if json_out:
         print(json.dumps(report, indent=2))
         return 0
-    print(f"interface to the master {report['master']}: {report['interface']}"
-          f" (this machine's address there: {report['address']})")
+    print(
+        f"interface to the master {report['master']}: {report['interface']}"
+        f" (this machine's address there: {report['address']})"
+    )
     for key, value in report["socket_env"].items():
         print(f"{key}={value} (set by you; kept)")
     for key, value in report["socket_env_set_by_torchfleet"].items():

@@ -32,11 +32,7 @@ from torchfleet.replica_groups import which_group
 from torchfleet.strategies import Runtime
 from torchfleet.strategies.base import Batch, LossFn, SetupArgs
 from torchfleet.strategies.batchnorm import batchnorm_note
-from torchfleet.strategies.block_transforms import (
-    COMPILE_MODES,
-    adopt_late_compile,
-    unwrap_compiled,
-)
+from torchfleet.strategies.block_transforms import COMPILE_MODES, adopt_late_compile, unwrap_compiled
 from torchfleet.strategy_spec import settle
 from torchfleet.worker import preemption
 
@@ -70,7 +66,7 @@ class Fleet:
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise UsageError(f"max_grad_norm {max_grad_norm} must be a positive number")
         if compile not in (False, True, *COMPILE_MODES):
-            raise UsageError(f"compile {compile!r} is not a mode; use True, \"blocks\" or \"model\"")
+            raise UsageError(f'compile {compile!r} is not a mode; use True, "blocks" or "model"')
         self.activation_checkpointing, self.compile = activation_checkpointing, compile
         self.env = env or DistEnv.detect()
         spec = settle(strategy, strategy_options, self.env, fault_tolerance)  # what the name comes to, once
@@ -89,23 +85,34 @@ class Fleet:
         local_procs = self.env.local_world_size if self.env.is_distributed else 1
         self.backend, self.backend_reason = choose_backend(hardware, backend, local_procs)
         # More processes than GPUs here, and Gloo chosen for it: the processes share the GPUs.
-        self._gpus_shared = (backend.strip().lower() == "auto" and self.backend == "gloo"
-                             and shares_gpus(hardware, local_procs))
+        self._gpus_shared = (
+            backend.strip().lower() == "auto" and self.backend == "gloo" and shares_gpus(hardware, local_procs)
+        )
         self.device = torch.device("cpu") if spec.cls.cpu_only else self._pick_device()
         if self.device.type == "cpu":
             allocator.keep_freed_memory()  # a step's memory stays for the next step
         if spec.grouped:
             join_process_group(self.env, self.backend)
-        self.replicas = which_group.group(spec.joined, self.env, self.device)  # replica_groups/per_step.py, replica_groups/outer_step.py
-        runtime = Runtime(self.env, self.device, Precision(precision, self.device),
-                          self.backend if spec.grouped else None, max_grad_norm, self.replicas)
+        self.replicas = which_group.group(
+            spec.joined, self.env, self.device
+        )  # replica_groups/per_step.py, replica_groups/outer_step.py
+        runtime = Runtime(
+            self.env,
+            self.device,
+            Precision(precision, self.device),
+            self.backend if spec.grouped else None,
+            max_grad_norm,
+            self.replicas,
+        )
         self.strategy = spec.build(runtime)
         if self._gpus_shared and self.strategy.name != "ddp":
-            raise UsageError(f"{self.strategy.name} on {local_procs} processes sharing {hardware.gpus} GPU(s) needs"
-                             " collectives that Gloo does not run on GPU tensors (it all-reduces and broadcasts"
-                             f" only), and NCCL needs a GPU of its own for each process; start at most {hardware.gpus}"
-                             " process(es) per host, use ddp, or hide the GPUs (CUDA_VISIBLE_DEVICES=) to run on"
-                             " CPU cores")
+            raise UsageError(
+                f"{self.strategy.name} on {local_procs} processes sharing {hardware.gpus} GPU(s) needs"
+                " collectives that Gloo does not run on GPU tensors (it all-reduces and broadcasts"
+                f" only), and NCCL needs a GPU of its own for each process; start at most {hardware.gpus}"
+                " process(es) per host, use ddp, or hide the GPUs (CUDA_VISIBLE_DEVICES=) to run on"
+                " CPU cores"
+            )
         if spec.joined.meeting is not None:
             self.strategy.name = spec.joined.meeting.method  # what checkpoints and reports call it
             self.notes.append(spec.joined.meeting.describe())
@@ -113,8 +120,7 @@ class Fleet:
 
     # -- set-up -----------------------------------------------------------
     def _pick_device(self) -> torch.device:
-        if (self.backend == "nccl" or self._gpus_shared
-                or (torch.cuda.is_available() and not self.env.is_distributed)):
+        if self.backend == "nccl" or self._gpus_shared or (torch.cuda.is_available() and not self.env.is_distributed):
             index = self.env.local_rank % max(1, torch.cuda.device_count())
             torch.cuda.set_device(index)
             return torch.device("cuda", index)
@@ -137,8 +143,12 @@ class Fleet:
         note = batchnorm_note(model, self.strategy.name, self.strategy.sync_batchnorm)
         if note and note not in self.notes:
             self.notes.append(note)
-        args = SetupArgs(None if example_inputs is None else self.to_device(example_inputs), self.grad_accum,
-                         self.activation_checkpointing, compile_mode)
+        args = SetupArgs(
+            None if example_inputs is None else self.to_device(example_inputs),
+            self.grad_accum,
+            self.activation_checkpointing,
+            compile_mode,
+        )
         wrapped = self.strategy.setup(model, optimizer, args)
         self.notes.extend(n for n in self.strategy.notes if n not in self.notes)  # what wrap found
         if self.replicas is not None:  # torchft's Manager starts once the model is wrapped
@@ -146,8 +156,15 @@ class Fleet:
         self._returned = wrapped[0]
         return wrapped
 
-    def dataloader(self, dataset: Dataset, batch_size: int, shuffle: bool = True, seed: int = 0,
-                   drop_last: bool = True, num_workers: int = 0) -> DataLoader:
+    def dataloader(
+        self,
+        dataset: Dataset,
+        batch_size: int,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = True,
+        num_workers: int = 0,
+    ) -> DataLoader:
         """A loader of this rank's share of each global batch of `batch_size` samples."""
         size = _length(dataset, "dataloader")
         rank, world = self.strategy.data_coords()
@@ -213,9 +230,11 @@ class Fleet:
 
     def _hand_written_loop(self, method: str) -> None:
         if self.strategy.schedules_steps:
-            raise UsageError(f"fleet.{method}() is for hand-written loops, and {self.strategy.name} runs each"
-                             " stage's forward and backward inside torch's pipeline schedule;"
-                             " call fleet.train_step(inputs, targets, loss_fn) instead")
+            raise UsageError(
+                f"fleet.{method}() is for hand-written loops, and {self.strategy.name} runs each"
+                " stage's forward and backward inside torch's pipeline schedule;"
+                " call fleet.train_step(inputs, targets, loss_fn) instead"
+            )
 
     def autocast(self):
         """For hand-written loops: the forward's mixed-precision context."""
@@ -253,8 +272,7 @@ class Fleet:
 
     def all_reduce(self, value: torch.Tensor | float, op: str = "mean") -> torch.Tensor:
         """Combine a metric over all ranks: op is "mean", "sum", "max" or "min"."""
-        ops = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM,
-               "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+        ops = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
         if op not in ops:
             raise UsageError(f"unknown reduction {op!r}; choose one of {', '.join(ops)}")
         tensor = torch.as_tensor(value, dtype=torch.float64, device=self.device).clone()
@@ -299,8 +317,9 @@ class Fleet:
         weights_only=False unpickles arbitrary objects: only for checkpoints you trust.
         same_strategy=True refuses a checkpoint another strategy wrote, in one sentence.
         """
-        extra = checkpoint.load(self, path, weights_only=weights_only,
-                                strategy_name=self.strategy_name if same_strategy else None)
+        extra = checkpoint.load(
+            self, path, weights_only=weights_only, strategy_name=self.strategy_name if same_strategy else None
+        )
         if self.replicas is not None and "replicas" in extra:  # torchft's step count
             self.replicas.load_state_dict(extra["replicas"])
         return {k: v for k, v in extra.items() if k != "replicas"}
@@ -337,8 +356,9 @@ class Fleet:
         """
         if path is None:
             if self.model_dir is None:
-                raise UsageError("save_model() needs a path outside a SageMaker job "
-                                 "(inside one it writes model.pt to SM_MODEL_DIR)")
+                raise UsageError(
+                    "save_model() needs a path outside a SageMaker job (inside one it writes model.pt to SM_MODEL_DIR)"
+                )
             path = self.model_dir / "model.pt"
         state, _ = self.strategy.state_dicts()
         path = Path(path)

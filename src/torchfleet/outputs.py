@@ -45,8 +45,10 @@ def check_writable_file(path: str | os.PathLike, what: str) -> Path:
     try:
         check_writable_dir(path.parent, what)
     except UsageError:
-        raise UsageError(f"{what} {str(path)!r} cannot be written: its directory {str(path.parent)!r}"
-                         " cannot be created or written; choose a path you can write to") from None
+        raise UsageError(
+            f"{what} {str(path)!r} cannot be written: its directory {str(path.parent)!r}"
+            " cannot be created or written; choose a path you can write to"
+        ) from None
     return path
 
 
@@ -68,5 +70,6 @@ def write_text(path: str | os.PathLike, text: str, what: str) -> None:
             pass  # never created
         sys.stdout.write(text)
         sys.stdout.flush()
-        raise UsageError(f"{what} {str(path)!r} could not be written ({exc.strerror or exc});"
-                         " its contents are printed above") from None
+        raise UsageError(
+            f"{what} {str(path)!r} could not be written ({exc.strerror or exc}); its contents are printed above"
+        ) from None

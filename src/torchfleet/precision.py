@@ -27,8 +27,7 @@ class Precision:
             raise choice_error("precision", name, PRECISIONS)
         if name == "fp16" and device.type not in FP16_DEVICES:
             raise UsageError(
-                f"precision fp16 needs a CUDA device and this run is on {device.type};"
-                " use bf16 (or fp32) on CPU"
+                f"precision fp16 needs a CUDA device and this run is on {device.type}; use bf16 (or fp32) on CPU"
             )
         self.name = name
         self.device = device

@@ -29,5 +29,6 @@ def bound_store(host: str, port: int = 0, timeout: datetime.timedelta = STORE_TI
     port = sock.getsockname()[1]
     # detach(): the store owns the descriptor from now on; the Python object
     # must not close it when it is garbage collected.
-    return dist.TCPStore(host, port, is_master=True, timeout=timeout, wait_for_workers=False,
-                         master_listen_fd=sock.detach())
+    return dist.TCPStore(
+        host, port, is_master=True, timeout=timeout, wait_for_workers=False, master_listen_fd=sock.detach()
+    )

@@ -53,8 +53,10 @@ def settle(name: str, given: dict, env: DistEnv, fault_tolerance: str | None) ->
         notes.append(f"{name} with one process has nothing to share; running it as serial")
         cls, options = get_strategy("serial"), StrategyOptions()
     if env.is_distributed and not cls.distributed:
-        raise UsageError(f"strategy {name!r} runs in one process but {env.world_size} were started;"
-                         " use -n 1, or a multi-process strategy such as ddp")
+        raise UsageError(
+            f"strategy {name!r} runs in one process but {env.world_size} were started;"
+            " use -n 1, or a multi-process strategy such as ddp"
+        )
     dims = None
     if cls.distributed:  # (still distributed: several processes, or a group of one)
         dims = resolve_dims(name, env.world_size, env.nnodes, options.given())

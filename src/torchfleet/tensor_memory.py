@@ -57,8 +57,7 @@ class TensorMemory:
 
     def __exit__(self, *exc: Any) -> None:
         self._tracker.__exit__(*exc)
-        self._peak = {device: figures[_TOTAL]
-                      for device, figures in self._tracker.get_tracker_snapshot("peak").items()}
+        self._peak = {device: figures[_TOTAL] for device, figures in self._tracker.get_tracker_snapshot("peak").items()}
 
     def next_step(self) -> None:
         self._tracker.reset_mod_stats()

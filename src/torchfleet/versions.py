@@ -39,11 +39,14 @@ def standing(version: str | None = None) -> tuple[str, str]:
     version = version or torch.__version__
     got = release(version)
     if got < TORCH_FLOOR:
-        return "too old", (f"torch {version} is older than {_text(TORCH_FLOOR)}, the oldest torchfleet"
-                           f" supports; pip install 'torch>={_text(TORCH_FLOOR)}'")
+        return "too old", (
+            f"torch {version} is older than {_text(TORCH_FLOOR)}, the oldest torchfleet"
+            f" supports; pip install 'torch>={_text(TORCH_FLOOR)}'"
+        )
     if got > TORCH_NEWEST_TESTED:
-        return "newer than tested", (f"torch {version} is newer than {_text(TORCH_NEWEST_TESTED)}, the newest"
-                                     " tested; expected to work")
+        return "newer than tested", (
+            f"torch {version} is newer than {_text(TORCH_NEWEST_TESTED)}, the newest tested; expected to work"
+        )
     return "supported", f"inside the tested range {tested_range()}"
 
 

@@ -1,7 +1,7 @@
 """Rank 1 dies by SIGABRT, as a Gloo abort in torch's teardown does; rank 0 ends normally.
 
-    abort_at_exit.py after    rank 1 runs the script to its end, then aborts at exit (atexit)
-    abort_at_exit.py during   rank 1 aborts in the middle of the script
+abort_at_exit.py after    rank 1 runs the script to its end, then aborts at exit (atexit)
+abort_at_exit.py during   rank 1 aborts in the middle of the script
 """
 
 import atexit

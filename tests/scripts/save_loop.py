@@ -1,6 +1,6 @@
 """Save checkpoints of a 32 MiB model until killed (file and DCP layouts in turn); every weight equals its step.
 
-    python save_loop.py DIR FIRST_STEP
+python save_loop.py DIR FIRST_STEP
 """
 
 import sys

@@ -47,9 +47,13 @@ def _default_precisions(gpus: int) -> tuple[str, ...]:
 def resolve(cfg: BenchConfig, gpus: int) -> BenchConfig:
     """`cfg` with every "choose for this machine" default filled in."""
     nproc = cfg.nproc or (tuple(sorted({2, gpus})) if gpus >= 2 else (2,))
-    return replace(cfg, nproc=nproc, gpt_preset=cfg.gpt_preset or ("gpt2" if gpus else "tiny"),
-                   batch_sizes=cfg.batch_sizes or _default_batches(cfg.model, gpus),
-                   precisions=cfg.precisions or _default_precisions(gpus))
+    return replace(
+        cfg,
+        nproc=nproc,
+        gpt_preset=cfg.gpt_preset or ("gpt2" if gpus else "tiny"),
+        batch_sizes=cfg.batch_sizes or _default_batches(cfg.model, gpus),
+        precisions=cfg.precisions or _default_precisions(gpus),
+    )
 
 
 def plan(cfg: BenchConfig, availability: list[dict], cores: int) -> tuple[list[Cell], list[str]]:
@@ -70,19 +74,24 @@ def plan(cfg: BenchConfig, availability: list[dict], cores: int) -> tuple[list[C
     if meeting:
         chosen = [name for name in chosen if name not in MEETING_METHODS]
         they, pays, them = ("they", "pay", "them") if len(meeting) > 1 else ("it", "pays", "it")
-        notes.append(f"{' and '.join(meeting)} left out: {they} {pays} only over a slow link between machines,"
-                     f" where ddp spends most of each step exchanging gradients; measure {them} against ddp there"
-                     " with link mode, the same command on every machine: torchfleet bench --nnodes 2"
-                     " --node-rank R --master-addr NODE0_ADDRESS")
+        notes.append(
+            f"{' and '.join(meeting)} left out: {they} {pays} only over a slow link between machines,"
+            f" where ddp spends most of each step exchanging gradients; measure {them} against ddp there"
+            " with link mode, the same command on every machine: torchfleet bench --nnodes 2"
+            " --node-rank R --master-addr NODE0_ADDRESS"
+        )
     if not cfg.strategies:
         if cfg.model not in TOKEN_MODELS:  # tensor parallelism needs a plan: the built-in gpt has one
             planless = [name for name in chosen if "tp" in preset_degrees(name)]
             chosen = [name for name in chosen if name not in planless]
             if planless:
-                notes.append(f"{', '.join(planless)} left out: {cfg.model} has no tensor-parallel plan"
-                             " (ask for them with --strategies on a model with one)")
-        left_out = [f"{name} ({here[name]['why']})" for name in STRATEGIES
-                    if name in here and not here[name]["available"]]
+                notes.append(
+                    f"{', '.join(planless)} left out: {cfg.model} has no tensor-parallel plan"
+                    " (ask for them with --strategies on a model with one)"
+                )
+        left_out = [
+            f"{name} ({here[name]['why']})" for name in STRATEGIES if name in here and not here[name]["available"]
+        ]
         if left_out:
             notes.append("not available here: " + "; ".join(left_out))
     if "serial" not in chosen:
@@ -116,8 +125,10 @@ def _cells_of(name, batch, precision, cfg, here, cores, notes) -> list[Cell]:
         # ddp): such a cell would carry a name it did not run, so it is left out.
         fits = [n for n in counts if _shows_its_degrees(base, n, cfg.strategy_options)]
         if counts and len(fits) < len(counts):
-            notes.append(f"{name} left out on {', '.join(str(n) for n in counts if n not in fits)} processes:"
-                         f" its degrees need more (e.g. --nproc 4 for 2 x 2)")
+            notes.append(
+                f"{name} left out on {', '.join(str(n) for n in counts if n not in fits)} processes:"
+                f" its degrees need more (e.g. --nproc 4 for 2 x 2)"
+            )
         counts = fits
     threads = {n: cfg.threads or max(1, cores // n) for n in counts}
     info = here.get(base)
@@ -141,4 +152,3 @@ def _shows_its_degrees(name: str, processes: int, options: dict) -> bool:
     except UsageError:
         return False
     return dims is None or all(getattr(dims, d) > 1 for d in preset_degrees(name))
-

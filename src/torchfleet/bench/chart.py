@@ -30,8 +30,9 @@ def draw(rows: list[dict], path: Path, title: str = "torchfleet bench") -> str:
     for i, key in enumerate(series):
         xs, ys, notes = [], [], []
         for j, batch in enumerate(batches):
-            found = [r for r in ok if (r["strategy"], r["processes"], r["precision"]) == key
-                     and r["global_batch"] == batch]
+            found = [
+                r for r in ok if (r["strategy"], r["processes"], r["precision"]) == key and r["global_batch"] == batch
+            ]
             if found:
                 xs.append(j + (i - (len(series) - 1) / 2) * width)
                 ys.append(found[0]["samples_per_s"])
@@ -49,8 +50,14 @@ def draw(rows: list[dict], path: Path, title: str = "torchfleet bench") -> str:
     ax.set_title(title, fontsize=10)
     ax.margins(y=0.15)
     ax.legend(fontsize=8, loc="upper left")
-    fig.text(0.99, 0.01, "bar labels: speedup over serial at the same batch and precision",
-             ha="right", fontsize=7, color="gray")
+    fig.text(
+        0.99,
+        0.01,
+        "bar labels: speedup over serial at the same batch and precision",
+        ha="right",
+        fontsize=7,
+        color="gray",
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -78,12 +78,14 @@ def profile_steps(step: Callable[[], None], device: torch.device, name: str, wri
                 top[event.key] = top.get(event.key, 0.0) + us
         busy = sum(kinds.values())
         summary = {
-            "steps": PROFILED_STEPS, "wall_ms_per_step": wall_us / PROFILED_STEPS / 1e3,
+            "steps": PROFILED_STEPS,
+            "wall_ms_per_step": wall_us / PROFILED_STEPS / 1e3,
             "kernel_ms_per_step": {k: v / PROFILED_STEPS / 1e3 for k, v in sorted(kinds.items())},
             "share_of_wall": {k: v / wall_us for k, v in sorted(kinds.items())},
             "no_kernel_share": max(0.0, 1 - busy / wall_us),
-            "top_kernels_ms_per_step": {k[:120]: v / PROFILED_STEPS / 1e3
-                                        for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:12]},
+            "top_kernels_ms_per_step": {
+                k[:120]: v / PROFILED_STEPS / 1e3 for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:12]
+            },
         }
     except Exception as exc:  # noqa: BLE001 (a diagnostic: its failure is written down, the cell's figures stand)
         summary = {"error": f"{type(exc).__name__}: {exc}"}

@@ -89,8 +89,13 @@ def failure_reason(summary) -> str:
 
 def run_one(cell: Cell, cfg: BenchConfig) -> dict:
     """Measure `cell` in its own processes; always returns a row, never raises for the cell's failure."""
-    row = {"model": cfg.model, **asdict(cell), "compile": cfg.compile or "off", "warmup": cfg.warmup,
-           "steps": cfg.steps}
+    row = {
+        "model": cfg.model,
+        **asdict(cell),
+        "compile": cfg.compile or "off",
+        "warmup": cfg.warmup,
+        "steps": cfg.steps,
+    }
     row.pop("threads")
     row["threads_per_process"] = cell.threads
     row.pop("skip")
@@ -101,22 +106,35 @@ def run_one(cell: Cell, cfg: BenchConfig) -> dict:
     preset = cfg.gpt_preset or "tiny"  # resolve() has chosen; an unresolved config gets the CPU's choice
     if cfg.model in TOKEN_MODELS:
         row["tokens_per_sample"] = gpt_config(preset).block_size
-    spec = {"model": cfg.model, "gpt_preset": preset, "image_size": cfg.image_size,
-            "strategy": base, "processes": cell.processes,
-            "global_batch": cell.global_batch, "precision": cell.precision,
-            "threads": cell.threads, "warmup": cfg.warmup, "steps": cfg.steps, "seed": cfg.seed,
-            "compile": cfg.compile,
-            # each strategy gets only the options it takes: --microbatches is for mp and pipeline,
-            # and a degree flag only for the presets that have that dimension (--pp not for ddp)
-            "options": {**{k: v for k, v in cfg.strategy_options.items()
-                           if k in cls.options and (k not in DIM_NAMES or k in preset_degrees(base))}, **extra}}
+    spec = {
+        "model": cfg.model,
+        "gpt_preset": preset,
+        "image_size": cfg.image_size,
+        "strategy": base,
+        "processes": cell.processes,
+        "global_batch": cell.global_batch,
+        "precision": cell.precision,
+        "threads": cell.threads,
+        "warmup": cfg.warmup,
+        "steps": cfg.steps,
+        "seed": cfg.seed,
+        "compile": cfg.compile,
+        # each strategy gets only the options it takes: --microbatches is for mp and pipeline,
+        # and a degree flag only for the presets that have that dimension (--pp not for ddp)
+        "options": {
+            **{
+                k: v
+                for k, v in cfg.strategy_options.items()
+                if k in cls.options and (k not in DIM_NAMES or k in preset_degrees(base))
+            },
+            **extra,
+        },
+    }
     start = time.perf_counter()
     try:
         with _Deadline(cfg.cell_timeout_s) as deadline:
             figures = launch(bench_cell.run_cell, nprocs=cell.processes, args=(spec,))[0]
     except LaunchError as exc:
-        reason = (f"timed out after {cfg.cell_timeout_s:g} s" if deadline.expired
-                  else failure_reason(exc.summary))
+        reason = f"timed out after {cfg.cell_timeout_s:g} s" if deadline.expired else failure_reason(exc.summary)
         return {**row, "status": "failed", "error": reason, "wall_s": time.perf_counter() - start}
     return {**row, **figures, "status": "ok", "error": None, "wall_s": time.perf_counter() - start}
-

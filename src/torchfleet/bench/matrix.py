@@ -38,8 +38,16 @@ from torchfleet.doctor import strategy_availability
 from torchfleet.errors import UsageError
 
 # A smoke test in seconds on 2 CPU cores, whichever model is asked for.
-QUICK = {"model": "mlp", "batch_sizes": (64,), "nproc": (2,), "precisions": ("fp32",),
-         "warmup": 2, "steps": 6, "gpt_preset": "tiny", "image_size": 32}
+QUICK = {
+    "model": "mlp",
+    "batch_sizes": (64,),
+    "nproc": (2,),
+    "precisions": ("fp32",),
+    "warmup": 2,
+    "steps": 6,
+    "gpt_preset": "tiny",
+    "image_size": 32,
+}
 
 
 def _usable_cores() -> int:
@@ -59,8 +67,11 @@ def derive(rows: list[dict], gpus: int = 0) -> None:
     """
     ok = [r for r in rows if r["status"] == "ok"]
     serial = {(r["global_batch"], r["precision"]): r["step_time_median_s"] for r in ok if r["strategy"] == "serial"}
-    fp32 = {(r["strategy"], r["processes"], r["global_batch"]): r["step_time_median_s"]
-            for r in ok if r["precision"] == "fp32"}
+    fp32 = {
+        (r["strategy"], r["processes"], r["global_batch"]): r["step_time_median_s"]
+        for r in ok
+        if r["precision"] == "fp32"
+    }
     for r in rows:
         for field in ("samples_per_s", "tokens_per_s", "speedup", "efficiency", "vs_fp32", "model_tflops", "mfu"):
             r[field] = None
@@ -127,6 +138,9 @@ def run_bench(cfg: BenchConfig, console=None) -> dict:
     console.print(bench_report.table(document))
     chart = bench_chart.draw(rows, out / "bench.png", title=bench_report.chart_title(document))
     console.print(f"verdict: {document['verdict']}", markup=False)
-    console.print(f"wrote {out / 'results.json'}, {out / 'results.csv'}" +
-                  (f", {chart}" if chart.endswith(".png") else f" ({chart})"), markup=False)
+    console.print(
+        f"wrote {out / 'results.json'}, {out / 'results.csv'}"
+        + (f", {chart}" if chart.endswith(".png") else f" ({chart})"),
+        markup=False,
+    )
     return document

@@ -41,14 +41,7 @@ from torch import nn
 from torchfleet.bench import flops, kernels, user_model
 from torchfleet.data import check_global_batch
 from torchfleet.fleet import Fleet
-from torchfleet.models import (
-    DIGITS_INPUT,
-    IMAGE_MODELS,
-    TOKEN_MODELS,
-    build_model,
-    gpt_config,
-    lm_loss,
-)
+from torchfleet.models import DIGITS_INPUT, IMAGE_MODELS, TOKEN_MODELS, build_model, gpt_config, lm_loss
 from torchfleet.strategies import Strategy
 from torchfleet.train.datasets import MockLoader, MockTokens
 
@@ -57,8 +50,10 @@ from torchfleet.train.datasets import MockLoader, MockTokens
 # notebook of the seeds. gpt's batch is random tokens, its preset's block long.
 DEFAULT_INPUT = DIGITS_INPUT
 
-CPU_MEMORY_METHOD = ("peak resident set growth from just before the model was built, less file-backed"
-                     " pages mapped meanwhile (VmHWM - VmRSS - RssFile growth)")
+CPU_MEMORY_METHOD = (
+    "peak resident set growth from just before the model was built, less file-backed"
+    " pages mapped meanwhile (VmHWM - VmRSS - RssFile growth)"
+)
 CUDA_MEMORY_METHOD = "torch.cuda.max_memory_allocated"
 COMM_METHOD = "(median synced step - median no_sync step) / median synced step, interleaved"
 
@@ -148,8 +143,13 @@ def _gathered(value):
 def spread(times: list[float]) -> dict:
     """Median, quartiles and extremes of step times, in seconds."""
     q1, median, q3 = statistics.quantiles(times, n=4, method="inclusive")
-    return {"step_time_median_s": statistics.median(times), "step_time_q1_s": q1,
-            "step_time_q3_s": q3, "step_time_min_s": min(times), "step_time_max_s": max(times)}
+    return {
+        "step_time_median_s": statistics.median(times),
+        "step_time_q1_s": q1,
+        "step_time_q3_s": q3,
+        "step_time_min_s": min(times),
+        "step_time_max_s": max(times),
+    }
 
 
 # ---- the cell ----------------------------------------------------------------------------
@@ -162,8 +162,9 @@ def run_cell(spec: dict) -> dict | None:
     precision, threads, warmup, steps, seed and options (the strategy's options).
     """
     torch.set_num_threads(spec["threads"])
-    fleet = Fleet(strategy=spec["strategy"], precision=spec["precision"], compile=spec.get("compile") or False,
-                  **spec["options"])
+    fleet = Fleet(
+        strategy=spec["strategy"], precision=spec["precision"], compile=spec.get("compile") or False, **spec["options"]
+    )
     # No try/finally: a rank that failed must not wait at close()'s barrier for
     # peers stuck in a collective; it exits, and the launcher stops the others.
     result = _measure(fleet, spec)
@@ -173,8 +174,10 @@ def run_cell(spec: dict) -> dict | None:
 
 def profile_name(spec: dict) -> str:
     preset = f"-{spec['gpt_preset']}" if spec["model"] in TOKEN_MODELS else ""
-    return (f"{spec['model'].replace(':', '.')}{preset}-b{spec['global_batch']}-{spec['precision']}"
-            f"-{spec.get('compile') or 'eager'}-{spec['strategy']}x{spec['processes']}")
+    return (
+        f"{spec['model'].replace(':', '.')}{preset}-b{spec['global_batch']}-{spec['precision']}"
+        f"-{spec.get('compile') or 'eager'}-{spec['strategy']}x{spec['processes']}"
+    )
 
 
 def workload(spec: dict, local_batch: int, rank: int, fleet: Fleet) -> tuple[nn.Module, Any, Any, Any]:
@@ -191,14 +194,14 @@ def workload(spec: dict, local_batch: int, rank: int, fleet: Fleet) -> tuple[nn.
     elif spec["model"] in TOKEN_MODELS:
         model = build_model(spec["model"], gpt_preset=spec["gpt_preset"])
         gpt = gpt_config(spec["gpt_preset"])
-        inputs, targets = next(iter(MockTokens(local_batch, gpt.block_size, gpt.vocab_size, device=fleet.device,
-                                               seed=spec["seed"] + rank)))
+        inputs, targets = next(
+            iter(MockTokens(local_batch, gpt.block_size, gpt.vocab_size, device=fleet.device, seed=spec["seed"] + rank))
+        )
         loss_fn = lm_loss
     else:
         shape = input_shape(spec["model"], spec["image_size"])
         model = build_model(spec["model"], shape, num_classes=10)
-        inputs, targets = next(iter(MockLoader((local_batch, *shape), device=fleet.device,
-                                               seed=spec["seed"] + rank)))
+        inputs, targets = next(iter(MockLoader((local_batch, *shape), device=fleet.device, seed=spec["seed"] + rank)))
         loss_fn = nn.CrossEntropyLoss()
     return model, inputs, targets, loss_fn
 

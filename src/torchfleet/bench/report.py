@@ -18,13 +18,41 @@ from torchfleet.models import IMAGE_MODELS, TOKEN_MODELS
 # Every cell object in results.json has exactly these fields (None where a
 # figure does not apply or the cell did not run), in this order in results.csv.
 FIELDS = (
-    "model", "strategy", "processes", "global_batch", "local_batch", "precision", "compile",
-    "threads_per_process", "warmup", "steps", "status", "error",
-    "step_time_median_s", "step_time_q1_s", "step_time_q3_s", "step_time_min_s", "step_time_max_s",
-    "samples_per_s", "tokens_per_s", "speedup", "efficiency", "vs_fp32",
-    "flops_per_sample", "model_tflops", "mfu",
-    "peak_memory_bytes", "memory_method", "comm_share", "comm_method",
-    "device", "device_name", "backend", "notes", "first_step_s", "wall_s",
+    "model",
+    "strategy",
+    "processes",
+    "global_batch",
+    "local_batch",
+    "precision",
+    "compile",
+    "threads_per_process",
+    "warmup",
+    "steps",
+    "status",
+    "error",
+    "step_time_median_s",
+    "step_time_q1_s",
+    "step_time_q3_s",
+    "step_time_min_s",
+    "step_time_max_s",
+    "samples_per_s",
+    "tokens_per_s",
+    "speedup",
+    "efficiency",
+    "vs_fp32",
+    "flops_per_sample",
+    "model_tflops",
+    "mfu",
+    "peak_memory_bytes",
+    "memory_method",
+    "comm_share",
+    "comm_method",
+    "device",
+    "device_name",
+    "backend",
+    "notes",
+    "first_step_s",
+    "wall_s",
 )
 SCHEMA = "torchfleet-bench/1"
 
@@ -74,10 +102,8 @@ class _Bar:
 @contextlib.contextmanager
 def progress(console, total: int):
     """A bar over the cells (on a terminal) and one line per finished cell (everywhere)."""
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-               TimeElapsedColumn())
-    with Progress(*columns, console=console, transient=True,
-                  disable=not console.is_terminal) as bar:
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as bar:
         yield _Bar(console, bar, bar.add_task("starting", total=total))
 
 
@@ -103,22 +129,33 @@ def verdict(rows: list[dict]) -> str:
     if not ok:
         return "no cell ran, so there is no verdict; each row says why"
     best = max(ok, key=lambda r: r["samples_per_s"])
-    text = (f"{label(best)} is the fastest for {best['model']} here: "
-            f"{throughput(best)} at batch {best['global_batch']} ({best['precision']})")
+    text = (
+        f"{label(best)} is the fastest for {best['model']} here: "
+        f"{throughput(best)} at batch {best['global_batch']} ({best['precision']})"
+    )
     if best["strategy"] == "serial":
         rivals = [r for r in ok if r["strategy"] != "serial" and r["speedup"] is not None]
         if rivals:
             top = max(rivals, key=lambda r: r["speedup"])
-            text += (f"; the best parallel cell, {label(top)} at batch {top['global_batch']},"
-                     f" reaches {top['speedup']:.2f}x serial{_comm(top)}")
+            text += (
+                f"; the best parallel cell, {label(top)} at batch {top['global_batch']},"
+                f" reaches {top['speedup']:.2f}x serial{_comm(top)}"
+            )
         return text + "."
     if best["speedup"] is not None:
         text += f", {best['speedup']:.2f}x serial at the same batch{_comm(best)}"
     # How the same set-up fares at the smallest other batch says why batch size matters.
-    same = sorted((r for r in ok if r is not best and r["speedup"] is not None
-                   and (r["strategy"], r["processes"], r["precision"])
-                   == (best["strategy"], best["processes"], best["precision"])),
-                  key=lambda r: r["global_batch"])
+    same = sorted(
+        (
+            r
+            for r in ok
+            if r is not best
+            and r["speedup"] is not None
+            and (r["strategy"], r["processes"], r["precision"])
+            == (best["strategy"], best["processes"], best["precision"])
+        ),
+        key=lambda r: r["global_batch"],
+    )
     if same:
         small = same[0]
         text += f"; at batch {small['global_batch']} it is {small['speedup']:.2f}x serial{_comm(small)}"
@@ -189,33 +226,62 @@ def table(doc: dict) -> Table:
     """One row per cell; a failed or skipped cell's reason goes in the caption, numbered."""
     compiled = doc["config"].get("compile")
     model = doc["config"]["model"] + (f", torch.compile ({compiled})" if compiled else "")
-    t = Table(title=f"torchfleet bench: {model} ({machine_line(doc['machine'])})",
-              title_justify="left", caption_justify="left")
+    t = Table(
+        title=f"torchfleet bench: {model} ({machine_line(doc['machine'])})",
+        title_justify="left",
+        caption_justify="left",
+    )
     tokens = any(r.get("tokens_per_s") is not None for r in doc["cells"])  # gpt: a sample is a sequence
     rate = "tokens/s" if tokens else throughput_unit(doc["config"]["model"])
     # Columns that only some runs fill: mixed precision's gain, and MFU on a GPU torchfleet knows.
     mixed = any(r.get("vs_fp32") is not None for r in doc["cells"])
     mfu = any(r.get("mfu") is not None for r in doc["cells"])
-    names = ("strategy", "threads", "batch", "precision", "ms/step", "IQR ms", rate, "speedup", "effic.",
-             *(("vs fp32",) if mixed else ()), "TFLOP/s", *(("MFU",) if mfu else ()), "mem/rank", "comm", "status")
+    names = (
+        "strategy",
+        "threads",
+        "batch",
+        "precision",
+        "ms/step",
+        "IQR ms",
+        rate,
+        "speedup",
+        "effic.",
+        *(("vs fp32",) if mixed else ()),
+        "TFLOP/s",
+        *(("MFU",) if mfu else ()),
+        "mem/rank",
+        "comm",
+        "status",
+    )
     for name in names:
         t.add_column(name, justify="left" if name in ("strategy", "precision", "status") else "right")
     reasons = []
     for r in doc["cells"]:
         ok = r["status"] == "ok"
         if not ok:
-            reasons.append(f"[{len(reasons) + 1}] {r['strategy']} x{r['processes']}, batch "
-                           f"{r['global_batch']}, {r['precision']}: {r['error']}")
+            reasons.append(
+                f"[{len(reasons) + 1}] {r['strategy']} x{r['processes']}, batch "
+                f"{r['global_batch']}, {r['precision']}: {r['error']}"
+            )
         iqr = (r["step_time_q3_s"] - r["step_time_q1_s"]) * 1e3 if ok else None
         median_ms = r["step_time_median_s"] * 1e3 if ok else None
         name = r["strategy"] if r["processes"] == 1 else f"{r['strategy']} x{r['processes']}"
         t.add_row(
-            escape(name), str(r["threads_per_process"]), str(r["global_batch"]), r["precision"],
-            _num(median_ms, ".2f"), _num(iqr, ".2f"), _num(r["tokens_per_s" if tokens else "samples_per_s"], ",.0f"),
-            _num(r["speedup"], ".2f"), _num(r["efficiency"], ".2f"),
-            *((_num(r.get("vs_fp32"), ".2f"),) if mixed else ()), _num(r.get("model_tflops"), ".3g"),
-            *((_num(r.get("mfu"), ".1%"),) if mfu else ()), _mib(r["peak_memory_bytes"]),
-            _num(r["comm_share"], ".0%"), "ok" if ok else f"[red]{r['status']} [{len(reasons)}][/]",
+            escape(name),
+            str(r["threads_per_process"]),
+            str(r["global_batch"]),
+            r["precision"],
+            _num(median_ms, ".2f"),
+            _num(iqr, ".2f"),
+            _num(r["tokens_per_s" if tokens else "samples_per_s"], ",.0f"),
+            _num(r["speedup"], ".2f"),
+            _num(r["efficiency"], ".2f"),
+            *((_num(r.get("vs_fp32"), ".2f"),) if mixed else ()),
+            _num(r.get("model_tflops"), ".3g"),
+            *((_num(r.get("mfu"), ".1%"),) if mfu else ()),
+            _mib(r["peak_memory_bytes"]),
+            _num(r["comm_share"], ".0%"),
+            "ok" if ok else f"[red]{r['status']} [{len(reasons)}][/]",
         )
     if reasons:
         t.caption = escape("\n".join(reasons))

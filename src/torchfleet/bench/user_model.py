@@ -47,8 +47,10 @@ def _function(name: str) -> Callable:
         else:
             module = importlib.import_module(where)
     except ImportError as exc:
-        raise UsageError(f"--model {name!r}: cannot import {where!r} ({exc}); run from the directory that"
-                         " holds it, or give its path (path/to/file.py:FUNCTION)") from None
+        raise UsageError(
+            f"--model {name!r}: cannot import {where!r} ({exc}); run from the directory that"
+            " holds it, or give its path (path/to/file.py:FUNCTION)"
+        ) from None
     function = getattr(module, attr, None)
     if not callable(function):
         raise UsageError(f"--model {name!r}: {where!r} has no function {attr!r}")
@@ -61,8 +63,10 @@ def build(name: str) -> tuple[nn.Module, Callable[[int], tuple], Callable]:
     parts = made if isinstance(made, tuple) else (made,)
     model, make_batch, loss_fn = (*parts, None, None)[:3]
     if not isinstance(model, nn.Module) or not 1 <= len(parts) <= 3:
-        raise UsageError(f"--model {name!r} returned {type(made).__name__}; return a torch.nn.Module, or"
-                         " (model, make_batch) or (model, make_batch, loss_fn)")
+        raise UsageError(
+            f"--model {name!r} returned {type(made).__name__}; return a torch.nn.Module, or"
+            " (model, make_batch) or (model, make_batch, loss_fn)"
+        )
     return model, make_batch or _default_batches(model, name), loss_fn or nn.functional.cross_entropy
 
 
@@ -71,8 +75,12 @@ def _default_batches(model: nn.Module, name: str) -> Callable[[int], tuple]:
         with torch.no_grad():
             classes = model(torch.rand(2, *DEFAULT_INPUT)).shape[-1]
     except Exception as exc:  # the user's model: any error means "not this input"
-        raise UsageError(f"--model {name!r} does not take a batch of {DEFAULT_INPUT} images ({type(exc).__name__});"
-                         " return (model, make_batch) with make_batch(n) -> (inputs, targets)") from None
+        raise UsageError(
+            f"--model {name!r} does not take a batch of {DEFAULT_INPUT} images ({type(exc).__name__});"
+            " return (model, make_batch) with make_batch(n) -> (inputs, targets)"
+        ) from None
     generator = torch.Generator().manual_seed(0)
-    return lambda n: (torch.rand(n, *DEFAULT_INPUT, generator=generator),
-                      torch.randint(0, classes, (n,), generator=generator))
+    return lambda n: (
+        torch.rand(n, *DEFAULT_INPUT, generator=generator),
+        torch.randint(0, classes, (n,), generator=generator),
+    )

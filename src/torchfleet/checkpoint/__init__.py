@@ -6,16 +6,19 @@ another where the shapes allow: the format is the same for every strategy.
 """
 
 from torchfleet.checkpoint.directory import list_checkpoints, newest_good, prune, step_path
-from torchfleet.checkpoint.verified import (
-           FORMAT,
-           KILL_IN_SAVE,
-           MANIFEST,
-           atomic_write,
-           load,
-           save,
-           sha256,
-           verify,
-)
+from torchfleet.checkpoint.verified import FORMAT, KILL_IN_SAVE, MANIFEST, atomic_write, load, save, sha256, verify
 
-__all__ = ["FORMAT", "KILL_IN_SAVE", "MANIFEST", "atomic_write", "list_checkpoints", "load", "newest_good", "prune", "save",
-           "sha256", "step_path", "verify"]
+__all__ = [
+    "FORMAT",
+    "KILL_IN_SAVE",
+    "MANIFEST",
+    "atomic_write",
+    "list_checkpoints",
+    "load",
+    "newest_good",
+    "prune",
+    "save",
+    "sha256",
+    "step_path",
+    "verify",
+]

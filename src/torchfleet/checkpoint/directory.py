@@ -43,11 +43,15 @@ def newest_good(fleet, directory: str | os.PathLike, fallback: bool = False) -> 
             return path, verify_together(fleet, path)
         except UsageError as exc:
             if not fallback:
-                raise UsageError(f"{exc}; pass --resume-fallback to resume from the previous intact checkpoint") from None
+                raise UsageError(
+                    f"{exc}; pass --resume-fallback to resume from the previous intact checkpoint"
+                ) from None
             fleet.print(f"note: skipping {path}: {exc}")
     if found:  # starting over would overwrite them: the user decides
-        raise UsageError(f"none of the {len(found)} checkpoints in {str(directory)!r} is intact; move them"
-                         " away to start from the beginning")
+        raise UsageError(
+            f"none of the {len(found)} checkpoints in {str(directory)!r} is intact; move them"
+            " away to start from the beginning"
+        )
     return None
 
 

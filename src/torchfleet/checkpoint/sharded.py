@@ -31,12 +31,25 @@ _TORCH_KINDS = (torch.dtype, torch.layout, torch.memory_format)
 # Exactly what DCP's metadata holds; a dotted name could reach any attribute
 # (pickle resolves "os.system" inside an allowed module), so names match whole.
 _ALLOWED = {
-    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"), ("collections", "OrderedDict"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("collections", "OrderedDict"),
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    *(("torch.distributed.checkpoint.metadata", n) for n in (
-        "BytesStorageMetadata", "ChunkStorageMetadata", "Metadata", "MetadataIndex", "StorageMeta",
-        "TensorProperties", "TensorStorageMetadata", "_MEM_FORMAT_ENCODING")),
+    *(
+        ("torch.distributed.checkpoint.metadata", n)
+        for n in (
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "Metadata",
+            "MetadataIndex",
+            "StorageMeta",
+            "TensorProperties",
+            "TensorStorageMetadata",
+            "_MEM_FORMAT_ENCODING",
+        )
+    ),
 }
 
 
@@ -54,7 +67,8 @@ class _MetadataUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str):
         allowed = (module, name) in _ALLOWED or (
-            module == "torch" and "." not in name and isinstance(getattr(torch, name, None), _TORCH_KINDS))
+            module == "torch" and "." not in name and isinstance(getattr(torch, name, None), _TORCH_KINDS)
+        )
         if not allowed:
             raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
         return super().find_class(module, name)
@@ -105,8 +119,11 @@ def save(strategy, directory: Path) -> None:
     model_state = _own_entries(strategy, model_state)
     # sync_files (the default) fsyncs every shard before DCP reports success.
     try:
-        dcp.save({"model": model_state, "optimizer": optimizer_state}, no_dist=not dist.is_initialized(),
-                 storage_writer=dcp.FileSystemWriter(str(directory), sync_files=True))
+        dcp.save(
+            {"model": model_state, "optimizer": optimizer_state},
+            no_dist=not dist.is_initialized(),
+            storage_writer=dcp.FileSystemWriter(str(directory), sync_files=True),
+        )
     except CheckpointException as exc:
         raise _first_failure(exc) from None
 
@@ -119,14 +136,20 @@ def load(strategy, directory: Path) -> None:
     own = _own_entries(strategy, model_state)
     state = {"model": own, "optimizer": optimizer_state}
     try:
-        dcp.load(state, storage_reader=SafeReader(str(directory)), planner=SafePlanner(),
-                 no_dist=not dist.is_initialized())
+        dcp.load(
+            state, storage_reader=SafeReader(str(directory)), planner=SafePlanner(), no_dist=not dist.is_initialized()
+        )
     except CheckpointException as exc:
         raise _first_failure(exc) from None
     # Entries left out above keep their values: only then is a missing key expected.
     options = _OPTIONS if len(own) == len(model_state) else _LENIENT
-    set_state_dict(strategy.model, strategy.optimizer,
-                   model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=options)
+    set_state_dict(
+        strategy.model,
+        strategy.optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optimizer"],
+        options=options,
+    )
 
 
 def _first_failure(exc: CheckpointException) -> BaseException:

@@ -55,8 +55,12 @@ def rng_state() -> dict:
     assert isinstance(np_state, tuple)
     state = {
         "python": random.getstate(),
-        "numpy": {"key": torch.from_numpy(np_state[1].astype(np.int64)), "pos": int(np_state[2]),
-                  "has_gauss": int(np_state[3]), "cached": float(np_state[4])},
+        "numpy": {
+            "key": torch.from_numpy(np_state[1].astype(np.int64)),
+            "pos": int(np_state[2]),
+            "has_gauss": int(np_state[3]),
+            "cached": float(np_state[4]),
+        },
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
@@ -69,8 +73,7 @@ def set_rng_state(state: dict) -> None:
     device); every generator takes its state as a CPU tensor, hence `.cpu()`."""
     random.setstate(_as_tuple(state["python"]))
     n = state["numpy"]
-    np.random.set_state(("MT19937", n["key"].cpu().numpy().astype(np.uint32), n["pos"], n["has_gauss"],
-                         n["cached"]))
+    np.random.set_state(("MT19937", n["key"].cpu().numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached"]))
     torch.set_rng_state(state["torch"].cpu())
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
@@ -144,8 +147,7 @@ def global_shapes(fleet) -> dict[str, list[int]]:
 
 
 # -- save ------------------------------------------------------------------------
-def save(fleet, path: str | os.PathLike, extra: dict | None = None,
-         sharded: bool | None = None) -> None:
+def save(fleet, path: str | os.PathLike, extra: dict | None = None, sharded: bool | None = None) -> None:
     """Write one checkpoint directory at `path`; every rank calls it (collective).
 
     `sharded` picks torch.distributed.checkpoint; None lets the strategy decide.
@@ -182,9 +184,14 @@ def save(fleet, path: str | os.PathLike, extra: dict | None = None,
         if fleet.is_main:
             _write(ranks, tmp / "ranks.pt")
             manifest = {
-                "format": FORMAT, "strategy": strategy.name, "world_size": fleet.world_size,
-                "layout": "sharded" if sharded else "full", "step": (extra or {}).get("step"),
-                "torch": torch.__version__, "model": shapes, "optimizer": type(strategy.optimizer).__name__,
+                "format": FORMAT,
+                "strategy": strategy.name,
+                "world_size": fleet.world_size,
+                "layout": "sharded" if sharded else "full",
+                "step": (extra or {}).get("step"),
+                "torch": torch.__version__,
+                "model": shapes,
+                "optimizer": type(strategy.optimizer).__name__,
                 "files": {str(f.relative_to(tmp)): sha256(f) for f in sorted(tmp.rglob("*")) if f.is_file()},
             }
             _write(json.dumps(manifest, indent=1).encode(), tmp / MANIFEST)
@@ -195,8 +202,10 @@ def save(fleet, path: str | os.PathLike, extra: dict | None = None,
         if fleet.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
         reason = exc.strerror or str(exc)
-        raise UsageError(f"cannot write checkpoint {str(final)!r} ({reason}); the earlier checkpoints"
-                         " are untouched: free space or choose another --checkpoint-dir") from None
+        raise UsageError(
+            f"cannot write checkpoint {str(final)!r} ({reason}); the earlier checkpoints"
+            " are untouched: free space or choose another --checkpoint-dir"
+        ) from None
     fleet.barrier()
 
 
@@ -221,17 +230,23 @@ def verify(path: str | os.PathLike) -> dict:
         manifest = json.loads(manifest_path.read_text())
         files = manifest["files"]
     except FileNotFoundError:
-        raise UsageError(f"checkpoint {str(path)!r} has no {MANIFEST}: it is incomplete or not a torchfleet checkpoint") from None
+        raise UsageError(
+            f"checkpoint {str(path)!r} has no {MANIFEST}: it is incomplete or not a torchfleet checkpoint"
+        ) from None
     except (ValueError, KeyError, TypeError):
         raise UsageError(f"checkpoint file {str(manifest_path)!r} is corrupt (not a torchfleet manifest)") from None
     if manifest.get("format") != FORMAT:
-        raise UsageError(f"checkpoint {str(path)!r} has format {manifest.get('format')}; this torchfleet reads format {FORMAT}")
+        raise UsageError(
+            f"checkpoint {str(path)!r} has format {manifest.get('format')}; this torchfleet reads format {FORMAT}"
+        )
     for name, digest in files.items():
         file = path / name
         if not file.is_file():
             raise UsageError(f"checkpoint file {str(file)!r} is missing")
         if sha256(file) != digest:
-            raise UsageError(f"checkpoint file {str(file)!r} is corrupt or truncated: its sha256 does not match {MANIFEST}")
+            raise UsageError(
+                f"checkpoint file {str(file)!r} is corrupt or truncated: its sha256 does not match {MANIFEST}"
+            )
     return manifest
 
 
@@ -254,12 +269,16 @@ def verify_together(fleet, path: str | os.PathLike) -> dict:
 def check_fits(fleet, path: Path, manifest: dict, strategy_name: str | None = None) -> None:
     """UsageError when the checkpoint holds another model (or, when given, another strategy)."""
     if strategy_name is not None and manifest["strategy"] != strategy_name:
-        raise UsageError(f"checkpoint {str(path)!r} was saved by strategy {manifest['strategy']!r} and this run uses"
-                         f" {strategy_name!r}; resume with --strategy {manifest['strategy']} or use another --checkpoint-dir")
+        raise UsageError(
+            f"checkpoint {str(path)!r} was saved by strategy {manifest['strategy']!r} and this run uses"
+            f" {strategy_name!r}; resume with --strategy {manifest['strategy']} or use another --checkpoint-dir"
+        )
     optimizer = type(fleet.strategy.optimizer).__name__
     if manifest.get("optimizer", optimizer) != optimizer:
-        raise UsageError(f"checkpoint {str(path)!r} was saved with optimizer {manifest['optimizer']} and this run"
-                         f" uses {optimizer}; use the same --optimizer or another --checkpoint-dir")
+        raise UsageError(
+            f"checkpoint {str(path)!r} was saved with optimizer {manifest['optimizer']} and this run"
+            f" uses {optimizer}; use the same --optimizer or another --checkpoint-dir"
+        )
     ours = global_shapes(fleet)
     theirs = manifest["model"]
     for name in sorted(set(ours) | set(theirs)):
@@ -270,12 +289,13 @@ def check_fits(fleet, path: Path, manifest: dict, strategy_name: str | None = No
                 what = f"its {name} {theirs[name]} is not in this model"
             else:
                 what = f"{name} is {theirs[name]} there and {ours[name]} here"
-            raise UsageError(f"checkpoint {str(path)!r} holds a different model: {what};"
-                             " use the same --model or another --checkpoint-dir")
+            raise UsageError(
+                f"checkpoint {str(path)!r} holds a different model: {what};"
+                " use the same --model or another --checkpoint-dir"
+            )
 
 
-def load(fleet, path: str | os.PathLike, weights_only: bool = True,
-         strategy_name: str | None = None) -> dict:
+def load(fleet, path: str | os.PathLike, weights_only: bool = True, strategy_name: str | None = None) -> dict:
     """Load a checkpoint into the wrapped model and optimizer; returns this rank's `extra`.
 
     Files are checked against the manifest first, then unpickled with
@@ -296,8 +316,10 @@ def load(fleet, path: str | os.PathLike, weights_only: bool = True,
             state = _torch_load(path / "state.pt", fleet, weights_only)
             strategy.load_state_dicts(state["model"], state["optimizer"])
     except pickle.UnpicklingError as exc:
-        raise UsageError(f"checkpoint {str(path)!r} refused: {exc}; it was not written by torchfleet or was"
-                         " altered, and loading it could run code") from None
+        raise UsageError(
+            f"checkpoint {str(path)!r} refused: {exc}; it was not written by torchfleet or was"
+            " altered, and loading it could run code"
+        ) from None
     except (RuntimeError, KeyError, ValueError) as exc:
         if isinstance(exc, UsageError):
             raise
@@ -313,6 +335,12 @@ def _torch_load(file: Path, fleet, weights_only: bool):
     try:
         return torch.load(file, map_location=fleet.device, weights_only=weights_only)
     except Exception as exc:  # noqa: BLE001 - any unpickling failure means the file is unusable
-        hint = ("; it holds objects other than tensors and plain values: load it with weights_only=False"
-                " only if you trust its source") if weights_only and "weights_only" in str(exc) else ""
+        hint = (
+            (
+                "; it holds objects other than tensors and plain values: load it with weights_only=False"
+                " only if you trust its source"
+            )
+            if weights_only and "weights_only" in str(exc)
+            else ""
+        )
         raise UsageError(f"checkpoint file {str(file)!r} cannot be read ({type(exc).__name__}){hint}") from None

@@ -15,6 +15,7 @@ from torchfleet.errors import TrainingError, UsageError
 
 EPILOG = "Docs: docs/ in the repository (make docs builds the site). Every command takes --help."
 
+
 def _strategy_flags() -> list[tuple[str, type, str]]:
     """Flags passed to the strategy only when given; a strategy rejects those it does not take. Declared once,
     with their help and their family, in strategies/options.py."""
@@ -39,28 +40,56 @@ def _add_launch_flags(p: argparse.ArgumentParser, underscores: bool = False) -> 
     """torchrun's process flags; `underscores` adds torchrun's other spelling (--nproc_per_node)."""
     g = p.add_argument_group("processes (torchrun's flags)")
     both = _spellings(underscores)
-    g.add_argument(*both("--nproc-per-node"), "-n", type=int, default=None, metavar="N",
-                   help="processes on this machine (default: train picks; run uses 1)")
+    g.add_argument(
+        *both("--nproc-per-node"),
+        "-n",
+        type=int,
+        default=None,
+        metavar="N",
+        help="processes on this machine (default: train picks; run uses 1)",
+    )
     _add_node_flags(g, underscores)
-    g.add_argument(*both("--max-restarts"), type=int, default=0,
-                   help="restart the whole group this many times after a failure (default 0)")
-    g.add_argument(*both("--rdzv-endpoint"), default=None, metavar="HOST:PORT",
-                   help="c10d rendezvous for an elastic job (--nnodes MIN:MAX); run the same on every machine")
+    g.add_argument(
+        *both("--max-restarts"),
+        type=int,
+        default=0,
+        help="restart the whole group this many times after a failure (default 0)",
+    )
+    g.add_argument(
+        *both("--rdzv-endpoint"),
+        default=None,
+        metavar="HOST:PORT",
+        help="c10d rendezvous for an elastic job (--nnodes MIN:MAX); run the same on every machine",
+    )
     g.add_argument(*both("--rdzv-id"), default=None, help="the job's id, the same on every machine (c10d)")
-    g.add_argument("--no-preflight", action="store_true",
-                   help="skip the checks of the other machines before a multi-machine job")
+    g.add_argument(
+        "--no-preflight", action="store_true", help="skip the checks of the other machines before a multi-machine job"
+    )
     f = p.add_argument_group("surviving a lost machine (torchft)")
-    f.add_argument(*both("--fault-tolerance"), default="restart", metavar="MODE",
-                   help="restart (default): torchrun restarts the workers, which resume from the newest"
-                        " checkpoint; step: each machine is a replica group under torchft, the others go on at"
-                        " the next step and a group started again heals from a live peer (pip install"
-                        " 'torchfleet[ft]')")
-    f.add_argument("--lighthouse", default=None, metavar="HOST:PORT",
-                   help="with --fault-tolerance step: a lighthouse started elsewhere (torchfleet lighthouse);"
-                        " default: node 0 starts one at --master-addr and --master-port (29510)")
-    f.add_argument(*both("--join-timeout"), type=float, default=120.0, metavar="SECONDS",
-                   help="with --fault-tolerance step: how long a group waits for the others at the start, or"
-                        " to complete a step, before it stops (default %(default).0f)")
+    f.add_argument(
+        *both("--fault-tolerance"),
+        default="restart",
+        metavar="MODE",
+        help="restart (default): torchrun restarts the workers, which resume from the newest"
+        " checkpoint; step: each machine is a replica group under torchft, the others go on at"
+        " the next step and a group started again heals from a live peer (pip install"
+        " 'torchfleet[ft]')",
+    )
+    f.add_argument(
+        "--lighthouse",
+        default=None,
+        metavar="HOST:PORT",
+        help="with --fault-tolerance step: a lighthouse started elsewhere (torchfleet lighthouse);"
+        " default: node 0 starts one at --master-addr and --master-port (29510)",
+    )
+    f.add_argument(
+        *both("--join-timeout"),
+        type=float,
+        default=120.0,
+        metavar="SECONDS",
+        help="with --fault-tolerance step: how long a group waits for the others at the start, or"
+        " to complete a step, before it stops (default %(default).0f)",
+    )
 
 
 def _spellings(underscores: bool):
@@ -72,23 +101,33 @@ def _add_node_flags(g, underscores: bool = False) -> None:
     g.add_argument("--nnodes", default="1", help="machines taking part: N, or MIN:MAX for an elastic job (default 1)")
     g.add_argument(*both("--node-rank"), type=int, default=0, help="this machine's index, 0 to nnodes-1")
     g.add_argument(*both("--master-addr"), default="127.0.0.1", help="address of node 0 (many machines)")
-    g.add_argument(*both("--master-port"), type=int, default=None,
-                   help="port of node 0's rendezvous (default: a free port on one machine, 29500 on many)")
+    g.add_argument(
+        *both("--master-port"),
+        type=int,
+        default=None,
+        help="port of node 0's rendezvous (default: a free port on one machine, 29500 on many)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     from torchfleet.cli.flags import add_flags
     from torchfleet.train.config import TrainConfig
 
-    parser = _Parser(prog="torchfleet", description="Train one PyTorch model on one process, "
-                     "many processes, many devices or many machines.", epilog=EPILOG)
+    parser = _Parser(
+        prog="torchfleet",
+        description="Train one PyTorch model on one process, many processes, many devices or many machines.",
+        epilog=EPILOG,
+    )
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     doctor = sub.add_parser("doctor", help="what this machine has, which backend and why")
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
-    _add_node_flags(doctor.add_argument_group(
-        "many machines: with --master-addr, show the interface to it; with --master-port too, run the preflight"))
+    _add_node_flags(
+        doctor.add_argument_group(
+            "many machines: with --master-addr, show the interface to it; with --master-port too, run the preflight"
+        )
+    )
 
     train = sub.add_parser("train", help="train the built-in job (a CNN on digits by default)")
     add_flags(train, TrainConfig)
@@ -104,23 +143,43 @@ def build_parser() -> argparse.ArgumentParser:
     _add_launch_flags(run, underscores=True)
     add_torchrun_flags(run)
     leaving = run.add_argument_group("leaving when told to (the script asks fleet.preempted(), saves, fleet.leave())")
-    leaving.add_argument("--preempt-signals", "--preempt_signals", default="TERM,USR1", metavar="SIGNALS",
-                         help="signals the launcher passes on to the workers and their Fleet listens for;"
-                              " comma-separated, or none (default %(default)s)")
-    leaving.add_argument("--preempt-notice", "--preempt_notice", default="none", metavar="SOURCE",
-                         help="also a spot instance's notice, polled every 5 s by one process per machine: aws,"
-                              " gcp, azure, or an http:// URL whose answer 200 with a body is the notice"
-                              " (default %(default)s)")
-    run.add_argument("script", help="the Python script to run on every rank (a module with -m,"
-                     " a program with --no-python)")
+    leaving.add_argument(
+        "--preempt-signals",
+        "--preempt_signals",
+        default="TERM,USR1",
+        metavar="SIGNALS",
+        help="signals the launcher passes on to the workers and their Fleet listens for;"
+        " comma-separated, or none (default %(default)s)",
+    )
+    leaving.add_argument(
+        "--preempt-notice",
+        "--preempt_notice",
+        default="none",
+        metavar="SOURCE",
+        help="also a spot instance's notice, polled every 5 s by one process per machine: aws,"
+        " gcp, azure, or an http:// URL whose answer 200 with a body is the notice"
+        " (default %(default)s)",
+    )
+    run.add_argument(
+        "script", help="the Python script to run on every rank (a module with -m, a program with --no-python)"
+    )
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
 
     lighthouse = sub.add_parser("lighthouse", help="run torchft's lighthouse for jobs under --fault-tolerance step")
-    lighthouse.add_argument("--host", required=True, metavar="ADDR",
-                            help="this machine's address the replica groups reach (it listens there only)")
+    lighthouse.add_argument(
+        "--host",
+        required=True,
+        metavar="ADDR",
+        help="this machine's address the replica groups reach (it listens there only)",
+    )
     lighthouse.add_argument("--port", type=int, default=29510, help="default %(default)s")
-    lighthouse.add_argument("--min-replicas", type=int, default=1, metavar="N",
-                            help="groups that make a quorum (default %(default)s: the job goes on while any lives)")
+    lighthouse.add_argument(
+        "--min-replicas",
+        type=int,
+        default=1,
+        metavar="N",
+        help="groups that make a quorum (default %(default)s: the job goes on while any lives)",
+    )
 
     from torchfleet.cli import clusters as clusters_cli
 
@@ -141,10 +200,17 @@ def _launch_config(args):
 
     return LaunchConfig(
         nproc_per_node=args.nproc_per_node if args.nproc_per_node is not None else 1,
-        nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
-        master_port=args.master_port, max_restarts=args.max_restarts,
-        rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id, preflight=not args.no_preflight,
-        fault_tolerance=args.fault_tolerance, lighthouse=args.lighthouse, join_timeout=args.join_timeout,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        max_restarts=args.max_restarts,
+        rdzv_endpoint=args.rdzv_endpoint,
+        rdzv_id=args.rdzv_id,
+        preflight=not args.no_preflight,
+        fault_tolerance=args.fault_tolerance,
+        lighthouse=args.lighthouse,
+        join_timeout=args.join_timeout,
     )
 
 
@@ -158,10 +224,11 @@ def cmd_doctor(args) -> int:
     # doctor takes a plain N (no elastic MIN:MAX): the preflight compares a fixed set of nodes.
     nnodes = args.nnodes.strip()
     if not nnodes.isdigit() or not 0 <= args.node_rank < int(nnodes):
-        raise UsageError(f"doctor --nnodes {nnodes!r} --node-rank {args.node_rank}: give a number of"
-                         " machines and this machine's index below it, e.g. --nnodes 2 --node-rank 1")
-    return print_multinode(args.master_addr, args.master_port, int(nnodes), args.node_rank,
-                           json_out=args.json)
+        raise UsageError(
+            f"doctor --nnodes {nnodes!r} --node-rank {args.node_rank}: give a number of"
+            " machines and this machine's index below it, e.g. --nnodes 2 --node-rank 1"
+        )
+    return print_multinode(args.master_addr, args.master_port, int(nnodes), args.node_rank, json_out=args.json)
 
 
 def cmd_train(args, argv: list[str]) -> int:
@@ -181,8 +248,14 @@ def cmd_run(args) -> int:
 
     parse_signals(args.preempt_signals)  # refused here, before any process starts
     check_spec(args.preempt_notice)
-    return run_script(_launch_config(args), args.script, args.script_args, torchrun_flags.given(args),
-                      preempt_signals=args.preempt_signals, preempt_notice=args.preempt_notice)
+    return run_script(
+        _launch_config(args),
+        args.script,
+        args.script_args,
+        torchrun_flags.given(args),
+        preempt_signals=args.preempt_signals,
+        preempt_notice=args.preempt_notice,
+    )
 
 
 def cmd_lighthouse(args) -> int:
@@ -222,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "doctor":
             return cmd_doctor(args)
         if args.command == "train":
-            return cmd_train(args, argv[argv.index("train") + 1:])
+            return cmd_train(args, argv[argv.index("train") + 1 :])
         if args.command == "run":
             return cmd_run(args)
         if args.command == "lighthouse":

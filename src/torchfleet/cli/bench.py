@@ -29,7 +29,8 @@ def add_parser(sub, strategy_flags) -> None:
     from torchfleet.train.models import GPT_PRESETS, MODELS
 
     b = sub.add_parser(
-        "bench", help="every strategy that can run here, side by side: table, JSON, chart; with --nnodes, ddp,"
+        "bench",
+        help="every strategy that can run here, side by side: table, JSON, chart; with --nnodes, ddp,"
         " PowerSGD and diloco over the link between machines",
         description="On one machine: every strategy doctor finds available, side by side (diloco and localsgd"
         " pay only over a slow link between machines, so they are measured in link mode). Link mode: run the"
@@ -37,55 +38,112 @@ def add_parser(sub, strategy_flags) -> None:
         " --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 (--node-rank 1 on the other): it measures the link's"
         " Mbit/s with an all-reduce of 4 MiB, runs ddp, ddp with PowerSGD and diloco (one process per machine,"
         " gpt tiny on random tokens, the same global batch and timed steps) and node 0 says which wins on this"
-        " link and by how much, and writes results.json.")
-    b.add_argument("--model", default=None, metavar="NAME",
-                   help=f"a built-in model ({', '.join(MODELS)}; default cnn, gpt in link mode), or MODULE:FUNCTION returning"
-                   " your own: the model, or (model, make_batch[, loss_fn]) with make_batch(n) -> (inputs, targets)")
-    b.add_argument("--gpt-preset", choices=tuple(GPT_PRESETS), default=None,
-                   help="--model gpt's size: tiny, small50m or gpt2 (default gpt2 with GPUs, tiny without and in"
-                   " link mode);"
-                   " its batches are random tokens and the table reports tokens/s")
-    b.add_argument("--image-size", type=int, default=None, metavar="PIXELS",
-                   help="--model resnet18/resnet50: mock images are 3 x PIXELS x PIXELS (default 224)")
-    b.add_argument("--strategies", type=_list(str, "strategies"), default=None,
-                   help="comma-separated (default: every strategy doctor finds available but diloco and"
-                   " localsgd; serial always); pipeline/SCHEDULE adds the pipeline under another schedule,"
-                   " e.g. pipeline/interleaved-1f1b or pipeline/zbv (2 stages per process). Link mode: of ddp, powersgd, diloco, localsgd (default"
-                   " ddp,powersgd,diloco; ddp always)")
-    b.add_argument("--nproc", type=_list(int, "process counts"), default=None,
-                   help="process counts for multi-process strategies, e.g. 2,4 (default 2, or the GPU count)")
-    b.add_argument("--batch-sizes", type=_list(int, "batch sizes"), default=None,
-                   help="GLOBAL batch sizes, e.g. 64,512 (default by model and device; link mode: one, default 32)")
-    b.add_argument("--precisions", type=_list(str, "precisions"), default=None,
-                   help="e.g. fp32,bf16 (default fp32 on CPU; fp32,bf16,fp16 on CUDA)")
-    b.add_argument("--warmup", type=int, default=None,
-                   help="untimed steps first (default 5; link mode 10, whole blocks of --sync-every)")
-    b.add_argument("--steps", type=int, default=None,
-                   help="timed steps (default 30; link mode 50, whole blocks of --sync-every, at least two)")
-    b.add_argument("--threads", type=int, default=None,
-                   help="intra-op threads per process (default: usable cores / processes)")
-    b.add_argument("--out", default="runs/bench", metavar="DIR",
-                   help="where results.json, results.csv and bench.png go (default runs/bench); link mode:"
-                   " results.json on node 0, each machine's cell logs in DIR/logs")
-    b.add_argument("--compile", nargs="?", const="blocks", choices=COMPILE_MODES, default=None,
-                   help="torch.compile each block (--compile alone) or the whole model in every cell; the warm-up"
-                   " steps take the compilation, and each row gives its first step's seconds")
-    b.add_argument("--quick", action="store_true",
-                   help="a tiny matrix (mlp, batch 64, 6 steps; gpt tiny, 32x32 images): a smoke test;"
-                   " link mode: 20 timed steps")
+        " link and by how much, and writes results.json.",
+    )
+    b.add_argument(
+        "--model",
+        default=None,
+        metavar="NAME",
+        help=f"a built-in model ({', '.join(MODELS)}; default cnn, gpt in link mode), or MODULE:FUNCTION returning"
+        " your own: the model, or (model, make_batch[, loss_fn]) with make_batch(n) -> (inputs, targets)",
+    )
+    b.add_argument(
+        "--gpt-preset",
+        choices=tuple(GPT_PRESETS),
+        default=None,
+        help="--model gpt's size: tiny, small50m or gpt2 (default gpt2 with GPUs, tiny without and in"
+        " link mode);"
+        " its batches are random tokens and the table reports tokens/s",
+    )
+    b.add_argument(
+        "--image-size",
+        type=int,
+        default=None,
+        metavar="PIXELS",
+        help="--model resnet18/resnet50: mock images are 3 x PIXELS x PIXELS (default 224)",
+    )
+    b.add_argument(
+        "--strategies",
+        type=_list(str, "strategies"),
+        default=None,
+        help="comma-separated (default: every strategy doctor finds available but diloco and"
+        " localsgd; serial always); pipeline/SCHEDULE adds the pipeline under another schedule,"
+        " e.g. pipeline/interleaved-1f1b or pipeline/zbv (2 stages per process). Link mode: of ddp, powersgd, diloco, localsgd (default"
+        " ddp,powersgd,diloco; ddp always)",
+    )
+    b.add_argument(
+        "--nproc",
+        type=_list(int, "process counts"),
+        default=None,
+        help="process counts for multi-process strategies, e.g. 2,4 (default 2, or the GPU count)",
+    )
+    b.add_argument(
+        "--batch-sizes",
+        type=_list(int, "batch sizes"),
+        default=None,
+        help="GLOBAL batch sizes, e.g. 64,512 (default by model and device; link mode: one, default 32)",
+    )
+    b.add_argument(
+        "--precisions",
+        type=_list(str, "precisions"),
+        default=None,
+        help="e.g. fp32,bf16 (default fp32 on CPU; fp32,bf16,fp16 on CUDA)",
+    )
+    b.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="untimed steps first (default 5; link mode 10, whole blocks of --sync-every)",
+    )
+    b.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="timed steps (default 30; link mode 50, whole blocks of --sync-every, at least two)",
+    )
+    b.add_argument(
+        "--threads", type=int, default=None, help="intra-op threads per process (default: usable cores / processes)"
+    )
+    b.add_argument(
+        "--out",
+        default="runs/bench",
+        metavar="DIR",
+        help="where results.json, results.csv and bench.png go (default runs/bench); link mode:"
+        " results.json on node 0, each machine's cell logs in DIR/logs",
+    )
+    b.add_argument(
+        "--compile",
+        nargs="?",
+        const="blocks",
+        choices=COMPILE_MODES,
+        default=None,
+        help="torch.compile each block (--compile alone) or the whole model in every cell; the warm-up"
+        " steps take the compilation, and each row gives its first step's seconds",
+    )
+    b.add_argument(
+        "--quick",
+        action="store_true",
+        help="a tiny matrix (mlp, batch 64, 6 steps; gpt tiny, 32x32 images): a smoke test; link mode: 20 timed steps",
+    )
     link = b.add_argument_group(
         "link mode: the same command on every machine; ddp, ddp with PowerSGD and diloco over the link between"
-        " them (--sync-every: diloco's steps between meetings, default 10 here; --powersgd-rank, default 2)")
+        " them (--sync-every: diloco's steps between meetings, default 10 here; --powersgd-rank, default 2)"
+    )
     link.add_argument("--nnodes", default=None, metavar="N", help="machines taking part, 2 or more")
     link.add_argument("--node-rank", type=int, default=None, help="this machine's index, 0 to N-1 (default 0)")
     link.add_argument("--master-addr", default=None, help="node 0's address, which every machine reaches")
-    link.add_argument("--master-port", type=int, default=None,
-                      help="node 0's port for the bench's store (default 29500); each cell uses one of the next"
-                      " ports, so they must be free and reachable too")
+    link.add_argument(
+        "--master-port",
+        type=int,
+        default=None,
+        help="node 0's port for the bench's store (default 29500); each cell uses one of the next"
+        " ports, so they must be free and reachable too",
+    )
     opts = b.add_argument_group("strategy options (each strategy gets those it takes)")
     for flag, kind, text in strategy_flags:  # a bool is a switch: given means True
-        opts.add_argument(flag, **({"action": "store_true"} if kind is bool else {"type": kind}),
-                          default=None, help=text)
+        opts.add_argument(
+            flag, **({"action": "store_true"} if kind is bool else {"type": kind}), default=None, help=text
+        )
 
 
 def command(args, strategy_options: dict) -> int:
@@ -93,15 +151,27 @@ def command(args, strategy_options: dict) -> int:
     from torchfleet.bench.link.job import machines_from_flags
     from torchfleet.bench.matrix import QUICK, run_bench
 
-    given = {name: getattr(args, name) for name in
-             ("model", "gpt_preset", "image_size", "strategies", "nproc", "batch_sizes", "precisions", "warmup",
-              "steps")}
+    given = {
+        name: getattr(args, name)
+        for name in (
+            "model",
+            "gpt_preset",
+            "image_size",
+            "strategies",
+            "nproc",
+            "batch_sizes",
+            "precisions",
+            "warmup",
+            "steps",
+        )
+    }
     machines = machines_from_flags(args.nnodes, args.node_rank, args.master_addr, args.master_port)
     if machines is not None:
         return _link_mode(args, given, strategy_options, machines)
     chosen = {**(QUICK if args.quick else {}), **{k: v for k, v in given.items() if v is not None}}
-    cfg = BenchConfig(**chosen, threads=args.threads, out=args.out, strategy_options=strategy_options,
-                      compile=args.compile)
+    cfg = BenchConfig(
+        **chosen, threads=args.threads, out=args.out, strategy_options=strategy_options, compile=args.compile
+    )
     document = run_bench(cfg)
     return 0 if any(c["status"] == "ok" for c in document["cells"]) else 1
 

@@ -32,8 +32,9 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, config:
             settings["type"] = kinds[0]
         elif kinds != [str] and not {"type", "nargs"} & settings.keys():
             # Refused rather than parsed as a string that the config would then hold as if typed.
-            raise TypeError(f"{config.__name__}.{f.name}: a flag of type {hints[f.name]} needs type= or nargs="
-                            " in its option()")
+            raise TypeError(
+                f"{config.__name__}.{f.name}: a flag of type {hints[f.name]} needs type= or nargs= in its option()"
+            )
         parser.add_argument(f"--{name}", dest=f.name, default=f.default, **settings)
 
 

@@ -21,7 +21,8 @@ def gbit_per_s(flag: str):
         if found is None:
             raise argparse.ArgumentTypeError(
                 f"{flag} {text!r} is not a bandwidth; give Gbit/s as a number (100) or with a unit, such as"
-                " 100Gb/s, 400Gbit/s, 800Mb/s, or 900GB/s for bytes")
+                " 100Gb/s, 400Gbit/s, 800Mb/s, or 900GB/s for bytes"
+            )
         number, prefix, unit = found.groups()
         if unit is None:  # a bare number is Gbit/s, as the flag's help says
             return float(number)
@@ -38,73 +39,145 @@ def add_parser(sub) -> None:
     from torchfleet.train.models import GPT_PRESETS, MODELS
 
     p = sub.add_parser(
-        "plan", help="predicted memory per rank and step time of every strategy, here or on a described cluster;"
+        "plan",
+        help="predicted memory per rank and step time of every strategy, here or on a described cluster;"
         " --check measures them against bench",
         description="Predicts, for each strategy and number of processes, the memory per rank (parameters,"
         " gradients, optimizer state, activations, communication buffers), whether it fits, the largest batch that"
         " does, and the step time (compute, communication, the pipeline bubble), then recommends one. The model's"
         " own memory and time are measured from a few steps here, and this machine's link from short probes"
-        " (cached). Without --nodes/--gpus-per-node/--cpus-per-node the target is this machine.")
-    p.add_argument("--model", default="cnn", metavar="NAME",
-                   help=f"a built-in model ({', '.join(MODELS)}; default cnn) or MODULE:FUNCTION, as bench takes it")
+        " (cached). Without --nodes/--gpus-per-node/--cpus-per-node the target is this machine.",
+    )
+    p.add_argument(
+        "--model",
+        default="cnn",
+        metavar="NAME",
+        help=f"a built-in model ({', '.join(MODELS)}; default cnn) or MODULE:FUNCTION, as bench takes it",
+    )
     p.add_argument("--gpt-preset", choices=tuple(GPT_PRESETS), default="tiny", help="--model gpt's size")
-    p.add_argument("--image-size", type=int, default=224, metavar="PIXELS",
-                   help="--model resnet18/resnet50: images are 3 x PIXELS x PIXELS (default 224)")
-    p.add_argument("--batch-size", type=int, default=None, help="the GLOBAL batch (default: bench's first for the model)")
+    p.add_argument(
+        "--image-size",
+        type=int,
+        default=224,
+        metavar="PIXELS",
+        help="--model resnet18/resnet50: images are 3 x PIXELS x PIXELS (default 224)",
+    )
+    p.add_argument(
+        "--batch-size", type=int, default=None, help="the GLOBAL batch (default: bench's first for the model)"
+    )
     p.add_argument("--optimizer", default="adamw", help="adamw (default), sgd (with momentum) or sgd-plain")
-    p.add_argument("--precision", default=None,
-                   help="fp32 (default), bf16 or fp16: picks a GPU's peak; with --hf-config bf16 (default) or fp32")
+    p.add_argument(
+        "--precision",
+        default=None,
+        help="fp32 (default), bf16 or fp16: picks a GPU's peak; with --hf-config bf16 (default) or fp32",
+    )
     p.add_argument("--strategies", type=_list(str, "strategies"), default=None, help="comma-separated (default: all)")
-    p.add_argument("--nproc", type=_list(int, "process counts"), default=None,
-                   help="process counts (default 1,2,4 here; powers of two up to the devices of a cluster)")
-    p.add_argument("--schedule", default=None,
-                   help="the pipelines' schedule: gpipe, 1f1b, interleaved-1f1b, looped-bfs, interleaved-zb or zbv"
-                   " (default 1f1b, or interleaved-1f1b with --stages-per-process 2 or more), as train and bench"
-                   " take it")
-    p.add_argument("--stages-per-process", type=int, default=None,
-                   help="the pipelines' stages per process (default 1; 2 or more for interleaved-1f1b, looped-bfs"
-                   " and interleaved-zb, exactly 2 for zbv)")
-    s = p.add_argument_group("a library model at scale, traced on fake tensors (never allocated; needs a described"
-                             " GPU cluster)")
-    s.add_argument("--hf-config", default=None, metavar="NAME|PATH",
-                   help="a Hugging Face config.json, or a shipped one: " + ", ".join(library_model.shipped())
-                   + "; plans FSDP's memory per GPU and step time over the cluster's GPU counts, with tensor"
-                   " parallelism (--tp)")
+    p.add_argument(
+        "--nproc",
+        type=_list(int, "process counts"),
+        default=None,
+        help="process counts (default 1,2,4 here; powers of two up to the devices of a cluster)",
+    )
+    p.add_argument(
+        "--schedule",
+        default=None,
+        help="the pipelines' schedule: gpipe, 1f1b, interleaved-1f1b, looped-bfs, interleaved-zb or zbv"
+        " (default 1f1b, or interleaved-1f1b with --stages-per-process 2 or more), as train and bench"
+        " take it",
+    )
+    p.add_argument(
+        "--stages-per-process",
+        type=int,
+        default=None,
+        help="the pipelines' stages per process (default 1; 2 or more for interleaved-1f1b, looped-bfs"
+        " and interleaved-zb, exactly 2 for zbv)",
+    )
+    s = p.add_argument_group(
+        "a library model at scale, traced on fake tensors (never allocated; needs a described GPU cluster)"
+    )
+    s.add_argument(
+        "--hf-config",
+        default=None,
+        metavar="NAME|PATH",
+        help="a Hugging Face config.json, or a shipped one: "
+        + ", ".join(library_model.shipped())
+        + "; plans FSDP's memory per GPU and step time over the cluster's GPU counts, with tensor"
+        " parallelism (--tp)",
+    )
     s.add_argument("--seq-len", type=int, default=8192, help="--hf-config: tokens a sample (default 8192)")
     s.add_argument("--local-batch", type=int, default=2, help="--hf-config: samples a GPU a step (default 2)")
-    s.add_argument("--ac", default="selective", metavar="MODE",
-                   help="--hf-config: activation checkpointing of each block: none, selective (default; torchtitan's"
-                   " operator policy) or full")
-    s.add_argument("--tp", type=_list(int, "tensor-parallel degrees"), default=None, metavar="DEGREES",
-                   help="--hf-config: tensor-parallel degrees to plan, comma-separated (default: 1 and a node's GPUs"
-                   " where they divide the model's heads), FSDP over the rest of the GPUs")
-    s.add_argument("--pp", type=_list(int, "pipeline degrees"), default=None, metavar="DEGREES",
-                   help="--hf-config: pipeline stages to plan as well, comma-separated, each dividing the model's blocks"
-                   " (micro-batches of one sample; --schedule, default 1f1b and interleaved-1f1b)")
+    s.add_argument(
+        "--ac",
+        default="selective",
+        metavar="MODE",
+        help="--hf-config: activation checkpointing of each block: none, selective (default; torchtitan's"
+        " operator policy) or full",
+    )
+    s.add_argument(
+        "--tp",
+        type=_list(int, "tensor-parallel degrees"),
+        default=None,
+        metavar="DEGREES",
+        help="--hf-config: tensor-parallel degrees to plan, comma-separated (default: 1 and a node's GPUs"
+        " where they divide the model's heads), FSDP over the rest of the GPUs",
+    )
+    s.add_argument(
+        "--pp",
+        type=_list(int, "pipeline degrees"),
+        default=None,
+        metavar="DEGREES",
+        help="--hf-config: pipeline stages to plan as well, comma-separated, each dividing the model's blocks"
+        " (micro-batches of one sample; --schedule, default 1f1b and interleaved-1f1b)",
+    )
     c = p.add_argument_group("a described cluster (instead of this machine)")
     c.add_argument("--nodes", type=int, default=None, help="machines")
     c.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per machine, a process each")
-    c.add_argument("--cpus-per-node", type=int, default=None,
-                   help="CPU cores per machine, a process each, at the rates measured here")
+    c.add_argument(
+        "--cpus-per-node",
+        type=int,
+        default=None,
+        help="CPU cores per machine, a process each, at the rates measured here",
+    )
     c.add_argument("--gpu", default=None, help=f"a GPU from the table ({', '.join(GPUS)})")
     c.add_argument("--tflops", type=float, default=None, help="one device's dense peak TFLOP/s (for another GPU)")
     c.add_argument("--memory-gb", type=float, default=None, help="one GPU's memory, or one CPU machine's, in GB")
-    c.add_argument("--mfu", type=float, default=None,
-                   help="the fraction of the GPU's peak achieved (default as measured on an H100: 0.18 in bf16 and"
-                   " fp16, 0.65 of the plain FP32 peak in fp32, which torch runs without TF32)")
-    c.add_argument("--link", type=gbit_per_s("--link"), default=None, metavar="BANDWIDTH",
-                   help="bandwidth between machines: Gbit/s, or with a unit (100Gb/s, 400Gbit/s, 800Mb/s, 50GB/s"
-                   " for bytes; default 100Gb/s)")
-    c.add_argument("--intra-link", type=gbit_per_s("--intra-link"), default=None, metavar="BANDWIDTH",
-                   help="bandwidth between devices of one machine, written as --link's (default NVLink on"
-                   " H100/H200/A100, PCIe on others, the probed local link on CPUs)")
+    c.add_argument(
+        "--mfu",
+        type=float,
+        default=None,
+        help="the fraction of the GPU's peak achieved (default as measured on an H100: 0.18 in bf16 and"
+        " fp16, 0.65 of the plain FP32 peak in fp32, which torch runs without TF32)",
+    )
+    c.add_argument(
+        "--link",
+        type=gbit_per_s("--link"),
+        default=None,
+        metavar="BANDWIDTH",
+        help="bandwidth between machines: Gbit/s, or with a unit (100Gb/s, 400Gbit/s, 800Mb/s, 50GB/s"
+        " for bytes; default 100Gb/s)",
+    )
+    c.add_argument(
+        "--intra-link",
+        type=gbit_per_s("--intra-link"),
+        default=None,
+        metavar="BANDWIDTH",
+        help="bandwidth between devices of one machine, written as --link's (default NVLink on"
+        " H100/H200/A100, PCIe on others, the probed local link on CPUs)",
+    )
     o = p.add_argument_group("output and checks")
     o.add_argument("--json-out", default=None, metavar="FILE", help="write the whole plan as JSON")
-    o.add_argument("--chart", default=None, metavar="FILE.png",
-                   help="draw predicted throughput and memory per rank against processes")
+    o.add_argument(
+        "--chart",
+        default=None,
+        metavar="FILE.png",
+        help="draw predicted throughput and memory per rank against processes",
+    )
     o.add_argument("--reprobe", action="store_true", help="measure this machine again instead of using the cache")
-    o.add_argument("--check", action="store_true",
-                   help="run bench's cells here and print predicted against measured step time and peak memory")
+    o.add_argument(
+        "--check",
+        action="store_true",
+        help="run bench's cells here and print predicted against measured step time and peak memory",
+    )
     o.add_argument("--warmup", type=int, default=2, help="--check: untimed steps per cell (default 2)")
     o.add_argument("--steps", type=int, default=5, help="--check: timed steps per cell (default 5)")
 
@@ -118,15 +191,39 @@ def command(args) -> int:
     from torchfleet.plan.run import plan_document, run_check
 
     precision = args.precision or ("bf16" if args.hf_config else "fp32")
-    cfg = PlanConfig(model=args.model, gpt_preset=args.gpt_preset, image_size=args.image_size, batch=args.batch_size,
-                     optimizer=args.optimizer, precision=precision, strategies=args.strategies or (),
-                     nproc=args.nproc or (), nodes=args.nodes, gpus_per_node=args.gpus_per_node,
-                     cpus_per_node=args.cpus_per_node, gpu=args.gpu, tflops=args.tflops, memory_gb=args.memory_gb,
-                     mfu=args.mfu, link_gbit=args.link, intra_gbit=args.intra_link, reprobe=args.reprobe,
-                     json_out=args.json_out, chart=args.chart, check=args.check, warmup=args.warmup,
-                     steps=args.steps, schedule=args.schedule, stages_per_process=args.stages_per_process,
-                     hf_config=args.hf_config, seq_len=args.seq_len, local_batch=args.local_batch, ac=args.ac,
-                     tp=args.tp or (), pp=args.pp or ())
+    cfg = PlanConfig(
+        model=args.model,
+        gpt_preset=args.gpt_preset,
+        image_size=args.image_size,
+        batch=args.batch_size,
+        optimizer=args.optimizer,
+        precision=precision,
+        strategies=args.strategies or (),
+        nproc=args.nproc or (),
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        cpus_per_node=args.cpus_per_node,
+        gpu=args.gpu,
+        tflops=args.tflops,
+        memory_gb=args.memory_gb,
+        mfu=args.mfu,
+        link_gbit=args.link,
+        intra_gbit=args.intra_link,
+        reprobe=args.reprobe,
+        json_out=args.json_out,
+        chart=args.chart,
+        check=args.check,
+        warmup=args.warmup,
+        steps=args.steps,
+        schedule=args.schedule,
+        stages_per_process=args.stages_per_process,
+        hf_config=args.hf_config,
+        seq_len=args.seq_len,
+        local_batch=args.local_batch,
+        ac=args.ac,
+        tp=args.tp or (),
+        pp=args.pp or (),
+    )
     for path, what in ((cfg.json_out, "--json-out"), (cfg.chart, "--chart")):
         if path:
             check_writable_file(path, what)

@@ -40,8 +40,10 @@ def train_args(script: str, script_args: list[str], requeue: bool = False, flag:
         return None
     given = {a.split("=", 1)[0] for a in script_args}
     if requeue and "--checkpoint-dir" not in given:
-        raise UsageError(f"{flag} needs --checkpoint-dir among train's arguments (after --): the job saves"
-                         " there on the signal and resumes from there when requeued")
+        raise UsageError(
+            f"{flag} needs --checkpoint-dir among train's arguments (after --): the job saves"
+            " there on the signal and resumes from there when requeued"
+        )
     if "--checkpoint-dir" in given and not given & {"--resume", "--resume-fallback"}:
         return [*script_args, "--resume", "auto"]
     return list(script_args)

@@ -66,9 +66,11 @@ class PyTorchJob:
         # `train`: the built-in job, `torchfleet train SCRIPT_ARGS` (with --resume auto) under torchrun.
         self.train = train_args(self.script, self.script_args)
         if self.train is not None and self.fault_tolerance == "step":
-            raise UsageError("`train` under --fault-tolerance step is not written by torchfleet k8s; give a"
-                             " script (a Fleet script), or write a command of your own with torchfleet train"
-                             " --fault-tolerance step")
+            raise UsageError(
+                "`train` under --fault-tolerance step is not written by torchfleet k8s; give a"
+                " script (a Fleet script), or write a command of your own with torchfleet train"
+                " --fault-tolerance step"
+            )
         if self.train is None:
             check_script(self.script)
         # The pod runs the script from the image's working folder: keep the
@@ -78,12 +80,15 @@ class PyTorchJob:
         at_least("--nproc-per-node", self.nproc_per_node, 1)
         at_least("--gpus-per-node", self.gpus_per_node, 0)
         if not self.image or any(c.isspace() for c in self.image):
-            raise UsageError(f"--image {self.image!r} is not an image reference "
-                             f"(expected e.g. registry.example.com/me/train:1)")
+            raise UsageError(
+                f"--image {self.image!r} is not an image reference (expected e.g. registry.example.com/me/train:1)"
+            )
         if self.fault_tolerance not in FAULT_TOLERANCE:
-            raise UsageError(f"--fault-tolerance {self.fault_tolerance!r} is not a mode; choose restart (torchrun"
-                             " in every pod, one rendezvous) or step (each pod a replica group under torchft: the"
-                             " others go on when one fails)")
+            raise UsageError(
+                f"--fault-tolerance {self.fault_tolerance!r} is not a mode; choose restart (torchrun"
+                " in every pod, one rendezvous) or step (each pod a replica group under torchft: the"
+                " others go on when one fails)"
+            )
         # Pod names add "-worker-<index>" (up to 10 more characters); 63 is the label limit.
         # Under step the Service "<job>-lighthouse" must be a DNS label too: 52 at most.
         most = 63 - len(LIGHTHOUSE) if self.fault_tolerance == "step" else 53
@@ -91,8 +96,10 @@ class PyTorchJob:
             stem = re.sub(r"[^a-z0-9-]+", "-", Path(self.script).stem.lower()).strip("-")
             self.name = f"torchfleet-{stem}"[:most].rstrip("-")
         if not _DNS_LABEL.fullmatch(self.name) or len(self.name) > most:
-            raise UsageError(f"job name {self.name!r} is not a DNS label of at most {most} characters "
-                             f"(lower-case letters, digits and '-')")
+            raise UsageError(
+                f"job name {self.name!r} is not a DNS label of at most {most} characters "
+                f"(lower-case letters, digits and '-')"
+            )
 
     @property
     def world_size(self) -> int:
@@ -112,16 +119,39 @@ def _command(job: PyTorchJob) -> list[str]:
         # One group per pod: PET_NODE_RANK is the pod's index (Master 0, Worker i is i+1), the
         # group's. With --lighthouse given, --master-addr only picks the interface: the one
         # that reaches the lighthouse's Service.
-        return ["python", "-m", "torchfleet", "run", "--fault-tolerance", "step", "--nnodes", str(job.nodes),
-                "--node-rank", "$(PET_NODE_RANK)", "--master-addr", job.lighthouse,
-                "--lighthouse", f"{job.lighthouse}:{LIGHTHOUSE_PORT}", "-n", str(job.nproc_per_node),
-                job.script, *job.script_args]
+        return [
+            "python",
+            "-m",
+            "torchfleet",
+            "run",
+            "--fault-tolerance",
+            "step",
+            "--nnodes",
+            str(job.nodes),
+            "--node-rank",
+            "$(PET_NODE_RANK)",
+            "--master-addr",
+            job.lighthouse,
+            "--lighthouse",
+            f"{job.lighthouse}:{LIGHTHOUSE_PORT}",
+            "-n",
+            str(job.nproc_per_node),
+            job.script,
+            *job.script_args,
+        ]
     # torchrun's -m runs a module in every worker: torchfleet train, which trains in it (torchrun's variables).
     target = [job.script, *job.script_args] if job.train is None else ["-m", "torchfleet", "train", *job.train]
-    return ["python", "-m", "torch.distributed.run",
-            "--nnodes=$(PET_NNODES)", "--nproc-per-node=$(PET_NPROC_PER_NODE)",
-            "--node-rank=$(PET_NODE_RANK)", "--master-addr=$(MASTER_ADDR)",
-            "--master-port=$(MASTER_PORT)", *target]
+    return [
+        "python",
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=$(PET_NNODES)",
+        "--nproc-per-node=$(PET_NPROC_PER_NODE)",
+        "--node-rank=$(PET_NODE_RANK)",
+        "--master-addr=$(MASTER_ADDR)",
+        "--master-port=$(MASTER_PORT)",
+        *target,
+    ]
 
 
 def _container(job: PyTorchJob) -> dict:
@@ -180,8 +210,7 @@ def lighthouse_manifests(job: PyTorchJob) -> list[dict]:
     container = {
         "name": "lighthouse",
         "image": job.image,
-        "command": ["python", "-m", "torchfleet", "lighthouse", "--host", "$(POD_IP)",
-                    "--port", str(LIGHTHOUSE_PORT)],
+        "command": ["python", "-m", "torchfleet", "lighthouse", "--host", "$(POD_IP)", "--port", str(LIGHTHOUSE_PORT)],
         "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
         "ports": [{"name": "lighthouse", "containerPort": LIGHTHOUSE_PORT, "protocol": "TCP"}],
     }
@@ -192,8 +221,10 @@ def lighthouse_manifests(job: PyTorchJob) -> list[dict]:
         "spec": {
             "replicas": 1,
             "selector": {"matchLabels": dict(select)},
-            "template": {"metadata": {"labels": labels()},
-                         "spec": {"restartPolicy": "Always", "containers": [container]}},
+            "template": {
+                "metadata": {"labels": labels()},
+                "spec": {"restartPolicy": "Always", "containers": [container]},
+            },
         },
     }
     service = {
@@ -202,8 +233,7 @@ def lighthouse_manifests(job: PyTorchJob) -> list[dict]:
         "metadata": {"name": job.lighthouse, "labels": labels()},
         "spec": {
             "selector": dict(select),
-            "ports": [{"name": "lighthouse", "port": LIGHTHOUSE_PORT, "targetPort": "lighthouse",
-                       "protocol": "TCP"}],
+            "ports": [{"name": "lighthouse", "port": LIGHTHOUSE_PORT, "targetPort": "lighthouse", "protocol": "TCP"}],
         },
     }
     return [deployment, service]

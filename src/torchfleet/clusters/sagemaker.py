@@ -33,12 +33,27 @@ ROLE_PLACEHOLDER = "arn:aws:iam::123456789012:role/SageMakerExecutionRole"
 
 # GPUs per instance for the families people train on (AWS's instance-type pages).
 _GPUS = {
-    "ml.p3.2xlarge": 1, "ml.p3.8xlarge": 4, "ml.p3.16xlarge": 8, "ml.p3dn.24xlarge": 8,
-    "ml.p4d.24xlarge": 8, "ml.p4de.24xlarge": 8, "ml.p5.48xlarge": 8,
-    "ml.g4dn.xlarge": 1, "ml.g4dn.2xlarge": 1, "ml.g4dn.4xlarge": 1, "ml.g4dn.8xlarge": 1,
-    "ml.g4dn.16xlarge": 1, "ml.g4dn.12xlarge": 4,
-    "ml.g5.xlarge": 1, "ml.g5.2xlarge": 1, "ml.g5.4xlarge": 1, "ml.g5.8xlarge": 1,
-    "ml.g5.16xlarge": 1, "ml.g5.12xlarge": 4, "ml.g5.24xlarge": 4, "ml.g5.48xlarge": 8,
+    "ml.p3.2xlarge": 1,
+    "ml.p3.8xlarge": 4,
+    "ml.p3.16xlarge": 8,
+    "ml.p3dn.24xlarge": 8,
+    "ml.p4d.24xlarge": 8,
+    "ml.p4de.24xlarge": 8,
+    "ml.p5.48xlarge": 8,
+    "ml.g4dn.xlarge": 1,
+    "ml.g4dn.2xlarge": 1,
+    "ml.g4dn.4xlarge": 1,
+    "ml.g4dn.8xlarge": 1,
+    "ml.g4dn.16xlarge": 1,
+    "ml.g4dn.12xlarge": 4,
+    "ml.g5.xlarge": 1,
+    "ml.g5.2xlarge": 1,
+    "ml.g5.4xlarge": 1,
+    "ml.g5.8xlarge": 1,
+    "ml.g5.16xlarge": 1,
+    "ml.g5.12xlarge": 4,
+    "ml.g5.24xlarge": 4,
+    "ml.g5.48xlarge": 8,
 }
 _INSTANCE = re.compile(r"ml\.([a-z]+)(\d+)([a-z]*)\.(\d*x?large|metal)")
 
@@ -47,13 +62,17 @@ def gpus_of(instance_type: str) -> int:
     """GPUs on `instance_type`: 0 for CPU families, the table's count for GPU ones."""
     match = _INSTANCE.fullmatch(instance_type)
     if match is None:
-        raise UsageError(f"--instance-type {instance_type!r} is not a SageMaker instance type "
-                         f"(expected e.g. ml.g5.12xlarge or ml.c5.2xlarge)")
+        raise UsageError(
+            f"--instance-type {instance_type!r} is not a SageMaker instance type "
+            f"(expected e.g. ml.g5.12xlarge or ml.c5.2xlarge)"
+        )
     if instance_type in _GPUS:
         return _GPUS[instance_type]
     if match.group(1) in ("p", "g"):
-        raise UsageError(f"--instance-type {instance_type!r}: its GPU count is not known to "
-                         f"torchfleet; use one of {', '.join(sorted(_GPUS))}, or a CPU type")
+        raise UsageError(
+            f"--instance-type {instance_type!r}: its GPU count is not known to "
+            f"torchfleet; use one of {', '.join(sorted(_GPUS))}, or a CPU type"
+        )
     return 0
 
 
@@ -61,8 +80,10 @@ def hyperparameters_from_args(args: list[str]) -> dict:
     """`--epochs 3 --lr 0.1` -> {"epochs": 3, "lr": 0.1}: the toolkit passes them back as
     `--epochs 3 --lr 0.1`, so the script sees the arguments it was given."""
     if len(args) % 2 or not all(a.startswith("--") and len(a) > 2 for a in args[::2]):
-        raise UsageError(f"script arguments {' '.join(args)!r} are not `--name value` pairs; "
-                         f"SageMaker passes hyper-parameters only in that form")
+        raise UsageError(
+            f"script arguments {' '.join(args)!r} are not `--name value` pairs; "
+            f"SageMaker passes hyper-parameters only in that form"
+        )
     return {name[2:]: decode_hyperparameter(value) for name, value in zip(args[::2], args[1::2], strict=True)}
 
 
@@ -80,8 +101,9 @@ class SageMakerJob:
         self.gpus = gpus_of(self.instance_type)
         self.hyperparameters = hyperparameters_from_args(self.script_args)
         if self.role is not None and not self.role.startswith("arn:"):
-            raise UsageError(f"--role {self.role!r} is not an IAM role ARN "
-                             f"(expected arn:aws:iam::<account>:role/<name>)")
+            raise UsageError(
+                f"--role {self.role!r} is not an IAM role ARN (expected arn:aws:iam::<account>:role/<name>)"
+            )
         self.base_name = "torchfleet-" + re.sub(r"[^a-zA-Z0-9-]+", "-", Path(self.script).stem)
 
     @property
@@ -142,12 +164,14 @@ def create_training_job_request(job: SageMakerJob) -> dict:
     """The CreateTrainingJob request the estimator sends (SDK v2): hyper-parameters are
     JSON-encoded strings, and the sagemaker_* ones tell the container what to run."""
     hps = dict(job.hyperparameters)
-    hps.update({
-        "sagemaker_program": Path(job.script).name,
-        "sagemaker_submit_directory": f"s3://<bucket>/{job.base_name}/source/sourcedir.tar.gz",
-        "sagemaker_region": REGION,
-        "sagemaker_container_log_level": 20,
-    })
+    hps.update(
+        {
+            "sagemaker_program": Path(job.script).name,
+            "sagemaker_submit_directory": f"s3://<bucket>/{job.base_name}/source/sourcedir.tar.gz",
+            "sagemaker_region": REGION,
+            "sagemaker_container_log_level": 20,
+        }
+    )
     if job.distribution:
         hps["sagemaker_torch_distributed_enabled"] = True
     device = "gpu" if job.gpus else "cpu"
@@ -156,15 +180,17 @@ def create_training_job_request(job: SageMakerJob) -> dict:
         "RoleArn": job.role or ROLE_PLACEHOLDER,
         "AlgorithmSpecification": {
             "TrainingImage": f"{DLC_ACCOUNT}.dkr.ecr.{REGION}.amazonaws.com/pytorch-training:"
-                             f"{FRAMEWORK_VERSION}-{device}-{PY_VERSION}",
+            f"{FRAMEWORK_VERSION}-{device}-{PY_VERSION}",
             "TrainingInputMode": "File",
         },
         "HyperParameters": {name: json.dumps(value) for name, value in hps.items()},
-        "ResourceConfig": {"InstanceType": job.instance_type,
-                           "InstanceCount": job.instance_count, "VolumeSizeInGB": 30},
+        "ResourceConfig": {
+            "InstanceType": job.instance_type,
+            "InstanceCount": job.instance_count,
+            "VolumeSizeInGB": 30,
+        },
         "OutputDataConfig": {"S3OutputPath": "s3://<bucket>/"},
-        "CheckpointConfig": {"S3Uri": f"s3://<bucket>/{job.base_name}/checkpoints",
-                             "LocalPath": "/opt/ml/checkpoints"},
+        "CheckpointConfig": {"S3Uri": f"s3://<bucket>/{job.base_name}/checkpoints", "LocalPath": "/opt/ml/checkpoints"},
         "StoppingCondition": {"MaxRuntimeInSeconds": 86400},
     }
 
@@ -175,7 +201,9 @@ def submit(estimator_file: Path) -> int:
     import runpy
 
     if importlib.util.find_spec("sagemaker") is None:
-        raise UsageError("--submit needs the SageMaker Python SDK: pip install sagemaker "
-                         f"(or torchfleet[sagemaker]); {str(estimator_file)!r} is written")
+        raise UsageError(
+            "--submit needs the SageMaker Python SDK: pip install sagemaker "
+            f"(or torchfleet[sagemaker]); {str(estimator_file)!r} is written"
+        )
     runpy.run_path(str(estimator_file), run_name="__main__")
     return 0

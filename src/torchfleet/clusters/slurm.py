@@ -73,11 +73,15 @@ class SlurmJob:
         else:
             self.command = [self.python, "-u", "-m", "torchfleet", "train", *train]
         if train is not None and self.fault_tolerance == "step":
-            raise UsageError("`train` under --fault-tolerance step is not written by torchfleet slurm; give a"
-                             " script, or run `torchfleet train --fault-tolerance step` in your own batch script")
+            raise UsageError(
+                "`train` under --fault-tolerance step is not written by torchfleet slurm; give a"
+                " script, or run `torchfleet train --fault-tolerance step` in your own batch script"
+            )
         if self.requeue and self.fault_tolerance == "step":
-            raise UsageError("--requeue applies with --fault-tolerance restart (one srun step that saves and"
-                             " requeues the job); under step a failed group is started again instead")
+            raise UsageError(
+                "--requeue applies with --fault-tolerance restart (one srun step that saves and"
+                " requeues the job); under step a failed group is started again instead"
+            )
         self._check_fault_tolerance()
         at_least("--nodes", self.nodes, 1)
         at_least("--gpus-per-node", self.gpus_per_node, 0)
@@ -85,25 +89,34 @@ class SlurmJob:
             self.ntasks_per_node = max(1, self.gpus_per_node)
         at_least("--ntasks-per-node", self.ntasks_per_node, 1)
         if self.gpus_per_node and self.ntasks_per_node > self.gpus_per_node:
-            raise UsageError(f"--ntasks-per-node {self.ntasks_per_node} is more than "
-                             f"--gpus-per-node {self.gpus_per_node}; one task per GPU at most")
+            raise UsageError(
+                f"--ntasks-per-node {self.ntasks_per_node} is more than "
+                f"--gpus-per-node {self.gpus_per_node}; one task per GPU at most"
+            )
         if self.time is not None and not _TIME.fullmatch(self.time):
-            raise UsageError(f"--time {self.time!r} is not a Slurm time limit "
-                             f"(expected minutes, HH:MM:SS or D-HH:MM:SS, e.g. 2:00:00)")
+            raise UsageError(
+                f"--time {self.time!r} is not a Slurm time limit "
+                f"(expected minutes, HH:MM:SS or D-HH:MM:SS, e.g. 2:00:00)"
+            )
         if self.partition is not None and not _NAME.fullmatch(self.partition):
-            raise UsageError(f"--partition {self.partition!r} is not a partition name "
-                             f"(letters, digits, _ . - and commas)")
+            raise UsageError(
+                f"--partition {self.partition!r} is not a partition name (letters, digits, _ . - and commas)"
+            )
         self.workdir = str(Path(self.workdir).resolve())
 
     def _check_fault_tolerance(self) -> None:
         if self.fault_tolerance not in FAULT_TOLERANCE:
-            raise UsageError(f"--fault-tolerance {self.fault_tolerance!r} is not a mode; choose restart (one srun"
-                             " step of every process, which ends when one fails) or step (one replica group per"
-                             " node under torchft: the others go on when one is lost)")
+            raise UsageError(
+                f"--fault-tolerance {self.fault_tolerance!r} is not a mode; choose restart (one srun"
+                " step of every process, which ends when one fails) or step (one replica group per"
+                " node under torchft: the others go on when one is lost)"
+            )
         if self.fault_tolerance == "restart":
             if self.max_restarts is not None:
-                raise UsageError(f"--max-restarts {self.max_restarts} applies with --fault-tolerance step"
-                                 " (which starts a failed node's group again)")
+                raise UsageError(
+                    f"--max-restarts {self.max_restarts} applies with --fault-tolerance step"
+                    " (which starts a failed node's group again)"
+                )
             return
         if self.max_restarts is None:
             self.max_restarts = 3
@@ -120,11 +133,7 @@ class SlurmJob:
 
 
 def _directives(job: SlurmJob) -> list[str]:
-    directives = [
-        f"--job-name={job.job_name}",
-        f"--nodes={job.nodes}",
-        f"--ntasks-per-node={job.ntasks_per_node}",
-    ]
+    directives = [f"--job-name={job.job_name}", f"--nodes={job.nodes}", f"--ntasks-per-node={job.ntasks_per_node}"]
     if job.gpus_per_node:
         directives.append(f"--gpus-per-node={job.gpus_per_node}")
     if job.partition:
@@ -213,7 +222,7 @@ def ft_script(job: SlurmJob) -> str:
         'mapfile -t nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST")',
         "# The lighthouse listens on the address it is given only, so give it node 0's address (its",
         "# NodeAddr), not its name, which may resolve to 127.0.0.1 on the node itself.",
-        'head=$(scontrol show node "${nodes[0]}" | sed -n \'s/.*NodeAddr=\\([^ ]*\\).*/\\1/p\')',
+        "head=$(scontrol show node \"${nodes[0]}\" | sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p')",
         "head=${head:-${nodes[0]}}",
         "# The lighthouse's port, as torchfleet takes the master's under Slurm: every group computes the",
         "# same one without talking, consecutive jobs sharing node 0 get different ones, and 15000-24999",
@@ -253,12 +262,24 @@ def ft_script(job: SlurmJob) -> str:
         "pids=()",
     ]
     for i in range(n):
-        command = [job.python, "-m", "torchfleet", "run", "--fault-tolerance", "step", "--nnodes", str(n),
-                   "--node-rank", str(i)]
+        command = [
+            job.python,
+            "-m",
+            "torchfleet",
+            "run",
+            "--fault-tolerance",
+            "step",
+            "--nnodes",
+            str(n),
+            "--node-rank",
+            str(i),
+        ]
         rest = ["-n", str(job.ntasks_per_node), job.script, *job.script_args]
-        lines += [f'group {i} srun --nodes=1 --ntasks=1 --nodelist="${{nodes[{i}]}}" --kill-on-bad-exit=1 '
-                  f'{shlex.join(command)} --master-addr "$head" --lighthouse "$endpoint" {shlex.join(rest)} &',
-                  "pids+=($!)"]
+        lines += [
+            f'group {i} srun --nodes=1 --ntasks=1 --nodelist="${{nodes[{i}]}}" --kill-on-bad-exit=1 '
+            f'{shlex.join(command)} --master-addr "$head" --lighthouse "$endpoint" {shlex.join(rest)} &',
+            "pids+=($!)",
+        ]
     lines += [
         "failed=0",
         'for pid in "${pids[@]}"; do wait "$pid" || failed=$((failed + 1)); done',
@@ -274,7 +295,9 @@ def submit(path: str | Path) -> tuple[int, str]:
     """`sbatch path`: (exit status, what sbatch printed). UsageError if sbatch is missing."""
     sbatch = shutil.which("sbatch")
     if sbatch is None:
-        raise UsageError("sbatch is not on PATH; run --submit on a Slurm login node, "
-                         f"or copy {str(path)!r} there and run `sbatch {Path(path).name}`")
+        raise UsageError(
+            "sbatch is not on PATH; run --submit on a Slurm login node, "
+            f"or copy {str(path)!r} there and run `sbatch {Path(path).name}`"
+        )
     out = subprocess.run([sbatch, str(path)], capture_output=True, text=True, timeout=120)
     return out.returncode, (out.stdout + out.stderr).strip()

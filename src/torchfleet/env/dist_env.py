@@ -39,14 +39,11 @@ class DistEnv:
         lws, ws = self.local_world_size, self.world_size
         checks = (
             (ws >= 1, f"WORLD_SIZE={ws} must be at least 1"),
-            (0 <= self.local_rank < lws,
-             f"LOCAL_RANK={self.local_rank} is out of range for LOCAL_WORLD_SIZE={lws}"),
+            (0 <= self.local_rank < lws, f"LOCAL_RANK={self.local_rank} is out of range for LOCAL_WORLD_SIZE={lws}"),
             (lws <= ws, f"LOCAL_WORLD_SIZE={lws} is larger than WORLD_SIZE={ws}"),
-            (0 <= self.node_rank < self.nnodes,
-             f"NODE_RANK={self.node_rank} is out of range for NNODES={self.nnodes}"),
+            (0 <= self.node_rank < self.nnodes, f"NODE_RANK={self.node_rank} is out of range for NNODES={self.nnodes}"),
             (0 <= self.rank < ws, f"RANK={self.rank} is out of range for WORLD_SIZE={ws}"),
-            (1 <= self.master_port <= 65535,
-             f"MASTER_PORT={self.master_port} is not a TCP port (expected 1 to 65535)"),
+            (1 <= self.master_port <= 65535, f"MASTER_PORT={self.master_port} is not a TCP port (expected 1 to 65535)"),
             (bool(self.master_addr), "MASTER_ADDR is empty"),
         )
         for ok, problem in checks:
@@ -67,10 +64,16 @@ class DistEnv:
         GROUP_WORLD_SIZE (torchrun sets it too) keeps nnodes exact when nodes
         run unequal numbers of processes, so detect(torch_env()) round-trips.
         """
-        values = {"RANK": self.rank, "LOCAL_RANK": self.local_rank,
-                  "WORLD_SIZE": self.world_size, "LOCAL_WORLD_SIZE": self.local_world_size,
-                  "GROUP_RANK": self.node_rank, "GROUP_WORLD_SIZE": self.nnodes,
-                  "MASTER_ADDR": self.master_addr, "MASTER_PORT": self.master_port}
+        values = {
+            "RANK": self.rank,
+            "LOCAL_RANK": self.local_rank,
+            "WORLD_SIZE": self.world_size,
+            "LOCAL_WORLD_SIZE": self.local_world_size,
+            "GROUP_RANK": self.node_rank,
+            "GROUP_WORLD_SIZE": self.nnodes,
+            "MASTER_ADDR": self.master_addr,
+            "MASTER_PORT": self.master_port,
+        }
         return {name: str(value) for name, value in values.items()}
 
     @classmethod
@@ -96,12 +99,17 @@ def _from_torchrun(environ: Mapping[str, str]) -> DistEnv | None:
     local_world_size = integer(environ, "LOCAL_WORLD_SIZE", default=world_size)
     nnodes_guess = max(1, world_size // local_world_size) if local_world_size > 0 else 1
     return DistEnv(
-        rank=integer(environ, "RANK"), local_rank=integer(environ, "LOCAL_RANK"),
-        world_size=world_size, local_world_size=local_world_size,
+        rank=integer(environ, "RANK"),
+        local_rank=integer(environ, "LOCAL_RANK"),
+        world_size=world_size,
+        local_world_size=local_world_size,
         node_rank=integer(environ, "GROUP_RANK", default=0),
         nnodes=integer(environ, "GROUP_WORLD_SIZE", default=nnodes_guess),
-        master_addr=environ.get("MASTER_ADDR", DEFAULT_ADDR), master_port=variables.master_port(environ),
-        restart_count=integer(environ, "TORCHELASTIC_RESTART_COUNT", default=0), source="torchrun")
+        master_addr=environ.get("MASTER_ADDR", DEFAULT_ADDR),
+        master_port=variables.master_port(environ),
+        restart_count=integer(environ, "TORCHELASTIC_RESTART_COUNT", default=0),
+        source="torchrun",
+    )
 
 
 def _from_pytorchjob(environ: Mapping[str, str]) -> DistEnv | None:
@@ -117,15 +125,23 @@ def _from_pytorchjob(environ: Mapping[str, str]) -> DistEnv | None:
     nnodes = integer(environ, "PET_NNODES", default=world_size)
     raw_nproc = environ.get("PET_NPROC_PER_NODE", "1")
     if raw_nproc.isdigit() and int(raw_nproc) > 1:
-        raise EnvError(f"PET_NPROC_PER_NODE={raw_nproc} asks for {raw_nproc} processes in this "
-                       f"pod but it was started as one; start the script with torchrun "
-                       f"(the manifest `torchfleet k8s` writes does)")
+        raise EnvError(
+            f"PET_NPROC_PER_NODE={raw_nproc} asks for {raw_nproc} processes in this "
+            f"pod but it was started as one; start the script with torchrun "
+            f"(the manifest `torchfleet k8s` writes does)"
+        )
     rank = integer(environ, "RANK")
     return DistEnv(
-        rank=rank, local_rank=0, world_size=world_size, local_world_size=1,
-        node_rank=integer(environ, "PET_NODE_RANK", default=rank), nnodes=nnodes,
-        master_addr=environ.get("MASTER_ADDR", DEFAULT_ADDR), master_port=variables.master_port(environ),
-        source="pytorchjob")
+        rank=rank,
+        local_rank=0,
+        world_size=world_size,
+        local_world_size=1,
+        node_rank=integer(environ, "PET_NODE_RANK", default=rank),
+        nnodes=nnodes,
+        master_addr=environ.get("MASTER_ADDR", DEFAULT_ADDR),
+        master_port=variables.master_port(environ),
+        source="pytorchjob",
+    )
 
 
 def _from_slurm(environ: Mapping[str, str]) -> DistEnv | None:
@@ -134,16 +150,19 @@ def _from_slurm(environ: Mapping[str, str]) -> DistEnv | None:
     if not has(environ, "SLURM_PROCID", "SLURM_NTASKS"):
         return None
     world_size = integer(environ, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")
-    nnodes = integer(environ, "SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES",
-                  default=1)
+    nnodes = integer(environ, "SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES", default=1)
     node_rank = integer(environ, "SLURM_NODEID", default=0)
     return DistEnv(
         rank=integer(environ, "SLURM_PROCID"),
-        local_rank=integer(environ, "SLURM_LOCALID", default=0), world_size=world_size,
+        local_rank=integer(environ, "SLURM_LOCALID", default=0),
+        world_size=world_size,
         local_world_size=slurm_layout.tasks_on_node(environ, node_rank, world_size, nnodes),
-        node_rank=node_rank, nnodes=nnodes, master_addr=slurm_layout.master_addr(environ, nnodes),
-        master_port=slurm_layout.master_port(environ), source="slurm")
-
+        node_rank=node_rank,
+        nnodes=nnodes,
+        master_addr=slurm_layout.master_addr(environ, nnodes),
+        master_port=slurm_layout.master_port(environ),
+        source="slurm",
+    )
 
 
 def _from_openmpi(environ: Mapping[str, str]) -> DistEnv | None:
@@ -152,9 +171,13 @@ def _from_openmpi(environ: Mapping[str, str]) -> DistEnv | None:
     # OMPI_COMM_WORLD_NODE_RANK is not this node's index: it is this process's
     # rank among all processes on the node, across jobs. Never use it as node_rank.
     return _mpi_env(
-        environ, integer(environ, "OMPI_COMM_WORLD_RANK"), integer(environ, "OMPI_COMM_WORLD_SIZE"),
-        integer(environ, "OMPI_COMM_WORLD_LOCAL_RANK"), integer(environ, "OMPI_COMM_WORLD_LOCAL_SIZE"),
-        pass_it="mpirun -x MASTER_ADDR=...")
+        environ,
+        integer(environ, "OMPI_COMM_WORLD_RANK"),
+        integer(environ, "OMPI_COMM_WORLD_SIZE"),
+        integer(environ, "OMPI_COMM_WORLD_LOCAL_RANK"),
+        integer(environ, "OMPI_COMM_WORLD_LOCAL_SIZE"),
+        pass_it="mpirun -x MASTER_ADDR=...",
+    )
 
 
 def _from_mpich(environ: Mapping[str, str]) -> DistEnv | None:
@@ -171,12 +194,12 @@ def _from_mpich(environ: Mapping[str, str]) -> DistEnv | None:
         # Without the local variables the layout is unknowable; assume every
         # rank is on this one node (the common `mpiexec -n N` on a workstation).
         local_rank, local_world_size = rank, world_size
-    return _mpi_env(environ, rank, world_size, local_rank, local_world_size,
-                    pass_it="mpiexec -genv MASTER_ADDR ...")
+    return _mpi_env(environ, rank, world_size, local_rank, local_world_size, pass_it="mpiexec -genv MASTER_ADDR ...")
 
 
-def _mpi_env(environ: Mapping[str, str], rank: int, world_size: int, local_rank: int,
-             local_world_size: int, pass_it: str) -> DistEnv:
+def _mpi_env(
+    environ: Mapping[str, str], rank: int, world_size: int, local_rank: int, local_world_size: int, pass_it: str
+) -> DistEnv:
     if local_world_size < 1:
         raise EnvError(f"LOCAL_WORLD_SIZE={local_world_size} must be at least 1 (from mpi)")
     # mpirun's default mapping fills each node's slots in turn, so with the
@@ -187,12 +210,21 @@ def _mpi_env(environ: Mapping[str, str], rank: int, world_size: int, local_rank:
     elif local_world_size == world_size:
         master_addr = DEFAULT_ADDR
     else:
-        raise EnvError(f"MASTER_ADDR is not set and the {world_size} MPI ranks span {nnodes} "
-                       f"nodes; set MASTER_ADDR to the first host and pass it with `{pass_it}`")
+        raise EnvError(
+            f"MASTER_ADDR is not set and the {world_size} MPI ranks span {nnodes} "
+            f"nodes; set MASTER_ADDR to the first host and pass it with `{pass_it}`"
+        )
     return DistEnv(
-        rank=rank, local_rank=local_rank, world_size=world_size,
-        local_world_size=local_world_size, node_rank=rank // local_world_size, nnodes=nnodes,
-        master_addr=master_addr, master_port=variables.master_port(environ), source="mpi")
+        rank=rank,
+        local_rank=local_rank,
+        world_size=world_size,
+        local_world_size=local_world_size,
+        node_rank=rank // local_world_size,
+        nnodes=nnodes,
+        master_addr=master_addr,
+        master_port=variables.master_port(environ),
+        source="mpi",
+    )
 
 
 def _from_sagemaker(environ: Mapping[str, str]) -> DistEnv | None:
@@ -212,10 +244,16 @@ def _from_sagemaker(environ: Mapping[str, str]) -> DistEnv | None:
     local_world_size = gpus if gpus > 0 else 1  # one process per GPU, one on CPU instances
     local_rank = integer(environ, "LOCAL_RANK", default=0)
     return DistEnv(
-        rank=node_rank * local_world_size + local_rank, local_rank=local_rank,
-        world_size=len(hosts) * local_world_size, local_world_size=local_world_size,
-        node_rank=node_rank, nnodes=len(hosts), master_addr=hosts[0],
-        master_port=variables.master_port(environ, default=SAGEMAKER_PORT), source="sagemaker")
+        rank=node_rank * local_world_size + local_rank,
+        local_rank=local_rank,
+        world_size=len(hosts) * local_world_size,
+        local_world_size=local_world_size,
+        node_rank=node_rank,
+        nnodes=len(hosts),
+        master_addr=hosts[0],
+        master_port=variables.master_port(environ, default=SAGEMAKER_PORT),
+        source="sagemaker",
+    )
 
 
 def _sagemaker_resource_config(environ: Mapping[str, str]) -> tuple[list[str], str] | None:
@@ -228,8 +266,9 @@ def _sagemaker_resource_config(environ: Mapping[str, str]) -> tuple[list[str], s
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError):
-        raise EnvError(f"{path} is not a SageMaker resource config (expected JSON with "
-                       f"\"hosts\" and \"current_host\")") from None
+        raise EnvError(
+            f'{path} is not a SageMaker resource config (expected JSON with "hosts" and "current_host")'
+        ) from None
     return _sagemaker_hosts(json.dumps(hosts)), str(current)
 
 
@@ -239,8 +278,7 @@ def _sagemaker_hosts(raw: str) -> list[str]:
     except ValueError:
         hosts = None
     if not (isinstance(hosts, list) and hosts and all(isinstance(h, str) for h in hosts)):
-        raise EnvError(f"SM_HOSTS={raw!r} is not a JSON list of host names "
-                       f"(expected e.g. '[\"algo-1\", \"algo-2\"]')")
+        raise EnvError(f'SM_HOSTS={raw!r} is not a JSON list of host names (expected e.g. \'["algo-1", "algo-2"]\')')
     return hosts
 
 
@@ -252,6 +290,12 @@ _Detector = Callable[[Mapping[str, str]], DistEnv | None]
 # The precedence, in one place. torchrun comes first because it also runs
 # inside srun steps and mpirun jobs, and then its variables describe the worker.
 _DETECTORS: tuple[_Detector, ...] = (
-    _from_torchrun, _from_pytorchjob, _from_slurm, _from_openmpi, _from_mpich, _from_sagemaker)
+    _from_torchrun,
+    _from_pytorchjob,
+    _from_slurm,
+    _from_openmpi,
+    _from_mpich,
+    _from_sagemaker,
+)
 
 detect = DistEnv.detect

@@ -26,12 +26,15 @@ def join_process_group(env: DistEnv, backend: str) -> None:
         # each rank's Gloo address from the last attempt still sits (torch says it makes
         # a new store per attempt; its rendezvous caches the first). A prefix per attempt
         # keeps this attempt's keys apart.
-        store = dist.PrefixStore(f"torchfleet/attempt-{env.restart_count}", dist.TCPStore(
-            env.master_addr, env.master_port, env.world_size, is_master=False, timeout=PG_TIMEOUT))
+        store = dist.PrefixStore(
+            f"torchfleet/attempt-{env.restart_count}",
+            dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False, timeout=PG_TIMEOUT),
+        )
         dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=PG_TIMEOUT)
         return
     # torchrun's agent already hosts the store at MASTER_ADDR:MASTER_PORT.
     init_method = "env://" if env.source == "torchrun" else f"tcp://{env.master_addr}:{env.master_port}"
     choose_socket_interface(env.nnodes, env.master_addr)
-    dist.init_process_group(backend, init_method=init_method, rank=env.rank, world_size=env.world_size,
-                            timeout=PG_TIMEOUT)
+    dist.init_process_group(
+        backend, init_method=init_method, rank=env.rank, world_size=env.world_size, timeout=PG_TIMEOUT
+    )

@@ -59,8 +59,13 @@ class ReplicaEnv:
 
     def variables(self) -> dict[str, str]:
         """The variables that describe this environment, for a launcher to hand its workers."""
-        return {LIGHTHOUSE: self.lighthouse, GROUP: str(self.group), GROUPS: str(self.groups),
-                ADDR: self.addr, JOIN_TIMEOUT: f"{self.join_timeout:g}"}
+        return {
+            LIGHTHOUSE: self.lighthouse,
+            GROUP: str(self.group),
+            GROUPS: str(self.groups),
+            ADDR: self.addr,
+            JOIN_TIMEOUT: f"{self.join_timeout:g}",
+        }
 
     @classmethod
     def for_fleet(cls, fault_tolerance: str | None, strategy: str) -> ReplicaEnv | None:
@@ -70,15 +75,20 @@ class ReplicaEnv:
         if fault_tolerance is not None and fault_tolerance not in FAULT_TOLERANCE:
             raise choice_error("fault_tolerance", fault_tolerance, FAULT_TOLERANCE)
         if fault_tolerance == "step" and found is None:
-            raise UsageError("fault_tolerance='step' needs replica groups: launch the script with torchfleet run"
-                             " --fault-tolerance step --nnodes N --node-rank R --master-addr A (it starts torchft's"
-                             " lighthouse and one group per machine)")
+            raise UsageError(
+                "fault_tolerance='step' needs replica groups: launch the script with torchfleet run"
+                " --fault-tolerance step --nnodes N --node-rank R --master-addr A (it starts torchft's"
+                " lighthouse and one group per machine)"
+            )
         if fault_tolerance == "restart" and found is not None:
-            raise UsageError(f"this process was started as replica group {found.group} of {found.groups}"
-                             " (--fault-tolerance step) but Fleet was given fault_tolerance='restart'; leave it out")
+            raise UsageError(
+                f"this process was started as replica group {found.group} of {found.groups}"
+                " (--fault-tolerance step) but Fleet was given fault_tolerance='restart'; leave it out"
+            )
         if found is not None and strategy == "hogwild":
-            raise UsageError("hogwild has no gradients to average across replica groups; use ddp or fsdp"
-                             " with --fault-tolerance step")
+            raise UsageError(
+                "hogwild has no gradients to average across replica groups; use ddp or fsdp with --fault-tolerance step"
+            )
         return found
 
     @classmethod
@@ -89,12 +99,18 @@ class ReplicaEnv:
             return None
         missing = [name for name in (LIGHTHOUSE, GROUPS, ADDR) if not environ.get(name)]
         if missing:
-            raise EnvError(f"{GROUP} is set but {', '.join(missing)} is not: a replica group needs"
-                           f" {LIGHTHOUSE}, {GROUPS} and {ADDR} as well")
+            raise EnvError(
+                f"{GROUP} is set but {', '.join(missing)} is not: a replica group needs"
+                f" {LIGHTHOUSE}, {GROUPS} and {ADDR} as well"
+            )
         try:
-            return cls(lighthouse=environ[LIGHTHOUSE], group=int(environ[GROUP]), groups=int(environ[GROUPS]),
-                       addr=environ[ADDR],
-                       join_timeout=float(environ.get(JOIN_TIMEOUT) or DEFAULT_JOIN_TIMEOUT))
+            return cls(
+                lighthouse=environ[LIGHTHOUSE],
+                group=int(environ[GROUP]),
+                groups=int(environ[GROUPS]),
+                addr=environ[ADDR],
+                join_timeout=float(environ.get(JOIN_TIMEOUT) or DEFAULT_JOIN_TIMEOUT),
+            )
         except ValueError as exc:
             if isinstance(exc, EnvError):
                 raise

@@ -54,8 +54,11 @@ class TrainingEnv:
         if "SM_HOSTS" not in environ and not config:
             return None
         hosts = json.loads(environ["SM_HOSTS"]) if "SM_HOSTS" in environ else config["hosts"]
-        channels = {name[len("SM_CHANNEL_"):].lower(): Path(path)
-                    for name, path in environ.items() if name.startswith("SM_CHANNEL_")}
+        channels = {
+            name[len("SM_CHANNEL_") :].lower(): Path(path)
+            for name, path in environ.items()
+            if name.startswith("SM_CHANNEL_")
+        }
         checkpoints = base / "checkpoints"
         return cls(
             current_host=environ.get("SM_CURRENT_HOST") or config["current_host"],
@@ -65,8 +68,7 @@ class TrainingEnv:
             channels=channels,
             hyperparameters=_hyperparameters(environ, base),
             checkpoint_dir=checkpoints if checkpoints.is_dir() else None,
-            network_interface=environ.get("SM_NETWORK_INTERFACE_NAME")
-            or config.get("network_interface_name"),
+            network_interface=environ.get("SM_NETWORK_INTERFACE_NAME") or config.get("network_interface_name"),
         )
 
     def needs_per_gpu_launch(self, environ: Mapping[str, str] | None = None) -> bool:

@@ -14,12 +14,12 @@ _TASKS_ENTRY = re.compile(r"(\d+)(?:\(x(\d+)\))?")
 
 
 def hosts(hostlist: str) -> list[str]:
-    """"node[01-03,07]" -> node01 node02 node03 node07, as ``scontrol show hostnames`` does."""
+    """ "node[01-03,07]" -> node01 node02 node03 node07, as ``scontrol show hostnames`` does."""
     return [host for entry in _split_hosts(hostlist.strip()) for host in _expand_host(entry)]
 
 
 def task_counts(value: str) -> list[int]:
-    """"2(x3),1" -> [2, 2, 2, 1]: one count per node."""
+    """ "2(x3),1" -> [2, 2, 2, 1]: one count per node."""
     counts: list[int] = []
     for entry in value.strip().split(","):
         match = _TASKS_ENTRY.fullmatch(entry.strip())
@@ -52,7 +52,7 @@ def _expand_host(entry: str) -> list[str]:
     if opening < 0:
         return [entry]
     closing = entry.index("]", opening)  # _split_hosts checked the brackets balance
-    prefix, body, rest = entry[:opening], entry[opening + 1:closing], entry[closing + 1:]
+    prefix, body, rest = entry[:opening], entry[opening + 1 : closing], entry[closing + 1 :]
     tails = _expand_host(rest)
     return [prefix + number + tail for number in _expand_ranges(body) for tail in tails]
 

@@ -13,8 +13,7 @@ from torchfleet.env import variables
 from torchfleet.env.variables import DEFAULT_ADDR, EnvError, first, integer
 
 
-def tasks_on_node(environ: Mapping[str, str], node_rank: int, world_size: int,
-                  nnodes: int) -> int:
+def tasks_on_node(environ: Mapping[str, str], node_rank: int, world_size: int, nnodes: int) -> int:
     if "SLURM_NTASKS_PER_NODE" in environ:
         return integer(environ, "SLURM_NTASKS_PER_NODE")
     found = first(environ, "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
@@ -23,8 +22,7 @@ def tasks_on_node(environ: Mapping[str, str], node_rank: int, world_size: int,
     name, value = found
     counts = _expand_tasks_per_node(name, value)
     if not 0 <= node_rank < len(counts):
-        raise EnvError(f"{name}={value!r} lists {len(counts)} nodes, "
-                       f"so it has no entry for SLURM_NODEID={node_rank}")
+        raise EnvError(f"{name}={value!r} lists {len(counts)} nodes, so it has no entry for SLURM_NODEID={node_rank}")
     return counts[node_rank]
 
 
@@ -33,8 +31,7 @@ def _expand_tasks_per_node(name: str, value: str) -> list[int]:
     try:
         return slurm_notation.task_counts(value)
     except ValueError:
-        raise EnvError(f"{name}={value!r} is not a Slurm task count list "
-                       f"(expected e.g. '2(x3),1')") from None
+        raise EnvError(f"{name}={value!r} is not a Slurm task count list (expected e.g. '2(x3),1')") from None
 
 
 def master_addr(environ: Mapping[str, str], nnodes: int) -> str:
@@ -47,8 +44,10 @@ def master_addr(environ: Mapping[str, str], nnodes: int) -> str:
     found = first(environ, "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
     if found is not None:
         return expand_hostlist(found[1], name=found[0])[0]
-    raise EnvError(f"neither MASTER_ADDR nor SLURM_JOB_NODELIST is set and the step spans "
-                   f"{nnodes} nodes; export MASTER_ADDR=<first host> before srun")
+    raise EnvError(
+        f"neither MASTER_ADDR nor SLURM_JOB_NODELIST is set and the step spans "
+        f"{nnodes} nodes; export MASTER_ADDR=<first host> before srun"
+    )
 
 
 def master_port(environ: Mapping[str, str]) -> int:
@@ -73,5 +72,4 @@ def expand_hostlist(hostlist: str, name: str = "hostlist") -> list[str]:
     try:
         return slurm_notation.hosts(hostlist)
     except ValueError as err:
-        raise EnvError(f"{name}={hostlist!r} is not a Slurm hostlist: {err} "
-                       f"(expected e.g. 'node[01-04,07]')") from None
+        raise EnvError(f"{name}={hostlist!r} is not a Slurm hostlist: {err} (expected e.g. 'node[01-04,07]')") from None

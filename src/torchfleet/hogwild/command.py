@@ -34,18 +34,24 @@ from torchfleet.train.tasks import task_for, validate
 def train_hogwild(cfg, workers: int) -> dict:
     """Train the built-in job on `workers` hogwild workers; return the summary figures."""
     if DistEnv.detect().is_distributed:
-        raise UsageError("hogwild starts its own workers on one machine; run it with"
-                         " `torchfleet train --strategy hogwild -n N`, not under torchrun, Slurm or mpirun")
+        raise UsageError(
+            "hogwild starts its own workers on one machine; run it with"
+            " `torchfleet train --strategy hogwild -n N`, not under torchrun, Slurm or mpirun"
+        )
     # Fail on bad options here, before any worker starts.
     cpu = torch.device("cpu")
     options = StrategyOptions.of(cfg.strategy_options)
     Hogwild(Runtime(DistEnv(), cpu, Precision(cfg.precision, cpu), None), **options.given())
     if cfg.checkpoint_dir or cfg.resume:
-        raise UsageError("hogwild has no single state to checkpoint (each worker keeps its own optimizer"
-                         " and updates without locks); drop --checkpoint-dir, or use serial or ddp")
+        raise UsageError(
+            "hogwild has no single state to checkpoint (each worker keeps its own optimizer"
+            " and updates without locks); drop --checkpoint-dir, or use serial or ddp"
+        )
     if cfg.metrics_out or cfg.tensorboard:
-        raise UsageError("hogwild's workers keep no common record of their steps to log; drop --metrics-out"
-                         " and --tensorboard, or use serial or ddp")
+        raise UsageError(
+            "hogwild's workers keep no common record of their steps to log; drop --metrics-out"
+            " and --tensorboard, or use serial or ddp"
+        )
     check_global_batch(cfg.batch_size, workers)
 
     torch.manual_seed(cfg.seed)  # the same initial weights as every other strategy
@@ -57,15 +63,26 @@ def train_hogwild(cfg, workers: int) -> dict:
     if note:
         print(f"note: {note}", flush=True)
     start = time.perf_counter()
-    done = runner.run(_train_worker, model, workers, args=(cfg, train_set, val_set),
-                      sharing_strategy=options.single_process.sharing_strategy)
+    done = runner.run(
+        _train_worker,
+        model,
+        workers,
+        args=(cfg, train_set, val_set),
+        sharing_strategy=options.single_process.sharing_strategy,
+    )
     wall = time.perf_counter() - start
     train_seconds = max(d["seconds"] for d in done)
     result = {
-        "strategy": "hogwild", "world_size": workers, "backend": "none",
+        "strategy": "hogwild",
+        "world_size": workers,
+        "backend": "none",
         "backend_reason": "no process group: the workers share the model's memory",
-        "precision": cfg.precision, "model": cfg.model, "data": cfg.data, "epochs": cfg.epochs,
-        "steps": done[0]["steps"], "global_batch": cfg.batch_size,
+        "precision": cfg.precision,
+        "model": cfg.model,
+        "data": cfg.data,
+        "epochs": cfg.epochs,
+        "steps": done[0]["steps"],
+        "global_batch": cfg.batch_size,
         "final_loss": sum(d["loss"] for d in done) / workers,
         **validate(model, val_set, task_for(cfg.model)),
         "samples_per_s": sum(d["samples"] for d in done) / train_seconds if train_seconds else 0.0,
@@ -81,8 +98,7 @@ def _train_worker(model: nn.Module, cfg, train_set, val_set) -> dict:
     """One worker's loop: its own optimizer, its share of each global batch, no locks."""
     info = worker_info()
     assert info is not None  # this runs in a hogwild worker, which has its info
-    fleet = Fleet(strategy="hogwild", precision=cfg.precision, grad_accum=cfg.grad_accum,
-                  **cfg.strategy_options)
+    fleet = Fleet(strategy="hogwild", precision=cfg.precision, grad_accum=cfg.grad_accum, **cfg.strategy_options)
     torch.manual_seed(cfg.seed + info.rank)
     optimizer = build_optimizer(cfg.optimizer, model.parameters(), cfg.lr)
     model, optimizer = fleet.setup(model, optimizer)

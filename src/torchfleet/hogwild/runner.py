@@ -45,8 +45,9 @@ from torchfleet.hogwild.worker import WorkerInfo, resolve_sharing_strategy
 from torchfleet.launcher import failures
 
 
-def run(fn: Callable, model: nn.Module, nprocs: int = 2, args: tuple = (),
-        sharing_strategy: str | None = None) -> list[Any]:
+def run(
+    fn: Callable, model: nn.Module, nprocs: int = 2, args: tuple = (), sharing_strategy: str | None = None
+) -> list[Any]:
     """Run ``fn(model, *args)`` in `nprocs` workers sharing `model`; return each worker's result.
 
     Tensors in `args` (a TensorDataset, say) are shared the same way, read-only
@@ -71,8 +72,12 @@ def run(fn: Callable, model: nn.Module, nprocs: int = 2, args: tuple = (),
     try:
         model.share_memory()
         context = mp.start_processes(
-            _worker, args=(fn, model, nprocs, strategy, [w for _, w in pipes], args),
-            nprocs=nprocs, join=False, start_method="spawn")
+            _worker,
+            args=(fn, model, nprocs, strategy, [w for _, w in pipes], args),
+            nprocs=nprocs,
+            join=False,
+            start_method="spawn",
+        )
         assert context is not None  # join=False: start_processes returns the context
         for _, writer in pipes:
             writer.close()  # the workers hold their own copies now
@@ -142,13 +147,19 @@ def _summary(exc: ProcessException) -> failures.FailureSummary:
         code, trace = exc.exit_code, ""  # negative for a signal, as the agent reports it
     else:  # raised: spawn's message holds the worker's traceback
         code, trace = 1, str(exc).split("terminated with the following error:\n", 1)[-1]
-    return failures.FailureSummary(failures.RankFailure(
-        rank=exc.error_index, local_rank=exc.error_index, host=socket.gethostname(),
-        pid=exc.error_pid, exitcode=code, traceback=trace))
+    return failures.FailureSummary(
+        failures.RankFailure(
+            rank=exc.error_index,
+            local_rank=exc.error_index,
+            host=socket.gethostname(),
+            pid=exc.error_pid,
+            exitcode=code,
+            traceback=trace,
+        )
+    )
 
 
-def _worker(index: int, fn: Callable, model: nn.Module, world: int, strategy: str, writers,
-            args: tuple) -> None:
+def _worker(index: int, fn: Callable, model: nn.Module, world: int, strategy: str, writers, args: tuple) -> None:
     mp.set_sharing_strategy(strategy)  # for anything this worker shares in turn
     # Workers split the cores instead of each starting one thread per core.
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world))

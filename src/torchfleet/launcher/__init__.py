@@ -15,9 +15,14 @@ from __future__ import annotations
 import importlib
 
 # Each name's module: the agent's (and torch.distributed's elastic package), loaded on first use.
-_LAZY = {"run_command": "torchfleet.launcher.agent", "run_script": "torchfleet.launcher.agent",
-         "launch": "torchfleet.launcher.agent", "LaunchError": "torchfleet.launcher.agent",
-         "free_port": "torchfleet.launcher.ports", "agent_config": "torchfleet.launcher.elastic_config"}
+_LAZY = {
+    "run_command": "torchfleet.launcher.agent",
+    "run_script": "torchfleet.launcher.agent",
+    "launch": "torchfleet.launcher.agent",
+    "LaunchError": "torchfleet.launcher.agent",
+    "free_port": "torchfleet.launcher.ports",
+    "agent_config": "torchfleet.launcher.elastic_config",
+}
 
 
 def __getattr__(name: str):

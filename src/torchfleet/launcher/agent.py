@@ -27,14 +27,7 @@ from torchfleet import netif
 from torchfleet.config import LaunchConfig
 from torchfleet.env.name_lookup import absorb_failed_lookup_warning
 from torchfleet.errors import UsageError
-from torchfleet.launcher import (
-    failures,
-    forked,
-    groups,
-    preempt_relay,
-    preflight,
-    torchrun_flags,
-)
+from torchfleet.launcher import failures, forked, groups, preempt_relay, preflight, torchrun_flags
 from torchfleet.launcher.elastic_config import agent_config, node_in_messages, worker_env
 from torchfleet.launcher.environ import exported
 from torchfleet.launcher.ports import check_ports
@@ -56,9 +49,11 @@ def exposure(cfg: LaunchConfig) -> str:
     hosts_store = netif.is_local(host) if cfg.elastic else cfg.node_rank == 0
     who = "this machine" if cfg.elastic else f"node {cfg.node_rank}"
     if hosts_store:
-        return (f"torchfleet: {who} exposes the rendezvous store on every interface, port {port} (TCP, no"
-                f" authentication), and Gloo/NCCL ports chosen by the OS; anyone who reaches them can join or"
-                f" disturb the job: run it on a private network (docs/guides/security.md)")
+        return (
+            f"torchfleet: {who} exposes the rendezvous store on every interface, port {port} (TCP, no"
+            f" authentication), and Gloo/NCCL ports chosen by the OS; anyone who reaches them can join or"
+            f" disturb the job: run it on a private network (docs/guides/security.md)"
+        )
     return f"torchfleet: {who} joins the rendezvous at {host}:{port} (docs/guides/security.md)"
 
 
@@ -83,9 +78,9 @@ def _quiet_agent_logs() -> None:
         logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
 
 
-
-def _start(cfg: LaunchConfig, entrypoint: Callable | str, args: list,
-           overrides: dict[str, Any] | None = None) -> dict[int, Any]:
+def _start(
+    cfg: LaunchConfig, entrypoint: Callable | str, args: list, overrides: dict[str, Any] | None = None
+) -> dict[int, Any]:
     # Before the first of the launcher's c10d sockets (the checks', the rendezvous', a replica group's).
     absorb_failed_lookup_warning(netif.source_address(cfg.endpoint[0] if cfg.elastic else cfg.master_addr))
     group = None
@@ -154,13 +149,20 @@ class _Agent(LocalElasticAgent):
             if local_rank in known or process.exitcode in (0, None) or not path or not os.path.isfile(path):
                 continue
             found[worker_group.workers[local_rank].global_rank] = ProcessFailure(
-                local_rank=local_rank, pid=process.pid, exitcode=process.exitcode, error_file=path)
+                local_rank=local_rank, pid=process.pid, exitcode=process.exitcode, error_file=path
+            )
 
 
-def run_command(cfg: LaunchConfig, argv: list[str], program: str | None = None,
-                overrides: dict[str, Any] | None = None, preempt_signals: str = preempt_relay.DEFAULT_SIGNALS,
-                preempt_notice: str = "none", why: str = preempt_relay.SCRIPT_WHY,
-                forked_main: Callable[[list[str]], None] | None = None) -> int:
+def run_command(
+    cfg: LaunchConfig,
+    argv: list[str],
+    program: str | None = None,
+    overrides: dict[str, Any] | None = None,
+    preempt_signals: str = preempt_relay.DEFAULT_SIGNALS,
+    preempt_notice: str = "none",
+    why: str = preempt_relay.SCRIPT_WHY,
+    forked_main: Callable[[list[str]], None] | None = None,
+) -> int:
     """Run `python argv...` (or `program argv...`) on every rank; return the exit status for the shell.
 
     `forked_main`: a function that does in a worker what `python -u argv...` would, given argv; the workers
@@ -184,9 +186,14 @@ def run_command(cfg: LaunchConfig, argv: list[str], program: str | None = None,
     return 0
 
 
-def run_script(cfg: LaunchConfig, script: str, script_args: list[str],
-               torchrun: dict[str, Any] | None = None, preempt_signals: str = preempt_relay.DEFAULT_SIGNALS,
-               preempt_notice: str = "none") -> int:
+def run_script(
+    cfg: LaunchConfig,
+    script: str,
+    script_args: list[str],
+    torchrun: dict[str, Any] | None = None,
+    preempt_signals: str = preempt_relay.DEFAULT_SIGNALS,
+    preempt_notice: str = "none",
+) -> int:
     """`torchfleet run script.py args`: the script runs as __main__ on every rank.
 
     `torchrun` holds the torchrun flags torchfleet passes through (-m, --no-python,
@@ -195,11 +202,14 @@ def run_script(cfg: LaunchConfig, script: str, script_args: list[str],
     torchrun = torchrun or {}
     if not torchrun.get("no_python") and not torchrun.get("module"):
         if not os.path.isfile(script):
-            raise UsageError(f"script {script!r} does not exist; give the path to a Python file"
-                             " (or -m for a module, --no-python for a program)")
+            raise UsageError(
+                f"script {script!r} does not exist; give the path to a Python file"
+                " (or -m for a module, --no-python for a program)"
+            )
         if not script.endswith(".py"):
-            raise UsageError(f"script {script!r} is not a Python file (.py); run a module with -m,"
-                             " a program with --no-python")
+            raise UsageError(
+                f"script {script!r} is not a Python file (.py); run a module with -m, a program with --no-python"
+            )
     overrides = torchrun_flags.agent_overrides(torchrun, script, script_args, one_machine=not cfg.multi_node)
     leaving: dict[str, Any] = {"preempt_signals": preempt_signals, "preempt_notice": preempt_notice}
     if torchrun.get("no_python"):
@@ -207,8 +217,13 @@ def run_script(cfg: LaunchConfig, script: str, script_args: list[str],
     target = ["-m", script] if torchrun.get("module") else [script]
     # Not `python -u`: the bootstrap makes the streams line-buffered instead, so each
     # rank's lines reach the shared terminal whole and at once (bootstrap.line_buffered).
-    return run_command(cfg, ["-m", "torchfleet.worker.bootstrap", *target, *script_args],
-                       program=sys.executable, overrides=overrides, **leaving)
+    return run_command(
+        cfg,
+        ["-m", "torchfleet.worker.bootstrap", *target, *script_args],
+        program=sys.executable,
+        overrides=overrides,
+        **leaving,
+    )
 
 
 def launch(fn: Callable, nprocs: int = 2, args: tuple = (), max_restarts: int = 0) -> list[Any]:

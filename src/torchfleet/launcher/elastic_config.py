@@ -15,8 +15,9 @@ from torchfleet.launcher import preflight, rendezvous
 from torchfleet.launcher.ports import LOOPBACK
 
 
-def agent_config(cfg: LaunchConfig, overrides: dict[str, Any] | None = None,
-                 start_method: str = "spawn") -> AgentConfig:
+def agent_config(
+    cfg: LaunchConfig, overrides: dict[str, Any] | None = None, start_method: str = "spawn"
+) -> AgentConfig:
     """torchrun's configuration for `cfg`, as torchrun itself would build it (`start_method`: a function
     entrypoint's; a command's workers are always new processes)."""
     run_id = cfg.rdzv_id or os.environ.get("TORCHFLEET_RUN_ID")

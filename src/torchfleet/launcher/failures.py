@@ -92,14 +92,23 @@ class FailureSummary:
 
 
 # What comes after a script's end and can still kill the process, leaving no report of its own.
-_DIED_AFTER = ("died afterwards, while the process exited (in an atexit handler, or in torch's own teardown"
-               " such as a process group's destructor)")
+_DIED_AFTER = (
+    "died afterwards, while the process exited (in an atexit handler, or in torch's own teardown"
+    " such as a process group's destructor)"
+)
 
 
 # What a rank says when it fails only because a peer died first.
 # When every rank has one, the earliest is the cause.
-_ECHOES = ("Connection closed by peer", "Connection reset by peer", "Connection refused", "Broken pipe",
-           "Socket Timeout", "DistBackendError", "gloo/transport")
+_ECHOES = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Connection refused",
+    "Broken pipe",
+    "Socket Timeout",
+    "DistBackendError",
+    "gloo/transport",
+)
 
 
 def _is_echo(failure: RankFailure) -> bool:
@@ -121,13 +130,24 @@ def summarize(exc) -> FailureSummary:
         data = failure.error_file_data.get("message", {}) if failure.error_file_data else {}
         info = data.get("extraInfo", {}) if isinstance(data, dict) else {}
         message = data.get("message", "") if isinstance(data, dict) else str(data)
-        found.append((failure.timestamp, RankFailure(
-            rank=rank, local_rank=failure.local_rank, host=info.get("host", socket.gethostname()),
-            pid=failure.pid, exitcode=failure.exitcode, error="" if message == "<NONE>" else message,
-            traceback=info.get("py_callstack", ""), usage_error=bool(info.get("usage_error")),
-            verdict=bool(info.get("verdict")), finished=bool(info.get("finished")),
-            preempted=bool(info.get("preempted")) and failure.exitcode == PREEMPTED_EXIT,
-        )))
+        found.append(
+            (
+                failure.timestamp,
+                RankFailure(
+                    rank=rank,
+                    local_rank=failure.local_rank,
+                    host=info.get("host", socket.gethostname()),
+                    pid=failure.pid,
+                    exitcode=failure.exitcode,
+                    error="" if message == "<NONE>" else message,
+                    traceback=info.get("py_callstack", ""),
+                    usage_error=bool(info.get("usage_error")),
+                    verdict=bool(info.get("verdict")),
+                    finished=bool(info.get("finished")),
+                    preempted=bool(info.get("preempted")) and failure.exitcode == PREEMPTED_EXIT,
+                ),
+            )
+        )
     found.sort(key=lambda pair: (_is_echo(pair[1]), pair[1].finished, pair[0], pair[1].rank))
     ranked = [f for _, f in found]
     return FailureSummary(ranked[0], ranked[1:])
@@ -149,8 +169,12 @@ def first_cause(exc: BaseException) -> BaseException:
     ``__cause__`` instead, which is a deliberate translation and is kept.
     """
     seen = {id(exc)}
-    while (exc.__cause__ is None and exc.__context__ is not None and not exc.__suppress_context__
-           and id(exc.__context__) not in seen):
+    while (
+        exc.__cause__ is None
+        and exc.__context__ is not None
+        and not exc.__suppress_context__
+        and id(exc.__context__) not in seen
+    ):
         exc = exc.__context__
         seen.add(id(exc))
     return exc
@@ -213,16 +237,18 @@ def _record(message: str, callstack: str, **flags: bool) -> bool:
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return False
-    data = {"message": {
-        "message": message,
-        "extraInfo": {
-            "py_callstack": callstack,
-            "timestamp": str(int(time.time())),
-            "host": socket.gethostname(),
-            "rank": os.environ.get("RANK", "?"),
-            **flags,
-        },
-    }}
+    data = {
+        "message": {
+            "message": message,
+            "extraInfo": {
+                "py_callstack": callstack,
+                "timestamp": str(int(time.time())),
+                "host": socket.gethostname(),
+                "rank": os.environ.get("RANK", "?"),
+                **flags,
+            },
+        }
+    }
     # Through a temporary file: the agent may stop this process at any moment,
     # and an error file it finds empty makes older agents (torch 2.11) fail to
     # parse it and abort the whole launch instead of restarting the group.

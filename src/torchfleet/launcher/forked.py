@@ -34,9 +34,18 @@ SERVER_THREADS = torch.get_num_threads()  # torch's default here, which a worker
 START_METHOD = "forkserver"
 in_worker = False  # True in a worker forked from the server, once its environment is restored
 # What a worker of a distributed job imports anyway; the server imports it once.
-PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor",
-           "torchfleet.launcher.forked", "torchfleet.fleet", "torchfleet.cli", "torchfleet.train.command",
-           "torchfleet.train.loop", "torch._dynamo"]
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor",
+    "torchfleet.launcher.forked",
+    "torchfleet.fleet",
+    "torchfleet.cli",
+    "torchfleet.train.command",
+    "torchfleet.train.loop",
+    "torch._dynamo",
+]
 
 
 def _server_state():
@@ -51,7 +60,7 @@ def server_pid() -> int | None:
 
 
 def start_method() -> str:
-    """"forkserver", the server started now (before the launcher exports the workers' variables, so that torch
+    """ "forkserver", the server started now (before the launcher exports the workers' variables, so that torch
     reads none of them as it is imported there); "spawn" where this process already runs a server started
     without this module (by the user's own code), whose workers could not be given their environment."""
     from multiprocessing import forkserver

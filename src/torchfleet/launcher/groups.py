@@ -65,17 +65,34 @@ def prepare(cfg: LaunchConfig) -> Group:
     else:
         seconds = lighthouse.wait_reachable(host, port)
         found = f"the lighthouse at {host}:{port} answers ({seconds:.1f} s)"
-    replica = ReplicaEnv(lighthouse=lighthouse.url(host, port), group=cfg.node_rank, groups=cfg.max_nodes,
-                         addr=address, join_timeout=cfg.join_timeout)
+    replica = ReplicaEnv(
+        lighthouse=lighthouse.url(host, port),
+        group=cfg.node_rank,
+        groups=cfg.max_nodes,
+        addr=address,
+        join_timeout=cfg.join_timeout,
+    )
     env = {**replica.variables(), **preflight.route_env(cfg.node_rank, host)}
-    sentence = (f"preflight ok on {preflight.label(cfg.node_rank, address)} via {iface.name}: {found};"
-                f" replica group {cfg.node_rank} of {cfg.max_nodes}")
-    exposure = (f"torchfleet: node {cfg.node_rank} "
-                + (f"exposes torchft's lighthouse on {host}:{port} and " if server is not None else "")
-                + f"opens torchft's manager, its store and Gloo on {address} (TCP ports chosen by the OS, no"
-                " authentication); they hand the model's weights to any group that asks: run the job on a"
-                " private network (docs/guides/security.md)")
+    sentence = (
+        f"preflight ok on {preflight.label(cfg.node_rank, address)} via {iface.name}: {found};"
+        f" replica group {cfg.node_rank} of {cfg.max_nodes}"
+    )
+    exposure = (
+        f"torchfleet: node {cfg.node_rank} "
+        + (f"exposes torchft's lighthouse on {host}:{port} and " if server is not None else "")
+        + f"opens torchft's manager, its store and Gloo on {address} (TCP ports chosen by the OS, no"
+        " authentication); they hand the model's weights to any group that asks: run the job on a"
+        " private network (docs/guides/security.md)"
+    )
     # The agent sees one machine: its own workers, a loopback rendezvous, its own restarts.
-    agent = dataclasses.replace(cfg, nnodes=1, node_rank=0, master_addr="127.0.0.1", master_port=None,
-                                fault_tolerance="restart", lighthouse=None, rdzv_endpoint=None)
+    agent = dataclasses.replace(
+        cfg,
+        nnodes=1,
+        node_rank=0,
+        master_addr="127.0.0.1",
+        master_port=None,
+        fault_tolerance="restart",
+        lighthouse=None,
+        rdzv_endpoint=None,
+    )
     return Group(agent=agent, env=env, sentence=sentence, exposure=exposure, server=server)

@@ -54,13 +54,14 @@ def check_cuda_untouched() -> None:
     import torch
 
     if torch.cuda.is_initialized():
-        raise UsageError("CUDA was initialised in this kernel before notebook_launch; restart "
-                         "the kernel and launch before any cell touches the GPU "
-                         "(each worker needs the GPUs for itself)")
+        raise UsageError(
+            "CUDA was initialised in this kernel before notebook_launch; restart "
+            "the kernel and launch before any cell touches the GPU "
+            "(each worker needs the GPUs for itself)"
+        )
 
 
-def notebook_launch(fn: Callable, nprocs: int = 2, args: tuple = (),
-                    max_restarts: int = 0) -> list[Any]:
+def notebook_launch(fn: Callable, nprocs: int = 2, args: tuple = (), max_restarts: int = 0) -> list[Any]:
     """Run ``fn(*args)`` in `nprocs` processes; return each rank's result, rank 0 first.
 
     `fn` may be defined in the notebook. A failure raises `LaunchError` naming the first
@@ -69,8 +70,10 @@ def notebook_launch(fn: Callable, nprocs: int = 2, args: tuple = (),
     try:
         import cloudpickle  # noqa: F401
     except ImportError:
-        raise UsageError("notebook_launch needs cloudpickle to send notebook functions to "
-                         "its processes: pip install cloudpickle (or torchfleet[notebook])") from None
+        raise UsageError(
+            "notebook_launch needs cloudpickle to send notebook functions to "
+            "its processes: pip install cloudpickle (or torchfleet[notebook])"
+        ) from None
     check_cuda_untouched()
     from torchfleet.launcher.agent import launch
 

@@ -27,10 +27,14 @@ def check_port_free(host: str, port: int, endpoint: str | None = None) -> None:
             sock.bind((host, port))
         except OSError as exc:
             if endpoint:
-                raise UsageError(f"--rdzv-endpoint {endpoint}: port {port} is already in use on this machine"
-                                 f" ({exc.strerror}); choose another port") from None
-            raise UsageError(f"--master-port {port} is already in use on {host} ({exc.strerror}); choose another"
-                             " port, or leave --master-port out on one machine for a free one") from None
+                raise UsageError(
+                    f"--rdzv-endpoint {endpoint}: port {port} is already in use on this machine"
+                    f" ({exc.strerror}); choose another port"
+                ) from None
+            raise UsageError(
+                f"--master-port {port} is already in use on {host} ({exc.strerror}); choose another"
+                " port, or leave --master-port out on one machine for a free one"
+            ) from None
 
 
 def wait_for_master(addr: str, port: int, wait: float = MASTER_WAIT) -> None:
@@ -38,7 +42,9 @@ def wait_for_master(addr: str, port: int, wait: float = MASTER_WAIT) -> None:
     try:
         socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
     except socket.gaierror as exc:
-        raise UsageError(f"--master-addr {addr!r} cannot be resolved ({exc.strerror}); give node 0's host name or IP address") from None
+        raise UsageError(
+            f"--master-addr {addr!r} cannot be resolved ({exc.strerror}); give node 0's host name or IP address"
+        ) from None
     deadline = time.monotonic() + wait
     while True:
         try:
@@ -46,8 +52,10 @@ def wait_for_master(addr: str, port: int, wait: float = MASTER_WAIT) -> None:
                 return
         except OSError as exc:
             if time.monotonic() >= deadline:
-                raise UsageError(f"cannot reach the master at {addr}:{port} within {wait:.0f} s ({exc.strerror or exc});"
-                                 " check --master-addr and --master-port, and that node 0 has started") from None
+                raise UsageError(
+                    f"cannot reach the master at {addr}:{port} within {wait:.0f} s ({exc.strerror or exc});"
+                    " check --master-addr and --master-port, and that node 0 has started"
+                ) from None
         time.sleep(1.0)
 
 

@@ -35,7 +35,7 @@ _UNCATCHABLE = (signal.SIGKILL, signal.SIGSTOP)
 
 
 def parse_signals(text: str) -> tuple[signal.Signals, ...]:
-    """"TERM,USR1" (or "SIGTERM,sigusr1", or "none") -> the signals; UsageError naming a bad one."""
+    """ "TERM,USR1" (or "SIGTERM,sigusr1", or "none") -> the signals; UsageError naming a bad one."""
     names = [n.strip().upper() for n in text.split(",") if n.strip()]
     if names == ["NONE"]:
         return ()
@@ -45,8 +45,7 @@ def parse_signals(text: str) -> tuple[signal.Signals, ...]:
         sig = getattr(signal.Signals, full, None)
         if sig is None or sig in _UNCATCHABLE:
             why = "cannot be caught" if sig is not None else "is not a signal name"
-            raise UsageError(f"--preempt-signals {text!r}: {name} {why}; give names such as TERM,USR1"
-                             " (or none)")
+            raise UsageError(f"--preempt-signals {text!r}: {name} {why}; give names such as TERM,USR1 (or none)")
         found.append(sig)
     if not found:
         raise UsageError(f"--preempt-signals {text!r} names no signal; give names such as TERM,USR1 (or none)")
@@ -78,12 +77,17 @@ def report(note: Path, sigval: signal.Signals, why: str) -> int:
     if note.is_file() and note.read_text().strip():
         print(f"torchfleet: {note.read_text().strip()}", file=sys.stderr, flush=True)
         return PREEMPTED_EXIT
-    print(f"torchfleet: error: stopped by {sigval.name} before a checkpoint was saved ({why})",
-          file=sys.stderr, flush=True)
+    print(
+        f"torchfleet: error: stopped by {sigval.name} before a checkpoint was saved ({why})",
+        file=sys.stderr,
+        flush=True,
+    )
     return 128 + int(sigval)
 
 
 # What report says kept the workers from saving, for the built-in job and for a script.
 TRAIN_WHY = "without --checkpoint-dir, or before the first step, or the save outlasted the agent's 30 s"
-SCRIPT_WHY = ("the script does not ask fleet.preempted() and leave with fleet.leave(), or it was told before"
-              " its first call, or the save outlasted the agent's 30 s")
+SCRIPT_WHY = (
+    "the script does not ask fleet.preempted() and leave with fleet.leave(), or it was told before"
+    " its first call, or the save outlasted the agent's 30 s"
+)

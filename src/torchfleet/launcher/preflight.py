@@ -64,16 +64,24 @@ def _versions() -> tuple[str, str]:
 
     from torchfleet import __version__
 
-    return (os.environ.get("TORCHFLEET_PREFLIGHT_TORCH_VERSION", torch.__version__),
-            os.environ.get("TORCHFLEET_PREFLIGHT_TORCHFLEET_VERSION", __version__))
+    return (
+        os.environ.get("TORCHFLEET_PREFLIGHT_TORCH_VERSION", torch.__version__),
+        os.environ.get("TORCHFLEET_PREFLIGHT_TORCHFLEET_VERSION", __version__),
+    )
 
 
 def local_facts(node: int, address: str) -> Facts:
     from torchfleet.backend import choose_backend, probe_hardware
 
     torch_version, fleet_version = _versions()
-    return Facts(node=node, host=socket.gethostname(), address=address, torch=torch_version,
-                 torchfleet=fleet_version, backend=choose_backend(probe_hardware())[0])
+    return Facts(
+        node=node,
+        host=socket.gethostname(),
+        address=address,
+        torch=torch_version,
+        torchfleet=fleet_version,
+        backend=choose_backend(probe_hardware())[0],
+    )
 
 
 def label(node: int | None, address: str | None) -> str:
@@ -86,12 +94,16 @@ def route(node: int | None, master: str) -> netif.Interface:
     try:
         socket.getaddrinfo(master, None)
     except socket.gaierror as exc:
-        raise PreflightError(f"{label(node, None)}: --master-addr {master!r} cannot be resolved ({exc.strerror});"
-                             " give node 0's host name or IP address") from None
+        raise PreflightError(
+            f"{label(node, None)}: --master-addr {master!r} cannot be resolved ({exc.strerror});"
+            " give node 0's host name or IP address"
+        ) from None
     iface = netif.interface_for(master)
     if iface is None:
-        raise PreflightError(f"{label(node, None)}: interface has no route to the master "
-                             f"{master}; check --master-addr and this machine's network")
+        raise PreflightError(
+            f"{label(node, None)}: interface has no route to the master "
+            f"{master}; check --master-addr and this machine's network"
+        )
     return iface
 
 
@@ -106,17 +118,23 @@ def check_master_is_here(master: str, nnodes: int) -> None:
     """On node 0: the master address must be this machine's, and not loopback if others come."""
     found = netif.addresses_of(master)
     if not found:
-        raise PreflightError(f"node 0: the master address {master!r} does not resolve;"
-                             " give --master-addr as an IP address of this machine")
+        raise PreflightError(
+            f"node 0: the master address {master!r} does not resolve;"
+            " give --master-addr as an IP address of this machine"
+        )
     mine = {a for i in netif.list_interfaces() for a in i.addresses}
     loop = all(netif.is_loopback(a) for a in found)
     if loop and nnodes > 1:
-        raise PreflightError(f"node 0: the master address {master!r} is loopback ({found[0]}), which"
-                             " the other machines cannot reach; give this machine's own address")
+        raise PreflightError(
+            f"node 0: the master address {master!r} is loopback ({found[0]}), which"
+            " the other machines cannot reach; give this machine's own address"
+        )
     if not loop and not mine.intersection(found):
-        raise PreflightError(f"node 0: the master address {master} is not an address of this"
-                             f" machine ({', '.join(sorted(mine)) or 'none'}); run node 0 on the"
-                             " machine that has it, or fix --master-addr")
+        raise PreflightError(
+            f"node 0: the master address {master} is not an address of this"
+            f" machine ({', '.join(sorted(mine)) or 'none'}); run node 0 on the"
+            " machine that has it, or fix --master-addr"
+        )
 
 
 def knock(node: int | None, address: str, master: str, port: int, seconds: float = CONNECT_SECONDS) -> float:
@@ -142,8 +160,10 @@ def knock(node: int | None, address: str, master: str, port: int, seconds: float
             else:
                 cause = f"failed: {exc.strerror or exc}"
         time.sleep(min(0.25, max(0.0, deadline - time.monotonic())))
-    raise PreflightError(f"{label(node, address)}: connection to the master {master}:{port} "
-                         f"{cause}, after {time.monotonic() - start:.0f} s")
+    raise PreflightError(
+        f"{label(node, address)}: connection to the master {master}:{port} "
+        f"{cause}, after {time.monotonic() - start:.0f} s"
+    )
 
 
 def _open_store(node: int, address: str, master: str, port: int, seconds: float):
@@ -152,8 +172,9 @@ def _open_store(node: int, address: str, master: str, port: int, seconds: float)
     timeout = datetime.timedelta(seconds=seconds)
     try:
         # multi_tenant: torchrun's static rendezvous will reuse this server (see module doc).
-        return dist.TCPStore(master, port, is_master=node == 0, multi_tenant=True,
-                             wait_for_workers=False, timeout=timeout)
+        return dist.TCPStore(
+            master, port, is_master=node == 0, multi_tenant=True, wait_for_workers=False, timeout=timeout
+        )
     except (RuntimeError, OSError) as exc:
         what = "could not open the master port" if node == 0 else "could not join the master's store"
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -162,14 +183,15 @@ def _open_store(node: int, address: str, master: str, port: int, seconds: float)
 
 def _compare(mine: Facts, theirs: Facts) -> str | None:
     """The first way node `theirs` differs from node 0 (`mine`), as a sentence; None if none."""
-    fixes = {"torch": ("torch version", "install the same torch on every machine"),
-             "torchfleet": ("torchfleet version", "install the same torchfleet on every machine"),
-             "backend": ("backend", "every machine must use the same backend")}
+    fixes = {
+        "torch": ("torch version", "install the same torch on every machine"),
+        "torchfleet": ("torchfleet version", "install the same torchfleet on every machine"),
+        "backend": ("backend", "every machine must use the same backend"),
+    }
     for field, (what, fix) in fixes.items():
         a, b = getattr(theirs, field), getattr(mine, field)
         if a != b:
-            return (f"{label(theirs.node, theirs.address)}: {what} {a} vs {b} on node 0"
-                    f" ({mine.address}); {fix}")
+            return f"{label(theirs.node, theirs.address)}: {what} {a} vs {b} on node 0 ({mine.address}); {fix}"
     return None
 
 
@@ -183,9 +205,11 @@ def _exchange(store, facts: Facts, nnodes: int) -> list[Facts]:
             store.wait(keys, datetime.timedelta(seconds=JOIN_SECONDS))
         except RuntimeError:  # torch raises DistStoreError (a RuntimeError) on timeout
             missing = [str(n) for n, k in enumerate(keys) if not store.check([k])]
-            problem = (f"node 0 ({facts.address}): node {', '.join(missing)} did not report within"
-                       f" {JOIN_SECONDS:.0f} s; start it with --node-rank {missing[0]}"
-                       f" --nnodes {nnodes} and the same --master-addr/--master-port")
+            problem = (
+                f"node 0 ({facts.address}): node {', '.join(missing)} did not report within"
+                f" {JOIN_SECONDS:.0f} s; start it with --node-rank {missing[0]}"
+                f" --nnodes {nnodes} and the same --master-addr/--master-port"
+            )
             store.set(verdict_key, json.dumps({"problems": [problem]}))
             _wait_acks(store, facts.node, [int(n) for n in range(1, nnodes) if str(n) not in missing])
             raise PreflightError(problem) from None
@@ -200,8 +224,10 @@ def _exchange(store, facts: Facts, nnodes: int) -> list[Facts]:
             verdict = json.loads(store.get(verdict_key))
             store.set(f"{_KEY}ack/{facts.node}", "1")
         except RuntimeError as exc:  # DistNetworkError, DistStoreError: node 0 went away or never answered
-            raise PreflightError(f"{label(facts.node, facts.address)}: node 0 gave no verdict on the"
-                                 f" versions ({str(exc).splitlines()[0][:120]}); see node 0's output") from None
+            raise PreflightError(
+                f"{label(facts.node, facts.address)}: node 0 gave no verdict on the"
+                f" versions ({str(exc).splitlines()[0][:120]}); see node 0's output"
+            ) from None
         problems, every = verdict["problems"], [Facts(**f) for f in verdict.get("nodes", [])]
     if problems:
         # Name this node's own problem when it has one, else the first found.
@@ -234,12 +260,14 @@ def _all_reduce(store, facts: Facts, nnodes: int, iface: str) -> float:
         seconds = time.perf_counter() - start
     except RuntimeError as exc:
         first = str(exc).strip().splitlines()[0][:160]
-        raise PreflightError(f"{label(facts.node, facts.address)}: the test all-reduce over"
-                             f" interface {iface} failed ({first})") from None
+        raise PreflightError(
+            f"{label(facts.node, facts.address)}: the test all-reduce over interface {iface} failed ({first})"
+        ) from None
     expected = nnodes * (nnodes + 1) / 2
     if warm[0].item() != nnodes or data[0].item() != expected:
-        raise PreflightError(f"{label(facts.node, facts.address)}: the test all-reduce gave"
-                             f" {data[0].item()} instead of {expected}")
+        raise PreflightError(
+            f"{label(facts.node, facts.address)}: the test all-reduce gave {data[0].item()} instead of {expected}"
+        )
     return seconds
 
 
@@ -256,8 +284,9 @@ class Outcome:
     def sentence(self, node: int | None) -> str:
         first = self.nodes[0] if self.nodes else None
         if first is not None and len(self.nodes) > 1:
-            agree = (f"torch {first.torch}, torchfleet {first.torchfleet} and {first.backend} on all"
-                     f" {len(self.nodes)} nodes")
+            agree = (
+                f"torch {first.torch}, torchfleet {first.torchfleet} and {first.backend} on all {len(self.nodes)} nodes"
+            )
         else:
             agree = "the master port opens here" if first else "the master port answers"
         text = f"preflight ok on {label(node, self.address)} via {self.interface}: {agree}"
@@ -265,8 +294,10 @@ class Outcome:
             # Bus bandwidth of a ring all-reduce: each byte crosses the link 2(n-1)/n times.
             n = len(self.nodes)
             bus = ALLREDUCE_BYTES * 2 * (n - 1) / n / self.allreduce_s
-            text += (f"; all-reduce of {ALLREDUCE_BYTES // 2**20} MiB in"
-                     f" {self.allreduce_s * 1e3:.1f} ms ({bus * 8 / 1e6:.0f} Mbit/s)")
+            text += (
+                f"; all-reduce of {ALLREDUCE_BYTES // 2**20} MiB in"
+                f" {self.allreduce_s * 1e3:.1f} ms ({bus * 8 / 1e6:.0f} Mbit/s)"
+            )
         return text
 
 

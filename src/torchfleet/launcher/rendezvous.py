@@ -20,14 +20,8 @@ import datetime
 
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry
-from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
-    C10dRendezvousBackend,
-    create_backend,
-)
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
-    DynamicRendezvousHandler,
-    create_handler,
-)
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend, create_backend
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, create_handler
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from torchfleet.stores import bound_store
@@ -55,8 +49,7 @@ def _create_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
     _, port = parse_rendezvous_endpoint(params.endpoint, default_port=0)
     store = loopback_store(port)
     backend = C10dRendezvousBackend(store, params.run_id)
-    return _LoopbackHandler.from_backend(params.run_id, store, backend, params.min_nodes,
-                                         params.max_nodes, LOOPBACK)
+    return _LoopbackHandler.from_backend(params.run_id, store, backend, params.min_nodes, params.max_nodes, LOOPBACK)
 
 
 def register() -> str:

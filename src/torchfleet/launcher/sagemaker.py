@@ -17,9 +17,13 @@ def relaunch_per_gpu(env) -> None:
     The workers get torchrun's variables, so their Fleet finds its rank there;
     the master is algo-1 at SageMaker's port, as torchfleet.env derived it.
     """
-    cfg = LaunchConfig(nproc_per_node=env.local_world_size, nnodes=env.nnodes,
-                       node_rank=env.node_rank, master_addr=env.master_addr,
-                       master_port=env.master_port)
+    cfg = LaunchConfig(
+        nproc_per_node=env.local_world_size,
+        nnodes=env.nnodes,
+        node_rank=env.node_rank,
+        master_addr=env.master_addr,
+        master_port=env.master_port,
+    )
     # Every host's agent must name the same rendezvous run, or they never meet.
     os.environ.setdefault("TORCHFLEET_RUN_ID", "sagemaker-" + "-".join(map(str, (env.nnodes, env.master_port))))
     sys.exit(run_script(cfg, sys.argv[0], sys.argv[1:]))

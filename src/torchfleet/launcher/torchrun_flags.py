@@ -38,8 +38,11 @@ NOT_LAUNCH_FLAGS = {"print_completion"}
 
 def torchrun_actions() -> list[argparse.Action]:
     """torchrun's launch flags (not -h, not the script and its arguments)."""
-    return [a for a in get_args_parser()._actions
-            if a.option_strings and not isinstance(a, argparse._HelpAction) and a.dest not in NOT_LAUNCH_FLAGS]
+    return [
+        a
+        for a in get_args_parser()._actions
+        if a.option_strings and not isinstance(a, argparse._HelpAction) and a.dest not in NOT_LAUNCH_FLAGS
+    ]
 
 
 def add_torchrun_flags(parser: argparse.ArgumentParser) -> None:
@@ -60,7 +63,7 @@ def add_torchrun_flags(parser: argparse.ArgumentParser) -> None:
 
 def given(args: argparse.Namespace) -> dict[str, Any]:
     """The passed-through torchrun flags the user gave, by torchrun's own names."""
-    return {k[len(PREFIX):]: v for k, v in vars(args).items() if k.startswith(PREFIX)}
+    return {k[len(PREFIX) :]: v for k, v in vars(args).items() if k.startswith(PREFIX)}
 
 
 def _namespace(flags: dict[str, Any], script: str, script_args: list[str]) -> argparse.Namespace:
@@ -71,8 +74,7 @@ def _namespace(flags: dict[str, Any], script: str, script_args: list[str]) -> ar
     return ns
 
 
-def agent_overrides(flags: dict[str, Any], script: str, script_args: list[str],
-                    one_machine: bool) -> dict[str, Any]:
+def agent_overrides(flags: dict[str, Any], script: str, script_args: list[str], one_machine: bool) -> dict[str, Any]:
     """torchrun's agent configuration for the given flags, less what torchfleet decides itself.
 
     Built by torchrun's own `config_from_args`, so every field torchfleet leaves to torchrun

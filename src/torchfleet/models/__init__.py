@@ -27,15 +27,33 @@ TOKEN_MODELS = ("gpt",)  # these read token sequences (B, T) and predict the nex
 IMAGE_MODELS = ("resnet18", "resnet50")  # these read 3-channel images of any size (224 x 224 by default)
 IMAGE_INPUT = (3, 224, 224)  # ImageNet's, as in the seed notebook's ResNet-50 benchmark
 
-_IMAGE_BUILDERS = {"mlp": mlp, "cnn": cnn, "transformer": transformer, "resnet18": resnet18,
-                   "resnet50": resnet50}
+_IMAGE_BUILDERS = {"mlp": mlp, "cnn": cnn, "transformer": transformer, "resnet18": resnet18, "resnet50": resnet50}
 
-__all__ = ["DIGITS_INPUT", "GPT", "GPTConfig", "GPT_PRESETS", "IMAGE_INPUT", "IMAGE_MODELS", "MODELS", "ResNet", "TOKEN_MODELS",
-           "build_model", "cnn", "gpt", "gpt_config", "lm_loss", "mlp", "resnet18", "resnet50", "transformer"]
+__all__ = [
+    "DIGITS_INPUT",
+    "GPT",
+    "GPTConfig",
+    "GPT_PRESETS",
+    "IMAGE_INPUT",
+    "IMAGE_MODELS",
+    "MODELS",
+    "ResNet",
+    "TOKEN_MODELS",
+    "build_model",
+    "cnn",
+    "gpt",
+    "gpt_config",
+    "lm_loss",
+    "mlp",
+    "resnet18",
+    "resnet50",
+    "transformer",
+]
 
 
-def build_model(name: str, in_shape: tuple[int, ...] = DIGITS_INPUT, num_classes: int = 10, *,
-                gpt_preset: str = "tiny") -> nn.Module:
+def build_model(
+    name: str, in_shape: tuple[int, ...] = DIGITS_INPUT, num_classes: int = 10, *, gpt_preset: str = "tiny"
+) -> nn.Module:
     """The model `name`. Image models take `in_shape` (channels first) and `num_classes`;
     gpt takes `gpt_preset` (one of GPT_PRESETS) instead, its vocabulary and length being its own."""
     if name not in MODELS:

@@ -68,13 +68,22 @@ class _MeanOverTokens(nn.Module):
         return x.mean(dim=1)
 
 
-def transformer(in_shape: tuple[int, ...] = DIGITS_INPUT, num_classes: int = 10, dim: int = 64,
-                layers: int = 2, heads: int = 4) -> nn.Sequential:
+def transformer(
+    in_shape: tuple[int, ...] = DIGITS_INPUT, num_classes: int = 10, dim: int = 64, layers: int = 2, heads: int = 4
+) -> nn.Sequential:
     """A small encoder classifier: each image row is a token. No dropout, so every
     strategy computes the same function as serial."""
     channels, height, width_px = in_shape
-    blocks = [nn.TransformerEncoderLayer(dim, heads, dim_feedforward=4 * dim, dropout=0.0,
-                                         batch_first=True) for _ in range(layers)]
-    return nn.Sequential(_RowsAsTokens(), nn.Linear(channels * width_px, dim),
-                         _AddPosition(height, dim), *blocks, nn.LayerNorm(dim),
-                         _MeanOverTokens(), nn.Linear(dim, num_classes))
+    blocks = [
+        nn.TransformerEncoderLayer(dim, heads, dim_feedforward=4 * dim, dropout=0.0, batch_first=True)
+        for _ in range(layers)
+    ]
+    return nn.Sequential(
+        _RowsAsTokens(),
+        nn.Linear(channels * width_px, dim),
+        _AddPosition(height, dim),
+        *blocks,
+        nn.LayerNorm(dim),
+        _MeanOverTokens(),
+        nn.Linear(dim, num_classes),
+    )

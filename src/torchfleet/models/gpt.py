@@ -48,8 +48,10 @@ class GPTConfig:
             if getattr(self, name) < 1:
                 raise UsageError(f"GPTConfig {name}={getattr(self, name)} must be at least 1")
         if self.n_embd % self.n_head:
-            raise UsageError(f"GPTConfig n_embd={self.n_embd} does not split into n_head={self.n_head} heads;"
-                             " choose n_embd a multiple of n_head")
+            raise UsageError(
+                f"GPTConfig n_embd={self.n_embd} does not split into n_head={self.n_head} heads;"
+                " choose n_embd a multiple of n_head"
+            )
         if not 0.0 <= self.dropout < 1.0:
             raise UsageError(f"GPTConfig dropout={self.dropout} must be in [0, 1)")
 
@@ -64,17 +66,23 @@ class GPTConfig:
         torchfleet's pipelines cut a model with a plan between its blocks and run its own forward
         on each stage (strategies/pipeline/declared_cut.py) instead of tracing it: a traced stage's forward
         was about 20% slower on gpt tiny (docs/benchmarks/history.md)."""
-        return {"tok_emb": (["idx"], ["tokens"]), "pos_emb": (["idx"], ["positions"]),
-                "drop": (["tokens", "positions"], ["hidden"]), "blocks": (["hidden"], ["hidden"]),
-                "norm": (["hidden"], ["hidden"]), "head": (["hidden"], ["logits"])}
+        return {
+            "tok_emb": (["idx"], ["tokens"]),
+            "pos_emb": (["idx"], ["positions"]),
+            "drop": (["tokens", "positions"], ["hidden"]),
+            "blocks": (["hidden"], ["hidden"]),
+            "norm": (["hidden"], ["hidden"]),
+            "head": (["hidden"], ["logits"]),
+        }
 
 
 # Parameter counts are in tests/test_models.py; `tiny` trains in seconds on 2 CPU cores.
 PRESETS = {
     "tiny": GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=64),  # 236,928
     "small50m": GPTConfig(vocab_size=256, block_size=256, n_layer=8, n_head=12, n_embd=768),  # 57,294,336
-    "gpt2": GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768,
-                      tie_embeddings=True),  # 124,439,808: GPT-2 small
+    "gpt2": GPTConfig(
+        vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768, tie_embeddings=True
+    ),  # 124,439,808: GPT-2 small
 }
 
 
@@ -101,8 +109,7 @@ class Attention(nn.Module):
         batch, length, _ = x.shape
         # -1 heads: under tensor parallelism this rank's q, k and v hold n_head / tp of them.
         q, k, v = (p(x).view(batch, length, -1, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
-                                           is_causal=True)
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
         return self.resid_dropout(self.proj(y.transpose(1, 2).reshape(batch, length, -1)))
 
 
@@ -170,8 +177,10 @@ class GPT(nn.Module):
             assert idx is not None, "GPT.forward takes idx or hidden"
             length = idx.shape[1]
             if length > self.config.block_size:
-                raise UsageError(f"a sequence of {length} tokens is longer than this GPT's block_size"
-                                 f" {self.config.block_size}; cut the input or choose a larger block_size")
+                raise UsageError(
+                    f"a sequence of {length} tokens is longer than this GPT's block_size"
+                    f" {self.config.block_size}; cut the input or choose a larger block_size"
+                )
             positions = torch.arange(length, device=idx.device)
             hidden = self.drop(self.tok_emb(idx) + self.pos_emb(positions))
         for block in self.blocks:
@@ -189,8 +198,10 @@ class GPT(nn.Module):
 
         heads = self.config.n_head
         if heads % tp:
-            raise UsageError(f"tensor parallelism over {tp} processes would split this GPT's {heads} attention"
-                             f" heads unevenly (each rank needs whole heads); choose a --tp that divides {heads}")
+            raise UsageError(
+                f"tensor parallelism over {tp} processes would split this GPT's {heads} attention"
+                f" heads unevenly (each rank needs whole heads); choose a --tp that divides {heads}"
+            )
 
         plan = {}
         for i in range(len(self.blocks)):

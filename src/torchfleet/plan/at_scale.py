@@ -65,13 +65,34 @@ def request_of(cfg) -> ScaleRequest:
     from torchfleet.plan.run import cluster_counts
 
     efficiency = AT_SCALE_EFFICIENCY if cfg.mfu is None else cfg.mfu
-    target = hardware.gpu_cluster(nodes=cfg.nodes or 1, per_node=cfg.gpus_per_node or 1, gpu=cfg.gpu,
-                                  tflops=cfg.tflops, memory_gb=cfg.memory_gb, mfu=efficiency,
-                                  precision=cfg.precision, intra_gbit=cfg.intra_gbit, inter_gbit=cfg.link_gbit)
-    return ScaleRequest(cfg.hf_config, cfg.seq_len, cfg.local_batch, cfg.ac, cfg.precision,
-                        cluster_counts(cfg, target), target.per_node, target.memory_bytes, target.name,
-                        f"{cfg.gpu} " if cfg.gpu else "", target, efficiency, tuple(cfg.tp), tuple(cfg.pp) or (1,),
-                        cfg.schedule)
+    target = hardware.gpu_cluster(
+        nodes=cfg.nodes or 1,
+        per_node=cfg.gpus_per_node or 1,
+        gpu=cfg.gpu,
+        tflops=cfg.tflops,
+        memory_gb=cfg.memory_gb,
+        mfu=efficiency,
+        precision=cfg.precision,
+        intra_gbit=cfg.intra_gbit,
+        inter_gbit=cfg.link_gbit,
+    )
+    return ScaleRequest(
+        cfg.hf_config,
+        cfg.seq_len,
+        cfg.local_batch,
+        cfg.ac,
+        cfg.precision,
+        cluster_counts(cfg, target),
+        target.per_node,
+        target.memory_bytes,
+        target.name,
+        f"{cfg.gpu} " if cfg.gpu else "",
+        target,
+        efficiency,
+        tuple(cfg.tp),
+        tuple(cfg.pp) or (1,),
+        cfg.schedule,
+    )
 
 
 def plan_at_scale(request: ScaleRequest, say=print) -> dict:
@@ -83,12 +104,13 @@ def plan_at_scale(request: ScaleRequest, say=print) -> dict:
         tensor_parallel.check_degree(fields, tp)
     for pp in request.pps:
         pipeline_at_scale.check_degree(fields, pp)
-    work = trace.Workload(seq=request.seq, local_batch=request.local_batch, ac=request.ac,
-                          precision=request.precision)
-    say(f"tracing one training step of {request.hf_config} ({params / 1e9:,.1f} B parameters) on fake tensors:"
+    work = trace.Workload(seq=request.seq, local_batch=request.local_batch, ac=request.ac, precision=request.precision)
+    say(
+        f"tracing one training step of {request.hf_config} ({params / 1e9:,.1f} B parameters) on fake tensors:"
         f" sequence {request.seq}, local batch {request.local_batch}, checkpointing {request.ac},"
         f" tensor parallelism {', '.join(map(str, tps))}"
-        + (f", pipelines of {', '.join(map(str, request.pps))} stages" if request.pps != (1,) else ""))
+        + (f", pipelines of {', '.join(map(str, request.pps))} stages" if request.pps != (1,) else "")
+    )
     began = time.perf_counter()
     rows = []
     for tp in tps:
@@ -104,27 +126,46 @@ def plan_at_scale(request: ScaleRequest, say=print) -> dict:
         for schedule, v in pipeline_at_scale.schedules_for(fields, pp, request.schedule):
             for tp in tps:
                 for gpus in (g for g in request.counts if g % (tp * pp) == 0):
-                    rows.append(pipeline_at_scale.row(fields, replace(work, tp=tp), gpus, pp, schedule, v, params,
-                                                      request))
+                    rows.append(
+                        pipeline_at_scale.row(fields, replace(work, tp=tp), gpus, pp, schedule, v, params, request)
+                    )
                     replicas = pipeline_at_scale.hsdp_replicas(gpus, pp, tp, request.per_node)
                     if replicas > 1:
-                        rows.append(pipeline_at_scale.row(fields, replace(work, tp=tp), gpus, pp, schedule, v,
-                                                          params, request, replicas))
-    return {"schema": SCHEMA, "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "hf_config": request.hf_config, "model_type": fields["model_type"], "parameters": params,
-            "workload": {"seq": request.seq, "local_batch": request.local_batch, "ac": request.ac,
-                         "precision": request.precision},
-            "gpu_memory_bytes": request.memory_bytes, "target": request.gpu_name, "rows": rows,
-            "recommendation": recommend(rows, request), "trace_s": round(time.perf_counter() - began, 1),
-            "efficiency": request.efficiency, "achieved_flops_per_s": request.target.rate,
-            "notes": [f"peak/GPU is the tensors' peak as FSDPMemTracker follows them on fake tensors (what"
-                      f" max_memory_allocated reads on a GPU); reserved is {RESERVED_OVER_ALLOCATED} times it, the"
-                      " caching allocator's measured overhead with expandable segments; a step whose tensors fit"
-                      " but whose reserve does not is tight",
-                      f"step time: the traced FLOPs at {request.efficiency:.0%} of the GPU's dense peak"
-                      " (--mfu); FSDP's all-gathers and reduce-scatter over the link they cross, hidden behind"
-                      " compute but for one block's share; tensor parallelism's traced collectives over the"
-                      " node's links, not hidden"]}
+                        rows.append(
+                            pipeline_at_scale.row(
+                                fields, replace(work, tp=tp), gpus, pp, schedule, v, params, request, replicas
+                            )
+                        )
+    return {
+        "schema": SCHEMA,
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "hf_config": request.hf_config,
+        "model_type": fields["model_type"],
+        "parameters": params,
+        "workload": {
+            "seq": request.seq,
+            "local_batch": request.local_batch,
+            "ac": request.ac,
+            "precision": request.precision,
+        },
+        "gpu_memory_bytes": request.memory_bytes,
+        "target": request.gpu_name,
+        "rows": rows,
+        "recommendation": recommend(rows, request),
+        "trace_s": round(time.perf_counter() - began, 1),
+        "efficiency": request.efficiency,
+        "achieved_flops_per_s": request.target.rate,
+        "notes": [
+            f"peak/GPU is the tensors' peak as FSDPMemTracker follows them on fake tensors (what"
+            f" max_memory_allocated reads on a GPU); reserved is {RESERVED_OVER_ALLOCATED} times it, the"
+            " caching allocator's measured overhead with expandable segments; a step whose tensors fit"
+            " but whose reserve does not is tight",
+            f"step time: the traced FLOPs at {request.efficiency:.0%} of the GPU's dense peak"
+            " (--mfu); FSDP's all-gathers and reduce-scatter over the link they cross, hidden behind"
+            " compute but for one block's share; tensor parallelism's traced collectives over the"
+            " node's links, not hidden",
+        ],
+    }
 
 
 def default_tps(fields: dict, per_node: int) -> tuple[int, ...]:
@@ -137,19 +178,27 @@ def default_tps(fields: dict, per_node: int) -> tuple[int, ...]:
     return (1, per_node) if per_node > 1 else (1,)
 
 
-def _row(fields: dict, work: trace.Workload, gpus: int, params: int, request: ScaleRequest,
-         replicas: int = 1) -> dict:
+def _row(fields: dict, work: trace.Workload, gpus: int, params: int, request: ScaleRequest, replicas: int = 1) -> dict:
     dp = gpus // work.tp
     shard = dp // replicas
     traced = trace.traced_at_scale(fields, work, shard)  # the states shard over one replica's ranks only
     timing = step_time(traced, params, fields["num_hidden_layers"], gpus, request, replicas)
-    return table_row(request, gpus=gpus, tp=work.tp, replicas=replicas, shard=shard,
-                     layout=layout_name(replicas, shard, work.tp), memory=memory_columns(traced.kinds),
-                     peak=traced.peak, flops=traced.flops, collectives=traced.collectives, timing=timing)
+    return table_row(
+        request,
+        gpus=gpus,
+        tp=work.tp,
+        replicas=replicas,
+        shard=shard,
+        layout=layout_name(replicas, shard, work.tp),
+        memory=memory_columns(traced.kinds),
+        peak=traced.peak,
+        flops=traced.flops,
+        collectives=traced.collectives,
+        timing=timing,
+    )
 
 
-def step_time(traced: Traced, params: int, blocks: int, gpus: int, request: ScaleRequest,
-              replicas: int = 1) -> dict:
+def step_time(traced: Traced, params: int, blocks: int, gpus: int, request: ScaleRequest, replicas: int = 1) -> dict:
     """One step's seconds: compute at the target's achieved rate, then two kinds of collectives.
 
     - FSDP's, over the dp_shard ranks of each tensor-parallel shard (params / tp each): all-gathers of the
@@ -167,41 +216,56 @@ def step_time(traced: Traced, params: int, blocks: int, gpus: int, request: Scal
     link = target.link_for(traced.world * tp)  # a replica's ranks are consecutive: tp inside, shards around
     param_bytes = 2 if request.precision == "bf16" else 4
     shard = params / tp
-    fsdp = (2 * comm.all_gather_s(shard * param_bytes, traced.world, link)
-            + comm.reduce_scatter_s(shard * 4, traced.world, link)
-            + comm.all_reduce_s(shard / traced.world * 4, replicas, target.link_for(gpus)))
+    fsdp = (
+        2 * comm.all_gather_s(shard * param_bytes, traced.world, link)
+        + comm.reduce_scatter_s(shard * 4, traced.world, link)
+        + comm.all_reduce_s(shard / traced.world * 4, replicas, target.link_for(gpus))
+    )
     tensor = collectives_s(traced, tp, target)
     exposed = fsdp / blocks + max(0.0, fsdp - compute) + tensor
     communication = fsdp + tensor
-    return {"step": compute + exposed, "compute": compute, "communication": communication, "fsdp": fsdp,
-            "tp": tensor, "exposed": exposed, "bound": "compute" if compute >= communication else "communication"}
+    return {
+        "step": compute + exposed,
+        "compute": compute,
+        "communication": communication,
+        "fsdp": fsdp,
+        "tp": tensor,
+        "exposed": exposed,
+        "bound": "compute" if compute >= communication else "communication",
+    }
 
 
 def recommend(rows: list[dict], request: ScaleRequest) -> str:
     """The fastest layout that fits all the planned GPUs, and the fewest GPUs that hold the step."""
+
     def fits(row):
         return row["fits"] and not row["tight"]
 
     gib = 2**30
     fitting = [r for r in rows if fits(r)] or [r for r in rows if r["fits"]]
     if not fitting:
-        return (f"no planned layout holds the step (the smallest peak is {min(r['peak'] for r in rows) / gib:,.1f}"
-                f" GiB of tensors a GPU against {request.memory_bytes / gib:,.1f} GiB);"
-                + (" fuller checkpointing (--ac full), a" if request.ac != "full" else " a")
-                + " shorter sequence, a smaller local batch or more tensor parallelism (--tp) lowers it")
+        return (
+            f"no planned layout holds the step (the smallest peak is {min(r['peak'] for r in rows) / gib:,.1f}"
+            f" GiB of tensors a GPU against {request.memory_bytes / gib:,.1f} GiB);"
+            + (" fuller checkpointing (--ac full), a" if request.ac != "full" else " a")
+            + " shorter sequence, a smaller local batch or more tensor parallelism (--tp) lowers it"
+        )
     most = max(request.counts)
     at_most = [r for r in fitting if r["gpus"] == most]
     fewest = min(fitting, key=lambda r: (r["gpus"], -r["tokens_per_s_per_gpu"]))
-    held = (f"{fewest['layout']} over {fewest['gpus']} {request.gpu_label}GPUs is the fewest that hold the step:"
-            f" {fewest['peak'] / gib:,.1f} GiB of tensors, {fewest['reserved'] / gib:,.1f} GiB reserved, of"
-            f" {request.memory_bytes / gib:,.1f} GiB a GPU"
-            + (" (tight: the allocator must free its cache and retry, which slows steps)" if fewest["tight"] else ""))
+    held = (
+        f"{fewest['layout']} over {fewest['gpus']} {request.gpu_label}GPUs is the fewest that hold the step:"
+        f" {fewest['peak'] / gib:,.1f} GiB of tensors, {fewest['reserved'] / gib:,.1f} GiB reserved, of"
+        f" {request.memory_bytes / gib:,.1f} GiB a GPU"
+        + (" (tight: the allocator must free its cache and retry, which slows steps)" if fewest["tight"] else "")
+    )
     if not at_most:
         return held
     best = max(at_most, key=lambda r: r["tokens_per_s_per_gpu"])
-    return (f"on {most} {request.gpu_label}GPUs the fastest layout that fits is {best['layout']}:"
-            f" {best['tokens_per_s_per_gpu']:,.0f} tokens/s a GPU, {best['reserved'] / gib:,.1f} GiB reserved; "
-            + held)
+    return (
+        f"on {most} {request.gpu_label}GPUs the fastest layout that fits is {best['layout']}:"
+        f" {best['tokens_per_s_per_gpu']:,.0f} tokens/s a GPU, {best['reserved'] / gib:,.1f} GiB reserved; " + held
+    )
 
 
 def _refuse_weights_beyond_the_cluster(request: ScaleRequest, params: int) -> None:
@@ -213,23 +277,46 @@ def _refuse_weights_beyond_the_cluster(request: ScaleRequest, params: int) -> No
             f" alone, more than {most} GPUs x {request.memory_bytes / 1e9:,.0f} GB ="
             f" {most * request.memory_bytes / 1e9:,.0f} GB; training needs {TRAINING_BYTES_PER_PARAM} bytes a"
             f" parameter ({params * TRAINING_BYTES_PER_PARAM / 1e9:,.0f} GB) before activations: plan more GPUs"
-            " (--nodes)")
+            " (--nodes)"
+        )
 
 
 def table(document: dict):
     from rich.table import Table
 
     w = document["workload"]
-    t = Table(title=f"torchfleet plan: {document['hf_config']} ({document['parameters'] / 1e9:,.1f} B),"
-              f" sequence {w['seq']}, local batch {w['local_batch']}, checkpointing {w['ac']}, {w['precision']},"
-              f" on {document['target']} (traced on fake tensors; memory in GiB per GPU)", title_justify="left")
-    for name in ("GPUs", "layout", "nodes", "global batch", *COLUMNS, "peak/GPU", "reserved", "fits", "step s",
-                 "tokens/s/GPU", "bound"):
+    t = Table(
+        title=f"torchfleet plan: {document['hf_config']} ({document['parameters'] / 1e9:,.1f} B),"
+        f" sequence {w['seq']}, local batch {w['local_batch']}, checkpointing {w['ac']}, {w['precision']},"
+        f" on {document['target']} (traced on fake tensors; memory in GiB per GPU)",
+        title_justify="left",
+    )
+    for name in (
+        "GPUs",
+        "layout",
+        "nodes",
+        "global batch",
+        *COLUMNS,
+        "peak/GPU",
+        "reserved",
+        "fits",
+        "step s",
+        "tokens/s/GPU",
+        "bound",
+    ):
         t.add_column(name, justify="left" if name in ("layout", "fits", "bound") else "right")
     for r in document["rows"]:
-        t.add_row(str(r["gpus"]), r["layout"], str(r["nodes"]), f"{r['global_batch']:,}",
-                  *(f"{r['memory'][name] / 2**30:,.2f}" for name in COLUMNS), f"{r['peak'] / 2**30:,.2f}",
-                  f"{r['reserved'] / 2**30:,.1f}",
-                  "tight" if r["tight"] else "yes" if r["fits"] else "NO", f"{r['time']['step']:.2f}",
-                  f"{r['tokens_per_s_per_gpu']:,.0f}", r["time"]["bound"])
+        t.add_row(
+            str(r["gpus"]),
+            r["layout"],
+            str(r["nodes"]),
+            f"{r['global_batch']:,}",
+            *(f"{r['memory'][name] / 2**30:,.2f}" for name in COLUMNS),
+            f"{r['peak'] / 2**30:,.2f}",
+            f"{r['reserved'] / 2**30:,.1f}",
+            "tight" if r["tight"] else "yes" if r["fits"] else "NO",
+            f"{r['time']['step']:.2f}",
+            f"{r['tokens_per_s_per_gpu']:,.0f}",
+            r["time"]["bound"],
+        )
     return t

@@ -67,8 +67,12 @@ def run_check_cell(spec: dict) -> dict | None:
     if fleet.is_main:
         step_times = [max(t[i] for t, _ in found) for i in range(len(times))]
         peaks = [p for _, p in found]
-        result = {**bench_cell.spread(step_times), "peak_tensor_bytes": peaks if None not in peaks else None,
-                  "memory_note": why, "microbatches": getattr(fleet.strategy, "microbatches", None)}
+        result = {
+            **bench_cell.spread(step_times),
+            "peak_tensor_bytes": peaks if None not in peaks else None,
+            "memory_note": why,
+            "microbatches": getattr(fleet.strategy, "microbatches", None),
+        }
     fleet.close()
     return result
 
@@ -92,8 +96,13 @@ def run_cell(cell, spec: dict, timeout_s: float) -> dict:
     from torchfleet.bench.launch_cell import _Deadline, failure_reason
     from torchfleet.launcher.agent import LaunchError, launch
 
-    spec = {**spec, "strategy": cell.strategy, "processes": cell.processes, "global_batch": cell.global_batch,
-            "threads": cell.threads}
+    spec = {
+        **spec,
+        "strategy": cell.strategy,
+        "processes": cell.processes,
+        "global_batch": cell.global_batch,
+        "threads": cell.threads,
+    }
     start = time.perf_counter()
     try:
         with _Deadline(timeout_s) as deadline:
@@ -106,13 +115,24 @@ def run_cell(cell, spec: dict, timeout_s: float) -> dict:
 
 def compare(prediction, measured: dict) -> dict:
     """One row of the check: predicted and measured step time and peak memory, and their ratios."""
-    row = {"strategy": prediction.strategy, "processes": prediction.processes,
-           "global_batch": prediction.global_batch, "degrees": prediction.degrees,
-           "status": measured["status"], "error": measured.get("error"),
-           "predicted_step_s": prediction.time["step"], "measured_step_s": None, "step_ratio": None,
-           "predicted_peak_bytes": prediction.memory["peak"], "measured_peak_bytes": None, "memory_ratio": None,
-           "memory_note": measured.get("memory_note"), "microbatches": measured.get("microbatches"),
-           "measured_fastest_step_s": None, "fastest_ratio": None}
+    row = {
+        "strategy": prediction.strategy,
+        "processes": prediction.processes,
+        "global_batch": prediction.global_batch,
+        "degrees": prediction.degrees,
+        "status": measured["status"],
+        "error": measured.get("error"),
+        "predicted_step_s": prediction.time["step"],
+        "measured_step_s": None,
+        "step_ratio": None,
+        "predicted_peak_bytes": prediction.memory["peak"],
+        "measured_peak_bytes": None,
+        "memory_ratio": None,
+        "memory_note": measured.get("memory_note"),
+        "microbatches": measured.get("microbatches"),
+        "measured_fastest_step_s": None,
+        "fastest_ratio": None,
+    }
     if measured["status"] != "ok":
         return row
     row["measured_step_s"] = measured["step_time_median_s"]
@@ -130,17 +150,19 @@ def compare(prediction, measured: dict) -> dict:
 def summary(rows: list[dict]) -> dict:
     """Median and worst |predicted / measured - 1| for step time and for peak memory."""
     out: dict[str, Any] = {}
-    for what, key in (("step_time", "step_ratio"), ("peak_memory", "memory_ratio"),
-                      ("fastest_step", "fastest_ratio")):
+    for what, key in (("step_time", "step_ratio"), ("peak_memory", "memory_ratio"), ("fastest_step", "fastest_ratio")):
         measured = [r for r in rows if r.get(key) is not None]
         if not measured:
             out[what] = {"cells": 0, "median_error": None, "worst": None}
             continue
         errors = [abs(r[key] - 1) for r in measured]
         worst = max(measured, key=lambda r: abs(r[key] - 1))
-        out[what] = {"cells": len(measured), "median_error": statistics.median(errors),
-                     "worst": {k: worst[k] for k in ("strategy", "processes", "global_batch", key)}
-                     | {"error": abs(worst[key] - 1)}}
+        out[what] = {
+            "cells": len(measured),
+            "median_error": statistics.median(errors),
+            "worst": {k: worst[k] for k in ("strategy", "processes", "global_batch", key)}
+            | {"error": abs(worst[key] - 1)},
+        }
     return out
 
 

@@ -10,8 +10,12 @@ def selective_contexts():
 
     aten = torch.ops.aten
     keep = {aten.mm.default, aten.max.default}
-    for name in ("_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
-                 "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_cudnn_attention"):
+    for name in (
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_cudnn_attention",
+    ):
         if hasattr(aten, name):
             keep.add(getattr(aten, name).default)
     products = {"forward": 0, "recompute": 0}

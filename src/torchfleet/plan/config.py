@@ -78,16 +78,22 @@ class PlanConfig:
         if self.gpus_per_node is not None and self.cpus_per_node is not None:
             raise UsageError("give --gpus-per-node or --cpus-per-node, not both: a node's processes run on one kind")
         if self.check and self.described:
-            raise UsageError("--check runs bench here, so it checks plans for this machine only; leave out"
-                             " --nodes, --gpus-per-node and --cpus-per-node")
+            raise UsageError(
+                "--check runs bench here, so it checks plans for this machine only; leave out"
+                " --nodes, --gpus-per-node and --cpus-per-node"
+            )
         if self.schedule is not None or self.stages_per_process is not None:
             from torchfleet.strategies.pipeline.schedules import check_schedule
 
             check_schedule(self.schedule, 2, self.stages_per_process)  # a bad pair is one sentence, as in bench
         at_least("--steps", self.steps, 2)
         at_least("--warmup", self.warmup, 0)
-        for flag, value in (("--link", self.link_gbit), ("--intra-link", self.intra_gbit),
-                            ("--tflops", self.tflops), ("--memory-gb", self.memory_gb)):
+        for flag, value in (
+            ("--link", self.link_gbit),
+            ("--intra-link", self.intra_gbit),
+            ("--tflops", self.tflops),
+            ("--memory-gb", self.memory_gb),
+        ):
             if value is not None and not value > 0:
                 raise UsageError(f"{flag} {value:g} must be above 0")
 
@@ -96,15 +102,19 @@ class PlanConfig:
         from torchfleet.plan.trace import AC_MODES
 
         if self.cpus_per_node is not None or not (self.gpus_per_node or self.gpu or self.tflops):
-            raise UsageError("--hf-config plans a described GPU cluster: give --gpus-per-node with --gpu (or --tflops"
-                             " and --memory-gb), and --nodes for more than one machine")
+            raise UsageError(
+                "--hf-config plans a described GPU cluster: give --gpus-per-node with --gpu (or --tflops"
+                " and --memory-gb), and --nodes for more than one machine"
+            )
         if self.check:
             raise UsageError("--check runs the model here, which --hf-config's models are too big for; leave out one")
         if self.ac not in AC_MODES:
             raise UsageError(f"--ac {self.ac!r} is not a checkpointing mode; choose one of {', '.join(AC_MODES)}")
         if self.precision not in ("bf16", "fp32"):
-            raise UsageError(f"--precision {self.precision} is not planned at scale; choose bf16 (bf16 compute, fp32"
-                             " master weights and reduction, as torchtitan trains) or fp32")
+            raise UsageError(
+                f"--precision {self.precision} is not planned at scale; choose bf16 (bf16 compute, fp32"
+                " master weights and reduction, as torchtitan trains) or fp32"
+            )
         at_least("--seq-len", self.seq_len, 1)
         at_least("--local-batch", self.local_batch, 1)
         for degree in self.pp:
@@ -112,5 +122,7 @@ class PlanConfig:
         for degree in self.tp:
             at_least("--tp", degree, 1)
             if self.gpus_per_node and degree > self.gpus_per_node:
-                raise UsageError(f"--tp {degree} is more than a node's {self.gpus_per_node} GPUs: tensor parallelism"
-                                 " gathers and scatters at every block, which plan keeps on one node's links")
+                raise UsageError(
+                    f"--tp {degree} is more than a node's {self.gpus_per_node} GPUs: tensor parallelism"
+                    " gathers and scatters at every block, which plan keeps on one node's links"
+                )

@@ -43,8 +43,10 @@ def measure_missing(calib, profile, spec: dict, global_batch: int, counts, say=p
     missing = [n for n in counts if n > 1 and calib.contention(key(profile.workload, global_batch, n), n) is None]
     if not missing:
         return
-    say(f"probing how much slower {profile.workload}'s step runs in {' and '.join(map(str, missing))} processes"
-        " at once than in one (cached)")
+    say(
+        f"probing how much slower {profile.workload}'s step runs in {' and '.join(map(str, missing))} processes"
+        " at once than in one (cached)"
+    )
     for n in missing:
         local = max(1, global_batch // n)
         found = slowdown(spec, n, local, max(1, calib.cores // n), profile.optimizer)

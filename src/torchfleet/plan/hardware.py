@@ -85,14 +85,26 @@ def gpu_figures(name: str, precision: str) -> tuple[float, float]:
     """(peak FLOP/s, memory bytes) of a GPU in the table; UsageError naming the choices otherwise."""
     key = name.upper().replace(" ", "-")
     if key not in GPUS:
-        raise UsageError(f"GPU {name!r} is not in torchfleet's table ({', '.join(GPUS)}); give its figures"
-                         " with --tflops (dense, at the precision planned) and --memory-gb")
+        raise UsageError(
+            f"GPU {name!r} is not in torchfleet's table ({', '.join(GPUS)}); give its figures"
+            " with --tflops (dense, at the precision planned) and --memory-gb"
+        )
     bf16, _tf32, fp32, memory_gb = GPUS[key]
     return (fp32 if precision == "fp32" else bf16) * 1e12, memory_gb * 1e9
 
 
-def gpu_cluster(*, nodes: int, per_node: int, gpu: str | None, tflops: float | None, memory_gb: float | None,
-                mfu: float | None, precision: str, intra_gbit: float | None, inter_gbit: float | None) -> Target:
+def gpu_cluster(
+    *,
+    nodes: int,
+    per_node: int,
+    gpu: str | None,
+    tflops: float | None,
+    memory_gb: float | None,
+    mfu: float | None,
+    precision: str,
+    intra_gbit: float | None,
+    inter_gbit: float | None,
+) -> Target:
     """A described GPU cluster; figures given as flags win over the table's (`mfu` None: DEFAULT_MFU's)."""
     _check_counts(nodes, per_node, "--gpus-per-node")
     mfu = DEFAULT_MFU[precision] if mfu is None else mfu
@@ -106,14 +118,16 @@ def gpu_cluster(*, nodes: int, per_node: int, gpu: str | None, tflops: float | N
     if memory_gb is not None:
         memory = _positive("--memory-gb", memory_gb) * 1e9
     if peak is None or memory is None:
-        raise UsageError("a GPU cluster needs --gpu NAME (one of " + ", ".join(GPUS) + ") or both --tflops and"
-                         " --memory-gb")
+        raise UsageError(
+            "a GPU cluster needs --gpu NAME (one of " + ", ".join(GPUS) + ") or both --tflops and --memory-gb"
+        )
     sxm = (gpu or "").upper() in ("H100", "H200", "A100")
     intra = intra_gbit * 1e9 / 8 if intra_gbit else (NVLINK_BYTES_S if sxm else PCIE_BYTES_S)
     inter = inter_gbit * 1e9 / 8 if inter_gbit else DEFAULT_INTER_BYTES_S
     name = f"{nodes} x {per_node} {gpu or 'GPU'}" + ("" if tflops is None else f" ({tflops:g} TFLOP/s)")
-    return Target(name, nodes, per_node, memory, Link(intra, GPU_LATENCY_S), Link(inter, 2 * GPU_LATENCY_S),
-                  rate=peak * mfu)
+    return Target(
+        name, nodes, per_node, memory, Link(intra, GPU_LATENCY_S), Link(inter, 2 * GPU_LATENCY_S), rate=peak * mfu
+    )
 
 
 def _check_counts(nodes: int, per_node: int, flag: str) -> None:
@@ -129,10 +143,18 @@ def _positive(flag: str, value: float) -> float:
     return value
 
 
-def cpu_cluster(*, nodes: int, cores_per_node: int, memory_gb: float, intra: Link, inter_gbit: float | None,
-                name: str = "") -> Target:
+def cpu_cluster(
+    *, nodes: int, cores_per_node: int, memory_gb: float, intra: Link, inter_gbit: float | None, name: str = ""
+) -> Target:
     """CPU hosts, `cores_per_node` each: a process per core, at the rates measured here."""
     _check_counts(nodes, cores_per_node, "--cpus-per-node")
     inter = Link(inter_gbit * 1e9 / 8, 50e-6) if inter_gbit else Link(DEFAULT_INTER_BYTES_S / 10, 50e-6)
-    return Target(name or f"{nodes} x {cores_per_node}-core CPU hosts", nodes, cores_per_node,
-                  _positive("--memory-gb", memory_gb) * 1e9, intra, inter, cores_per_node=cores_per_node)
+    return Target(
+        name or f"{nodes} x {cores_per_node}-core CPU hosts",
+        nodes,
+        cores_per_node,
+        _positive("--memory-gb", memory_gb) * 1e9,
+        intra,
+        inter,
+        cores_per_node=cores_per_node,
+    )

@@ -47,8 +47,11 @@ class Layout:
 
     def degrees(self) -> str:
         """Short: "rep2 x shard2", "pp2 m4" (m: micro-batches), "-" for one process."""
-        parts = [f"{k}{v}" for k, v in (("rep", self.replicate), ("shard", self.shard), ("pp", self.pp),
-                                        ("tp", self.tp)) if v > 1]
+        parts = [
+            f"{k}{v}"
+            for k, v in (("rep", self.replicate), ("shard", self.shard), ("pp", self.pp), ("tp", self.tp))
+            if v > 1
+        ]
         text = " x ".join(parts)
         if self.pp > 1 or self.cost == "mp":
             text += f" m{self.microbatches}"
@@ -57,8 +60,9 @@ class Layout:
         return text.strip() or "-"
 
 
-def layout(strategy: str, processes: int, batch: int, profile: Profile, options: dict | None = None,
-           cpu_threads: int = 0) -> Layout:
+def layout(
+    strategy: str, processes: int, batch: int, profile: Profile, options: dict | None = None, cpu_threads: int = 0
+) -> Layout:
     """The degrees `strategy` runs with; UsageError (from the strategy's own rules) where it cannot."""
     from torchfleet.strategies import resolve_dims
 
@@ -80,8 +84,15 @@ def layout(strategy: str, processes: int, batch: int, profile: Profile, options:
         per = pipelines.stages_per_process(schedule, options.get("stages_per_process"))
         local = max(1, batch // lay.readers)
         # The pipelines' own rule (strategies/pipeline/stages.py); --check re-predicts with the count a cell really used.
-        m = options.get("microbatches") or default_microbatches(
-            local, dims.pp, lambda m: microbatch_problem(schedule, dims.pp, m) is None,
-            profile.pointwise_convs and cpu_threads == 1) or 2 * dims.pp
+        m = (
+            options.get("microbatches")
+            or default_microbatches(
+                local,
+                dims.pp,
+                lambda m: microbatch_problem(schedule, dims.pp, m) is None,
+                profile.pointwise_convs and cpu_threads == 1,
+            )
+            or 2 * dims.pp
+        )
         lay = Layout(**{**asdict(lay), "microbatches": m, "schedule": schedule, "stages_per_process": per})
     return lay

@@ -27,19 +27,25 @@ def read_config(name_or_path: str) -> dict:
     if not path.is_file():
         path = Path(name_or_path)
     if not path.is_file():
-        raise UsageError(f"--hf-config {name_or_path!r} is neither a file nor a shipped config; give a"
-                         f" config.json's path or one of {', '.join(shipped())}")
+        raise UsageError(
+            f"--hf-config {name_or_path!r} is neither a file nor a shipped config; give a"
+            f" config.json's path or one of {', '.join(shipped())}"
+        )
     try:
         fields = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise UsageError(f"--hf-config {path} is not a model config: it cannot be read as JSON ({exc})") from None
     if not isinstance(fields, dict) or "model_type" not in fields:
-        raise UsageError(f"--hf-config {path} is not a model config: a Hugging Face config.json names its"
-                         " model_type, and this file has none")
+        raise UsageError(
+            f"--hf-config {path} is not a model config: a Hugging Face config.json names its"
+            " model_type, and this file has none"
+        )
     for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size"):
         if not isinstance(fields.get(key), int) or fields[key] < 1:
-            raise UsageError(f"--hf-config {path} is not a decoder model config that plan can trace: it has no"
-                             f" positive integer {key}")
+            raise UsageError(
+                f"--hf-config {path} is not a decoder model config that plan can trace: it has no"
+                f" positive integer {key}"
+            )
     return fields
 
 
@@ -48,8 +54,10 @@ def transformers_config(fields: dict, layers: int | None = None):
     try:
         from transformers import AutoConfig
     except ImportError:
-        raise UsageError("--hf-config needs transformers to build the model's modules (nothing is downloaded):"
-                         " pip install transformers") from None
+        raise UsageError(
+            "--hf-config needs transformers to build the model's modules (nothing is downloaded):"
+            " pip install transformers"
+        ) from None
     fields = dict(fields)
     if layers is not None:
         fields["num_hidden_layers"] = layers
@@ -57,8 +65,10 @@ def transformers_config(fields: dict, layers: int | None = None):
     try:
         return AutoConfig.for_model(model_type, **fields)
     except (ValueError, KeyError) as exc:
-        raise UsageError(f"--hf-config's model_type {model_type!r} is not one this transformers knows"
-                         f" ({str(exc).splitlines()[0][:120]})") from None
+        raise UsageError(
+            f"--hf-config's model_type {model_type!r} is not one this transformers knows"
+            f" ({str(exc).splitlines()[0][:120]})"
+        ) from None
 
 
 def build(fields: dict, layers: int | None = None):
@@ -70,8 +80,10 @@ def build(fields: dict, layers: int | None = None):
     try:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     except ValueError as exc:
-        raise UsageError(f"--hf-config's {type(config).__name__} has no causal language model in transformers,"
-                         f" so plan cannot train it ({str(exc).splitlines()[0][:120]})") from None
+        raise UsageError(
+            f"--hf-config's {type(config).__name__} has no causal language model in transformers,"
+            f" so plan cannot train it ({str(exc).splitlines()[0][:120]})"
+        ) from None
     blocks(model)  # a model without a list of decoder blocks is refused here, before any tracing
     return model
 
@@ -100,8 +112,10 @@ def blocks(model):
     inner = getattr(model, getattr(model, "base_model_prefix", "model"), None)
     found = getattr(inner, "layers", None)
     if not isinstance(found, nn.ModuleList) or len(found) == 0:
-        raise UsageError(f"{type(model).__name__} keeps no list of decoder blocks at .{model.base_model_prefix}"
-                         ".layers, so plan cannot shard or checkpoint it block by block")
+        raise UsageError(
+            f"{type(model).__name__} keeps no list of decoder blocks at .{model.base_model_prefix}"
+            ".layers, so plan cannot shard or checkpoint it block by block"
+        )
     return found
 
 

@@ -46,8 +46,9 @@ TENSORS_PER_UNIT = 4  # two weights, two biases
 PAIRS = "mesh2x2_"  # the figures among 4 processes with each collective over groups of 2
 
 
-def per_unit(wrapped: tuple[float, float], plain: tuple[float, float], units: tuple[int, int] = UNITS
-             ) -> tuple[float, float]:
+def per_unit(
+    wrapped: tuple[float, float], plain: tuple[float, float], units: tuple[int, int] = UNITS
+) -> tuple[float, float]:
     """(seconds per unit, seconds per step) of a wrapper's overhead from step times at two unit counts."""
     extra = [w - p for w, p in zip(wrapped, plain, strict=True)]
     unit = max(0.0, (extra[1] - extra[0]) / (units[1] - units[0]))
@@ -59,8 +60,9 @@ def _model(units: int):
     from torch import nn
 
     torch.manual_seed(0)
-    return nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.ReLU(), nn.Linear(2 * WIDTH, WIDTH))
-                           for _ in range(units)])
+    return nn.Sequential(
+        *[nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.ReLU(), nn.Linear(2 * WIDTH, WIDTH)) for _ in range(units)]
+    )
 
 
 def _training_step(model):
@@ -100,16 +102,25 @@ def measure() -> dict[str, float]:
     times = _interleaved(steps)
 
     def wrapper(name: str) -> tuple[float, float]:
-        return per_unit((times[name, UNITS[0]], times[name, UNITS[1]]),
-                        (times["plain", UNITS[0]], times["plain", UNITS[1]]))
+        return per_unit(
+            (times[name, UNITS[0]], times[name, UNITS[1]]), (times["plain", UNITS[0]], times["plain", UNITS[1]])
+        )
 
     out = {}
     for prefix in meshes:
         (fsdp_unit, fsdp_step), (tp_unit, tp_step), (ddp_unit, ddp_step) = (
-            wrapper(prefix + "fsdp"), wrapper(prefix + "tp"), wrapper(prefix + "ddp"))
-        out |= {prefix + "fsdp_unit_s": fsdp_unit, prefix + "fsdp_step_s": fsdp_step, prefix + "tp_linear_s": tp_unit / 2,
-                prefix + "tp_step_s": tp_step, prefix + "ddp_tensor_s": ddp_unit / TENSORS_PER_UNIT,
-                prefix + "ddp_step_s": ddp_step}
+            wrapper(prefix + "fsdp"),
+            wrapper(prefix + "tp"),
+            wrapper(prefix + "ddp"),
+        )
+        out |= {
+            prefix + "fsdp_unit_s": fsdp_unit,
+            prefix + "fsdp_step_s": fsdp_step,
+            prefix + "tp_linear_s": tp_unit / 2,
+            prefix + "tp_step_s": tp_step,
+            prefix + "ddp_tensor_s": ddp_unit / TENSORS_PER_UNIT,
+            prefix + "ddp_step_s": ddp_step,
+        }
     if PAIRS in meshes:
         out["hsdp_unit_s"], out["hsdp_step_s"] = wrapper("hsdp")
     out["pipeline_slot_s"] = pipeline_slot()
@@ -120,11 +131,7 @@ def measure() -> dict[str, float]:
 
 def _wrapped(units: int, mesh, prefix: str) -> dict:
     """The probe model under fsdp, tp and ddp over `mesh`'s innermost dimension (and hsdp over a 2-D mesh)."""
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     from torch.nn.parallel import DistributedDataParallel
 
     from torchfleet.strategies.parallelize import apply_fsdp
@@ -132,10 +139,16 @@ def _wrapped(units: int, mesh, prefix: str) -> dict:
     inner = mesh["inner"] if mesh.ndim == 2 else mesh
     sharded, split = _model(units), _model(units)
     apply_fsdp(sharded, inner)
-    parallelize_module(split, inner, {f"{i}.{j}": style for i in range(units)
-                                      for j, style in ((0, ColwiseParallel()), (2, RowwiseParallel()))})
-    models = {prefix + "fsdp": sharded, prefix + "tp": split,
-              prefix + "ddp": DistributedDataParallel(_model(units), process_group=inner.get_group())}
+    parallelize_module(
+        split,
+        inner,
+        {f"{i}.{j}": style for i in range(units) for j, style in ((0, ColwiseParallel()), (2, RowwiseParallel()))},
+    )
+    models = {
+        prefix + "fsdp": sharded,
+        prefix + "tp": split,
+        prefix + "ddp": DistributedDataParallel(_model(units), process_group=inner.get_group()),
+    }
     if mesh.ndim == 2:
         hybrid = _model(units)
         apply_fsdp(hybrid, mesh)

@@ -32,8 +32,10 @@ MICROBATCH = 1  # samples a micro-batch, torchtitan's default
 def check_degree(fields: dict, pp: int) -> None:
     layers = fields["num_hidden_layers"]
     if pp > 1 and layers % pp:
-        raise UsageError(f"--pp {pp} does not divide the model's {layers} decoder blocks into equal stages; give a pp"
-                         f" that divides {layers}")
+        raise UsageError(
+            f"--pp {pp} does not divide the model's {layers} decoder blocks into equal stages; give a pp"
+            f" that divides {layers}"
+        )
 
 
 def schedules_for(fields: dict, pp: int, requested: str | None) -> tuple[tuple[str, int], ...]:
@@ -69,8 +71,9 @@ def stage_parameters(fields: dict, params: int, pp: int, role: str) -> float:
     return in_blocks / pp + first + last
 
 
-def _stage(stage_fields: dict, kept: trace.Workload, shard: int, role: str, held: float, parameters: float,
-           microbatches: int):
+def _stage(
+    stage_fields: dict, kept: trace.Workload, shard: int, role: str, held: float, parameters: float, microbatches: int
+):
     """One GPU's stage traced at one micro-batch: its memory with `held` micro-batches in flight, each further one
     holding what a micro-batch's forward leaves for its backward, and the gradients it accumulates over them,
     fp32 and unsharded."""
@@ -82,8 +85,17 @@ def _stage(stage_fields: dict, kept: trace.Workload, shard: int, role: str, held
     return one, grouped
 
 
-def row(fields: dict, work: trace.Workload, gpus: int, pp: int, schedule: str, v: int, params: int,
-        request, replicas: int = 1) -> dict:
+def row(
+    fields: dict,
+    work: trace.Workload,
+    gpus: int,
+    pp: int,
+    schedule: str,
+    v: int,
+    params: int,
+    request,
+    replicas: int = 1,
+) -> dict:
     """One pipeline layout; `replicas` > 1: HSDP in each stage, its dp ranks `replicas` x shards. Its memory is
     the fuller of the first GPU's and the last's; its pace is the last GPU's, which runs the output layer."""
     tp = work.tp
@@ -94,26 +106,65 @@ def row(fields: dict, work: trace.Workload, gpus: int, pp: int, schedule: str, v
     kept = replace(work, local_batch=MICROBATCH, reshard_after_forward=False)
     first_held = pipelines.activations_held(schedule, pp, m, v) * pp  # micro-batches of its own activations
     # tp's split embedding and output layer expect each other's layouts: under tp both ends stay on one stage.
-    ends = ([("first", first_held), ("last", pipelines.held_by_last(schedule, pp, m, v))] if tp == 1
-            else [("whole", first_held)])
-    stages = {role: _stage(stage, kept, shard, role, held, stage_parameters(fields, params, pp, role), m)
-              for role, held in ends}  # the states shard over one replica's ranks only
+    ends = (
+        [("first", first_held), ("last", pipelines.held_by_last(schedule, pp, m, v))]
+        if tp == 1
+        else [("whole", first_held)]
+    )
+    stages = {
+        role: _stage(stage, kept, shard, role, held, stage_parameters(fields, params, pp, role), m)
+        for role, held in ends
+    }  # the states shard over one replica's ranks only
     fullest = max(stages, key=lambda role: sum(stages[role][1].values()))
     grouped = stages[fullest][1]
     pacing = ends[-1][0]
     one = stages[pacing][0]
-    timing = step_time(one, stage_parameters(fields, params, pp, pacing), stage["num_hidden_layers"], gpus, pp, m,
-                       schedule, v, fields, request, replicas)
+    timing = step_time(
+        one,
+        stage_parameters(fields, params, pp, pacing),
+        stage["num_hidden_layers"],
+        gpus,
+        pp,
+        m,
+        schedule,
+        v,
+        fields,
+        request,
+        replicas,
+    )
     name = scale_rows.layout_name(replicas, shard, tp)
-    return scale_rows.table_row(request, gpus=gpus, tp=tp, pp=pp, schedule=schedule, microbatches=m,
-                                peak_stage=fullest, replicas=replicas, shard=shard,
-                                layout=f"{name} x PP {pp} ({schedule})", memory=grouped, peak=sum(grouped.values()),
-                                flops=one.flops * m, timing=timing,
-                                collectives=tuple((kind, nbytes * m, calls * m) for kind, nbytes, calls in one.collectives))
+    return scale_rows.table_row(
+        request,
+        gpus=gpus,
+        tp=tp,
+        pp=pp,
+        schedule=schedule,
+        microbatches=m,
+        peak_stage=fullest,
+        replicas=replicas,
+        shard=shard,
+        layout=f"{name} x PP {pp} ({schedule})",
+        memory=grouped,
+        peak=sum(grouped.values()),
+        flops=one.flops * m,
+        timing=timing,
+        collectives=tuple((kind, nbytes * m, calls * m) for kind, nbytes, calls in one.collectives),
+    )
 
 
-def step_time(one: Traced, stage_params: float, blocks: int, gpus: int, pp: int, m: int, schedule: str,
-              v: int, fields: dict, request, replicas: int = 1) -> dict:
+def step_time(
+    one: Traced,
+    stage_params: float,
+    blocks: int,
+    gpus: int,
+    pp: int,
+    m: int,
+    schedule: str,
+    v: int,
+    fields: dict,
+    request,
+    replicas: int = 1,
+) -> dict:
     """A GPU's step: m micro-batches through its stages, the schedule's idle slots (plan/pipelines.py), each
     micro-batch's tensor-parallel collectives, its activations and their gradients sent to the neighbouring
     stages (not hidden), and FSDP's collectives for the stage's blocks, once a step, behind compute; under
@@ -128,15 +179,25 @@ def step_time(one: Traced, stage_params: float, blocks: int, gpus: int, pp: int,
     # One gather of the stage's bf16 parameters and one reduce-scatter of its fp32 gradients a step.
     shard_link = target.link_for(one.world * tp)
     param_bytes = 2 if request.precision == "bf16" else 4
-    fsdp = (comm.all_gather_s(stage_params / tp * param_bytes, one.world, shard_link)
-            + comm.reduce_scatter_s(stage_params / tp * 4, one.world, shard_link)
-            + comm.all_reduce_s(stage_params / tp / one.world * 4, replicas, target.link_for(gpus // pp)))
+    fsdp = (
+        comm.all_gather_s(stage_params / tp * param_bytes, one.world, shard_link)
+        + comm.reduce_scatter_s(stage_params / tp * 4, one.world, shard_link)
+        + comm.all_reduce_s(stage_params / tp / one.world * 4, replicas, target.link_for(gpus // pp))
+    )
     tensor = scale_rows.collectives_s(one, tp, target) * m
     # The sequence-parallel activation a tp rank holds, in bf16: what crosses to the next stage.
     boundary = MICROBATCH * request.seq * fields["hidden_size"] * 2 / tp
     link = target.link_for(2 * gpus // pp)
     sends = 2 * busy * comm.send_s(boundary, link)  # forward's activation and backward's gradient, every slot
     exposed = fsdp / blocks + max(0.0, fsdp - compute) + tensor + sends
-    return {"step": compute + bubble + exposed, "compute": compute, "bubble": bubble, "fsdp": fsdp,
-            "tp": tensor, "p2p": sends, "communication": fsdp + tensor + sends, "exposed": exposed,
-            "bound": "compute" if compute >= fsdp + tensor + sends else "communication"}
+    return {
+        "step": compute + bubble + exposed,
+        "compute": compute,
+        "bubble": bubble,
+        "fsdp": fsdp,
+        "tp": tensor,
+        "p2p": sends,
+        "communication": fsdp + tensor + sends,
+        "exposed": exposed,
+        "bound": "compute" if compute >= fsdp + tensor + sends else "communication",
+    }

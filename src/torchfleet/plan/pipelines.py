@@ -30,12 +30,7 @@ Activations a process holds at its peak, in micro-batches' worth of the whole mo
 
 from __future__ import annotations
 
-from torchfleet.strategies.pipeline.schedules import (
-    MULTI_STAGE,
-    SCHEDULES,
-    ZERO_BUBBLE_SHARE,
-    bubble_formula,
-)
+from torchfleet.strategies.pipeline.schedules import MULTI_STAGE, SCHEDULES, ZERO_BUBBLE_SHARE, bubble_formula
 
 
 def held_by_last(schedule: str, p: int, m: int, v: int = 1) -> float:

@@ -49,14 +49,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from torchfleet.plan import contention, pipelines
-from torchfleet.plan.comm import (
-    Link,
-    all_gather_s,
-    all_reduce_s,
-    bucketed_all_reduce_s,
-    reduce_scatter_s,
-    send_s,
-)
+from torchfleet.plan.comm import Link, all_gather_s, all_reduce_s, bucketed_all_reduce_s, reduce_scatter_s, send_s
 from torchfleet.plan.hardware import Target
 from torchfleet.plan.layouts import Layout
 from torchfleet.plan.overheads import PAIRS
@@ -117,12 +110,20 @@ def memory(profile: Profile, lay: Layout, batch: int) -> dict:
     forward_backward = acts + gathered
     stepping = grads + profile.optimizer_temporaries * share
     peak = params + opt + persistent + max(forward_backward, stepping)
-    return {"parameters": params, "gradients": grads, "optimizer": opt, "activations": acts,
-            "buffers": persistent + gathered, "training_state": params + grads + opt, "peak": peak}
+    return {
+        "parameters": params,
+        "gradients": grads,
+        "optimizer": opt,
+        "activations": acts,
+        "buffers": persistent + gathered,
+        "training_state": params + grads + opt,
+        "peak": peak,
+    }
 
 
-def _compute(profile: Profile, lay: Layout, global_batch: int, target: Target, here_cores: int,
-             calib: Calibration | None = None) -> tuple[float, float]:
+def _compute(
+    profile: Profile, lay: Layout, global_batch: int, target: Target, here_cores: int, calib: Calibration | None = None
+) -> tuple[float, float]:
     """(compute seconds of one rank's step, of which the pipeline bubble)."""
     local = global_batch / lay.readers
     work_share = 1.0
@@ -140,8 +141,11 @@ def _compute(profile: Profile, lay: Layout, global_batch: int, target: Target, h
         # The optimizer's step, measured alone, is paid once a step however many micro-batches run.
         opt = min(fixed, profile.optimizer_time(threads, fixed * OPTIMIZER_SHARE))
         crowding = max(1.0, on_node * threads / cores)
-        measured = (calib.contention(contention.key(profile.workload, global_batch, lay.processes), lay.processes)
-                    if calib is not None and target.here else None)
+        measured = (
+            calib.contention(contention.key(profile.workload, global_batch, lay.processes), lay.processes)
+            if calib is not None and target.here
+            else None
+        )
         if measured is not None and lay.processes > 1:
             # the same step run in every process at once, against alone: cores and memory bandwidth shared
             crowding = measured
@@ -161,12 +165,17 @@ def _links(target: Target, lay: Layout, calib: Calibration | None) -> tuple[Link
     if target.here and calib is not None:
         link = calib.link(lay.processes)
         return link, link, link, calib.p2p_link(lay.processes)
-    return (target.link_for(lay.tp), target.link_for(lay.tp * lay.pp * lay.shard), target.link_for(lay.processes),
-            target.link_for(lay.pp * lay.tp))
+    return (
+        target.link_for(lay.tp),
+        target.link_for(lay.tp * lay.pp * lay.shard),
+        target.link_for(lay.processes),
+        target.link_for(lay.pp * lay.tp),
+    )
 
 
-def step_time(profile: Profile, lay: Layout, batch: int, target: Target, here_cores: int,
-              calib: Calibration | None) -> dict:
+def step_time(
+    profile: Profile, lay: Layout, batch: int, target: Target, here_cores: int, calib: Calibration | None
+) -> dict:
     """Seconds per step and its parts; `calib`: this machine's probed links (for a target that is here)."""
     local = batch / lay.readers
     compute, bubble = _compute(profile, lay, batch, target, here_cores, calib)
@@ -216,14 +225,15 @@ def step_time(profile: Profile, lay: Layout, batch: int, target: Target, here_co
         busy, idle = pipelines.bubble_slots(lay.schedule, lay.pp, lay.microbatches, lay.stages_per_process)
         slots = busy + idle  # each on the critical path hands a micro-batch on (and takes one) beyond its compute
         if costs:  # measured: a slot's sends, receives and schedule work beyond its arithmetic; then the bytes
-            p2p = slots * (costs["pipeline_slot_s"] + 2 * micro * profile.boundary_bytes_per_sample / p2p_link.bandwidth)
+            p2p = slots * (
+                costs["pipeline_slot_s"] + 2 * micro * profile.boundary_bytes_per_sample / p2p_link.bandwidth
+            )
         else:
             p2p = 2 * slots * send_s(micro * profile.boundary_bytes_per_sample, p2p_link)
         total += p2p
         exposed += p2p
     step = compute + exposed
-    return {"compute": compute, "bubble": bubble, "communication": exposed, "communication_total": total,
-            "step": step}
+    return {"compute": compute, "bubble": bubble, "communication": exposed, "communication_total": total, "step": step}
 
 
 def _overheads(target: Target, lay: Layout, calib: Calibration | None) -> dict[str, float]:
@@ -237,8 +247,12 @@ def _overheads(target: Target, lay: Layout, calib: Calibration | None) -> dict[s
         return costs
     # A degree of 2 among 4 processes runs its collectives over pairs: the 2 x 2 mesh's figures, where probed.
     pairs = {k.removeprefix(PAIRS): v for k, v in costs.items() if k.startswith(PAIRS)}
-    for degree, names in ((lay.shard, ("fsdp_unit_s", "fsdp_step_s")), (lay.tp, ("tp_linear_s", "tp_step_s")),
-                          (lay.replicate, ("ddp_tensor_s", "ddp_step_s")), (lay.pp, ("pipeline_slot_s",))):
+    for degree, names in (
+        (lay.shard, ("fsdp_unit_s", "fsdp_step_s")),
+        (lay.tp, ("tp_linear_s", "tp_step_s")),
+        (lay.replicate, ("ddp_tensor_s", "ddp_step_s")),
+        (lay.pp, ("pipeline_slot_s",)),
+    ):
         if 1 < degree < lay.processes:
             costs |= {name: pairs[name] for name in names if name in pairs}
     if lay.replicate > 1 and lay.shard > 1 and "hsdp_unit_s" in costs:  # replicated and sharded: hsdp's own
@@ -274,10 +288,19 @@ def largest_batch(profile: Profile, lay: Layout, target: Target) -> int | None:
     return unit * low
 
 
-def predict(profile: Profile, lay: Layout, batch: int, target: Target, here_cores: int,
-            calib: Calibration | None) -> Prediction:
+def predict(
+    profile: Profile, lay: Layout, batch: int, target: Target, here_cores: int, calib: Calibration | None
+) -> Prediction:
     mem = memory(profile, lay, batch)
     times = step_time(profile, lay, batch, target, here_cores, calib)
-    return Prediction(lay.strategy, lay.processes, batch, lay.degrees(), mem, times,
-                      fits(mem["peak"], lay, target), largest_batch(profile, lay, target),
-                      batch / times["step"] if times["step"] > 0 else 0.0)
+    return Prediction(
+        lay.strategy,
+        lay.processes,
+        batch,
+        lay.degrees(),
+        mem,
+        times,
+        fits(mem["peak"], lay, target),
+        largest_batch(profile, lay, target),
+        batch / times["step"] if times["step"] > 0 else 0.0,
+    )

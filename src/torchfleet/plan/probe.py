@@ -109,10 +109,17 @@ class Calibration:
         def links(key: str) -> dict[int, Link]:
             return {int(n): Link(v["bandwidth_bytes_s"], v["latency_s"]) for n, v in data.get(key, {}).items()}
 
-        return cls(data["host"], data["torch"], int(data["cores"]),
-                   {int(t): float(r) for t, r in data["matmul_flops"].items()}, links("links"), links("p2p"),
-                   {int(n): dict(o) for n, o in data.get("overheads", {}).items()}, data.get("probed_at", ""),
-                   {w: {int(n): float(f) for n, f in by.items()} for w, by in data.get("slowdowns", {}).items()})
+        return cls(
+            data["host"],
+            data["torch"],
+            int(data["cores"]),
+            {int(t): float(r) for t, r in data["matmul_flops"].items()},
+            links("links"),
+            links("p2p"),
+            {int(n): dict(o) for n, o in data.get("overheads", {}).items()},
+            data.get("probed_at", ""),
+            {w: {int(n): float(f) for n, f in by.items()} for w, by in data.get("slowdowns", {}).items()},
+        )
 
 
 # The modules whose code makes the cached figures: a change to any of them is a new cache.
@@ -135,8 +142,10 @@ def cache_path() -> Path:
     import torchfleet
 
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torchfleet"
-    return root / (f"plan-{socket.gethostname()}-torch{torch.__version__}-{usable_cores()}cores"
-                   f"-torchfleet{torchfleet.__version__}-{probes_digest()}.json")
+    return root / (
+        f"plan-{socket.gethostname()}-torch{torch.__version__}-{usable_cores()}cores"
+        f"-torchfleet{torchfleet.__version__}-{probes_digest()}.json"
+    )
 
 
 def calibration(reprobe: bool = False, say=print, processes: tuple[int, ...] = PROBE_PROCESSES) -> Calibration:
@@ -154,8 +163,10 @@ def calibration(reprobe: bool = False, say=print, processes: tuple[int, ...] = P
     missing = tuple(n for n in processes if cached is None or n not in cached.links or n not in cached.overheads)
     if cached is not None and not missing:
         return cached
-    say(f"probing this machine (matrix multiply rate per thread count; Gloo all-reduce and send, and the"
-        f" overheads of fsdp, tp and ddp, among {' and '.join(map(str, missing))} local processes); cached in {path}")
+    say(
+        f"probing this machine (matrix multiply rate per thread count; Gloo all-reduce and send, and the"
+        f" overheads of fsdp, tp and ddp, among {' and '.join(map(str, missing))} local processes); cached in {path}"
+    )
     calib = probe(missing, cached)
     save(calib, say)
     return calib
@@ -186,8 +197,7 @@ def probe(processes: tuple[int, ...] = PROBE_PROCESSES, known: Calibration | Non
     from torchfleet.launcher.agent import launch
 
     for n in processes:
-        (small, large, p2p_small, p2p_large), costs = launch(all_reduce_times, nprocs=n,
-                                                             args=(max(1, cores // n),))[0]
+        (small, large, p2p_small, p2p_large), costs = launch(all_reduce_times, nprocs=n, args=(max(1, cores // n),))[0]
         calib.links[n] = fit_link(n, small, large)
         calib.overheads[n] = costs
         calib.p2p[n] = Link((LARGE_BYTES - SMALL_BYTES) / max(p2p_large - p2p_small, 1e-9), p2p_small)
@@ -241,8 +251,12 @@ def all_reduce_times(threads: int, repeats: int = 5) -> tuple[tuple[float, float
         elif rank == 1:
             dist.recv(data, 0)
 
-    for op, nbytes in ((dist.all_reduce, SMALL_BYTES), (dist.all_reduce, LARGE_BYTES), (send, SMALL_BYTES),
-                       (send, LARGE_BYTES)):
+    for op, nbytes in (
+        (dist.all_reduce, SMALL_BYTES),
+        (dist.all_reduce, LARGE_BYTES),
+        (send, SMALL_BYTES),
+        (send, LARGE_BYTES),
+    ):
         data = torch.ones(nbytes // 4)
         op(data)  # opens the connections (and warms the buffers) before timing
         seconds = []

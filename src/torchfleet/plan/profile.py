@@ -62,4 +62,3 @@ class Profile:
         out = asdict(self)
         out["time"] = {str(t): asdict(f) for t, f in self.time.items()}
         return out
-

@@ -55,8 +55,15 @@ def _step(model, optimizer, inputs, targets, loss_fn) -> None:
     optimizer.step()
 
 
-def measure(spec: dict, optimizer: str, cores: int, batches: tuple[int, ...] | None = None,
-            timed_steps: int | None = None, timed: bool = True, time_at: tuple[int, ...] = ()) -> Profile:
+def measure(
+    spec: dict,
+    optimizer: str,
+    cores: int,
+    batches: tuple[int, ...] | None = None,
+    timed_steps: int | None = None,
+    timed: bool = True,
+    time_at: tuple[int, ...] = (),
+) -> Profile:
     """The profile of `spec`'s model (bench's spec keys: model, gpt_preset, image_size, seed; precision, whose
     autocast the memory is measured under).
 
@@ -80,10 +87,28 @@ def measure(spec: dict, optimizer: str, cores: int, batches: tuple[int, ...] | N
     fits, stepping_s = _timings(peaks, spec, optimizer, timed_at, cores, timed_steps) if timed else ({}, {})
     torch.set_num_threads(before)
     slope, fixed = peaks.activation_line(line_at)
-    return Profile(spec["model"], shape.parameters, shape.in_blocks, shape.largest, shape.units, shape.boundary,
-                   spec.get("block_size"), flops_per_sample, optimizer, slope, fixed, peaks.optimizer_temporaries(),
-                   fits, timed_at if timed else batches, shape.pointwise_convs, shape.tensors, shape.tp_linears,
-                   stepping_s, workload_name(spec, optimizer), line_at)
+    return Profile(
+        spec["model"],
+        shape.parameters,
+        shape.in_blocks,
+        shape.largest,
+        shape.units,
+        shape.boundary,
+        spec.get("block_size"),
+        flops_per_sample,
+        optimizer,
+        slope,
+        fixed,
+        peaks.optimizer_temporaries(),
+        fits,
+        timed_at if timed else batches,
+        shape.pointwise_convs,
+        shape.tensors,
+        shape.tp_linears,
+        stepping_s,
+        workload_name(spec, optimizer),
+        line_at,
+    )
 
 
 def _shape(model: nn.Module, inputs) -> SimpleNamespace:
@@ -106,10 +131,15 @@ def _shape(model: nn.Module, inputs) -> SimpleNamespace:
     except Exception:  # noqa: BLE001 (as above)
         units = len(blocks) + 1
     return SimpleNamespace(
-        parameters=params, in_blocks=in_blocks, units=units, boundary=_boundary_bytes(model, blocks, inputs),
+        parameters=params,
+        in_blocks=in_blocks,
+        units=units,
+        boundary=_boundary_bytes(model, blocks, inputs),
         largest=max([sum(p.numel() for p in b.parameters()) for b in blocks] + [params - in_blocks]),
-        pointwise_convs=has_pointwise_convs(model), tensors=len(list(model.parameters())),
-        tp_linears=len(split) if isinstance(split, dict) else 0)
+        pointwise_convs=has_pointwise_convs(model),
+        tensors=len(list(model.parameters())),
+        tp_linears=len(split) if isinstance(split, dict) else 0,
+    )
 
 
 class _Peaks:
@@ -137,7 +167,8 @@ class _Peaks:
             opt = make_optimizer(self.optimizer, model.parameters())
             _step(model, opt, inputs, targets, loss_fn)  # the optimizer's state exists from here on
             self.forward_backward[batch], self.optimizer_phase[batch] = _phase_peaks(
-                model, opt, inputs, targets, loss_fn, self.precision)
+                model, opt, inputs, targets, loss_fn, self.precision
+            )
         if batch in self.batches and self.precision == "fp32":  # fake tensors cannot be timed
             self.made[batch] = (model, opt, inputs, targets, loss_fn)
 
@@ -154,8 +185,11 @@ class _Peaks:
         regime is the optimizer phase's peak, which the prediction takes when it is the larger.
         """
         top = max(self.batches)
-        extra = () if len(self.batches) > 2 else next(
-            ((k, 2 * k) for k in (4 * top, 2 * top, top) if self.holds(2 * k)), ())
+        extra = (
+            ()
+            if len(self.batches) > 2
+            else next(((k, 2 * k) for k in (4 * top, 2 * top, top) if self.holds(2 * k)), ())
+        )
         for batch in extra:
             if batch not in self.forward_backward:
                 self.measure(batch)
@@ -173,8 +207,9 @@ class _Peaks:
         return max(0.0, max(self.optimizer_phase.values()) - self.state - 4 * self.parameters)
 
 
-def _timings(peaks: _Peaks, spec: dict, optimizer: str, timed_at: tuple[int, ...], cores: int,
-             timed_steps: int) -> tuple[dict[int, StepFit], dict[int, float]]:
+def _timings(
+    peaks: _Peaks, spec: dict, optimizer: str, timed_at: tuple[int, ...], cores: int, timed_steps: int
+) -> tuple[dict[int, StepFit], dict[int, float]]:
     """({threads: step line}, {threads: the optimizer's step alone}) on 1 thread and on `cores`."""
     made = peaks.made
     for batch in timed_at:

@@ -19,47 +19,93 @@ def _ms(seconds: float | None) -> str:
 
 
 def table(document: dict) -> Table:
-    t = Table(title=f"torchfleet plan: {document['model']}"
-              + (f" {document['gpt_preset']}" if document.get("gpt_preset") else "")
-              + f", global batch {document['global_batch']}, {document['optimizer']}, on {document['target']['name']}"
-              " (predicted; state = parameters + gradients + optimizer state)", title_justify="left")
-    for name, right in (("strategy", False), ("procs", True), ("degrees", False), ("state", True),
-                        ("activ.", True), ("buffers", True), ("peak/rank", True), ("fits", False),
-                        ("max batch", True), ("compute ms", True), ("comm ms", True), ("bubble ms", True),
-                        ("step ms", True), ("samples/s", True), ("effic.", True)):
+    t = Table(
+        title=f"torchfleet plan: {document['model']}"
+        + (f" {document['gpt_preset']}" if document.get("gpt_preset") else "")
+        + f", global batch {document['global_batch']}, {document['optimizer']}, on {document['target']['name']}"
+        " (predicted; state = parameters + gradients + optimizer state)",
+        title_justify="left",
+    )
+    for name, right in (
+        ("strategy", False),
+        ("procs", True),
+        ("degrees", False),
+        ("state", True),
+        ("activ.", True),
+        ("buffers", True),
+        ("peak/rank", True),
+        ("fits", False),
+        ("max batch", True),
+        ("compute ms", True),
+        ("comm ms", True),
+        ("bubble ms", True),
+        ("step ms", True),
+        ("samples/s", True),
+        ("effic.", True),
+    ):
         t.add_column(name, justify="right" if right else "left")
     for p in document["predictions"]:
         m, s = p["memory"], p["time"]
-        t.add_row(p["strategy"], str(p["processes"]), p["degrees"], _mib(m["training_state"]), _mib(m["activations"]),
-                  _mib(m["buffers"]), _mib(m["peak"]), "yes" if p["fits"] else "NO",
-                  "-" if p["largest_batch"] is None else f"{p['largest_batch']:,}",
-                  _ms(s["compute"] - s["bubble"]), _ms(s["communication"]), _ms(s["bubble"]), _ms(s["step"]),
-                  f"{p['samples_per_s']:,.1f}",
-                  "-" if p["efficiency"] is None or p["processes"] == 1 else f"{p['efficiency']:.0%}")
+        t.add_row(
+            p["strategy"],
+            str(p["processes"]),
+            p["degrees"],
+            _mib(m["training_state"]),
+            _mib(m["activations"]),
+            _mib(m["buffers"]),
+            _mib(m["peak"]),
+            "yes" if p["fits"] else "NO",
+            "-" if p["largest_batch"] is None else f"{p['largest_batch']:,}",
+            _ms(s["compute"] - s["bubble"]),
+            _ms(s["communication"]),
+            _ms(s["bubble"]),
+            _ms(s["step"]),
+            f"{p['samples_per_s']:,.1f}",
+            "-" if p["efficiency"] is None or p["processes"] == 1 else f"{p['efficiency']:.0%}",
+        )
     return t
 
 
 def check_table(check: dict) -> Table:
-    t = Table(title="predicted against measured (bench's cells here; memory: peak tensor bytes, the largest rank)",
-              title_justify="left")
-    for name, right in (("strategy", False), ("procs", True), ("batch", True), ("step ms pred", True),
-                        ("step ms meas", True), ("pred/meas", True), ("peak pred", True), ("peak meas", True),
-                        ("pred/meas ", True), ("note", False)):
+    t = Table(
+        title="predicted against measured (bench's cells here; memory: peak tensor bytes, the largest rank)",
+        title_justify="left",
+    )
+    for name, right in (
+        ("strategy", False),
+        ("procs", True),
+        ("batch", True),
+        ("step ms pred", True),
+        ("step ms meas", True),
+        ("pred/meas", True),
+        ("peak pred", True),
+        ("peak meas", True),
+        ("pred/meas ", True),
+        ("note", False),
+    ):
         t.add_column(name, justify="right" if right else "left")
     for r in check["cells"]:
         ratio = "-" if r["step_ratio"] is None else f"{r['step_ratio']:.2f}"
         mem_ratio = "-" if r["memory_ratio"] is None else f"{r['memory_ratio']:.2f}"
         note = r["error"] or (r["memory_note"] or "")
-        t.add_row(r["strategy"], str(r["processes"]), str(r["global_batch"]), _ms(r["predicted_step_s"]),
-                  _ms(r["measured_step_s"]), ratio, _mib(r["predicted_peak_bytes"]), _mib(r["measured_peak_bytes"]),
-                  mem_ratio, note[:60])
+        t.add_row(
+            r["strategy"],
+            str(r["processes"]),
+            str(r["global_batch"]),
+            _ms(r["predicted_step_s"]),
+            _ms(r["measured_step_s"]),
+            ratio,
+            _mib(r["predicted_peak_bytes"]),
+            _mib(r["measured_peak_bytes"]),
+            mem_ratio,
+            note[:60],
+        )
     return t
 
 
 def check_sentences(summary: dict) -> list[str]:
     out = []
-    for what, label in (("step_time", "step time"), ("peak_memory", "peak memory"),
-                        ("fastest_step", "fastest step")):
+    for what, label in (("step_time", "step time"), ("peak_memory", "peak memory"), ("fastest_step", "fastest step")):
         if what not in summary:
             continue
         s = summary[what]
@@ -67,8 +113,10 @@ def check_sentences(summary: dict) -> list[str]:
             out.append(f"{label}: no cell measured")
             continue
         w = s["worst"]
-        out.append(f"{label}: median |predicted/measured - 1| = {s['median_error']:.3f} over {s['cells']} cells;"
-                   f" worst {w['strategy']} x{w['processes']} at batch {w['global_batch']} ({w['error']:.3f})")
+        out.append(
+            f"{label}: median |predicted/measured - 1| = {s['median_error']:.3f} over {s['cells']} cells;"
+            f" worst {w['strategy']} x{w['processes']} at batch {w['global_batch']} ({w['error']:.3f})"
+        )
     return out
 
 
@@ -101,8 +149,9 @@ def chart(document: dict, path: str) -> str:
     bottom.set_ylabel("predicted peak MiB per rank")
     bottom.set_xlabel("processes (devices)")
     bottom.set_xscale("log", base=2)
-    top.set_title(f"torchfleet plan: {document['model']}, batch {document['global_batch']}, {target['name']}",
-                  fontsize=10)
+    top.set_title(
+        f"torchfleet plan: {document['model']}, batch {document['global_batch']}, {target['name']}", fontsize=10
+    )
     top.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -24,27 +24,52 @@ def _host_memory() -> float:
 
 def target_of(cfg: PlanConfig, calib: probe.Calibration | None) -> hardware.Target:
     if cfg.gpus_per_node is not None or cfg.gpu is not None or cfg.tflops is not None:
-        return hardware.gpu_cluster(nodes=cfg.nodes or 1, per_node=cfg.gpus_per_node or 1, gpu=cfg.gpu,
-                                    tflops=cfg.tflops, memory_gb=cfg.memory_gb, mfu=cfg.mfu, precision=cfg.precision,
-                                    intra_gbit=cfg.intra_gbit, inter_gbit=cfg.link_gbit)
+        return hardware.gpu_cluster(
+            nodes=cfg.nodes or 1,
+            per_node=cfg.gpus_per_node or 1,
+            gpu=cfg.gpu,
+            tflops=cfg.tflops,
+            memory_gb=cfg.memory_gb,
+            mfu=cfg.mfu,
+            precision=cfg.precision,
+            intra_gbit=cfg.intra_gbit,
+            inter_gbit=cfg.link_gbit,
+        )
     assert calib is not None
     if cfg.described:
         intra = calib.link(2) if cfg.intra_gbit is None else predict.Link(cfg.intra_gbit * 1e9 / 8, 50e-6)
-        return hardware.cpu_cluster(nodes=cfg.nodes or 1, cores_per_node=cfg.cpus_per_node or calib.cores,
-                                    memory_gb=cfg.memory_gb or _host_memory() / 1e9, intra=intra,
-                                    inter_gbit=cfg.link_gbit)
+        return hardware.cpu_cluster(
+            nodes=cfg.nodes or 1,
+            cores_per_node=cfg.cpus_per_node or calib.cores,
+            memory_gb=cfg.memory_gb or _host_memory() / 1e9,
+            intra=intra,
+            inter_gbit=cfg.link_gbit,
+        )
     counts = cfg.nproc or (1, 2, 4)
     memory = cfg.memory_gb * 1e9 if cfg.memory_gb else _host_memory()
-    return hardware.Target(f"this machine ({calib.cores} cores, Gloo)", 1, max(counts), memory, calib.link(2),
-                           calib.link(2), cores_per_node=0, here=True)
+    return hardware.Target(
+        f"this machine ({calib.cores} cores, Gloo)",
+        1,
+        max(counts),
+        memory,
+        calib.link(2),
+        calib.link(2),
+        cores_per_node=0,
+        here=True,
+    )
 
 
 def spec_of(cfg: PlanConfig) -> dict:
     """bench's spec keys for its workload (bench/measure_cell.py)."""
     from torchfleet.models import TOKEN_MODELS, gpt_config
 
-    spec = {"model": cfg.model, "gpt_preset": cfg.gpt_preset, "image_size": cfg.image_size, "seed": cfg.seed,
-            "precision": cfg.precision}
+    spec = {
+        "model": cfg.model,
+        "gpt_preset": cfg.gpt_preset,
+        "image_size": cfg.image_size,
+        "seed": cfg.seed,
+        "precision": cfg.precision,
+    }
     if cfg.model in TOKEN_MODELS:
         spec["block_size"] = gpt_config(cfg.gpt_preset).block_size
     return spec
@@ -65,14 +90,23 @@ def candidates(cfg: PlanConfig, target: hardware.Target, profile: Profile, cores
         from torchfleet.doctor import strategy_availability
 
         counts = tuple(n for n in (cfg.nproc or (1, 2, 4)) if n >= 2) or (2,)
-        bench = BenchConfig(model=cfg.model, gpt_preset=cfg.gpt_preset, image_size=cfg.image_size,
-                            strategies=cfg.strategies, nproc=counts, batch_sizes=(cfg.batch or 1,),
-                            precisions=("fp32",))
+        bench = BenchConfig(
+            model=cfg.model,
+            gpt_preset=cfg.gpt_preset,
+            image_size=cfg.image_size,
+            strategies=cfg.strategies,
+            nproc=counts,
+            batch_sizes=(cfg.batch or 1,),
+            precisions=("fp32",),
+        )
         cells, _ = bench_plan(bench, strategy_availability(probe_hardware(), cores), cores)
         return list(dict.fromkeys((c.strategy, c.processes) for c in cells if not c.skip))
     presets = registry.presets()
-    names = cfg.strategies or tuple(n for n, p in presets.items() if p.cost in CLUSTER_COSTS
-                                    and ("tp" not in (p.degrees or {}) or profile_tp(profile)))
+    names = cfg.strategies or tuple(
+        n
+        for n, p in presets.items()
+        if p.cost in CLUSTER_COSTS and ("tp" not in (p.degrees or {}) or profile_tp(profile))
+    )
     counts = cluster_counts(cfg, target)
     pairs = []
     for name in names:
@@ -86,22 +120,25 @@ def candidates(cfg: PlanConfig, target: hardware.Target, profile: Profile, cores
 
 def cluster_counts(cfg: PlanConfig, target: hardware.Target) -> tuple[int, ...]:
     """The process counts planned on a described cluster: --nproc, else the powers of 2 up to its devices."""
-    return cfg.nproc or tuple(sorted({2**k for k in range(target.devices.bit_length()) if 2**k <= target.devices}
-                                     | {target.devices}))
+    return cfg.nproc or tuple(
+        sorted({2**k for k in range(target.devices.bit_length()) if 2**k <= target.devices} | {target.devices})
+    )
 
 
 def pipeline_options(cfg: PlanConfig) -> dict:
     """--schedule and --stages-per-process as the pipelines take them (the other strategies take neither)."""
-    return {k: v for k, v in (("schedule", cfg.schedule), ("stages_per_process", cfg.stages_per_process))
-            if v is not None}
+    return {
+        k: v for k, v in (("schedule", cfg.schedule), ("stages_per_process", cfg.stages_per_process)) if v is not None
+    }
 
 
 def profile_tp(profile: Profile) -> bool:
     return profile.model == "gpt"  # the built-in gpt ships a tensor-parallel plan
 
 
-def predictions(cfg: PlanConfig, target: hardware.Target, profile: Profile, calib, cores: int,
-                batch: int) -> tuple[list[predict.Prediction], list[str]]:
+def predictions(
+    cfg: PlanConfig, target: hardware.Target, profile: Profile, calib, cores: int, batch: int
+) -> tuple[list[predict.Prediction], list[str]]:
     notes, found = [], []
     options = pipeline_options(cfg)
     for name, n in candidates(cfg, target, profile, cores):
@@ -112,8 +149,10 @@ def predictions(cfg: PlanConfig, target: hardware.Target, profile: Profile, cali
             notes.append(f"{name} on {n} processes left out: {exc}")
             continue
         if batch % lay.readers or (lay.pp > 1 and (batch // lay.readers) % lay.microbatches):
-            notes.append(f"{name} on {n} processes left out: the batch of {batch} does not split into"
-                         f" {lay.readers} readers x {lay.microbatches if lay.pp > 1 else 1} micro-batches")
+            notes.append(
+                f"{name} on {n} processes left out: the batch of {batch} does not split into"
+                f" {lay.readers} readers x {lay.microbatches if lay.pp > 1 else 1} micro-batches"
+            )
             continue
         found.append(predict.predict(profile, lay, batch, target, cores, calib))
     serial = next((p for p in found if p.strategy == "serial"), None)
@@ -136,20 +175,27 @@ def recommend(found: list[predict.Prediction], cpus: bool = True) -> dict:
         fit = [p for p in mine if p.fits]
         if not fit:
             smallest = min(mine, key=lambda p: p.memory["peak"])
-            sentences[name] = (f"{name}: does not fit: {_gib(smallest.memory['peak'])} per rank at best"
-                               f" ({smallest.processes} processes)")
+            sentences[name] = (
+                f"{name}: does not fit: {_gib(smallest.memory['peak'])} per rank at best"
+                f" ({smallest.processes} processes)"
+            )
             continue
         top = max(fit, key=lambda p: p.samples_per_s)
         where = f"{name} on {top.processes} process{'es' if top.processes > 1 else ''}" + (
-            f" ({top.degrees})" if top.degrees != "-" else "")
+            f" ({top.degrees})" if top.degrees != "-" else ""
+        )
         if top is best:
-            sentences[name] = (f"{where}: the fastest that fits, {top.samples_per_s:,.1f} samples/s,"
-                               f" {_gib(top.memory['peak'])} per rank{_scaling(top)}")
+            sentences[name] = (
+                f"{where}: the fastest that fits, {top.samples_per_s:,.1f} samples/s,"
+                f" {_gib(top.memory['peak'])} per rank{_scaling(top)}"
+            )
             continue
         slower = 1 - top.samples_per_s / best.samples_per_s
         sentences[name] = f"{where}: {slower:.0%} slower than {best.strategy}: {_why(top, cpus)}"
-    return {"best": {"strategy": best.strategy, "processes": best.processes, "samples_per_s": best.samples_per_s},
-            "sentences": sentences}
+    return {
+        "best": {"strategy": best.strategy, "processes": best.processes, "samples_per_s": best.samples_per_s},
+        "sentences": sentences,
+    }
 
 
 def _scaling(p: predict.Prediction) -> str:
@@ -158,13 +204,18 @@ def _scaling(p: predict.Prediction) -> str:
 
 def _why(p: predict.Prediction, cpus: bool) -> str:
     t = p.time
-    parts = {"communication": t["communication"], "the pipeline bubble": t["bubble"],
-             "compute": t["compute"] - t["bubble"]}
+    parts = {
+        "communication": t["communication"],
+        "the pipeline bubble": t["bubble"],
+        "compute": t["compute"] - t["bubble"],
+    }
     name, seconds = max(parts.items(), key=lambda kv: kv[1])
     share = seconds / t["step"] if t["step"] else 0
     if name == "compute":
-        return (f"its compute does not shrink enough ({share:.0%} of a {t['step'] * 1e3:,.1f} ms step"
-                f"{'; its processes share the cores' if cpus and p.processes > 1 else ''})")
+        return (
+            f"its compute does not shrink enough ({share:.0%} of a {t['step'] * 1e3:,.1f} ms step"
+            f"{'; its processes share the cores' if cpus and p.processes > 1 else ''})"
+        )
     return f"{name} is {share:.0%} of its {t['step'] * 1e3:,.1f} ms step"
 
 
@@ -182,8 +233,10 @@ def plan_document(cfg: PlanConfig, say=print) -> dict:
     target = target_of(cfg, calib)
     batch = cfg.batch or default_batch(cfg, target.rate is not None)
     optimizer = "sgd" if cfg.check else cfg.optimizer  # the check runs bench's cells, with bench's optimizer
-    say(f"profiling {cfg.model} (a few steps at a few batches, to measure its memory"
-        + (" and time)" if target.rate is None else ")"))
+    say(
+        f"profiling {cfg.model} (a few steps at a few batches, to measure its memory"
+        + (" and time)" if target.rate is None else ")")
+    )
     # Timed at the local batches the planned processes run (the global batch split among them): here, 1 to
     # the most processes planned; on a described CPU cluster, whose compute is this machine's step, its own
     # counts. A line through the probe's own batches (2, 17 and 34 for gpt tiny) put gpt tiny's one-thread
@@ -196,24 +249,41 @@ def plan_document(cfg: PlanConfig, say=print) -> dict:
         contention.measure_missing(calib, profile, spec_of(cfg), batch, links, say=say)
     found, notes = predictions(cfg, target, profile, calib, cores, batch)
     if not found:
-        raise UsageError(f"no strategy can be planned for a global batch of {batch} on {target.name}; "
-                         + ("; ".join(notes) or "give other --nproc or --strategies"))
+        raise UsageError(
+            f"no strategy can be planned for a global batch of {batch} on {target.name}; "
+            + ("; ".join(notes) or "give other --nproc or --strategies")
+        )
     if not any(p.fits for p in found) and not cfg.check:
         smallest = min(found, key=lambda p: p.memory["peak"])
-        raise UsageError(f"a global batch of {batch} fits no strategy on {target.name}: the smallest peak is"
-                         f" {_gib(smallest.memory['peak'])} per rank ({smallest.strategy} on {smallest.processes}"
-                         f" processes) against {_gib(target.memory_bytes)}; give a smaller --batch-size or more"
-                         " devices")
+        raise UsageError(
+            f"a global batch of {batch} fits no strategy on {target.name}: the smallest peak is"
+            f" {_gib(smallest.memory['peak'])} per rank ({smallest.strategy} on {smallest.processes}"
+            f" processes) against {_gib(target.memory_bytes)}; give a smaller --batch-size or more"
+            " devices"
+        )
     if optimizer != cfg.optimizer:
         notes.append(f"--check plans for bench's optimizer (SGD with momentum), not {cfg.optimizer}")
-    return {"schema": SCHEMA, "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "model": cfg.model, "gpt_preset": cfg.gpt_preset if cfg.model == "gpt" else None,
-            "image_size": cfg.image_size, "global_batch": batch, "optimizer": optimizer,
-            "precision": cfg.precision, "target": target.as_dict(),
-            "calibration": calib.as_dict() if calib is not None else None, "profile": profile.as_dict(),
-            "predictions": [p.as_dict() for p in found],
-            "recommendation": recommend(found, cpus=target.rate is None), "notes": notes,
-            "_found": found, "_profile": profile, "_target": target, "_calibration": calib, "_config": cfg}
+    return {
+        "schema": SCHEMA,
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "model": cfg.model,
+        "gpt_preset": cfg.gpt_preset if cfg.model == "gpt" else None,
+        "image_size": cfg.image_size,
+        "global_batch": batch,
+        "optimizer": optimizer,
+        "precision": cfg.precision,
+        "target": target.as_dict(),
+        "calibration": calib.as_dict() if calib is not None else None,
+        "profile": profile.as_dict(),
+        "predictions": [p.as_dict() for p in found],
+        "recommendation": recommend(found, cpus=target.rate is None),
+        "notes": notes,
+        "_found": found,
+        "_profile": profile,
+        "_target": target,
+        "_calibration": calib,
+        "_config": cfg,
+    }
 
 
 def run_check(cfg: PlanConfig, document: dict, say=print) -> dict:
@@ -226,8 +296,9 @@ def run_check(cfg: PlanConfig, document: dict, say=print) -> dict:
     for p in document["_found"]:
         cell = Cell(p.strategy, p.processes, p.global_batch, "fp32", max(1, cores // p.processes))
         piped = " m" in p.degrees and p.processes > 1  # a pipeline: it runs the schedule planned
-        measured = plan_check.run_cell(cell, {**spec, "options": pipeline_options(cfg) if piped else {}},
-                                       cfg.cell_timeout_s)
+        measured = plan_check.run_cell(
+            cell, {**spec, "options": pipeline_options(cfg) if piped else {}}, cfg.cell_timeout_s
+        )
         used = measured.get("microbatches")
         if used and piped and f" m{used} " not in f"{p.degrees} ":
             p = _repredicted(document, p, used)  # the schedule chose another count than the plan's rule
@@ -238,8 +309,13 @@ def run_check(cfg: PlanConfig, document: dict, say=print) -> dict:
 
 def _repredicted(document: dict, p: predict.Prediction, microbatches: int) -> predict.Prediction:
     profile, target, calib = document["_profile"], document["_target"], document["_calibration"]
-    lay = layouts.layout(p.strategy, p.processes, p.global_batch, profile,
-                         {**pipeline_options(document["_config"]), "microbatches": microbatches})
+    lay = layouts.layout(
+        p.strategy,
+        p.processes,
+        p.global_batch,
+        profile,
+        {**pipeline_options(document["_config"]), "microbatches": microbatches},
+    )
     return predict.predict(profile, lay, p.global_batch, target, calib.cores, calib)
 
 
@@ -247,8 +323,10 @@ def _check_line(row: dict) -> str:
     name = f"{row['strategy']} x{row['processes']}, batch {row['global_batch']}"
     if row["status"] != "ok":
         return f"{name}: failed ({row['error']})"
-    text = (f"{name}: step predicted {row['predicted_step_s'] * 1e3:,.1f} ms, measured"
-            f" {row['measured_step_s'] * 1e3:,.1f} ms")
+    text = (
+        f"{name}: step predicted {row['predicted_step_s'] * 1e3:,.1f} ms, measured"
+        f" {row['measured_step_s'] * 1e3:,.1f} ms"
+    )
     if row["measured_peak_bytes"] is not None:
-        text += (f"; peak predicted {_gib(row['predicted_peak_bytes'])}, measured {_gib(row['measured_peak_bytes'])}")
+        text += f"; peak predicted {_gib(row['predicted_peak_bytes'])}, measured {_gib(row['measured_peak_bytes'])}"
     return text

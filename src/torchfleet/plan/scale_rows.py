@@ -33,21 +33,47 @@ def memory_columns(kinds: dict[str, float]) -> dict[str, float]:
     return {name: sum(kinds.get(k, 0.0) for k in grouped) for name, grouped in COLUMNS.items()}
 
 
-def table_row(request, *, gpus: int, tp: int, replicas: int, shard: int, layout: str, memory: dict[str, float],
-              peak: float, flops: float, collectives: tuple, timing: dict, pp: int | None = None, **extra) -> dict:
+def table_row(
+    request,
+    *,
+    gpus: int,
+    tp: int,
+    replicas: int,
+    shard: int,
+    layout: str,
+    memory: dict[str, float],
+    peak: float,
+    flops: float,
+    collectives: tuple,
+    timing: dict,
+    pp: int | None = None,
+    **extra,
+) -> dict:
     """One row of the table. `collectives`: (kind, bytes, calls) of the step; `extra`: the layout's own
     fields (a pipeline's schedule and micro-batches), placed after the degrees; `pp` only in a pipeline's row."""
     reserved = peak * RESERVED_OVER_ALLOCATED
-    return {"gpus": gpus, "tp": tp, **({"pp": pp} if pp is not None else {}), **extra,
-            "dp_replicate": replicas, "dp_shard": shard, "layout": layout,
-            "nodes": -(-gpus // request.per_node), "memory": memory, "peak": peak, "flops": flops,
-            "collectives": {kind: {"bytes": nbytes, "calls": calls} for kind, nbytes, calls in collectives},
-            "time": timing,
-            # A tensor-parallel group shares its samples, and so do a pipeline's stages: each GPU moves
-            # 1/(tp x pp) of their tokens.
-            "tokens_per_s_per_gpu": request.local_batch * request.seq / (tp * (pp or 1)) / timing["step"],
-            "reserved": reserved, "fits": peak <= request.memory_bytes,
-            "tight": peak <= request.memory_bytes < reserved, "global_batch": replicas * shard * request.local_batch}
+    return {
+        "gpus": gpus,
+        "tp": tp,
+        **({"pp": pp} if pp is not None else {}),
+        **extra,
+        "dp_replicate": replicas,
+        "dp_shard": shard,
+        "layout": layout,
+        "nodes": -(-gpus // request.per_node),
+        "memory": memory,
+        "peak": peak,
+        "flops": flops,
+        "collectives": {kind: {"bytes": nbytes, "calls": calls} for kind, nbytes, calls in collectives},
+        "time": timing,
+        # A tensor-parallel group shares its samples, and so do a pipeline's stages: each GPU moves
+        # 1/(tp x pp) of their tokens.
+        "tokens_per_s_per_gpu": request.local_batch * request.seq / (tp * (pp or 1)) / timing["step"],
+        "reserved": reserved,
+        "fits": peak <= request.memory_bytes,
+        "tight": peak <= request.memory_bytes < reserved,
+        "global_batch": replicas * shard * request.local_batch,
+    }
 
 
 def layout_name(replicas: int, shard: int, tp: int) -> str:
@@ -58,7 +84,6 @@ def layout_name(replicas: int, shard: int, tp: int) -> str:
 def collectives_s(traced: Traced, tp: int, target: hardware.Target) -> float:
     """The traced tensor-parallel collectives' seconds: rings over the tp ranks of one node."""
     within = target.link_for(tp)
-    costs = {"all_gather": comm.all_gather_s, "reduce_scatter": comm.reduce_scatter_s,
-             "all_reduce": comm.all_reduce_s}
+    costs = {"all_gather": comm.all_gather_s, "reduce_scatter": comm.reduce_scatter_s, "all_reduce": comm.all_reduce_s}
     # Each call pays its hops' latency; the formulas are linear in bytes, so calls x one average call.
     return sum(calls * costs[kind](nbytes / calls, tp, within) for kind, nbytes, calls in traced.collectives if calls)

@@ -15,12 +15,7 @@ def step_counter():
     from torch._guards import active_fake_mode
     from torch.distributed.tensor import DTensor
     from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils.flop_counter import (
-        flop_registry,
-        sdpa_backward_flop_count,
-        sdpa_flop_count,
-        shape_wrapper,
-    )
+    from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count, shape_wrapper
 
     aten = torch.ops.aten
     table = dict(flop_registry)
@@ -32,11 +27,14 @@ def step_counter():
 
     if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
         table[aten._scaled_dot_product_flash_attention_for_cpu] = shape_wrapper(
-            lambda q, k, v, *args, out_shape=None, **kwargs: sdpa_flop_count(q, heads_of(q, k), heads_of(q, v)))
+            lambda q, k, v, *args, out_shape=None, **kwargs: sdpa_flop_count(q, heads_of(q, k), heads_of(q, v))
+        )
     if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward"):
         table[aten._scaled_dot_product_flash_attention_for_cpu_backward] = shape_wrapper(
             lambda grad, q, k, v, *args, out_shape=None, **kwargs: sdpa_backward_flop_count(
-                grad, q, heads_of(q, k), heads_of(q, v)))
+                grad, q, heads_of(q, k), heads_of(q, v)
+            )
+        )
     if hasattr(aten, "_grouped_mm") and aten._grouped_mm not in table:
         table[aten._grouped_mm] = shape_wrapper(grouped_mm_flops)
 
@@ -87,4 +85,3 @@ def grouped_mm_flops(a, b, *args, out_shape=None, **kwargs) -> int:
     if len(a) == 2 and len(b) == 2:  # [in, tokens] x [tokens, out] -> [groups, in, out]
         return 2 * a[0] * a[1] * b[1]
     return 2 * math.prod(out_shape or ()) * a[-1]
-

@@ -33,16 +33,23 @@ def check_degree(fields: dict, tp: int) -> None:
     plan = getattr(library_model.transformers_config(fields, 1), "base_model_tp_plan", None) or {}
     others = sorted({style for style in plan.values() if style not in ("colwise", "rowwise")})
     if not plan or others:
-        raise UsageError(f"--tp {tp}: {fields['model_type']}'s blocks are not split by plain column and row products"
-                         + (f" (its config's plan has {', '.join(others)})" if others else "")
-                         + ", which is the tensor-parallel layout plan traces; plan it with --tp 1")
+        raise UsageError(
+            f"--tp {tp}: {fields['model_type']}'s blocks are not split by plain column and row products"
+            + (f" (its config's plan has {', '.join(others)})" if others else "")
+            + ", which is the tensor-parallel layout plan traces; plan it with --tp 1"
+        )
     heads = fields["num_attention_heads"]
     kv_heads = fields.get("num_key_value_heads") or heads
-    for name, count in (("attention heads", heads), ("key/value heads", kv_heads),
-                        ("feed-forward width", fields.get("intermediate_size") or tp)):
+    for name, count in (
+        ("attention heads", heads),
+        ("key/value heads", kv_heads),
+        ("feed-forward width", fields.get("intermediate_size") or tp),
+    ):
         if count % tp:
-            raise UsageError(f"--tp {tp} does not divide the model's {count} {name}; give a tp that divides"
-                             f" {heads} heads and {kv_heads} key/value heads")
+            raise UsageError(
+                f"--tp {tp} does not divide the model's {count} {name}; give a tp that divides"
+                f" {heads} heads and {kv_heads} key/value heads"
+            )
 
 
 def apply(model, fields: dict, mesh) -> None:
@@ -62,19 +69,28 @@ def apply(model, fields: dict, mesh) -> None:
     # Outputs stay DTensors (use_local_output=False) wherever the residual stream carries them, so that the
     # residual additions and the norms see the sequence's shards as one tensor.
     inner = model.get_submodule(model.base_model_prefix)
-    parallelize_module(inner, mesh, {
-        "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False),
-        "norm": SequenceParallel(),
-    })
-    parallelize_module(model, mesh, {"lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1),
-                                                                use_local_output=False)})
+    parallelize_module(
+        inner,
+        mesh,
+        {
+            "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False),
+            "norm": SequenceParallel(),
+        },
+    )
+    parallelize_module(
+        model,
+        mesh,
+        {"lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)},
+    )
     block_plan = {name.removeprefix("layers.*."): style for name, style in plan.items()}
     split_parents = {name.rpartition(".")[0] for name in block_plan}
     for block in library_model.blocks(model):
         layout: dict[str, ParallelStyle] = {
-            name: ColwiseParallel() if style == "colwise"
+            name: ColwiseParallel()
+            if style == "colwise"
             else RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
-            for name, style in block_plan.items()}
+            for name, style in block_plan.items()
+        }
         for name, child in block.named_children():
             if name not in split_parents and "norm" in type(child).__name__.lower():
                 layout[name] = SequenceParallel()

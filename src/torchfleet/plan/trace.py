@@ -69,9 +69,14 @@ def trace(fields: dict, work: Workload, world: int, layers: int | None = None) -
             tracker, counter = tracked_step(fields, work, mesh, _timeline_tracker(), layers)
     finally:
         dist.destroy_process_group()
-    return Traced(layers, world, candidate_moments(tracker.moments), counter.total,
-                  tuple((kind, nbytes, counter.calls[kind]) for kind, nbytes in sorted(counter.collectives.items())),
-                  tracker.held)
+    return Traced(
+        layers,
+        world,
+        candidate_moments(tracker.moments),
+        counter.total,
+        tuple((kind, nbytes, counter.calls[kind]) for kind, nbytes in sorted(counter.collectives.items())),
+        tracker.held,
+    )
 
 
 def _mesh(world: int, tp: int):
@@ -109,8 +114,15 @@ def tracked_step(fields: dict, work: Workload, mesh, tracker_class, layers: int 
     with tracker, step_counter() as counter, warnings.catch_warnings():
         # A stage without the output layer returns a view of its blocks' output; the step does nothing in place.
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-        _step(model, optimizer, tokens, work.tp, hidden, last=work.stage in ("whole", "last"),
-              after_forward=lambda: _note_held(tracker))
+        _step(
+            model,
+            optimizer,
+            tokens,
+            work.tp,
+            hidden,
+            last=work.stage in ("whole", "last"),
+            after_forward=lambda: _note_held(tracker),
+        )
     return tracker, counter
 
 
@@ -168,11 +180,16 @@ def _prepare(model, fields: dict, work: Workload, mesh) -> None:
 
         for i, block in enumerate(blocks):
             if work.ac == "selective":
-                blocks[i] = checkpoint_wrapper(block, preserve_rng_state=False, context_fn=checkpoint_policy.selective_contexts)
+                blocks[i] = checkpoint_wrapper(
+                    block, preserve_rng_state=False, context_fn=checkpoint_policy.selective_contexts
+                )
             else:
                 blocks[i] = checkpoint_wrapper(block, preserve_rng_state=False)
-    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-              if work.precision == "bf16" else MixedPrecisionPolicy())
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if work.precision == "bf16"
+        else MixedPrecisionPolicy()
+    )
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=work.reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=work.reshard_after_forward)

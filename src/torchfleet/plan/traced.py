@@ -43,13 +43,20 @@ class Traced:
 
     def at_world(self, world: int) -> Traced:
         scale = self.world / world
-        return Traced(self.layers, world, tuple({k: v * scale if k in SHARDED_KINDS else v for k, v in m.items()}
-                                                for m in self.moments), self.flops, self.collectives, self.held)
+        return Traced(
+            self.layers,
+            world,
+            tuple({k: v * scale if k in SHARDED_KINDS else v for k, v in m.items()} for m in self.moments),
+            self.flops,
+            self.collectives,
+            self.held,
+        )
 
 
 def candidate_moments(moments: list[dict[str, float]]) -> tuple[dict[str, float], ...]:
     """The moments that are the peak for some number of ranks: those no other moment exceeds in both the
     sharded and the whole-held kinds."""
+
     def split(kinds):
         sharded = sum(v for k, v in kinds.items() if k in SHARDED_KINDS)
         return sum(kinds.values()) - sharded, sharded
@@ -65,15 +72,25 @@ def candidate_moments(moments: list[dict[str, float]]) -> tuple[dict[str, float]
 def at_depth(low: Traced, high: Traced, layers: int) -> Traced:
     """The figures for `layers` blocks, carried linearly from traces at two depths (same world)."""
     low_kinds, high_kinds = low.kinds, high.kinds
-    per_block = {k: (high_kinds.get(k, 0.0) - low_kinds.get(k, 0.0)) / (high.layers - low.layers)
-                 for k in set(low_kinds) | set(high_kinds)}
+    per_block = {
+        k: (high_kinds.get(k, 0.0) - low_kinds.get(k, 0.0)) / (high.layers - low.layers)
+        for k in set(low_kinds) | set(high_kinds)
+    }
     kinds = {k: low_kinds.get(k, 0.0) + per_block[k] * (layers - low.layers) for k in per_block}
+
     def carried(a: float, b: float) -> float:
         return a + (b - a) / (high.layers - low.layers) * (layers - low.layers)
 
     low_comm = {kind: (nbytes, calls) for kind, nbytes, calls in low.collectives}
-    collectives = tuple((kind, carried(low_comm.get(kind, (0.0, 0.0))[0], nbytes),
-                         carried(low_comm.get(kind, (0.0, 0.0))[1], calls)) for kind, nbytes, calls in high.collectives)
-    return Traced(layers, low.world, ({k: v for k, v in sorted(kinds.items()) if v > 0},),
-                  carried(low.flops, high.flops), collectives, carried(low.held, high.held))
-
+    collectives = tuple(
+        (kind, carried(low_comm.get(kind, (0.0, 0.0))[0], nbytes), carried(low_comm.get(kind, (0.0, 0.0))[1], calls))
+        for kind, nbytes, calls in high.collectives
+    )
+    return Traced(
+        layers,
+        low.world,
+        ({k: v for k, v in sorted(kinds.items()) if v > 0},),
+        carried(low.flops, high.flops),
+        collectives,
+        carried(low.held, high.held),
+    )

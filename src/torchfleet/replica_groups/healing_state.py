@@ -50,8 +50,10 @@ class TrainingState:
             "layout": self.layout(),
             "params": [_local(p).detach() for _, p in self.params],
             "buffers": [_local(b) for _, b in self.buffers],
-            "optimizer": [{k: _local(v) if isinstance(v, torch.Tensor) else v
-                           for k, v in self.optimizer.state.get(p, {}).items()} for p in self.stepped],
+            "optimizer": [
+                {k: _local(v) if isinstance(v, torch.Tensor) else v for k, v in self.optimizer.state.get(p, {}).items()}
+                for p in self.stepped
+            ],
             "hyper": [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups],
             "scaler": self.precision.state_dict() if self.precision is not None else {},
         }
@@ -60,10 +62,14 @@ class TrainingState:
     def load(self, state: dict[str, Any], source: str = "the peer") -> None:
         mine = self.layout()
         if state["layout"] != mine:
-            first = next((f"{a} here, {b} there" for a, b in zip(mine, state["layout"], strict=False) if a != b),
-                         f"{len(mine)} tensors here, {len(state['layout'])} there")
-            raise TrainingError(f"this group cannot take {source}'s weights: their layouts differ ({first});"
-                                " every group must run the same model, strategy and number of processes")
+            first = next(
+                (f"{a} here, {b} there" for a, b in zip(mine, state["layout"], strict=False) if a != b),
+                f"{len(mine)} tensors here, {len(state['layout'])} there",
+            )
+            raise TrainingError(
+                f"this group cannot take {source}'s weights: their layouts differ ({first});"
+                " every group must run the same model, strategy and number of processes"
+            )
         for (_, p), value in zip(self.params, state["params"], strict=True):
             _local(p).copy_(value)
         for (_, b), value in zip(self.buffers, state["buffers"], strict=True):
@@ -89,6 +95,7 @@ class TrainingState:
             return value.clone().to(param.device if on_device else "cpu")
         value = value.to(param.device).clone()
         if isinstance(param, DTensor) and value.shape == _local(param).shape:
-            return DTensor.from_local(value, param.device_mesh, param.placements, run_check=False,
-                                      shape=param.shape, stride=param.stride())
+            return DTensor.from_local(
+                value, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+            )
         return value

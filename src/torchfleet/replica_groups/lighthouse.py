@@ -46,16 +46,24 @@ def start(host: str, port: int, min_replicas: int = 1):
     from torchft._torchft import LighthouseServer
 
     if not netif.is_local(host):
-        raise UsageError(f"the lighthouse is to listen on {host}, which is not an address of this machine;"
-                         " give this machine's address (node 0 starts it at --master-addr), or run"
-                         " `torchfleet lighthouse` on the machine it names and pass --lighthouse HOST:PORT")
+        raise UsageError(
+            f"the lighthouse is to listen on {host}, which is not an address of this machine;"
+            " give this machine's address (node 0 starts it at --master-addr), or run"
+            " `torchfleet lighthouse` on the machine it names and pass --lighthouse HOST:PORT"
+        )
     _check_port_free(host, port)
     try:
-        return LighthouseServer(bind=f"{_bracketed(host)}:{port}", min_replicas=min_replicas,
-                                join_timeout_ms=JOIN_TIMEOUT_MS, heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS)
+        return LighthouseServer(
+            bind=f"{_bracketed(host)}:{port}",
+            min_replicas=min_replicas,
+            join_timeout_ms=JOIN_TIMEOUT_MS,
+            heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS,
+        )
     except Exception as exc:  # the Rust server's bind error, as a RuntimeError
-        raise UsageError(f"the lighthouse cannot listen on {host}:{port} ({str(exc).strip() or type(exc).__name__});"
-                         " choose another port") from None
+        raise UsageError(
+            f"the lighthouse cannot listen on {host}:{port} ({str(exc).strip() or type(exc).__name__});"
+            " choose another port"
+        ) from None
 
 
 def _check_port_free(host: str, port: int) -> None:
@@ -67,8 +75,10 @@ def _check_port_free(host: str, port: int) -> None:
         try:
             sock.bind((host, port))
         except OSError as exc:
-            raise UsageError(f"the lighthouse's port {port} is already in use on {host} ({exc.strerror});"
-                             " choose another with --master-port (or --port for torchfleet lighthouse)") from None
+            raise UsageError(
+                f"the lighthouse's port {port} is already in use on {host} ({exc.strerror});"
+                " choose another with --master-port (or --port for torchfleet lighthouse)"
+            ) from None
 
 
 def wait_reachable(host: str, port: int, wait: float = REACH_SECONDS) -> float:
@@ -76,8 +86,9 @@ def wait_reachable(host: str, port: int, wait: float = REACH_SECONDS) -> float:
     try:
         socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as exc:
-        raise UsageError(f"the lighthouse's host {host!r} cannot be resolved ({exc.strerror});"
-                         " check --lighthouse (or --master-addr)") from None
+        raise UsageError(
+            f"the lighthouse's host {host!r} cannot be resolved ({exc.strerror}); check --lighthouse (or --master-addr)"
+        ) from None
     start_time = time.monotonic()
     deadline = start_time + wait
     while True:
@@ -86,10 +97,12 @@ def wait_reachable(host: str, port: int, wait: float = REACH_SECONDS) -> float:
                 return time.monotonic() - start_time
         except OSError as exc:
             if time.monotonic() >= deadline:
-                raise UsageError(f"cannot reach the lighthouse at {host}:{port} within {wait:.0f} s"
-                                 f" ({exc.strerror or exc}); start it first (node 0 starts it at --master-addr"
-                                 " and --master-port, or run `torchfleet lighthouse`) and check --lighthouse,"
-                                 " --master-addr and the firewall") from None
+                raise UsageError(
+                    f"cannot reach the lighthouse at {host}:{port} within {wait:.0f} s"
+                    f" ({exc.strerror or exc}); start it first (node 0 starts it at --master-addr"
+                    " and --master-port, or run `torchfleet lighthouse`) and check --lighthouse,"
+                    " --master-addr and the firewall"
+                ) from None
         time.sleep(0.5)
 
 
@@ -101,8 +114,11 @@ def serve(host: str, port: int, min_replicas: int = 1) -> int:
     server = start(host, port, min_replicas)
     stop = threading.Event()
     previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    print(f"torchfleet: lighthouse listening on {url(host, port)} (at least {min_replicas} group(s) make a"
-          f" quorum); give the groups --lighthouse {_bracketed(host)}:{port}", flush=True)
+    print(
+        f"torchfleet: lighthouse listening on {url(host, port)} (at least {min_replicas} group(s) make a"
+        f" quorum); give the groups --lighthouse {_bracketed(host)}:{port}",
+        flush=True,
+    )
     try:
         while not stop.wait(1.0):
             pass

@@ -52,10 +52,29 @@ def run_groups_here(launch: LaunchConfig, argv: list[str], strategy: str) -> int
         try:
             for group in range(groups):
                 args = argv if group == 0 else [*without_outputs(argv), "--no-progress"]
-                cmd = [sys.executable, "-m", "torchfleet", "train", *args, "--strategy", strategy,
-                       "--nnodes", str(groups), "--node-rank", str(group), "--master-addr", "127.0.0.1",
-                       "--master-port", str(port), "--nproc-per-node", "1", "--fault-tolerance", "step",
-                       "--max-restarts", str(launch.max_restarts)]
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "torchfleet",
+                    "train",
+                    *args,
+                    "--strategy",
+                    strategy,
+                    "--nnodes",
+                    str(groups),
+                    "--node-rank",
+                    str(group),
+                    "--master-addr",
+                    "127.0.0.1",
+                    "--master-port",
+                    str(port),
+                    "--nproc-per-node",
+                    "1",
+                    "--fault-tolerance",
+                    "step",
+                    "--max-restarts",
+                    str(launch.max_restarts),
+                ]
                 if group == 0:
                     procs.append((subprocess.Popen(cmd), None))
                     continue
@@ -73,6 +92,10 @@ def run_groups_here(launch: LaunchConfig, argv: list[str], strategy: str) -> int
         for (proc, log), code in zip(procs, codes, strict=True):
             if code and log is not None:
                 lines = log.read_text(errors="replace").splitlines()[-_TAIL:]
-                print(f"torchfleet: replica group {procs.index((proc, log))} exited with status {code}; its"
-                      " last lines:\n" + "\n".join(f"  {line}" for line in lines), file=sys.stderr, flush=True)
+                print(
+                    f"torchfleet: replica group {procs.index((proc, log))} exited with status {code}; its"
+                    " last lines:\n" + "\n".join(f"  {line}" for line in lines),
+                    file=sys.stderr,
+                    flush=True,
+                )
     return next((code for code in codes if code), 0)

@@ -62,20 +62,29 @@ class OuterGroup(ReplicaGroup):
         if self.options.method == "diloco":
             momentum = self.options.outer_momentum
             trained = [p for p in model.parameters() if p.requires_grad]
-            self.outer_optimizer = torch.optim.SGD(trained, lr=self.options.outer_lr, momentum=momentum,
-                                                   nesterov=momentum > 0)
+            self.outer_optimizer = torch.optim.SGD(
+                trained, lr=self.options.outer_lr, momentum=momentum, nesterov=momentum > 0
+            )
             # pin_memory: the copy of the weights at the last meeting stays in pageable memory, as the
             # model itself does on a CPU (pinning needs an accelerator). use_bucketization: the
             # pseudo-gradients cross in one flat all-reduce, not one per tensor (gpt tiny's 30-odd tensors
             # took 50 to 100 ms a meeting on loopback one by one, 17 to 52 ms flat, on a busy machine).
-            diloco = DiLoCo(self.manager, [model], optimizer, self.outer_optimizer, sync_every=every,
-                            pin_memory=False, use_bucketization=True)
+            diloco = DiLoCo(
+                self.manager,
+                [model],
+                optimizer,
+                self.outer_optimizer,
+                sync_every=every,
+                pin_memory=False,
+                use_bucketization=True,
+            )
             (self._fragment,) = diloco._fragments
         else:
             self._localsgd = LocalSGD(self.manager, model, optimizer, sync_every=every)
         # A group that heals takes the job's position with the weights (its loaders follow it).
-        self.manager.register_state_dict_fn("torchfleet_position", self._load_position,
-                                            lambda: {"position": self.position})
+        self.manager.register_state_dict_fn(
+            "torchfleet_position", self._load_position, lambda: {"position": self.position}
+        )
 
     def _load_position(self, state: dict) -> None:
         self.position = int(state["position"])
@@ -144,9 +153,12 @@ class OuterGroup(ReplicaGroup):
                 f"replica group {self.env.group} has not completed a meeting of the groups for {waited:.0f} s"
                 f" (at step {self.position}"
                 + (f"; last error: {str(error.original_exception).strip().splitlines()[0]}" if error else "")
-                + "); check the other groups' output, or restart the job with --resume from the newest checkpoint")
-        self.lines.append(f"the meeting at step {self.position} did not complete (a group failed during it):"
-                          f" {self.options.method} goes on from the weights of the last one")
+                + "); check the other groups' output, or restart the job with --resume from the newest checkpoint"
+            )
+        self.lines.append(
+            f"the meeting at step {self.position} did not complete (a group failed during it):"
+            f" {self.options.method} goes on from the weights of the last one"
+        )
 
     def _account(self, members: tuple[int, ...]) -> None:
         """The lines for a meeting that committed, its steps counted as the job's (torchft counts meetings)."""
@@ -200,8 +212,10 @@ class OuterGroup(ReplicaGroup):
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
         if "position" not in state:
-            raise TrainingError(f"this checkpoint was not written by {self.options.method} (it has no position"
-                                f" between meetings); resume it with the strategy that wrote it")
+            raise TrainingError(
+                f"this checkpoint was not written by {self.options.method} (it has no position"
+                f" between meetings); resume it with the strategy that wrote it"
+            )
         assert self.manager is not None
         self.manager.load_state_dict(state["manager"])
         self.position, self.local = int(state["position"]), int(state["local"])

@@ -105,19 +105,33 @@ class ReplicaGroup:
         try:
             with _manager_server_on(self.env.addr):
                 self.manager = Manager(
-                    pg=self.pg, load_state_dict=self.state.load, state_dict=self.state.state, min_replica_size=1,
-                    rank=self.dist_env.rank, world_size=self.dist_env.world_size, store_addr=self.env.addr,
-                    store_port=port, lighthouse_addr=self.env.lighthouse, replica_id=self.env.replica_id,
-                    hostname=self.env.addr, checkpoint_transport=self.transport, timeout=TIMEOUT,
-                    quorum_timeout=datetime.timedelta(seconds=self.env.join_timeout), connect_timeout=TIMEOUT,
+                    pg=self.pg,
+                    load_state_dict=self.state.load,
+                    state_dict=self.state.state,
+                    min_replica_size=1,
+                    rank=self.dist_env.rank,
+                    world_size=self.dist_env.world_size,
+                    store_addr=self.env.addr,
+                    store_port=port,
+                    lighthouse_addr=self.env.lighthouse,
+                    replica_id=self.env.replica_id,
+                    hostname=self.env.addr,
+                    checkpoint_transport=self.transport,
+                    timeout=TIMEOUT,
+                    quorum_timeout=datetime.timedelta(seconds=self.env.join_timeout),
+                    connect_timeout=TIMEOUT,
                     # torchfleet seeds every group's model alike and checks it (_check_same_weights); torchft's
                     # initial sync would instead count the syncing groups as zeros in the first step's average.
-                    init_sync=False, **self._manager_options())
+                    init_sync=False,
+                    **self._manager_options(),
+                )
         except RuntimeError as exc:  # the lighthouse gone (the job ended, node 0 lost), or rank 0's store
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise TrainingError(f"replica group {self.env.group} could not start torchft's manager ({first}); is the"
-                                f" lighthouse at {self.env.lighthouse} still up? It stops when the job ends or its"
-                                " machine is lost") from None
+            raise TrainingError(
+                f"replica group {self.env.group} could not start torchft's manager ({first}); is the"
+                f" lighthouse at {self.env.lighthouse} still up? It stops when the job ends or its"
+                " machine is lost"
+            ) from None
 
     def _manager_options(self) -> dict:
         """More of torchft Manager's options, for a kind of group that needs them (replica_groups/outer_step.py)."""
@@ -158,7 +172,8 @@ class ReplicaGroup:
         return TrainingError(
             f"replica group {self.env.group} got no quorum at step {self.step} ({first}): the lighthouse at"
             f" {self.env.lighthouse} does not answer (its machine lost, or the job ended); restart the job"
-            " with --resume from the newest checkpoint")
+            " with --resume from the newest checkpoint"
+        )
 
     @torch.no_grad()
     def average(self, optimizer: torch.optim.Optimizer) -> None:
@@ -194,15 +209,15 @@ class ReplicaGroup:
         if ok:
             self._last_progress = now
             if self.joined:
-                self.lines += self.account.committed(manager.current_step(), members, self.transport,
-                                                     self.pg.quorum_id)
+                self.lines += self.account.committed(manager.current_step(), members, self.transport, self.pg.quorum_id)
         elif now - self._last_progress > self.env.join_timeout:
             error = manager.errored()
             raise TrainingError(
                 f"replica group {self.env.group} has not completed a step for {now - self._last_progress:.0f} s"
                 f" (at step {manager.current_step()}, with {_members(members)} in the quorum"
                 + (f"; last error: {str(error.original_exception).strip().splitlines()[0]}" if error else "")
-                + "); check the other groups' output, or restart the job with --resume from the newest checkpoint")
+                + "); check the other groups' output, or restart the job with --resume from the newest checkpoint"
+            )
         return ok
 
     def _gather(self, participants: int, members: tuple[int, ...]) -> None:
@@ -219,15 +234,18 @@ class ReplicaGroup:
             return
         if self._waiting_since is None:
             self._waiting_since = now
-            self.lines.append(f"group {self.env.group} waits for the other groups at step {self._start_step}"
-                              f" ({_members(members)} here of {self.env.groups})")
+            self.lines.append(
+                f"group {self.env.group} waits for the other groups at step {self._start_step}"
+                f" ({_members(members)} here of {self.env.groups})"
+            )
         waited = now - self._waiting_since
         if waited > self.env.join_timeout:
             raise TrainingError(
                 f"replica group {self.env.group} waited {waited:.0f} s at step {self._start_step} and only"
                 f" {_members(members)} of {self.env.groups} joined: no live peer is ahead to heal from, so it"
                 " stops rather than train alone from its initial weights; start the missing groups (the same"
-                " command with their --node-rank), or restart every group with --resume from the newest checkpoint")
+                " command with their --node-rank), or restart every group with --resume from the newest checkpoint"
+            )
         self._last_progress = now  # waiting at the start is not a failure to commit
         self.manager.report_error(RuntimeError("waiting for the other replica groups"))  # this step does not count
         time.sleep(_WAIT_PAUSE)
@@ -251,7 +269,8 @@ class ReplicaGroup:
             raise TrainingError(
                 f"the replica groups start from different weights (group {self.env.group}'s sum"
                 f" {float(total[0]):.6g} is not every group's): build the model after torch.manual_seed(...)"
-                " with the same seed in every group, or load the same checkpoint")
+                " with the same seed in every group, or load the same checkpoint"
+            )
 
     def stepped(self) -> None:
         """After the optimizer stepped: nothing more, when the groups average every step."""

@@ -77,8 +77,9 @@ class Account:
         self._intervals: deque[float] = deque(maxlen=25)  # recent seconds between commits
         self.pauses: list[float] = []  # seconds lost at each membership change, for reports
 
-    def committed(self, step: int, members: tuple[int, ...], transport: RecordedTransport,
-                  quorum_id: int | None = None) -> list[str]:
+    def committed(
+        self, step: int, members: tuple[int, ...], transport: RecordedTransport, quorum_id: int | None = None
+    ) -> list[str]:
         """Lines for a step that committed as `step` (the count after it) with `members` in torchft's quorum
         `quorum_id`."""
         now = time.monotonic()
@@ -92,8 +93,10 @@ class Account:
         if healed is not None:
             source, at, seconds = healed
             peer = members[source] if source < len(members) else source
-            lines.append(f"group {self.group} healed from group {peer} at step {at}: took its weights in"
-                         f" {seconds:.1f} s, and goes on with {_names(members)}")
+            lines.append(
+                f"group {self.group} healed from group {peer} at step {at}: took its weights in"
+                f" {seconds:.1f} s, and goes on with {_names(members)}"
+            )
         elif before:
             left, joined = set(before) - set(members), set(members) - set(before)
             receivers = {members[rank] for ranks, _ in sent for rank in ranks if rank < len(members)}
@@ -102,20 +105,23 @@ class Account:
             pause = max(0.0, (interval or 0.0) - usual)
             if left:
                 self.pauses.append(pause)
-                lines.append(f"{_names(left)} left at step {step - 1}: {_names(members)} went on after a pause"
-                             f" of {pause:.1f} s ({len(members)} of {self.groups} groups)")
+                lines.append(
+                    f"{_names(left)} left at step {step - 1}: {_names(members)} went on after a pause"
+                    f" of {pause:.1f} s ({len(members)} of {self.groups} groups)"
+                )
             if joined:
                 by = f" and healed from this group ({self.group})" if receivers & joined else ""
-                lines.append(f"{_names(joined)} joined at step {step - 1}{by} ({len(members)} of {self.groups}"
-                             " groups)")
+                lines.append(f"{_names(joined)} joined at step {step - 1}{by} ({len(members)} of {self.groups} groups)")
             if changed and not left and not joined:
                 # The same groups in a new quorum: one was lost and started again before the lighthouse
                 # gave up on it (its agent's --max-restarts), so it left and joined at once.
                 self.pauses.append(pause)
                 who = _names(receivers) if receivers else "a group"
                 healing = f", healing from this group ({self.group})" if receivers else ""
-                lines.append(f"{who} was lost and started again at step {step - 1}{healing}; {_names(members)}"
-                             f" went on after a pause of {pause:.1f} s")
+                lines.append(
+                    f"{who} was lost and started again at step {step - 1}{healing}; {_names(members)}"
+                    f" went on after a pause of {pause:.1f} s"
+                )
         if interval is not None and healed is None and before == members and not changed:
             self._intervals.append(interval)
         return lines

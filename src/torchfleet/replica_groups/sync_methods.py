@@ -41,31 +41,44 @@ class SyncOptions:
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
-            raise UsageError(f"{self.method!r} is not a method that meets every few steps; use one of"
-                             f" {', '.join(METHODS)}")
+            raise UsageError(
+                f"{self.method!r} is not a method that meets every few steps; use one of {', '.join(METHODS)}"
+            )
         if isinstance(self.sync_every, bool) or not isinstance(self.sync_every, int) or self.sync_every < 1:
-            raise UsageError(f"--sync-every {self.sync_every} must be a whole number of steps, at least 1"
-                             f" (default {DEFAULT_SYNC_EVERY})")
-        if self.method == "localsgd" and (self.outer_lr, self.outer_momentum) != (DEFAULT_OUTER_LR,
-                                                                                  DEFAULT_OUTER_MOMENTUM):
-            raise UsageError("localsgd averages the weights and has no outer optimizer; --outer-lr and"
-                             " --outer-momentum are diloco's")
+            raise UsageError(
+                f"--sync-every {self.sync_every} must be a whole number of steps, at least 1"
+                f" (default {DEFAULT_SYNC_EVERY})"
+            )
+        if self.method == "localsgd" and (self.outer_lr, self.outer_momentum) != (
+            DEFAULT_OUTER_LR,
+            DEFAULT_OUTER_MOMENTUM,
+        ):
+            raise UsageError(
+                "localsgd averages the weights and has no outer optimizer; --outer-lr and --outer-momentum are diloco's"
+            )
         if not self.outer_lr > 0:
-            raise UsageError(f"--outer-lr {self.outer_lr} must be a positive number (the DiLoCo paper's is"
-                             f" {DEFAULT_OUTER_LR})")
+            raise UsageError(
+                f"--outer-lr {self.outer_lr} must be a positive number (the DiLoCo paper's is {DEFAULT_OUTER_LR})"
+            )
         if not 0 <= self.outer_momentum < 1:
-            raise UsageError(f"--outer-momentum {self.outer_momentum} must be at least 0 and below 1 (the"
-                             f" DiLoCo paper's is {DEFAULT_OUTER_MOMENTUM})")
+            raise UsageError(
+                f"--outer-momentum {self.outer_momentum} must be at least 0 and below 1 (the"
+                f" DiLoCo paper's is {DEFAULT_OUTER_MOMENTUM})"
+            )
 
     def describe(self) -> str:
         if self.method == "localsgd":
             return f"localsgd: the groups average their weights every {self.sync_every} steps"
-        return (f"diloco: the groups meet every {self.sync_every} steps; outer SGD lr {self.outer_lr:g},"
-                f" Nesterov momentum {self.outer_momentum:g}")
+        return (
+            f"diloco: the groups meet every {self.sync_every} steps; outer SGD lr {self.outer_lr:g},"
+            f" Nesterov momentum {self.outer_momentum:g}"
+        )
 
 
 def refuse_alone(method: str, groups: int) -> None:
     """Both need two replica groups at least: one has no one to meet."""
     if groups < 2:
-        raise UsageError(f"{method} on one process (or one replica group) has no one to meet; run it on 2 or"
-                         f" more processes (-n 2 on one machine, or --nnodes 2 and more), or use serial")
+        raise UsageError(
+            f"{method} on one process (or one replica group) has no one to meet; run it on 2 or"
+            f" more processes (-n 2 on one machine, or --nnodes 2 and more), or use serial"
+        )

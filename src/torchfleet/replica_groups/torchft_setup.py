@@ -76,7 +76,9 @@ def unavailable() -> str | None:
     except Exception as exc:  # an ImportError, or an extension built for another torch
         import torch
 
-        return (f"torchft {found} does not load with torch {torch.__version__} ({type(exc).__name__}: "
-                f"{str(exc).strip().splitlines()[0] if str(exc).strip() else 'no message'}); install a torchft"
-                " release built for this torch")
+        return (
+            f"torchft {found} does not load with torch {torch.__version__} ({type(exc).__name__}: "
+            f"{str(exc).strip().splitlines()[0] if str(exc).strip() else 'no message'}); install a torchft"
+            " release built for this torch"
+        )
     return None

@@ -29,22 +29,25 @@ def plan(strategy: str, fault_tolerance: str | None, options: StrategyOptions) -
     meeting = meeting_of(strategy, options)
     rest = dataclasses.replace(options, replica_groups=ReplicaGroupOptions())  # ddp's, inside each group
     if fault_tolerance == "restart":
-        raise UsageError(f"{strategy} runs its replica groups under torchft, which is per-step fault tolerance"
-                         " already; leave fault_tolerance out")
+        raise UsageError(
+            f"{strategy} runs its replica groups under torchft, which is per-step fault tolerance"
+            " already; leave fault_tolerance out"
+        )
     env = ReplicaEnv.for_fleet("step" if ReplicaEnv.detect() is not None else None, strategy)
     if env is None:
-        raise UsageError(f"{strategy} meets across replica groups, and this process is in none: train with"
-                         f" `torchfleet train --strategy {strategy} -n 2` (it makes a group per process on one"
-                         " machine, a group per machine with --nnodes), or launch the script with torchfleet run"
-                         " --fault-tolerance step --nnodes 2 or more")
+        raise UsageError(
+            f"{strategy} meets across replica groups, and this process is in none: train with"
+            f" `torchfleet train --strategy {strategy} -n 2` (it makes a group per process on one"
+            " machine, a group per machine with --nnodes), or launch the script with torchfleet run"
+            " --fault-tolerance step --nnodes 2 or more"
+        )
     refuse_alone(strategy, env.groups)
     return Plan(env, meeting, rest)
 
 
 def meeting_of(method: str, options: StrategyOptions) -> SyncOptions:
     """diloco's or localsgd's meetings as `options` set them, validated (one sentence for a bad value)."""
-    return SyncOptions(method, **{k: v for k, v in dataclasses.asdict(options.replica_groups).items()
-                                  if v is not None})
+    return SyncOptions(method, **{k: v for k, v in dataclasses.asdict(options.replica_groups).items() if v is not None})
 
 
 def group(planned: Plan, dist_env, device):

@@ -108,5 +108,14 @@ def data_readers(name: str, world_size: int, options: dict | None = None) -> int
     return dims.dp if dims is not None else world_size
 
 
-__all__ = ["STRATEGIES", "Preset", "Runtime", "Strategy", "class_for", "data_readers", "get_strategy", "register",
-           "resolve_dims"]
+__all__ = [
+    "STRATEGIES",
+    "Preset",
+    "Runtime",
+    "Strategy",
+    "class_for",
+    "data_readers",
+    "get_strategy",
+    "register",
+    "resolve_dims",
+]

@@ -157,8 +157,7 @@ class Strategy:
         return self.runtime.env.rank, self.runtime.env.world_size
 
     # -- training ---------------------------------------------------------
-    def train_step(self, inputs: Batch, targets: torch.Tensor, loss_fn: LossFn,
-                   grad_accum: int = 1) -> torch.Tensor:
+    def train_step(self, inputs: Batch, targets: torch.Tensor, loss_fn: LossFn, grad_accum: int = 1) -> torch.Tensor:
         """Forward, backward and optimizer step on this rank's share of one global batch.
 
         The share is split into `grad_accum` equal micro-batches; only the last

@@ -79,9 +79,18 @@ class SyncBatchNorm(_BatchNorm):
     BatchNorm it replaced (the same `F.batch_norm` call).
     """
 
-    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
-                 affine: bool = True, track_running_stats: bool = True, group=None,
-                 like: type[_BatchNorm] = nn.BatchNorm2d, device=None, dtype=None):
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        group=None,
+        like: type[_BatchNorm] = nn.BatchNorm2d,
+        device=None,
+        dtype=None,
+    ):
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
         self.group = group  # None: the default (WORLD) group
         self._like = like  # the replaced class, whose input-shape check this one keeps
@@ -139,8 +148,10 @@ class SyncBatchNorm(_BatchNorm):
         sums = _AllReduceSum.apply(torch.cat([x.sum(dims), x.new_full((1,), x.numel() // channels)]), group)
         n = sums[-1].item()  # samples x positions per channel, over every process's share
         if n <= 1:  # F.batch_norm's own check, on the global batch
-            raise ValueError(f"Expected more than 1 value per channel when training, got input size"
-                             f" {list(x.shape)} on each of {self._world()} processes")
+            raise ValueError(
+                f"Expected more than 1 value per channel when training, got input size"
+                f" {list(x.shape)} on each of {self._world()} processes"
+            )
         mean = sums[:channels] / n
         centred = x - mean.view(shape)
         var = _AllReduceSum.apply((centred * centred).sum(dims), group) / n
@@ -152,10 +163,13 @@ def _synchronised(bn: _BatchNorm, group) -> SyncBatchNorm:
     # The ignore: torch's own _LazyProtocol says hooks return None where Module's return handles,
     # so no real module matches it as the checker reads it; the method is LazyModuleMixin's.
     if isinstance(bn, LazyModuleMixin) and bn.has_uninitialized_params():  # pyright: ignore[reportAttributeAccessIssue]
-        raise UsageError(f"{type(bn).__name__} has not seen an input yet, so its size is unknown;"
-                         " run one forward before setup, or use BatchNorm with num_features")
-    new = SyncBatchNorm(bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats,
-                        group=group, like=type(bn))
+        raise UsageError(
+            f"{type(bn).__name__} has not seen an input yet, so its size is unknown;"
+            " run one forward before setup, or use BatchNorm with num_features"
+        )
+    new = SyncBatchNorm(
+        bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats, group=group, like=type(bn)
+    )
     # The same objects, not copies: an optimizer built over the old ones still steps these.
     for name in ("weight", "bias"):
         new._parameters[name] = bn._parameters.get(name)
@@ -190,9 +204,11 @@ def has_batchnorm(model: nn.Module | list[nn.Module]) -> bool:
 def check_sync_batchnorm(pp: int, sync_batchnorm: bool) -> None:
     """Refuse --sync-batchnorm for pipelines: their statistics are per micro-batch, not per process."""
     if sync_batchnorm and pp > 1:
-        raise UsageError(f"--sync-batchnorm does not apply to a pipeline (pp {pp}): each stage"
-                         " normalises one micro-batch at a time, so there are no whole-batch statistics"
-                         " to synchronise; drop --sync-batchnorm, or use ddp or fsdp without --pp")
+        raise UsageError(
+            f"--sync-batchnorm does not apply to a pipeline (pp {pp}): each stage"
+            " normalises one micro-batch at a time, so there are no whole-batch statistics"
+            " to synchronise; drop --sync-batchnorm, or use ddp or fsdp without --pp"
+        )
 
 
 _ADVICE = "; pass --sync-batchnorm (sync_batchnorm=True) to normalise with the whole batch's, as serial does"
@@ -207,21 +223,31 @@ def batchnorm_note(model: nn.Module | list[nn.Module], strategy_name: str, synce
         return None
     where = f"BatchNorm under {strategy_name}"
     if "pipeline" in strategy_name:
-        return (f"{where} normalises each micro-batch with its own statistics (--sync-batchnorm does"
-                " not apply to pipelines), so its weights differ from serial's")
+        return (
+            f"{where} normalises each micro-batch with its own statistics (--sync-batchnorm does"
+            " not apply to pipelines), so its weights differ from serial's"
+        )
     if strategy_name in ("ddp", "fsdp", "hsdp"):
         if synced:
-            return (f"{where} normalises with the whole batch's statistics, all-reduced across the"
-                    " data-parallel processes (sync_batchnorm), as serial does")
+            return (
+                f"{where} normalises with the whole batch's statistics, all-reduced across the"
+                " data-parallel processes (sync_batchnorm), as serial does"
+            )
         return f"{where} normalises each process's share of the batch with that share's statistics{_ADVICE}"
     if strategy_name == "dp":
-        return (f"{where}: nn.DataParallel's replicas normalise each GPU's chunk of the batch with that"
-                " chunk's statistics and keep the first GPU's running statistics (on one device the whole"
-                " batch, as serial)")
+        return (
+            f"{where}: nn.DataParallel's replicas normalise each GPU's chunk of the batch with that"
+            " chunk's statistics and keep the first GPU's running statistics (on one device the whole"
+            " batch, as serial)"
+        )
     if strategy_name == "mp":
-        return (f"{where} normalises each micro-batch with its own statistics, so its weights differ from"
-                " serial's; --microbatches 1 normalises the whole batch, as serial does")
+        return (
+            f"{where} normalises each micro-batch with its own statistics, so its weights differ from"
+            " serial's; --microbatches 1 normalises the whole batch, as serial does"
+        )
     if strategy_name == "hogwild":
-        return (f"{where}: each worker normalises its own batch and updates the shared running"
-                " statistics without locks, so they are no single batch's")
+        return (
+            f"{where}: each worker normalises its own batch and updates the shared running"
+            " statistics without locks, so they are no single batch's"
+        )
     return None

@@ -60,8 +60,10 @@ def find_blocks(model: nn.Module, classes: tuple[str, ...] | None = None) -> lis
                 taken.append(name)
         if not found:
             present = sorted({type(m).__name__ for m in model.modules()})
-            raise UsageError(f"fsdp_units {', '.join(classes)} names no module class of this model;"
-                             f" its classes are {', '.join(present)}")
+            raise UsageError(
+                f"fsdp_units {', '.join(classes)} names no module class of this model;"
+                f" its classes are {', '.join(present)}"
+            )
         return found
     if isinstance(model, nn.Sequential):
         return [(name, child) for name, child in model.named_children() if _params(child)]

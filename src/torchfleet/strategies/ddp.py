@@ -63,8 +63,9 @@ class DataParallelDistributed(MeshStrategy):
         if grad_compression not in COMPRESSIONS:
             raise choice_error("gradient compression", grad_compression, COMPRESSIONS)
         if powersgd_rank is not None and grad_compression != "powersgd":
-            raise UsageError(f"--powersgd-rank {powersgd_rank} needs --grad-compression powersgd"
-                             f" (not {grad_compression})")
+            raise UsageError(
+                f"--powersgd-rank {powersgd_rank} needs --grad-compression powersgd (not {grad_compression})"
+            )
         if powersgd_rank is not None and powersgd_rank < 1:
             raise UsageError(f"--powersgd-rank {powersgd_rank} must be at least 1")
         super().__init__(runtime, **options)  # rejects options ddp does not take
@@ -74,12 +75,20 @@ class DataParallelDistributed(MeshStrategy):
     def wrap(self, model, optimizer, args):
         model = self.synchronise_batchnorm(model)  # before DDP: it registers the modules' parameters
         mesh = self.build_mesh()
-        runner = parallelize(model, dims=self.dims, mesh=mesh, device=self.runtime.device,
-                             precision=self.runtime.precision,
-                             find_unused_parameters=self.find_unused_parameters).runner
+        runner = parallelize(
+            model,
+            dims=self.dims,
+            mesh=mesh,
+            device=self.runtime.device,
+            precision=self.runtime.precision,
+            find_unused_parameters=self.find_unused_parameters,
+        ).runner
         # parallelize wraps from 2 replicas on; one that was asked for (alone) is wrapped too
-        self.model = runner if isinstance(runner, DistributedDataParallel) else apply_ddp(
-            runner, mesh["dp_replicate"], self.runtime.device, self.find_unused_parameters)
+        self.model = (
+            runner
+            if isinstance(runner, DistributedDataParallel)
+            else apply_ddp(runner, mesh["dp_replicate"], self.runtime.device, self.find_unused_parameters)
+        )
         self._register_hook(mesh["dp_replicate"].get_group())
         self.optimizer = optimizer
         return self.model, self.optimizer
@@ -98,9 +107,11 @@ class DataParallelDistributed(MeshStrategy):
         unused = [n for n, p in self.model.module.named_parameters() if p.requires_grad and p.grad is None]
         if unused:
             shown = ", ".join(unused[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
-            raise UsageError(f"ddp: the forward did not use {len(unused)} parameters ({shown}), so DDP cannot"
-                             " average the gradients; pass find_unused_parameters=True"
-                             " (--find-unused-parameters), or set requires_grad=False on them")
+            raise UsageError(
+                f"ddp: the forward did not use {len(unused)} parameters ({shown}), so DDP cannot"
+                " average the gradients; pass find_unused_parameters=True"
+                " (--find-unused-parameters), or set requires_grad=False on them"
+            )
 
     def _register_hook(self, group) -> None:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
@@ -111,8 +122,8 @@ class DataParallelDistributed(MeshStrategy):
             self.model.register_comm_hook(None, default_hooks.bf16_compress_hook)
         elif self.grad_compression == "powersgd":
             state = powerSGD_hook.PowerSGDState(
-                process_group=group, matrix_approximation_rank=self.powersgd_rank,
-                start_powerSGD_iter=POWERSGD_START)
+                process_group=group, matrix_approximation_rank=self.powersgd_rank, start_powerSGD_iter=POWERSGD_START
+            )
             self.model.register_comm_hook(state, _in_bucket_order(powerSGD_hook.powerSGD_hook))
 
     def unwrapped(self):

@@ -42,8 +42,10 @@ DEGREE_FLAGS = {"dp_replicate": "--dp-replicate", "dp_shard": "--dp-shard", "pp"
 
 
 def _no_tp_in_pipelines(what: str) -> UsageError:
-    return UsageError(f"{what}: tensor parallelism inside pipeline stages is not supported yet;"
-                      " drop --tp, or drop --pp and use tp or fsdp+tp")
+    return UsageError(
+        f"{what}: tensor parallelism inside pipeline stages is not supported yet;"
+        " drop --tp, or drop --pp and use tp or fsdp+tp"
+    )
 
 
 @dataclass(frozen=True)
@@ -59,13 +61,15 @@ class ParallelDims:
             if getattr(self, name) < 1:
                 raise UsageError(f"{DEGREE_FLAGS[name]} {getattr(self, name)} must be at least 1")
         if self.dp_replicate * self.dp_shard * self.pp * self.tp != self.world_size:
-            raise UsageError(f"{self.arithmetic()} != {self.world_size} processes; choose degrees whose"
-                             f" product is the number of processes")
+            raise UsageError(
+                f"{self.arithmetic()} != {self.world_size} processes; choose degrees whose"
+                f" product is the number of processes"
+            )
         if self.tp > 1 and self.pp > 1:
             raise _no_tp_in_pipelines(self.arithmetic())
 
     def arithmetic(self) -> str:
-        """"dp_replicate(2) * dp_shard(1) * pp(2)", with tp(N) when there is tensor parallelism."""
+        """ "dp_replicate(2) * dp_shard(1) * pp(2)", with tp(N) when there is tensor parallelism."""
         return " * ".join(f"{n}({getattr(self, n)})" for n in DIM_NAMES if n != "tp" or self.tp > 1)
 
     @classmethod
@@ -113,7 +117,8 @@ class ParallelDims:
     def name(self) -> str:
         """The preset these degrees are ("ddp", "hsdp+pipeline", "fsdp+tp", ...)."""
         data = {(False, False): "", (True, False): "ddp", (False, True): "fsdp", (True, True): "hsdp"}[
-            (self.dp_replicate > 1, self.dp_shard > 1)]
+            (self.dp_replicate > 1, self.dp_shard > 1)
+        ]
         for degree, model in ((self.pp, "pipeline"), (self.tp, "tp")):
             if degree > 1:
                 return f"{data}+{model}" if data else model

@@ -19,7 +19,7 @@ from torchfleet.strategies.dims import DIM_NAMES, ParallelDims
 
 
 def names_option(value) -> tuple[str, ...] | None:
-    """"a,b" or ["a", "b"] as a tuple of names; None or empty as None."""
+    """ "a,b" or ["a", "b"] as a tuple of names; None or empty as None."""
     if value is None:
         return None
     items = value.split(",") if isinstance(value, str) else list(value)
@@ -34,22 +34,37 @@ class MeshStrategy(Strategy):
     # tp_plan (Python only): {module name: ParallelStyle} for a model without a tp_plan().
     options = (*DIM_NAMES, "sync_batchnorm", "fsdp_units", "split_points", "tp_plan")
 
-    def __init__(self, runtime, dims: ParallelDims | None = None, dp_replicate: int | None = None,
-                 dp_shard: int | None = None, pp: int | None = None, tp: int | None = None,
-                 sync_batchnorm: bool = False, fsdp_units=None, split_points=None, tp_plan=None, **options):
+    def __init__(
+        self,
+        runtime,
+        dims: ParallelDims | None = None,
+        dp_replicate: int | None = None,
+        dp_shard: int | None = None,
+        pp: int | None = None,
+        tp: int | None = None,
+        sync_batchnorm: bool = False,
+        fsdp_units=None,
+        split_points=None,
+        tp_plan=None,
+        **options,
+    ):
         super().__init__(runtime, **options)
         env = runtime.env
         if dims is None:
-            dims = ParallelDims.from_preset(self.name, env.world_size, nodes=env.nnodes,
-                                            dp_replicate=dp_replicate, dp_shard=dp_shard, pp=pp, tp=tp)
+            dims = ParallelDims.from_preset(
+                self.name, env.world_size, nodes=env.nnodes, dp_replicate=dp_replicate, dp_shard=dp_shard, pp=pp, tp=tp
+            )
         check_sync_batchnorm(dims.pp, sync_batchnorm)
         if sync_batchnorm and dims.tp > 1:
-            raise UsageError(f"--sync-batchnorm with tp({dims.tp}) is not supported: the ranks of a tensor-parallel"
-                             " group read the same batch, so all-reducing over every process would count it"
-                             f" {dims.tp} times; drop --sync-batchnorm, or --tp")
+            raise UsageError(
+                f"--sync-batchnorm with tp({dims.tp}) is not supported: the ranks of a tensor-parallel"
+                " group read the same batch, so all-reducing over every process would count it"
+                f" {dims.tp} times; drop --sync-batchnorm, or --tp"
+            )
         if tp_plan is not None and dims.tp == 1:
-            raise UsageError(f"tp_plan applies where layers are split (tp, fsdp+tp, or --tp); {dims.name} has no"
-                             " tensor parallelism")
+            raise UsageError(
+                f"tp_plan applies where layers are split (tp, fsdp+tp, or --tp); {dims.name} has no tensor parallelism"
+            )
         self.tp_plan = tp_plan
         self.sync_batchnorm = bool(sync_batchnorm)
         self.dims = dims
@@ -59,11 +74,14 @@ class MeshStrategy(Strategy):
         # one): the class wraps the model as at any size, which degrees of 1 would skip.
         self.alone = dims.world_size == 1
         if self.fsdp_units and dims.dp_shard == 1 and not (self.alone and self.name == "fsdp"):
-            raise UsageError(f"--fsdp-units applies where parameters are sharded (fsdp, hsdp, fsdp+pipeline);"
-                             f" {dims.name} does not shard them")
+            raise UsageError(
+                f"--fsdp-units applies where parameters are sharded (fsdp, hsdp, fsdp+pipeline);"
+                f" {dims.name} does not shard them"
+            )
         if self.split_points and dims.pp == 1:
-            raise UsageError(f"--split-points cuts pipeline stages (pipeline, ddp+pipeline, fsdp+pipeline, mp);"
-                             f" {dims.name} has none")
+            raise UsageError(
+                f"--split-points cuts pipeline stages (pipeline, ddp+pipeline, fsdp+pipeline, mp); {dims.name} has none"
+            )
         if not self.alone:
             self.name = dims.name  # the preset the degrees make ("ddp" with --pp 2 is ddp+pipeline)
         # The mesh is row-major: this rank's place is known before the mesh is built,

@@ -63,8 +63,9 @@ def _nbytes(tensors) -> int:
     return sum(_local(t).numel() * _local(t).element_size() for t in tensors if t is not None)
 
 
-def rebuild_optimizer(optimizer: torch.optim.Optimizer, old_names: dict[int, list[str]],
-                      model: nn.Module) -> torch.optim.Optimizer:
+def rebuild_optimizer(
+    optimizer: torch.optim.Optimizer, old_names: dict[int, list[str]], model: nn.Module
+) -> torch.optim.Optimizer:
     """The same optimizer (class, param groups, hyper-parameters) over `model`'s current parameters.
 
     `old_names` maps id(old parameter) -> its names in `model`
@@ -108,16 +109,26 @@ class FullyShardedDataParallel(MeshStrategy):
         plan = None
         if self.dims.tp > 1:  # checked before any collective: a bad plan stops every rank alike
             plan, source = tp_plan_for(model, self.dims.tp, self.tp_plan)
-            self.notes.append(f"{self.name} splits {len(plan)} layers over tp({self.dims.tp}) processes"
-                              f" ({source}); each rank of a tp group holds the other layers whole")
+            self.notes.append(
+                f"{self.name} splits {len(plan)} layers over tp({self.dims.tp}) processes"
+                f" ({source}); each rank of a tp group holds the other layers whole"
+            )
         if self.dims.dp_shard > 1 or self.alone:
             units = fsdp_units(model, self.fsdp_units)
-            self.notes.append(f"{self.name} shards {len(units)} units, one block each unless tied"
-                              f" ({_describe_units(model, units)}), then the root with the rest")
+            self.notes.append(
+                f"{self.name} shards {len(units)} units, one block each unless tied"
+                f" ({_describe_units(model, units)}), then the root with the rest"
+            )
         mesh = self.build_mesh()
-        self.model = parallelize(model, dims=self.dims, mesh=mesh, device=self.runtime.device,
-                                 precision=self.runtime.precision, fsdp_classes=self.fsdp_units,
-                                 tp_plan=plan).module
+        self.model = parallelize(
+            model,
+            dims=self.dims,
+            mesh=mesh,
+            device=self.runtime.device,
+            precision=self.runtime.precision,
+            fsdp_classes=self.fsdp_units,
+            tp_plan=plan,
+        ).module
         if self.alone:  # one shard, as FSDP2 runs on a group of one (parallelize shards from 2)
             apply_fsdp(self.model, mesh["dp_shard"], self.fsdp_units)
         self.optimizer = rebuild_optimizer(optimizer, old_names, self.model)
@@ -159,22 +170,30 @@ class FullyShardedDataParallel(MeshStrategy):
 
     def load_state_dicts(self, model_state, optimizer_state):
         # Every rank passes the full state it read; each keeps its own shards.
-        set_state_dict(self.model, self.optimizer, model_state_dict=model_state,
-                       optim_state_dict=self._by_name(optimizer_state),
-                       options=StateDictOptions(full_state_dict=True))
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=model_state,
+            optim_state_dict=self._by_name(optimizer_state),
+            options=StateDictOptions(full_state_dict=True),
+        )
 
     def _by_name(self, optimizer_state: dict) -> dict:
         """A full optimizer state keyed by parameter names, as torch's set_state_dict reads it. One that serial
         or ddp saved (torch.optim's own state_dict) numbers the parameters in the optimizer's order instead,
         the same order here: the model is the same and FSDP2 swaps each parameter for a DTensor in place."""
         if not any(isinstance(key, int) for key in optimizer_state.get("state", {})) and not any(
-                isinstance(p, int) for g in optimizer_state.get("param_groups", ()) for p in g["params"]):
+            isinstance(p, int) for g in optimizer_state.get("param_groups", ()) for p in g["params"]
+        ):
             return optimizer_state
         name_of = {id(p): name for name, p in self.unwrapped().named_parameters()}
         names = [name_of[id(p)] for group in self.optimizer.param_groups for p in group["params"]]
-        return {"state": {names[i]: entry for i, entry in optimizer_state["state"].items()},
-                "param_groups": [{**group, "params": [names[i] for i in group["params"]]}
-                                 for group in optimizer_state["param_groups"]]}
+        return {
+            "state": {names[i]: entry for i, entry in optimizer_state["state"].items()},
+            "param_groups": [
+                {**group, "params": [names[i] for i in group["params"]]} for group in optimizer_state["param_groups"]
+            ],
+        }
 
     def memory_report(self):
         params = list(self.model.parameters())

@@ -34,7 +34,7 @@ DEFAULT_MICROBATCHES = 4
 
 
 def parse_devices(spec) -> list[torch.device]:
-    """"cuda:0,cuda:1" (or a list of names or devices) as devices that exist here."""
+    """ "cuda:0,cuda:1" (or a list of names or devices) as devices that exist here."""
     names = spec.split(",") if isinstance(spec, str) else list(spec)
     hint = "give comma-separated devices such as cuda:0,cuda:1 or cpu,cpu"
     devices = []
@@ -73,12 +73,13 @@ def split_sequential(model: nn.Sequential, parts: int) -> list[nn.Sequential]:
     """`model` cut into `parts` consecutive stages balanced by parameter count (modules shared)."""
     layers = list(model)
     if len(layers) < parts:
-        raise UsageError(f"the model has {len(layers)} layers, too few for {parts} stages;"
-                         f" give at most {len(layers)} devices")
+        raise UsageError(
+            f"the model has {len(layers)} layers, too few for {parts} stages; give at most {len(layers)} devices"
+        )
     sizes = balanced_split([sum(p.numel() for p in layer.parameters()) for layer in layers], parts)
     stages, start = [], 0
     for size in sizes:
-        stages.append(nn.Sequential(*layers[start:start + size]))
+        stages.append(nn.Sequential(*layers[start : start + size]))
         start += size
     return stages
 
@@ -117,23 +118,28 @@ class ModelParallel(Strategy):
         self.microbatches = options.get("microbatches") or DEFAULT_MICROBATCHES
         self.split_points = names_option(options.get("split_points"))
         if options.get("microbatches") is not None and (
-                not isinstance(options["microbatches"], int) or options["microbatches"] < 1):
+            not isinstance(options["microbatches"], int) or options["microbatches"] < 1
+        ):
             raise UsageError(f"--microbatches {options['microbatches']!r} must be a whole number, at least 1")
         # The loss is computed where the last stage leaves its output, and
         # autocast follows the first stage's device type.
         self.runtime = dataclasses.replace(
-            runtime, device=self.devices[-1], precision=Precision(runtime.precision.name, self.devices[0]))
+            runtime, device=self.devices[-1], precision=Precision(runtime.precision.name, self.devices[0])
+        )
         if len(set(self.devices)) == 1 and len(self.devices) > 1:
-            self.notes.append(f"mp: all {len(self.devices)} stages are on {self.devices[0]}, so they cannot"
-                              " overlap; this checks the split and the micro-batches, give two GPUs for speed")
+            self.notes.append(
+                f"mp: all {len(self.devices)} stages are on {self.devices[0]}, so they cannot"
+                " overlap; this checks the split and the micro-batches, give two GPUs for speed"
+            )
         self.whole: nn.Module | None = None
 
     def wrap(self, model, optimizer, args):
         if isinstance(model, (list, tuple, nn.ModuleList)):
             stages = list(model)
             if len(stages) != len(self.devices):
-                raise UsageError(f"mp was given {len(stages)} stages for {len(self.devices)} devices;"
-                                 " give one device per stage")
+                raise UsageError(
+                    f"mp was given {len(stages)} stages for {len(self.devices)} devices; give one device per stage"
+                )
             self.whole = nn.Sequential(*stages)
         elif isinstance(model, nn.Sequential) and not self.split_points:
             stages = split_sequential(model, len(self.devices))
@@ -161,11 +167,15 @@ class ModelParallel(Strategy):
                 stage += 1
             own = list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))
             if own:
-                module._apply(lambda t, d=self.devices[stage]: t.to(d), recurse=False)  # in place: the optimizer keeps them
+                module._apply(
+                    lambda t, d=self.devices[stage]: t.to(d), recurse=False
+                )  # in place: the optimizer keeps them
                 module.register_forward_pre_hook(_inputs_to_own_device, with_kwargs=True)
-        self.notes.append(f"mp: a {type(model).__name__} is placed on {len(self.devices)} devices, stages"
-                          f" starting at {', '.join(starts)}; they run one after another (micro-batches"
-                          " overlap only for an nn.Sequential)")
+        self.notes.append(
+            f"mp: a {type(model).__name__} is placed on {len(self.devices)} devices, stages"
+            f" starting at {', '.join(starts)}; they run one after another (micro-batches"
+            " overlap only for an nn.Sequential)"
+        )
         self.whole = self.model = model
         self.optimizer = optimizer
         return self.model, self.optimizer
@@ -177,8 +187,11 @@ class ModelParallel(Strategy):
 
     def train_step(self, inputs, targets, loss_fn, grad_accum: int = 1):
         def on_output_device(output, target):
-            leaf = output if isinstance(output, torch.Tensor) else next(
-                t for t in tree_leaves(output) if isinstance(t, torch.Tensor))
+            leaf = (
+                output
+                if isinstance(output, torch.Tensor)
+                else next(t for t in tree_leaves(output) if isinstance(t, torch.Tensor))
+            )
             return loss_fn(output, target.to(leaf.device))
 
         return super().train_step(inputs, targets, on_output_device, grad_accum)

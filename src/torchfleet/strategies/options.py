@@ -27,12 +27,17 @@ class Degrees:
     """The mesh's degrees (strategies/dims.py); the preset's where not given."""
 
     pp: int | None = _option(int, "pipeline stages (the pp degree): ddp+pipeline and fsdp+pipeline default to 2")
-    dp_replicate: int | None = _option(int, "replicas (the dp_replicate degree); hsdp defaults to 2, or one per"
-                                            " machine")
-    dp_shard: int | None = _option(int, "shards per replica (the dp_shard degree); the product of the four"
-                                        " degrees is the number of processes")
-    tp: int | None = _option(int, "tensor-parallel processes per group (the tp degree): fsdp+tp defaults to 2;"
-                                  " needs a model with a plan (the built-in gpt has one)")
+    dp_replicate: int | None = _option(
+        int, "replicas (the dp_replicate degree); hsdp defaults to 2, or one per machine"
+    )
+    dp_shard: int | None = _option(
+        int, "shards per replica (the dp_shard degree); the product of the four degrees is the number of processes"
+    )
+    tp: int | None = _option(
+        int,
+        "tensor-parallel processes per group (the tp degree): fsdp+tp defaults to 2;"
+        " needs a model with a plan (the built-in gpt has one)",
+    )
 
 
 @dataclass(frozen=True)
@@ -40,19 +45,27 @@ class PipelineOptions:
     """How a pipeline (and mp) cuts the model and runs its micro-batches."""
 
     microbatches: int | None = _option(
-        int, "mp, pipeline, ddp+pipeline: micro-batches per batch, so stages overlap (pipelines default to 2 per"
-             " stage, or fewer that divide the batch; fewer still for 1x1 convolutions on one-thread CPU"
-             " processes, to keep 16 samples)")
+        int,
+        "mp, pipeline, ddp+pipeline: micro-batches per batch, so stages overlap (pipelines default to 2 per"
+        " stage, or fewer that divide the batch; fewer still for 1x1 convolutions on one-thread CPU"
+        " processes, to keep 16 samples)",
+    )
     schedule: str | None = _option(
-        str, "pipelines: gpipe, 1f1b (one stage per process), interleaved-1f1b, looped-bfs, interleaved-zb"
-             " (several) or zbv (zero bubble, 2 in a V) where the installed torch has them (default 1f1b, or"
-             " interleaved-1f1b with --stages-per-process 2 or more)")
+        str,
+        "pipelines: gpipe, 1f1b (one stage per process), interleaved-1f1b, looped-bfs, interleaved-zb"
+        " (several) or zbv (zero bubble, 2 in a V) where the installed torch has them (default 1f1b, or"
+        " interleaved-1f1b with --stages-per-process 2 or more)",
+    )
     stages_per_process: int | None = _option(
-        int, "pipelines: stages each process holds, the model cut into processes x this (default 1; 2 or more"
-             " for interleaved-1f1b, looped-bfs and interleaved-zb, exactly 2 for zbv)")
+        int,
+        "pipelines: stages each process holds, the model cut into processes x this (default 1; 2 or more"
+        " for interleaved-1f1b, looped-bfs and interleaved-zb, exactly 2 for zbv)",
+    )
     split_points: str | None = _option(
-        str, "pipelines and mp: the modules where stages after the first begin, comma-separated, e.g."
-             " transformer.h.2 (default: between repeated blocks, balanced)")
+        str,
+        "pipelines and mp: the modules where stages after the first begin, comma-separated, e.g."
+        " transformer.h.2 (default: between repeated blocks, balanced)",
+    )
 
 
 @dataclass(frozen=True)
@@ -60,8 +73,10 @@ class ShardingOptions:
     """What FSDP2 shards one unit at a time."""
 
     fsdp_units: str | None = _option(
-        str, "fsdp, hsdp, fsdp+pipeline: block classes FSDP2 shards one by one, comma-separated (default: the"
-             " blocks of the model's largest ModuleList)")
+        str,
+        "fsdp, hsdp, fsdp+pipeline: block classes FSDP2 shards one by one, comma-separated (default: the"
+        " blocks of the model's largest ModuleList)",
+    )
 
 
 @dataclass(frozen=True)
@@ -76,11 +91,15 @@ class ReplicationOptions:
     """What data parallel replicas do beside averaging gradients."""
 
     sync_batchnorm: bool | None = _option(
-        bool, "ddp, fsdp, hsdp: BatchNorm normalises with the whole batch's statistics, all-reduced across"
-              " processes (CPU and GPU), as serial does")
+        bool,
+        "ddp, fsdp, hsdp: BatchNorm normalises with the whole batch's statistics, all-reduced across"
+        " processes (CPU and GPU), as serial does",
+    )
     find_unused_parameters: bool | None = _option(
-        bool, "ddp: let DDP find parameters the forward does not use (a cost every step; without it such a model"
-              " stops with their names)")
+        bool,
+        "ddp: let DDP find parameters the forward does not use (a cost every step; without it such a model"
+        " stops with their names)",
+    )
 
 
 @dataclass(frozen=True)
@@ -97,13 +116,17 @@ class ReplicaGroupOptions:
     (replica_groups/sync_methods.py validates them and holds the defaults)."""
 
     sync_every: int | None = _option(
-        int, "diloco, localsgd: steps each replica group takes on its own between meetings (default 100: 1%% of"
-             " ddp's exchanges, and several meetings in a short run)")
+        int,
+        "diloco, localsgd: steps each replica group takes on its own between meetings (default 100: 1%% of"
+        " ddp's exchanges, and several meetings in a short run)",
+    )
     outer_lr: float | None = _option(
-        float, "diloco: the outer SGD's learning rate on the averaged change of the weights (default 0.7, the"
-               " DiLoCo paper's)")
+        float,
+        "diloco: the outer SGD's learning rate on the averaged change of the weights (default 0.7, the DiLoCo paper's)",
+    )
     outer_momentum: float | None = _option(
-        float, "diloco: the outer SGD's Nesterov momentum (default 0.9, the DiLoCo paper's)")
+        float, "diloco: the outer SGD's Nesterov momentum (default 0.9, the DiLoCo paper's)"
+    )
 
 
 @dataclass(frozen=True)
@@ -111,8 +134,7 @@ class SingleProcessOptions:
     """The one-process strategies' own: mp's devices, hogwild's way of sharing memory."""
 
     devices: str | None = _option(str, "mp: comma-separated devices for the stages, e.g. cuda:0,cuda:1 or cpu,cpu")
-    sharing_strategy: str | None = _option(str, "hogwild: file_descriptor or file_system (default: the"
-                                                " platform's)")
+    sharing_strategy: str | None = _option(str, "hogwild: file_descriptor or file_system (default: the platform's)")
 
 
 @dataclass(frozen=True)
@@ -132,15 +154,21 @@ class StrategyOptions:
     @classmethod
     def of(cls, given: dict[str, Any]) -> StrategyOptions:
         """`given` (flags or Fleet keywords; None means not given) sorted into the groups."""
-        groups = {name: kind(**{o.name: given[o.name] for o in dataclasses.fields(kind)
-                                if given.get(o.name) is not None}) for name, kind in GROUPS.items()}
+        groups = {
+            name: kind(**{o.name: given[o.name] for o in dataclasses.fields(kind) if given.get(o.name) is not None})
+            for name, kind in GROUPS.items()
+        }
         undeclared = tuple((k, v) for k, v in given.items() if k not in NAMES and v is not None)
         return cls(**groups, undeclared=undeclared)
 
     def given(self) -> dict[str, Any]:
         """Every option given, degrees included, as one flat mapping (the order of the declarations)."""
-        flat = {name: value for group in self._groups() for name, value in dataclasses.asdict(group).items()
-                if value is not None}
+        flat = {
+            name: value
+            for group in self._groups()
+            for name, value in dataclasses.asdict(group).items()
+            if value is not None
+        }
         return {**flat, **dict(self.undeclared)}
 
     def for_class(self) -> dict[str, Any]:
@@ -154,8 +182,9 @@ class StrategyOptions:
 
 
 # StrategyOptions' groups, by field, in the order their flags are listed.
-GROUPS: dict[str, type] = {f.name: type(f.default) for f in dataclasses.fields(StrategyOptions)
-                           if f.name != "undeclared"}
+GROUPS: dict[str, type] = {
+    f.name: type(f.default) for f in dataclasses.fields(StrategyOptions) if f.name != "undeclared"
+}
 
 
 def _declared() -> list[dataclasses.Field]:
@@ -167,5 +196,8 @@ NAMES = tuple(f.name for f in _declared())
 
 def flags() -> list[tuple[str, type, str]]:
     """(--flag, type, help) of every option a command line can give (a dict is Fleet's keyword only)."""
-    return [("--" + f.name.replace("_", "-"), f.metadata["kind"], f.metadata["help"])
-            for f in _declared() if f.metadata["help"] is not None]
+    return [
+        ("--" + f.name.replace("_", "-"), f.metadata["kind"], f.metadata["help"])
+        for f in _declared()
+        if f.metadata["help"] is not None
+    ]

@@ -51,8 +51,10 @@ def split_balanced(model: nn.Module, parts: int) -> list[tuple[int, int]]:
     sizes = [sum(p.numel() for p in c.parameters()) for c in model]
     with_params = sum(1 for s in sizes if s)
     if with_params < parts:
-        raise UsageError(f"the model has {with_params} layers with parameters, too few for {parts} stages;"
-                         f" use at most {with_params} stages")
+        raise UsageError(
+            f"the model has {with_params} layers with parameters, too few for {parts} stages;"
+            f" use at most {with_params} stages"
+        )
     bounds, start = [], 0
     for size in partition(sizes, parts, weighted_parts=True, ties_to_later=True):
         bounds.append((start, start + size))
@@ -134,8 +136,9 @@ def fsdp_units(model: nn.Module, classes: tuple[str, ...] | None = None) -> list
     return list(units.values())
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, classes: tuple[str, ...] | None = None,
-               pipelined: bool = False) -> list[list[nn.Module]]:
+def apply_fsdp(
+    model: nn.Module, mesh: DeviceMesh, classes: tuple[str, ...] | None = None, pipelined: bool = False
+) -> list[list[nn.Module]]:
     """FSDP2 on each of the model's repeated blocks (`fsdp_units`), then on the root; returns the units.
 
     One all-gather per block keeps only one block's full parameters alive at
@@ -157,8 +160,9 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, classes: tuple[str, ...] | No
     return units
 
 
-def apply_ddp(model: nn.Module, mesh: DeviceMesh, device: torch.device,
-              find_unused_parameters: bool = False) -> DistributedDataParallel:
+def apply_ddp(
+    model: nn.Module, mesh: DeviceMesh, device: torch.device, find_unused_parameters: bool = False
+) -> DistributedDataParallel:
     """DDP over the mesh's one dimension: gradients averaged in buckets during backward.
 
     `find_unused_parameters` walks the autograd graph after each forward to
@@ -167,8 +171,9 @@ def apply_ddp(model: nn.Module, mesh: DeviceMesh, device: torch.device,
     """
     # device_ids only for single-device CUDA modules; CPU modules take None.
     ids = [device] if device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=ids, process_group=mesh.get_group(),
-                                   find_unused_parameters=find_unused_parameters)
+    return DistributedDataParallel(
+        model, device_ids=ids, process_group=mesh.get_group(), find_unused_parameters=find_unused_parameters
+    )
 
 
 def data_parallel_mesh(dims: ParallelDims, mesh: DeviceMesh) -> DeviceMesh:
@@ -186,10 +191,19 @@ class Parallelized(NamedTuple):
     bounds: list[tuple[int, int]] | None  # every pipeline stage's children: a Sequential cut by children only
 
 
-def parallelize(model: nn.Module, *, dims: ParallelDims, mesh: DeviceMesh, device: torch.device,
-                precision, stage: int = 0, cut_stage: nn.Module | None = None,
-                fsdp_classes: tuple[str, ...] | None = None, find_unused_parameters: bool = False,
-                tp_plan: dict | None = None) -> Parallelized:
+def parallelize(
+    model: nn.Module,
+    *,
+    dims: ParallelDims,
+    mesh: DeviceMesh,
+    device: torch.device,
+    precision,
+    stage: int = 0,
+    cut_stage: nn.Module | None = None,
+    fsdp_classes: tuple[str, ...] | None = None,
+    find_unused_parameters: bool = False,
+    tp_plan: dict | None = None,
+) -> Parallelized:
     """Apply every parallelism of `dims` to `model`, in the fixed order.
 
     `cut_stage` is this rank's stage when the pipeline cut the model itself (by tracing it,

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 
-def partition(weights: list[int], parts: int, *, weighted_parts: bool = False,
-              ties_to_later: bool = False) -> list[int]:
+def partition(
+    weights: list[int], parts: int, *, weighted_parts: bool = False, ties_to_later: bool = False
+) -> list[int]:
     """Sizes of `parts` consecutive non-empty groups of `weights` with the smallest largest sum.
 
     The classic linear-partition dynamic programme: best[k][i] is the smallest

@@ -61,8 +61,10 @@ class Preset:
         if self.degrees is not None:
             unknown = [d for d in self.degrees if d not in DIM_NAMES]
             if unknown or list(self.degrees.values()).count(None) != 1:
-                raise UsageError(f"strategy {self.name!r}: degrees {dict(self.degrees)} must name only"
-                                 f" {', '.join(DIM_NAMES)}, exactly one of them None (the processes left over)")
+                raise UsageError(
+                    f"strategy {self.name!r}: degrees {dict(self.degrees)} must name only"
+                    f" {', '.join(DIM_NAMES)}, exactly one of them None (the processes left over)"
+                )
 
     @property
     def mesh(self) -> bool:
@@ -82,33 +84,82 @@ class Preset:
 
 _ONE = "one process"
 BUILT_IN = (
-    Preset("serial", "one process on one device: the reference every other strategy is compared with", "nothing",
-           runs="serial:Serial", launch=_ONE, cost="one"),
-    Preset("hogwild", "workers on one machine share the model's memory and update it without locks",
-           "CPU; no checkpoints", runs="torchfleet.hogwild.worker:Hogwild", launch="spawn", cost="here"),
-    Preset("dp", "`nn.DataParallel`: one process splits each batch across the visible GPUs", "2+ GPUs to pay",
-           runs="dp:DataParallelSingleProcess", launch=_ONE, cost=None),
-    Preset("mp", "one process, the model cut into stages on several devices, micro-batches flowing as a wavefront",
-           "2+ devices to pay (`--devices`)", runs="mp:ModelParallel", launch=_ONE, cost="mp"),
-    Preset("ddp", "DistributedDataParallel: whole replicas, gradients all-reduced", "2+ processes",
-           {"dp_replicate": None}),
-    Preset("fsdp", "FSDP2: parameters, gradients and optimizer state sharded per block", "2+ processes",
-           {"dp_shard": None}),
-    Preset("hsdp", "FSDP2 on a 2-D mesh: shards within a group, replicas across groups (one per machine)",
-           "4+ processes", {"dp_replicate": 2, "dp_shard": None}, across_nodes="dp_replicate"),
-    Preset("pipeline", "the model cut into stages, one (or more) per process, run by a `--schedule`",
-           "one example batch for a non-`Sequential` model", {"pp": None}),
+    Preset(
+        "serial",
+        "one process on one device: the reference every other strategy is compared with",
+        "nothing",
+        runs="serial:Serial",
+        launch=_ONE,
+        cost="one",
+    ),
+    Preset(
+        "hogwild",
+        "workers on one machine share the model's memory and update it without locks",
+        "CPU; no checkpoints",
+        runs="torchfleet.hogwild.worker:Hogwild",
+        launch="spawn",
+        cost="here",
+    ),
+    Preset(
+        "dp",
+        "`nn.DataParallel`: one process splits each batch across the visible GPUs",
+        "2+ GPUs to pay",
+        runs="dp:DataParallelSingleProcess",
+        launch=_ONE,
+        cost=None,
+    ),
+    Preset(
+        "mp",
+        "one process, the model cut into stages on several devices, micro-batches flowing as a wavefront",
+        "2+ devices to pay (`--devices`)",
+        runs="mp:ModelParallel",
+        launch=_ONE,
+        cost="mp",
+    ),
+    Preset(
+        "ddp", "DistributedDataParallel: whole replicas, gradients all-reduced", "2+ processes", {"dp_replicate": None}
+    ),
+    Preset(
+        "fsdp", "FSDP2: parameters, gradients and optimizer state sharded per block", "2+ processes", {"dp_shard": None}
+    ),
+    Preset(
+        "hsdp",
+        "FSDP2 on a 2-D mesh: shards within a group, replicas across groups (one per machine)",
+        "4+ processes",
+        {"dp_replicate": 2, "dp_shard": None},
+        across_nodes="dp_replicate",
+    ),
+    Preset(
+        "pipeline",
+        "the model cut into stages, one (or more) per process, run by a `--schedule`",
+        "one example batch for a non-`Sequential` model",
+        {"pp": None},
+    ),
     Preset("ddp+pipeline", "replicas of a pipeline", "4+ processes", {"dp_replicate": None, "pp": 2}),
     Preset("fsdp+pipeline", "a pipeline whose stages are sharded", "4+ processes", {"dp_shard": None, "pp": 2}),
-    Preset("tp", "tensor parallelism: each layer of the model's plan split across processes",
-           "a plan (the built-in `gpt` has one, so do Llama and most decoder families in transformers)",
-           {"tp": None}),
+    Preset(
+        "tp",
+        "tensor parallelism: each layer of the model's plan split across processes",
+        "a plan (the built-in `gpt` has one, so do Llama and most decoder families in transformers)",
+        {"tp": None},
+    ),
     Preset("fsdp+tp", "FSDP2 over tensor-parallel groups", "4+ processes and a plan", {"dp_shard": None, "tp": 2}),
-    Preset("diloco", "replica groups train apart and meet every `--sync-every` steps with an outer Nesterov step",
-           "torchft (`torchfleet[ft]`); for slow links", {"dp_replicate": None}, launch="replica groups",
-           cost="meetings"),
-    Preset("localsgd", "replica groups average their weights every `--sync-every` steps", "torchft; for slow links",
-           {"dp_replicate": None}, launch="replica groups", cost="meetings"),
+    Preset(
+        "diloco",
+        "replica groups train apart and meet every `--sync-every` steps with an outer Nesterov step",
+        "torchft (`torchfleet[ft]`); for slow links",
+        {"dp_replicate": None},
+        launch="replica groups",
+        cost="meetings",
+    ),
+    Preset(
+        "localsgd",
+        "replica groups average their weights every `--sync-every` steps",
+        "torchft; for slow links",
+        {"dp_replicate": None},
+        launch="replica groups",
+        cost="meetings",
+    ),
 )
 
 _presets: dict[str, Preset] = {p.name: p for p in BUILT_IN}
@@ -120,8 +171,7 @@ def register(preset: Preset, replace: bool = False) -> Preset:
     if preset.name in _presets and not replace and _presets[preset.name] != preset:
         raise UsageError(f"strategy {preset.name!r} is registered already; choose another name")
     if not preset.name or "/" in preset.name or preset.name == "auto":
-        raise UsageError(f"strategy name {preset.name!r} is not usable: it must be a word other than auto,"
-                         " without '/'")
+        raise UsageError(f"strategy name {preset.name!r} is not usable: it must be a word other than auto, without '/'")
     _presets[preset.name] = preset
     return preset
 
@@ -129,8 +179,11 @@ def register(preset: Preset, replace: bool = False) -> Preset:
 def _left_out(entry: metadata.EntryPoint, why: str) -> None:
     """A plug-in that cannot be used costs its own presets only: one line (from the first rank), and on."""
     if os.environ.get("RANK", "0") == "0":
-        print(f"torchfleet: the strategy entry point {entry.name} ({entry.value}) is left out: {why}",
-              file=sys.stderr, flush=True)
+        print(
+            f"torchfleet: the strategy entry point {entry.name} ({entry.value}) is left out: {why}",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _load_entry_points() -> None:

@@ -35,19 +35,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    RowwiseParallel,
-    parallelize_module,
-)
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from torchfleet.errors import UsageError
 from torchfleet.strategies.blocks import on_base_model
 
-PLAN_HINT = ("give the strategy option tp_plan={module name: ColwiseParallel() or RowwiseParallel(), ...}"
-             " (torch.distributed.tensor.parallel), or add a tp_plan() method to the model that returns one"
-             " (a transformers model's config may declare base_model_tp_plan)")
+PLAN_HINT = (
+    "give the strategy option tp_plan={module name: ColwiseParallel() or RowwiseParallel(), ...}"
+    " (torch.distributed.tensor.parallel), or add a tp_plan() method to the model that returns one"
+    " (a transformers model's config may declare base_model_tp_plan)"
+)
 
 
 def tp_plan_for(model: nn.Module, tp: int, given: dict | None = None) -> tuple[dict[str, ParallelStyle], str]:
@@ -69,15 +66,16 @@ def tp_plan_for(model: nn.Module, tp: int, given: dict | None = None) -> tuple[d
     elif getattr(getattr(model, "config", None), "base_model_tp_plan", None):
         plan, source = declared_tp_plan(model, tp), f"{kind}'s own base_model_tp_plan (transformers)"
     else:
-        raise UsageError(f"tensor parallelism needs a plan of which layers to split, and {kind} has none; "
-                         + PLAN_HINT)
+        raise UsageError(f"tensor parallelism needs a plan of which layers to split, and {kind} has none; " + PLAN_HINT)
     if not plan:
         raise UsageError(f"{source} is empty, so tensor parallelism would split nothing; " + PLAN_HINT)
     names = [name for name, _ in model.named_modules()]
     for key, style in plan.items():
         if not isinstance(style, ParallelStyle):
-            raise UsageError(f"{source} maps {key!r} to {type(style).__name__}, not a ParallelStyle"
-                             " (ColwiseParallel, RowwiseParallel, ... from torch.distributed.tensor.parallel)")
+            raise UsageError(
+                f"{source} maps {key!r} to {type(style).__name__}, not a ParallelStyle"
+                " (ColwiseParallel, RowwiseParallel, ... from torch.distributed.tensor.parallel)"
+            )
         if not any(fnmatchcase(name, key) for name in names):
             raise UsageError(f"{source} names {key!r}, which is not a module of this {kind}")
     return plan, source
@@ -102,13 +100,17 @@ def declared_tp_plan(model: nn.Module, tp: int) -> dict[str, ParallelStyle]:
     declared = dict(getattr(config, "base_model_tp_plan", None) or {})
     unknown = sorted({str(style) for style in declared.values() if style not in LIBRARY_STYLES})
     if unknown:
-        raise UsageError(f"{kind}'s base_model_tp_plan uses {', '.join(unknown)}, which torchfleet does not map"
-                         " to torch's styles (it maps colwise and rowwise); " + PLAN_HINT)
+        raise UsageError(
+            f"{kind}'s base_model_tp_plan uses {', '.join(unknown)}, which torchfleet does not map"
+            " to torch's styles (it maps colwise and rowwise); " + PLAN_HINT
+        )
     for field in ("num_attention_heads", "num_key_value_heads"):
         heads = getattr(config, field, None)
         if isinstance(heads, int) and heads % tp:
-            raise UsageError(f"tp {tp} does not divide {kind}'s {heads} {field.replace('_', ' ')}, which the"
-                             f" column-wise attention projections split; use a tp that divides {heads}")
+            raise UsageError(
+                f"tp {tp} does not divide {kind}'s {heads} {field.replace('_', ' ')}, which the"
+                f" column-wise attention projections split; use a tp that divides {heads}"
+            )
     return on_base_model(model, {key: LIBRARY_STYLES[style]() for key, style in declared.items()})
 
 

@@ -24,8 +24,18 @@ from torchfleet.launcher import forked
 # What the commands import before they refuse or print help (torch, sympy, rich and the
 # package's own modules); anything else a command needs, its child imports itself.
 # One forkserver serves a process: it also forks `launch`'s workers, whose modules it preloads too (forked.py).
-_PRELOAD = ["torch", "sympy", "rich", "torchfleet.cli", "torchfleet.cli.bench", "torchfleet.cli.clusters",
-            "torchfleet.train.command", "torchfleet.launcher.torchrun_flags", "torchfleet.doctor", *forked.PRELOAD]
+_PRELOAD = [
+    "torch",
+    "sympy",
+    "rich",
+    "torchfleet.cli",
+    "torchfleet.cli.bench",
+    "torchfleet.cli.clusters",
+    "torchfleet.train.command",
+    "torchfleet.launcher.torchrun_flags",
+    "torchfleet.doctor",
+    *forked.PRELOAD,
+]
 _context = None
 
 

@@ -41,9 +41,13 @@ def fleet_facts(strategy: str, **options) -> dict:
     """What a Fleet picks here (one per rank): device, backend and its reason, the strategy it
     runs, the process group's size (0: none) and the class of the model it trains (its wrapper)."""
     fleet = Fleet(strategy=strategy, **options)
-    facts = {"device": str(fleet.device), "backend": fleet.backend, "reason": fleet.backend_reason,
-             "strategy": fleet.strategy_name,
-             "group": torch.distributed.get_world_size() if torch.distributed.is_initialized() else 0}
+    facts = {
+        "device": str(fleet.device),
+        "backend": fleet.backend,
+        "reason": fleet.backend_reason,
+        "strategy": fleet.strategy_name,
+        "group": torch.distributed.get_world_size() if torch.distributed.is_initialized() else 0,
+    }
     net = build_model("mlp", (1, 8, 8), 10)
     fleet.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
     facts["wrapper"] = type(fleet.strategy.model).__name__
@@ -58,8 +62,9 @@ def trained_facts(strategy: str, **options) -> tuple[dict, torch.Tensor | None]:
     return fleet_facts(strategy, **options), weights
 
 
-def fp16_skip_job(strategy: str = "serial", options: dict | None = None, steps: int = 5, poisoned: int = 3,
-                  fp16_on_cpu: bool = False) -> dict:
+def fp16_skip_job(
+    strategy: str = "serial", options: dict | None = None, steps: int = 5, poisoned: int = 3, fp16_on_cpu: bool = False
+) -> dict:
     """fp16 training where the last rank's step `poisoned` (counted from 1) overflows.
 
     Under ddp an inf goes into that rank's input and DDP's all-reduce spreads it;

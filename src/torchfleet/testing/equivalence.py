@@ -27,10 +27,20 @@ def flat_weights(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().float().cpu().flatten() for p in model.state_dict().values()])
 
 
-def train_k_steps(strategy: str, model: str = "mlp", optimizer: str = "sgd", steps: int = 5,
-                  batch_size: int = 32, grad_accum: int = 1, seed: int = 0, lr: float = 0.05,
-                  precision: str = "fp32", loader_first: bool = False, forwards: list[int] | None = None,
-                  **strategy_options) -> torch.Tensor | None:
+def train_k_steps(
+    strategy: str,
+    model: str = "mlp",
+    optimizer: str = "sgd",
+    steps: int = 5,
+    batch_size: int = 32,
+    grad_accum: int = 1,
+    seed: int = 0,
+    lr: float = 0.05,
+    precision: str = "fp32",
+    loader_first: bool = False,
+    forwards: list[int] | None = None,
+    **strategy_options,
+) -> torch.Tensor | None:
     """Weights after `steps` optimizer steps on synthetic data (None on ranks without them).
 
     `loader_first` builds the data loader before `fleet.setup`, as many scripts do.
@@ -87,17 +97,26 @@ def dropout_mlp() -> nn.Module:
 
 def resume_job(strategy: str, directory: str) -> list:
     """`resumed_equals_straight` through file and sharded checkpoints, in one set of processes."""
-    results = [resumed_equals_straight(strategy, f"{directory}/{layout}", sharded=layout == "sharded")
-               for layout in ("full", "sharded")]
+    results = [
+        resumed_equals_straight(strategy, f"{directory}/{layout}", sharded=layout == "sharded")
+        for layout in ("full", "sharded")
+    ]
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     return results
 
 
-def resumed_equals_straight(strategy: str, directory: str, steps: int = 8, stop_at: int = 3,
-                            sharded: bool | None = None, batch_size: int = 16, seed: int = 0,
-                            **strategy_options) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def resumed_equals_straight(
+    strategy: str,
+    directory: str,
+    steps: int = 8,
+    stop_at: int = 3,
+    sharded: bool | None = None,
+    batch_size: int = 16,
+    seed: int = 0,
+    **strategy_options,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(weights after `steps` straight, weights after stopping at `stop_at` and resuming).
 
     The resumed half starts from a different model, optimizer and RNG state,
@@ -155,8 +174,13 @@ def default_microbatches_job() -> tuple[int, dict[int, int]]:
     for kernel in (1, 3):
         fleet = Fleet(strategy="pipeline")
         torch.manual_seed(0)
-        net = nn.Sequential(nn.Conv2d(3, 8, kernel, padding=kernel // 2), nn.ReLU(),
-                            nn.Conv2d(8, 8, kernel, padding=kernel // 2), nn.Flatten(), nn.Linear(128, 10))
+        net = nn.Sequential(
+            nn.Conv2d(3, 8, kernel, padding=kernel // 2),
+            nn.ReLU(),
+            nn.Conv2d(8, 8, kernel, padding=kernel // 2),
+            nn.Flatten(),
+            nn.Linear(128, 10),
+        )
         fleet.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
         fleet.train_step(torch.randn(32, 3, 4, 4), torch.randint(0, 10, (32,)), nn.functional.cross_entropy)
         from torchfleet.strategies.pipeline.strategy import Pipeline

@@ -33,9 +33,20 @@ def real_model(name: str, tie: bool = False) -> nn.Module:
     if name == "hf-gpt2":
         from transformers import GPT2Config, GPT2LMHeadModel
 
-        config = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=4, n_head=4, resid_pdrop=0.0,
-                            embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, tie_word_embeddings=tie,
-                            bos_token_id=0, eos_token_id=0)
+        config = GPT2Config(
+            vocab_size=64,
+            n_positions=16,
+            n_embd=32,
+            n_layer=4,
+            n_head=4,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            use_cache=False,
+            tie_word_embeddings=tie,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
         return GPT2LMHeadModel(config)
     raise ValueError(f"no reference model {name!r}")
 
@@ -45,10 +56,20 @@ def _lm_loss(output, targets):
     return nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
-def train_real_model(strategy: str, model: str = "gpt", steps: int = 5, batch_size: int = 8, seed: int = 0,
-                     lr: float = 1e-2, tie: bool = False, keywords: bool = False, optimizer: str = "sgd",
-                     fleet_options: dict | None = None, compile_after_setup: bool = False,
-                     **strategy_options) -> dict | None:
+def train_real_model(
+    strategy: str,
+    model: str = "gpt",
+    steps: int = 5,
+    batch_size: int = 8,
+    seed: int = 0,
+    lr: float = 1e-2,
+    tie: bool = False,
+    keywords: bool = False,
+    optimizer: str = "sgd",
+    fleet_options: dict | None = None,
+    compile_after_setup: bool = False,
+    **strategy_options,
+) -> dict | None:
     """{name: weight} of `model` after `steps` steps on random tokens (None on ranks without them).
 
     `keywords` feeds the inputs as ``model(input_ids=...)``, as Hugging Face models are called.
@@ -100,8 +121,9 @@ def real_model_matrix(jobs: list[tuple[str, list[dict]]]) -> list[list[dict | No
     return results
 
 
-def memory_job(strategies: list[str], config: GPTConfig | str = "tiny", steps: int = 2,
-               sequences: int = 2) -> dict | None:
+def memory_job(
+    strategies: list[str], config: GPTConfig | str = "tiny", steps: int = 2, sequences: int = 2
+) -> dict | None:
     """What each rank holds after fp32 AdamW steps of the built-in gpt, per strategy, in one launch.
 
     {strategy: {"parameters": P, "held": {rank: {params, grads, optimizer}},
@@ -128,8 +150,12 @@ def memory_job(strategies: list[str], config: GPTConfig | str = "tiny", steps: i
         net = GPT(config)
         params = sum(p.numel() for p in net.parameters())
         model, opt = fleet.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-3))
-        tokens = torch.randint(0, config.vocab_size, (sequences, config.block_size + 1),
-                               generator=torch.Generator().manual_seed(fleet.rank))
+        tokens = torch.randint(
+            0,
+            config.vocab_size,
+            (sequences, config.block_size + 1),
+            generator=torch.Generator().manual_seed(fleet.rank),
+        )
         with TensorMemory(model, opt) as memory:
             for _ in range(steps):
                 memory.next_step()
@@ -141,16 +167,27 @@ def memory_job(strategies: list[str], config: GPTConfig | str = "tiny", steps: i
         mine = torch.tensor([memory.peak_bytes(fleet.device), resident_peak() - before], dtype=torch.int64)
         every = [torch.zeros_like(mine) for _ in range(fleet.world_size)]
         torch.distributed.all_gather(every, mine)
-        figures[strategy] = {"parameters": params, "held": held, "peak": [int(e[0]) for e in every],
-                             "resident": [int(e[1]) for e in every]}
+        figures[strategy] = {
+            "parameters": params,
+            "held": held,
+            "peak": [int(e[0]) for e in every],
+            "resident": [int(e[1]) for e in every],
+        }
     main = torch.distributed.get_rank() == 0
     torch.distributed.barrier()  # see Fleet.close: tear down together
     torch.distributed.destroy_process_group()
     return figures if main else None
 
 
-def train_resnet(strategy: str, steps: int = 5, batch_size: int = 32, seed: int = 0, lr: float = 1e-3,
-                 float64: bool = False, **strategy_options) -> dict | None:
+def train_resnet(
+    strategy: str,
+    steps: int = 5,
+    batch_size: int = 32,
+    seed: int = 0,
+    lr: float = 1e-3,
+    float64: bool = False,
+    **strategy_options,
+) -> dict | None:
     """{name: tensor} of the built-in resnet18 (BatchNorm: running statistics too) after `steps`
     SGD steps on random 3x32x32 images, in float32 (float64 with `float64`); None on ranks without them.
 

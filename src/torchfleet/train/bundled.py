@@ -21,6 +21,7 @@ def sklearn_path(*parts: str) -> Path:
     """The path of a file or folder inside the installed scikit-learn package."""
     spec = importlib.util.find_spec("sklearn")
     if spec is None or not spec.submodule_search_locations:
-        raise UsageError("scikit-learn is not installed; the built-in data sets are files inside it"
-                         " (pip install scikit-learn)")
+        raise UsageError(
+            "scikit-learn is not installed; the built-in data sets are files inside it (pip install scikit-learn)"
+        )
     return Path(next(iter(spec.submodule_search_locations)), *parts)

@@ -15,8 +15,9 @@ def save(fleet: Fleet, cfg: TrainConfig, step: int, sampler, loss: torch.Tensor)
     gives it), which a run resumed at its last step reports as its final loss."""
     assert cfg.checkpoint_dir is not None  # called only with --checkpoint-dir
     final_loss = fleet.all_reduce(loss.detach(), op="mean").item()
-    fleet.save(checkpoint.step_path(cfg.checkpoint_dir, step), step=step, sampler=sampler.state_dict(),
-               final_loss=final_loss)
+    fleet.save(
+        checkpoint.step_path(cfg.checkpoint_dir, step), step=step, sampler=sampler.state_dict(), final_loss=final_loss
+    )
     if fleet.is_main and fleet.writes_checkpoints:  # replica groups: the group that wrote it
         checkpoint.prune(cfg.checkpoint_dir, cfg.keep_checkpoints)
     return step
@@ -35,9 +36,14 @@ def resume(fleet: Fleet, cfg: TrainConfig, sampler) -> tuple[int, float | None]:
     extra = fleet.load(path)
     sampler.load_state_dict(extra["sampler"])
     saved_by = (manifest["strategy"], manifest["world_size"])
-    moved = "" if saved_by == (fleet.strategy_name, fleet.world_size) else (
-        f", saved by {saved_by[0]} on {_processes(saved_by[1])} and resharded for {fleet.strategy_name} on"
-        f" {_processes(fleet.world_size)}")
+    moved = (
+        ""
+        if saved_by == (fleet.strategy_name, fleet.world_size)
+        else (
+            f", saved by {saved_by[0]} on {_processes(saved_by[1])} and resharded for {fleet.strategy_name} on"
+            f" {_processes(fleet.world_size)}"
+        )
+    )
     fleet.print(f"resumed from {path} at step {extra['step']}{moved}")
     return extra["step"], extra.get("final_loss")  # older checkpoints hold no loss
 

@@ -46,8 +46,10 @@ def run(cfg: TrainConfig, launch: LaunchConfig, nproc: int | None, argv: list[st
     many = launch.multi_node
     strategy, nproc, why = plan_processes("ddp" if many and cfg.strategy == "auto" else cfg.strategy, nproc)
     if many and not get_strategy(strategy).distributed:
-        raise UsageError(f"strategy {strategy!r} runs in one process, not one per machine of"
-                         f" --nnodes {launch.nnodes}; use a multi-process strategy such as ddp")
+        raise UsageError(
+            f"strategy {strategy!r} runs in one process, not one per machine of"
+            f" --nnodes {launch.nnodes}; use a multi-process strategy such as ddp"
+        )
     launch = dataclasses.replace(launch, nproc_per_node=nproc)
     if why:
         print(f"torchfleet: {why}", flush=True)
@@ -65,8 +67,10 @@ def run(cfg: TrainConfig, launch: LaunchConfig, nproc: int | None, argv: list[st
             return run_groups_here(launch, argv, strategy)
         launch = dataclasses.replace(launch, fault_tolerance="step")
     if launch.replica_groups and starts == "spawn":
-        raise UsageError(f"{strategy} shares memory inside one machine and has no gradients to average across"
-                         " replica groups; use ddp (or fsdp) with --fault-tolerance step")
+        raise UsageError(
+            f"{strategy} shares memory inside one machine and has no gradients to average across"
+            " replica groups; use ddp (or fsdp) with --fault-tolerance step"
+        )
     if starts == "spawn":
         return _train_hogwild(cfg, launch)
     if not launch.multi_process and not launch.replica_groups:  # a replica group always runs under the agent
@@ -75,8 +79,7 @@ def run(cfg: TrainConfig, launch: LaunchConfig, nproc: int | None, argv: list[st
     # Before any process starts: the degrees multiply out, and the batch splits among
     # the processes that read data. Replica groups are alike: each machine's processes
     # make one group, and every group reads its share of each global batch.
-    world, copies = ((launch.nproc_per_node, launch.max_nodes) if launch.replica_groups
-                     else (launch.world_size, 1))
+    world, copies = (launch.nproc_per_node, launch.max_nodes) if launch.replica_groups else (launch.world_size, 1)
     check_global_batch(cfg.batch_size, copies * data_readers(strategy, world, cfg.strategy_options))
     if options.replication.sync_batchnorm:  # refused for pipelines before they start
         dims = resolve_dims(strategy, world, options=cfg.strategy_options)
@@ -90,8 +93,14 @@ def run(cfg: TrainConfig, launch: LaunchConfig, nproc: int | None, argv: list[st
 def _run_workers(cfg: TrainConfig, launch: LaunchConfig, argv: list[str]) -> int:
     """Start the workers through torchrun's agent; a preemption signal to this process ends in
     PREEMPTED_EXIT once the workers have saved (launcher/preempt_relay.py), not in a traceback."""
-    return run_command(launch, argv, preempt_signals=cfg.preempt_signals, preempt_notice=cfg.preempt_notice,
-                       why=preempt_relay.TRAIN_WHY, forked_main=worker_main)
+    return run_command(
+        launch,
+        argv,
+        preempt_signals=cfg.preempt_signals,
+        preempt_notice=cfg.preempt_notice,
+        why=preempt_relay.TRAIN_WHY,
+        forked_main=worker_main,
+    )
 
 
 def worker_main(argv: list[str]) -> None:
@@ -135,8 +144,10 @@ def _train_hogwild(cfg: TrainConfig, launch: LaunchConfig) -> int:
     # Hogwild's workers must share this process's memory, so this process
     # spawns them (torchfleet.hogwild) instead of torchrun's agent.
     if launch.multi_node:
-        raise UsageError(f"hogwild shares memory on one machine; --nnodes {launch.nnodes} is not"
-                         " possible with it, use ddp across machines")
+        raise UsageError(
+            f"hogwild shares memory on one machine; --nnodes {launch.nnodes} is not"
+            " possible with it, use ddp across machines"
+        )
     try:
         train(cfg, "hogwild", nproc=launch.nproc_per_node)
     except LaunchError as exc:

@@ -29,65 +29,117 @@ class TrainConfig:
     """
 
     # No argparse choices: the check below refuses an unknown strategy naming every one, in torchfleet's words.
-    strategy: str = option("auto", f"{', '.join(registry.names())} (doctor says which run here), or auto: ddp on"
-                           " 2+ GPUs, serial on one GPU, ddp on 2+ CPU cores without a GPU, else serial (default"
-                           " %(default)s)")
-    model: str = option("cnn", "built-in model (default %(default)s): mlp, cnn, transformer classify digits; gpt is"
-                        " a decoder-only transformer (--gpt-preset); resnet18, resnet50 are torchvision's ResNets,"
-                        " built in (torchvision not needed)", choices=MODELS)
-    data: str | None = option(None, "built-in data (default: text for gpt, a byte-level corpus from scikit-learn's"
-                              " data-set descriptions; digits for the others)", choices=DATASETS)
-    gpt_preset: str = option("tiny", "--model gpt's size (default %(default)s): tiny (237K parameters, CPU),"
-                             " small50m (57M), gpt2 (124M, GPT-2 small, for GPUs)", choices=tuple(GPT_PRESETS))
+    strategy: str = option(
+        "auto",
+        f"{', '.join(registry.names())} (doctor says which run here), or auto: ddp on"
+        " 2+ GPUs, serial on one GPU, ddp on 2+ CPU cores without a GPU, else serial (default"
+        " %(default)s)",
+    )
+    model: str = option(
+        "cnn",
+        "built-in model (default %(default)s): mlp, cnn, transformer classify digits; gpt is"
+        " a decoder-only transformer (--gpt-preset); resnet18, resnet50 are torchvision's ResNets,"
+        " built in (torchvision not needed)",
+        choices=MODELS,
+    )
+    data: str | None = option(
+        None,
+        "built-in data (default: text for gpt, a byte-level corpus from scikit-learn's"
+        " data-set descriptions; digits for the others)",
+        choices=DATASETS,
+    )
+    gpt_preset: str = option(
+        "tiny",
+        "--model gpt's size (default %(default)s): tiny (237K parameters, CPU),"
+        " small50m (57M), gpt2 (124M, GPT-2 small, for GPUs)",
+        choices=tuple(GPT_PRESETS),
+    )
     epochs: int = option(8, "default %(default)s")
     batch_size: int = option(64, "GLOBAL batch, shared by all processes (default %(default)s)")
     lr: float = option(2e-3, "learning rate (default %(default)s)")
     optimizer: str = option("adamw", "default %(default)s", choices=OPTIMIZERS)
     seed: int = option(0, "default %(default)s")
     precision: str = option("fp32", "default %(default)s", choices=PRECISIONS)
-    backend: str = option("auto", "process-group backend (default %(default)s: nccl for GPUs, gloo for CPUs)",
-                          choices=BACKENDS)
-    grad_accum: int = option(1, "split each batch into this many micro-steps, syncing gradients once"
-                             " (default %(default)s)")
+    backend: str = option(
+        "auto", "process-group backend (default %(default)s: nccl for GPUs, gloo for CPUs)", choices=BACKENDS
+    )
+    grad_accum: int = option(
+        1, "split each batch into this many micro-steps, syncing gradients once (default %(default)s)"
+    )
     max_steps: int | None = option(None, "stop after this many optimizer steps")
     synthetic_size: int = option(4096, "samples in --data synthetic (default %(default)s)")
     checkpoint_dir: str | None = option(None, "save checkpoints here")
     checkpoint_every: int = option(0, "save every N steps (default %(default)s: at the end of each epoch)")
     # --resume alone is True; --resume auto is "auto" (what the written Slurm and Kubernetes jobs pass).
-    resume: bool | str = option(False, "continue from the newest checkpoint in --checkpoint-dir, or start from the"
-                                " beginning with a note when there is none; --resume auto is the same, the"
-                                " spelling the written Slurm and Kubernetes jobs use", nargs="?", const=True,
-                                metavar="auto")
-    resume_fallback: bool = option(False, "like --resume, but step back to the previous intact checkpoint when the"
-                                   " newest is damaged")
-    preempt_signals: str = option("TERM,USR1", "with --checkpoint-dir: on these signals every rank finishes its"
-                                  " step, one checkpoint is saved and the job exits with status 75 (preempted,"
-                                  " checkpointed; resume with --resume); comma-separated, or none (default"
-                                  " %(default)s)", metavar="SIGNALS")
-    preempt_notice: str = option("none", "with --checkpoint-dir: also leave so on a spot instance's notice, polled"
-                                 " every 5 s by one process per machine: aws, gcp, azure, or an http:// URL whose"
-                                 " answer 200 with a body is the notice (default %(default)s)", metavar="SOURCE")
+    resume: bool | str = option(
+        False,
+        "continue from the newest checkpoint in --checkpoint-dir, or start from the"
+        " beginning with a note when there is none; --resume auto is the same, the"
+        " spelling the written Slurm and Kubernetes jobs use",
+        nargs="?",
+        const=True,
+        metavar="auto",
+    )
+    resume_fallback: bool = option(
+        False, "like --resume, but step back to the previous intact checkpoint when the newest is damaged"
+    )
+    preempt_signals: str = option(
+        "TERM,USR1",
+        "with --checkpoint-dir: on these signals every rank finishes its"
+        " step, one checkpoint is saved and the job exits with status 75 (preempted,"
+        " checkpointed; resume with --resume); comma-separated, or none (default"
+        " %(default)s)",
+        metavar="SIGNALS",
+    )
+    preempt_notice: str = option(
+        "none",
+        "with --checkpoint-dir: also leave so on a spot instance's notice, polled"
+        " every 5 s by one process per machine: aws, gcp, azure, or an http:// URL whose"
+        " answer 200 with a body is the notice (default %(default)s)",
+        metavar="SOURCE",
+    )
     keep_checkpoints: int = option(3, "keep the newest K checkpoints (default %(default)s)")
-    hang_timeout: float = option(300.0, "no progress on any rank for this long: print every rank's stack and stop"
-                                 " (default %(default).0f; 0 turns the watchdog off)", metavar="SECONDS")
+    hang_timeout: float = option(
+        300.0,
+        "no progress on any rank for this long: print every rank's stack and stop"
+        " (default %(default).0f; 0 turns the watchdog off)",
+        metavar="SECONDS",
+    )
     json_out: str | None = option(None, "write the final figures as JSON", metavar="FILE")
-    save_model: str | None = option(None, "write the final weights to FILE (the model's state dict, for"
-                                    " torch.load); under --fault-tolerance step each replica group writes its own",
-                                    metavar="FILE")
-    log_every: int = option(10, "read the loss on the host every N steps (default %(default)s): each read waits"
-                            " for the GPU, so the steps between run without a pause; every step's loss is checked",
-                            metavar="N")
-    metrics_out: str | None = option(None, "a row per logged step (loss, lr, samples/s) and per epoch (validation"
-                                     " figures): FILE.csv or FILE.jsonl", metavar="FILE")
-    tensorboard: str | None = option(None, "TensorBoard event files in DIR, the same figures (needs `pip install"
-                                     " tensorboard`)", metavar="DIR")
-    max_grad_norm: float | None = option(None, "clip gradients to this global norm (over every shard and stage)",
-                                         metavar="NORM")
-    activation_checkpointing: bool = option(False, "recompute each block's activations in backward: less memory,"
-                                            " more compute")
+    save_model: str | None = option(
+        None,
+        "write the final weights to FILE (the model's state dict, for"
+        " torch.load); under --fault-tolerance step each replica group writes its own",
+        metavar="FILE",
+    )
+    log_every: int = option(
+        10,
+        "read the loss on the host every N steps (default %(default)s): each read waits"
+        " for the GPU, so the steps between run without a pause; every step's loss is checked",
+        metavar="N",
+    )
+    metrics_out: str | None = option(
+        None,
+        "a row per logged step (loss, lr, samples/s) and per epoch (validation figures): FILE.csv or FILE.jsonl",
+        metavar="FILE",
+    )
+    tensorboard: str | None = option(
+        None, "TensorBoard event files in DIR, the same figures (needs `pip install tensorboard`)", metavar="DIR"
+    )
+    max_grad_norm: float | None = option(
+        None, "clip gradients to this global norm (over every shard and stage)", metavar="NORM"
+    )
+    activation_checkpointing: bool = option(
+        False, "recompute each block's activations in backward: less memory, more compute"
+    )
     # --compile alone means "blocks"; Python callers may also pass True for it.
-    compile: bool | str = option(False, "torch.compile each block (default) or the whole model",
-                                 nargs="?", const="blocks", choices=("blocks", "model"))
+    compile: bool | str = option(
+        False,
+        "torch.compile each block (default) or the whole model",
+        nargs="?",
+        const="blocks",
+        choices=("blocks", "model"),
+    )
     progress: bool = option(True, "no progress bar")  # on by default, so its flag is --no-progress
     # Not flags of their own: strategies/options.py declares them, shared with bench, each passed only when given.
     strategy_options: dict = field(default_factory=dict)
@@ -102,11 +154,15 @@ class TrainConfig:
         if self.data not in DATASETS:
             raise choice_error("data set", self.data, DATASETS)
         if self.model in TOKEN_MODELS and self.data not in TOKEN_DATASETS:
-            raise UsageError(f"--model {self.model} reads token sequences but --data {self.data} holds images;"
-                             f" use --data {TOKEN_DATASETS[0]} (its default) or leave --data out")
+            raise UsageError(
+                f"--model {self.model} reads token sequences but --data {self.data} holds images;"
+                f" use --data {TOKEN_DATASETS[0]} (its default) or leave --data out"
+            )
         if self.data in TOKEN_DATASETS and self.model not in TOKEN_MODELS:
-            raise UsageError(f"--data {self.data} holds token sequences for --model {' or '.join(TOKEN_MODELS)},"
-                             f" but --model {self.model} classifies images; use --data digits or synthetic")
+            raise UsageError(
+                f"--data {self.data} holds token sequences for --model {' or '.join(TOKEN_MODELS)},"
+                f" but --model {self.model} classifies images; use --data digits or synthetic"
+            )
         if self.gpt_preset not in GPT_PRESETS:
             raise choice_error("--gpt-preset", self.gpt_preset, tuple(GPT_PRESETS))
         if self.precision not in PRECISIONS:
@@ -135,9 +191,11 @@ class TrainConfig:
         parse_signals(self.preempt_signals)  # an unknown name is refused here, before any process starts
         check_spec(self.preempt_notice)
         if self.resume not in (False, True, RESUME_AUTO):
-            raise UsageError(f"--resume {self.resume!r} is not a choice; give --resume alone (continue from the"
-                             f" newest checkpoint) or --resume {RESUME_AUTO} (continue when there is one, else start"
-                             " from the beginning)")
+            raise UsageError(
+                f"--resume {self.resume!r} is not a choice; give --resume alone (continue from the"
+                f" newest checkpoint) or --resume {RESUME_AUTO} (continue when there is one, else start"
+                " from the beginning)"
+            )
         if (self.resume or self.resume_fallback) and not self.checkpoint_dir:
             flag = "--resume" if self.resume else "--resume-fallback"
             raise UsageError(f"{flag} needs --checkpoint-dir to say where the checkpoints are")

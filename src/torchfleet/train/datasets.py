@@ -49,11 +49,7 @@ def digits_arrays() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def synthetic(
-    size: int,
-    shape: tuple[int, ...] = (1, 8, 8),
-    num_classes: int = 10,
-    seed: int = 0,
-    split: str = "train",
+    size: int, shape: tuple[int, ...] = (1, 8, 8), num_classes: int = 10, seed: int = 0, split: str = "train"
 ) -> TensorDataset:
     """Random inputs of `shape` with labels from a fixed random linear rule.
 
@@ -77,8 +73,9 @@ class MockLoader:
     Benchmarks use it so the figures measure training, not data loading.
     """
 
-    def __init__(self, shape: tuple[int, ...], num_classes: int = 10, device: str | torch.device = "cpu",
-                 seed: int = 0):
+    def __init__(
+        self, shape: tuple[int, ...], num_classes: int = 10, device: str | torch.device = "cpu", seed: int = 0
+    ):
         gen = torch.Generator().manual_seed(seed)
         self.inputs = torch.rand(shape, generator=gen).to(device)
         self.targets = torch.randint(0, num_classes, (shape[0],), generator=gen).to(device)
@@ -95,8 +92,7 @@ class MockTokens:
     tokens are random, so the figures measure speed, not learning.
     """
 
-    def __init__(self, batch: int, block_size: int, vocab_size: int, device: str | torch.device = "cpu",
-                 seed: int = 0):
+    def __init__(self, batch: int, block_size: int, vocab_size: int, device: str | torch.device = "cpu", seed: int = 0):
         gen = torch.Generator().manual_seed(seed)
         tokens = torch.randint(0, vocab_size, (batch, block_size + 1), generator=gen).to(device)
         self.inputs, self.targets = tokens[:, :-1], tokens[:, 1:]
@@ -106,8 +102,15 @@ class MockTokens:
             yield self.inputs, self.targets
 
 
-def builtin_dataset(name: str, split: str, seed: int = 0, size: int = 4096,
-                    shape: tuple[int, ...] = (1, 8, 8), num_classes: int = 10, block_size: int = 64) -> Dataset:
+def builtin_dataset(
+    name: str,
+    split: str,
+    seed: int = 0,
+    size: int = 4096,
+    shape: tuple[int, ...] = (1, 8, 8),
+    num_classes: int = 10,
+    block_size: int = 64,
+) -> Dataset:
     """The dataset `torchfleet train --data NAME` uses (`block_size`: text's sequence length)."""
     if name == "text":
         return text(split, block_size)

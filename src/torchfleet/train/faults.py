@@ -46,13 +46,21 @@ def parse(text: str) -> Fault:
     kind, *fields = text.split(":")
     try:
         values = dict(f.split("=", 1) for f in fields)
-        fault = Fault(kind, int(values.pop("rank")), int(values.pop("step")), values.pop("once", None),
-                      float(values.pop("seconds", 3600)), values.pop("until", None))
+        fault = Fault(
+            kind,
+            int(values.pop("rank")),
+            int(values.pop("step")),
+            values.pop("once", None),
+            float(values.pop("seconds", 3600)),
+            values.pop("until", None),
+        )
     except (ValueError, KeyError):
         fault = None
     if fault is None or kind not in KINDS or values or (kind == "pace") != (fault.until is not None):
-        raise UsageError(f"{VARIABLE}={text!r} is not a fault; use e.g. kill:rank=1:step=7[:once=FILE] or"
-                         f" pace:rank=0:step=7:seconds=0.2:until=FILE, with kind one of {', '.join(KINDS)}")
+        raise UsageError(
+            f"{VARIABLE}={text!r} is not a fault; use e.g. kill:rank=1:step=7[:once=FILE] or"
+            f" pace:rank=0:step=7:seconds=0.2:until=FILE, with kind one of {', '.join(KINDS)}"
+        )
     return fault
 
 

@@ -35,24 +35,33 @@ def train(cfg: TrainConfig, strategy: str, nproc: int = 1) -> dict:
     """
     if registry.presets()[strategy].launch == "spawn":  # hogwild: workers sharing this process's memory
         return train_hogwild(cfg, nproc)
-    fleet = Fleet(strategy=strategy, precision=cfg.precision, backend=cfg.backend,
-                  grad_accum=cfg.grad_accum, max_grad_norm=cfg.max_grad_norm,
-                  activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile,
-                  **cfg.strategy_options)
+    fleet = Fleet(
+        strategy=strategy,
+        precision=cfg.precision,
+        backend=cfg.backend,
+        grad_accum=cfg.grad_accum,
+        max_grad_norm=cfg.max_grad_norm,
+        activation_checkpointing=cfg.activation_checkpointing,
+        compile=cfg.compile,
+        **cfg.strategy_options,
+    )
     if fleet.checkpoint_dir and not cfg.checkpoint_dir:
         # A SageMaker job with checkpoints: they go where SageMaker syncs them to S3,
         # and a restarted (Spot) job resumes from there.
         cfg = dataclasses.replace(cfg, checkpoint_dir=str(fleet.checkpoint_dir), resume=True)
     if cfg.checkpoint_dir and fleet.replicas is not None and fleet.replicas.own_checkpoints:
         # diloco, localsgd: each group's weights and inner optimizer are its own between meetings.
-        cfg = dataclasses.replace(cfg, checkpoint_dir=os.path.join(cfg.checkpoint_dir,
-                                                                   f"group{fleet.replicas.env.group}"))
+        cfg = dataclasses.replace(
+            cfg, checkpoint_dir=os.path.join(cfg.checkpoint_dir, f"group{fleet.replicas.env.group}")
+        )
     # Once the checkpoint directory is known (SageMaker's spot jobs get one here), before the model
     # is built: a signal during setup is acted on after the first step. Without a directory there
     # is nothing to save, and a signal must end the job as it always did, not be swallowed.
-    with preemption.listening(cfg.preempt_signals if cfg.checkpoint_dir else None,
-                           cfg.preempt_notice if cfg.checkpoint_dir else None,
-                           watch=fleet.env.local_rank == 0) as listener:
+    with preemption.listening(
+        cfg.preempt_signals if cfg.checkpoint_dir else None,
+        cfg.preempt_notice if cfg.checkpoint_dir else None,
+        watch=fleet.env.local_rank == 0,
+    ) as listener:
         return _train(cfg, fleet, listener)
 
 
@@ -108,8 +117,11 @@ def _finish(cfg: TrainConfig, fleet: Fleet, job: Job, run: Run, wall: float) -> 
     if task is not CLASSIFY:
         result["gpt_preset"] = cfg.gpt_preset
     if replicas is not None:
-        result.update(replica_group=replicas.env.group, replica_groups=replicas.participants,
-                      replica_pauses_s=[round(p, 2) for p in replicas.account.pauses])
+        result.update(
+            replica_group=replicas.env.group,
+            replica_groups=replicas.participants,
+            replica_pauses_s=[round(p, 2) for p in replicas.account.pauses],
+        )
     memory = fleet.strategy.memory_report()
     if memory:
         result["memory_per_rank"] = memory

@@ -35,8 +35,9 @@ class LossWindow:
     serial computes it, whatever the number of processes.
     """
 
-    def __init__(self, capacity: int, rank: int = 0, scaler=None,
-                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None):
+    def __init__(
+        self, capacity: int, rank: int = 0, scaler=None, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+    ):
         self.capacity, self.rank, self.scaler = capacity, rank, scaler
         self._reduce = reduce or (lambda t: t)
         self._buffer: torch.Tensor | None = None  # made at the first step, where the loss lives
@@ -74,11 +75,11 @@ class LossWindow:
         if self._size == 0:
             return None
         assert self._buffer is not None  # made by the first add
-        local = self._buffer[:self._size]
+        local = self._buffer[: self._size]
         sent = torch.cat([local, local.new_full((1,), float(leave))])
         reduced = self._reduce(sent).to(local.device, torch.float64)
         *values, flags = torch.cat([local.double(), reduced]).tolist()  # the one host sync
-        values, means = values[:self._size], values[self._size:]
+        values, means = values[: self._size], values[self._size :]
         self.leave = self.leave or flags > 0
         first, last = self._first, self._first + self._size - 1
         self._size = 0
@@ -92,14 +93,23 @@ class LossWindow:
             self._streak = 0
             return
         # When the read came later than the step, say so: the run went on until the read.
-        late = "" if step == last else (f" at step {last}, which read the losses of steps {first}-{last}"
-                                         f" together (--log-every {self.capacity})")
+        late = (
+            ""
+            if step == last
+            else (
+                f" at step {last}, which read the losses of steps {first}-{last} together (--log-every {self.capacity})"
+            )
+        )
         if self.scaler is None:
-            raise TrainingError(f"the loss is {value} at step {step} on rank {self.rank}; training stopped{late}"
-                                " (lower --lr, or use --precision fp32 if it was bf16)")
+            raise TrainingError(
+                f"the loss is {value} at step {step} on rank {self.rank}; training stopped{late}"
+                " (lower --lr, or use --precision fp32 if it was bf16)"
+            )
         self._streak += 1
         if self._streak >= FP16_NONFINITE_LIMIT:
-            raise TrainingError(f"the loss has been {value} for {self._streak} steps in a row up to step {step} on"
-                                f" rank {self.rank}, though the fp16 scaler skipped each one and lowered its scale"
-                                f" to {self.scaler.get_scale():g}; training stopped{late}"
-                                " (lower --lr, or use --precision bf16 or fp32)")
+            raise TrainingError(
+                f"the loss has been {value} for {self._streak} steps in a row up to step {step} on"
+                f" rank {self.rank}, though the fp16 scaler skipped each one and lowered its scale"
+                f" to {self.scaler.get_scale():g}; training stopped{late}"
+                " (lower --lr, or use --precision bf16 or fp32)"
+            )

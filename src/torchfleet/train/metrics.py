@@ -32,15 +32,19 @@ TRAIN_COLUMNS = ("kind", "step", "epoch", "loss", "lr", "samples_per_s", "elapse
 def check_metrics_out(path: str) -> None:
     """The file's format comes from its suffix; refuse one that names no format."""
     if Path(path).suffix.lower() not in FORMATS:
-        raise UsageError(f"--metrics-out {path!r} must end in .csv (a table with a header) or .jsonl"
-                         " (JSON lines; .json is read the same way)")
+        raise UsageError(
+            f"--metrics-out {path!r} must end in .csv (a table with a header) or .jsonl"
+            " (JSON lines; .json is read the same way)"
+        )
 
 
 def check_tensorboard() -> None:
     """TensorBoard is optional (the `tensorboard` extra): say how to get it before any training."""
     if importlib.util.find_spec("tensorboard") is None:
-        raise UsageError("--tensorboard needs the tensorboard package, which is not installed;"
-                         " run `pip install tensorboard` (or `pip install 'torchfleet[tensorboard]'`)")
+        raise UsageError(
+            "--tensorboard needs the tensorboard package, which is not installed;"
+            " run `pip install tensorboard` (or `pip install 'torchfleet[tensorboard]'`)"
+        )
 
 
 class MetricsLog:
@@ -52,8 +56,14 @@ class MetricsLog:
     (under replica groups: "participants", the groups in the step's quorum).
     """
 
-    def __init__(self, path: str | None = None, tensorboard: str | None = None, figures: tuple = (),
-                 start_step: int = 0, extras: tuple = ()):
+    def __init__(
+        self,
+        path: str | None = None,
+        tensorboard: str | None = None,
+        figures: tuple = (),
+        start_step: int = 0,
+        extras: tuple = (),
+    ):
         columns = TRAIN_COLUMNS + tuple(extras)
         self._columns = columns + tuple(f for f in figures if f not in columns)
         self._file = self._csv = self._tb = None
@@ -84,8 +94,18 @@ class MetricsLog:
         rate = (samples - self._last_samples) / (now - self._last_time) if now > self._last_time else 0.0
         self._last_time, self._last_samples = now, samples
         lr = float(lr)
-        self._write({"kind": "train", "step": step, "epoch": epoch, "loss": loss, "lr": lr,
-                     "samples_per_s": rate, "elapsed_s": now - self._start, **extras})
+        self._write(
+            {
+                "kind": "train",
+                "step": step,
+                "epoch": epoch,
+                "loss": loss,
+                "lr": lr,
+                "samples_per_s": rate,
+                "elapsed_s": now - self._start,
+                **extras,
+            }
+        )
         for name, value in (("loss", loss), ("lr", lr), ("samples_per_s", rate), *extras.items()):
             self._scalar(f"train/{name}", value, step)
 
@@ -133,9 +153,11 @@ class MetricsLog:
         lines = path.read_text().splitlines(keepends=True)
         header = lines[:1] if self._format == "csv" else []
         if header and next(csv.reader(header)) != list(self._columns):
-            raise UsageError(f"--metrics-out {str(path)!r} has other columns than this run writes"
-                             f" ({', '.join(self._columns)}); give a new file to resume into")
-        body = lines[len(header):]
+            raise UsageError(
+                f"--metrics-out {str(path)!r} has other columns than this run writes"
+                f" ({', '.join(self._columns)}); give a new file to resume into"
+            )
+        body = lines[len(header) :]
         rows = [_kind_and_step(line, self._format) for line in body]
         kept = [line for line, (_, at) in zip(body, rows, strict=True) if at <= step]
         self._evaluated = {at for kind, at in rows if kind == "val" and at <= step}

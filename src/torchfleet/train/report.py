@@ -87,17 +87,32 @@ def _bytes(n) -> str:
 
 
 _ROWS = (
-    ("strategy", "strategy"), ("processes", "world_size"), ("backend", "backend"),
-    ("precision", "precision"), ("model", "model"), ("gpt preset", "gpt_preset"), ("epochs", "epochs"),
-    ("steps", "steps"), ("global batch", "global_batch"), ("final loss", "final_loss"),
-    ("validation accuracy", "val_accuracy"), ("validation loss", "val_loss"),
-    ("validation perplexity", "val_perplexity"), ("samples/s", "samples_per_s"), ("tokens/s", "tokens_per_s"),
-    ("wall time (s)", "wall_s"), ("replica group", "replica_group"), ("groups at the end", "replica_groups"),
+    ("strategy", "strategy"),
+    ("processes", "world_size"),
+    ("backend", "backend"),
+    ("precision", "precision"),
+    ("model", "model"),
+    ("gpt preset", "gpt_preset"),
+    ("epochs", "epochs"),
+    ("steps", "steps"),
+    ("global batch", "global_batch"),
+    ("final loss", "final_loss"),
+    ("validation accuracy", "val_accuracy"),
+    ("validation loss", "val_loss"),
+    ("validation perplexity", "val_perplexity"),
+    ("samples/s", "samples_per_s"),
+    ("tokens/s", "tokens_per_s"),
+    ("wall time (s)", "wall_s"),
+    ("replica group", "replica_group"),
+    ("groups at the end", "replica_groups"),
     ("pauses when groups left (s)", "replica_pauses_s"),
 )
 _PIPELINE_ROWS = (
-    ("pipeline schedule", "schedule"), ("stages x replicas", None), ("micro-batches", "microbatches"),
-    ("layers per stage", "layers_per_stage"), ("bubble, the schedule's formula", "bubble_formula"),
+    ("pipeline schedule", "schedule"),
+    ("stages x replicas", None),
+    ("micro-batches", "microbatches"),
+    ("layers per stage", "layers_per_stage"),
+    ("bubble, the schedule's formula", "bubble_formula"),
     ("bubble measured (per process)", "bubble_measured"),
 )
 

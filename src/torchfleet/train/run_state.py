@@ -51,9 +51,17 @@ class Run:
         # The loss reaches the host every --log-every steps, not every step (train/losses.py).
         self.window = LossWindow(cfg.log_every, fleet.rank, fleet.strategy.runtime.precision.scaler, fleet.all_reduce)
         # The validation figures' names (a tally of nothing gives them) are the file's columns.
-        self.metrics = MetricsLog(cfg.metrics_out, cfg.tensorboard, tuple(job.task.figures(0.0, 0.0)),
-                                  start_step=self.step, extras=("participants",) if self.replicas else ()
-                                  ) if fleet.is_main else MetricsLog()
+        self.metrics = (
+            MetricsLog(
+                cfg.metrics_out,
+                cfg.tensorboard,
+                tuple(job.task.figures(0.0, 0.0)),
+                start_step=self.step,
+                extras=("participants",) if self.replicas else (),
+            )
+            if fleet.is_main
+            else MetricsLog()
+        )
         self.val: dict = {}  # the newest validation figures (evaluate's)
         self.samples = 0
         self.train_seconds = 0.0
@@ -67,8 +75,15 @@ class Run:
     @contextlib.contextmanager
     def shown(self) -> Iterator[None]:
         """The progress bar (main rank, unless --no-progress) and the metrics files, open for the run."""
-        with report.progress(enabled=self.cfg.progress and self.fleet.is_main, total=self.total_steps,
-                             done=self.step, groups=self.replicas is not None) as bar, self.metrics:
+        with (
+            report.progress(
+                enabled=self.cfg.progress and self.fleet.is_main,
+                total=self.total_steps,
+                done=self.step,
+                groups=self.replicas is not None,
+            ) as bar,
+            self.metrics,
+        ):
             self.bar = bar
             yield
 
@@ -128,8 +143,10 @@ class Run:
         if self.cfg.checkpoint_dir and self.saved != self.step:
             self._save()
         if self.step == self.total_steps and not self.val:  # resumed a run that had finished: no epoch ran
-            self.fleet.print(f"note: the checkpoint is at the run's last step ({self.step}): nothing is left to"
-                             " train, and the final loss is the checkpoint's")
+            self.fleet.print(
+                f"note: the checkpoint is at the run's last step ({self.step}): nothing is left to"
+                " train, and the final loss is the checkpoint's"
+            )
             self.val = evaluate(self.fleet, self.job.val_set, task=self.job.task)
         if self.watchdog:
             self.watchdog.stop()
@@ -149,8 +166,13 @@ class Run:
         if self.watchdog:
             self.watchdog.stop()
         assert self.cfg.checkpoint_dir is not None  # listening only with --checkpoint-dir
-        raise preemption.leave(self.listener, self.fleet.env.local_rank, self.fleet.is_main, self.step,
-                            checkpoint.step_path(self.cfg.checkpoint_dir, self.step))
+        raise preemption.leave(
+            self.listener,
+            self.fleet.env.local_rank,
+            self.fleet.is_main,
+            self.step,
+            checkpoint.step_path(self.cfg.checkpoint_dir, self.step),
+        )
 
     def _log(self, epoch: int) -> float | None:
         """Read the loss window (the host sync of a log interval) and record its mean; None if it was empty.
@@ -158,8 +180,9 @@ class Run:
         loss = self.window.read(self.listener.requested)
         if loss is not None:
             extras = {"participants": self.replicas.participants} if self.replicas else {}
-            self.metrics.step(self.step, epoch + 1, loss, self.job.optimizer.param_groups[0]["lr"], self.samples,
-                              **extras)
+            self.metrics.step(
+                self.step, epoch + 1, loss, self.job.optimizer.param_groups[0]["lr"], self.samples, **extras
+            )
         return loss
 
     def _save(self) -> None:

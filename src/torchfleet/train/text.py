@@ -37,8 +37,10 @@ class TokenBlocks(Dataset):
         if block_size < 1:
             raise UsageError(f"block size {block_size} must be at least 1")
         if len(tokens) < block_size + 1:
-            raise UsageError(f"{len(tokens)} tokens do not make one block of {block_size} and its next token;"
-                             " choose a smaller block size")
+            raise UsageError(
+                f"{len(tokens)} tokens do not make one block of {block_size} and its next token;"
+                " choose a smaller block size"
+            )
         self.tokens, self.block_size = tokens, block_size
 
     def __len__(self) -> int:
@@ -48,7 +50,7 @@ class TokenBlocks(Dataset):
         if not 0 <= i < len(self):
             raise IndexError(i)
         start = i * self.block_size
-        chunk = self.tokens[start:start + self.block_size + 1]
+        chunk = self.tokens[start : start + self.block_size + 1]
         return chunk[:-1], chunk[1:]
 
 

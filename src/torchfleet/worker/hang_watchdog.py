@@ -38,9 +38,25 @@ _TORCH_DIR = str(Path(torch.__file__).parent)
 _STDLIB_DIR = str(Path(threading.__file__).parent)
 # What a rank can wait in while a peer is missing: torch's collectives, and
 # backward, where DDP's reducer waits for its gradient all-reduces.
-_COLLECTIVES = {"all_reduce", "barrier", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-                "reduce_scatter_tensor", "gather", "scatter", "all_to_all", "all_gather_object",
-                "broadcast_object_list", "gather_object", "send", "recv", "wait", "monitored_barrier"}
+_COLLECTIVES = {
+    "all_reduce",
+    "barrier",
+    "broadcast",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "gather",
+    "scatter",
+    "all_to_all",
+    "all_gather_object",
+    "broadcast_object_list",
+    "gather_object",
+    "send",
+    "recv",
+    "wait",
+    "monitored_barrier",
+}
 _STACK_WAIT = 10.0  # seconds to wait for every rank's stack once a hang is declared
 
 
@@ -101,9 +117,16 @@ class Watchdog:
     def _my_report(self) -> dict:
         frame = sys._current_frames().get(self._main) if self._main is not None else None
         stack = without_launcher_frames(
-            [(f.filename, f.lineno, f.name) for f in traceback.extract_stack(frame)] if frame else [])
-        return {"rank": self.rank, "host": self.host, "pid": os.getpid(), "step": self.step,
-                "phase": self.phase, "stack": stack}
+            [(f.filename, f.lineno, f.name) for f in traceback.extract_stack(frame)] if frame else []
+        )
+        return {
+            "rank": self.rank,
+            "host": self.host,
+            "pid": os.getpid(),
+            "step": self.step,
+            "phase": self.phase,
+            "stack": stack,
+        }
 
     def _declare(self, stalled: float) -> None:
         self.store.set("request", "1")
@@ -129,8 +152,14 @@ def _is_ours(filename: str) -> bool:
 
 # How a worker came to run the user's code, which says nothing about where it hangs: a forked worker's
 # frames of the forkserver, multiprocessing and torch's wrappers, train's worker_main, and `python -m`'s runpy.
-_LAUNCHER_FRAMES = ("/multiprocessing/", "torch/distributed/elastic/", "torchfleet/launcher/failures.py",
-                    "torchfleet/train/command.py", "<frozen runpy>", "<string>")
+_LAUNCHER_FRAMES = (
+    "/multiprocessing/",
+    "torch/distributed/elastic/",
+    "torchfleet/launcher/failures.py",
+    "torchfleet/train/command.py",
+    "<frozen runpy>",
+    "<string>",
+)
 
 
 def without_launcher_frames(stack: list) -> list:
@@ -170,14 +199,20 @@ def verdict(reports: dict[int, dict], world_size: int, stalled: float) -> str:
     parts = []
     for r in sorted(culprits):
         what, where, _, rep = described[r]
-        parts.append(f"rank {r} on {rep['host']} has been in {what} for {stalled:.0f} s at {where} (step {rep['step']})")
+        parts.append(
+            f"rank {r} on {rep['host']} has been in {what} for {stalled:.0f} s at {where} (step {rep['step']})"
+        )
     for r in silent:
-        parts.append(f"rank {r} did not answer in {_STACK_WAIT:.0f} s (stuck in native code holding the GIL, or frozen)")
+        parts.append(
+            f"rank {r} did not answer in {_STACK_WAIT:.0f} s (stuck in native code holding the GIL, or frozen)"
+        )
     waiters = [r for r in sorted(described) if r not in culprits]
     if not parts:
         what, where, _, rep = described[waiters[0]]
-        return (f"no rank has made progress for {stalled:.0f} s: all ranks wait in {what} at {where} (step {rep['step']});"
-                " they disagree on which collective comes next, or the network dropped it")
+        return (
+            f"no rank has made progress for {stalled:.0f} s: all ranks wait in {what} at {where} (step {rep['step']});"
+            " they disagree on which collective comes next, or the network dropped it"
+        )
     groups: dict[tuple[str, str, int], list[int]] = {}
     for r in waiters:
         what, where, _, rep = described[r]

@@ -96,8 +96,14 @@ class Preempted(SystemExit):
         self.message = message
 
 
-def leave(listener: Listener, local_rank: int, is_main: bool, step: int | None, path: Path | str | None,
-          hint: str = ", resume with --resume") -> Preempted:
+def leave(
+    listener: Listener,
+    local_rank: int,
+    is_main: bool,
+    step: int | None,
+    path: Path | str | None,
+    hint: str = ", resume with --resume",
+) -> Preempted:
     """Say that the job was preempted and where its checkpoint is; returns the exception to raise."""
     how = f" by {listener.reason}" if listener.reason else ""  # a rank told by its peers has none
     where = f" at step {step}" if step is not None else ""
@@ -132,8 +138,9 @@ class Leaving:
         return self.listener.requested
 
     def leave(self, local_rank: int, is_main: bool, step: int | None, path: os.PathLike | str | None) -> Preempted:
-        return leave(self.listener or Listener(()), local_rank, is_main, step, None if path is None else Path(path),
-                     hint="")
+        return leave(
+            self.listener or Listener(()), local_rank, is_main, step, None if path is None else Path(path), hint=""
+        )
 
     def stop(self) -> None:
         if self.listener is not None:

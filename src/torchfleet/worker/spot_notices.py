@@ -44,8 +44,9 @@ class Cloud:
 CLOUDS = {
     # IMDSv2: a session token first (PUT), then the notice; 404 until there is one.
     "aws": Cloud("169.254.169.254", "/latest/meta-data/spot/instance-action"),
-    "gcp": Cloud("metadata.google.internal", "/computeMetadata/v1/instance/preempted",
-                 (("Metadata-Flavor", "Google"),)),
+    "gcp": Cloud(
+        "metadata.google.internal", "/computeMetadata/v1/instance/preempted", (("Metadata-Flavor", "Google"),)
+    ),
     "azure": Cloud("169.254.169.254", "/metadata/scheduledevents?api-version=2020-07-01", (("Metadata", "true"),)),
 }
 
@@ -54,8 +55,10 @@ def check_spec(spec: str) -> str:
     """`spec` if it names a cloud, a URL or none; a UsageError saying what is accepted otherwise."""
     if spec in (*CLOUDS, "none") or spec.startswith(("http://", "https://")):
         return spec
-    raise UsageError(f"--preempt-notice {spec!r} is not a source of notices; give aws, gcp, azure, an http:// URL"
-                     " (polled: an answer of 200 with a body is the notice), or none")
+    raise UsageError(
+        f"--preempt-notice {spec!r} is not a source of notices; give aws, gcp, azure, an http:// URL"
+        " (polled: an answer of 200 with a body is the notice), or none"
+    )
 
 
 def _interval() -> float:
@@ -91,8 +94,9 @@ def read_notice(spec: str) -> str | None:
     cloud = CLOUDS[spec]
     headers = dict(cloud.headers)
     if spec == "aws":
-        status, token = _get(f"{_base(cloud)}/latest/api/token", {"X-aws-ec2-metadata-token-ttl-seconds": "300"},
-                             method="PUT")
+        status, token = _get(
+            f"{_base(cloud)}/latest/api/token", {"X-aws-ec2-metadata-token-ttl-seconds": "300"}, method="PUT"
+        )
         if status == 200:  # IMDSv1-only instances refuse the PUT; the GET then goes without a token
             headers["X-aws-ec2-metadata-token"] = token
     status, body = _get(_base(cloud) + cloud.path, headers)
@@ -123,9 +127,11 @@ class Watcher:
             found = read_notice(self.spec)
         except (OSError, ValueError) as exc:  # unreachable, or an answer that is not the service's
             reason = getattr(exc, "reason", exc)
-            raise UsageError(f"--preempt-notice {self.spec}: its metadata service did not answer ({reason});"
-                             " this machine is not on that cloud, or the service is off; give another source"
-                             " or none") from None
+            raise UsageError(
+                f"--preempt-notice {self.spec}: its metadata service did not answer ({reason});"
+                " this machine is not on that cloud, or the service is off; give another source"
+                " or none"
+            ) from None
         if found:
             self.told(found)
         else:

@@ -31,19 +31,47 @@ STOP_SECONDS = 15.0  # after SIGTERM, how long the launcher gets to stop its wor
 
 
 def command(cell: str, index: int, plan: LinkJob, machines: Machines, spec: dict, result: Path) -> list[str]:
-    return [sys.executable, "-m", "torchfleet", "run", "--nnodes", str(machines.nnodes),
-            "--node-rank", str(machines.node_rank), "--master-addr", machines.master_addr,
-            "--master-port", str(machines.cell_port(index)), "-n", "1", "--no-preflight",
-            *(["--fault-tolerance", "step"] if cell in MEETING_CELLS else []),
-            "-m", "torchfleet.bench.link.measure_on_machine", json.dumps(spec), str(result)]
+    return [
+        sys.executable,
+        "-m",
+        "torchfleet",
+        "run",
+        "--nnodes",
+        str(machines.nnodes),
+        "--node-rank",
+        str(machines.node_rank),
+        "--master-addr",
+        machines.master_addr,
+        "--master-port",
+        str(machines.cell_port(index)),
+        "-n",
+        "1",
+        "--no-preflight",
+        *(["--fault-tolerance", "step"] if cell in MEETING_CELLS else []),
+        "-m",
+        "torchfleet.bench.link.measure_on_machine",
+        json.dumps(spec),
+        str(result),
+    ]
 
 
 def spec_of(cell: str, plan: LinkJob, machines: Machines, threads: int) -> dict:
     """What measure_on_machine.py's worker measures (bench/measure_cell.py's workload fields, and the cell's own)."""
-    return {"model": plan.model, "gpt_preset": plan.gpt_preset, "image_size": plan.image_size, "seed": plan.seed,
-            "fleet": plan.fleet_options(cell), "precision": plan.precision, "threads": threads,
-            "nnodes": machines.nnodes, "node_rank": machines.node_rank, "global_batch": plan.global_batch,
-            "warmup": plan.warmup, "steps": plan.steps, "sync_every": plan.sync_every}
+    return {
+        "model": plan.model,
+        "gpt_preset": plan.gpt_preset,
+        "image_size": plan.image_size,
+        "seed": plan.seed,
+        "fleet": plan.fleet_options(cell),
+        "precision": plan.precision,
+        "threads": threads,
+        "nnodes": machines.nnodes,
+        "node_rank": machines.node_rank,
+        "global_batch": plan.global_batch,
+        "warmup": plan.warmup,
+        "steps": plan.steps,
+        "sync_every": plan.sync_every,
+    }
 
 
 def _descendants(pid: int) -> list[int]:
@@ -106,8 +134,13 @@ def run_here(cell: str, index: int, plan: LinkJob, machines: Machines, threads: 
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
     start = time.perf_counter()
     with log.open("w") as out:
-        proc = subprocess.Popen(command(cell, index, plan, machines, spec_of(cell, plan, machines, threads), result),
-                                stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(
+            command(cell, index, plan, machines, spec_of(cell, plan, machines, threads), result),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
         try:
             code = proc.wait(timeout=plan.cell_timeout_s)
         except subprocess.TimeoutExpired:

@@ -35,9 +35,11 @@ class Link:
     method: str
 
     def sentence(self) -> str:
-        return (f"{self.mbit_s:,.0f} Mbit/s between {self.nodes} machines (all-reduce of"
-                f" {self.bytes / 2**20:g} MiB over {self.interface}, median of {len(self.seconds)}:"
-                f" {statistics.median(self.seconds) * 1e3:.0f} ms)")
+        return (
+            f"{self.mbit_s:,.0f} Mbit/s between {self.nodes} machines (all-reduce of"
+            f" {self.bytes / 2**20:g} MiB over {self.interface}, median of {len(self.seconds)}:"
+            f" {statistics.median(self.seconds) * 1e3:.0f} ms)"
+        )
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -70,6 +72,8 @@ def measure(store, node: int, nodes: int, interface: str) -> Link:
         first = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
         raise TrainingError(f"node {node}: the link's all-reduce over {interface} failed ({first})") from None
     mbit = bus_mbit_s(ALLREDUCE_BYTES, nodes, statistics.median(seconds))
-    method = (f"bus bandwidth of a Gloo all-reduce of {ALLREDUCE_BYTES // 2**20} MiB among the {nodes} machines over"
-              f" {interface}: bytes x 2(N-1)/N x 8 / median time of {REPEATS}")
+    method = (
+        f"bus bandwidth of a Gloo all-reduce of {ALLREDUCE_BYTES // 2**20} MiB among the {nodes} machines over"
+        f" {interface}: bytes x 2(N-1)/N x 8 / median time of {REPEATS}"
+    )
     return Link(mbit, seconds, ALLREDUCE_BYTES, nodes, interface, method)

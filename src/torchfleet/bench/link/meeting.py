@@ -29,8 +29,10 @@ class Meeting:
         except RuntimeError as exc:  # DistStoreError on a timeout, DistNetworkError when node 0 is gone
             late = [str(n) for n, k in zip(senders, keys, strict=True) if not self._has(k)] or [str(n) for n in senders]
             cause = str(exc).strip().splitlines()[0][:120] if str(exc).strip() else type(exc).__name__
-            raise TrainingError(f"node {self.node}: node {', '.join(late)} did not send the bench's {what} within"
-                                f" {seconds:.0f} s ({cause}); see that machine's output") from None
+            raise TrainingError(
+                f"node {self.node}: node {', '.join(late)} did not send the bench's {what} within"
+                f" {seconds:.0f} s ({cause}); see that machine's output"
+            ) from None
 
     def _has(self, key: str) -> bool:
         try:
@@ -50,8 +52,12 @@ class Meeting:
     def together(self, name: str, seconds: float) -> None:
         """Return when every machine has called this with `name`."""
         self.store.set(f"{KEY}{name}/ready/{self.node}", "1")
-        self._wait([f"{KEY}{name}/ready/{n}" for n in range(self.nodes)], seconds, f"ready signal for {name}",
-                   tuple(range(self.nodes)))
+        self._wait(
+            [f"{KEY}{name}/ready/{n}" for n in range(self.nodes)],
+            seconds,
+            f"ready signal for {name}",
+            tuple(range(self.nodes)),
+        )
 
     def post(self, name: str, value: dict) -> None:
         self.store.set(f"{KEY}{name}/result/{self.node}", json.dumps(value))
@@ -70,8 +76,9 @@ class Meeting:
         """On node 0: the verdict for the others, and the store kept until they have read it."""
         self.store.set(KEY + "verdict", verdict)
         try:
-            self.store.wait([f"{KEY}read/{n}" for n in range(1, self.nodes)],
-                            datetime.timedelta(seconds=GOODBYE_SECONDS))
+            self.store.wait(
+                [f"{KEY}read/{n}" for n in range(1, self.nodes)], datetime.timedelta(seconds=GOODBYE_SECONDS)
+            )
         except RuntimeError:
             pass  # a machine that went away cannot be told; node 0 has written everything
 

@@ -30,25 +30,65 @@ from torchfleet.models import TOKEN_MODELS
 SCHEMA = "torchfleet-bench-link/1"
 # Every cell object in results.json has exactly these fields (None where a figure does not apply).
 FIELDS = (
-    "cell", "label", "options", "model", "machines", "processes_per_machine", "global_batch", "local_batch",
-    "precision", "threads_per_process", "warmup", "steps", "block_steps", "status", "error",
-    "step_time_median_s", "step_time_q1_s", "step_time_q3_s", "step_time_min_s", "step_time_max_s",
-    "step_time_mean_s", "samples_per_s", "tokens_per_s", "speedup_vs_ddp", "compute_step_s", "comm_share",
-    "comm_method", "device", "backend", "notes", "load_avg", "cores", "wall_s",
+    "cell",
+    "label",
+    "options",
+    "model",
+    "machines",
+    "processes_per_machine",
+    "global_batch",
+    "local_batch",
+    "precision",
+    "threads_per_process",
+    "warmup",
+    "steps",
+    "block_steps",
+    "status",
+    "error",
+    "step_time_median_s",
+    "step_time_q1_s",
+    "step_time_q3_s",
+    "step_time_min_s",
+    "step_time_max_s",
+    "step_time_mean_s",
+    "samples_per_s",
+    "tokens_per_s",
+    "speedup_vs_ddp",
+    "compute_step_s",
+    "comm_share",
+    "comm_method",
+    "device",
+    "backend",
+    "notes",
+    "load_avg",
+    "cores",
+    "wall_s",
 )
 # A machine whose load average passes its cores by half again had other work on them during the cell.
 BUSY = 1.5
-COMM_METHOD = ("1 - the median compute-only step (the same batch through a private copy of the model, no"
-               " process group, once per block) / the median step")
+COMM_METHOD = (
+    "1 - the median compute-only step (the same batch through a private copy of the model, no"
+    " process group, once per block) / the median step"
+)
 
 
 def combine(cell: str, plan: LinkJob, machines: Machines, parts: list[dict | None]) -> dict:
     """One row from every machine's post for `cell` (meeting.gather's list, None for a machine that said nothing)."""
-    row = {"cell": cell, "label": plan.label(cell), "options": plan.fleet_options(cell), "model": plan.model,
-           "machines": machines.nnodes, "processes_per_machine": 1, "global_batch": plan.global_batch,
-           "local_batch": plan.global_batch // machines.nnodes, "precision": plan.precision,
-           "warmup": plan.warmup, "steps": plan.steps, "block_steps": plan.sync_every,
-           "wall_s": max((p["wall_s"] for p in parts if p), default=None)}
+    row = {
+        "cell": cell,
+        "label": plan.label(cell),
+        "options": plan.fleet_options(cell),
+        "model": plan.model,
+        "machines": machines.nnodes,
+        "processes_per_machine": 1,
+        "global_batch": plan.global_batch,
+        "local_batch": plan.global_batch // machines.nnodes,
+        "precision": plan.precision,
+        "warmup": plan.warmup,
+        "steps": plan.steps,
+        "block_steps": plan.sync_every,
+        "wall_s": max((p["wall_s"] for p in parts if p), default=None),
+    }
     failed = [(n, p) for n, p in enumerate(parts) if p is None or p["status"] != "ok"]
     if failed:
         # A machine's own failure says more than one that only saw its peer go.
@@ -58,16 +98,25 @@ def combine(cell: str, plan: LinkJob, machines: Machines, parts: list[dict | Non
     results = [p["result"] for p in parts if p is not None]
     blocks = [max(r["block_s"][b] for r in results) / plan.sync_every for b in range(plan.steps // plan.sync_every)]
     first = results[0]
-    return {**row, **spread(blocks), "status": "ok", "error": None,
-            "step_time_mean_s": statistics.fmean(blocks),
-            "compute_step_s": max(statistics.median(r["probe_s"]) for r in results),
-            "comm_method": COMM_METHOD, "tokens_per_sample": first["tokens_per_sample"],
-            "threads_per_process": [r["threads_per_process"] for r in results],
-            "device": first["device"], "backend": first["backend"],
-            "notes": sorted({note for r in results for note in r["notes"]}),
-            # the busiest machine's: it sets the pace
-            **max(({"load_avg": r["load_avg"], "cores": r["cores"]} for r in results),
-                  key=lambda m: m["load_avg"] / m["cores"])}
+    return {
+        **row,
+        **spread(blocks),
+        "status": "ok",
+        "error": None,
+        "step_time_mean_s": statistics.fmean(blocks),
+        "compute_step_s": max(statistics.median(r["probe_s"]) for r in results),
+        "comm_method": COMM_METHOD,
+        "tokens_per_sample": first["tokens_per_sample"],
+        "threads_per_process": [r["threads_per_process"] for r in results],
+        "device": first["device"],
+        "backend": first["backend"],
+        "notes": sorted({note for r in results for note in r["notes"]}),
+        # the busiest machine's: it sets the pace
+        **max(
+            ({"load_avg": r["load_avg"], "cores": r["cores"]} for r in results),
+            key=lambda m: m["load_avg"] / m["cores"],
+        ),
+    }
 
 
 def busy(rows: list[dict]) -> str | None:
@@ -76,8 +125,10 @@ def busy(rows: list[dict]) -> str | None:
     if not loaded:
         return None
     said = ", ".join(f"{r['label']} (load {r['load_avg']:.1f})" for r in loaded)
-    return (f"a machine had other work on its {loaded[0]['cores']} cores during {said}: those cells are slower than"
-            " the link alone makes them; run again on idle machines to compare")
+    return (
+        f"a machine had other work on its {loaded[0]['cores']} cores during {said}: those cells are slower than"
+        " the link alone makes them; run again on idle machines to compare"
+    )
 
 
 def derive(rows: list[dict]) -> None:
@@ -114,10 +165,14 @@ def line(row: dict) -> str:
 def _trade(row: dict, plan: LinkJob) -> str:
     """What the winner gives up for its speed: none of them is ddp's arithmetic."""
     if row["cell"] in MEETING_CELLS:
-        return (f"{row['cell']} trades ddp's exact arithmetic for fewer exchanges: its replica groups train apart"
-                f" for {plan.sync_every} steps between meetings (docs/guides/slow-links.md)")
-    return (f"PowerSGD sends a rank-{plan.powersgd_rank} approximation of each gradient, error feedback carrying"
-            " the rest to later steps")
+        return (
+            f"{row['cell']} trades ddp's exact arithmetic for fewer exchanges: its replica groups train apart"
+            f" for {plan.sync_every} steps between meetings (docs/guides/slow-links.md)"
+        )
+    return (
+        f"PowerSGD sends a rank-{plan.powersgd_rank} approximation of each gradient, error feedback carrying"
+        " the rest to later steps"
+    )
 
 
 def verdict(mbit_s: float, rows: list[dict], plan: LinkJob) -> str:
@@ -129,16 +184,26 @@ def verdict(mbit_s: float, rows: list[dict], plan: LinkJob) -> str:
     best = ok[0]
     ddp = next((r for r in ok if r["cell"] == "ddp"), None)
     if ddp is None:
-        return (f"{link} {best['label']} is the fastest of the cells that ran, at"
-                f" {best['step_time_median_s'] * 1e3:.1f} ms/step; ddp did not run, so there is no speed-up to give.")
+        return (
+            f"{link} {best['label']} is the fastest of the cells that ran, at"
+            f" {best['step_time_median_s'] * 1e3:.1f} ms/step; ddp did not run, so there is no speed-up to give."
+        )
     others = [r for r in ok if r is not best and r is not ddp]
     runner = ok[1] if len(ok) > 1 else None
     # Quartiles that overlap: on a shared machine a few blocks cannot order the two for sure.
-    close = (f" (too close to call against {runner['label']}: their blocks' quartiles overlap; more --steps would"
-             " tell them apart)") if runner is not None and best["step_time_q3_s"] >= runner["step_time_q1_s"] else ""
+    close = (
+        (
+            f" (too close to call against {runner['label']}: their blocks' quartiles overlap; more --steps would"
+            " tell them apart)"
+        )
+        if runner is not None and best["step_time_q3_s"] >= runner["step_time_q1_s"]
+        else ""
+    )
     if best is ddp:
-        text = (f"{link} ddp is the fastest{close}: the link is fast enough for its exact exchange of every gradient"
-                f" every step (communication is {ddp['comm_share']:.0%} of its step)")
+        text = (
+            f"{link} ddp is the fastest{close}: the link is fast enough for its exact exchange of every gradient"
+            f" every step (communication is {ddp['comm_share']:.0%} of its step)"
+        )
         if others:
             text += "; " + " and ".join(f"{r['label']} runs at {r['speedup_vs_ddp']:.2f}x its speed" for r in others)
         return text + "."
@@ -151,14 +216,17 @@ def verdict(mbit_s: float, rows: list[dict], plan: LinkJob) -> str:
 # ---- files and the table -----------------------------------------------------------------
 
 
-def document(plan: LinkJob, machines: Machines, machine: dict, link: Link, rows: list[dict],
-             notes: list[str]) -> dict:
+def document(plan: LinkJob, machines: Machines, machine: dict, link: Link, rows: list[dict], notes: list[str]) -> dict:
     cells = [{field: row.get(field) for field in FIELDS} for row in rows]
     return {
         "schema": SCHEMA,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "config": {**asdict(plan), "nnodes": machines.nnodes, "master_addr": machines.master_addr,
-                   "master_port": machines.master_port},
+        "config": {
+            **asdict(plan),
+            "nnodes": machines.nnodes,
+            "master_addr": machines.master_addr,
+            "master_port": machines.master_port,
+        },
         "machine": machine,  # node 0's, as doctor reports it
         "link": link.as_dict(),
         "notes": notes,
@@ -183,13 +251,25 @@ def table(doc: dict) -> Table:
     """One row per cell; a failed cell's reason goes in the caption, numbered."""
     cfg, link = doc["config"], doc["link"]
     model = f"gpt {cfg['gpt_preset']}" if cfg["model"] in TOKEN_MODELS else cfg["model"]
-    t = Table(title=f"torchfleet bench: the link between {cfg['nnodes']} machines, {link['mbit_s']:,.0f} Mbit/s"
-                    f" ({model}, global batch {cfg['global_batch']}, {cfg['steps']} timed steps in blocks of"
-                    f" {cfg['sync_every']}, 1 process per machine)",
-              title_justify="left", caption_justify="left")
+    t = Table(
+        title=f"torchfleet bench: the link between {cfg['nnodes']} machines, {link['mbit_s']:,.0f} Mbit/s"
+        f" ({model}, global batch {cfg['global_batch']}, {cfg['steps']} timed steps in blocks of"
+        f" {cfg['sync_every']}, 1 process per machine)",
+        title_justify="left",
+        caption_justify="left",
+    )
     tokens = any(r.get("tokens_per_s") is not None for r in doc["cells"])
-    names = ("cell", "ms/step", "IQR ms", "tokens/s" if tokens else throughput_unit(cfg["model"]), "vs ddp", "compute ms",
-             "comm", "load", "status")
+    names = (
+        "cell",
+        "ms/step",
+        "IQR ms",
+        "tokens/s" if tokens else throughput_unit(cfg["model"]),
+        "vs ddp",
+        "compute ms",
+        "comm",
+        "load",
+        "status",
+    )
     for name in names:
         t.add_column(name, justify="left" if name in ("cell", "status") else "right")
     reasons = []
@@ -198,11 +278,17 @@ def table(doc: dict) -> Table:
         if not ok:
             reasons.append(f"[{len(reasons) + 1}] {r['label']}: {r['error']}")
         iqr = (r["step_time_q3_s"] - r["step_time_q1_s"]) * 1e3 if ok else None
-        t.add_row(escape(r["label"]), _num(_ms(r["step_time_median_s"]), ".1f"), _num(iqr, ".1f"),
-                  _num(r["tokens_per_s" if tokens else "samples_per_s"], ",.0f"), _num(r["speedup_vs_ddp"], ".2f"),
-                  _num(_ms(r["compute_step_s"]), ".1f"), _num(r["comm_share"], ".0%"),
-                  "-" if r.get("load_avg") is None else f"{r['load_avg']:.1f}/{r['cores']}",
-                  "ok" if ok else f"[red]{r['status']} [{len(reasons)}][/]")
+        t.add_row(
+            escape(r["label"]),
+            _num(_ms(r["step_time_median_s"]), ".1f"),
+            _num(iqr, ".1f"),
+            _num(r["tokens_per_s" if tokens else "samples_per_s"], ",.0f"),
+            _num(r["speedup_vs_ddp"], ".2f"),
+            _num(_ms(r["compute_step_s"]), ".1f"),
+            _num(r["comm_share"], ".0%"),
+            "-" if r.get("load_avg") is None else f"{r['load_avg']:.1f}/{r['cores']}",
+            "ok" if ok else f"[red]{r['status']} [{len(reasons)}][/]",
+        )
     caption = [f"link: {link['method']}", f"comm: {COMM_METHOD}", *reasons]
     t.caption = escape("\n".join(caption))
     return t

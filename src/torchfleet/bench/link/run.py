@@ -38,20 +38,33 @@ def _usable_cores() -> int:
 
 def _exposure(machines: Machines, cells: int) -> str:
     if machines.node_rank:
-        return (f"torchfleet bench: node {machines.node_rank} joins node 0 at {machines.master_addr} ports"
-                f" {machines.master_port} to {machines.master_port + cells} (docs/guides/security.md)")
-    return (f"torchfleet bench: node 0 opens ports {machines.master_port} to {machines.master_port + cells} on every"
-            " interface (the bench's store and each cell's rendezvous or lighthouse; TCP, no authentication) and"
-            " Gloo ports the OS chooses: run it on a private network (docs/guides/security.md)")
+        return (
+            f"torchfleet bench: node {machines.node_rank} joins node 0 at {machines.master_addr} ports"
+            f" {machines.master_port} to {machines.master_port + cells} (docs/guides/security.md)"
+        )
+    return (
+        f"torchfleet bench: node 0 opens ports {machines.master_port} to {machines.master_port + cells} on every"
+        " interface (the bench's store and each cell's rendezvous or lighthouse; TCP, no authentication) and"
+        " Gloo ports the OS chooses: run it on a private network (docs/guides/security.md)"
+    )
 
 
 def _differences(mine: LinkJob, theirs: LinkJob) -> list[str]:
-    return [f"{name} {value!r} (here {getattr(mine, name)!r})" for name, value in asdict(theirs).items()
-            if getattr(mine, name) != value]
+    return [
+        f"{name} {value!r} (here {getattr(mine, name)!r})"
+        for name, value in asdict(theirs).items()
+        if getattr(mine, name) != value
+    ]
 
 
-def run_link_bench(plan: LinkJob, machines: Machines, out: str, threads: int | None = None,
-                   notes: list[str] | None = None, console=None) -> dict:
+def run_link_bench(
+    plan: LinkJob,
+    machines: Machines,
+    out: str,
+    threads: int | None = None,
+    notes: list[str] | None = None,
+    console=None,
+) -> dict:
     """Run link mode on this machine. Node 0 returns the results document; the others {"node", "verdict",
     "cells"}, their cells' statuses as they saw them (node 0 holds the figures)."""
     from rich.console import Console
@@ -100,8 +113,11 @@ def run_link_bench(plan: LinkJob, machines: Machines, out: str, threads: int | N
         meeting.post(f"cell{index}", mine)
         own.append({"cell": cell, "status": mine["status"], "error": mine.get("error")})
         if node:
-            say(f"{plan.label(cell)}: done here (node 0 shows the figures)" if mine["status"] == "ok"
-                else f"{plan.label(cell)}: failed here: {mine['error']}")
+            say(
+                f"{plan.label(cell)}: done here (node 0 shows the figures)"
+                if mine["status"] == "ok"
+                else f"{plan.label(cell)}: failed here: {mine['error']}"
+            )
             continue
         rows.append(report.combine(cell, plan, machines, meeting.gather(f"cell{index}", between)))
         report.derive(rows)
@@ -114,8 +130,9 @@ def run_link_bench(plan: LinkJob, machines: Machines, out: str, threads: int | N
     from torchfleet.doctor import collect_report
 
     crowded = report.busy(rows)
-    document = report.document(plan, machines, collect_report(probe_hardware()), link, rows,
-                               notes + ([crowded] if crowded else []))
+    document = report.document(
+        plan, machines, collect_report(probe_hardware()), link, rows, notes + ([crowded] if crowded else [])
+    )
     report.write_json(document, folder / "results.json")
     console.print(report.table(document))
     if crowded:
@@ -132,5 +149,6 @@ def _join(machines: Machines):
 
     import torch.distributed as dist
 
-    return dist.TCPStore(machines.master_addr, machines.master_port, is_master=False,
-                         timeout=datetime.timedelta(seconds=SLACK_SECONDS))
+    return dist.TCPStore(
+        machines.master_addr, machines.master_port, is_master=False, timeout=datetime.timedelta(seconds=SLACK_SECONDS)
+    )

@@ -73,8 +73,11 @@ class Cut:
         """The keyword arguments this stage takes from one (micro-)batch of the model's inputs."""
         named = dict(batch) if isinstance(batch, Mapping) else {self.input_names[0]: batch}
         if self.inputs is None:
-            return {k: v for k, v in named.items()
-                    if (first or k not in self.first_only) and (last or k not in self.last_only)}
+            return {
+                k: v
+                for k, v in named.items()
+                if (first or k not in self.first_only) and (last or k not in self.last_only)
+            }
         return {param: named[name] for param, name in self.inputs.items() if name in named}
 
     def unflatten(self, output):
@@ -95,21 +98,25 @@ def stage_starts(model: nn.Module, stages: int, split_points: Sequence[str] | No
     modules = dict(model.named_modules())
     if split_points:
         if len(split_points) != stages - 1:
-            raise UsageError(f"--split-points names {len(split_points)} points for {stages} stages;"
-                             f" give {stages - 1} (each stage after the first begins at one)")
+            raise UsageError(
+                f"--split-points names {len(split_points)} points for {stages} stages;"
+                f" give {stages - 1} (each stage after the first begins at one)"
+            )
         for point in split_points:
             if point not in modules or not point:
                 blocks = find_blocks(model)
                 hint = f" such as {blocks[len(blocks) // 2][0]}" if blocks else ""
-                raise UsageError(f"split point {point!r} is not a module of this {kind};"
-                                 f" name modules by their qualified names{hint}")
+                raise UsageError(
+                    f"split point {point!r} is not a module of this {kind}; name modules by their qualified names{hint}"
+                )
         return list(split_points)
     blocks = find_blocks(model)
     if len(blocks) < stages:
         raise UsageError(
             f"cannot cut this {kind} into {stages} stages automatically: it has {len(blocks)} repeated"
             f" blocks ({describe(blocks)}); pass split_points (--split-points) naming the module"
-            f" each stage after the first begins at")
+            f" each stage after the first begins at"
+        )
     sizes = partition([sum(p.numel() for p in b.parameters()) for _, b in blocks], stages)
     starts, at = [], 0
     for size in sizes[:-1]:
@@ -141,14 +148,26 @@ def _has_parameter(module: nn.Module, name: str) -> bool:
     return True
 
 
-def trace(model: nn.Module, stages: int, stage: int, split_points: Sequence[str] | None,
-          example_args: tuple, example_kwargs: dict) -> Cut:
+def trace(
+    model: nn.Module,
+    stages: int,
+    stage: int,
+    split_points: Sequence[str] | None,
+    example_args: tuple,
+    example_kwargs: dict,
+) -> Cut:
     """Trace `model` on one example micro-batch and keep stage `stage` of `stages`."""
     return trace_stages(model, stages, [stage], split_points, example_args, example_kwargs)[0]
 
 
-def trace_stages(model: nn.Module, stages: int, local: Sequence[int], split_points: Sequence[str] | None,
-                 example_args: tuple, example_kwargs: dict) -> list[Cut]:
+def trace_stages(
+    model: nn.Module,
+    stages: int,
+    local: Sequence[int],
+    split_points: Sequence[str] | None,
+    example_args: tuple,
+    example_kwargs: dict,
+) -> list[Cut]:
     """Trace `model` once and keep each stage of `local` (a process holding several stages)."""
     from torch.distributed.pipelining import SplitPoint, pipeline
 
@@ -161,15 +180,23 @@ def trace_stages(model: nn.Module, stages: int, local: Sequence[int], split_poin
     groups = tied_groups(model)
     leaves, out_spec = flat_output(model, example_args, example_kwargs)
     try:
-        pipe = pipeline(model, mb_args=example_args, mb_kwargs=example_kwargs or None,
-                        split_spec={s: SplitPoint.BEGINNING for s in starts})
+        pipe = pipeline(
+            model,
+            mb_args=example_args,
+            mb_kwargs=example_kwargs or None,
+            split_spec={s: SplitPoint.BEGINNING for s in starts},
+        )
     except Exception as error:  # torch.export's reasons are many; the first line says which
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise UsageError(f"could not trace this {type(model).__name__} to cut it into pipeline stages"
-                         f" ({reason}); pass an nn.Sequential, or use fsdp or ddp for this model") from None
+        raise UsageError(
+            f"could not trace this {type(model).__name__} to cut it into pipeline stages"
+            f" ({reason}); pass an nn.Sequential, or use fsdp or ddp for this model"
+        ) from None
     if pipe.num_stages != stages:
-        raise UsageError(f"the split points {', '.join(starts)} cut this {type(model).__name__} into"
-                         f" {pipe.num_stages} stages, not {stages}; name modules the forward calls in order")
+        raise UsageError(
+            f"the split points {', '.join(starts)} cut this {type(model).__name__} into"
+            f" {pipe.num_stages} stages, not {stages}; name modules the forward calls in order"
+        )
     modules = [pipe.get_stage_module(s) for s in range(stages)]
     run_generated_code(pipe, modules, example_args, example_kwargs)
     kind = type(model).__name__
@@ -183,10 +210,18 @@ def trace_stages(model: nn.Module, stages: int, local: Sequence[int], split_poin
     holders = [[s for s, m in enumerate(modules) if any(_has_parameter(m, n) for n in g)] for g in groups]
     cuts = []
     for stage in local:
-        cut = Cut(modules[stage], starts, example_rows(example_args, example_kwargs), out_spec, slots,
-                  inputs[stage], tuple(roots),
-                  tied=[g for g, h in zip(groups, holders, strict=True) if len(h) > 1],
-                  holders=[h for h in holders if len(h) > 1], returns_scalar=has_scalar(leaves))
+        cut = Cut(
+            modules[stage],
+            starts,
+            example_rows(example_args, example_kwargs),
+            out_spec,
+            slots,
+            inputs[stage],
+            tuple(roots),
+            tied=[g for g, h in zip(groups, holders, strict=True) if len(h) > 1],
+            holders=[h for h in holders if len(h) > 1],
+            returns_scalar=has_scalar(leaves),
+        )
         _retie(cut.module, groups)
         keep_frozen(cut.module, model)
         cuts.append(cut)
@@ -205,8 +240,12 @@ def run_generated_code(pipe, modules: list[nn.Module], args: tuple, kwargs: dict
     it, torch 2.14), so one forward of the whole split model on the example tries it first, and
     any failure leaves every stage on the interpreter, as before.
     """
-    subs: list[Any] = [sub for m in modules for sub in m.modules()
-            if getattr(sub, "graph_module", None) is not None and getattr(sub, "_run_with_interpreter", False)]
+    subs: list[Any] = [
+        sub
+        for m in modules
+        for sub in m.modules()
+        if getattr(sub, "graph_module", None) is not None and getattr(sub, "_run_with_interpreter", False)
+    ]
     for sub in subs:
         sub._run_with_interpreter = False  # torch's own switch (see _disable_interpreter)
     try:
@@ -254,12 +293,16 @@ def _traced_slots(split_gm, stages: int, out_spec, kind: str, starts: list[str])
         elif leaf.op == "call_function" and leaf.args and leaf.args[0] is last:
             slots.append(("out", leaf.args[1]))
         else:
-            raise UsageError(f"this {kind} returns a value computed before its last pipeline stage ({leaf.name}),"
-                             f" which the cut at {', '.join(starts)} cannot hand to the loss; cut it later"
-                             " (--split-points) or use fsdp or ddp for this model")
+            raise UsageError(
+                f"this {kind} returns a value computed before its last pipeline stage ({leaf.name}),"
+                f" which the cut at {', '.join(starts)} cannot hand to the loss; cut it later"
+                " (--split-points) or use fsdp or ddp for this model"
+            )
     if len(slots) != out_spec.num_leaves:
-        raise UsageError(f"the traced {kind} returns {len(slots)} values where its forward returns"
-                         f" {out_spec.num_leaves}; use fsdp or ddp for this model")
+        raise UsageError(
+            f"the traced {kind} returns {len(slots)} values where its forward returns"
+            f" {out_spec.num_leaves}; use fsdp or ddp for this model"
+        )
     return slots
 
 
@@ -278,9 +321,11 @@ def _traced_inputs(split_gm, stage: int, kind: str, starts: list[str]) -> dict[s
         if isinstance(arg, torch.fx.Node) and arg.op == "placeholder":
             taken[param] = arg.name
         elif taken and stage:  # an activation after an input: torch passes activations first
-            raise UsageError(f"the cut at {', '.join(starts)} gives stage {stage} of this {kind} an input"
-                             f" of the model ({', '.join(taken.values())}) before the activations it receives,"
-                             " which torch's schedules cannot pass; cut elsewhere (--split-points)")
+            raise UsageError(
+                f"the cut at {', '.join(starts)} gives stage {stage} of this {kind} an input"
+                f" of the model ({', '.join(taken.values())}) before the activations it receives,"
+                " which torch's schedules cannot pass; cut elsewhere (--split-points)"
+            )
     return taken
 
 
@@ -296,9 +341,11 @@ def _refuse_integer_activations(modules, inputs: list[dict]) -> None:
             received.update(str(t.dtype) for t in sent if isinstance(t, torch.Tensor) and not t.is_floating_point())
             out = module(*sent, **taken)
     if received:
-        raise UsageError(f"this cut sends {', '.join(sorted(received))} tensors between pipeline stages,"
-                         f" which torch {torch.__version__.split('+')[0]} cannot train through (2.14 can);"
-                         " upgrade torch, or use fsdp for this model")
+        raise UsageError(
+            f"this cut sends {', '.join(sorted(received))} tensors between pipeline stages,"
+            f" which torch {torch.__version__.split('+')[0]} cannot train through (2.14 can);"
+            " upgrade torch, or use fsdp for this model"
+        )
 
 
 def example_rows(args: tuple, kwargs: dict) -> int:

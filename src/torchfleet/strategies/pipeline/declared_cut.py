@@ -35,14 +35,7 @@ from torch.utils import _pytree as pytree
 
 from torchfleet.errors import UsageError
 from torchfleet.strategies.blocks import on_base_model
-from torchfleet.strategies.pipeline.cutting import (
-    Cut,
-    example_rows,
-    flat_output,
-    has_scalar,
-    stage_starts,
-    tied_groups,
-)
+from torchfleet.strategies.pipeline.cutting import Cut, example_rows, flat_output, has_scalar, stage_starts, tied_groups
 
 # The inputs a transformers model computes its loss from, in its head: only the last stage
 # has the head, and an earlier stage's forward would compute a loss on its hidden states.
@@ -67,24 +60,29 @@ def _shape(model: nn.Module, plan: dict[str, tuple]) -> tuple[str, list[str], li
     names = list(plan)
     lists = [n for n in names if isinstance(model.get_submodule(n), nn.ModuleList)]
     if len(lists) != 1:
-        raise UsageError(f"{kind}'s pipeline plan ({', '.join(names)}) names {len(lists)} lists of layers where"
-                         " torchfleet cuts between the layers of one; use fsdp or ddp for this model")
+        raise UsageError(
+            f"{kind}'s pipeline plan ({', '.join(names)}) names {len(lists)} lists of layers where"
+            " torchfleet cuts between the layers of one; use fsdp or ddp for this model"
+        )
     layers = lists[0]
-    before, after = names[: names.index(layers)], names[names.index(layers) + 1:]
+    before, after = names[: names.index(layers)], names[names.index(layers) + 1 :]
     base = getattr(model, "base_model", model)
     takes = inspect.signature(base.forward).parameters
     embeds = plan[before[-1]][1][0] if before else None
     if embeds is None or embeds not in takes:  # None: nothing before the layers
-        raise UsageError(f"{kind}'s pipeline plan gives its layers {embeds or 'nothing'}, which its forward does"
-                         " not take by keyword; use fsdp or ddp for this model")
+        raise UsageError(
+            f"{kind}'s pipeline plan gives its layers {embeds or 'nothing'}, which its forward does"
+            " not take by keyword; use fsdp or ddp for this model"
+        )
     return layers, before, after, embeds
 
 
-def _holds(stage: int, stages: int, bounds: list[tuple[int, int]], layers: str,
-           before: list[str], after: list[str], name: str) -> bool:
+def _holds(
+    stage: int, stages: int, bounds: list[tuple[int, int]], layers: str, before: list[str], after: list[str], name: str
+) -> bool:
     """Whether `stage` keeps the parameter or module `name`."""
     if name.startswith(layers + "."):
-        index = int(name[len(layers) + 1:].split(".", 1)[0])
+        index = int(name[len(layers) + 1 :].split(".", 1)[0])
         start, end = bounds[stage]
         return start <= index < end
     if any(name == m or name.startswith(m + ".") for m in before):
@@ -94,8 +92,15 @@ def _holds(stage: int, stages: int, bounds: list[tuple[int, int]], layers: str,
     return True  # modules outside the plan (rotary tables): every stage computes them
 
 
-def cut_by_plan(model: nn.Module, plan: dict[str, tuple], stages: int, stage: int,
-                split_points: Sequence[str] | None, example_args: tuple, example_kwargs: dict) -> Cut:
+def cut_by_plan(
+    model: nn.Module,
+    plan: dict[str, tuple],
+    stages: int,
+    stage: int,
+    split_points: Sequence[str] | None,
+    example_args: tuple,
+    example_kwargs: dict,
+) -> Cut:
     """Stage `stage` of `stages` of a model with a declared plan: the model itself, its other stages' modules dropped."""
     kind = type(model).__name__
     layers, before, after, embeds = _shape(model, plan)
@@ -105,20 +110,25 @@ def cut_by_plan(model: nn.Module, plan: dict[str, tuple], stages: int, stage: in
     names = [f"{layers}.{i}" for i in range(len(blocks))]
     for start in starts:
         if start not in names:
-            raise UsageError(f"split point {start!r} is not one of {kind}'s layers ({names[0]}..{names[-1]}),"
-                             " between which a model with a pipeline plan is cut; name one of them")
+            raise UsageError(
+                f"split point {start!r} is not one of {kind}'s layers ({names[0]}..{names[-1]}),"
+                " between which a model with a pipeline plan is cut; name one of them"
+            )
     cuts = [0, *(names.index(s) for s in starts), len(names)]
     bounds = list(zip(cuts, cuts[1:], strict=False))
     if any(a >= b for a, b in bounds):
-        raise UsageError(f"the split points {', '.join(starts)} leave a stage of {kind} without layers;"
-                         " name layers in forward order")
+        raise UsageError(
+            f"the split points {', '.join(starts)} leave a stage of {kind} without layers; name layers in forward order"
+        )
     config = getattr(model, "config", None)
     if config is not None and getattr(config, "use_cache", False):
         config.use_cache = False  # no key/value cache in a training forward (see cutting.trace)
     leaves, out_spec = flat_output(model, example_args, example_kwargs)  # the whole model's, before the cut
     groups = tied_groups(model)
-    holders = [[s for s in range(stages) if any(_holds(s, stages, bounds, layers, before, after, n) for n in g)]
-               for g in groups]
+    holders = [
+        [s for s in range(stages) if any(_holds(s, stages, bounds, layers, before, after, n) for n in g)]
+        for g in groups
+    ]
     first, last = stage == 0, stage == stages - 1
     start, end = bounds[stage]
     kept = nn.ModuleList()
@@ -136,11 +146,20 @@ def cut_by_plan(model: nn.Module, plan: dict[str, tuple], stages: int, stage: in
     caches = "use_cache" in inspect.signature(type(model).forward).parameters  # transformers' models
     model.forward = functools.partial(_stage_forward, model.forward, first, last, embeds, caches)
     signature = tuple(inspect.signature(type(model).forward).parameters)[1:]
-    return Cut(model, starts, example_rows(example_args, example_kwargs), out_spec, slots,
-               inputs=None, input_names=signature, first_only=frozenset(plan[before[0]][0]),
-               last_only=LOSS_INPUTS,
-               tied=[g for g, h in zip(groups, holders, strict=True) if len(h) > 1],
-               holders=[h for h in holders if len(h) > 1], returns_scalar=has_scalar(leaves))
+    return Cut(
+        model,
+        starts,
+        example_rows(example_args, example_kwargs),
+        out_spec,
+        slots,
+        inputs=None,
+        input_names=signature,
+        first_only=frozenset(plan[before[0]][0]),
+        last_only=LOSS_INPUTS,
+        tied=[g for g, h in zip(groups, holders, strict=True) if len(h) > 1],
+        holders=[h for h in holders if len(h) > 1],
+        returns_scalar=has_scalar(leaves),
+    )
 
 
 def _replace(model: nn.Module, name: str, module: nn.Module | None) -> None:

@@ -21,16 +21,25 @@ from torchfleet.strategies.pipeline.declared_cut import declared_plan
 from torchfleet.strategies.pipeline.local_stages import cut_local
 
 
-def cut_on_example(model: nn.Module, setup: SetupArgs, microbatches: int, stages: int, local: Sequence[int],
-                   split_points: Sequence[str] | None, device: torch.device) -> tuple[list[cutting.Cut], list[str]]:
+def cut_on_example(
+    model: nn.Module,
+    setup: SetupArgs,
+    microbatches: int,
+    stages: int,
+    local: Sequence[int],
+    split_points: Sequence[str] | None,
+    device: torch.device,
+) -> tuple[list[cutting.Cut], list[str]]:
     """Stages `local` of `stages`, cut on one micro-batch of `setup.example` (which the caller checked is
     there), and the notes saying how they were cut, checkpointed and compiled."""
     example, grad_accum = setup.example, setup.grad_accum
     assert example is not None
     per_step = batch_size(example) // grad_accum
     if per_step % microbatches or per_step < microbatches:
-        raise UsageError(f"each pipeline's batch of {per_step} does not split into {microbatches}"
-                         f" micro-batches; use a batch size per replica that is a multiple of it")
+        raise UsageError(
+            f"each pipeline's batch of {per_step} does not split into {microbatches}"
+            f" micro-batches; use a batch size per replica that is a multiple of it"
+        )
     micro = split_batch(example, batch_size(example) // (per_step // microbatches))[0]
     args, kwargs = ((), dict(micro)) if isinstance(micro, dict) else ((micro,), {})
     model.to(device)  # the example is there already
@@ -38,8 +47,10 @@ def cut_on_example(model: nn.Module, setup: SetupArgs, microbatches: int, stages
     cuts = cut_local(model, stages, local, split_points=split_points, args=args, kwargs=kwargs, plan=plan)
     notes = []
     if plan is not None:
-        notes.append(f"pipeline stages from {type(model).__name__}'s own pipeline plan"
-                     f" ({', '.join(plan)}), cut at {', '.join(cuts[0].starts)}")
+        notes.append(
+            f"pipeline stages from {type(model).__name__}'s own pipeline plan"
+            f" ({', '.join(plan)}), cut at {', '.join(cuts[0].starts)}"
+        )
     checkpointing, compile_mode = setup.activation_checkpointing, setup.compile
     # A traced stage is one graph: checkpointed and compiled as a whole; a plan's keeps its blocks.
     how = "each pipeline stage as a whole (traced)" if plan is None else "each block of each pipeline stage"

@@ -19,8 +19,9 @@ from torch.distributed.tensor import DTensor
 from torchfleet.strategies.dims import ParallelDims
 
 
-def tied_process_groups(tied: Sequence[tuple[list[str], list[int]]], dims: ParallelDims, stage_rank: Sequence[int],
-                        rank: int) -> list:
+def tied_process_groups(
+    tied: Sequence[tuple[list[str], list[int]]], dims: ParallelDims, stage_rank: Sequence[int], rank: int
+) -> list:
     """For each tied parameter: the group of this replica's processes holding a copy of it (None: none here,
     or all copies on this process, one Parameter already: share_tensors).
 
@@ -55,8 +56,15 @@ def sync_tied_gradients(model: nn.Module, tied: Sequence[tuple[list[str], list[i
         dist.all_reduce(grad, group=group)
 
 
-def clip_to_global_norm(model: nn.Module, tied: Sequence[tuple[list[str], list[int]]], stage_rank: Sequence[int],
-                        pp_rank: int, replicas: int, max_norm: float, device: torch.device) -> torch.Tensor:
+def clip_to_global_norm(
+    model: nn.Module,
+    tied: Sequence[tuple[list[str], list[int]]],
+    stage_rank: Sequence[int],
+    pp_rank: int,
+    replicas: int,
+    max_norm: float,
+    device: torch.device,
+) -> torch.Tensor:
     """Clip to the global norm of the whole model: every stage's and every shard's gradients; returns the norm.
 
     Each rank adds the squares of the gradient it holds; the sum over all
@@ -64,8 +72,9 @@ def clip_to_global_norm(model: nn.Module, tied: Sequence[tuple[list[str], list[i
     parameter once per stage holding it (only its first holder counts).
     """
     params = dict(model.named_parameters())
-    skip = {id(params[n]) for (names, holders) in tied if stage_rank[holders[0]] != pp_rank
-            for n in names if n in params}
+    skip = {
+        id(params[n]) for (names, holders) in tied if stage_rank[holders[0]] != pp_rank for n in names if n in params
+    }
     held = [(p, p.grad) for p in params.values() if p.grad is not None]
     local = [g.to_local() if isinstance(g, DTensor) else g for _, g in held]
     total = torch.zeros((), dtype=torch.float32, device=device)

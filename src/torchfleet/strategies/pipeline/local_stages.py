@@ -106,8 +106,9 @@ def share_tensors(stages: Sequence[nn.Module], tied: Sequence[Sequence[str]], mo
                         table[name] = kept
 
 
-def cut_local(model: nn.Module, total: int, local: Sequence[int], *, split_points, args: tuple, kwargs: dict,
-              plan: dict | None) -> list[cutting.Cut]:
+def cut_local(
+    model: nn.Module, total: int, local: Sequence[int], *, split_points, args: tuple, kwargs: dict, plan: dict | None
+) -> list[cutting.Cut]:
     """Cuts of stages `local` of `total`: by the model's plan (a copy of the model per extra stage) or traced."""
     if plan is None:
         return cutting.trace_stages(model, total, local, split_points, args, kwargs)
@@ -115,16 +116,23 @@ def cut_local(model: nn.Module, total: int, local: Sequence[int], *, split_point
     return [cut_by_plan(m, plan, total, s, split_points, args, kwargs) for m, s in zip(copies, local, strict=True)]
 
 
-def sequential_stages(model: nn.Sequential, total: int, local: Sequence[int]
-                      ) -> tuple[list[nn.Module], list[tuple[int, int]]]:
+def sequential_stages(
+    model: nn.Sequential, total: int, local: Sequence[int]
+) -> tuple[list[nn.Module], list[tuple[int, int]]]:
     """Stages `local` of a Sequential cut into `total` by its children, and every stage's [start, end)."""
     bounds = split_balanced(model, total)
     children = list(model.named_children())
     return [nn.Sequential(OrderedDict(children[a:b])) for a, b in (bounds[s] for s in local)], bounds
 
 
-def run_stages(stages: Sequence[tuple[int, nn.Module]], total: int, first_args: tuple, kwargs: dict,
-               peer: Callable[[int], int], device: torch.device):
+def run_stages(
+    stages: Sequence[tuple[int, nn.Module]],
+    total: int,
+    first_args: tuple,
+    kwargs: dict,
+    peer: Callable[[int], int],
+    device: torch.device,
+):
     """One forward through this process's stages outside a schedule (inference), in stage order.
 
     An activation goes to the next stage's process when that stage is not here, and

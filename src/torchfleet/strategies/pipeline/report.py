@@ -18,13 +18,25 @@ from torchfleet.strategies.pipeline import cutting, schedules
 
 def layers_per_stage(bounds: Sequence[tuple[int, int]] | None, cut: cutting.Cut | None) -> list[str]:
     """Each stage's layers: a Sequential's children by index, a cut model's from the module each stage starts at."""
-    return ([f"{a}-{b - 1}" for a, b in bounds] if bounds
-            else [f"{name}.." for name in ("input", *cut.starts)] if cut
-            else [])
+    return (
+        [f"{a}-{b - 1}" for a, b in bounds]
+        if bounds
+        else [f"{name}.." for name in ("input", *cut.starts)]
+        if cut
+        else []
+    )
 
 
-def pipeline_report(schedule: str, pp: int, per_process: int, replicas: int, microbatches: int, layers: list[str],
-                    pp_rank: int, busy_wall: Sequence[float]) -> dict:
+def pipeline_report(
+    schedule: str,
+    pp: int,
+    per_process: int,
+    replicas: int,
+    microbatches: int,
+    layers: list[str],
+    pp_rank: int,
+    busy_wall: Sequence[float],
+) -> dict:
     """The report of every process (a collective: every rank calls it), from this one's pipeline rank and
     (stage busy seconds, schedule seconds)."""
     every: list[Any] = [None] * dist.get_world_size()
@@ -35,7 +47,14 @@ def pipeline_report(schedule: str, pp: int, per_process: int, replicas: int, mic
         wall = sum(w for r, _, w in every if r == rank)
         idle.append(round(1 - busy / wall, 3) if wall else float("nan"))
     p, m = pp, microbatches
-    return {"schedule": schedule, "stages": pp * per_process, "stages_per_process": per_process,
-            "processes": p, "replicas": replicas, "microbatches": m, "layers_per_stage": layers,
-            "bubble_formula": round(schedules.bubble_formula(schedule, p, per_process, m), 3),
-            "bubble_measured": idle}
+    return {
+        "schedule": schedule,
+        "stages": pp * per_process,
+        "stages_per_process": per_process,
+        "processes": p,
+        "replicas": replicas,
+        "microbatches": m,
+        "layers_per_stage": layers,
+        "bubble_formula": round(schedules.bubble_formula(schedule, p, per_process, m), 3),
+        "bubble_measured": idle,
+    }

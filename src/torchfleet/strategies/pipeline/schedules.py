@@ -63,38 +63,48 @@ def schedule_class(name: str) -> type:
         raise choice_error("schedule", name, tuple(SCHEDULES))
     found = getattr(pipelining, SCHEDULES[name][0], None)
     if found is None:
-        raise UsageError(f"schedule {name} needs torch's {SCHEDULES[name][0]}, which torch"
-                         f" {torch.__version__.split('+')[0]} does not have; upgrade torch, or choose one of"
-                         f" {', '.join(available())}")
+        raise UsageError(
+            f"schedule {name} needs torch's {SCHEDULES[name][0]}, which torch"
+            f" {torch.__version__.split('+')[0]} does not have; upgrade torch, or choose one of"
+            f" {', '.join(available())}"
+        )
     floor = NEEDS_RELEASE.get(name)
     if floor is not None and release() < floor:
-        raise UsageError(f"schedule {name} needs torch {floor[0]}.{floor[1]} or later, and torch"
-                         f" {torch.__version__.split('+')[0]} sends between the two stages a process holds"
-                         f" in the V, which fails; upgrade torch, or use interleaved-zb or interleaved-1f1b")
+        raise UsageError(
+            f"schedule {name} needs torch {floor[0]}.{floor[1]} or later, and torch"
+            f" {torch.__version__.split('+')[0]} sends between the two stages a process holds"
+            f" in the V, which fails; upgrade torch, or use interleaved-zb or interleaved-1f1b"
+        )
     return found
 
 
 def available() -> list[str]:
     """The schedules the installed torch has and runs."""
-    return [n for n, (cls, _) in SCHEDULES.items() if hasattr(pipelining, cls)
-            and release() >= NEEDS_RELEASE.get(n, (0, 0))]
+    return [
+        n for n, (cls, _) in SCHEDULES.items() if hasattr(pipelining, cls) and release() >= NEEDS_RELEASE.get(n, (0, 0))
+    ]
 
 
 def microbatch_problem(name: str, pp: int, microbatches: int) -> str | None:
     """Why schedule `name` on `pp` processes cannot run `microbatches` micro-batches; None if it can."""
     if name == "1f1b" and microbatches < pp:
-        return (f"schedule 1f1b needs at least as many micro-batches as stages: --microbatches {microbatches}"
-                f" < {pp} stages; use gpipe or more micro-batches")
+        return (
+            f"schedule 1f1b needs at least as many micro-batches as stages: --microbatches {microbatches}"
+            f" < {pp} stages; use gpipe or more micro-batches"
+        )
     if name in ROUNDS:
         rounds = max(1, microbatches // pp)
         if microbatches % rounds:
-            return (f"schedule {name} runs micro-batches in rounds of one per process, and --microbatches"
-                    f" {microbatches} on {pp} processes is not a whole number of rounds; use a multiple of {pp}")
+            return (
+                f"schedule {name} runs micro-batches in rounds of one per process, and --microbatches"
+                f" {microbatches} on {pp} processes is not a whole number of rounds; use a multiple of {pp}"
+            )
     return None
 
 
-def check_schedule(name: str | None, pp: int, stages_per_process: int | None = None,
-                   microbatches: int | None = None) -> tuple[str, int]:
+def check_schedule(
+    name: str | None, pp: int, stages_per_process: int | None = None, microbatches: int | None = None
+) -> tuple[str, int]:
     """(schedule, stages per process) once both are known to run together on `pp` processes."""
     per = 1 if stages_per_process is None else stages_per_process
     if not isinstance(per, int) or per < 1:
@@ -104,14 +114,20 @@ def check_schedule(name: str | None, pp: int, stages_per_process: int | None = N
         raise choice_error("schedule", name, tuple(SCHEDULES))
     takes = SCHEDULES[name][1]
     if takes == 1 and per > 1:
-        raise UsageError(f"schedule {name} runs one stage per process and --stages-per-process is {per};"
-                         f" use {', '.join(MULTI_STAGE)}, or --stages-per-process 1")
+        raise UsageError(
+            f"schedule {name} runs one stage per process and --stages-per-process is {per};"
+            f" use {', '.join(MULTI_STAGE)}, or --stages-per-process 1"
+        )
     if takes is None and per < 2:
-        raise UsageError(f"schedule {name} runs several stages on each process; give --stages-per-process 2"
-                         " or more, or use 1f1b for one stage per process")
+        raise UsageError(
+            f"schedule {name} runs several stages on each process; give --stages-per-process 2"
+            " or more, or use 1f1b for one stage per process"
+        )
     if takes == 2 and per != 2:
-        raise UsageError(f"schedule {name} places exactly 2 stages on each process (a V) and"
-                         f" --stages-per-process is {per}; give --stages-per-process 2")
+        raise UsageError(
+            f"schedule {name} places exactly 2 stages on each process (a V) and"
+            f" --stages-per-process is {per}; give --stages-per-process 2"
+        )
     schedule_class(name)  # after the counts, so a count is refused in the same words on every torch
     if microbatches is not None:
         problem = microbatch_problem(name, pp, microbatches)

@@ -42,8 +42,12 @@ def carry_skips(split_gm: fx.GraphModule, calls: list[fx.Node]) -> None:
     them as the tracer made them, so it must not run after this.
     """
     stages = len(calls)
-    source = {a: where for call in calls for a in call.args
-              if isinstance(a, fx.Node) and (where := _source(a, calls)) is not None}
+    source = {
+        a: where
+        for call in calls
+        for a in call.args
+        if isinstance(a, fx.Node) and (where := _source(a, calls)) is not None
+    }
     # What each stage must receive from the one before: its own activations, then those a
     # later stage reads that an earlier stage computes (it passes them on).
     received: list[list[fx.Node]] = [[] for _ in range(stages + 1)]
@@ -56,8 +60,9 @@ def carry_skips(split_gm: fx.GraphModule, calls: list[fx.Node]) -> None:
         _rewrite(stage, calls[s], s, received[s], received[s + 1], source)
 
 
-def _rewrite(stage: fx.GraphModule, call: fx.Node, index: int, takes: list[fx.Node], gives: list[fx.Node],
-             source: dict) -> None:
+def _rewrite(
+    stage: fx.GraphModule, call: fx.Node, index: int, takes: list[fx.Node], gives: list[fx.Node], source: dict
+) -> None:
     """Give stage `index` an input for each value of `takes` it lacks, and return `gives`, in order."""
     graph = stage.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
@@ -65,7 +70,8 @@ def _rewrite(stage: fx.GraphModule, call: fx.Node, index: int, takes: list[fx.No
     (output,) = [n for n in graph.nodes if n.op == "output"]
     returned = output.args[0]
     if all(v in local for v in takes) and [source[v] for v in gives] == (
-            [(index, i) for i in range(len(returned))] if isinstance(returned, (tuple, list)) else [(index, None)]):
+        [(index, i) for i in range(len(returned))] if isinstance(returned, (tuple, list)) else [(index, None)]
+    ):
         return  # it returns what the next stage takes already (every cut into 2 stages)
     # New inputs go right after the activations: the schedule passes what the stage before
     # returns by position, and the model's own inputs come by keyword.

@@ -45,12 +45,15 @@ def _named_optimizer_state(model: nn.Module, optimizer: Optimizer) -> dict:
     names = {id(p): n for n, p in model.named_parameters()}
     order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
     sd = optimizer.state_dict()
-    return {"state": {order[i]: s for i, s in sd["state"].items()},
-            "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in sd["param_groups"]]}
+    return {
+        "state": {order[i]: s for i, s in sd["state"].items()},
+        "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in sd["param_groups"]],
+    }
 
 
-def gather_stages(model: nn.Module, optimizer: Optimizer, stage: int, dp_rank: int,
-                  keys: ModelKeys) -> tuple[dict, dict]:
+def gather_stages(
+    model: nn.Module, optimizer: Optimizer, stage: int, dp_rank: int, keys: ModelKeys
+) -> tuple[dict, dict]:
     """(model, optimizer) state of the whole model on rank 0, ({}, {}) elsewhere. Every rank calls it."""
     # A sharded stage's tensors are gathered whole first, by every rank of its shard group.
     mine = to_cpu(full((stage, dp_rank, model.state_dict(), _named_optimizer_state(model, optimizer))))
@@ -75,9 +78,11 @@ def gather_stages(model: nn.Module, optimizer: Optimizer, stage: int, dp_rank: i
     return model_state, {"state": state, "param_groups": groups}
 
 
-def load_stage(model: nn.Module, optimizer: Optimizer, model_state: dict, optimizer_state: dict,
-               keys: ModelKeys) -> None:
+def load_stage(
+    model: nn.Module, optimizer: Optimizer, model_state: dict, optimizer_state: dict, keys: ModelKeys
+) -> None:
     """This stage's entries of a whole-model state (and its shards of them), into `model` and `optimizer`."""
+
     def saved(key: str, value):  # a constant the cut added (not in the file) keeps its own value
         held = keys.find(key, model_state)
         return like(model_state[held], value) if held is not None else value
@@ -90,9 +95,16 @@ def load_stage(model: nn.Module, optimizer: Optimizer, model_state: dict, optimi
     for g in optimizer.param_groups:
         group_names = [names[id(p)] for p in g["params"]]
         source = saved_groups[group_names[0]] if group_names else g
-        groups.append({**{k: v for k, v in source.items() if k != "params"},
-                       "params": list(range(len(order), len(order) + len(group_names)))})
+        groups.append(
+            {
+                **{k: v for k, v in source.items() if k != "params"},
+                "params": list(range(len(order), len(order) + len(group_names))),
+            }
+        )
         order += group_names
-    state = {i: {k: like(v, params[n]) for k, v in optimizer_state["state"][n].items()}
-             for i, n in enumerate(order) if n in optimizer_state["state"]}
+    state = {
+        i: {k: like(v, params[n]) for k, v in optimizer_state["state"][n].items()}
+        for i, n in enumerate(order)
+        if n in optimizer_state["state"]
+    }
     optimizer.load_state_dict({"state": state, "param_groups": groups})

@@ -39,7 +39,8 @@ class TimedStage(PipelineStage):
         grads = getattr(self, "bwd_cache", {}).get(bwd_chunk_id)
         if grads is not None:
             self.bwd_cache[bwd_chunk_id] = type(grads)(
-                g.contiguous() if isinstance(g, torch.Tensor) else g for g in grads)
+                g.contiguous() if isinstance(g, torch.Tensor) else g for g in grads
+            )
         return super().get_bwd_send_ops(bwd_chunk_id)
 
     def _sync(self):
@@ -77,11 +78,13 @@ def _own_storage(t: torch.Tensor) -> torch.Tensor:
 
 def rows(batch, start: int, size: int):
     """Rows [start, start + size) of `batch`, the last row repeated where the batch ends first."""
+
     def take(t: torch.Tensor) -> torch.Tensor:
-        part = t[start:start + size]
+        part = t[start : start + size]
         if len(part) < size:
             part = torch.cat([part, part[-1:].expand(size - len(part), *part.shape[1:])])
         return part
+
     return {k: take(v) for k, v in batch.items()} if isinstance(batch, dict) else take(batch)
 
 
@@ -92,14 +95,18 @@ def predict_in_chunks(inputs, step: int, returns_scalar: bool, run: Callable, la
     with targets) averaged over the chunks, which serial's equals when every chunk is full."""
     size = batch_size(inputs)
     if returns_scalar and size % step:
-        raise UsageError(f"this model returns a scalar (its loss) and its pipeline stages take micro-batches"
-                         f" of {step}, so predict on {size} rows would pad the last one and count the padding"
-                         f" in that scalar; predict on a multiple of {step} rows")
+        raise UsageError(
+            f"this model returns a scalar (its loss) and its pipeline stages take micro-batches"
+            f" of {step}, so predict on {size} rows would pad the last one and count the padding"
+            f" in that scalar; predict on a multiple of {step} rows"
+        )
     outputs = [out for start in range(0, size, step) if (out := run(rows(inputs, start, step))) is not None]
     if not last:
         return None
-    return tuple(torch.stack(parts).mean() if parts[0].dim() == 0 else torch.cat(parts)[:size]
-                 for parts in zip(*outputs, strict=True))
+    return tuple(
+        torch.stack(parts).mean() if parts[0].dim() == 0 else torch.cat(parts)[:size]
+        for parts in zip(*outputs, strict=True)
+    )
 
 
 def sequential_ties(model: nn.Module, bounds) -> list[tuple[list[str], list[int]]]:
@@ -107,8 +114,7 @@ def sequential_ties(model: nn.Module, bounds) -> list[tuple[list[str], list[int]
     children = [name for name, _ in model.named_children()]
     out = []
     for names in tied_groups(model):
-        holders = sorted({s for s, (a, b) in enumerate(bounds) for n in names
-                          if n.split(".", 1)[0] in children[a:b]})
+        holders = sorted({s for s, (a, b) in enumerate(bounds) for n in names if n.split(".", 1)[0] in children[a:b]})
         if len(holders) > 1:
             out.append((names, holders))
     return out
@@ -123,8 +129,13 @@ SLOW_CONV_BELOW = 16
 
 def has_pointwise_convs(model: nn.Module) -> bool:
     """Whether the model has a 1x1 convolution without stride or dilation (see SLOW_CONV_BELOW)."""
-    return any(isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) and set(m.kernel_size) == {1}
-               and set(m.stride) == {1} and set(m.dilation) == {1} for m in model.modules())
+    return any(
+        isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d))
+        and set(m.kernel_size) == {1}
+        and set(m.stride) == {1}
+        and set(m.dilation) == {1}
+        for m in model.modules()
+    )
 
 
 def default_microbatches(batch: int, stages: int, allowed: Callable[[int], bool], slow_small_convs: bool) -> int | None:

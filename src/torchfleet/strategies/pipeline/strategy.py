@@ -35,17 +35,8 @@ from torchfleet.strategies.parallelize import parallelize
 from torchfleet.strategies.pipeline import cutting, schedules
 from torchfleet.strategies.pipeline.cutting import tied_groups
 from torchfleet.strategies.pipeline.example_cut import cut_on_example
-from torchfleet.strategies.pipeline.gradients import (
-    clip_to_global_norm,
-    sync_tied_gradients,
-    tied_process_groups,
-)
-from torchfleet.strategies.pipeline.local_stages import (
-    LocalStages,
-    run_stages,
-    sequential_stages,
-    share_tensors,
-)
+from torchfleet.strategies.pipeline.gradients import clip_to_global_norm, sync_tied_gradients, tied_process_groups
+from torchfleet.strategies.pipeline.local_stages import LocalStages, run_stages, sequential_stages, share_tensors
 from torchfleet.strategies.pipeline.report import layers_per_stage, pipeline_report
 from torchfleet.strategies.pipeline.stage_state import ModelKeys, gather_stages, load_stage
 from torchfleet.strategies.pipeline.stages import (
@@ -68,8 +59,14 @@ class Pipeline(MeshStrategy):
     schedules_steps = True
     sharded_checkpoint = True  # each stage saves its own layers through torch.distributed.checkpoint
 
-    def __init__(self, runtime, microbatches: int | None = None, schedule: str | None = None,
-                 stages_per_process: int | None = None, **options):
+    def __init__(
+        self,
+        runtime,
+        microbatches: int | None = None,
+        schedule: str | None = None,
+        stages_per_process: int | None = None,
+        **options,
+    ):
         if microbatches is not None and microbatches < 1:
             raise UsageError(f"--microbatches {microbatches} must be at least 1")
         # Before the degrees are known (a bad name is refused alike on any pp).
@@ -111,16 +108,28 @@ class Pipeline(MeshStrategy):
             self.tied = sequential_ties(model, self.bounds)
         share_tensors(modules, [names for names, _ in self.tied], self.model_keys.names)
         # Each stage (sharded by FSDP2 in place with replicas or shards), and what runs it.
-        parts = [parallelize(module, dims=self.dims, mesh=mesh, device=device, precision=self.runtime.precision,
-                             cut_stage=module, fsdp_classes=self.fsdp_units) for module in modules]
+        parts = [
+            parallelize(
+                module,
+                dims=self.dims,
+                mesh=mesh,
+                device=device,
+                precision=self.runtime.precision,
+                cut_stage=module,
+                fsdp_classes=self.fsdp_units,
+            )
+            for module in modules
+        ]
         self.stage_modules = [part.module for part in parts]
         self.model = parts[0].module if len(parts) == 1 else LocalStages(self.stage_modules, self.model_keys.names)
         self._tie_groups = tied_process_groups(self.tied, self.dims, self.stage_rank, self.rank)
         # Only this process's parameters, each group keeping its hyper-parameters.
         self.optimizer = rebuild_optimizer(optimizer, old_names, self.model)
         self.runtime.precision.sync_overflow(dist.group.WORLD)
-        self._stages = [TimedStage(part.runner, index, self.stages, device, group=self.pp_group)
-                        for part, index in zip(parts, self.stage_indices, strict=True)]
+        self._stages = [
+            TimedStage(part.runner, index, self.stages, device, group=self.pp_group)
+            for part, index in zip(parts, self.stage_indices, strict=True)
+        ]
         self._driving = False  # True while train_step or predict runs the stages
         for module in {id(m): m for m in (self.model, *self.stage_modules)}.values():
             module.register_forward_pre_hook(self._refuse_direct_call)
@@ -137,6 +146,7 @@ class Pipeline(MeshStrategy):
 
         def take(_module, args, kwargs):
             return args, cut.stage_inputs(kwargs, first, last)
+
         return take
 
     def _refuse_direct_call(self, _module, _args):
@@ -144,9 +154,11 @@ class Pipeline(MeshStrategy):
         # for a middle stage, targets as class indices...) and fails with an error
         # about those; say what is wrong instead.
         if not self._driving:
-            raise UsageError(f"under {self.name} each process holds one stage of the model, and torch's"
-                             " pipeline schedule runs it: call fleet.train_step(inputs, targets, loss_fn)"
-                             " and fleet.predict(inputs) instead of the model")
+            raise UsageError(
+                f"under {self.name} each process holds one stage of the model, and torch's"
+                " pipeline schedule runs it: call fleet.train_step(inputs, targets, loss_fn)"
+                " and fleet.predict(inputs) instead of the model"
+            )
 
     def _cut(self, model, setup: SetupArgs) -> list[cutting.Cut]:
         """This process's stages of a model that is not a Sequential: by its own pipeline plan, or by tracing
@@ -155,11 +167,13 @@ class Pipeline(MeshStrategy):
             raise UsageError(
                 f"{self.name} cuts a {type(model).__name__} into stages and needs one batch to trace it"
                 " (or, with a pipeline plan, to size the stages):"
-                " fleet.setup(model, optimizer, example_inputs=batch)")
+                " fleet.setup(model, optimizer, example_inputs=batch)"
+            )
         if self._default_microbatches:
             self._fit_default_microbatches(batch_size(setup.example) // setup.grad_accum)
-        cuts, notes = cut_on_example(model, setup, self.microbatches, self.stages, self.stage_indices,
-                                     self.split_points, self.runtime.device)
+        cuts, notes = cut_on_example(
+            model, setup, self.microbatches, self.stages, self.stage_indices, self.split_points, self.runtime.device
+        )
         self.notes += notes
         return cuts
 
@@ -196,8 +210,12 @@ class Pipeline(MeshStrategy):
 
     def _fit_default_microbatches(self, batch: int) -> None:
         takes = lambda m: schedules.microbatch_problem(self.schedule_name, self.pp, m) is None  # noqa: E731
-        fitted = default_microbatches(batch, self.pp, takes, self._pointwise_convs and self.runtime.device.type == "cpu"
-                                      and torch.get_num_threads() == 1)
+        fitted = default_microbatches(
+            batch,
+            self.pp,
+            takes,
+            self._pointwise_convs and self.runtime.device.type == "cpu" and torch.get_num_threads() == 1,
+        )
         self.microbatches = fitted or self.microbatches
 
     def train_step(self, inputs, targets, loss_fn, grad_accum=1):
@@ -209,18 +227,19 @@ class Pipeline(MeshStrategy):
             raise UsageError(
                 f"each pipeline's batch of {size} does not split into {grad_accum} accumulation"
                 f" steps x {self.microbatches} micro-batches; use a batch size per replica that is a"
-                f" multiple of {per_run}")
+                f" multiple of {per_run}"
+            )
         if self.cut is not None and size // per_run != self.cut.batch:
             raise UsageError(
                 f"the pipeline's stages were traced for micro-batches of {self.cut.batch} samples and this"
                 f" batch of {size} makes micro-batches of {size // per_run}; keep every batch the size of"
-                " example_inputs (drop_last=True)")
+                " example_inputs (drop_last=True)"
+            )
         if self._schedule is None:
             problem = schedules.microbatch_problem(self.schedule_name, self.pp, self.microbatches)
             if problem:
                 raise UsageError(problem)
-            self._schedule = schedules.build_schedule(self.schedule_name, self._stages, self.microbatches,
-                                                      self._loss)
+            self._schedule = schedules.build_schedule(self.schedule_name, self._stages, self.microbatches, self._loss)
             if self.per_process > 1:
                 # Before 2.14 the multi-stage schedules open their links in one batch of sends and receives
                 # to the same peers, which Gloo's not yet connected pairs failed ("Pair is not connected"
@@ -277,8 +296,9 @@ class Pipeline(MeshStrategy):
         if max_norm is None:
             return None
         self.runtime.precision.unscale(self.optimizer)
-        return clip_to_global_norm(self.model, self.tied, self.stage_rank, self.pp_rank, self.dims.dp_replicate,
-                                   max_norm, self.runtime.device)
+        return clip_to_global_norm(
+            self.model, self.tied, self.stage_rank, self.pp_rank, self.dims.dp_replicate, max_norm, self.runtime.device
+        )
 
     # -- inference: activations passed stage to stage -----------------------
     @torch.no_grad()
@@ -293,15 +313,20 @@ class Pipeline(MeshStrategy):
     def _predict(self, inputs):
         if self.cut is None:
             return self._predict_chunk(inputs)
-        merged = predict_in_chunks(inputs, self.cut.batch, self.cut.returns_scalar, self._predict_chunk,
-                                   self.is_last)
+        merged = predict_in_chunks(inputs, self.cut.batch, self.cut.returns_scalar, self._predict_chunk, self.is_last)
         return None if merged is None else self.cut.unflatten(merged)
 
     def _predict_chunk(self, inputs):
         args, kwargs = self._stage_inputs(inputs)
         with self.runtime.precision.autocast():
-            out = run_stages(list(zip(self.stage_indices, self.stage_modules, strict=True)), self.stages, args,
-                             kwargs, self._peer, self.runtime.device)
+            out = run_stages(
+                list(zip(self.stage_indices, self.stage_modules, strict=True)),
+                self.stages,
+                args,
+                kwargs,
+                self._peer,
+                self.runtime.device,
+            )
         if self.is_last:
             return (out,) if self.cut is not None and isinstance(out, torch.Tensor) else out
         return None
@@ -327,5 +352,13 @@ class Pipeline(MeshStrategy):
     def pipeline_report(self) -> dict:
         """Measured idle fraction of each pipeline process (its stages together) next to the schedule's
         formula (schedules.bubble_formula: (p-1)/(m+p-1) for GPipe and 1F1B)."""
-        return pipeline_report(self.schedule_name, self.pp, self.per_process, self.dp, self.microbatches,
-                               layers_per_stage(self.bounds, self.cut), self.pp_rank, self._busy_wall)
+        return pipeline_report(
+            self.schedule_name,
+            self.pp,
+            self.per_process,
+            self.dp,
+            self.microbatches,
+            layers_per_stage(self.bounds, self.cut),
+            self.pp_rank,
+            self._busy_wall,
+        )

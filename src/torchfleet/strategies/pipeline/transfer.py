@@ -23,7 +23,7 @@ def send_tensors(tensors: tuple[torch.Tensor, ...], dst: int, device: torch.devi
     for tensor in tensors:
         header = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64, device=device)
         header[0], header[1] = tensor.dim(), _DTYPES.index(tensor.dtype)
-        header[2:2 + tensor.dim()] = torch.tensor(tensor.shape)
+        header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape)
         dist.send(header, dst)
         dist.send(tensor.contiguous(), dst)
 
@@ -36,7 +36,7 @@ def recv_tensors(src: int, device: torch.device) -> tuple[torch.Tensor, ...]:
         header = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64, device=device)
         dist.recv(header, src)
         ndim, dtype = int(header[0]), _DTYPES[int(header[1])]
-        tensor = torch.empty(header[2:2 + ndim].tolist(), dtype=dtype, device=device)
+        tensor = torch.empty(header[2 : 2 + ndim].tolist(), dtype=dtype, device=device)
         dist.recv(tensor, src)
         tensors.append(tensor)
     return tuple(tensors)
