@@ -213,9 +213,7 @@ def _predicted(folder: Path, cell: dict) -> dict | None:
 
 
 def _kernels(folder: Path, cell: dict) -> dict | None:
-    from torchfleet.bench.measure_cell import (
-        profile_name,  # the name the cell wrote its kernels under
-    )
+    from torchfleet.bench.measure_cell import profile_name  # the name the cell wrote its kernels under
 
     spec = {**cell, "compile": None if cell["compile"] == "off" else cell["compile"]}
     path = folder / "kernels" / f"{profile_name(spec)}.json"

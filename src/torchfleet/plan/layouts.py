@@ -64,15 +64,19 @@ def layout(
     strategy: str, processes: int, batch: int, profile: Profile, options: dict | None = None, cpu_threads: int = 0
 ) -> Layout:
     """The degrees `strategy` runs with; UsageError (from the strategy's own rules) where it cannot."""
+    from torchfleet.replica_groups.sync_methods import DEFAULT_SYNC_EVERY
     from torchfleet.strategies import resolve_dims
+    from torchfleet.strategies.options import StrategyOptions
 
-    options = registry.options_for(strategy, options)
+    given = registry.options_for(strategy, options)
+    pipeline = StrategyOptions.of(given).pipeline
     cost = registry.presets()[strategy].cost
     if cost == "mp":
-        return Layout(strategy, 1, microbatches=options.get("microbatches") or MP_MICROBATCHES)
+        return Layout(strategy, 1, microbatches=pipeline.microbatches or MP_MICROBATCHES)
     if cost == "meetings":
-        return Layout(strategy, processes, replicate=processes, sync_every=options.get("sync_every") or 100)
-    dims = resolve_dims(strategy, processes, options=options)
+        every = StrategyOptions.of(given).replica_groups.sync_every or DEFAULT_SYNC_EVERY
+        return Layout(strategy, processes, replicate=processes, sync_every=every)
+    dims = resolve_dims(strategy, processes, options=given)
     if dims is None:
         return Layout(strategy, 1)
     lay = Layout(strategy, processes, dims.dp_replicate, dims.dp_shard, dims.pp, dims.tp)
@@ -80,12 +84,12 @@ def layout(
         from torchfleet.strategies.pipeline.schedules import default_schedule, microbatch_problem
         from torchfleet.strategies.pipeline.stages import default_microbatches
 
-        schedule = options.get("schedule") or default_schedule(options.get("stages_per_process"))
-        per = pipelines.stages_per_process(schedule, options.get("stages_per_process"))
+        schedule = pipeline.schedule or default_schedule(pipeline.stages_per_process)
+        per = pipelines.stages_per_process(schedule, pipeline.stages_per_process)
         local = max(1, batch // lay.readers)
         # The pipelines' own rule (strategies/pipeline/stages.py); --check re-predicts with the count a cell really used.
         m = (
-            options.get("microbatches")
+            pipeline.microbatches
             or default_microbatches(
                 local,
                 dims.pp,
