@@ -42,8 +42,10 @@ HERE = [s for s in MULTI_STAGE if s in available()]
 CNN = {"model": "cnn", "optimizer": "sgd", "stages_per_process": 2}
 CASES = [dict(CNN, schedule=s) for s in HERE] + [dict(CNN, schedule="interleaved-1f1b", grad_accum=2, microbatches=2)]
 # A library model with tied embeddings, cut by its own plan: under zbv the embedding and the
-# head are on the same process (stages 0 and 3), under interleaved 1F1B on two.
+# head are on the same process (stages 0 and 3), under interleaved 1F1B on two. And a Llama with
+# peft's LoRA adapters, whose plan is found through peft's wrapping, under a multi-stage schedule.
 LIBRARY = [("hf-llama-tied", s) for s in ("zbv", "interleaved-1f1b") if s in HERE]
+LIBRARY += [("peft-llama", s) for s in ("interleaved-1f1b",) if s in HERE and importlib.util.find_spec("peft")]
 OLD = [s for s, floor in NEEDS_RELEASE.items() if release() < floor]  # here, but refused on this torch
 # GPT-2 traced into 4 stages: its attention mask goes from stage 0 to every later stage. Before
 # torch 2.14 a bool tensor between stages is refused (cutting._refuse_integer_activations).
@@ -266,7 +268,7 @@ def test_each_schedule_runs_its_own_class_and_order_of_actions(results):
 
 
 @pytest.mark.timeout(300)
-def test_a_library_model_with_tied_weights_equals_serial(results):
+def test_library_models_cut_by_their_own_plans_equal_serial(results):
     if not LIBRARY:
         pytest.skip("neither zbv nor interleaved-1f1b runs on this torch")
     if not HAS_TRANSFORMERS:

@@ -124,3 +124,24 @@ def test_options_that_need_tp_or_forbid_it():
     with pytest.raises(UsageError, match=r"--sync-batchnorm with tp\(2\) is not supported: the ranks of a"):
         strategy(runtime, dims=tp, sync_batchnorm=True)
     assert strategy(runtime, dims=tp, tp_plan=MLP_ONLY).name == "tp"
+
+
+def test_a_lora_layer_is_split_with_the_layer_it_adapts():
+    """peft's LoRA Llama: the plan is found through peft's wrapping, each adapted layer's style goes to the
+    layer it wraps, and its adapter's B (beside a column-wise layer) or A (beside a row-wise one) is split
+    with it. (The weights equal serial's under tp and fsdp+tp: tests/test_zoo.py.)"""
+    pytest.importorskip("peft", reason="peft (the dev extra) wraps the model in LoRA adapters")
+    from torch.distributed.tensor.parallel import SequenceParallel
+    from zoo import peft_llama
+
+    model = peft_llama()
+    plan, source = tp_plan_for(model, 2)
+    prefix = "base_model.model.model.layers.*"
+    assert isinstance(plan[f"{prefix}.self_attn.q_proj.base_layer"], ColwiseParallel)
+    assert isinstance(plan[f"{prefix}.self_attn.q_proj.lora_B.*"], ColwiseParallel)
+    assert isinstance(plan[f"{prefix}.self_attn.o_proj.base_layer"], RowwiseParallel)
+    assert isinstance(plan[f"{prefix}.self_attn.o_proj.lora_A.*"], RowwiseParallel)
+    assert not any(k.endswith("q_proj.lora_A.*") or k.endswith("o_proj.lora_B.*") for k in plan)  # kept whole
+    assert f"{prefix}.self_attn.q_proj" not in plan  # the wrapper itself is no Linear torch could split
+    with pytest.raises(UsageError, match="splits .*q_proj.*which carries an adapter, with SequenceParallel"):
+        tp_plan_for(model, 2, given={f"{prefix}.self_attn.q_proj": SequenceParallel()})

@@ -25,7 +25,8 @@ require_module("transformers", "transformers (the test extra) builds the library
 from zoo import ZOO, checkpoint_job, train_zoo, zoo_matrix  # noqa: E402 (after the skip: zoo imports transformers lazily)
 
 MODELS = list(ZOO)
-LLAMAS = ["hf-llama", "hf-llama-tied"]  # the zoo's models that declare a tensor-parallel plan
+# The zoo's models that declare a tensor-parallel plan; peft's LoRA Llama splits its adapters with its layers.
+LLAMAS = ["hf-llama", "hf-llama-tied", *(["peft-llama"] if "peft-llama" in ZOO else [])]
 TWO = [(s, m) for s in ("ddp", "fsdp", "pipeline") for m in MODELS] + [("tp", m) for m in LLAMAS]
 FOUR = [(s, m) for s in ("ddp+pipeline", "fsdp+pipeline") for m in MODELS] + [("fsdp+tp", m) for m in LLAMAS]
 # Before 2.14, torch's schedules send a gradient back for every tensor a stage receives

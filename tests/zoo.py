@@ -16,6 +16,7 @@ hands them the parent's ``sys.path``).
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -68,6 +69,14 @@ def hf_llama(tie: bool):
             tie_word_embeddings=tie,
         )
     )
+
+
+def peft_llama():
+    """hf_llama with LoRA adapters on every attention and MLP projection, at peft's defaults (r 8, no dropout)."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    return get_peft_model(hf_llama(False), LoraConfig(target_modules=targets))
 
 
 def hf_bert():
@@ -391,3 +400,7 @@ def zoo_matrix(jobs: list[tuple[str, str, dict]]) -> list:
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     return results
+
+
+if importlib.util.find_spec("peft") is not None:  # the dev extra installs it; without it the rest still runs
+    ZOO["peft-llama"] = Entry(peft_llama, _ids, _lm_loss)

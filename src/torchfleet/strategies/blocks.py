@@ -26,14 +26,39 @@ def parameter_names(model: nn.Module) -> dict[int, list[str]]:
     return names
 
 
+def library_model(model: nn.Module) -> nn.Module:
+    """The transformers model inside `model`: `model` itself, or the one peft's wrapping holds.
+
+    peft's PeftModel (and the LoraModel under it) forward to the model they adapt, which keeps its
+    config and its plans; its `base_model` is peft's LoraModel, not the transformers base model.
+    """
+    get_base_model = getattr(model, "get_base_model", None)
+    if callable(get_base_model) and hasattr(model, "peft_config"):
+        inner = get_base_model()
+        if isinstance(inner, nn.Module):
+            return inner
+    return model
+
+
+def base_model(model: nn.Module) -> nn.Module:
+    """The transformers base model (Llama's LlamaModel) that declared plans are written over."""
+    inner = library_model(model)
+    return getattr(inner, "base_model", inner)
+
+
 def on_base_model(model: nn.Module, plan: dict) -> dict:
     """A transformers base-model plan with its keys named in `model`.
 
     Configs declare plans over the base model's modules (``layers.*.mlp``); in a task model
-    they sit under the base model's name (``model.layers.*.mlp`` in LlamaForCausalLM).
+    they sit under the base model's name (``model.layers.*.mlp`` in LlamaForCausalLM), and under
+    peft's wrapping further down (``base_model.model.model.layers.*.mlp``).
     """
-    base = getattr(model, "base_model", model)
-    prefix = next((name for name, m in model.named_modules() if m is base), "")
+    return under(model, base_model(model), plan)
+
+
+def under(model: nn.Module, inner: nn.Module, plan: dict) -> dict:
+    """`plan`, written over `inner`, with its keys named in `model`."""
+    prefix = next((name for name, m in model.named_modules() if m is inner), "")
     return {(f"{prefix}.{key}" if prefix else key): value for key, value in plan.items()}
 
 

@@ -69,6 +69,7 @@ def tp_plan_for(model: nn.Module, tp: int, given: dict | None = None) -> tuple[d
         raise UsageError(f"tensor parallelism needs a plan of which layers to split, and {kind} has none; " + PLAN_HINT)
     if not plan:
         raise UsageError(f"{source} is empty, so tensor parallelism would split nothing; " + PLAN_HINT)
+    plan = through_adapters(model, plan, source)
     names = [name for name, _ in model.named_modules()]
     for key, style in plan.items():
         if not isinstance(style, ParallelStyle):
@@ -79,6 +80,45 @@ def tp_plan_for(model: nn.Module, tp: int, given: dict | None = None) -> tuple[d
         if not any(fnmatchcase(name, key) for name in names):
             raise UsageError(f"{source} names {key!r}, which is not a module of this {kind}")
     return plan, source
+
+
+def _is_adapter(module: nn.Module) -> bool:
+    """A layer peft's LoRA wraps: the original layer as `base_layer`, the adapters' two matrices beside it."""
+    return all(isinstance(getattr(module, n, None), nn.Module) for n in ("base_layer", "lora_A", "lora_B"))
+
+
+def through_adapters(model: nn.Module, plan: dict[str, ParallelStyle], source: str) -> dict[str, ParallelStyle]:
+    """`plan` with each layer peft's LoRA wraps split as the layer and its adapter together.
+
+    The wrapped layer (`base_layer`) takes the plan's style. Its adapter adds ``B(A(x))``: beside a
+    column-wise layer B is split by columns too (its output joins the layer's shard) and A stays
+    whole; beside a row-wise layer A is split by rows (it reads the layer's shard of the input and
+    its output is summed over the group) and B stays whole. The whole ones get equal gradients on
+    every rank of the group, as the embeddings do.
+    """
+    modules = list(model.named_modules())
+    out: dict[str, ParallelStyle] = {}
+    for key, style in plan.items():
+        matched = [m for name, m in modules if fnmatchcase(name, key)]
+        adapters = [m for m in matched if _is_adapter(m)]
+        if not adapters:
+            out[key] = style
+            continue
+        if len(adapters) != len(matched):
+            raise UsageError(
+                f"{source} names {key!r}, which matches layers with adapters and layers without; name them apart"
+            )
+        out[f"{key}.base_layer"] = style
+        if isinstance(style, ColwiseParallel):
+            out[f"{key}.lora_B.*"] = ColwiseParallel()
+        elif isinstance(style, RowwiseParallel):
+            out[f"{key}.lora_A.*"] = RowwiseParallel()
+        else:
+            raise UsageError(
+                f"{source} splits {key!r}, which carries an adapter, with {type(style).__name__}; torchfleet splits"
+                " an adapter beside a column-wise or a row-wise layer only: leave the adapter off that layer"
+            )
+    return out
 
 
 # transformers' names for the two Megatron styles. Its other styles (gathered, local, packed,

@@ -34,7 +34,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from torchfleet.errors import UsageError
-from torchfleet.strategies.blocks import on_base_model
+from torchfleet.strategies.blocks import base_model, library_model, on_base_model, under
 from torchfleet.strategies.pipeline.cutting import Cut, example_rows, flat_output, has_scalar, stage_starts, tied_groups
 
 # The inputs a transformers model computes its loss from, in its head: only the last stage
@@ -44,13 +44,14 @@ LOSS_INPUTS = frozenset({"labels"})
 
 def declared_plan(model: nn.Module) -> dict[str, tuple] | None:
     """The model's pipeline plan as {qualified module name: (inputs, outputs)}, in forward order; None without one."""
-    config = getattr(model, "config", None)
+    inner = library_model(model)  # under peft's wrapping, the model it adapts
+    config = getattr(inner, "config", None)
     base_plan = getattr(config, "base_model_pp_plan", None)
     if not base_plan:
         return None
     plan = on_base_model(model, base_plan)
-    if getattr(model, "base_model", model) is not model:
-        plan.update(getattr(type(model), "_pp_plan", None) or {})
+    if getattr(inner, "base_model", inner) is not inner:  # a task model: its head, named in `model`
+        plan.update(under(model, inner, getattr(type(inner), "_pp_plan", None) or {}))
     return plan
 
 
@@ -66,8 +67,7 @@ def _shape(model: nn.Module, plan: dict[str, tuple]) -> tuple[str, list[str], li
         )
     layers = lists[0]
     before, after = names[: names.index(layers)], names[names.index(layers) + 1 :]
-    base = getattr(model, "base_model", model)
-    takes = inspect.signature(base.forward).parameters
+    takes = inspect.signature(base_model(model).forward).parameters
     embeds = plan[before[-1]][1][0] if before else None
     if embeds is None or embeds not in takes:  # None: nothing before the layers
         raise UsageError(
@@ -120,7 +120,7 @@ def cut_by_plan(
         raise UsageError(
             f"the split points {', '.join(starts)} leave a stage of {kind} without layers; name layers in forward order"
         )
-    config = getattr(model, "config", None)
+    config = getattr(library_model(model), "config", None)
     if config is not None and getattr(config, "use_cache", False):
         config.use_cache = False  # no key/value cache in a training forward (see cutting.trace)
     leaves, out_spec = flat_output(model, example_args, example_kwargs)  # the whole model's, before the cut
@@ -143,7 +143,8 @@ def cut_by_plan(
     for leaf in leaves:  # the last stage returns the tensors among the output's leaves, in order
         slots.append(("out", at) if isinstance(leaf, torch.Tensor) else ("const", leaf))
         at += isinstance(leaf, torch.Tensor)
-    caches = "use_cache" in inspect.signature(type(model).forward).parameters  # transformers' models
+    # transformers' models take use_cache; peft's wrapping hands its keywords on to the model it adapts
+    caches = "use_cache" in inspect.signature(type(library_model(model)).forward).parameters
     model.forward = functools.partial(_stage_forward, model.forward, first, last, embeds, caches)
     signature = tuple(inspect.signature(type(model).forward).parameters)[1:]
     return Cut(
