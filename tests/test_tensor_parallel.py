@@ -132,6 +132,7 @@ def test_a_lora_layer_is_split_with_the_layer_it_adapts():
     with it. (The weights equal serial's under tp and fsdp+tp: tests/test_zoo.py.)"""
     pytest.importorskip("peft", reason="peft (the dev extra) wraps the model in LoRA adapters")
     from torch.distributed.tensor.parallel import SequenceParallel
+
     from zoo import peft_llama
 
     model = peft_llama()

@@ -84,7 +84,9 @@ def test_serial_training_moved_every_trainable_weight_and_no_frozen_one():
         after = _serial(name)
         for key, value in after.items():
             moved = (value - start[key].float()).abs().max().item()
-            if key in trains and not key.endswith("bias"):  # a bias behind a frozen layer may stay
+            # A bias behind a frozen layer may stay. LoRA's A is trained through B, which peft starts at zero: in
+            # 5 steps its change (1e-9 here) can fall below float32's resolution; B must move.
+            if key in trains and not key.endswith("bias") and ".lora_A." not in key:
                 assert moved > 0, f"{name}: {key} did not train"
             elif key not in trains and key in dict(ZOO[name].build().named_parameters(remove_duplicate=False)):
                 assert moved == 0, f"{name}: frozen {key} moved by {moved:.3g}"
