@@ -69,12 +69,13 @@ def layout(
     from torchfleet.strategies.options import StrategyOptions
 
     given = registry.options_for(strategy, options)
-    pipeline = StrategyOptions.of(given).pipeline
+    typed = StrategyOptions.of(given)
+    pipeline = typed.pipeline
     cost = registry.presets()[strategy].cost
     if cost == "mp":
         return Layout(strategy, 1, microbatches=pipeline.microbatches or MP_MICROBATCHES)
     if cost == "meetings":
-        every = StrategyOptions.of(given).replica_groups.sync_every or DEFAULT_SYNC_EVERY
+        every = typed.replica_groups.sync_every or DEFAULT_SYNC_EVERY
         return Layout(strategy, processes, replicate=processes, sync_every=every)
     dims = resolve_dims(strategy, processes, options=given)
     if dims is None:
