@@ -19,13 +19,13 @@ def _flags(parser, command: str) -> set[str]:
 
 def test_every_declared_option_is_a_flag_of_train_and_bench_and_nothing_else_is():
     declared = {flag for flag, _, _ in strategy_options.flags()}
-    assert len(declared) == 18  # tp_plan is Fleet's keyword only: a dict of ParallelStyles has no flag
+    assert len(declared) == 20  # tp_plan is Fleet's keyword only: a dict of ParallelStyles has no flag
     parser = build_parser()
     for command in ("train", "bench"):
         assert declared <= _flags(parser, command)
     # Each option sits in exactly one group.
     names = [o.name for kind in strategy_options.GROUPS.values() for o in dataclasses.fields(kind)]
-    assert len(names) == len(set(names)) == len(strategy_options.NAMES) == 19
+    assert len(names) == len(set(names)) == len(strategy_options.NAMES) == 21
 
 
 def test_options_are_sorted_into_their_groups_and_given_back_flat():

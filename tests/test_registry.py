@@ -48,20 +48,24 @@ def test_the_readme_table_is_the_registrys():
 
 def test_every_built_in_name_is_declared_once_and_resolves_to_its_class():
     names = registry.names()
-    assert len(names) == len(set(names)) == 14
+    assert len(names) == len(set(names)) == 16
     for name in names:
         preset = registry.find(name)
         cls = get_strategy(name)
         assert cls.distributed == preset.mesh, name  # a preset of degrees runs on many processes
-        dims = resolve_dims(name, 2 ** len(preset.degrees or {}) or 1)
+        dims = resolve_dims(name, preset.min_processes)
         assert (dims is None) == (not preset.mesh), name
 
 
 @pytest.mark.parametrize(
     "bad, says",
     [
-        (dict(name="x", summary="", needs="", degrees={"pp": None, "dp_shard": None}), "exactly one of them None"),
-        (dict(name="x", summary="", needs="", degrees={"ep": None}), "must name only dp_replicate"),
+        (
+            dict(name="x", summary="", needs="", degrees={"pp": None, "dp_shard": None}),
+            "exactly one of the first four None",
+        ),
+        (dict(name="x", summary="", needs="", degrees={"ep": None}), "exactly one of the first four None"),
+        (dict(name="x", summary="", needs="", degrees={"cp": None}), "must name only dp_replicate"),
         (dict(name="x", summary="", needs=""), "give its degrees or the class"),
         (dict(name="x", summary="", needs="", degrees={"pp": None}, launch="ssh"), "launch 'ssh' is not one of"),
     ],

@@ -45,11 +45,11 @@ def _kind(pipelined: bool, sharded: bool) -> str:
 def class_for(dims: ParallelDims) -> type[Strategy]:
     """The class that runs these degrees: pipeline stages, else shards, else replicas.
 
-    Tensor parallelism counts as sharding: its parameters are DTensors, whose
+    Tensor and expert parallelism count as sharding: their parameters are DTensors, whose
     state FSDP's class gathers and scatters (full state dicts, the optimizer
     rebuilt over the new parameters), with or without FSDP2 beside it.
     """
-    return _load(_MESH[_kind(dims.pp > 1, dims.dp_shard > 1 or dims.tp > 1)])
+    return _load(_MESH[_kind(dims.pp > 1, dims.dp_shard > 1 or dims.tp > 1 or dims.ep > 1)])
 
 
 class _Registry(Mapping[str, type[Strategy]]):
@@ -84,7 +84,7 @@ def get_strategy(name: str) -> type[Strategy]:
 def resolve_dims(name: str, world_size: int, nodes: int = 1, options: dict | None = None) -> ParallelDims | None:
     """The degrees strategy `name` runs with on `world_size` processes (None for single-process ones).
 
-    Degree flags (dp_replicate, dp_shard, pp, tp) in `options` override the preset's.
+    Degree flags (dp_replicate, dp_shard, pp, tp, ep) in `options` override the preset's.
     """
     preset = registry.find(name)
     if preset is None or preset.degrees is None:

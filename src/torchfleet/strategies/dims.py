@@ -15,6 +15,8 @@ model's plan split across processes). Their product is the number of processes:
     fsdp+pipeline  dp_shard = N / pp, pp
     tp             tp = N
     fsdp+tp        dp_shard = N / tp, tp (default 2)
+    ep             dp_replicate = N, ep = N
+    fsdp+ep        dp_shard = N, ep (default 2)
 
 `--dp-replicate`, `--dp-shard`, `--pp` and `--tp` set a degree directly; the
 preset fills the rest. The mesh is ("dp_replicate", "dp_shard", "pp", "tp"),
@@ -25,6 +27,13 @@ each micro-batch), and replicas are farthest apart (across machines, where
 only one gradient all-reduce per step crosses). With tp = 1 the layout is the
 one ddp+pipeline had before the dimensions existed, so its ranks and
 checkpoints are unchanged.
+
+``ep`` (expert parallelism) does not multiply: like torchtitan's, it borrows
+data-parallel processes. Each group of ``ep`` neighbouring data-parallel ranks
+splits every mixture-of-experts layer's experts among itself and sends each
+token to its experts' rank (strategies/expert_parallel.py); the experts are
+then replicated, or sharded by FSDP2, over the ``dp / ep`` groups, on a mesh
+of their own, ("dp_mod_ep", "ep") (torchtitan's name for the first).
 """
 
 from __future__ import annotations
@@ -37,7 +46,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torchfleet.errors import UsageError
 from torchfleet.strategies.registry import DIM_NAMES, find
 
-DEGREE_FLAGS = {"dp_replicate": "--dp-replicate", "dp_shard": "--dp-shard", "pp": "--pp", "tp": "--tp"}
+DEGREE_FLAGS = {"dp_replicate": "--dp-replicate", "dp_shard": "--dp-shard", "pp": "--pp", "tp": "--tp", "ep": "--ep"}
 # Each preset's degrees are declared with the preset, in strategies/registry.py.
 
 
@@ -55,9 +64,10 @@ class ParallelDims:
     pp: int
     world_size: int
     tp: int = 1
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        for name in DIM_NAMES:
+        for name in (*DIM_NAMES, "ep"):
             if getattr(self, name) < 1:
                 raise UsageError(f"{DEGREE_FLAGS[name]} {getattr(self, name)} must be at least 1")
         if self.dp_replicate * self.dp_shard * self.pp * self.tp != self.world_size:
@@ -67,10 +77,35 @@ class ParallelDims:
             )
         if self.tp > 1 and self.pp > 1:
             raise _no_tp_in_pipelines(self.arithmetic())
+        if self.ep > 1:
+            self._check_ep()
+
+    def _check_ep(self) -> None:
+        """ep borrows data-parallel ranks of one kind: every replica (ep), or shards (fsdp+ep)."""
+        if self.pp > 1 or self.tp > 1:
+            raise UsageError(
+                f"--ep {self.ep} with {self.arithmetic()}: expert parallelism beside pipeline stages or tp is"
+                " not supported yet; drop --ep, or use ep or fsdp+ep"
+            )
+        if self.dp_shard > 1 and self.dp_replicate > 1:
+            raise UsageError(
+                f"--ep {self.ep} with {self.arithmetic()}: expert parallelism beside both replicas and shards"
+                " is not supported yet; use fsdp+ep, or ep"
+            )
+        if self.dp_shard == 1 and self.ep != self.dp_replicate:
+            raise UsageError(
+                f"--ep {self.ep} with {self.dp_replicate} replicas: ep splits the experts over every process"
+                f" (--ep {self.dp_replicate}); to split them over fewer, use fsdp+ep"
+            )
+        if self.dp % self.ep:
+            raise UsageError(
+                f"--ep {self.ep} does not divide the {self.dp} data-parallel processes; choose a divisor of {self.dp}"
+            )
 
     def arithmetic(self) -> str:
         """ "dp_replicate(2) * dp_shard(1) * pp(2)", with tp(N) when there is tensor parallelism."""
-        return " * ".join(f"{n}({getattr(self, n)})" for n in DIM_NAMES if n != "tp" or self.tp > 1)
+        product = " * ".join(f"{n}({getattr(self, n)})" for n in DIM_NAMES if n != "tp" or self.tp > 1)
+        return f"{product}, ep({self.ep})" if self.ep > 1 else product
 
     @classmethod
     def from_preset(cls, preset: str, world_size: int, nodes: int = 1, **given: int | None) -> ParallelDims:
@@ -79,12 +114,14 @@ class ParallelDims:
         hsdp replicates across machines when there are several (`nodes`), shards within each.
         """
         fixed = {n: v for n, v in given.items() if v is not None}
+        ep = fixed.pop("ep", None)
         degrees = {n: 1 for n in DIM_NAMES}
         free = []
         declared = find(preset)
         if declared is None or declared.degrees is None:
             raise UsageError(f"strategy {preset!r} is not a preset of the mesh's degrees")
         defaults = dict(declared.degrees)
+        ep_default = defaults.pop("ep", 1)
         # Asked for together, even where the processes would leave one of them at 1
         # (tp with --pp 2 on 2 processes would otherwise quietly run a pipeline alone).
         for asked, flag in (("tp", "pp"), ("pp", "tp")):
@@ -104,7 +141,10 @@ class ParallelDims:
             (name,) = free
             others = math.prod(v for n, v in degrees.items() if n != name)
             degrees[name] = max(1, world_size // max(1, others))
-        return cls(world_size=world_size, **degrees)  # checks every degree and the product
+        if ep is None:  # the preset's, None meaning every data-parallel rank (never more than there are)
+            dp = degrees["dp_replicate"] * degrees["dp_shard"]
+            ep = dp if ep_default is None else min(ep_default, dp)
+        return cls(world_size=world_size, ep=ep, **degrees)  # checks every degree and the product
 
     # -- what follows from the degrees -------------------------------------
     @property
@@ -119,6 +159,8 @@ class ParallelDims:
         data = {(False, False): "", (True, False): "ddp", (False, True): "fsdp", (True, True): "hsdp"}[
             (self.dp_replicate > 1, self.dp_shard > 1)
         ]
+        if self.ep > 1:  # experts split over replicas alone are the ep preset: ddp is what ep borrows
+            return "ep" if data == "ddp" else f"{data}+ep"
         for degree, model in ((self.pp, "pipeline"), (self.tp, "tp")):
             if degree > 1:
                 return f"{data}+{model}" if data else model
@@ -129,7 +171,8 @@ class ParallelDims:
         rank, column = divmod(rank, self.tp)
         rank, stage = divmod(rank, self.pp)
         replica, shard = divmod(rank, self.dp_shard)
-        return {"dp_replicate": replica, "dp_shard": shard, "pp": stage, "tp": column}
+        # ep groups are neighbouring data-parallel ranks (pp and tp are 1 beside ep)
+        return {"dp_replicate": replica, "dp_shard": shard, "pp": stage, "tp": column, "ep": rank % self.ep}
 
     def dp_rank(self, rank: int) -> int:
         """Which data-parallel share `rank` reads, 0 .. dp-1."""
@@ -139,3 +182,9 @@ class ParallelDims:
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """The one DeviceMesh every parallelism of this run is applied over."""
         return init_device_mesh(device_type, tuple(getattr(self, n) for n in DIM_NAMES), mesh_dim_names=DIM_NAMES)
+
+    def build_expert_mesh(self, device_type: str) -> DeviceMesh:
+        """The experts' own 2-D mesh ("dp_mod_ep", "ep"): split over "ep", neighbours, as the all-to-all
+        between them is the heaviest traffic of the step; replicated or sharded over "dp_mod_ep".
+        One mesh holding both, as FSDP2 needs for parameters already split over another dimension."""
+        return init_device_mesh(device_type, (self.dp // self.ep, self.ep), mesh_dim_names=("dp_mod_ep", "ep"))

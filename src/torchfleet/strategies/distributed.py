@@ -32,7 +32,7 @@ class MeshStrategy(Strategy):
     # --dp-replicate, --dp-shard, --pp, --tp, --sync-batchnorm: every preset takes them, and with
     # them the options of the dimensions they may add (the class follows from the degrees).
     # tp_plan (Python only): {module name: ParallelStyle} for a model without a tp_plan().
-    options = (*DIM_NAMES, "sync_batchnorm", "fsdp_units", "split_points", "tp_plan")
+    options = (*DIM_NAMES, "ep", "sync_batchnorm", "fsdp_units", "split_points", "tp_plan", "experts")
 
     def __init__(
         self,
@@ -42,17 +42,26 @@ class MeshStrategy(Strategy):
         dp_shard: int | None = None,
         pp: int | None = None,
         tp: int | None = None,
+        ep: int | None = None,
         sync_batchnorm: bool = False,
         fsdp_units=None,
         split_points=None,
         tp_plan=None,
+        experts=None,
         **options,
     ):
         super().__init__(runtime, **options)
         env = runtime.env
         if dims is None:
             dims = ParallelDims.from_preset(
-                self.name, env.world_size, nodes=env.nnodes, dp_replicate=dp_replicate, dp_shard=dp_shard, pp=pp, tp=tp
+                self.name,
+                env.world_size,
+                nodes=env.nnodes,
+                dp_replicate=dp_replicate,
+                dp_shard=dp_shard,
+                pp=pp,
+                tp=tp,
+                ep=ep,
             )
         check_sync_batchnorm(dims.pp, sync_batchnorm)
         if sync_batchnorm and dims.tp > 1:
@@ -70,6 +79,11 @@ class MeshStrategy(Strategy):
         self.dims = dims
         self.fsdp_units = names_option(fsdp_units)
         self.split_points = names_option(split_points)
+        self.experts = names_option(experts)
+        if self.experts and dims.ep == 1:
+            raise UsageError(
+                f"--experts names what ep splits (ep, fsdp+ep, or --ep); {dims.name} does not split experts"
+            )
         # One process that a launcher started for ddp or fsdp (Fleet keeps it a group of
         # one): the class wraps the model as at any size, which degrees of 1 would skip.
         self.alone = dims.world_size == 1

@@ -42,6 +42,7 @@ from torch.distributed.tensor import DTensor
 
 from torchfleet.strategies.blocks import parameter_names
 from torchfleet.strategies.distributed import MeshStrategy
+from torchfleet.strategies.expert_parallel import check_experts, expert_note, find_experts
 from torchfleet.strategies.parallelize import apply_fsdp, fsdp_units, parallelize
 from torchfleet.strategies.tensor_parallel import clip_grad_norm, tp_plan_for
 
@@ -88,10 +89,13 @@ def rebuild_optimizer(
     return new
 
 
-def memory_per_rank(params, grads, optimizer: torch.optim.Optimizer) -> dict:
-    """Bytes this rank holds, measured from its local tensors, gathered for every rank."""
+def memory_per_rank(params, grads, optimizer: torch.optim.Optimizer, experts=()) -> dict:
+    """Bytes this rank holds, measured from its local tensors, gathered for every rank; with `experts` (the
+    parameters of the modules holding experts) also those of the parameters that are experts'."""
     state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     mine = {"params": _nbytes(params), "grads": _nbytes(grads), "optimizer": _nbytes(state)}
+    if experts:
+        mine["of which experts"] = _nbytes(experts)
     if not dist.is_initialized():
         return {"rank 0": mine}
     every: list = [None] * dist.get_world_size()
@@ -113,6 +117,10 @@ class FullyShardedDataParallel(MeshStrategy):
                 f"{self.name} splits {len(plan)} layers over tp({self.dims.tp}) processes"
                 f" ({source}); each rank of a tp group holds the other layers whole"
             )
+        experts = None
+        if self.dims.ep > 1:
+            experts = check_experts(model, self.dims.ep, self.experts)
+            self.notes.append(expert_note(experts, self.dims))
         if self.dims.dp_shard > 1 or self.alone:
             units = fsdp_units(model, self.fsdp_units)
             self.notes.append(
@@ -128,6 +136,8 @@ class FullyShardedDataParallel(MeshStrategy):
             precision=self.runtime.precision,
             fsdp_classes=self.fsdp_units,
             tp_plan=plan,
+            experts=experts,
+            expert_mesh=self.dims.build_expert_mesh(self.runtime.device.type) if experts else None,
         ).module
         if self.alone:  # one shard, as FSDP2 runs on a group of one (parallelize shards from 2)
             apply_fsdp(self.model, mesh["dp_shard"], self.fsdp_units)
@@ -197,4 +207,5 @@ class FullyShardedDataParallel(MeshStrategy):
 
     def memory_report(self):
         params = list(self.model.parameters())
-        return memory_per_rank(params, [p.grad for p in params], self.optimizer)
+        experts = [p for _, module in find_experts(self.model, self.experts) for p in module.parameters()]
+        return memory_per_rank(params, [p.grad for p in params], self.optimizer, experts)

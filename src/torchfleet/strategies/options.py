@@ -38,6 +38,12 @@ class Degrees:
         "tensor-parallel processes per group (the tp degree): fsdp+tp defaults to 2;"
         " needs a model with a plan (the built-in gpt has one)",
     )
+    ep: int | None = _option(
+        int,
+        "expert-parallel processes (the ep degree): each mixture-of-experts layer's experts are split over groups"
+        " of this many data-parallel processes, which send tokens to their experts with all-to-all; it borrows"
+        " processes, not multiplies them (ep: every process; fsdp+ep defaults to 2)",
+    )
 
 
 @dataclass(frozen=True)
@@ -76,6 +82,17 @@ class ShardingOptions:
         str,
         "fsdp, hsdp, fsdp+pipeline: block classes FSDP2 shards one by one, comma-separated (default: the"
         " blocks of the model's largest ModuleList)",
+    )
+
+
+@dataclass(frozen=True)
+class ExpertOptions:
+    """Which modules expert parallelism splits, where finding them in the model is not enough."""
+
+    experts: str | None = _option(
+        str,
+        "ep, fsdp+ep: the classes of the modules holding the experts, comma-separated (default: those found,"
+        " modules whose weights stack one matrix per expert, as transformers' MoE models and gpt-moe hold them)",
     )
 
 
@@ -144,6 +161,7 @@ class StrategyOptions:
     degrees: Degrees = Degrees()
     pipeline: PipelineOptions = PipelineOptions()
     sharding: ShardingOptions = ShardingOptions()
+    experts: ExpertOptions = ExpertOptions()
     tensor_parallel: TensorParallelOptions = TensorParallelOptions()
     replication: ReplicationOptions = ReplicationOptions()
     compression: CompressionOptions = CompressionOptions()

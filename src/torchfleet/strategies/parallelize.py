@@ -5,6 +5,8 @@ The multi-process strategies compose them in one fixed order (`parallelize`):
 1. pipeline: cut the model into stages, keep this rank's (``pp``);
 2. or tensor parallelism: split the layers of the model's plan over ``tp``
    (strategies/tensor_parallel.py; not yet inside pipeline stages);
+   or expert parallelism: split the experts over ``ep`` (strategies/expert_parallel.py),
+   then FSDP2 on each experts' module over the experts' mesh ("dp_mod_ep"), before its block's;
 3. then the data-parallel dimensions on what is left:
    FSDP2 ``fully_shard`` over ``dp_shard`` (with ``dp_replicate`` too: HSDP,
    replicas of shards on FSDP2's 2-D mesh), or else DDP over ``dp_replicate``.
@@ -34,6 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torchfleet.errors import UsageError
 from torchfleet.strategies.blocks import find_blocks
 from torchfleet.strategies.dims import ParallelDims
+from torchfleet.strategies.expert_parallel import apply_ep
 from torchfleet.strategies.partition import partition
 from torchfleet.strategies.tensor_parallel import apply_tp
 
@@ -203,6 +206,8 @@ def parallelize(
     fsdp_classes: tuple[str, ...] | None = None,
     find_unused_parameters: bool = False,
     tp_plan: dict | None = None,
+    experts: list[tuple[str, nn.Module]] | None = None,
+    expert_mesh: DeviceMesh | None = None,
 ) -> Parallelized:
     """Apply every parallelism of `dims` to `model`, in the fixed order.
 
@@ -210,7 +215,8 @@ def parallelize(
     strategies/pipeline/cutting.py, or by its own plan, strategies/pipeline/declared_cut.py);
     a Sequential is cut here, by its children.
     `fsdp_classes` names the block classes FSDP2 shards as units (default: the repeated blocks).
-    `tp_plan` is the tensor-parallel plan (`tensor_parallel.tp_plan_for`), needed when ``dims.tp > 1``.
+    `tp_plan` is the tensor-parallel plan (`tensor_parallel.tp_plan_for`), needed when ``dims.tp > 1``;
+    `experts` (`expert_parallel.check_experts`) and `expert_mesh` (`dims.build_expert_mesh`) when ``dims.ep > 1``.
     """
     bounds = None
     if cut_stage is not None:
@@ -223,8 +229,13 @@ def parallelize(
     if dims.tp > 1:
         assert tp_plan is not None, "parallelize: dims.tp > 1 needs tp_plan"
         apply_tp(model, mesh["tp"], tp_plan)
-    if dims.dp_shard > 1 or ((dims.pp > 1 or dims.tp > 1) and dims.dp_replicate > 1):
-        # Inside a pipeline or beside tp, replicas too go through FSDP2 (a 2-D mesh whose
+    if dims.ep > 1:
+        assert experts and expert_mesh is not None, "parallelize: dims.ep > 1 needs experts and expert_mesh"
+        apply_ep(experts, expert_mesh)
+        for _, module in experts:  # their own units first, so their blocks' units leave them out
+            fully_shard(module, mesh=expert_mesh["dp_mod_ep"])
+    if dims.dp_shard > 1 or ((dims.pp > 1 or dims.tp > 1 or dims.ep > 1) and dims.dp_replicate > 1):
+        # Inside a pipeline or beside tp or ep, replicas too go through FSDP2 (a 2-D mesh whose
         # shard dimension is 1: replicate only). Beside tp, FSDP2 averages the tp-split
         # DTensor gradients over their mesh's other dimension (torchtitan, too, refuses
         # DDP beside another dimension). Inside a pipeline, torch's schedules drive FSDP2's

@@ -27,6 +27,9 @@ from torchfleet.errors import UsageError
 
 ENTRY_POINT_GROUP = "torchfleet.strategies"
 DIM_NAMES = ("dp_replicate", "dp_shard", "pp", "tp")
+# Expert parallelism borrows its processes from the data-parallel ones instead of multiplying them
+# (torchtitan's ep): a preset may name it beside the four, None meaning every data-parallel rank.
+BORROWED_DIMS = ("ep",)
 # How a strategy's processes start: one process; torchrun's agent, one worker per rank; hogwild's workers,
 # spawned by its own process around shared memory; replica groups meeting under torchft.
 LAUNCHES = ("one process", "agent", "spawn", "replica groups")
@@ -59,11 +62,12 @@ class Preset:
         if self.launch not in LAUNCHES:
             raise UsageError(f"strategy {self.name!r}: launch {self.launch!r} is not one of {', '.join(LAUNCHES)}")
         if self.degrees is not None:
-            unknown = [d for d in self.degrees if d not in DIM_NAMES]
-            if unknown or list(self.degrees.values()).count(None) != 1:
+            unknown = [d for d in self.degrees if d not in DIM_NAMES + BORROWED_DIMS]
+            if unknown or [self.degrees[d] for d in self.degrees if d in DIM_NAMES].count(None) != 1:
                 raise UsageError(
                     f"strategy {self.name!r}: degrees {dict(self.degrees)} must name only"
-                    f" {', '.join(DIM_NAMES)}, exactly one of them None (the processes left over)"
+                    f" {', '.join(DIM_NAMES + BORROWED_DIMS)}, exactly one of the first four None"
+                    " (the processes left over)"
                 )
 
     @property
@@ -72,14 +76,16 @@ class Preset:
 
     @property
     def shards(self) -> bool:
-        """Its parameters are split (FSDP2's shards or tensor parallelism), whatever the degrees come to."""
+        """Its parameters are split (FSDP2's shards, tensor parallelism or experts), whatever the degrees come to."""
         degrees = self.degrees or {}
-        return "dp_shard" in degrees or "tp" in degrees
+        return "dp_shard" in degrees or "tp" in degrees or "ep" in degrees
 
     @property
     def min_processes(self) -> int:
         """The fewest processes that show every dimension it names: 2 each."""
-        return 2 ** len(self.degrees) if self.degrees is not None else 1
+        if self.degrees is None:
+            return 1
+        return 2 ** len([d for d in self.degrees if d in DIM_NAMES])
 
 
 _ONE = "one process"
@@ -144,6 +150,19 @@ BUILT_IN = (
         {"tp": None},
     ),
     Preset("fsdp+tp", "FSDP2 over tensor-parallel groups", "4+ processes and a plan", {"dp_shard": None, "tp": 2}),
+    Preset(
+        "ep",
+        "expert parallelism: each mixture-of-experts layer's experts split over every process, tokens sent to"
+        " theirs with all-to-all; the rest replicated",
+        "a model with experts (transformers' MoE models, the built-in gpt-moe)",
+        {"dp_replicate": None, "ep": None},
+    ),
+    Preset(
+        "fsdp+ep",
+        "FSDP2 shards the model, and the experts are split over groups of `--ep` processes (default 2)",
+        "2+ processes and a model with experts",
+        {"dp_shard": None, "ep": 2},
+    ),
     Preset(
         "diloco",
         "replica groups train apart and meet every `--sync-every` steps with an outer Nesterov step",

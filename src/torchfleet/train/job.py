@@ -9,6 +9,7 @@ import torch
 from torchfleet.data import GlobalBatchSampler
 from torchfleet.fleet import Fleet
 from torchfleet.models import gpt_config
+from torchfleet.strategies.expert_load import ExpertLoad
 from torchfleet.train.config import TrainConfig
 from torchfleet.train.datasets import builtin_dataset
 from torchfleet.train.models import build_model, build_optimizer
@@ -44,6 +45,7 @@ class Job:
     sampler: GlobalBatchSampler
     val_set: torch.utils.data.Dataset
     block: int  # a gpt sample's tokens
+    expert_load: ExpertLoad  # tokens per expert, for a model with experts
 
 
 def set_up(cfg: TrainConfig, fleet: Fleet) -> Job:
@@ -63,7 +65,8 @@ def set_up(cfg: TrainConfig, fleet: Fleet) -> Job:
     # A batch of this rank's shape, for pipelines that trace the model to cut it. Made from
     # the data set, not the loader: a loader's iterator draws from its shuffling generator.
     example = torch.stack([train_set[i][0] for i in range(sampler.local_batch)])
+    expert_load = ExpertLoad(model)  # before setup: its hooks see the chosen experts before ep sends tokens
     _, optimizer = fleet.setup(model, optimizer, example_inputs=example)
     for note in fleet.notes:  # after setup: the BatchNorm note needs the model
         fleet.print(f"note: {note}")
-    return Job(optimizer, task, loader, sampler, val_set, block)
+    return Job(optimizer, task, loader, sampler, val_set, block, expert_load)

@@ -122,6 +122,9 @@ def _finish(cfg: TrainConfig, fleet: Fleet, job: Job, run: Run, wall: float) -> 
             replica_groups=replicas.participants,
             replica_pauses_s=[round(p, 2) for p in replicas.account.pauses],
         )
+    load = job.expert_load.shares(fleet.strategy.runtime.device)  # a collective: every rank calls it
+    if load:
+        result["expert_load"] = load
     memory = fleet.strategy.memory_report()
     if memory:
         result["memory_per_rank"] = memory

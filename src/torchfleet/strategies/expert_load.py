@@ -1,0 +1,43 @@
+"""How many tokens each expert got: the first thing a mixture-of-experts run is looked at for.
+
+Every module holding experts (strategies/expert_parallel.py's `find_experts`) is called with each
+token's chosen experts; a hook counts them there, under every strategy, before expert parallelism
+sends any token away. The counts stay on each rank (no collective per step) until `shares`, which
+sums them over every rank once, at the end, over every layer: each expert's share of the routed
+tokens. Ranks that see the same tokens (a tensor-parallel group, a recomputed forward) count them
+alike, which leaves the shares as they are.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torchfleet.strategies.expert_parallel import find_experts
+
+
+class ExpertLoad:
+    def __init__(self, model: nn.Module):
+        self.counts: torch.Tensor | None = None
+        for _, module in find_experts(model):
+            module.register_forward_pre_hook(self._count)
+
+    def _count(self, _module: nn.Module, args: tuple) -> None:
+        chosen = args[1].detach().reshape(-1)  # (hidden_states, top_k_index, top_k_weights)
+        experts = next(_module.parameters(recurse=False)).shape[0]  # a DTensor's shape is the whole's
+        counted = torch.bincount(chosen, minlength=experts)
+        self.counts = counted if self.counts is None else self.counts + counted
+
+    def shares(self, device: torch.device) -> list[float] | None:
+        """Each expert's share of the tokens routed, over every rank and layer; None for a model without experts.
+        A collective where a process group is up: every rank calls it (`device`: where its backend reduces)."""
+        counts = (self.counts if self.counts is not None else torch.zeros(0, dtype=torch.long)).to(device)
+        if dist.is_initialized():  # a rank holding no experts (another pipeline stage's) adds zeros
+            size = torch.tensor([counts.numel()], device=device)
+            dist.all_reduce(size, op=dist.ReduceOp.MAX)
+            padding = torch.zeros(int(size) - counts.numel(), dtype=torch.long, device=device)
+            counts = torch.cat([counts, padding])
+            dist.all_reduce(counts)
+        total = int(counts.sum())
+        return [int(c) / total for c in counts] if total else None
