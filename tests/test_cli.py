@@ -235,6 +235,11 @@ BAD = [
     (["train", "--epochs", "0"], "--epochs 0 must be at least 1"),
     (["train", "--strategy", "serial", "--pp", "2"], "option 'pp' does not apply to strategy 'serial'"),
     (["train", "--strategy", "hogwild", "--sharing-strategy", "shm"], "unknown sharing strategy 'shm'"),
+    (
+        ["train", "--strategy", "fsdp+ep", "-n", "4", "--ep", "3"],
+        "--ep 3 does not divide the 4 data-parallel processes",
+    ),
+    (["train", "--strategy", "ep", "-n", "2", "--model", "mlp"], "Sequential has no experts to split"),
     (["train", "--strategy", "mp", "--devices", "cuda:7"], "device cuda:7 in --devices is not visible here"),
     (["train", "--lr", "-1"], "--lr -1.0 must be a positive number"),
     (["train", "--precision", "fp16", "--strategy", "serial"], "fp16 needs a CUDA device"),

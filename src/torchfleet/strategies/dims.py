@@ -85,7 +85,7 @@ class ParallelDims:
         if self.pp > 1 or self.tp > 1:
             raise UsageError(
                 f"--ep {self.ep} with {self.arithmetic()}: expert parallelism beside pipeline stages or tp is"
-                " not supported yet; drop --ep, or use ep or fsdp+ep"
+                " not supported yet; drop --pp and --tp, or choose a strategy without ep"
             )
         if self.dp_shard > 1 and self.dp_replicate > 1:
             raise UsageError(

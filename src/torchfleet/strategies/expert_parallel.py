@@ -74,7 +74,7 @@ def check_experts(model: nn.Module, ep: int, classes: tuple[str, ...] | None = N
     if not experts:
         how = f"of the classes {', '.join(classes)}" if classes else "whose weights stack one matrix per expert"
         raise UsageError(
-            f"--ep {ep}: {type(model).__name__} has no experts to split (no module {how}); use a"
+            f"ep({ep}): {type(model).__name__} has no experts to split (no module {how}); use a"
             " mixture-of-experts model, name its experts' class with --experts, or a strategy without ep"
         )
     for name, module in experts:
