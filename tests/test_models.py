@@ -226,7 +226,7 @@ def test_resnet_forward_shapes(name):
 def test_registry_and_the_old_import_path():
     from torchfleet.train import models as old
 
-    assert MODELS == ("mlp", "cnn", "transformer", "gpt", "resnet18", "resnet50")
+    assert MODELS == ("mlp", "cnn", "transformer", "gpt", "gpt-moe", "resnet18", "resnet50")
     assert old.build_model is build_model and old.MODELS is MODELS
     assert isinstance(old.build_optimizer("sgd", GPT(SMALL).parameters(), 0.1), torch.optim.SGD)
 
@@ -274,7 +274,7 @@ BAD = [
     ),
     (
         ["train", "--model", "cnn", "--data", "text"],
-        "--data text holds token sequences for --model gpt, but --model cnn classifies images",
+        "--data text holds token sequences for --model gpt or gpt-moe, but --model cnn classifies images",
     ),
     (["train", "--model", "gpt", "--gpt-preset", "huge"], "invalid choice: 'huge'"),
     (["bench", "--model", "resnet50", "--image-size", "0"], "--image-size 0 must be at least 1"),

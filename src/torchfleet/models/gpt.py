@@ -19,18 +19,24 @@ Three choices serve the strategies:
 
 ``tie_embeddings=True`` makes the head and the token embedding one parameter,
 as GPT-2 does (its 124M count includes the embedding once).
+
+``experts=E`` makes every block's MLP a mixture of E SiLU-gated experts, each
+as wide as the dense MLP, of which each token uses ``top_k`` (models/moe.py,
+Mixtral's layout): the built-in ``gpt-moe`` is a preset's GPT with 8 experts,
+top-2. Attention stays dense.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from torchfleet.errors import UsageError, choice_error
+from torchfleet.models.moe import MoEFeedForward
 
 
 @dataclass(frozen=True)
@@ -42,6 +48,9 @@ class GPTConfig:
     n_embd: int = 64
     dropout: float = 0.0
     tie_embeddings: bool = False
+    experts: int = 0  # 0: dense MLPs; E: each block's MLP a mixture of E experts
+    top_k: int = 2  # experts per token, with experts
+    moe_aux_loss: bool = False  # each MoE block keeps its load-balancing loss (moe.aux_loss sums them)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -54,6 +63,13 @@ class GPTConfig:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise UsageError(f"GPTConfig dropout={self.dropout} must be in [0, 1)")
+        if self.experts < 0:
+            raise UsageError(f"GPTConfig experts={self.experts} must be 0 (dense MLPs) or at least 1")
+        if self.experts and not 1 <= self.top_k <= self.experts:
+            raise UsageError(
+                f"GPTConfig top_k={self.top_k} must be between 1 and experts={self.experts}:"
+                " each token goes to top_k of the experts"
+            )
 
     @property
     def head_dim(self) -> int:
@@ -86,10 +102,14 @@ PRESETS = {
 }
 
 
-def gpt_config(preset: str) -> GPTConfig:
+MOE_EXPERTS, MOE_TOP_K = 8, 2  # `gpt-moe`: Mixtral's 8 experts, top-2
+
+
+def gpt_config(preset: str, experts: int = 0, top_k: int = MOE_TOP_K) -> GPTConfig:
+    """The preset's config, with `experts` (0: dense) each using `top_k` of them per token."""
     if preset not in PRESETS:
         raise choice_error("gpt preset", preset, tuple(PRESETS))
-    return PRESETS[preset]
+    return replace(PRESETS[preset], experts=experts, top_k=top_k) if experts else PRESETS[preset]
 
 
 class Attention(nn.Module):
@@ -126,14 +146,18 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm: x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
+    """Pre-norm: x + attn(ln_1(x)), then x + mlp(ln_2(x)); mlp a mixture of experts with cfg.experts."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.n_embd)
         self.attn = Attention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.n_embd)
-        self.mlp = MLP(cfg)
+        self.mlp = (
+            MoEFeedForward(cfg.n_embd, 4 * cfg.n_embd, cfg.experts, cfg.top_k, keep_aux_loss=cfg.moe_aux_loss)
+            if cfg.experts
+            else MLP(cfg)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -160,7 +184,7 @@ class GPT(nn.Module):
         # GPT-2: each residual projection scaled by 1/sqrt(2 n_layer), since 2 n_layer of them add
         # into the residual stream and its variance would otherwise grow with depth.
         for name, param in self.named_parameters():
-            if name.endswith("attn.proj.weight") or name.endswith("mlp.proj.weight"):
+            if name.endswith(("attn.proj.weight", "mlp.proj.weight", "mlp.experts.down_proj")):
                 nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
 
     @staticmethod
@@ -191,8 +215,10 @@ class GPT(nn.Module):
         """Tensor-parallel styles by module name (relative to this model), Megatron's split:
         q, k, v and the MLP's fc by columns (each rank whole heads, a slice of the hidden
         units), the two output projections by rows, so each block needs one all-reduce per
-        sublayer. Embeddings, norms and the head stay replicated. `tp`, the degree, must
-        divide the heads: attention runs on whole heads."""
+        sublayer. Embeddings, norms and the head stay replicated, and so does a mixture of
+        experts (router and experts whole on every rank, each computing the same tokens): expert
+        parallelism is what splits experts. `tp`, the degree, must divide the heads: attention
+        runs on whole heads."""
         # Imported here: torch.distributed.tensor is slow to import and only TP needs it.
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
@@ -203,17 +229,23 @@ class GPT(nn.Module):
                 f" heads unevenly (each rank needs whole heads); choose a --tp that divides {heads}"
             )
 
+        dense = not self.config.experts
         plan = {}
         for i in range(len(self.blocks)):
-            for name in ("attn.q", "attn.k", "attn.v", "mlp.fc"):
+            for name in ("attn.q", "attn.k", "attn.v", *(("mlp.fc",) if dense else ())):
                 plan[f"blocks.{i}.{name}"] = ColwiseParallel()
-            for name in ("attn.proj", "mlp.proj"):
+            for name in ("attn.proj", *(("mlp.proj",) if dense else ())):
                 plan[f"blocks.{i}.{name}"] = RowwiseParallel()
         return plan
 
 
 def gpt(preset: str = "tiny") -> GPT:
     return GPT(gpt_config(preset))
+
+
+def gpt_moe(preset: str = "tiny", experts: int = MOE_EXPERTS, top_k: int = MOE_TOP_K) -> GPT:
+    """`gpt-moe`: the preset's GPT with every block's MLP a mixture of `experts`, `top_k` per token."""
+    return GPT(gpt_config(preset, experts, top_k))
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -83,7 +83,7 @@ def _rank_parameters(profile: Profile, lay: Layout) -> float:
     rest = profile.parameters - profile.block_parameters
     if lay.pp > 1:
         rest = rest / 2  # embeddings on the first stage, the head on the last
-    return profile.block_parameters / (lay.pp * lay.tp) + rest
+    return (profile.tp_split_parameters / lay.tp + profile.tp_whole_parameters) / lay.pp + rest
 
 
 def memory(profile: Profile, lay: Layout, batch: int) -> dict:
@@ -102,7 +102,7 @@ def memory(profile: Profile, lay: Layout, batch: int) -> dict:
         held = pipelines.activations_held(lay.schedule, lay.pp, lay.microbatches, lay.stages_per_process)
         acts = profile.activation_per_sample * micro * held + 2 * micro * profile.boundary_bytes_per_sample
     elif lay.tp > 1:
-        in_blocks = profile.block_parameters / profile.parameters
+        in_blocks = profile.tp_split_parameters / profile.parameters
         acts = profile.activation_per_sample * local * (in_blocks / lay.tp + 1 - in_blocks)
     else:
         acts = profile.activation_per_sample * local
@@ -128,7 +128,7 @@ def _compute(
     local = global_batch / lay.readers
     work_share = 1.0
     if lay.tp > 1:
-        in_blocks = profile.block_parameters / profile.parameters
+        in_blocks = profile.tp_split_parameters / profile.parameters
         work_share = in_blocks / lay.tp + 1 - in_blocks
     if target.rate is not None:  # a described GPU: FLOPs at the device's achieved rate
         fixed, per_sample, crowding, opt = 0.0, (profile.flops_per_sample or 0.0) / target.rate, 1.0, 0.0

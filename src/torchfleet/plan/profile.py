@@ -41,6 +41,11 @@ class Profile:
     optimizer_s: dict[int, float] = field(default_factory=dict)  # threads -> the optimizer's step alone
     workload: str = ""  # workload_name(): what contention.py's figures are cached under
     memory_batches: tuple[int, ...] = ()  # the two batches the activation line goes through
+    tp_whole_parameters: int = 0  # of block_parameters, those tp leaves whole on every rank (gpt-moe's experts)
+
+    @property
+    def tp_split_parameters(self) -> int:
+        return self.block_parameters - self.tp_whole_parameters
 
     @property
     def param_bytes(self) -> int:

@@ -32,6 +32,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
+from torchfleet.models import TOKEN_MODELS
 from torchfleet.plan.profile import OPTIMIZER_STATE, Profile, StepFit
 
 
@@ -108,12 +109,14 @@ def measure(
         stepping_s,
         workload_name(spec, optimizer),
         line_at,
+        tp_whole_parameters=shape.tp_whole,
     )
 
 
 def _shape(model: nn.Module, inputs) -> SimpleNamespace:
     """What the model's structure says: its parameters, how they fall into blocks and fsdp units, the bytes a
     block hands on, and what its tensor-parallel plan splits."""
+    from torchfleet.models.moe import MoEFeedForward
     from torchfleet.strategies.blocks import find_blocks
     from torchfleet.strategies.parallelize import fsdp_units
     from torchfleet.strategies.pipeline.stages import has_pointwise_convs
@@ -139,6 +142,8 @@ def _shape(model: nn.Module, inputs) -> SimpleNamespace:
         pointwise_convs=has_pointwise_convs(model),
         tensors=len(list(model.parameters())),
         tp_linears=len(split) if isinstance(split, dict) else 0,
+        # The built-in plans leave a mixture of experts whole (GPT.tp_plan): every tp rank holds and runs it.
+        tp_whole=sum(p.numel() for m in model.modules() if isinstance(m, MoEFeedForward) for p in m.parameters()),
     )
 
 
@@ -272,7 +277,7 @@ def _timed_step(model, optimizer, inputs, targets, loss_fn) -> tuple[float, floa
 
 def workload_name(spec: dict, optimizer: str) -> str:
     """What a profiled step is: the model (its preset or image size) and the optimizer."""
-    shape = f"-{spec.get('gpt_preset')}" if spec["model"] == "gpt" else f"@{spec.get('image_size')}px"
+    shape = f"-{spec.get('gpt_preset')}" if spec["model"] in TOKEN_MODELS else f"@{spec.get('image_size')}px"
     return f"{spec['model']}{shape}/{optimizer}"
 
 

@@ -133,7 +133,9 @@ def pipeline_options(cfg: PlanConfig) -> dict:
 
 
 def profile_tp(profile: Profile) -> bool:
-    return profile.model == "gpt"  # the built-in gpt ships a tensor-parallel plan
+    from torchfleet.models import TOKEN_MODELS
+
+    return profile.model in TOKEN_MODELS  # the built-in gpt and gpt-moe ship a tensor-parallel plan
 
 
 def predictions(
@@ -224,6 +226,7 @@ def _gib(nbytes: float) -> str:
 
 
 def plan_document(cfg: PlanConfig, say=print) -> dict:
+    from torchfleet.models import TOKEN_MODELS
     from torchfleet.plan import profiler
 
     needs_here = cfg.check or not (cfg.gpus_per_node or cfg.gpu or cfg.tflops)
@@ -267,7 +270,7 @@ def plan_document(cfg: PlanConfig, say=print) -> dict:
         "schema": SCHEMA,
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "model": cfg.model,
-        "gpt_preset": cfg.gpt_preset if cfg.model == "gpt" else None,
+        "gpt_preset": cfg.gpt_preset if cfg.model in TOKEN_MODELS else None,
         "image_size": cfg.image_size,
         "global_batch": batch,
         "optimizer": optimizer,

@@ -1,4 +1,4 @@
-"""Reference jobs on models someone else shaped: the built-in gpt, Hugging Face's GPT-2, resnet18.
+"""Reference jobs on models someone else shaped: the built-in gpt and gpt-moe, Hugging Face's GPT-2, resnet18.
 
 Each trains a few steps under a strategy and returns the whole model's state
 (or, for `memory_job`, what each rank holds), so the tests can compare them
@@ -22,14 +22,18 @@ if TYPE_CHECKING:
 
 
 def real_model(name: str, tie: bool = False) -> nn.Module:
-    """A small model someone else's code shapes: our `gpt`, or Hugging Face's GPT-2 from a config.
+    """A small model someone else's code shapes: our `gpt` (`gpt-moe`: 4 experts, top-2, in every block),
+    or Hugging Face's GPT-2 from a config.
 
     No dropout, so every strategy computes the same function as serial; no download.
     """
     from torchfleet.models.gpt import GPT, GPTConfig
 
-    if name == "gpt":
-        return GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=4, n_embd=32, tie_embeddings=tie))
+    if name in ("gpt", "gpt-moe"):
+        experts = 4 if name == "gpt-moe" else 0
+        return GPT(
+            GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=4, n_embd=32, tie_embeddings=tie, experts=experts)
+        )
     if name == "hf-gpt2":
         from transformers import GPT2Config, GPT2LMHeadModel
 

@@ -38,8 +38,8 @@ class TrainConfig:
     model: str = option(
         "cnn",
         "built-in model (default %(default)s): mlp, cnn, transformer classify digits; gpt is"
-        " a decoder-only transformer (--gpt-preset); resnet18, resnet50 are torchvision's ResNets,"
-        " built in (torchvision not needed)",
+        " a decoder-only transformer (--gpt-preset), gpt-moe the same with each MLP a mixture of 8"
+        " experts, top-2; resnet18, resnet50 are torchvision's ResNets, built in (torchvision not needed)",
         choices=MODELS,
     )
     data: str | None = option(
@@ -50,7 +50,7 @@ class TrainConfig:
     )
     gpt_preset: str = option(
         "tiny",
-        "--model gpt's size (default %(default)s): tiny (237K parameters, CPU),"
+        "--model gpt's and gpt-moe's size (default %(default)s): tiny (237K parameters, CPU),"
         " small50m (57M), gpt2 (124M, GPT-2 small, for GPUs)",
         choices=tuple(GPT_PRESETS),
     )

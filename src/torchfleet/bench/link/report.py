@@ -250,7 +250,7 @@ def _ms(seconds):
 def table(doc: dict) -> Table:
     """One row per cell; a failed cell's reason goes in the caption, numbered."""
     cfg, link = doc["config"], doc["link"]
-    model = f"gpt {cfg['gpt_preset']}" if cfg["model"] in TOKEN_MODELS else cfg["model"]
+    model = f"{cfg['model']} {cfg['gpt_preset']}" if cfg["model"] in TOKEN_MODELS else cfg["model"]
     t = Table(
         title=f"torchfleet bench: the link between {cfg['nnodes']} machines, {link['mbit_s']:,.0f} Mbit/s"
         f" ({model}, global batch {cfg['global_batch']}, {cfg['steps']} timed steps in blocks of"
