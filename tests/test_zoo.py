@@ -25,10 +25,10 @@ require_module("transformers", "transformers (the test extra) builds the library
 from zoo import ZOO, checkpoint_job, train_zoo, zoo_matrix  # noqa: E402 (after the skip: zoo imports transformers lazily)
 
 MODELS = list(ZOO)
-# The zoo's models that declare a tensor-parallel plan; peft's LoRA Llama splits its adapters with its layers.
-LLAMAS = ["hf-llama", "hf-llama-tied", *(["peft-llama"] if "peft-llama" in ZOO else [])]
-TWO = [(s, m) for s in ("ddp", "fsdp", "pipeline") for m in MODELS] + [("tp", m) for m in LLAMAS]
-FOUR = [(s, m) for s in ("ddp+pipeline", "fsdp+pipeline") for m in MODELS] + [("fsdp+tp", m) for m in LLAMAS]
+# The zoo's models that declare a tensor-parallel plan; peft's LoRA models split their adapters with their layers.
+PLANNED = ["hf-llama", "hf-llama-tied", *(m for m in ("peft-llama", "peft-qwen2") if m in ZOO)]
+TWO = [(s, m) for s in ("ddp", "fsdp", "pipeline") for m in MODELS] + [("tp", m) for m in PLANNED]
+FOUR = [(s, m) for s in ("ddp+pipeline", "fsdp+pipeline") for m in MODELS] + [("fsdp+tp", m) for m in PLANNED]
 # Before 2.14, torch's schedules send a gradient back for every tensor a stage receives
 # (strategies/pipeline/cutting.py refuses such cuts by name); from 2.14 on nothing is refused.
 OLD_TORCH_REFUSAL = "which torch 2.1"

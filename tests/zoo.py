@@ -71,12 +71,41 @@ def hf_llama(tie: bool):
     )
 
 
-def peft_llama():
-    """hf_llama with LoRA adapters on every attention and MLP projection, at peft's defaults (r 8, no dropout)."""
-    from peft import LoraConfig, get_peft_model
+def hf_qwen2():
+    """Qwen2 at its defaults but the sizes: biases on q, k and v, and two key-value heads for four query heads."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    return get_peft_model(hf_llama(False), LoraConfig(target_modules=targets))
+    return Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=SEQ,
+        )
+    )
+
+
+# LoRA on every attention and MLP projection (Llama's and Qwen2's names), at peft's defaults (r 8, no dropout).
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def with_lora(build: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
+    """`build`'s model wrapped by peft's LoRA on LORA_TARGETS (peft freezes every other parameter)."""
+
+    def make():
+        from peft import LoraConfig, get_peft_model
+
+        return get_peft_model(build(), LoraConfig(target_modules=LORA_TARGETS))
+
+    return make
+
+
+def peft_llama():
+    """hf_llama with LoRA adapters on every attention and MLP projection, at peft's defaults."""
+    return with_lora(lambda: hf_llama(False))()
 
 
 def hf_bert():
@@ -404,3 +433,4 @@ def zoo_matrix(jobs: list[tuple[str, str, dict]]) -> list:
 
 if importlib.util.find_spec("peft") is not None:  # the dev extra installs it; without it the rest still runs
     ZOO["peft-llama"] = Entry(peft_llama, _ids, _lm_loss)
+    ZOO["peft-qwen2"] = Entry(with_lora(hf_qwen2), _ids, _lm_loss)
