@@ -39,13 +39,14 @@ from torchfleet.train.models import build_model, build_optimizer
 from torchfleet.versions import release
 
 HERE = [s for s in MULTI_STAGE if s in available()]
+PEFT = importlib.util.find_spec("peft") is not None
 CNN = {"model": "cnn", "optimizer": "sgd", "stages_per_process": 2}
 CASES = [dict(CNN, schedule=s) for s in HERE] + [dict(CNN, schedule="interleaved-1f1b", grad_accum=2, microbatches=2)]
 # A library model with tied embeddings, cut by its own plan: under zbv the embedding and the
-# head are on the same process (stages 0 and 3), under interleaved 1F1B on two. And a Llama with
-# peft's LoRA adapters, whose plan is found through peft's wrapping, under a multi-stage schedule.
+# head are on the same process (stages 0 and 3), under interleaved 1F1B on two. And a Llama and a Qwen2
+# with peft's LoRA adapters, whose plan is found through peft's wrapping, under a multi-stage schedule.
 LIBRARY = [("hf-llama-tied", s) for s in ("zbv", "interleaved-1f1b") if s in HERE]
-LIBRARY += [("peft-llama", s) for s in ("interleaved-1f1b",) if s in HERE and importlib.util.find_spec("peft")]
+LIBRARY += [(m, "interleaved-1f1b") for m in ("peft-llama", "peft-qwen2") if "interleaved-1f1b" in HERE and PEFT]
 OLD = [s for s, floor in NEEDS_RELEASE.items() if release() < floor]  # here, but refused on this torch
 # GPT-2 traced into 4 stages: its attention mask goes from stage 0 to every later stage. Before
 # torch 2.14 a bool tensor between stages is refused (cutting._refuse_integer_activations).

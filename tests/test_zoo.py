@@ -2,8 +2,10 @@
 
 Each cell trains 5 SGD steps and must equal serial's weights within 1e-5, or
 be refused before training in one sentence; what save_model wrote must load
-strictly into a fresh copy of the model. Measured on 2 CPU cores with torch
-2.14.1: every cell within 1.2e-7 of serial (most 4e-9 to 8e-9), no refusal.
+strictly into a fresh copy of the model; a peft model's adapters saved alone must
+load through PeftModel.from_pretrained into the model it adapts, giving the trained
+model bit for bit. Measured on 2 CPU cores with torch 2.14.1: every cell within
+1.2e-7 of serial (most 4e-9 to 8e-9), no refusal.
 Before 2.14 torch cannot train through a pipeline that sends an integer or
 bool tensor between stages (GPT-2's and BERT's masks): those cells are the
 expected refusals there.
@@ -12,6 +14,8 @@ expected refusals there.
 from __future__ import annotations
 
 import functools
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,13 +26,14 @@ from torchfleet.versions import release
 
 require_module("transformers", "transformers (the test extra) builds the library models from configs")
 
-from zoo import ZOO, checkpoint_job, train_zoo, zoo_matrix  # noqa: E402 (after the skip: zoo imports transformers lazily)
+from zoo import PEFT_BASES, ZOO, checkpoint_job, fsdp_traffic_job, train_zoo, zoo_matrix  # noqa: E402 (after the skip: zoo imports transformers lazily)
 
 MODELS = list(ZOO)
-# The zoo's models that declare a tensor-parallel plan; peft's LoRA Llama splits its adapters with its layers.
-LLAMAS = ["hf-llama", "hf-llama-tied", *(["peft-llama"] if "peft-llama" in ZOO else [])]
-TWO = [(s, m) for s in ("ddp", "fsdp", "pipeline") for m in MODELS] + [("tp", m) for m in LLAMAS]
-FOUR = [(s, m) for s in ("ddp+pipeline", "fsdp+pipeline") for m in MODELS] + [("fsdp+tp", m) for m in LLAMAS]
+# The zoo's models that declare a tensor-parallel plan; peft's LoRA models split their adapters with their layers.
+PLANNED = ["hf-llama", "hf-llama-tied", *(m for m in ("peft-llama", "peft-qwen2") if m in ZOO)]
+TWO = [(s, m) for s in ("ddp", "fsdp", "pipeline") for m in MODELS] + [("tp", m) for m in PLANNED]
+FOUR = [(s, m) for s in ("ddp+pipeline", "fsdp+pipeline") for m in MODELS] + [("fsdp+tp", m) for m in PLANNED]
+ADAPTED = [(s, m) for s, m in TWO + FOUR if m in PEFT_BASES]
 # Before 2.14, torch's schedules send a gradient back for every tensor a stage receives
 # (strategies/pipeline/cutting.py refuses such cuts by name); from 2.14 on nothing is refused.
 OLD_TORCH_REFUSAL = "which torch 2.1"
@@ -46,6 +51,9 @@ def cells(tmp_path_factory) -> dict:
     found = {}
     for nprocs, grid in ((2, TWO), (4, FOUR)):
         jobs = [(s, m, {"save_to": str(out / f"{s}-{m}.pt"), "memory": s == "fsdp"}) for s, m in grid]
+        for s, m, options in jobs:
+            if m in PEFT_BASES:  # and the adapters alone, as peft's save_pretrained writes them
+                options["adapters_to"] = str(out / f"{s}-{m}-adapters")
         results = launch(zoo_matrix, nprocs=nprocs, args=(jobs,))
         assert all(r is None for rank in results[1:] for r in rank)  # only the main rank reports
         for (s, m, options), got in zip(jobs, results[0], strict=True):
@@ -73,6 +81,48 @@ def test_each_cell_equals_serial_or_is_refused_in_one_sentence(cells, strategy, 
     fresh = ZOO[model].build()  # what save_model wrote loads strictly into the model it came from
     fresh.load_state_dict(torch.load(saved, weights_only=True), strict=True)
     assert _max_diff(fresh.state_dict(), got["weights"]) == 0.0
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy, model", ADAPTED)
+def test_the_adapters_alone_load_through_peft_from_pretrained(cells, strategy, model, tmp_path):
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    got, saved = cells[strategy, model]
+    directory = Path(saved.removesuffix(".pt") + "-adapters")  # the fixture's adapters_to
+    torch.manual_seed(0)  # the base model's weights, as the zoo built them before peft wrapped it
+    loaded = PeftModel.from_pretrained(PEFT_BASES[model](), directory).eval()
+    # The base model's frozen weights and the adapters read back from the file: the trained model, bit for bit.
+    assert _max_diff(got["weights"], {k: v.float() for k, v in loaded.state_dict().items()}) == 0.0
+    trained = ZOO[model].build().eval()
+    trained.load_state_dict(_serial(model), strict=True)
+    inputs, _ = ZOO[model].batch(8, 99)
+    with torch.no_grad():
+        diff = (loaded(**inputs).logits - trained(**inputs).logits).abs().max().item()
+    assert diff < 1e-5, f"{strategy} on {model}: logits {diff:.3g} from serial's trained model's"
+    trained.save_pretrained(tmp_path)  # what peft itself writes, from the model on one process
+    assert sorted(p.name for p in directory.iterdir()) == sorted(p.name for p in tmp_path.iterdir())
+    ours, peft_own = (load_file(d / "adapter_model.safetensors") for d in (directory, tmp_path))
+    assert list(ours) == list(peft_own)
+    assert _config(directory) == _config(tmp_path)
+
+
+def _config(directory: Path) -> dict:
+    config = json.loads((directory / "adapter_config.json").read_text())
+    return {**config, "target_modules": sorted(config["target_modules"])}  # a set, in the hash seed's order
+
+
+def test_an_adapters_only_save_of_a_model_without_adapters_is_refused_in_one_sentence(tmp_path):
+    from torchfleet import Fleet
+    from torchfleet.errors import UsageError
+
+    fleet = Fleet(strategy="serial")
+    net = ZOO["dict-out"].build()
+    fleet.setup(net, torch.optim.SGD(net.parameters(), lr=1e-2))
+    with pytest.raises(UsageError, match=r"^save_model\(adapters_only=True\) saves peft's adapters and this model"):
+        fleet.save_model(tmp_path / "adapters", adapters_only=True)
+    assert not (tmp_path / "adapters").exists()
 
 
 def test_serial_training_moved_every_trainable_weight_and_no_frozen_one():
@@ -123,3 +173,27 @@ def test_a_traced_stage_checkpoints_only_the_models_own_keys(tmp_path):
     own = set(ZOO["hf-bert"].build().state_dict())
     assert got["keys"] and set(got["keys"]) <= own, sorted(set(got["keys"]) - own)
     assert _max_diff(got["saved"], got["loaded"]) == 0.0  # and it loads back exactly
+
+
+@pytest.mark.timeout(300)
+def test_under_fsdp_only_trainable_parameters_get_gradients_optimizer_state_and_reduce_scatters():
+    # The optimizer is handed every parameter, frozen ones too, as a careless fine-tuning script would.
+    # peft's LoRA Llama, and the zoo's own adapters (no peft needed: the torch floor runs it too).
+    names = [m for m in ("peft-llama", "adapters") if m in ZOO]
+    found = launch(fsdp_traffic_job, nprocs=2, args=(names,))[0]
+    for name in names:
+        got = found[name]
+        torch.manual_seed(0)
+        net = ZOO[name].build()
+        trainable = {n: p for n, p in net.named_parameters() if p.requires_grad}
+        assert trainable and len(trainable) < len(dict(net.named_parameters()))
+        assert name != "peft-llama" or all(".lora_" in n for n in trainable)
+        assert got["trainable"] == sorted(trainable)
+        assert got["with_grad"] == sorted(trainable)  # a frozen parameter's grad stays None
+        assert got["with_state"] == sorted(trainable)  # AdamW skips a parameter without a gradient
+        # FSDP2 reduce-scatters each gradient padded along dim 0 to a multiple of the world size (float32 here).
+        world = got["world"]
+        padded = sum(-(-p.size(0) // world) * world * p[0].numel() * 4 for p in trainable.values())
+        every = sum(-(-p.size(0) // world) * world * p[0].numel() * 4 for p in net.parameters())
+        print(f"{name}: reduce-scattered per step {got['reduce_scattered']} bytes; trainable {padded}, all {every}")
+        assert got["reduce_scattered"] == [padded] * 2

@@ -16,6 +16,7 @@ hands them the parent's ``sys.path``).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
 from dataclasses import dataclass
@@ -71,12 +72,41 @@ def hf_llama(tie: bool):
     )
 
 
-def peft_llama():
-    """hf_llama with LoRA adapters on every attention and MLP projection, at peft's defaults (r 8, no dropout)."""
-    from peft import LoraConfig, get_peft_model
+def hf_qwen2():
+    """Qwen2 at its defaults but the sizes: biases on q, k and v, and two key-value heads for four query heads."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    return get_peft_model(hf_llama(False), LoraConfig(target_modules=targets))
+    return Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=SEQ,
+        )
+    )
+
+
+# LoRA on every attention and MLP projection (Llama's and Qwen2's names), at peft's defaults (r 8, no dropout).
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def with_lora(build: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
+    """`build`'s model wrapped by peft's LoRA on LORA_TARGETS (peft freezes every other parameter)."""
+
+    def make():
+        from peft import LoraConfig, get_peft_model
+
+        return get_peft_model(build(), LoraConfig(target_modules=LORA_TARGETS))
+
+    return make
+
+
+def peft_llama():
+    """hf_llama with LoRA adapters on every attention and MLP projection, at peft's defaults."""
+    return with_lora(lambda: hf_llama(False))()
 
 
 def hf_bert():
@@ -315,12 +345,14 @@ def train_zoo(
     lr: float = 1e-2,
     save_to: str | None = None,
     memory: bool = False,
+    adapters_to: str | None = None,
 ) -> dict | None:
     """Zoo model `name` after `steps` SGD steps under `strategy`, as the main rank reports it.
 
     {"weights": {name: tensor}, "notes": fleet.notes, "memory": the strategy's memory report
     (with `memory`)}, or {"refused": the sentence} when setup or a step refuses the job;
-    None on the other ranks. `save_to` also writes ``fleet.save_model`` there.
+    None on the other ranks. `save_to` also writes ``fleet.save_model`` there, `adapters_to` its
+    adapters-only save (a peft model's).
     The optimizer holds only the trainable parameters, as a fine-tuning script builds it.
     """
     from torchfleet import Fleet
@@ -340,6 +372,8 @@ def train_zoo(
             fleet.train_step(*_rows(batch, *share), entry.loss)
         if save_to:
             fleet.save_model(save_to)
+        if adapters_to:
+            fleet.save_model(adapters_to, adapters_only=True)
         state, _ = fleet.strategy.state_dicts()
         report = fleet.strategy.memory_report() if memory else None
     except UsageError as error:  # every rank refuses alike, before training
@@ -402,5 +436,74 @@ def zoo_matrix(jobs: list[tuple[str, str, dict]]) -> list:
     return results
 
 
+# The models the peft entries adapt: built after torch.manual_seed(0), as train_zoo builds its models, their
+# weights are the adapted model's (peft draws its adapters after the model is built).
+PEFT_BASES: dict[str, Callable[[], nn.Module]] = {"peft-llama": lambda: hf_llama(False), "peft-qwen2": hf_qwen2}
 if importlib.util.find_spec("peft") is not None:  # the dev extra installs it; without it the rest still runs
     ZOO["peft-llama"] = Entry(peft_llama, _ids, _lm_loss)
+    ZOO["peft-qwen2"] = Entry(with_lora(hf_qwen2), _ids, _lm_loss)
+
+
+def fsdp_traffic_job(names: list[str], steps: int = 2) -> dict | None:
+    """`fsdp_traffic` for each zoo model of `names` in one set of processes: {name: its report} on the main rank."""
+    found = {name: fsdp_traffic(name, steps) for name in names}
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    return found if found[names[0]] is not None else None
+
+
+def fsdp_traffic(name: str, steps: int) -> dict | None:
+    """Zoo model `name` under fsdp for `steps` AdamW steps, its optimizer given every parameter (frozen ones too).
+
+    The main rank reports what each step reduce-scattered (the bytes of the collectives' inputs, every
+    one counted as it runs: the real collective still runs), which parameters held a gradient after the
+    last step, which ones the optimizer keeps state for, and which ones train; None on the other ranks.
+    """
+    from torchfleet import Fleet
+
+    entry = ZOO[name]
+    fleet = Fleet(strategy="fsdp")
+    torch.manual_seed(0)
+    net = entry.build()
+    fleet.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-2), example_inputs=_rows(entry.batch(8, 0), 0, 2)[0])
+    model, optimizer = fleet.strategy.model, fleet.strategy.optimizer
+    sent: list[int] = []
+    with _counting_reduce_scatters(sent):
+        per_step = []
+        for seed in range(steps):
+            before = sum(sent)
+            fleet.train_step(*_rows(entry.batch(8, seed), *fleet.strategy.data_coords()), entry.loss)
+            per_step.append(sum(sent) - before)
+    names = {id(p): n for n, p in model.named_parameters()}
+    found = {
+        "reduce_scattered": per_step,
+        "with_grad": sorted(n for n, p in model.named_parameters() if p.grad is not None),
+        "with_state": sorted(names[id(p)] for p, state in optimizer.state.items() if state),
+        "trainable": sorted(n for n, p in model.named_parameters() if p.requires_grad),
+        "world": fleet.world_size,
+    }
+    return found if fleet.is_main else None
+
+
+@contextlib.contextmanager
+def _counting_reduce_scatters(sent: list[int]):
+    """Each reduce-scatter's input bytes appended to `sent`; FSDP2 calls torch.distributed's function by
+    name at each call (reduce_scatter_single from torch 2.14, reduce_scatter_tensor before)."""
+    dist = torch.distributed
+    originals = {n: getattr(dist, n) for n in ("reduce_scatter_single", "reduce_scatter_tensor") if hasattr(dist, n)}
+
+    def counted(original, input_at: int):
+        def call(*args, **kwargs):
+            tensor = kwargs["input"] if "input" in kwargs else args[input_at]
+            sent.append(tensor.numel() * tensor.element_size())
+            return original(*args, **kwargs)
+
+        return call
+
+    try:
+        for n, original in originals.items():
+            setattr(dist, n, counted(original, 1))  # (output, input, ...) in both
+        yield
+    finally:
+        for n, original in originals.items():
+            setattr(dist, n, original)

@@ -348,23 +348,25 @@ class Fleet:
         restarted Spot job resumes from it), else None."""
         return self.sagemaker.checkpoint_dir if self.sagemaker else None
 
-    def save_model(self, path: str | os.PathLike | None = None) -> Path:
+    def save_model(self, path: str | os.PathLike | None = None, adapters_only: bool = False) -> Path:
         """Save the trained model's weights (a state dict, torch.load-able); main rank writes.
 
         Call it on every rank (sharding strategies gather here). Without `path` it
         writes model.pt in `model_dir`, which SageMaker uploads when the job ends.
+        `adapters_only`: a peft model's adapters alone, in directory `path`, as peft's save_pretrained writes them.
         """
+        write = checkpoint.adapters.writer(self.strategy.adapters) if adapters_only else checkpoint.atomic_write
         if path is None:
             if self.model_dir is None:
                 raise UsageError(
                     "save_model() needs a path outside a SageMaker job (inside one it writes model.pt to SM_MODEL_DIR)"
                 )
-            path = self.model_dir / "model.pt"
+            path = self.model_dir / ("adapters" if adapters_only else "model.pt")
         state, _ = self.strategy.state_dicts()
         path = Path(path)
         if self.is_main:
             path.parent.mkdir(parents=True, exist_ok=True)
-            checkpoint.atomic_write(state, path)
+            write(state, path)
         self.barrier()
         return path
 

@@ -20,6 +20,7 @@ from torchfleet.env import DistEnv
 from torchfleet.errors import UsageError
 from torchfleet.precision import Precision
 from torchfleet.strategies.block_transforms import checkpoint_activations, compile_model
+from torchfleet.strategies.blocks import adapter_skeleton
 
 # (what the model returns: a tensor, or a library model's output object; targets) -> loss
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
@@ -96,6 +97,8 @@ class Strategy:
     schedules_steps: ClassVar[bool] = False
     # True when BatchNorm statistics are all-reduced across processes (MeshStrategy's option).
     sync_batchnorm: bool = False
+    # A peft model's structure on the meta device, kept by setup for an adapters-only save; None without adapters.
+    adapters: nn.Module | None = None
 
     def __init__(self, runtime: Runtime, **options):
         unknown = sorted(set(options) - set(self.options))
@@ -123,6 +126,7 @@ class Strategy:
         a strategy that cuts the model needs its plain forward first, and applies them
         to its stage after the cut.
         """
+        self.adapters = adapter_skeleton(model)
         if not self.cuts_by_tracing(model):
             if args.activation_checkpointing:
                 self.notes.append("activation checkpointing: " + span(checkpoint_activations(model)))

@@ -11,6 +11,7 @@ root's own unit.
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
 
 from torch import nn
@@ -38,6 +39,20 @@ def library_model(model: nn.Module) -> nn.Module:
         if isinstance(inner, nn.Module):
             return inner
     return model
+
+
+def adapter_skeleton(model: nn.Module) -> nn.Module | None:
+    """A copy of a peft-adapted `model` whose tensors are on the meta device (no storage); None without adapters.
+
+    Taken before a strategy shards or cuts the model: after, no rank holds the whole model
+    that peft's save_pretrained walks to pick its adapters' keys (checkpoint/adapters.py).
+    """
+    if not (hasattr(model, "peft_config") and callable(getattr(model, "save_pretrained", None))):
+        return None
+    # deepcopy takes each parameter and buffer from the memo: the copy gets storage-free twins, tied ones tied still
+    memo: dict = {id(p): nn.Parameter(p.to("meta"), p.requires_grad) for p in model.parameters()}
+    memo.update({id(b): b.to("meta") for b in model.buffers()})
+    return copy.deepcopy(model, memo)
 
 
 def base_model(model: nn.Module) -> nn.Module:
