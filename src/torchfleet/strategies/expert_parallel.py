@@ -135,11 +135,11 @@ def _count_of(module: nn.Module, local: int):
     if had is None:
         yield
         return
-    module.num_experts = local
+    setattr(module, "num_experts", local)  # noqa: B010 (nn.Module's typed __setattr__ takes tensors and modules)
     try:
         yield
     finally:
-        module.num_experts = had
+        setattr(module, "num_experts", had)  # noqa: B010
 
 
 def _exchange(rows: torch.Tensor, receive: list[int], send: list[int], group) -> torch.Tensor:
