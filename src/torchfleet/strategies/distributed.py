@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from torchfleet.errors import UsageError
 from torchfleet.strategies.base import Strategy
@@ -103,12 +104,12 @@ class MeshStrategy(Strategy):
         self.mesh = self.dims.build_mesh(self.runtime.device.type)
         return self.mesh
 
-    def balance_router_loss(self, model: nn.Module) -> None:
+    def balance_router_loss(self, model: nn.Module, mesh: DeviceMesh) -> None:
         """A transformers MoE model's load-balancing loss made the global batch's (strategies/moe_balance.py).
 
-        Its expert counts are summed over the data-parallel dimensions of the mesh, which `build_mesh` made.
+        Its expert counts are summed over the data-parallel dimensions of `mesh` (`build_mesh`'s).
         """
-        groups = [self.mesh[name].get_group() for name in ("dp_replicate", "dp_shard") if getattr(self.dims, name) > 1]
+        groups = [mesh[name].get_group() for name in ("dp_replicate", "dp_shard") if getattr(self.dims, name) > 1]
         note = balance_over(model, groups)
         if note:
             self.notes.append(note)

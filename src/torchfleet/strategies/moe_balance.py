@@ -56,11 +56,12 @@ def router_loss(model: nn.Module) -> RouterLoss | None:
     inner = library_model(model)
     if not getattr(getattr(inner, "config", None), "output_router_logits", False):
         return None
-    values = [getattr(inner, name, None) for name in ("num_experts", "num_experts_per_tok", "router_aux_loss_coef")]
-    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+    experts = getattr(inner, "num_experts", None)
+    top_k = getattr(inner, "num_experts_per_tok", None)
+    coefficient = getattr(inner, "router_aux_loss_coef", None)
+    if not (isinstance(experts, int) and isinstance(top_k, int) and isinstance(coefficient, (int, float))):
         return None
-    experts, top_k, coefficient = values
-    return RouterLoss(int(experts), int(top_k), float(coefficient))
+    return RouterLoss(experts, top_k, float(coefficient))
 
 
 def routes_to_the_loss(model: nn.Module) -> bool:
