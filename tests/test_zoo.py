@@ -5,7 +5,8 @@ be refused before training in one sentence; what save_model wrote must load
 strictly into a fresh copy of the model; a peft model's adapters saved alone must
 load through PeftModel.from_pretrained into the model it adapts, giving the trained
 model bit for bit. Measured on 2 CPU cores with torch 2.14.1: every cell within
-1.2e-7 of serial (most 4e-9 to 8e-9), no refusal.
+1.2e-7 of serial (most 4e-9 to 8e-9, the MoE models' too), no refusal but those of
+REFUSED, which every torch makes by design.
 Before 2.14 torch cannot train through a pipeline that sends an integer or
 bool tensor between stages (GPT-2's and BERT's masks): those cells are the
 expected refusals there.
@@ -26,14 +27,39 @@ from torchfleet.versions import release
 
 require_module("transformers", "transformers (the test extra) builds the library models from configs")
 
-from zoo import PEFT_BASES, ZOO, checkpoint_job, fsdp_traffic_job, train_zoo, zoo_matrix  # noqa: E402 (after the skip: zoo imports transformers lazily)
+from zoo import (  # noqa: E402 (after the skip: zoo imports transformers lazily)
+    IDLE_EXPERT,
+    PEFT_BASES,
+    ZOO,
+    checkpoint_job,
+    fsdp_traffic_job,
+    train_zoo,
+    zoo_matrix,
+)
 
-MODELS = list(ZOO)
+IDLE = "hf-mixtral-idle-expert"  # ddp only: what it checks is that DDP needs nothing for an expert without tokens
+MODELS = [m for m in ZOO if m != IDLE]
 # The zoo's models that declare a tensor-parallel plan; peft's LoRA models split their adapters with their layers.
 PLANNED = ["hf-llama", "hf-llama-tied", *(m for m in ("peft-llama", "peft-qwen2") if m in ZOO)]
+# The mixtures of experts with the router's load-balancing loss on: not linear in the batch, made global
+# over the data-parallel ranks (strategies/moe_balance.py); under hsdp on 4 processes, over both of its dimensions.
+ROUTER_LOSS = ["hf-mixtral-aux", "hf-qwen2-moe-aux"]
 TWO = [(s, m) for s in ("ddp", "fsdp", "pipeline") for m in MODELS] + [("tp", m) for m in PLANNED]
+TWO += [("tp", "hf-mixtral"), ("ddp", IDLE)]
 FOUR = [(s, m) for s in ("ddp+pipeline", "fsdp+pipeline") for m in MODELS] + [("fsdp+tp", m) for m in PLANNED]
+FOUR += [("fsdp+tp", "hf-qwen2-moe")] + [("hsdp", m) for m in ROUTER_LOSS]  # a cell is one strategy's, on 2 or 4
 ADAPTED = [(s, m) for s, m in TWO + FOUR if m in PEFT_BASES]
+# Refused on every torch, by design: the words each sentence must hold. The MoE configs' tp plans split
+# the experts with styles torch has no counterpart for; a pipeline's last stage never sees the routers.
+REFUSED = {
+    ("tp", "hf-mixtral"): ("moe_tp_experts", "packed_colwise"),
+    ("fsdp+tp", "hf-qwen2-moe"): ("moe_tp_experts", "packed_colwise"),
+    **{
+        (s, m): ("output_router_logits=False",)
+        for s in ("pipeline", "ddp+pipeline", "fsdp+pipeline")
+        for m in ROUTER_LOSS
+    },
+}
 # Before 2.14, torch's schedules send a gradient back for every tensor a stage receives
 # (strategies/pipeline/cutting.py refuses such cuts by name); from 2.14 on nothing is refused.
 OLD_TORCH_REFUSAL = "which torch 2.1"
@@ -47,6 +73,7 @@ def _serial(name: str) -> dict:
 @pytest.fixture(scope="module")
 def cells(tmp_path_factory) -> dict:
     """Every (strategy, model) cell's result and saved file: one launch of 2 processes, one of 4."""
+    assert len(set(TWO + FOUR)) == len(TWO + FOUR), "a cell is one strategy on one model: its result is kept by that"
     out = tmp_path_factory.mktemp("zoo")
     found = {}
     for nprocs, grid in ((2, TWO), (4, FOUR)):
@@ -74,8 +101,12 @@ def test_each_cell_equals_serial_or_is_refused_in_one_sentence(cells, strategy, 
         print(f"{strategy} on {model}: {got['refused']}")
         sentence = got["refused"]
         assert "\n" not in sentence and sentence.endswith(tuple("abcdefghijklmnopqrstuvwxyz)")), sentence
+        if (strategy, model) in REFUSED:
+            assert all(word in sentence for word in REFUSED[strategy, model]), sentence
+            return
         assert release() < (2, 14) and "pipeline" in strategy and OLD_TORCH_REFUSAL in sentence, sentence
         return
+    assert (strategy, model) not in REFUSED, f"{strategy} on {model} trained; it should be refused"
     diff = _max_diff(_serial(model), got["weights"])
     assert diff < 1e-5, f"{strategy} on {model}: max weight difference {diff:.3g} from serial"
     fresh = ZOO[model].build()  # what save_model wrote loads strictly into the model it came from
@@ -150,6 +181,32 @@ def test_llama_is_cut_by_its_own_plans(cells):
         assert any("base_model_tp_plan" in n for n in cells[strategy, "hf-llama"][0]["notes"])
     gpt2 = cells["pipeline", "hf-gpt2"][0]  # GPT-2 declares no plan: traced (refused before 2.14, its mask)
     assert "refused" in gpt2 or not any("pipeline plan" in n for n in gpt2["notes"])
+
+
+def test_the_router_loss_is_counted_over_every_data_parallel_rank(cells):
+    # Each rank's own load-balancing loss, averaged, was 8.6e-5 (Mixtral) and 1.2e-4 (Qwen2-MoE, ragged
+    # padding) off serial's weights on 2 processes, 3.6e-4 and 2.6e-4 on 4; the cell test holds them to 1e-5.
+    for strategy, model in [(s, m) for s, m in TWO + FOUR if m in ROUTER_LOSS and (s, m) not in REFUSED]:
+        notes = cells[strategy, model][0]["notes"]
+        assert any("load-balancing loss counts the expert picks" in n for n in notes), (strategy, model, notes)
+
+
+def test_an_expert_that_gets_no_tokens_needs_nothing_from_ddp(cells):
+    """transformers 5 keeps a layer's experts in two 3-D parameters (gate_up_proj, down_proj), which
+    every forward uses: an expert without tokens is a slice whose gradient is zero, not a parameter
+    without a gradient, so DDP's reducer finishes every bucket and ddp's check for unused parameters
+    (strategies/ddp.py) passes without find_unused_parameters. The zoo's model steers every token
+    away from one expert in every layer (zoo.hf_mixtral_idle_expert); the cell test holds ddp's
+    weights to serial's, and here that expert's slices stay exactly as built while the others train."""
+    torch.manual_seed(0)
+    start = ZOO[IDLE].build().state_dict()
+    for weights in (_serial(IDLE), cells["ddp", IDLE][0]["weights"]):
+        experts = [k for k in start if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+        assert len(experts) == 8
+        for key in experts:
+            moved = (weights[key] - start[key]).flatten(1).abs().amax(dim=1)
+            assert moved[IDLE_EXPERT] == 0, f"{key}: the idle expert moved by {moved[IDLE_EXPERT]:.3g}"
+            assert (moved[:IDLE_EXPERT] > 0).all(), f"{key}: an expert with tokens did not train"
 
 
 def test_fsdp_counts_gradients_and_optimizer_state_of_trainable_parameters_only(cells):

@@ -27,6 +27,9 @@ from torch import nn
 from torch.nn import functional as F
 
 VOCAB, SEQ, CLASSES = 64, 16, 10
+# The router loss's weight in the aux entries. At the configs' default (0.001) each rank's own loss,
+# averaged, moved the weights only 1.2e-7 from serial's in 5 steps, below the zoo's 1e-5; at 1 by 8.6e-5.
+ROUTER_AUX_COEF = 1.0
 
 
 def _lm_loss(output, targets):
@@ -68,6 +71,70 @@ def hf_llama(tie: bool):
             num_attention_heads=4,
             max_position_embeddings=SEQ,
             tie_word_embeddings=tie,
+        )
+    )
+
+
+def hf_mixtral(**config):
+    """Mixtral with 4 experts, 2 per token; transformers 5 fuses each layer's experts into 3-D parameters."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    return MixtralForCausalLM(
+        MixtralConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,  # its default (8 of 32 heads) scaled down: grouped-query attention kept
+            max_position_embeddings=SEQ,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            **config,
+        )
+    )
+
+
+IDLE_EXPERT = 3
+
+
+def hf_mixtral_idle_expert():
+    """hf_mixtral in which no token reaches expert IDLE_EXPERT, in any layer, at any step.
+
+    A linear router cannot rule an expert out for every hidden state (the opposite state turns
+    its logits round), so the hidden states are given a sign: every token's embedding is 0.1 on
+    its first feature (5 times the others' spread), which the residual stream keeps positive
+    through every layer, and that expert's router row reads only that feature, at -50. Its logit
+    is then about -100 while the others' stay within 0.3 of 0, so it is never among the top 2;
+    the other three experts share the tokens.
+    """
+    net = hf_mixtral()
+    with torch.no_grad():
+        net.model.embed_tokens.weight[:, 0] = 0.1
+        for layer in net.model.layers:
+            layer.mlp.gate.weight[IDLE_EXPERT] = 0.0
+            layer.mlp.gate.weight[IDLE_EXPERT, 0] = -50.0
+    return net
+
+
+def hf_qwen2_moe(**config):
+    """Qwen2-MoE with 4 routed experts, 2 per token, and its shared expert behind a sigmoid gate in every layer."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    return Qwen2MoeForCausalLM(
+        Qwen2MoeConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            max_position_embeddings=SEQ,
+            num_experts=4,
+            num_experts_per_tok=2,
+            **config,
         )
     )
 
@@ -276,6 +343,14 @@ def _masked(batch, seed):
     return {"input_ids": x, "attention_mask": mask}, y
 
 
+def _ragged(batch, seed):
+    x, y = _tokens(batch, seed)
+    mask = torch.ones_like(x)
+    for row in range(batch):  # row i ends in i padding tokens: the ranks' shares hold different numbers of tokens
+        mask[row, SEQ - row % SEQ :] = 0
+    return {"input_ids": x, "attention_mask": mask}, y
+
+
 def _ids_labels(batch, seed):
     x, _ = _tokens(batch, seed)
     return {"input_ids": x, "labels": x}, x  # the model shifts the labels and computes its own loss
@@ -306,6 +381,11 @@ def _nano_logits_loss(output, targets):
     return _lm_loss(logits, targets)
 
 
+def _lm_and_router_loss(output, targets):
+    """The logits' loss plus the router's load-balancing loss (the model's aux_loss), as a script may add them."""
+    return _lm_loss(output, targets) + ROUTER_AUX_COEF * output.aux_loss
+
+
 def _positional_ids(batch, seed):
     return _tokens(batch, seed)
 
@@ -315,6 +395,16 @@ ZOO: dict[str, Entry] = {
     "hf-llama": Entry(lambda: hf_llama(False), _ids, _lm_loss),
     "hf-llama-tied": Entry(lambda: hf_llama(True), _ids, _lm_loss),
     "hf-llama-labels": Entry(lambda: hf_llama(False), _ids_labels, lambda out, _targets: out.loss),
+    "hf-mixtral": Entry(hf_mixtral, _ids, _lm_loss),
+    "hf-qwen2-moe": Entry(hf_qwen2_moe, _ids, _lm_loss),
+    # The router's load-balancing loss turned on: in the model's own loss (with labels), or added to the logits' loss.
+    "hf-mixtral-aux": Entry(
+        lambda: hf_mixtral(output_router_logits=True, router_aux_loss_coef=ROUTER_AUX_COEF),
+        _ids_labels,
+        lambda out, _targets: out.loss,
+    ),
+    "hf-qwen2-moe-aux": Entry(lambda: hf_qwen2_moe(output_router_logits=True), _ragged, _lm_and_router_loss),
+    "hf-mixtral-idle-expert": Entry(hf_mixtral_idle_expert, _ids, _lm_loss),
     "hf-bert": Entry(hf_bert, _masked, _lm_loss),
     "hf-vit": Entry(
         hf_vit,

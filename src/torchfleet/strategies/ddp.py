@@ -75,6 +75,7 @@ class DataParallelDistributed(MeshStrategy):
     def wrap(self, model, optimizer, args):
         model = self.synchronise_batchnorm(model)  # before DDP: it registers the modules' parameters
         mesh = self.build_mesh()
+        self.balance_router_loss(model, mesh)
         runner = parallelize(
             model,
             dims=self.dims,

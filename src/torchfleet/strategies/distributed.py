@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from torchfleet.errors import UsageError
 from torchfleet.strategies.base import Strategy
 from torchfleet.strategies.batchnorm import check_sync_batchnorm, convert_sync_batchnorm
 from torchfleet.strategies.dims import DIM_NAMES, ParallelDims
+from torchfleet.strategies.moe_balance import balance_over
 
 
 def names_option(value) -> tuple[str, ...] | None:
@@ -115,6 +117,16 @@ class MeshStrategy(Strategy):
     def build_mesh(self):
         self.mesh = self.dims.build_mesh(self.runtime.device.type)
         return self.mesh
+
+    def balance_router_loss(self, model: nn.Module, mesh: DeviceMesh) -> None:
+        """A transformers MoE model's load-balancing loss made the global batch's (strategies/moe_balance.py).
+
+        Its expert counts are summed over the data-parallel dimensions of `mesh` (`build_mesh`'s).
+        """
+        groups = [mesh[name].get_group() for name in ("dp_replicate", "dp_shard") if getattr(self.dims, name) > 1]
+        note = balance_over(model, groups)
+        if note:
+            self.notes.append(note)
 
     def data_coords(self) -> tuple[int, int]:
         return self.dims.dp_rank(self.rank), self.dims.dp

@@ -128,6 +128,7 @@ class FullyShardedDataParallel(MeshStrategy):
                 f" ({_describe_units(model, units)}), then the root with the rest"
             )
         mesh = self.build_mesh()
+        self.balance_router_loss(model, mesh)  # on the model's own forward, before sharding wraps it
         self.model = parallelize(
             model,
             dims=self.dims,

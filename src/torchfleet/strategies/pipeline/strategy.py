@@ -28,9 +28,10 @@ from torch import nn
 
 from torchfleet.errors import UsageError
 from torchfleet.strategies.base import SetupArgs, batch_size, split_batch
-from torchfleet.strategies.blocks import parameter_names
+from torchfleet.strategies.blocks import library_model, parameter_names
 from torchfleet.strategies.distributed import MeshStrategy
 from torchfleet.strategies.fsdp import memory_per_rank, rebuild_optimizer
+from torchfleet.strategies.moe_balance import routes_to_the_loss
 from torchfleet.strategies.parallelize import parallelize
 from torchfleet.strategies.pipeline import cutting, schedules
 from torchfleet.strategies.pipeline.cutting import tied_groups
@@ -90,6 +91,12 @@ class Pipeline(MeshStrategy):
         return not isinstance(model, nn.Sequential) or bool(self.split_points)
 
     def wrap(self, model, optimizer, args):
+        if routes_to_the_loss(model):  # before any collective: every rank refuses alike
+            raise UsageError(
+                f"{self.name} cannot train {type(library_model(model)).__name__} with output_router_logits=True,"
+                " because the router logits of earlier stages never reach the last stage's loss; set"
+                " output_router_logits=False in the model's config (its load-balancing loss is then left out)"
+            )
         device = self.runtime.device
         mesh = self.build_mesh()
         self.pp_group = mesh["pp"].get_group()
