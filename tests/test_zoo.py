@@ -27,15 +27,7 @@ from torchfleet.versions import release
 
 require_module("transformers", "transformers (the test extra) builds the library models from configs")
 
-from zoo import (  # noqa: E402 (after the skip: zoo imports transformers lazily)
-    IDLE_EXPERT,
-    PEFT_BASES,
-    ZOO,
-    checkpoint_job,
-    fsdp_traffic_job,
-    train_zoo,
-    zoo_matrix,
-)
+from zoo import IDLE_EXPERT, PEFT_BASES, ZOO, checkpoint_job, fsdp_traffic_job, train_zoo, zoo_matrix  # noqa: E402 (after the skip: zoo imports transformers lazily)
 
 IDLE = "hf-mixtral-idle-expert"  # ddp only: what it checks is that DDP needs nothing for an expert without tokens
 MODELS = [m for m in ZOO if m != IDLE]
