@@ -11,6 +11,7 @@ fsdp+ep (FSDP2 shards each rank's experts further over dp / ep).
 from __future__ import annotations
 
 import functools
+import json
 import re
 
 import pytest
@@ -133,3 +134,23 @@ def test_ep_borrows_data_parallel_ranks_and_names_its_layout():
     assert (fsdp_ep.dp_shard, fsdp_ep.ep, fsdp_ep.name) == (8, 4, "fsdp+ep")
     assert [fsdp_ep.coords(r)["ep"] for r in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]  # neighbours share a group
     assert ParallelDims.from_preset("fsdp+ep", 2).ep == 2
+
+
+@pytest.mark.timeout(300)
+def test_train_summarises_the_tokens_per_expert_and_each_ranks_experts(tmp_path):
+    from conftest import torchfleet
+    from torchfleet.train.models import build_model
+
+    out = tmp_path / "run.json"
+    args = ("train", "--model", "gpt-moe", "--strategy", "fsdp+ep", "-n", "4", "--max-steps", "3")
+    result = torchfleet(*args, "--epochs", "1", "--json-out", str(out), timeout=240)
+    assert result.returncode == 0, result.stderr
+    assert "tokens per expert" in result.stdout, result.stdout
+    got = json.loads(out.read_text())
+    assert got["strategy"] == "fsdp+ep" and len(got["expert_load"]) == 8  # gpt-moe's 8 experts
+    assert abs(sum(got["expert_load"]) - 1) < 1e-9 and min(got["expert_load"]) > 0
+    torch.manual_seed(0)
+    net = build_model("gpt-moe", (64,), num_classes=10, gpt_preset="tiny")
+    experts = sum(p.numel() * 4 for n, p in net.named_parameters() if n.endswith(("gate_up_proj", "down_proj")))
+    for rank, held in got["memory_per_rank"].items():  # split over ep(2), then sharded over dp_mod_ep(2)
+        assert held["of which experts"] == experts // 4, (rank, held)
