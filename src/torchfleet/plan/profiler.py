@@ -32,7 +32,10 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
+from torchfleet.plan import experts
 from torchfleet.plan.profile import OPTIMIZER_STATE, Profile, StepFit
+
+SHAPE_BATCH = 2  # samples of the forward that reads the model's structure (block outputs, routed rows)
 
 
 def make_optimizer(name: str, params) -> torch.optim.Optimizer:
@@ -71,7 +74,7 @@ def measure(
     from torchfleet.bench import flops
 
     before = torch.get_num_threads()
-    model, inputs, targets, loss_fn = _workload(spec, 2)
+    model, inputs, targets, loss_fn = _workload(spec, SHAPE_BATCH)
     shape = _shape(model, inputs)
     flops_per_sample = flops.flops_per_sample(model, inputs, targets, loss_fn)
     batches = batches or (_probe_batches(spec, optimizer, cores) if timed else (1, 2))
@@ -108,12 +111,16 @@ def measure(
         stepping_s,
         workload_name(spec, optimizer),
         line_at,
+        shape.experts.experts,
+        shape.experts.layers,
+        shape.experts.parameters,
+        shape.experts.routed_bytes_per_sample,
     )
 
 
 def _shape(model: nn.Module, inputs) -> SimpleNamespace:
     """What the model's structure says: its parameters, how they fall into blocks and fsdp units, the bytes a
-    block hands on, and what its tensor-parallel plan splits."""
+    block hands on, what its tensor-parallel plan splits, and its experts."""
     from torchfleet.strategies.blocks import find_blocks
     from torchfleet.strategies.parallelize import fsdp_units
     from torchfleet.strategies.pipeline.stages import has_pointwise_convs
@@ -139,6 +146,7 @@ def _shape(model: nn.Module, inputs) -> SimpleNamespace:
         pointwise_convs=has_pointwise_convs(model),
         tensors=len(list(model.parameters())),
         tp_linears=len(split) if isinstance(split, dict) else 0,
+        experts=experts.measure(model, inputs, SHAPE_BATCH),
     )
 
 
