@@ -142,6 +142,7 @@ SURFACE = {
         "--ac",
         "--tp",
         "--pp",
+        "--ep",
     ],
     "slurm": [
         "--gpus-per-node",

@@ -506,6 +506,14 @@ def test_a_pipeline_whose_stages_span_nodes_also_comes_as_hsdp(tmp_path):
             ["--hf-config", "llama-3.1-8b", "--gpu", "H100", "--gpus-per-node", "8", "--pp", "5"],
             "--pp 5 does not divide the model's 32 decoder blocks into equal stages; give a pp that divides 32",
         ),
+        (
+            ["--hf-config", "mixtral-8x7b", "--gpu", "H100", "--gpus-per-node", "8", "--ep", "3"],
+            "--ep 3 does not divide mixtral's 8 experts a layer; give a divisor of 8",
+        ),
+        (
+            ["--hf-config", "llama-3.1-8b", "--gpu", "H100", "--gpus-per-node", "8", "--ep", "2"],
+            "--ep 2: llama has no experts to split (no module whose weights stack one matrix per expert)",
+        ),
     ],
     ids=[
         "no-cluster",
@@ -517,6 +525,8 @@ def test_a_pipeline_whose_stages_span_nodes_also_comes_as_hsdp(tmp_path):
         "tp-beyond-a-node",
         "tp-of-experts",
         "pp-not-dividing-blocks",
+        "ep-not-dividing-experts",
+        "ep-without-experts",
     ],
 )
 def test_bad_input_is_one_sentence(args, said):

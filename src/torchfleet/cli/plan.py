@@ -102,7 +102,7 @@ def add_parser(sub) -> None:
         help="a Hugging Face config.json, or a shipped one: "
         + ", ".join(library_model.shipped())
         + "; plans FSDP's memory per GPU and step time over the cluster's GPU counts, with tensor"
-        " parallelism (--tp)",
+        " parallelism (--tp), pipelines (--pp) and expert parallelism (--ep)",
     )
     s.add_argument("--seq-len", type=int, default=8192, help="--hf-config: tokens a sample (default 8192)")
     s.add_argument("--local-batch", type=int, default=2, help="--hf-config: samples a GPU a step (default 2)")
@@ -128,6 +128,15 @@ def add_parser(sub) -> None:
         metavar="DEGREES",
         help="--hf-config: pipeline stages to plan as well, comma-separated, each dividing the model's blocks"
         " (micro-batches of one sample; --schedule, default 1f1b and interleaved-1f1b)",
+    )
+    s.add_argument(
+        "--ep",
+        type=_list(int, "expert-parallel degrees"),
+        default=None,
+        metavar="DEGREES",
+        help="--hf-config: expert-parallel degrees to plan as fsdp+ep, comma-separated, each dividing the"
+        " model's experts (default for a model with experts: the most of a node's GPUs that divide them),"
+        " FSDP over every GPU",
     )
     c = p.add_argument_group("a described cluster (instead of this machine)")
     c.add_argument("--nodes", type=int, default=None, help="machines")
@@ -223,6 +232,7 @@ def command(args) -> int:
         ac=args.ac,
         tp=args.tp or (),
         pp=args.pp or (),
+        ep=args.ep or (),
     )
     for path, what in ((cfg.json_out, "--json-out"), (cfg.chart, "--chart")):
         if path:

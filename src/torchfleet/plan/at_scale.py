@@ -1,5 +1,5 @@
-"""`plan --hf-config`: a library model under FSDP or HSDP, with or without tensor parallelism, on a
-described GPU cluster, at any size: memory per GPU and step time for each layout, and the fastest layout
+"""`plan --hf-config`: a library model under FSDP or HSDP, with or without tensor parallelism or expert
+parallelism, on a described GPU cluster, at any size: memory per GPU and step time for each layout, and the fastest layout
 that fits.
 
 The model is never allocated: its step is traced on fake tensors
@@ -9,7 +9,8 @@ is its traced FLOPs at one achieved fraction of the GPU's peak, tensor
 parallelism's traced collectives over the node's links (exposed: each one
 stands between two products), and FSDP's collectives over the link they cross,
 overlapped with compute (`step_time`). Pipeline layouts (`--pp`) are built in
-plan/pipeline_at_scale.py.
+plan/pipeline_at_scale.py, expert-parallel ones (`--ep`, and by default for a model with experts) in
+plan/experts_at_scale.py.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import time
 from dataclasses import dataclass, replace
 
 from torchfleet.errors import UsageError
-from torchfleet.plan import comm, hardware, library_model, pipeline_at_scale, tensor_parallel, trace
+from torchfleet.plan import comm, experts_at_scale, hardware, library_model, pipeline_at_scale, tensor_parallel, trace
 from torchfleet.plan.scale_rows import (
     COLUMNS,
     RESERVED_OVER_ALLOCATED,
@@ -58,6 +59,7 @@ class ScaleRequest:
     tps: tuple[int, ...] = ()  # tensor-parallel degrees; empty: 1 and a node's GPUs where they divide the model
     pps: tuple[int, ...] = (1,)  # pipeline degrees
     schedule: str | None = None  # the pipelines' schedule; None: pipeline_at_scale.SCHEDULES
+    eps: tuple[int, ...] = ()  # expert-parallel degrees (fsdp+ep); empty: experts_at_scale.default_eps
 
 
 def request_of(cfg) -> ScaleRequest:
@@ -92,6 +94,7 @@ def request_of(cfg) -> ScaleRequest:
         tuple(cfg.tp),
         tuple(cfg.pp) or (1,),
         cfg.schedule,
+        tuple(cfg.ep),
     )
 
 
@@ -104,12 +107,16 @@ def plan_at_scale(request: ScaleRequest, say=print) -> dict:
         tensor_parallel.check_degree(fields, tp)
     for pp in request.pps:
         pipeline_at_scale.check_degree(fields, pp)
+    for ep in request.eps:
+        experts_at_scale.check_degree(fields, ep)
+    eps = tuple(ep for ep in request.eps or experts_at_scale.default_eps(fields, request.per_node) if ep > 1)
     work = trace.Workload(seq=request.seq, local_batch=request.local_batch, ac=request.ac, precision=request.precision)
     say(
         f"tracing one training step of {request.hf_config} ({params / 1e9:,.1f} B parameters) on fake tensors:"
         f" sequence {request.seq}, local batch {request.local_batch}, checkpointing {request.ac},"
         f" tensor parallelism {', '.join(map(str, tps))}"
         + (f", pipelines of {', '.join(map(str, request.pps))} stages" if request.pps != (1,) else "")
+        + (f", expert parallelism {', '.join(map(str, eps))}" if eps else "")
     )
     began = time.perf_counter()
     rows = []
@@ -136,6 +143,9 @@ def plan_at_scale(request: ScaleRequest, say=print) -> dict:
                                 fields, replace(work, tp=tp), gpus, pp, schedule, v, params, request, replicas
                             )
                         )
+    for ep in eps:
+        for gpus in (g for g in request.counts if g >= ep and g % ep == 0):
+            rows.append(experts_at_scale.row(fields, replace(work, tp=1), gpus, ep, params, request))
     return {
         "schema": SCHEMA,
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -164,7 +174,17 @@ def plan_at_scale(request: ScaleRequest, say=print) -> dict:
             " (--mfu); FSDP's all-gathers and reduce-scatter over the link they cross, hidden behind"
             " compute but for one block's share; tensor parallelism's traced collectives over the"
             " node's links, not hidden",
-        ],
+        ]
+        + (
+            [
+                "FSDP n + EP e (fsdp+ep): the experts split over e neighbouring GPUs and sharded over the"
+                " n / e groups, the rest sharded over all n; their all-to-alls (k rows of each token, 4 a layer,"
+                " 6 under --ac full) over the node's links where e fits in a node, not hidden; routing taken"
+                " as balanced"
+            ]
+            if eps
+            else []
+        ),
     }
 
 

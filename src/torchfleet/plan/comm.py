@@ -7,6 +7,8 @@ and Gropp, "Optimization of Collective Communication Operations in MPICH", 2005)
     all-gather      (N-1)/N x bytes / bandwidth + (N-1) x latency   (bytes: the gathered whole)
     reduce-scatter  (N-1)/N x bytes / bandwidth + (N-1) x latency   (bytes: the whole before scattering)
     send/recv       bytes / bandwidth + latency
+    all-to-all      (N-1)/N x bytes / bandwidth + (N-1) x latency   (bytes: what one rank sends, its own
+                    share among them; pairwise exchange, as Gloo runs it: N-1 sends of bytes/N)
 
 `bandwidth` is the bus bandwidth in bytes/s (what each rank's link carries each
 way), `latency` the cost of one message in seconds. One rank (N = 1) costs nothing.
@@ -46,6 +48,12 @@ def reduce_scatter_s(nbytes: float, ranks: int, link: Link) -> float:
 
 def send_s(nbytes: float, link: Link) -> float:
     return nbytes / link.bandwidth + link.latency if nbytes > 0 else 0.0
+
+
+def all_to_all_s(nbytes: float, ranks: int, link: Link) -> float:
+    if ranks <= 1 or nbytes <= 0:
+        return 0.0
+    return (ranks - 1) * send_s(nbytes / ranks, link)
 
 
 def bucketed_all_reduce_s(nbytes: float, ranks: int, link: Link, bucket_bytes: float) -> tuple[float, float]:

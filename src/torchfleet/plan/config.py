@@ -47,6 +47,7 @@ class PlanConfig:
     ac: str = "selective"
     tp: tuple[int, ...] = ()  # --hf-config's tensor-parallel degrees; empty: 1 and a node's GPUs where they divide
     pp: tuple[int, ...] = ()  # --hf-config's pipeline degrees; empty: none
+    ep: tuple[int, ...] = ()  # --hf-config's expert-parallel degrees; empty: a node's worth for a model with experts
 
     @property
     def described(self) -> bool:
@@ -119,6 +120,8 @@ class PlanConfig:
         at_least("--local-batch", self.local_batch, 1)
         for degree in self.pp:
             at_least("--pp", degree, 1)
+        for degree in self.ep:
+            at_least("--ep", degree, 1)
         for degree in self.tp:
             at_least("--tp", degree, 1)
             if self.gpus_per_node and degree > self.gpus_per_node:

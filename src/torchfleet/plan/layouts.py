@@ -2,7 +2,8 @@
 
 Every multi-process strategy is a preset of four degrees (strategies/dims.py):
 replicas r (dp_replicate), shards s (dp_shard), pipeline stages p and
-tensor-parallel ranks t; a pipeline adds its micro-batches and schedule, diloco
+tensor-parallel ranks t, and expert parallelism e borrows data-parallel ranks
+(ep, fsdp+ep); a pipeline adds its micro-batches and schedule, diloco
 and localsgd their steps between meetings. plan/predict.py's formulas take a
 strategy's memory and time from these alone.
 """
@@ -26,6 +27,7 @@ class Layout:
     shard: int = 1
     pp: int = 1
     tp: int = 1
+    ep: int = 1  # expert-parallel ranks, borrowed from the replicas (ep) or the shards (fsdp+ep)
     microbatches: int = 1
     schedule: str = "1f1b"
     stages_per_process: int = 1  # v: the model cut into pp x v stages (the looped and V schedules)
@@ -46,13 +48,13 @@ class Layout:
         return {"dp_replicate", "dp_shard"} <= set(registry.presets()[self.strategy].degrees or ())
 
     def degrees(self) -> str:
-        """Short: "rep2 x shard2", "pp2 m4" (m: micro-batches), "-" for one process."""
+        """Short: "rep2 x shard2", "pp2 m4" (m: micro-batches), "shard4, ep2", "-" for one process."""
         parts = [
             f"{k}{v}"
             for k, v in (("rep", self.replicate), ("shard", self.shard), ("pp", self.pp), ("tp", self.tp))
             if v > 1
         ]
-        text = " x ".join(parts)
+        text = " x ".join(parts) + (f", ep{self.ep}" if self.ep > 1 else "")  # borrowed, not multiplied
         if self.pp > 1 or self.cost == "mp":
             text += f" m{self.microbatches}"
         if self.pp > 1 and self.schedule != "1f1b":
@@ -80,7 +82,7 @@ def layout(
     dims = resolve_dims(strategy, processes, options=given)
     if dims is None:
         return Layout(strategy, 1)
-    lay = Layout(strategy, processes, dims.dp_replicate, dims.dp_shard, dims.pp, dims.tp)
+    lay = Layout(strategy, processes, dims.dp_replicate, dims.dp_shard, dims.pp, dims.tp, dims.ep)
     if dims.pp > 1:
         from torchfleet.strategies.pipeline.schedules import default_schedule, microbatch_problem
         from torchfleet.strategies.pipeline.stages import default_microbatches

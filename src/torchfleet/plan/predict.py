@@ -34,7 +34,11 @@ Step time = compute + the communication not hidden behind it:
     ddp: the bucketed all-reduce overlaps backward where a core or a device is
     free for it, all but the last bucket; fsdp's all-gathers (forward and
     backward) and reduce-scatter overlap compute the same way (prefetch);
-    tp: 4 all-reduces of the activations per block, in the critical path.
+    tp: 4 all-reduces of the activations per block, in the critical path;
+    ep and fsdp+ep (plan/experts.py): the experts' state over ep (fsdp+ep: over
+    the shards), the rest as FSDP2 holds it (replicated under ep, sharded under
+    fsdp+ep); a step's all-to-alls of the routed rows, in the critical path,
+    on the link sends take.
 On CPU targets the strategies' own machinery, measured by this machine's
 probes (overheads.py), is added on the critical path as well: FSDP2's cost
 per unit and per step (in place of the per-message latency, which its
@@ -48,7 +52,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from torchfleet.plan import contention, pipelines
+from torchfleet.plan import contention, experts, pipelines
 from torchfleet.plan.comm import Link, all_gather_s, all_reduce_s, bucketed_all_reduce_s, reduce_scatter_s, send_s
 from torchfleet.plan.hardware import Target
 from torchfleet.plan.layouts import Layout
@@ -86,17 +90,34 @@ def _rank_parameters(profile: Profile, lay: Layout) -> float:
     return (profile.tp_split_parameters / lay.tp + profile.tp_whole_parameters) / lay.pp + rest
 
 
+def _held(profile: Profile, lay: Layout) -> float:
+    """Parameters a rank holds: its stage's and tensor-parallel share over the shards, the experts over ep."""
+    if lay.ep > 1:
+        return experts.held(profile.parameters, profile.expert_parameters, lay.shard, lay.ep)
+    return _rank_parameters(profile, lay) / lay.shard
+
+
+def _largest_unit(profile: Profile, lay: Layout) -> float:
+    """Parameters of the largest unit FSDP2 gathers at once: under ep a block's experts are ep's share of them."""
+    unit = min(profile.largest_unit, _rank_parameters(profile, lay))
+    if lay.ep > 1 and profile.expert_layers:
+        unit -= profile.expert_parameters / profile.expert_layers * (1 - 1 / lay.ep)
+    return max(0.0, unit)
+
+
 def memory(profile: Profile, lay: Layout, batch: int) -> dict:
-    held = _rank_parameters(profile, lay) / lay.shard
+    held = _held(profile, lay)
     share = held / profile.parameters
     params, grads, opt = 4 * held, 4 * held, profile.optimizer_bytes(held)
+    # The experts' part of that state: split over ep (over the shards where those are more), else as the rest
+    expert_held = profile.expert_parameters * (1 / max(lay.ep, lay.shard) if lay.ep > 1 else share)
     local = batch / lay.readers
     persistent = 0.0
     gathered = 0.0
-    if lay.replicate > 1 and lay.shard == 1 and lay.cost != "meetings":
-        persistent = grads  # DDP's buckets: the gradients once more, for the all-reduce
+    if lay.replicate > 1 and lay.shard == 1 and lay.cost != "meetings" and lay.ep == 1:
+        persistent = grads  # DDP's buckets: the gradients once more, for the all-reduce (ep replicates by FSDP2)
     if lay.shard > 1:
-        gathered = 2 * 4 * min(profile.largest_unit, _rank_parameters(profile, lay))
+        gathered = 2 * 4 * _largest_unit(profile, lay)
     if lay.pp > 1:
         micro = local / lay.microbatches
         held = pipelines.activations_held(lay.schedule, lay.pp, lay.microbatches, lay.stages_per_process)
@@ -117,6 +138,7 @@ def memory(profile: Profile, lay: Layout, batch: int) -> dict:
         "activations": acts,
         "buffers": persistent + gathered,
         "training_state": params + grads + opt,
+        "experts": 8 * expert_held + profile.optimizer_bytes(expert_held),  # of the training state
         "peak": peak,
     }
 
@@ -190,18 +212,21 @@ def step_time(
     if lay.cost == "meetings":
         total = exposed = all_reduce_s(4 * profile.parameters, lay.replicate, replica_link) / lay.sync_every
     elif lay.replicate > 1:
-        grads = stage_bytes / lay.shard
-        if lay.shard == 1 and not lay.hybrid:
+        # ep's replicas hold other experts each (ep is every replica): only the rest's gradients are averaged
+        grads = (stage_bytes if lay.ep == 1 else 4 * (profile.parameters - profile.expert_parameters)) / lay.shard
+        if lay.shard == 1 and not lay.hybrid and lay.ep == 1:
             whole, last = bucketed_all_reduce_s(grads, lay.replicate, replica_link, DDP_BUCKET_BYTES)
             # the reducer's own work (hooks, copies into buckets) runs on the cores backward needs
             reducer = costs.get("ddp_step_s", 0.0) + costs.get("ddp_tensor_s", 0.0) * profile.tensors * per_stage
             total, exposed = whole + reducer, max(last, whole - overlap * backward) + reducer
-        else:  # hsdp: the shards' gradients, all-reduced across replicas after their reduce-scatter
+        else:  # hsdp, ep: the shards' gradients, all-reduced across replicas (after their reduce-scatter)
             total = exposed = all_reduce_s(grads, lay.replicate, replica_link)
-    if lay.shard > 1 or lay.hybrid:
-        units = max(1, profile.units)
-        gathers = 2 * all_gather_s(stage_bytes, lay.shard, shard_link)
-        scatter = reduce_scatter_s(stage_bytes, lay.shard, shard_link)
+    if lay.shard > 1 or lay.hybrid or lay.ep > 1:
+        units = max(1, profile.units + (profile.expert_layers if lay.ep > 1 else 0))  # the experts: units of their own
+        gathers = scatter = 0.0
+        for nbytes, ranks in _sharded(profile, lay, stage_bytes):
+            gathers += 2 * all_gather_s(nbytes, ranks, shard_link)
+            scatter += reduce_scatter_s(nbytes, ranks, shard_link)
         if costs:  # measured: FSDP2's work around each unit's collectives, their small-message latency in it
             machinery = costs["fsdp_step_s"] + costs["fsdp_unit_s"] * max(1.0, units * per_stage)
         else:
@@ -213,6 +238,12 @@ def step_time(
         # on the critical path, the latency of the unmeasured case travels with the bytes.
         hideable = gathers + scatter + (0.0 if costs else machinery)
         exposed += max(first_and_last, hideable - overlap * (compute - bubble)) + (machinery if costs else 0.0)
+    if lay.ep > 1:
+        ep_link = calib.p2p_link(lay.processes) if target.here and calib is not None else target.link_for(lay.ep)
+        routed = local * profile.routed_bytes_per_sample
+        moved = experts.step_all_to_all_s(routed, profile.experts, profile.expert_layers, lay.ep, ep_link)
+        total += moved
+        exposed += moved
     if lay.tp > 1:
         blocks = max(1, profile.units - 1)
         tp = 4 * blocks * all_reduce_s(local * profile.boundary_bytes_per_sample, lay.tp, tp_link)
@@ -234,6 +265,16 @@ def step_time(
         exposed += p2p
     step = compute + exposed
     return {"compute": compute, "bubble": bubble, "communication": exposed, "communication_total": total, "step": step}
+
+
+def _sharded(profile: Profile, lay: Layout, stage_bytes: float) -> tuple[tuple[float, int], ...]:
+    """(bytes, ranks) FSDP2 gathers and scatters: a stage's over the shards; under ep the rest over the shards
+    and each rank's experts over the dp / ep groups (fsdp+ep), or over none (ep)."""
+    if lay.ep == 1:
+        return ((stage_bytes, lay.shard),)
+    rest = 4 * (profile.parameters - profile.expert_parameters)
+    groups = lay.shard // lay.ep if lay.shard > 1 else 1
+    return ((rest, lay.shard), (4 * profile.expert_parameters / lay.ep, groups))
 
 
 def _overheads(target: Target, lay: Layout, calib: Calibration | None) -> dict[str, float]:

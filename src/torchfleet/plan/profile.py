@@ -41,6 +41,11 @@ class Profile:
     optimizer_s: dict[int, float] = field(default_factory=dict)  # threads -> the optimizer's step alone
     workload: str = ""  # workload_name(): what contention.py's figures are cached under
     memory_batches: tuple[int, ...] = ()  # the two batches the activation line goes through
+    # Its experts (plan/experts.py), what expert parallelism splits and routes tokens to; 0 without any.
+    experts: int = 0  # a layer's
+    expert_layers: int = 0
+    expert_parameters: int = 0
+    routed_bytes_per_sample: float = 0.0  # one all-to-all's rows a sample, over every layer
     tp_whole_parameters: int = 0  # of block_parameters, those tp leaves whole on every rank (gpt-moe's experts)
 
     @property

@@ -33,7 +33,10 @@ import torch
 from torch import nn
 
 from torchfleet.models import TOKEN_MODELS
+from torchfleet.plan import experts
 from torchfleet.plan.profile import OPTIMIZER_STATE, Profile, StepFit
+
+SHAPE_BATCH = 2  # samples of the forward that reads the model's structure (block outputs, routed rows)
 
 
 def make_optimizer(name: str, params) -> torch.optim.Optimizer:
@@ -72,7 +75,7 @@ def measure(
     from torchfleet.bench import flops
 
     before = torch.get_num_threads()
-    model, inputs, targets, loss_fn = _workload(spec, 2)
+    model, inputs, targets, loss_fn = _workload(spec, SHAPE_BATCH)
     shape = _shape(model, inputs)
     flops_per_sample = flops.flops_per_sample(model, inputs, targets, loss_fn)
     batches = batches or (_probe_batches(spec, optimizer, cores) if timed else (1, 2))
@@ -109,13 +112,17 @@ def measure(
         stepping_s,
         workload_name(spec, optimizer),
         line_at,
+        experts=shape.experts.experts,
+        expert_layers=shape.experts.layers,
+        expert_parameters=shape.experts.parameters,
+        routed_bytes_per_sample=shape.experts.routed_bytes_per_sample,
         tp_whole_parameters=shape.tp_whole,
     )
 
 
 def _shape(model: nn.Module, inputs) -> SimpleNamespace:
     """What the model's structure says: its parameters, how they fall into blocks and fsdp units, the bytes a
-    block hands on, and what its tensor-parallel plan splits."""
+    block hands on, what its tensor-parallel plan splits, and its experts."""
     from torchfleet.models.moe import MoEFeedForward
     from torchfleet.strategies.blocks import find_blocks
     from torchfleet.strategies.parallelize import fsdp_units
@@ -144,6 +151,7 @@ def _shape(model: nn.Module, inputs) -> SimpleNamespace:
         tp_linears=len(split) if isinstance(split, dict) else 0,
         # The built-in plans leave a mixture of experts whole (GPT.tp_plan): every tp rank holds and runs it.
         tp_whole=sum(p.numel() for m in model.modules() if isinstance(m, MoEFeedForward) for p in m.parameters()),
+        experts=experts.measure(model, inputs, SHAPE_BATCH),
     )
 
 

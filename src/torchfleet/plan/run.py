@@ -100,12 +100,13 @@ def candidates(cfg: PlanConfig, target: hardware.Target, profile: Profile, cores
             precisions=("fp32",),
         )
         cells, _ = bench_plan(bench, strategy_availability(probe_hardware(), cores), cores)
-        return list(dict.fromkeys((c.strategy, c.processes) for c in cells if not c.skip))
+        pairs = dict.fromkeys((c.strategy, c.processes) for c in cells if not c.skip)
+        return [(name, n) for name, n in pairs if name in cfg.strategies or applies(name, profile)]
     presets = registry.presets()
     names = cfg.strategies or tuple(
         n
         for n, p in presets.items()
-        if p.cost in CLUSTER_COSTS and ("tp" not in (p.degrees or {}) or profile_tp(profile))
+        if p.cost in CLUSTER_COSTS and ("tp" not in (p.degrees or {}) or profile_tp(profile)) and applies(n, profile)
     )
     counts = cluster_counts(cfg, target)
     pairs = []
@@ -138,6 +139,26 @@ def profile_tp(profile: Profile) -> bool:
     return profile.model in TOKEN_MODELS  # the built-in gpt and gpt-moe ship a tensor-parallel plan
 
 
+def applies(strategy: str, profile: Profile) -> bool:
+    """Whether the default plan includes `strategy` for this model: expert parallelism only where it has experts
+    (as tp only where it has a plan); asked for by name, a strategy is planned or left out with its reason."""
+    return "ep" not in (registry.presets()[strategy].degrees or {}) or profile.experts > 0
+
+
+def ep_problem(lay: layouts.Layout, profile: Profile) -> str | None:
+    """Why expert parallelism cannot split this model's experts (strategies/expert_parallel.py's rule), or None."""
+    if lay.ep == 1:
+        return None
+    if not profile.experts:
+        return (
+            f"{profile.model} has no experts to split (no module whose weights stack one matrix per expert);"
+            " plan ep with a mixture-of-experts model"
+        )
+    if profile.experts % lay.ep:
+        return f"ep {lay.ep} does not divide the model's {profile.experts} experts a layer"
+    return None
+
+
 def predictions(
     cfg: PlanConfig, target: hardware.Target, profile: Profile, calib, cores: int, batch: int
 ) -> tuple[list[predict.Prediction], list[str]]:
@@ -149,6 +170,10 @@ def predictions(
             lay = layouts.layout(name, n, batch, profile, options, cpu_threads=threads)
         except UsageError as exc:
             notes.append(f"{name} on {n} processes left out: {exc}")
+            continue
+        problem = ep_problem(lay, profile)
+        if problem:
+            notes.append(f"{name} on {n} processes left out: {problem}")
             continue
         if batch % lay.readers or (lay.pp > 1 and (batch // lay.readers) % lay.microbatches):
             notes.append(

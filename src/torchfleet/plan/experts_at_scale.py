@@ -1,0 +1,168 @@
+"""Expert-parallel layouts for `plan --hf-config` (`--ep`, and by default for a model with experts): fsdp+ep.
+
+As the fsdp+ep preset runs it (strategies/dims.py, expert_parallel.py): every GPU shards the model by
+FSDP2 as FSDP over all of them does, and each group of ep neighbouring GPUs splits every layer's experts
+among itself (E / ep each), sharding them by FSDP2 over the dp / ep groups. Tokens reach their experts'
+GPU by all-to-all. ep borrows data-parallel GPUs, so tensor parallelism and pipelines are not beside it
+(the strategy refuses them), and the layout is planned at tp 1.
+
+The row reads the FSDP trace of the same GPUs (plan/trace.py), whose sharded state is already what
+fsdp+ep holds (the experts' 1 / ep, sharded over dp / ep: 1 / dp, as FSDP's), and changes what ep changes:
+- a block's gathered experts are its GPU's E / ep only: the gathered kinds (unsharded parameters and
+  gradients, all-gather and reduce-scatter buffers) lose (1 - 1 / ep) of the experts' share of a block's
+  parameters, taken as the share of what is gathered at every moment (the root, gathered at the ends, has no
+  experts, so at its moments this takes off a little too much);
+- one all-to-all's send and receive buffers are added at every moment: the rows of a layer, twice;
+- FSDP's collectives move the rest over every GPU and each GPU's experts over its dp / ep group, both
+  rings on the link they cross (a dp / ep group strides over the ep neighbours, so it spans the GPUs);
+- the all-to-alls: each of the local batch's tokens sends k rows of the hidden width (k: the experts a
+  token chooses) forward to its experts and takes them back, and backward sends the gradients both ways:
+  4 a layer, 6 under full checkpointing, whose recomputed forward dispatches again (the selective policy
+  is taken to keep their outputs, as recomputing a collective repeats its traffic); and the counts'
+  small all-to-all before each dispatch. Each costs the two-level topology: within a node over its links
+  when ep fits in one, else its share across nodes over the slower link, at the same time. In the critical
+  path: the experts wait for their tokens.
+Routing is taken as balanced (each expert gets its share of the rows); the FLOPs are the FSDP trace's.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from torchfleet.errors import UsageError
+from torchfleet.plan import comm, hardware, scale_rows, trace
+from torchfleet.plan.experts import ALL_TO_ALLS_PER_LAYER, COUNT_BYTES
+from torchfleet.plan.traced import Traced
+
+GATHERED_KINDS = ("UNSHARDED_PARAM", "UNSHARDED_GRAD", "ALL_GATHER", "REDUCE_SCATTER")
+
+
+def shape(fields: dict) -> dict:
+    """The experts of the config's model, built on the meta device: experts a layer, layers holding them,
+    their parameters, their share of the blocks' parameters, and the experts a token chooses (k)."""
+    return dict(_shape(trace._Frozen(fields)))
+
+
+@functools.lru_cache(maxsize=8)
+def _shape(fields) -> tuple:
+    import torch
+
+    from torchfleet.plan import library_model
+    from torchfleet.strategies.expert_parallel import find_experts
+
+    with torch.device("meta"):
+        model = library_model.build(dict(fields))
+    found = find_experts(model)
+    in_blocks = sum(p.numel() for p in library_model.blocks(model).parameters())
+    experts = sum(p.numel() for _, module in found for p in module.parameters())
+    config = library_model.transformers_config(dict(fields), 1)
+    return (
+        ("experts", next(found[0][1].parameters(recurse=False)).shape[0] if found else 0),
+        ("layers", len(found)),
+        ("parameters", experts),
+        ("block_share", experts / in_blocks if in_blocks else 0.0),
+        ("top_k", int(getattr(config, "num_experts_per_tok", None) or 1)),
+    )
+
+
+def check_degree(fields: dict, ep: int) -> None:
+    """One sentence if `ep` cannot split this model's experts: it has none, or ep does not divide them."""
+    if ep == 1:
+        return
+    experts = shape(fields)["experts"]
+    if not experts:
+        raise UsageError(
+            f"--ep {ep}: {fields['model_type']} has no experts to split (no module whose weights stack one"
+            " matrix per expert); plan ep with a mixture-of-experts config, such as mixtral-8x7b"
+        )
+    if experts % ep:
+        raise UsageError(
+            f"--ep {ep} does not divide {fields['model_type']}'s {experts} experts a layer; give a divisor of {experts}"
+        )
+
+
+def default_eps(fields: dict, per_node: int) -> tuple[int, ...]:
+    """For a model with experts: the most of a node's GPUs that divide the experts, so that the all-to-alls
+    stay on the node's links (none for a model without experts, or a node of one GPU)."""
+    experts = shape(fields)["experts"]
+    fitting = [d for d in range(2, min(experts, per_node) + 1) if experts % d == 0]
+    return (max(fitting),) if fitting else ()
+
+
+def row(fields: dict, work: trace.Workload, gpus: int, ep: int, params: int, request) -> dict:
+    experts = shape(fields)
+    traced = trace.traced_at_scale(fields, work, gpus)
+    act_bytes = 2 if request.precision == "bf16" else 4
+    routed = request.local_batch * request.seq * experts["top_k"] * fields["hidden_size"] * act_bytes
+    split = split_experts(traced, experts["block_share"], ep, 2 * routed)
+    timing = step_time(split, params, experts, fields["num_hidden_layers"], gpus, ep, routed, request)
+    return scale_rows.table_row(
+        request,
+        gpus=gpus,
+        tp=1,
+        ep=ep,
+        replicas=1,
+        shard=gpus,
+        layout=f"FSDP {gpus} + EP {ep}",
+        memory=scale_rows.memory_columns(split.kinds),
+        peak=split.peak,
+        flops=split.flops,
+        collectives=split.collectives,
+        timing=timing,
+    )
+
+
+def split_experts(traced: Traced, block_share: float, ep: int, buffers: float) -> Traced:
+    """`traced` (FSDP's) with each block's gathered experts cut to 1 / ep and `buffers` of all-to-all added."""
+    kept = 1 - block_share * (1 - 1 / ep)
+    moments = tuple(
+        {**{k: v * kept if k in GATHERED_KINDS else v for k, v in m.items()}, "ALL_TO_ALL": buffers}
+        for m in traced.moments
+    )
+    return Traced(traced.layers, traced.world, moments, traced.flops, traced.collectives, traced.held)
+
+
+def all_to_all_s(nbytes: float, ep: int, target: hardware.Target) -> float:
+    """One all-to-all of `nbytes` a GPU among ep neighbours: to those on its node over the node's links and
+    to the others over the link between nodes, at once; a message's latency to each."""
+    if ep <= 1:
+        return 0.0
+    within = min(ep, target.per_node)
+    inside = comm.all_to_all_s(nbytes * within / ep, within, target.intra) if within > 1 else 0.0
+    across = (ep - within) / ep * nbytes / target.inter.bandwidth + (ep - within) * target.inter.latency
+    return max(inside, across) if ep > within else inside
+
+
+def step_time(
+    traced: Traced, params: int, experts: dict, blocks: int, gpus: int, ep: int, routed: float, request
+) -> dict:
+    """at_scale.step_time's parts for fsdp+ep (the module docstring): compute, FSDP's collectives, hidden
+    behind compute but one block's share, and the all-to-alls, not hidden."""
+    target = request.target
+    assert target.rate is not None
+    compute = traced.flops / target.rate
+    link = target.link_for(gpus)
+    param_bytes = 2 if request.precision == "bf16" else 4
+    rest, local_experts = params - experts["parameters"], experts["parameters"] / ep
+    fsdp = sum(
+        2 * comm.all_gather_s(count * param_bytes, ranks, link) + comm.reduce_scatter_s(count * 4, ranks, link)
+        for count, ranks in ((rest, gpus), (local_experts, gpus // ep))
+    )
+    full = request.ac == "full"
+    rows_calls = experts["layers"] * (ALL_TO_ALLS_PER_LAYER + (2 if full else 0))
+    count_calls = experts["layers"] * (2 if full else 1)
+    ep_s = rows_calls * all_to_all_s(routed, ep, target) + count_calls * all_to_all_s(
+        experts["experts"] * COUNT_BYTES, ep, target
+    )
+    exposed = fsdp / blocks + max(0.0, fsdp - compute) + ep_s
+    communication = fsdp + ep_s
+    return {
+        "step": compute + exposed,
+        "compute": compute,
+        "communication": communication,
+        "fsdp": fsdp,
+        "tp": 0.0,
+        "ep": ep_s,
+        "exposed": exposed,
+        "bound": "compute" if compute >= communication else "communication",
+    }
