@@ -464,6 +464,16 @@ def test_one_machine_leaves_diloco_and_localsgd_to_link_mode():
     assert "torchfleet bench --nnodes 2 --node-rank R --master-addr" in note
 
 
+def test_ep_is_benched_by_default_only_on_a_model_with_experts():
+    names = ("serial", "ddp", "ep", "fsdp+ep")
+    availability = [{"name": name, "available": True, "why": ""} for name in names]
+    for model, want in (("mlp", ["serial", "ddp"]), ("gpt-moe", ["serial", "ddp", "ep", "fsdp+ep"])):
+        cfg = BenchConfig(model=model, nproc=(2,), batch_sizes=(32,), precisions=("fp32",))
+        cells, notes = bench_cells.plan(cfg, availability, cores=2)
+        assert [c.strategy for c in cells] == want, model
+        assert any(n.startswith("ep, fsdp+ep left out: mlp has no experts") for n in notes) == (model == "mlp")
+
+
 @pytest.mark.timeout(120)
 def test_bench_diloco_on_one_machine_is_a_note_not_a_failed_cell(tmp_path):
     result = torchfleet(

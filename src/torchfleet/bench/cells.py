@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 from torchfleet.bench.config import BenchConfig
 from torchfleet.errors import UsageError
-from torchfleet.models import TOKEN_MODELS
+from torchfleet.models import EXPERT_MODELS, TOKEN_MODELS
 from torchfleet.replica_groups.sync_methods import METHODS as MEETING_METHODS
 from torchfleet.strategies import STRATEGIES, registry, resolve_dims
 from torchfleet.strategies.pipeline.schedules import schedule_variant
@@ -88,6 +88,14 @@ def plan(cfg: BenchConfig, availability: list[dict], cores: int) -> tuple[list[C
                 notes.append(
                     f"{', '.join(planless)} left out: {cfg.model} has no tensor-parallel plan"
                     " (ask for them with --strategies on a model with one)"
+                )
+        if cfg.model not in EXPERT_MODELS:  # expert parallelism needs experts: the built-in gpt-moe has them
+            expertless = [name for name in chosen if "ep" in preset_degrees(name)]
+            chosen = [name for name in chosen if name not in expertless]
+            if expertless:
+                notes.append(
+                    f"{', '.join(expertless)} left out: {cfg.model} has no experts to split"
+                    " (ask for them with --strategies on a model with experts, such as --model gpt-moe)"
                 )
         left_out = [
             f"{name} ({here[name]['why']})" for name in STRATEGIES if name in here and not here[name]["available"]

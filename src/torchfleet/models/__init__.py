@@ -26,6 +26,7 @@ from torchfleet.models.resnet import ResNet, resnet18, resnet50
 
 MODELS = ("mlp", "cnn", "transformer", "gpt", "gpt-moe", "resnet18", "resnet50")
 TOKEN_MODELS = ("gpt", "gpt-moe")  # these read token sequences (B, T) and predict the next token at every position
+EXPERT_MODELS = ("gpt-moe",)  # these hold a mixture of experts, which ep and fsdp+ep split
 IMAGE_MODELS = ("resnet18", "resnet50")  # these read 3-channel images of any size (224 x 224 by default)
 IMAGE_INPUT = (3, 224, 224)  # ImageNet's, as in the seed notebook's ResNet-50 benchmark
 
@@ -41,6 +42,7 @@ __all__ = [
     "MODELS",
     "ResNet",
     "TOKEN_MODELS",
+    "EXPERT_MODELS",
     "build_model",
     "cnn",
     "gpt",
