@@ -9,7 +9,8 @@ main rank:
 - the all-to-all's share of the step: the time Gloo's all-to-all work ran (dispatch and combine,
   forward and backward, and the counts before them; waiting for the slowest rank included) over the
   wall time of a few more steps under torch's profiler, which are not among the timed ones.
-Printed: each round's figures, then the medians over rounds and the ratio fsdp+ep / fsdp.
+Printed: each round's figures, then the medians over rounds, and the ratio fsdp+ep / fsdp of the medians
+and the median of each round's ratio (its two runs side by side).
 
     .venv/bin/python benchmarks/moe_ep.py                      # 4 processes, 3 rounds
     .venv/bin/python benchmarks/moe_ep.py --rounds 5 --batch 16
@@ -114,7 +115,11 @@ def main() -> None:
             f"{strategy:8s} step {step * 1e3:7.1f} ms  all-to-all {share:5.1%}  rank 0 state {_mib(total)} MiB"
             f" (experts' parameters {_mib(held.get('of which experts', 0))} MiB)"
         )
-    print(f"fsdp+ep / fsdp step time: {medians['fsdp+ep'] / medians['fsdp']:.2f}")
+    ratios = [ep["step_s"] / fsdp["step_s"] for fsdp, ep in zip(rows["fsdp"], rows["fsdp+ep"], strict=True)]
+    print(
+        f"fsdp+ep / fsdp step time: {medians['fsdp+ep'] / medians['fsdp']:.2f} (medians);"
+        f" {statistics.median(ratios):.2f} (median of the rounds' ratios: {', '.join(f'{r:.2f}' for r in ratios)})"
+    )
 
 
 if __name__ == "__main__":
