@@ -154,3 +154,19 @@ def test_train_summarises_the_tokens_per_expert_and_each_ranks_experts(tmp_path)
     experts = sum(p.numel() * 4 for n, p in net.named_parameters() if n.endswith(("gate_up_proj", "down_proj")))
     for rank, held in got["memory_per_rank"].items():  # split over ep(2), then sharded over dp_mod_ep(2)
         assert held["of which experts"] == experts // 4, (rank, held)
+
+
+def test_an_ep_that_does_not_divide_the_experts_is_one_sentence():
+    from torchfleet.strategies.expert_parallel import check_experts
+
+    torch.manual_seed(0)
+    net = ZOO["hf-mixtral"].build()
+    assert len(check_experts(net, 2)) == 4  # one experts' module a layer
+    with pytest.raises(
+        UsageError, match=re.escape("--ep 3 does not divide the 4 experts of model.layers.0.mlp.experts")
+    ):
+        check_experts(net, 3)
+    with pytest.raises(UsageError, match="has no experts to split"):
+        check_experts(ZOO["hf-llama"].build(), 2)
+    with pytest.raises(UsageError, match="no module of the classes NoSuchExperts"):
+        check_experts(net, 2, ("NoSuchExperts",))
