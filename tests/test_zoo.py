@@ -41,7 +41,7 @@ TWO += [("tp", "hf-mixtral"), ("ddp", IDLE)]
 FOUR = [(s, m) for s in ("ddp+pipeline", "fsdp+pipeline") for m in MODELS] + [("fsdp+tp", m) for m in PLANNED]
 FOUR += [("fsdp+tp", "hf-qwen2-moe")] + [("hsdp", m) for m in ROUTER_LOSS]  # a cell is one strategy's, on 2 or 4
 FOUR += [("hsdp", m) for m in PEFT_BASES if m in ZOO]  # LoRA on FSDP2's 2-D mesh
-FOUR += [(s, m) for s in ("ddp", "fsdp", "pipeline") for m in ("hf-mixtral", "hf-qwen2-moe")]  # MoE on 4 as well
+FOUR += [("hsdp", m) for m in ("hf-mixtral", "hf-qwen2-moe")]  # replicas of shards: both data parallelisms on 4
 ADAPTED = [(s, m) for s, m in TWO + FOUR if m in PEFT_BASES]
 # Refused on every torch, by design: the words each sentence must hold. The MoE configs' tp plans split
 # the experts with styles torch has no counterpart for; a pipeline's last stage never sees the routers.
