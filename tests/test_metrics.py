@@ -15,6 +15,7 @@ from torchfleet.train.metrics import MetricsLog
 # 256 samples in batches of 32: 8 steps an epoch. lr is TrainConfig's default.
 JOB = dict(model="mlp", data="synthetic", synthetic_size=256, batch_size=32, progress=False, hang_timeout=0)
 LR = 2e-3
+TEXT = ("kind", "host", "memory_kind", "phase", "message")  # the columns that hold words
 
 
 def _train(**options) -> dict:
@@ -26,7 +27,7 @@ def _rows(path) -> list[dict]:
         return [json.loads(line) for line in path.read_text().splitlines()]
     with open(path, newline="") as f:  # numbers back to numbers; an empty cell is a figure the row lacks
         return [
-            {k: v if k == "kind" else int(v) if k in ("step", "epoch") else float(v) for k, v in row.items() if v != ""}
+            {k: v if k in TEXT else int(v) if k in ("step", "epoch", "rank") else float(v) for k, v in row.items() if v}
             for row in csv.DictReader(f)
         ]
 
@@ -90,6 +91,10 @@ def test_ddp_logs_the_whole_batchs_loss_as_serial_does(tmp_path):
         done = torchfleet(*job, "--strategy", strategy, "-n", n, "--metrics-out", str(tmp_path / f"{strategy}.csv"))
         assert done.returncode == 0, done.stderr
     ddp, serial = _rows(tmp_path / "ddp.csv"), _rows(tmp_path / "serial.csv")  # rank 0 wrote ddp's alone
+    ranks = [r for r in ddp if r["kind"] == "rank"]  # each rank's figures at each logged step; serial has none
+    assert [(r["step"], r["rank"]) for r in ranks] == [(s, k) for s in (3, 6, 8) for k in (0, 1)]
+    assert all(r["step_s"] >= r["compute_s"] > 0 for r in ranks) and {r["kind"] for r in serial} == {"train", "val"}
+    ddp = [r for r in ddp if r["kind"] in ("train", "val")]
     assert [(r["kind"], r["step"]) for r in ddp] == [(r["kind"], r["step"]) for r in serial]
     for a, b in zip(ddp, serial, strict=True):  # each rank's loss of its half, averaged: the batch's loss
         assert abs(a.get("loss", 0) - b.get("loss", 0)) < 1e-6 and a.get("val_accuracy") == b.get("val_accuracy")

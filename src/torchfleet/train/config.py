@@ -120,7 +120,9 @@ class TrainConfig:
     )
     metrics_out: str | None = option(
         None,
-        "a row per logged step (loss, lr, samples/s) and per epoch (validation figures): FILE.csv or FILE.jsonl",
+        "a row per logged step (loss, lr, samples/s; with several processes each rank's data, compute and"
+        " communication seconds and memory, and any straggler named) and per epoch (validation figures):"
+        " FILE.csv or FILE.jsonl",
         metavar="FILE",
     )
     tensorboard: str | None = option(

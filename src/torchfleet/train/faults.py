@@ -12,6 +12,11 @@ rank `rank` after step `step` the fault fires:
     pace    from `step` on, sleep `seconds` after every step until FILE
             (``until=FILE``) exists: a rank kept slow, but stepping, until
             something else has happened (a lost peer back and healed)
+    slow    from `step` on, one phase of each step slow (``phase=``): data
+            sleeps `seconds` inside each fetch from the loader (a slow disk);
+            compute keeps the training thread busy for `seconds` at the
+            start of each forward (a throttled device, as the host sees
+            it); for the straggler verdicts (train/stragglers.py)
 
 ``once=FILE`` fires only while FILE does not exist and writes it (holding
 the time it fired) just before firing, so a group restarted by torchrun's
@@ -23,13 +28,15 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from torchfleet.errors import UsageError
 
 VARIABLE = "TORCHFLEET_FAULT"
-KINDS = ("kill", "raise", "sleep", "nan", "pace")
+KINDS = ("kill", "raise", "sleep", "nan", "pace", "slow")
+SLOW_PHASES = ("data", "compute")
 
 
 @dataclass(frozen=True)
@@ -40,6 +47,7 @@ class Fault:
     once: str | None = None
     seconds: float = 3600.0
     until: str | None = None  # pace's end: when this file exists
+    phase: str | None = None  # slow's phase: data or compute
 
 
 def parse(text: str) -> Fault:
@@ -53,13 +61,21 @@ def parse(text: str) -> Fault:
             values.pop("once", None),
             float(values.pop("seconds", 3600)),
             values.pop("until", None),
+            values.pop("phase", None),
         )
     except (ValueError, KeyError):
         fault = None
-    if fault is None or kind not in KINDS or values or (kind == "pace") != (fault.until is not None):
+    if (
+        fault is None
+        or kind not in KINDS
+        or values
+        or (kind == "pace") != (fault.until is not None)
+        or (kind == "slow") != (fault.phase in SLOW_PHASES)
+    ):
         raise UsageError(
-            f"{VARIABLE}={text!r} is not a fault; use e.g. kill:rank=1:step=7[:once=FILE] or"
-            f" pace:rank=0:step=7:seconds=0.2:until=FILE, with kind one of {', '.join(KINDS)}"
+            f"{VARIABLE}={text!r} is not a fault; use e.g. kill:rank=1:step=7[:once=FILE],"
+            f" pace:rank=0:step=7:seconds=0.2:until=FILE or slow:rank=2:step=1:phase=data:seconds=0.05"
+            f" (phase data or compute), with kind one of {', '.join(KINDS)}"
         )
     return fault
 
@@ -73,6 +89,8 @@ def maybe_fire(rank: int, step: int) -> bool:
     """Fire the configured fault if it is due here; True means "pretend the loss is NaN"."""
     fault = _configured()
     if fault is None or fault.rank != rank:
+        return False
+    if fault.kind == "slow":
         return False
     if fault.kind == "pace":
         if step >= fault.step and fault.until and not os.path.exists(fault.until):
@@ -92,3 +110,26 @@ def maybe_fire(rank: int, step: int) -> bool:
     if fault.kind == "sleep":
         time.sleep(fault.seconds)
     return fault.kind == "nan"
+
+
+def slow_fetch(rank: int, step: int) -> None:
+    """Before fetching `step`'s batch: a slow:phase=data fault's sleep, when it is due here."""
+    fault = _configured()
+    if fault is not None and fault.kind == "slow" and fault.phase == "data" and fault.rank == rank:
+        if step >= fault.step:
+            time.sleep(fault.seconds)
+
+
+def slow_compute(rank: int) -> Callable[[int], None] | None:
+    """A slow:phase=compute fault's busy wait, called with each step's number, if it is for this rank."""
+    fault = _configured()
+    if fault is None or fault.kind != "slow" or fault.phase != "compute" or fault.rank != rank:
+        return None
+
+    def busy(step: int) -> None:
+        if step >= fault.step:
+            end = time.perf_counter() + fault.seconds
+            while time.perf_counter() < end:  # computing, not sleeping: the core is taken
+                pass
+
+    return busy

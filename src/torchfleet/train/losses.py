@@ -14,7 +14,7 @@ trainer reads before every checkpoint, so a diverged model is never saved.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -30,16 +30,17 @@ class LossWindow:
 
     `capacity` is the log interval: the trainer reads at least that often
     (every multiple of it, and at epoch ends and checkpoints), so the window
-    never holds more. `reduce` averages a tensor over the ranks (Fleet's
-    all_reduce), so the mean a read returns is the whole global batch's, as
-    serial computes it, whatever the number of processes.
+    never holds more. `gather` brings every rank's copy of a 1-D tensor to
+    every rank as a (ranks, n) tensor (rank_figures.gather_rows), so the mean
+    a read returns is the whole global batch's, as serial computes it,
+    whatever the number of processes.
     """
 
     def __init__(
-        self, capacity: int, rank: int = 0, scaler=None, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self, capacity: int, rank: int = 0, scaler=None, gather: Callable[[torch.Tensor], torch.Tensor] | None = None
     ):
         self.capacity, self.rank, self.scaler = capacity, rank, scaler
-        self._reduce = reduce or (lambda t: t)
+        self._gather = gather or (lambda t: t.unsqueeze(0))
         self._buffer: torch.Tensor | None = None  # made at the first step, where the loss lives
         self._size = 0
         self._first = 0  # the step of the buffer's first slot
@@ -47,6 +48,7 @@ class LossWindow:
         # Whether any rank has asked to leave (worker/preemption.py), as of the last read: every rank
         # reads at the same steps and gets the same sum, so all turn True at the same step.
         self.leave = False
+        self.payloads: list[list[float]] = []  # each rank's `payload` at the last read, by rank
 
     def add(self, loss: torch.Tensor, step: int, injected: bool = False) -> None:
         """Keep `step`'s loss without reading it; `injected`: the fault hook's NaN (faults.py)."""
@@ -60,7 +62,12 @@ class LossWindow:
         slot.fill_(float("nan")) if injected else slot.copy_(loss)
         self._size += 1
 
-    def read(self, leave: bool = False) -> float | None:
+    @property
+    def pending(self) -> bool:
+        """Whether a step ran since the last read (every rank agrees: all read at the same steps)."""
+        return self._size > 0
+
+    def read(self, leave: bool = False, payload: Sequence[float] = ()) -> float | None:
         """Bring the window to the host (one sync), check every step's loss, start a new window.
 
         Returns the mean finite loss of the window over all ranks, or None
@@ -68,20 +75,28 @@ class LossWindow:
         non-finite loss: at once under fp32 or bf16; under fp16, whose scaler
         skips such steps, after FP16_NONFINITE_LIMIT in a row.
 
-        `leave` is this rank's preemption flag. It rides in the same all-reduce as the losses, one
-        more slot, so agreeing on it costs no collective and no host sync of its own; the mean of
-        the flags is above zero when any rank has one, and then `self.leave` turns True.
+        `leave` is this rank's preemption flag and `payload` its figures of the window (the same
+        number of them on every rank: train/rank_figures.py). They ride in the same all-gather as the
+        losses, more slots of each rank's row, so they cost no collective and no host sync of their
+        own; any rank's flag turns `self.leave` True, and `self.payloads` holds every rank's figures.
         """
         if self._size == 0:
             return None
         assert self._buffer is not None  # made by the first add
-        local = self._buffer[: self._size]
-        sent = torch.cat([local, local.new_full((1,), float(leave))])
-        reduced = self._reduce(sent).to(local.device, torch.float64)
-        *values, flags = torch.cat([local.double(), reduced]).tolist()  # the one host sync
-        values, means = values[: self._size], values[self._size :]
-        self.leave = self.leave or flags > 0
-        first, last = self._first, self._first + self._size - 1
+        size = self._size
+        local = self._buffer[:size].double()
+        extra = torch.tensor([float(leave), *payload], dtype=torch.float64)
+        if local.is_cuda:  # from pinned memory the copy is queued, not waited for: the sync stays the one below
+            extra = extra.pin_memory().to(local.device, non_blocking=True)
+        sent = torch.cat([local, extra])
+        rows = self._gather(sent).to(local.device, torch.float64)
+        flat = torch.cat([local, rows.flatten()]).tolist()  # the one host sync
+        values, width = flat[:size], size + 1 + len(payload)
+        table = [flat[size + i * width : size + (i + 1) * width] for i in range(rows.shape[0])]
+        means = [sum(row[step] for row in table) / len(table) for step in range(size)]
+        self.leave = self.leave or any(row[size] > 0 for row in table)
+        self.payloads = [row[size + 1 :] for row in table]
+        first, last = self._first, self._first + size - 1
         self._size = 0
         for step, value in enumerate(values, start=first):
             self._check(value, step, first, last)

@@ -8,6 +8,14 @@ validation figures the task reports, accuracy or loss and perplexity).
 train/samples_per_s and val/<figure>. The main rank writes; each row is
 flushed as it is written, so a run that dies keeps every row before it.
 
+A run of several processes also gets, at each logged step, one row per rank
+(kind "rank": rank, host, steps, data_s, compute_s, comm_s, step_s in
+seconds per step over the log window, memory_bytes and memory_kind; what each
+means is in train/rank_figures.py), as rank<r>/<figure> scalars in
+TensorBoard, and a row for each straggler verdict (kind "straggler": rank,
+host, phase, value, median, slower, windows and the message printed;
+train/stragglers.py), which TensorBoard gets as text under "stragglers".
+
 A resumed run continues the file: the rows up to the checkpoint's step are
 kept and those after it, which the resumed run computes again, are dropped
 (TensorBoard's purge_step does the same for its events).
@@ -27,6 +35,9 @@ from torchfleet.errors import UsageError
 
 FORMATS = {".csv": "csv", ".jsonl": "jsonl", ".json": "jsonl"}
 TRAIN_COLUMNS = ("kind", "step", "epoch", "loss", "lr", "samples_per_s", "elapsed_s")
+RANK_COLUMNS = ("rank", "host", "steps", "data_s", "compute_s", "comm_s", "step_s", "memory_bytes", "memory_kind")
+VERDICT_COLUMNS = ("phase", "value", "median", "slower", "windows", "message")
+RANK_SCALARS = ("data_s", "compute_s", "comm_s", "step_s", "memory_bytes")
 
 
 def check_metrics_out(path: str) -> None:
@@ -54,6 +65,8 @@ class MetricsLog:
     "val" rows). `start_step`: the step a resumed run starts from (0: a new
     run, which replaces the file). `extras`: more columns of "train" rows
     (under replica groups: "participants", the groups in the step's quorum).
+    `per_rank`: the columns of "rank" and "straggler" rows too (a run of
+    several processes).
     """
 
     def __init__(
@@ -63,8 +76,9 @@ class MetricsLog:
         figures: tuple = (),
         start_step: int = 0,
         extras: tuple = (),
+        per_rank: bool = False,
     ):
-        columns = TRAIN_COLUMNS + tuple(extras)
+        columns = TRAIN_COLUMNS + tuple(extras) + ((*RANK_COLUMNS, *VERDICT_COLUMNS) if per_rank else ())
         self._columns = columns + tuple(f for f in figures if f not in columns)
         self._file = self._csv = self._tb = None
         self._evaluated: set[float] = set()  # steps whose "val" row the resumed file already holds
@@ -108,6 +122,24 @@ class MetricsLog:
         )
         for name, value in (("loss", loss), ("lr", lr), ("samples_per_s", rate), *extras.items()):
             self._scalar(f"train/{name}", value, step)
+
+    def ranks(self, records: list) -> None:
+        """Every rank's figures of the window that ended at a logged step (rank_figures.RankWindow each)."""
+        if self._file is None and self._tb is None:
+            return
+        elapsed = time.perf_counter() - self._start
+        for record in records:
+            self._write({"kind": "rank", **record.row(), "elapsed_s": elapsed})
+            for name in RANK_SCALARS:
+                self._scalar(f"rank{record.rank}/{name}", getattr(record, name), record.step)
+
+    def verdict(self, verdict) -> None:
+        """A straggler named (stragglers.Verdict)."""
+        if self._file is None and self._tb is None:
+            return
+        self._write({"kind": "straggler", **verdict.row(), "elapsed_s": time.perf_counter() - self._start})
+        if self._tb is not None:
+            self._tb.add_text("stragglers", verdict.line(), verdict.step)
 
     def epoch(self, step: int, epoch: int, figures: dict) -> None:
         """An epoch's validation figures, at the step the epoch ended."""

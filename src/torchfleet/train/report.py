@@ -32,6 +32,13 @@ class StepBar:
         if self._progress is not None:
             self._progress.update(self._task, completed=step)
 
+    def note(self, line: str) -> None:
+        """A line above the bar (printed plainly without one: the caller is the main rank)."""
+        if self._progress is not None:
+            self._progress.console.print(line, markup=False)
+        else:
+            print(line, flush=True)
+
     def epoch_done(self, epoch: int, figures: dict) -> None:
         if self._progress is not None:
             self._progress.console.print(f"epoch {epoch}: {describe(figures)}")

@@ -24,6 +24,8 @@ from torchfleet.train.config import TrainConfig
 from torchfleet.train.job import Job, evaluate
 from torchfleet.train.losses import LossWindow
 from torchfleet.train.metrics import MetricsLog
+from torchfleet.train.rank_figures import PhaseClock, gather_rows, hosts, share_host, windows
+from torchfleet.train.stragglers import StragglerWatch
 from torchfleet.worker import preemption
 from torchfleet.worker.hang_watchdog import Watchdog
 
@@ -48,8 +50,23 @@ class Run:
         if cfg.max_steps is not None:
             self.total_steps = min(self.total_steps, cfg.max_steps)
         self.watchdog = Watchdog(fleet.rank, fleet.world_size, cfg.hang_timeout).start() if cfg.hang_timeout else None
-        # The loss reaches the host every --log-every steps, not every step (train/losses.py).
-        self.window = LossWindow(cfg.log_every, fleet.rank, fleet.strategy.runtime.precision.scaler, fleet.all_reduce)
+        # The loss reaches the host every --log-every steps, not every step (train/losses.py), and each
+        # rank's step phases and memory ride with it to every rank (train/rank_figures.py).
+        self.window = LossWindow(
+            cfg.log_every,
+            fleet.rank,
+            fleet.strategy.runtime.precision.scaler,
+            lambda t: gather_rows(t.to(fleet.device)),
+        )
+        self.clock = PhaseClock(fleet.strategy.model, fleet.strategy.optimizer, fleet.strategy.runtime.device)
+        self.per_rank = fleet.world_size > 1  # one rank has no others to be slower than
+        if self.per_rank:
+            share_host()
+        self.stragglers = StragglerWatch()
+        slow = faults.slow_compute(fleet.rank)
+        if slow is not None:  # a test's slow rank: busy at the start of each forward, inside the timed step
+            fleet.strategy.model.register_forward_pre_hook(lambda *_: slow(self.step + 1))
+        self._hosts: list[str] = []  # every rank's, read at the first window
         # The validation figures' names (a tally of nothing gives them) are the file's columns.
         self.metrics = (
             MetricsLog(
@@ -58,6 +75,7 @@ class Run:
                 tuple(job.task.figures(0.0, 0.0)),
                 start_step=self.step,
                 extras=("participants",) if self.replicas else (),
+                per_rank=self.per_rank,
             )
             if fleet.is_main
             else MetricsLog()
@@ -100,6 +118,10 @@ class Run:
             self.watchdog.beat(self.step)
         self.bar.at(self.step)
         return True
+
+    def slow_fetch(self) -> None:
+        """Inside each timed fetch of a batch: the fault hook's slow loader, when a test asks for one."""
+        faults.slow_fetch(self.fleet.rank, self.step + 1)
 
     def stepped(self, epoch: int) -> None:
         """After a step: count it, read the losses every --log-every steps, checkpoint every
@@ -176,14 +198,36 @@ class Run:
 
     def _log(self, epoch: int) -> float | None:
         """Read the loss window (the host sync of a log interval) and record its mean; None if it was empty.
-        This rank's preemption flag is agreed on in the same read (window.leave)."""
-        loss = self.window.read(self.listener.requested)
+        This rank's preemption flag is agreed on in the same read (window.leave), and its step phases sent."""
+        payload = self.clock.take() if self.window.pending else []
+        start = time.perf_counter()
+        loss = self.window.read(self.listener.requested, payload)
+        self.clock.blocked(time.perf_counter() - start)
         if loss is not None:
             extras = {"participants": self.replicas.participants} if self.replicas else {}
             self.metrics.step(
                 self.step, epoch + 1, loss, self.job.optimizer.param_groups[0]["lr"], self.samples, **extras
             )
+            if self.per_rank and self.fleet.is_main:
+                self._judge_ranks()
         return loss
+
+    def _judge_ranks(self) -> None:
+        """The main rank's view of every rank's window: rows in the metrics files, and any straggler named."""
+        fleet = self.fleet
+        if not self._hosts:
+            self._hosts = hosts(fleet.world_size)
+        kind = "cuda_max_allocated" if fleet.strategy.runtime.device.type == "cuda" else "rss"
+        records = windows(self.step, self.window.payloads, self._hosts, kind)
+        self.metrics.ranks(records)
+        verdicts = self.stragglers.judge(records)
+        if self.replicas is not None:
+            verdicts += self.stragglers.membership(
+                self.step, self.replicas.participants, fleet.rank, self._hosts[fleet.rank]
+            )
+        for verdict in verdicts:
+            self.bar.note(f"torchfleet: {verdict.line()}")
+            self.metrics.verdict(verdict)
 
     def _save(self) -> None:
         self.saved = save(self.fleet, self.cfg, self.step, self.job.sampler, self.loss)

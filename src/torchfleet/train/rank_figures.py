@@ -1,0 +1,208 @@
+"""Each rank's time per phase of a step and its memory, summed over a log window and sent with the loss.
+
+Every rank keeps, for the steps since the last read of the loss window:
+
+    data_s     seconds blocked in the loader's next()
+    comm_s     seconds blocked in gradient synchronisation: from this rank's last
+               gradient computed in backward (the last parameter's
+               post-accumulate-grad hook) to the optimizer's step (its pre-hook),
+               which is where DDP's reducer waits for its all-reduces to finish,
+               FSDP for its reduce-scatters, a replica group for torchft's
+               all-reduce and --max-grad-norm for its norm's all-reduce; plus
+               the time of the previous read of the loss window itself
+    compute_s  the rest of the step: forward, backward up to its last local
+               gradient, the optimizer's step
+    step_s     data_s + compute_s + comm_s (host bookkeeping between steps and
+               the evaluation are left out)
+
+These are host times from time.perf_counter. On CPU (Gloo) the host is the
+device, so they are the phases' real durations; the part of DDP's all-reduce
+that overlaps backward counts as compute, and only the exposed wait, which is
+the one a slow peer makes longer, counts as communication. On CUDA the host
+runs ahead of the GPU and waits only where it syncs, so compute_s is the time
+to queue the work and the GPU's time shows up at the next wait: data_s is
+still exact, and a slow GPU's peers see the difference as comm_s. A strategy
+whose optimizer step does not run through the optimizer's step() (or a step
+the fp16 scaler skips) counts its gradient wait as compute.
+
+Memory is read once per window: torch.cuda.max_memory_allocated on a GPU, the
+process's resident set (/proc/self/statm) on CPU.
+
+The figures travel to every rank in the collective that reads the loss window
+(train/losses.py): RankWindow.FIELDS more numbers a rank in the one all-gather
+that replaces the all-reduce, so they cost no collective and no host sync of
+their own. The hosts' names are exchanged once, through the group's store.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import resource
+import socket
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+
+STORE_PREFIX = "torchfleet/ranks"
+
+
+@dataclasses.dataclass(frozen=True)
+class RankWindow:
+    """One rank's figures for one log window: the per-rank record that the metrics files, the straggler
+    verdicts (train/stragglers.py) and any live view read. Times are seconds per step (means over the
+    window's steps); `memory_bytes` is as the module says (`memory_kind`: "cuda_max_allocated" or "rss")."""
+
+    step: int  # the window's last step
+    rank: int
+    host: str
+    steps: int  # steps in the window
+    data_s: float
+    compute_s: float
+    comm_s: float
+    step_s: float
+    memory_bytes: int
+    memory_kind: str
+
+    # What each rank sends, in this order: the step count, then the three phases' sums and the memory.
+    FIELDS = 5
+
+    def row(self) -> dict:
+        """The record as a metrics row's fields (kind "rank")."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+def memory_now(device: torch.device) -> tuple[int, str]:
+    """This process's memory: CUDA's peak allocated bytes on a GPU, its resident set on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), "cuda_max_allocated"
+    try:
+        with open("/proc/self/statm") as statm:  # Linux: pages, the second field resident
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE"), "rss"
+    except OSError:  # macOS: the peak resident set, in bytes there (kilobytes on Linux)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if sys.platform == "darwin" else peak * 1024, "rss"
+
+
+def gather_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """Every rank's copy of the 1-D `tensor`, as a (world size, n) tensor: one all-gather."""
+    if not dist.is_initialized():
+        return tensor.unsqueeze(0)
+    world = dist.get_world_size()
+    flat = tensor.new_empty(world * tensor.numel())  # Gloo wants the flat output, not (world, n)
+    # torch 2.14 renamed all_gather_into_tensor to all_gather_single (the old name warns there).
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(flat, tensor.contiguous())
+    return flat.view(world, -1)
+
+
+def share_host() -> None:
+    """Put this rank's host name in the group's store, once, for the main rank to name it by."""
+    if dist.is_initialized():
+        _store().set(f"host/{dist.get_rank()}", socket.gethostname())
+
+
+def hosts(world_size: int) -> list[str]:
+    """Every rank's host name (each rank shared it before its first read of the loss window)."""
+    if not dist.is_initialized():
+        return [socket.gethostname()]
+    store = _store()
+    return [store.get(f"host/{r}").decode() for r in range(world_size)]
+
+
+def _store() -> dist.Store:
+    return dist.PrefixStore(STORE_PREFIX, dist.distributed_c10d._get_default_store())
+
+
+class PhaseClock:
+    """One rank's step phases, timed on the host and summed until the next read of the loss window.
+
+    The loop iterates `batches(loader)` and calls `trained()` after each train step; the hooks on the
+    model's parameters and the optimizer mark where backward's last local gradient and the optimizer's
+    step came (the module says why those two points).
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device):
+        self.device = device
+        self._fetched = self._last_gradient = self._synced = 0.0
+        self._sums = [0, 0.0, 0.0, 0.0]  # steps, data, compute, comm
+        self._data = 0.0
+        self._hooks = [
+            param.register_post_accumulate_grad_hook(self._gradient_done)
+            for param in model.parameters()
+            if param.requires_grad
+        ]
+        self._hooks.append(optimizer.register_step_pre_hook(self._step_starts))
+
+    def close(self) -> None:
+        """Take the hooks off (benchmarks/rank_view_overhead.py times steps with and without them)."""
+        for hook in self._hooks:
+            hook.remove()
+
+    def batches(self, loader: Iterable, before_fetch: Callable[[], None] | None = None) -> Iterator:
+        """`loader`'s batches, each fetch timed; `before_fetch` runs inside the timing (a test's slow loader)."""
+        batches = iter(loader)
+        while True:
+            start = time.perf_counter()
+            if before_fetch is not None:
+                before_fetch()
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            self._fetched = time.perf_counter()
+            self._data = self._fetched - start
+            yield batch
+
+    def trained(self) -> None:
+        """A train step has returned: add its phases to the window."""
+        end = time.perf_counter()
+        synced = self._synced if self._synced > self._last_gradient else end
+        comm = synced - self._last_gradient if self._last_gradient > self._fetched else 0.0
+        sums = self._sums
+        sums[0] += 1
+        sums[1] += self._data
+        sums[2] += end - self._fetched - comm
+        sums[3] += comm
+
+    def blocked(self, seconds: float) -> None:
+        """Time spent in a collective outside the steps (the read of the loss window): communication."""
+        self._sums[3] += seconds
+
+    def take(self) -> list[float]:
+        """This window's sums to send (RankWindow.FIELDS numbers), and a new window started."""
+        steps, data, compute, comm = self._sums
+        memory, _ = memory_now(self.device)
+        self._sums = [0, 0.0, 0.0, 0.0]
+        return [float(steps), data, compute, comm, float(memory)]
+
+    def _gradient_done(self, _param: torch.Tensor) -> None:
+        self._last_gradient = time.perf_counter()
+
+    def _step_starts(self, *_args) -> None:
+        self._synced = time.perf_counter()
+
+
+def windows(step: int, sent: list[list[float]], host_names: list[str], memory_kind: str) -> list[RankWindow]:
+    """The ranks' records from what each sent (PhaseClock.take's numbers, by rank)."""
+    records = []
+    for rank, (steps, data, compute, comm, memory) in enumerate(sent):
+        per = max(steps, 1.0)
+        records.append(
+            RankWindow(
+                step=step,
+                rank=rank,
+                host=host_names[rank],
+                steps=int(steps),
+                data_s=data / per,
+                compute_s=compute / per,
+                comm_s=comm / per,
+                step_s=(data + compute + comm) / per,
+                memory_bytes=int(memory),
+                memory_kind=memory_kind,
+            )
+        )
+    return records

@@ -1,0 +1,105 @@
+"""Straggler verdicts from real runs: one rank of four slowed in one phase is named, with its phase, and an
+unslowed run names no rank. The slowdowns come from the TORCHFLEET_FAULT hook (src/torchfleet/train/faults.py)."""
+
+import json
+
+import pytest
+
+from conftest import clean_env, torchfleet
+from torchfleet.train.rank_figures import RankWindow
+from torchfleet.train.stragglers import FLOOR_S, WINDOWS, StragglerWatch
+
+# 4 ranks of 16 samples, a read every 2 steps: a verdict needs WINDOWS reads, 6 steps after the slowing starts.
+JOB = [
+    "train",
+    "--strategy",
+    "ddp",
+    "-n",
+    "4",
+    "--model",
+    "mlp",
+    "--data",
+    "synthetic",
+    "--synthetic-size",
+    "2048",
+    "--batch-size",
+    "64",
+    "--max-steps",
+    "20",
+    "--log-every",
+    "2",
+    "--no-progress",
+    "--hang-timeout",
+    "0",
+]
+
+
+def _run(tmp_path, fault: str | None) -> tuple[list[dict], str]:
+    out = tmp_path / "metrics.jsonl"
+    env = clean_env(TORCHFLEET_FAULT=fault) if fault else clean_env()
+    done = torchfleet(*JOB, "--metrics-out", str(out), env=env, timeout=150)
+    assert done.returncode == 0, done.stderr
+    return [json.loads(line) for line in out.read_text().splitlines()], done.stdout
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("phase", ["data", "compute"])
+def test_a_slowed_rank_is_named_with_its_phase(tmp_path, phase):
+    rows, stdout = _run(tmp_path, f"slow:rank=2:step=3:phase={phase}:seconds=0.03")
+    verdicts = [r for r in rows if r["kind"] == "straggler"]
+    assert [(v["rank"], v["phase"]) for v in verdicts] == [(2, phase)], verdicts
+    (verdict,) = verdicts
+    assert verdict["step"] <= 3 + 20  # named within 20 steps of the slowing
+    assert verdict["value"] - verdict["median"] > 0.025  # the 30 ms a step, less the noise of a busy machine
+    assert verdict["message"] in stdout and f"rank 2 (host {verdict['host']}) is slow in {phase}" in stdout
+    ranks = [r for r in rows if r["kind"] == "rank"]
+    assert sorted({r["rank"] for r in ranks}) == [0, 1, 2, 3] and {r["step"] for r in ranks} == set(range(2, 21, 2))
+    field = "data_s" if phase == "data" else "compute_s"
+    last = {r["rank"]: r for r in ranks if r["step"] == 20}
+    assert last[2][field] >= 0.03 and all(last[r][field] < 0.02 for r in (0, 1, 3))
+    # The others waited for rank 2 at the gradient sync: their wait is communication, and none of them is named.
+    assert all(last[r]["comm_s"] > last[2]["comm_s"] for r in (0, 1, 3))
+    for r in ranks:
+        assert r["step_s"] == pytest.approx(r["data_s"] + r["compute_s"] + r["comm_s"])
+        assert r["memory_kind"] == "rss" and r["memory_bytes"] > 10 << 20 and r["steps"] == 2
+
+
+@pytest.mark.timeout(200)
+def test_an_unslowed_run_names_no_rank(tmp_path):
+    rows, stdout = _run(tmp_path, None)
+    assert [r for r in rows if r["kind"] == "straggler"] == [] and "straggler" not in stdout
+    assert len([r for r in rows if r["kind"] == "rank"]) == 4 * 10
+
+
+def _window(rank: int, step: int, data: float = 0.001, compute: float = 0.01, comm: float = 0.002, memory=1 << 30):
+    return RankWindow(step, rank, "h", 2, data, compute, comm, data + compute + comm, memory, "rss")
+
+
+def test_verdicts_need_a_streak_a_margin_and_a_floor():
+    watch = StragglerWatch()
+    named = []
+    for step in range(1, 2 * WINDOWS + 1):
+        slow = 0.01 + 2 * FLOOR_S if step != 2 else 0.01  # one window without: the streak starts again
+        named += watch.judge([_window(0, step), _window(1, step, compute=slow), _window(2, step), _window(3, step)])
+    assert [(v.rank, v.phase, v.step) for v in named] == [(1, "compute", 2 + WINDOWS)]
+    assert named[0].value == pytest.approx(0.02) and named[0].median == pytest.approx(0.01)
+    # Twice as slow but under the floor (a fast step): noise, not a straggler.
+    quiet = StragglerWatch()
+    for step in range(1, 2 * WINDOWS):
+        assert not quiet.judge([_window(0, step, compute=0.001), _window(1, step, compute=0.002)])
+
+
+def test_waiting_ranks_are_not_named_for_communication_and_memory_growth_is():
+    watch = StragglerWatch()
+    named = []
+    for step in range(1, 8):
+        grows = (1 << 30) + step * (8 << 20)
+        named += watch.judge(
+            [
+                _window(0, step, data=0.05, comm=0.0),  # the slow one: its peers wait for it at the sync
+                _window(1, step, comm=0.05, memory=grows),
+                _window(2, step, comm=0.05),
+            ]
+        )
+    assert [(v.rank, v.phase) for v in named] == [(0, "data"), (1, "memory")]
+    assert "memory grew in each of 5 log windows" in named[1].line()
