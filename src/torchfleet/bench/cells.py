@@ -89,7 +89,9 @@ def plan(cfg: BenchConfig, availability: list[dict], cores: int) -> tuple[list[C
                     f"{', '.join(planless)} left out: {cfg.model} has no tensor-parallel plan"
                     " (ask for them with --strategies on a model with one)"
                 )
-        if cfg.model not in EXPERT_MODELS:  # expert parallelism needs experts: the built-in gpt-moe has them
+        # Expert parallelism needs experts: of the built-in models only gpt-moe has them (a model of the user's
+        # own, MODULE:FUNCTION, is not built yet here; its cells refuse it in one sentence if it has none).
+        if ":" not in cfg.model and cfg.model not in EXPERT_MODELS:
             expertless = [name for name in chosen if "ep" in preset_degrees(name)]
             chosen = [name for name in chosen if name not in expertless]
             if expertless:
