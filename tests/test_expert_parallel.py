@@ -29,7 +29,8 @@ from zoo import ZOO, train_zoo, zoo_matrix  # noqa: E402 (after the skip: zoo im
 MODELS = ["hf-mixtral", "hf-qwen2-moe"]
 IDLE = "hf-mixtral-idle-expert"  # no token ever reaches its expert 3: on 4 processes, rank 3 gets none
 TWO = [(s, m) for s in ("ep", "fsdp+ep") for m in MODELS]
-FOUR = [*TWO, ("ep", IDLE)]
+# With the router's load-balancing loss on (its token counts made global, strategies/moe_balance.py) as well.
+FOUR = [*TWO, ("ep", IDLE), ("fsdp+ep", "hf-mixtral-aux")]
 
 
 @functools.lru_cache(maxsize=None)
@@ -162,6 +163,7 @@ def test_an_ep_that_does_not_divide_the_experts_is_one_sentence():
     torch.manual_seed(0)
     net = ZOO["hf-mixtral"].build()
     assert len(check_experts(net, 2)) == 4  # one experts' module a layer
+    assert [n for n, _ in check_experts(net, 2, ("MixtralExperts",))] == [n for n, _ in check_experts(net, 2)]
     with pytest.raises(
         UsageError, match=re.escape("--ep 3 does not divide the 4 experts of model.layers.0.mlp.experts")
     ):
