@@ -117,6 +117,10 @@ def test_the_figures_hold_each_ranks_values():
     assert list(data_bar.y) == pytest.approx([5.0, 5.0, 40.0, 5.0])
     assert memory.data[3].y[-1] == pytest.approx(242.0) and memory.data[0].y[-1] == pytest.approx(200.0)
     assert list(groups.data[0].y[:6]) == [2, 2, 2, 2, 1, 2]
+    # as the loop holds them: RankWindow.row() and Verdict.row() carry no kind
+    bare = rows.RunRows()
+    assert bare.add({k: v for k, v in r.items() if k != "kind"} for r in run_rows(12) if r["kind"] != "train") == 49
+    assert bare.ranks == run.ranks and bare.verdicts == run.verdicts
     page = json.loads(figures.payload(run))
     assert page["status"] == "4 ranks on 2 hosts, step 120; 1 straggler verdict"
     assert set(page["figures"]) == set(CHARTS)

@@ -8,8 +8,8 @@ def add_parser(sub) -> None:
         "report",
         help="a finished run's per-rank page (step time, phases, memory, replica groups, stragglers) as static HTML",
         description="Reads the per-rank rows of a run's --metrics-out file (a run of several processes writes"
-        " them) and writes the page that train --dashboard serves live as one HTML file, plotly.js inside, so it"
-        " opens offline.",
+        " them) and writes the page the main rank can serve live as one HTML file, plotly.js inside, so it opens"
+        " offline.",
     )
     p.add_argument("run", metavar="RUN_DIR", help="the directory that holds the run's metrics file, or the file")
     p.add_argument(

@@ -29,7 +29,7 @@ _SCRIPT = """
 let version = -1;
 function draw(payload) {
   for (const [id, fig] of Object.entries(payload.figures)) {
-    Plotly.react(id, fig.data, fig.layout, {responsive: true, displaylogo: false});
+    Plotly.react(id, fig.data, fig.layout, {responsive: true, displayModeBar: false});
   }
   const list = document.getElementById("verdicts");
   list.replaceChildren(...payload.verdicts.map((line) => {

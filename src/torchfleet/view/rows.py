@@ -74,7 +74,7 @@ class RunRows:
         taken = 0
         for raw in rows:
             row = clean(raw)
-            kind = row.get("kind", "rank" if "step_s" in row else None)
+            kind = row["kind"] = row.get("kind") or _kind(row)
             if kind == "rank" and all(f in row for f in RANK_FIELDS):
                 self._rank(row)
             elif kind == "straggler" and "phase" in row and "step" in row:
@@ -117,6 +117,13 @@ class RunRows:
     def memory_kind(self) -> str:
         kinds = {w["memory_kind"] for windows in self.ranks.values() for w in windows if "memory_kind" in w}
         return kinds.pop() if len(kinds) == 1 else "mixed"
+
+
+def _kind(row: dict) -> str | None:
+    """The kind of a row handed over without one: RankWindow.row() and Verdict.row() as the loop holds them."""
+    if "step_s" in row:
+        return "rank"
+    return "straggler" if "phase" in row else None
 
 
 def read_metrics(path: Path) -> RunRows:
