@@ -26,7 +26,7 @@ $(VENV)/.base: pyproject.toml | $(BIN)/python
 $(VENV)/.dev: $(VENV)/.base
 	$(PIP) -e '.[dev,plot]' "torch==$$($(BIN)/python -c 'import torch; print(torch.__version__.split("+")[0])')" \
 		2>&1 | { grep -v "is ignored" || true; }
-	$(BIN)/python -c "import pytest, pytest_timeout, matplotlib, transformers"
+	$(BIN)/python -c "import pytest, pytest_timeout, matplotlib, transformers, plotly, bottle"
 	touch $@
 
 # Accelerate and Lightning for the parity benchmark only, with torch pinned to
@@ -69,10 +69,11 @@ demo: $(VENV)/.base
 	$(BIN)/torchfleet train
 
 # Programs some tests drive for real: mpirun (openmpi-bin), a Slurm cluster
-# with munge, network namespaces and tbf (iproute2). Best-effort: installed
+# with munge, network namespaces and tbf (iproute2), a browser for the per-rank
+# page (headless chromium, tests/test_view.py). Best-effort: installed
 # only where we are root and have apt-get, and only what is missing; elsewhere
 # those tests skip and say why (fail, under TORCHFLEET_REQUIRE_SYSTEM_TESTS=1, as in CI).
-SYSTEM_PACKAGES := openmpi-bin slurm-wlm munge iproute2
+SYSTEM_PACKAGES := openmpi-bin slurm-wlm munge iproute2 chromium
 
 system-deps:
 	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \

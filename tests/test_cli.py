@@ -110,6 +110,7 @@ SURFACE = {
     "lighthouse": ["--host", "--port", "--min-replicas"],
     "k8s": ["--gpus-per-node", "--image", "--nodes", "--nproc-per-node", "--out", "--fault-tolerance"],
     "sagemaker": ["--instance-count", "--instance-type", "--out", "--role", "--submit"],
+    "report": ["--out"],
     "plan": [
         "--batch-size",
         "--chart",

@@ -192,6 +192,10 @@ def build_parser() -> argparse.ArgumentParser:
     from torchfleet.cli import plan as plan_cli
 
     plan_cli.add_parser(sub)
+
+    from torchfleet.cli import report as report_cli
+
+    report_cli.add_parser(sub)
     return parser
 
 
@@ -310,6 +314,10 @@ def main(argv: list[str] | None = None) -> int:
             from torchfleet.cli import plan as plan_cli
 
             return plan_cli.command(args)
+        if args.command == "report":
+            from torchfleet.cli import report as report_cli
+
+            return report_cli.command(args)
     except UsageError as exc:
         print(f"torchfleet {args.command}: error: {exc}", file=sys.stderr)
         return 2

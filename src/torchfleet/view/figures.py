@@ -1,0 +1,162 @@
+"""The page's charts as plotly figures, from a run's rows: the live page and the report draw the same ones.
+
+    step      step time per rank over the steps, with a mark where a rank was named
+    phases    each rank's step split into data, compute and communication
+    memory    memory per rank over the steps
+    groups    the replica groups in the quorum over the steps (a note where the run had none)
+
+`payload` is what the page receives: each figure as plotly's JSON, the
+verdicts' lines and a status line. plotly draws; this module only sorts the
+rows into traces.
+"""
+
+from __future__ import annotations
+
+import json
+
+from torchfleet.view.rows import RunRows
+
+MIB = 1 << 20
+PHASE_TRACES = (("data", "data_s"), ("compute", "compute_s"), ("communication", "comm_s"))
+MEMORY_TITLES = {"cuda_max_allocated": "CUDA peak allocated (MiB)", "rss": "resident set (MiB)"}
+HEIGHT = 360
+
+
+def _layout(title: str, x: str, y: str, **more) -> dict:
+    return {
+        "title": {"text": title},
+        "xaxis": {"title": {"text": x}},
+        "yaxis": {"title": {"text": y}, "rangemode": "tozero"},
+        "height": HEIGHT,
+        "margin": {"l": 60, "r": 20, "t": 50, "b": 50},
+        "template": "plotly_white",
+        **more,
+    }
+
+
+def rank_name(windows: list[dict]) -> str:
+    return f"rank {windows[-1]['rank']} ({windows[-1]['host']})"
+
+
+def _color(rank: int) -> str:
+    from plotly.colors import qualitative
+
+    return qualitative.Plotly[rank % len(qualitative.Plotly)]
+
+
+def step_figure(rows: RunRows):
+    import plotly.graph_objects as go
+
+    fig = go.Figure(layout=_layout("step time per rank", "step", "ms per step"))
+    for rank, windows in sorted(rows.ranks.items()):
+        fig.add_scatter(
+            x=[w["step"] for w in windows],
+            y=[w["step_s"] * 1e3 for w in windows],
+            name=rank_name(windows),
+            legendgroup=str(rank),
+            mode="lines+markers",
+            line={"color": _color(rank)},
+        )
+    named = [v for v in rows.verdicts if v.get("phase") not in ("membership", None) and v.get("rank") in rows.ranks]
+    if named:  # each verdict marked on its rank's line, the printed sentence on hover
+        at = [_window_at(rows.ranks[v["rank"]], v["step"]) for v in named]
+        fig.add_scatter(
+            x=[v["step"] for v in named],
+            y=[w["step_s"] * 1e3 for w in at],
+            text=[v.get("message", "") for v in named],
+            hoverinfo="text",
+            name="straggler named",
+            mode="markers",
+            marker={"symbol": "x", "size": 14, "color": "red"},
+        )
+    return fig
+
+
+def _window_at(windows: list[dict], step: int) -> dict:
+    return next((w for w in windows if w["step"] >= step), windows[-1])
+
+
+def phase_figure(rows: RunRows, recent: int | None = None):
+    """Stacked bars: each rank's ms per step in each phase, over its last `recent` windows (None: all)."""
+    import plotly.graph_objects as go
+
+    span = "the whole run" if recent is None else f"the last {recent} log windows"
+    fig = go.Figure(layout=_layout(f"where each rank's step goes ({span})", "", "ms per step", barmode="stack"))
+    ranks = sorted(rows.ranks)
+    names = [rank_name(rows.ranks[r]) for r in ranks]
+    for phase, field in PHASE_TRACES:
+        fig.add_bar(
+            x=names, y=[_mean(rows.ranks[r][-recent:] if recent else rows.ranks[r], field) for r in ranks], name=phase
+        )
+    return fig
+
+
+def _mean(windows: list[dict], field: str) -> float:
+    """Milliseconds per step over `windows`, each weighted by its steps."""
+    steps = sum(w.get("steps") or 1 for w in windows)
+    return sum(w[field] * (w.get("steps") or 1) for w in windows) / steps * 1e3
+
+
+def memory_figure(rows: RunRows):
+    import plotly.graph_objects as go
+
+    kind = rows.memory_kind()
+    fig = go.Figure(layout=_layout("memory per rank", "step", MEMORY_TITLES.get(kind, "memory (MiB)")))
+    for rank, windows in sorted(rows.ranks.items()):
+        fig.add_scatter(
+            x=[w["step"] for w in windows],
+            y=[w["memory_bytes"] / MIB for w in windows],
+            name=rank_name(windows),
+            legendgroup=str(rank),
+            mode="lines+markers",
+            line={"color": _color(rank)},
+        )
+    return fig
+
+
+def groups_figure(rows: RunRows):
+    import plotly.graph_objects as go
+
+    fig = go.Figure(layout=_layout("replica groups in the quorum", "step", "groups", yaxis={"dtick": 1}))
+    if not rows.groups:
+        fig.add_annotation(
+            text="no replica groups in this run", showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper"
+        )
+        fig.update_layout(xaxis={"visible": False}, yaxis={"visible": False})
+        return fig
+    fig.add_scatter(
+        x=[step for step, _ in rows.groups],
+        y=[n for _, n in rows.groups],
+        name="groups",
+        mode="lines+markers",
+        line={"shape": "hv"},
+    )
+    return fig
+
+
+def figures(rows: RunRows, recent: int | None = None) -> dict:
+    """Every chart of the page, by the id of its place on the page."""
+    return {
+        "step": step_figure(rows),
+        "phases": phase_figure(rows, recent),
+        "memory": memory_figure(rows),
+        "groups": groups_figure(rows),
+    }
+
+
+def status(rows: RunRows) -> str:
+    hosts = {w[-1]["host"] for w in rows.ranks.values()}
+    if not rows.ranks:
+        return "waiting for the first log window"
+    named = sum(1 for v in rows.verdicts if v.get("phase") != "membership")
+    return (
+        f"{len(rows.ranks)} ranks on {len(hosts)} host{'s' * (len(hosts) != 1)}, step {rows.last_step};"
+        f" {named} straggler verdict{'s' * (named != 1)}"
+    )
+
+
+def payload(rows: RunRows, recent: int | None = None) -> str:
+    """What the page draws, as JSON: {"figures": {id: plotly figure}, "verdicts": [line], "status": line}."""
+    drawn = {name: json.loads(fig.to_json()) for name, fig in figures(rows, recent).items()}
+    lines = [v.get("message") or f"{v.get('phase')} at step {v.get('step')}" for v in rows.verdicts]
+    return json.dumps({"figures": drawn, "verdicts": lines, "status": status(rows)})
