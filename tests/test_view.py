@@ -10,6 +10,7 @@ import re
 import shutil
 import socket
 import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -297,3 +298,35 @@ def test_the_report_page_in_chromium_draws_every_ranks_series(tmp_path):
     assert_the_page_drew_the_run(page)
     assert '<div id="status">4 ranks on 2 hosts, step 120; 1 straggler verdict</div>' in page
     assert time.perf_counter() - started < 120
+
+
+@pytest.mark.timeout(400)
+def test_the_page_of_a_real_training_run_draws_its_ranks_in_chromium(tmp_path):
+    """`train --dashboard` on 2 processes: the main rank serves the page while it trains, and the browser
+    finds both ranks' series, as the ranks' own figures made them (no synthetic rows)."""
+    chromium()
+    with socket.socket() as probe:  # a free port for the run to serve on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "torchfleet", "train", "--strategy", "ddp", "-n", "2", "--model", "mlp"]
+    command += ["--epochs", "400", "--log-every", "2", "--no-progress", "--dashboard", str(port)]
+    run = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}/"
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # until the first windows are in
+            assert run.poll() is None, run.stderr.read() if run.stderr else ""
+            try:
+                if _get(url, "figures.json")[0] == 200 and "rank 1 (" in _get(url, "figures.json")[2]:
+                    break
+            except OSError:
+                pass
+            time.sleep(0.5)
+        page = dom(url, screenshot=tmp_path / "run.png")
+    finally:
+        run.terminate()
+        run.wait(timeout=60)
+    drawn = series(page)
+    host = socket.gethostname()
+    assert drawn["step"][:2] == [f"rank 0 ({host})", f"rank 1 ({host})"], drawn
+    assert drawn["memory"] == [f"rank 0 ({host})", f"rank 1 ({host})"], drawn

@@ -39,6 +39,10 @@ from torchfleet.worker import preemption
 def run(cfg: TrainConfig, launch: LaunchConfig, nproc: int | None, argv: list[str]) -> int:
     """Train `cfg`; `nproc` is -n as given (None: choose), `argv` the command's own arguments."""
     cfg.check_outputs()
+    if cfg.dashboard is not None:
+        from torchfleet.view.server import check_serves_here
+
+        check_serves_here(launch.node_rank)
     env = DistEnv.detect()
     if env.is_distributed or env.source != "single":
         return _train_here(cfg, env)

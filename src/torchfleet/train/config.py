@@ -128,6 +128,15 @@ class TrainConfig:
     tensorboard: str | None = option(
         None, "TensorBoard event files in DIR, the same figures (needs `pip install tensorboard`)", metavar="DIR"
     )
+    dashboard: str | None = option(
+        None,
+        "serve a page of every rank's step time, phases and memory, and any straggler named, while the"
+        " run trains: on 127.0.0.1:PORT only, by the main rank (default 8050; 0: any free port); needs"
+        " torchfleet[dashboard]",
+        nargs="?",
+        const="8050",
+        metavar="PORT",
+    )
     max_grad_norm: float | None = option(
         None, "clip gradients to this global norm (over every shard and stage)", metavar="NORM"
     )
@@ -182,6 +191,10 @@ class TrainConfig:
         at_least("--log-every", self.log_every, 1)
         if self.metrics_out:
             check_metrics_out(self.metrics_out)
+        if self.dashboard is not None:
+            from torchfleet.view.server import dashboard_port  # the page's code only where it is asked for
+
+            dashboard_port(self.dashboard)
         if not self.hang_timeout >= 0:
             raise UsageError(f"--hang-timeout {self.hang_timeout} must be 0 (off) or a positive number of seconds")
         if self.max_steps is not None:
@@ -215,6 +228,20 @@ class TrainConfig:
         if self.tensorboard:
             check_tensorboard()
             check_writable_dir(self.tensorboard, "--tensorboard")
+        if self.dashboard is not None:
+            check_dashboard(self.dashboard)
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def check_dashboard(port: str) -> None:
+    """--dashboard's libraries are here and its port is free on 127.0.0.1: said before any process starts.
+    (The main rank binds it again when it starts; a port taken in between is refused there, as here.)"""
+    from torchfleet.view import check_installed
+    from torchfleet.view.server import DashboardServer, dashboard_port
+
+    check_installed("--dashboard")
+    number = dashboard_port(port)
+    if number:
+        DashboardServer(number).close()

@@ -11,12 +11,32 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from torchfleet.view.table import RankTable
+
 console = Console(stderr=False)
+
+
+class _BarAndRanks(Progress):
+    """The step bar with the ranks' table under it, in the one live display rich allows at a time."""
+
+    ranks: RankTable | None = None
+
+    def get_renderables(self):
+        yield from super().get_renderables()
+        if self.ranks is not None and self.ranks.has_rows:
+            yield self.ranks
 
 
 class StepBar:
     def __init__(self, progress: Progress | None, task):
         self._progress, self._task = progress, task
+
+    def ranks(self, rows: list[dict], verdicts: list[dict]) -> None:
+        """A log window's per-rank rows and verdicts, shown in the table under the bar (a terminal's only)."""
+        if isinstance(self._progress, _BarAndRanks):
+            if self._progress.ranks is None:
+                self._progress.ranks = RankTable()
+            self._progress.ranks.update(rows, verdicts)
 
     def advance(self, epoch: int, loss: float | None = None, steps: int = 1, groups: str | None = None) -> None:
         """`steps` more done; `loss` only when the trainer read one (every --log-every steps); `groups`
@@ -68,7 +88,7 @@ def progress(enabled: bool, total: int, done: int = 0, groups: bool = False) -> 
         TimeRemainingColumn(),
     )
     # A non-terminal (CI logs, pipes) gets the epoch lines without redraws.
-    with Progress(*columns, console=console, transient=True, disable=not sys.stdout.isatty()) as bar:
+    with _BarAndRanks(*columns, console=console, transient=True, disable=not sys.stdout.isatty()) as bar:
         task = bar.add_task("train", total=total, completed=done, epoch=0, loss="-", groups="-")
         yield StepBar(bar, task)
 

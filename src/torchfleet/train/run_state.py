@@ -80,6 +80,11 @@ class Run:
             if fleet.is_main
             else MetricsLog()
         )
+        self.dashboard = None  # --dashboard's page, served by the main rank
+        if cfg.dashboard is not None and fleet.is_main:
+            from torchfleet.view.server import DashboardServer, dashboard_port
+
+            self.dashboard = DashboardServer(dashboard_port(cfg.dashboard)).start()
         self.val: dict = {}  # the newest validation figures (evaluate's)
         self.samples = 0
         self.train_seconds = 0.0
@@ -172,6 +177,8 @@ class Run:
             self.val = evaluate(self.fleet, self.job.val_set, task=self.job.task)
         if self.watchdog:
             self.watchdog.stop()
+        if self.dashboard is not None:
+            self.dashboard.close()
         return time.perf_counter() - self.start
 
     def leave_if_asked(self) -> None:
@@ -228,6 +235,12 @@ class Run:
         for verdict in verdicts:
             self.bar.note(f"torchfleet: {verdict.line()}")
             self.metrics.verdict(verdict)
+        rows, named = [r.row() for r in records], [v.row() for v in verdicts]
+        self.bar.ranks(rows, named)
+        if self.dashboard is not None:
+            groups = self.replicas  # under replica groups, who is in the quorum: the page's membership chart
+            membership = [{"kind": "train", "step": self.step, "participants": groups.participants}] if groups else []
+            self.dashboard.publish(rows + named + membership)
 
     def _save(self) -> None:
         self.saved = save(self.fleet, self.cfg, self.step, self.job.sampler, self.loss)

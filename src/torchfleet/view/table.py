@@ -45,6 +45,10 @@ class RankTable:
         self._caption = ""
         self._live: Live | None = None
 
+    @property
+    def has_rows(self) -> bool:
+        return bool(self._rows)
+
     def update(self, ranks: Iterable[Mapping], verdicts: Iterable[Mapping] = ()) -> None:
         """One log window: every rank's row (kind "rank") and the verdicts named in it (kind "straggler")."""
         self._marks = {r: (what, left - 1) for r, (what, left) in self._marks.items() if left > 1}
