@@ -79,7 +79,7 @@ def test_report_says_whether_per_step_fault_tolerance_can_run(report: dict, monk
 
 def test_report_lists_every_strategy_and_dp_needs_gpus(report: dict) -> None:
     strategies = {s["name"]: s for s in report["strategies"]}
-    assert list(strategies) == list(registry.names()) and len(registry.names()) == 14
+    assert list(strategies) == list(registry.names()) and len(registry.names()) == 16
     assert strategies["dp"]["available"] is False
     assert "GPU" in strategies["dp"]["why"]
 
@@ -106,6 +106,8 @@ def test_cpu_host_rules() -> None:
         "fsdp+pipeline": True,
         "tp": True,
         "fsdp+tp": True,
+        "ep": True,
+        "fsdp+ep": True,
         "diloco": True,
         "localsgd": True,
     }
@@ -142,7 +144,7 @@ def test_one_gpu_host_offers_only_what_runs_on_processes_sharing_it() -> None:
         offered = {n for n, s in found.items() if s["available"]}
         assert offered == (
             {"serial", "hogwild", "mp", "ddp"}
-            | ({"dp", "fsdp", "pipeline", "tp", "diloco", "localsgd"} if gpus == 2 else set())
+            | ({"dp", "fsdp", "pipeline", "tp", "ep", "fsdp+ep", "diloco", "localsgd"} if gpus == 2 else set())
         )
         if gpus == 1:
             assert "2 processes share the one GPU over Gloo" in found["ddp"]["why"]
