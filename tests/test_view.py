@@ -330,3 +330,18 @@ def test_the_page_of_a_real_training_run_draws_its_ranks_in_chromium(tmp_path):
     host = socket.gethostname()
     assert drawn["step"][:2] == [f"rank 0 ({host})", f"rank 1 ({host})"], drawn
     assert drawn["memory"] == [f"rank 0 ({host})", f"rank 1 ({host})"], drawn
+
+
+def test_train_refuses_a_dashboard_it_cannot_serve_before_any_process_starts():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert_refused_in_one_sentence(
+            forked_torchfleet("train", "--strategy", "ddp", "-n", "2", "--dashboard", str(port)),
+            f"--dashboard {port}: port {port} on 127.0.0.1 is in use",
+        )
+    node_1 = ("--node-rank", "1", "--nnodes", "2", "--master-addr", "127.0.0.1")
+    assert_refused_in_one_sentence(
+        forked_torchfleet("train", "--strategy", "ddp", "--dashboard", *node_1), "node 1 (--node-rank 1) runs none"
+    )

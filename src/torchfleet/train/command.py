@@ -30,7 +30,7 @@ from torchfleet.replica_groups.sync_methods import refuse_alone
 from torchfleet.strategies import data_readers, get_strategy, registry, resolve_dims
 from torchfleet.strategies.batchnorm import check_sync_batchnorm
 from torchfleet.strategies.options import StrategyOptions
-from torchfleet.train.config import TrainConfig
+from torchfleet.train.config import TrainConfig, check_dashboard
 from torchfleet.train.loop import train
 from torchfleet.train.processes import plan_processes
 from torchfleet.worker import preemption
@@ -39,13 +39,14 @@ from torchfleet.worker import preemption
 def run(cfg: TrainConfig, launch: LaunchConfig, nproc: int | None, argv: list[str]) -> int:
     """Train `cfg`; `nproc` is -n as given (None: choose), `argv` the command's own arguments."""
     cfg.check_outputs()
-    if cfg.dashboard is not None:
+    env = DistEnv.detect()
+    if env.is_distributed or env.source != "single":
+        return _train_here(cfg, env)  # a worker: its rank 0, if any, binds --dashboard's port (or refuses it)
+    if cfg.dashboard is not None:  # the command that starts the workers, once, before any starts
         from torchfleet.view.server import check_serves_here
 
         check_serves_here(launch.node_rank)
-    env = DistEnv.detect()
-    if env.is_distributed or env.source != "single":
-        return _train_here(cfg, env)
+        check_dashboard(cfg.dashboard)
     # Many machines make a multi-process job even with one process each: auto means ddp.
     many = launch.multi_node
     strategy, nproc, why = plan_processes("ddp" if many and cfg.strategy == "auto" else cfg.strategy, nproc)

@@ -228,8 +228,6 @@ class TrainConfig:
         if self.tensorboard:
             check_tensorboard()
             check_writable_dir(self.tensorboard, "--tensorboard")
-        if self.dashboard is not None:
-            check_dashboard(self.dashboard)
 
     def to_dict(self) -> dict:
         return asdict(self)
