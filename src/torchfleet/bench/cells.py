@@ -82,23 +82,22 @@ def plan(cfg: BenchConfig, availability: list[dict], cores: int) -> tuple[list[C
         )
     if not cfg.strategies:
         if cfg.model not in TOKEN_MODELS:  # tensor parallelism needs a plan: the built-in gpt has one
-            planless = [name for name in chosen if "tp" in preset_degrees(name)]
-            chosen = [name for name in chosen if name not in planless]
-            if planless:
-                notes.append(
-                    f"{', '.join(planless)} left out: {cfg.model} has no tensor-parallel plan"
-                    " (ask for them with --strategies on a model with one)"
-                )
+            chosen = _left_out(
+                chosen,
+                "tp",
+                notes,
+                f"{cfg.model} has no tensor-parallel plan (ask for them with --strategies on a model with one)",
+            )
         # Expert parallelism needs experts: of the built-in models only gpt-moe has them (a model of the user's
         # own, MODULE:FUNCTION, is not built yet here; its cells refuse it in one sentence if it has none).
         if ":" not in cfg.model and cfg.model not in EXPERT_MODELS:
-            expertless = [name for name in chosen if "ep" in preset_degrees(name)]
-            chosen = [name for name in chosen if name not in expertless]
-            if expertless:
-                notes.append(
-                    f"{', '.join(expertless)} left out: {cfg.model} has no experts to split"
-                    " (ask for them with --strategies on a model with experts, such as --model gpt-moe)"
-                )
+            chosen = _left_out(
+                chosen,
+                "ep",
+                notes,
+                f"{cfg.model} has no experts to split (ask for them with"
+                " --strategies on a model with experts, such as --model gpt-moe)",
+            )
         left_out = [
             f"{name} ({here[name]['why']})" for name in STRATEGIES if name in here and not here[name]["available"]
         ]
@@ -146,6 +145,14 @@ def _cells_of(name, batch, precision, cfg, here, cores, notes) -> list[Cell]:
     if info is not None and not info["available"]:
         skip = f"not available here: {info['why']}"
     return [Cell(name, n, batch, precision, threads[n], skip) for n in counts]
+
+
+def _left_out(chosen: list[str], degree: str, notes: list[str], why: str) -> list[str]:
+    """`chosen` without the presets that name `degree`, with a note saying which and `why`."""
+    dropped = [name for name in chosen if degree in preset_degrees(name)]
+    if dropped:
+        notes.append(f"{', '.join(dropped)} left out: {why}")
+    return [name for name in chosen if name not in dropped]
 
 
 def preset_degrees(name: str) -> dict:
