@@ -1,9 +1,10 @@
 """What the per-rank figures cost a step: train's loop with and without them, side by side.
 
-    python benchmarks/rank_view_overhead.py [--nproc 2] [--rounds 15] [--steps 40] [--model cnn]
+    python benchmarks/rank_view_overhead.py [--nproc 2] [--rounds 15] [--steps 40] [--model cnn] [--device cpu]
 
 Runs itself under `torchfleet run -n NPROC` (gloo on CPU, one thread a
-process). Each process sets up the built-in job once (global batch 256),
+process; `--device cuda`: on the GPU, NCCL for one process, the backend
+torchfleet picks for more). Each process sets up the built-in job once (global batch 256),
 then takes turns, round after round, between two ways of running blocks of
 --steps steps on the same model and process group:
 
@@ -39,8 +40,15 @@ def _worker(args: argparse.Namespace) -> None:
     from torchfleet.train.stragglers import StragglerWatch
 
     torch.set_num_threads(1)
-    cfg = TrainConfig(model=args.model, data="synthetic", synthetic_size=8192, batch_size=256, progress=False)
-    fleet = Fleet("ddp", backend="gloo")
+    cfg = TrainConfig(
+        model=args.model,
+        data="text" if args.model.startswith("gpt") else "synthetic",
+        synthetic_size=8192,
+        batch_size=256,
+        progress=False,
+    )
+    fleet = Fleet("ddp", backend="gloo" if args.device == "cpu" else "auto")
+    kind = "cuda_max_allocated" if fleet.device.type == "cuda" else "rss"
     job = set_up(cfg, fleet)
     share_host()
     names = hosts(fleet.world_size)
@@ -65,7 +73,7 @@ def _worker(args: argparse.Namespace) -> None:
             if step % args.log_every == 0:
                 window.read(False, clock.take() if clock else ())
                 if clock and fleet.is_main:
-                    watch.judge(windows(step, window.payloads, names, "rss"))
+                    watch.judge(windows(step, window.payloads, names, kind))
         seconds = (time.perf_counter() - start) / args.steps
         if clock:
             clock.close()
@@ -80,7 +88,9 @@ def _worker(args: argparse.Namespace) -> None:
     if fleet.is_main:
         plain, timed = statistics.median(times["without"]), statistics.median(times["with"])
         ratio = statistics.median(w / p for w, p in zip(times["with"], times["without"], strict=True))
-        print(f"{args.model}, {fleet.world_size} processes, {args.rounds} rounds of {args.steps} steps each way")
+        print(
+            f"{args.model} on {fleet.device.type}, {fleet.world_size} processes, {args.rounds} rounds of {args.steps} steps each way"
+        )
         print(f"without per-rank figures: {plain * 1e3:.2f} ms a step (median)")
         print(f"with per-rank figures:    {timed * 1e3:.2f} ms a step (median)")
         print(f"ratio with/without:       {ratio:.4f} (median of the rounds' ratios)")
@@ -94,15 +104,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--log-every", type=int, default=10)
     parser.add_argument("--model", default="cnn")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         _worker(args)
         return
     own = ["--rounds", str(args.rounds), "--steps", str(args.steps), "--log-every", str(args.log_every)]
-    own += ["--model", args.model]
+    own += ["--model", args.model, "--device", args.device]
     command = [sys.executable, "-m", "torchfleet", "run", "-n", str(args.nproc), __file__, "--worker", *own]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if args.device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
     sys.exit(subprocess.call(command, env=env))
 
 

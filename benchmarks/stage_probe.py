@@ -12,7 +12,7 @@ out as the plan does (bf16 compute, fp32 master weights and reduction, parameter
 step, gradients accumulated unsharded until the last micro-batch, as torch's PipelineStage drives it), and
 it runs its micro-batches in 1F1B's order for its place: the first GPU pp forwards ahead, the last one. The
 neighbours' sends are stood in for: the first stage's output gradients are ones, the last stage's inputs
-random hidden states. max_memory_allocated is the peak; one JSON line per stage goes to DIR/stages.jsonl.
+random hidden states. max_memory_allocated, less what was allocated before the stage was built, is the peak; one JSON line per stage goes to DIR/stages.jsonl.
 
 `--fake-schedule` runs the very same schedule on this CPU under fake tensors (a fake one-rank group,
 FSDPMemTracker's peak, its module statistics reset before each forward, since it tracks one pass at a
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import sys
 from pathlib import Path
@@ -45,6 +46,10 @@ def run_stage(
     from torchfleet.plan import library_model, trace
 
     blocks = fields["num_hidden_layers"] // pp
+    # What an earlier stage in this process left allocated is not this stage's: about 8.5 GiB stayed after
+    # each 8B stage, which inflated every cell after the first in the 27 Nov runs. The peak is counted from here.
+    gc.collect()
+    base = torch.cuda.memory_allocated() if device == "cuda" else 0
     stage_fields = {**fields, "num_hidden_layers": blocks}
     mesh = mesh or init_device_mesh(device, (1,))
     work = trace.Workload(seq=seq, local_batch=1, ac=ac, reshard_after_forward=False, stage=role)
@@ -64,7 +69,7 @@ def run_stage(
         torch.cuda.reset_peak_memory_stats()
     with tracker:
         _run_order(model, optimizer, order, tokens, fields, role, seq, device, microbatches, tracker)
-    peak = torch.cuda.max_memory_allocated() if device == "cuda" else 0
+    peak = torch.cuda.max_memory_allocated() - base if device == "cuda" else 0
     if tracker_class:
         peak = max(sum(kinds.values()) for kinds in tracker.moments)
     dist.barrier()
@@ -77,6 +82,7 @@ def run_stage(
         "ac": ac,
         "held": warm,
         "peak": peak,
+        "left_before": base,
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
     }
 
@@ -209,7 +215,9 @@ def main() -> None:
             for role in ("first", "last"):
                 recording = args.snapshot and device == "cuda"
                 if recording:
-                    torch.cuda.memory._record_memory_history(max_entries=200_000)
+                    torch.cuda.memory._record_memory_history(
+                        stacks="python", max_entries=2_000_000
+                    )  # C++ stacks take minutes to dump
                 row = run_stage(fields, role, int(pp), int(m), seq, ac, device)
                 if recording:
                     torch.cuda.memory._dump_snapshot(str(out / f"snapshot-{role}-{pp}-{m}-{ac}.pickle"))

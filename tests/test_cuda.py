@@ -23,6 +23,7 @@ go in docs/benchmarks/history.md.
 from __future__ import annotations
 
 import functools
+import json
 import subprocess
 import sys
 
@@ -115,3 +116,29 @@ def test_doctor_names_nccl_and_why():
     out = subprocess.run([sys.executable, "-m", "torchfleet", "doctor"], capture_output=True, text=True, timeout=100)
     assert out.returncode == 0, out.stderr
     assert "nccl" in out.stdout.lower() and "CUDA GPU" in out.stdout and "fastest" in out.stdout
+
+
+@pytest.mark.timeout(300)
+def test_per_rank_figures_on_cuda_name_a_slow_rank_and_read_the_gpu_memory(tmp_path):
+    """Issue 40 on a GPU: 2 processes sharing it, rank 1 slowed 30 ms a step in its loader. On CUDA the
+    host runs ahead, but data_s is still exact, so the verdict names rank 1 / data; memory is the
+    allocator's peak on the GPU, not the host's resident set."""
+    from conftest import clean_env, torchfleet
+
+    out = tmp_path / "metrics.jsonl"
+    job = ["train", "--strategy", "ddp", "-n", "2", "--model", "mlp", "--data", "synthetic"]
+    job += ["--synthetic-size", "2048", "--batch-size", "64", "--max-steps", "20", "--log-every", "2"]
+    job += ["--no-progress", "--hang-timeout", "0", "--metrics-out", str(out)]
+    env = clean_env(TORCHFLEET_FAULT="slow:rank=1:step=3:phase=data:seconds=0.03")
+    done = torchfleet(*job, env=env, timeout=250)
+    assert done.returncode == 0, done.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    verdicts = [(r["rank"], r["phase"]) for r in rows if r["kind"] == "straggler"]
+    assert verdicts == [(1, "data")], verdicts
+    ranks = [r for r in rows if r["kind"] == "rank"]
+    assert len(ranks) == 2 * 10
+    for r in ranks:
+        assert r["memory_kind"] == "cuda_max_allocated"
+        assert 0 < r["memory_bytes"] < 1 << 30  # the mlp's weights, gradients and a batch: far below a GiB
+    last = {r["rank"]: r for r in ranks if r["step"] == 20}
+    assert last[1]["data_s"] >= 0.03 and last[0]["data_s"] < 0.02
