@@ -21,7 +21,8 @@ from conftest import torchfleet
 from torchfleet import launch
 from torchfleet.errors import UsageError
 from torchfleet.models import GPT, TOKEN_MODELS, GPTConfig, build_model, lm_loss
-from torchfleet.models.moe import Experts, MoEFeedForward, Router, aux_loss, expert_load, load_balancing_loss
+from torchfleet.models.moe import Experts, MoEFeedForward, Router, aux_loss, load_balancing_loss
+from torchfleet.strategies.expert_load import ExpertLoad
 from torchfleet.testing.real_models import real_model, real_model_matrix, train_real_model
 
 SMALL = GPTConfig(vocab_size=97, block_size=16, n_layer=2, n_head=4, n_embd=32, experts=4, top_k=2)
@@ -74,14 +75,12 @@ def test_router_takes_the_top_k_of_the_softmax_renormalised():
 def test_tokens_per_expert_count_every_choice():
     torch.manual_seed(0)
     model = GPT(SMALL)
+    load = ExpertLoad(model)  # what train's summary reads, as for any model with experts
     model(torch.randint(0, 97, (3, 16)))
-    load = expert_load(model)
-    assert list(load) == ["blocks.0.mlp", "blocks.1.mlp"]
-    for name, counts in load.items():
-        assert len(counts) == 4 and sum(counts) == 3 * 16 * 2, name  # tokens * top_k
-    block = model.blocks[0].mlp
-    assert block.tokens_per_expert.dtype == torch.long and not block.tokens_per_expert.requires_grad
-    assert "blocks.0.mlp.tokens_per_expert" not in model.state_dict()  # a count, not a weight
+    assert load.counts is not None and load.counts.dtype == torch.long
+    assert int(load.counts.sum()) == 3 * 16 * 2 * 2  # tokens * top_k, in each of the 2 blocks
+    assert len(load.counts) == 4 and abs(sum(load.shares(torch.device("cpu"))) - 1) < 1e-12
+    assert not any("tokens_per_expert" in key for key in model.state_dict())  # a count, not a weight
 
 
 def test_load_balancing_loss_on_known_routings():

@@ -10,10 +10,10 @@ MixtralExperts, MixtralSparseMoeBlock): ``gate.weight`` [E, H],
 expert-parallel wrapper serves the built-in `gpt-moe` and a transformers MoE
 model alike.
 
-Each block keeps the tokens each expert got in its last forward
-(``tokens_per_expert``, this process's count) for the run's report, and, when
-asked, the Switch Transformer's load-balancing loss (`aux_loss`), which is off
-by default: training without it computes only the language model's loss.
+Each block keeps, when asked, the Switch Transformer's load-balancing loss
+(`aux_loss`), which is off by default: training without it computes only the
+language model's loss. How many tokens each expert got is counted by
+strategies/expert_load.py, as for any model with experts.
 """
 
 from __future__ import annotations
@@ -99,12 +99,8 @@ def load_balancing_loss(router_logits: torch.Tensor, top_k_index: torch.Tensor, 
 class MoEFeedForward(nn.Module):
     """A block's feed-forward as a mixture of experts: forward(x [..., H]) -> [..., H].
 
-    After each forward: ``tokens_per_expert`` (long [E], detached; not saved with the weights) holds
-    how many tokens chose each expert, summing to tokens * top_k; with ``keep_aux_loss`` also
-    ``aux_loss``, this layer's `load_balancing_loss` with its gradient, for the training loss to add
+    After each forward with ``keep_aux_loss``: ``aux_loss``, this layer's `load_balancing_loss` with its gradient, for the training loss to add
     (`aux_loss` below sums a model's)."""
-
-    tokens_per_expert: torch.Tensor  # a buffer: moves with the model, never saved
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int = 2, keep_aux_loss: bool = False):
         super().__init__()
@@ -112,15 +108,11 @@ class MoEFeedForward(nn.Module):
         self.keep_aux_loss = keep_aux_loss
         self.gate = Router(num_experts, hidden, top_k)
         self.experts = Experts(num_experts, hidden, intermediate)
-        self.register_buffer("tokens_per_expert", torch.zeros(num_experts, dtype=torch.long), persistent=False)
         self.aux_loss: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         logits, top_k_weights, top_k_index = self.gate(flat)
-        with torch.no_grad():
-            counts = torch.bincount(top_k_index.flatten(), minlength=self.experts.num_experts)
-            self.tokens_per_expert.copy_(counts)
         if self.keep_aux_loss:
             self.aux_loss = load_balancing_loss(logits, top_k_index, self.experts.num_experts)
         return self.experts(flat, top_k_index, top_k_weights).reshape(x.shape)
@@ -134,8 +126,3 @@ def aux_loss(model: nn.Module) -> torch.Tensor:
     if not kept:
         raise ValueError("no MoE block kept a load-balancing loss: build the model with keep_aux_loss and run forward")
     return torch.stack(kept).sum()
-
-
-def expert_load(model: nn.Module) -> dict[str, list[int]]:
-    """{block name: tokens per expert in its last forward}, for every MoE block this process holds."""
-    return {name: m.tokens_per_expert.tolist() for name, m in model.named_modules() if isinstance(m, MoEFeedForward)}
