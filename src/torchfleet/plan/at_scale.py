@@ -25,6 +25,7 @@ from torchfleet.plan.scale_rows import (
     COLUMNS,
     RESERVED_OVER_ALLOCATED,
     collectives_s,
+    fsdp_overlapped,
     layout_name,
     memory_columns,
     table_row,
@@ -241,18 +242,7 @@ def step_time(traced: Traced, params: int, blocks: int, gpus: int, request: Scal
         + comm.reduce_scatter_s(shard * 4, traced.world, link)
         + comm.all_reduce_s(shard / traced.world * 4, replicas, target.link_for(gpus))
     )
-    tensor = collectives_s(traced, tp, target)
-    exposed = fsdp / blocks + max(0.0, fsdp - compute) + tensor
-    communication = fsdp + tensor
-    return {
-        "step": compute + exposed,
-        "compute": compute,
-        "communication": communication,
-        "fsdp": fsdp,
-        "tp": tensor,
-        "exposed": exposed,
-        "bound": "compute" if compute >= communication else "communication",
-    }
+    return fsdp_overlapped(compute, fsdp, blocks, tp=collectives_s(traced, tp, target))
 
 
 def recommend(rows: list[dict], request: ScaleRequest) -> str:

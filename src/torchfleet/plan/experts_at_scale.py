@@ -154,15 +154,4 @@ def step_time(
     ep_s = rows_calls * all_to_all_s(routed, ep, target) + count_calls * all_to_all_s(
         experts["experts"] * COUNT_BYTES, ep, target
     )
-    exposed = fsdp / blocks + max(0.0, fsdp - compute) + ep_s
-    communication = fsdp + ep_s
-    return {
-        "step": compute + exposed,
-        "compute": compute,
-        "communication": communication,
-        "fsdp": fsdp,
-        "tp": 0.0,
-        "ep": ep_s,
-        "exposed": exposed,
-        "bound": "compute" if compute >= communication else "communication",
-    }
+    return scale_rows.fsdp_overlapped(compute, fsdp, blocks, ep=ep_s)

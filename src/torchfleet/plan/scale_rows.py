@@ -1,6 +1,6 @@
 """What every `plan --hf-config` row is made of, whichever layout made it: the memory columns, the
 allocator's reserve over the tensors, the layout's name, the cost of the tensor-parallel collectives
-a trace counted, and the row itself (table_row). plan/at_scale.py makes the FSDP, HSDP and tensor-parallel
+a trace counted, a step's seconds from its parts (fsdp_overlapped), and the row itself (table_row). plan/at_scale.py makes the FSDP, HSDP and tensor-parallel
 rows, plan/pipeline_at_scale.py the pipeline rows, plan/experts_at_scale.py the expert-parallel rows.
 """
 
@@ -87,3 +87,21 @@ def collectives_s(traced: Traced, tp: int, target: hardware.Target) -> float:
     costs = {"all_gather": comm.all_gather_s, "reduce_scatter": comm.reduce_scatter_s, "all_reduce": comm.all_reduce_s}
     # Each call pays its hops' latency; the formulas are linear in bytes, so calls x one average call.
     return sum(calls * costs[kind](nbytes / calls, tp, within) for kind, nbytes, calls in traced.collectives if calls)
+
+
+def fsdp_overlapped(compute: float, fsdp: float, blocks: int, **unhidden: float) -> dict:
+    """A step's seconds from its compute, FSDP's collectives (prefetched behind compute, but for one block's
+    share, and whatever exceeds the compute) and collectives no compute hides (`unhidden`, by name: tp, ep)."""
+    waited = sum(unhidden.values())
+    exposed = fsdp / blocks + max(0.0, fsdp - compute) + waited
+    communication = fsdp + waited
+    return {
+        "step": compute + exposed,
+        "compute": compute,
+        "communication": communication,
+        "fsdp": fsdp,
+        "tp": 0.0,
+        **unhidden,
+        "exposed": exposed,
+        "bound": "compute" if compute >= communication else "communication",
+    }
