@@ -160,7 +160,7 @@ def test_dashboard_refuses_bad_ports_in_one_sentence():
 
 
 def test_dashboard_listens_on_loopback_only_and_answers_loopback_names_only():
-    with DashboardServer(0) as server:
+    with DashboardServer(0, redraw_share=1.0) as server:  # every version drawn at once
         assert server._server.socket.getsockname()[0] == "127.0.0.1"
         listening = _listeners(server.port)
         assert listening == {"127.0.0.1"}, listening
@@ -171,6 +171,21 @@ def test_dashboard_listens_on_loopback_only_and_answers_loopback_names_only():
         assert _get(server.url, "figures.json?version=1")[0] == 204
         assert _get(server.url, "", host=f"rebound.example:{server.port}")[0] == 403
         assert _get(server.url, "", host=f"localhost:{server.port}")[0] == 200
+
+
+def test_the_page_is_redrawn_within_its_share_of_the_main_ranks_time():
+    with DashboardServer(0, redraw_share=0.05) as server:  # 19 s of waiting per second of drawing
+        server.publish(run_rows(2))
+        assert _get(server.url, "figures.json?version=-1")[1]["X-Version"] == "1"
+        assert server.drawing_s > 0
+        server.publish(run_rows(1, start=3))  # version 2, right after a drawing: the ration is spent
+        waiting = server._next_draw - time.monotonic()
+        assert 0 < waiting <= 19 * server.drawing_s
+        assert _get(server.url, "figures.json?version=-1")[1]["X-Version"] == "1"
+        assert _get(server.url, "figures.json?version=1")[0] == 204  # nothing new for the page yet
+        time.sleep(max(0.0, server._next_draw - time.monotonic()) + 0.01)
+        status, headers, _ = _get(server.url, "figures.json?version=1")
+        assert status == 200 and headers["X-Version"] == "2"
 
 
 def _get(url: str, path: str, host: str | None = None) -> tuple[int, dict, str]:

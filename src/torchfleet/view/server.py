@@ -5,6 +5,11 @@ standard library's WSGI server, one thread per request, in a daemon thread
 beside training, so the loop's only cost is `publish`, which files the
 window's rows under a lock. Building the charts happens on the server's
 thread when the page asks (every page.POLL_MS, and only when something is new).
+That thread shares the main rank's interpreter with training, and a drawing
+takes 40 to 110 ms (8 ranks, 50 to 2,000 windows), so it is rationed: after a
+drawing that took t seconds the next waits (1 / REDRAW_SHARE - 1) x t, which
+holds the page's cost to REDRAW_SHARE of the main rank's time. Without it, on
+the 2-core machine a page left open made rank 0 a compute straggler.
 
 What it exposes (docs/guides/security.md): the run's per-rank timings, memory,
 host names and verdicts, read-only, to processes on this machine. It binds
@@ -19,6 +24,7 @@ from __future__ import annotations
 import errno
 import sys
 import threading
+import time
 from collections.abc import Iterable, Mapping
 from socketserver import ThreadingMixIn
 from urllib.parse import parse_qs
@@ -33,6 +39,7 @@ from torchfleet.view.rows import RunRows
 HOST = "127.0.0.1"
 DEFAULT_PORT = 8050
 RECENT = 10  # the phase chart's windows: the run so far would bury a rank that turned slow late
+REDRAW_SHARE = 0.01  # of the main rank's time, at most, spent drawing the page's charts
 _ALLOWED_HOSTS = ("127.0.0.1", "localhost")
 
 
@@ -74,8 +81,11 @@ class DashboardServer:
     `start` serves it from a daemon thread, `close` stops it (or use it as a context manager).
     """
 
-    def __init__(self, port: int = DEFAULT_PORT, title: str = "torchfleet: ranks"):
+    def __init__(self, port: int = DEFAULT_PORT, title: str = "torchfleet: ranks", redraw_share: float = REDRAW_SHARE):
         check_installed("--dashboard")
+        self._redraw_gap = 1 / redraw_share - 1  # seconds of waiting per second of drawing; 0 at a share of 1
+        self._next_draw = 0.0  # time.monotonic() from which a new version may be drawn
+        self.drawing_s = 0.0  # the last drawing's seconds
         self.title = title
         self.rows = RunRows()
         self._lock = threading.Lock()
@@ -119,14 +129,18 @@ class DashboardServer:
         self.close()
 
     def _payload(self) -> tuple[int, str]:
-        """The figures of the newest version; drawn outside the lock, so `publish` never waits for plotly."""
+        """The figures of the newest version, or of the last drawn while the drawing's ration is spent; drawn
+        outside the lock, so `publish` never waits for plotly."""
         with self._lock:
-            if self._drawn is not None and self._drawn[0] == self._version:
+            if self._drawn is not None and (self._drawn[0] == self._version or time.monotonic() < self._next_draw):
                 return self._drawn
             version, rows = self._version, self.rows.copy()
+        start = time.monotonic()
         drawn = (version, payload(rows, RECENT))
+        end = time.monotonic()
         with self._lock:
-            self._drawn = drawn
+            self._drawn, self.drawing_s = drawn, end - start
+            self._next_draw = end + self.drawing_s * self._redraw_gap
         return drawn
 
     def _app(self):
