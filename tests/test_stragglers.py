@@ -1,11 +1,16 @@
 """Straggler verdicts from real runs: one rank of four slowed in one phase is named, with its phase, and an
-unslowed run names no rank. The slowdowns come from the TORCHFLEET_FAULT hook (src/torchfleet/train/faults.py)."""
+unslowed run names no rank. The slowdowns come from the TORCHFLEET_FAULT hook (src/torchfleet/train/faults.py): a
+sleep in the slowed rank's batch fetches, and a busy thread in its process that holds the interpreter."""
 
 import json
+import sys
+import threading
+import time
 
 import pytest
 
 from conftest import clean_env, torchfleet
+from torchfleet.train import faults
 from torchfleet.train.rank_figures import RankWindow
 from torchfleet.train.stragglers import FLOOR_S, WINDOWS, StragglerWatch
 
@@ -55,6 +60,8 @@ def test_a_slowed_rank_is_named_with_its_phase(tmp_path, phase):
     ranks = [r for r in rows if r["kind"] == "rank"]
     assert sorted({r["rank"] for r in ranks}) == [0, 1, 2, 3] and {r["step"] for r in ranks} == set(range(2, 21, 2))
     field = "data_s" if phase == "data" else "compute_s"
+    # Each slowed step (3 on) took the 30 ms inside the phase; the window of steps 1 and 2 was not slowed.
+    assert all(r[field] >= 0.03 for r in ranks if r["rank"] == 2 and r["step"] >= 4)
     last = {r["rank"]: r for r in ranks if r["step"] == 20}
     assert last[2][field] >= 0.03 and all(last[r][field] < 0.02 for r in (0, 1, 3))
     # The others waited for rank 2 at the gradient sync: their wait is communication, and none of them is named.
@@ -62,6 +69,25 @@ def test_a_slowed_rank_is_named_with_its_phase(tmp_path, phase):
     for r in ranks:
         assert r["step_s"] == pytest.approx(r["data_s"] + r["compute_s"] + r["comm_s"])
         assert r["memory_kind"] == "rss" and r["memory_bytes"] > 10 << 20 and r["steps"] == 2
+
+
+def test_the_compute_slowdown_is_a_busy_thread_holding_the_interpreter(monkeypatch):
+    monkeypatch.setenv(faults.VARIABLE, "slow:rank=2:step=3:phase=compute:seconds=0.05")
+    interval = sys.getswitchinterval()
+    try:
+        assert faults.slow_compute(1) is None  # not this rank's fault: no thread
+        wake = faults.slow_compute(2)
+        assert wake is not None and [t.name for t in threading.enumerate()].count("torchfleet-busy") == 1
+        start = time.perf_counter()
+        wake(2)  # before the slowing step: the thread is not woken
+        assert time.perf_counter() - start < 0.01
+        for step in (3, 4):
+            start, own = time.perf_counter(), time.thread_time()
+            wake(step)
+            # The training thread waited out the busy thread's 50 ms turn, computing nothing itself.
+            assert time.perf_counter() - start >= 0.05 and time.thread_time() - own < 0.01
+    finally:
+        sys.setswitchinterval(interval)
 
 
 @pytest.mark.timeout(200)

@@ -14,9 +14,10 @@ rank `rank` after step `step` the fault fires:
             something else has happened (a lost peer back and healed)
     slow    from `step` on, one phase of each step slow (``phase=``): data
             sleeps `seconds` inside each fetch from the loader (a slow disk);
-            compute keeps the training thread busy for `seconds` at the
-            start of each forward (a throttled device, as the host sees
-            it); for the straggler verdicts (train/stragglers.py)
+            compute wakes a busy thread in the rank's process at the start
+            of each forward, which keeps the interpreter and a core for
+            `seconds` (a noisy neighbour); for the straggler verdicts
+            (train/stragglers.py)
 
 ``once=FILE`` fires only while FILE does not exist and writes it (holding
 the time it fired) just before firing, so a group restarted by torchrun's
@@ -27,6 +28,8 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -121,15 +124,45 @@ def slow_fetch(rank: int, step: int) -> None:
 
 
 def slow_compute(rank: int) -> Callable[[int], None] | None:
-    """A slow:phase=compute fault's busy wait, called with each step's number, if it is for this rank."""
+    """A slow:phase=compute fault's busy thread, started here; the returned callable wakes it for a step.
+
+    The thread is a noisy neighbour inside the rank's own process, as a logging or prefetch thread doing
+    pure-Python work would be: woken at the start of a forward, it spins for `seconds`, holding the
+    interpreter, and the training thread, which needs the interpreter between any two torch ops, waits
+    for it: each slowed step's compute takes `seconds` longer. A thread that only burns a core (work that
+    lets go of the interpreter) slows nothing that can be named on a machine whose cores every rank
+    already shares: the scheduler takes its share from all the ranks alike. Pinning the rank and a
+    thread of raised priority to one core named rank 2 too, on 2 cores, but its compute grew by 1 to 34
+    ms a step where 30 were asked (the rest landed in communication), and a raised priority needs root.
+    (A free-threaded Python has no interpreter lock to hold; this fault needs one.)
+
+    Two things make the neighbour's turn fall whole inside compute. The training thread waits until the
+    busy thread holds the interpreter (else it would finish a short forward before the thread ran, and
+    the turn would land in the gradient sync); and the switch interval is raised above `seconds` in this
+    process, so the turn ends when the thread's spinning does, as a long C call's would, rather than
+    after the default 5 ms.
+    """
     fault = _configured()
     if fault is None or fault.kind != "slow" or fault.phase != "compute" or fault.rank != rank:
         return None
+    due, holding = threading.Event(), threading.Event()
+    sys.setswitchinterval(max(sys.getswitchinterval(), 2 * fault.seconds))
 
-    def busy(step: int) -> None:
-        if step >= fault.step:
+    def spin() -> None:
+        while True:
+            due.wait()
+            due.clear()
             end = time.perf_counter() + fault.seconds
-            while time.perf_counter() < end:  # computing, not sleeping: the core is taken
+            holding.set()
+            while time.perf_counter() < end:  # pure Python: the interpreter stays with this thread
                 pass
 
-    return busy
+    threading.Thread(target=spin, name="torchfleet-busy", daemon=True).start()
+
+    def wake(step: int) -> None:
+        if step >= fault.step:
+            holding.clear()
+            due.set()
+            holding.wait()
+
+    return wake

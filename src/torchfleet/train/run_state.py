@@ -64,7 +64,7 @@ class Run:
             share_host()
         self.stragglers = StragglerWatch()
         slow = faults.slow_compute(fleet.rank)
-        if slow is not None:  # a test's slow rank: busy at the start of each forward, inside the timed step
+        if slow is not None:  # a test's slow rank: its busy thread takes each forward's start, inside the timed step
             fleet.strategy.model.register_forward_pre_hook(lambda *_: slow(self.step + 1))
         self._hosts: list[str] = []  # every rank's, read at the first window
         # The validation figures' names (a tally of nothing gives them) are the file's columns.
