@@ -149,14 +149,6 @@ def add_parser(sub) -> None:
     )
     c.add_argument("--gpu", default=None, help=f"a GPU from the table ({', '.join(GPUS)})")
     c.add_argument("--tflops", type=float, default=None, help="one device's dense peak TFLOP/s (for another GPU)")
-    c.add_argument(
-        "--hbm-gbs",
-        type=float,
-        default=None,
-        metavar="GB_S",
-        help="--hf-config: one device's peak memory bandwidth in GB/s, which prices the memory-bound operators"
-        " (default the table's for --gpu)",
-    )
     c.add_argument("--memory-gb", type=float, default=None, help="one GPU's memory, or one CPU machine's, in GB")
     c.add_argument(
         "--mfu",
@@ -222,7 +214,6 @@ def command(args) -> int:
         cpus_per_node=args.cpus_per_node,
         gpu=args.gpu,
         tflops=args.tflops,
-        hbm_gbs=args.hbm_gbs,
         memory_gb=args.memory_gb,
         mfu=args.mfu,
         link_gbit=args.link,

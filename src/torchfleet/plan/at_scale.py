@@ -25,7 +25,6 @@ from torchfleet.plan.scale_rows import (
     COLUMNS,
     RESERVED_OVER_ALLOCATED,
     collectives_s,
-    compute_s,
     fsdp_overlapped,
     layout_name,
     memory_columns,
@@ -74,7 +73,6 @@ def request_of(cfg) -> ScaleRequest:
         per_node=cfg.gpus_per_node or 1,
         gpu=cfg.gpu,
         tflops=cfg.tflops,
-        hbm_gbs=cfg.hbm_gbs,
         memory_gb=cfg.memory_gb,
         mfu=efficiency,
         precision=cfg.precision,
@@ -233,8 +231,9 @@ def step_time(traced: Traced, params: int, blocks: int, gpus: int, request: Scal
       products that wait for it, so none is hidden (torchtitan's async TP, which overlaps them, is not
       planned)."""
     target = request.target
+    assert target.rate is not None
     tp = gpus // (traced.world * replicas)
-    compute = compute_s(traced.flops, traced.traffic, params / tp / traced.world, target)
+    compute = traced.flops / target.rate
     link = target.link_for(traced.world * tp)  # a replica's ranks are consecutive: tp inside, shards around
     param_bytes = 2 if request.precision == "bf16" else 4
     shard = params / tp

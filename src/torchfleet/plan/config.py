@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from torchfleet.bench import user_model
 from torchfleet.config import at_least
 from torchfleet.errors import UsageError, choice_error
-from torchfleet.plan.hardware import GPUS
 from torchfleet.plan.profile import OPTIMIZER_STATE
 from torchfleet.strategies import registry
 from torchfleet.train.models import GPT_PRESETS, MODELS
@@ -28,7 +27,6 @@ class PlanConfig:
     cpus_per_node: int | None = None
     gpu: str | None = None
     tflops: float | None = None
-    hbm_gbs: float | None = None  # --hf-config: the memory bandwidth; None: the table's for --gpu
     memory_gb: float | None = None
     mfu: float | None = None  # None: hardware.DEFAULT_MFU for the precision
     link_gbit: float | None = None  # between machines
@@ -95,7 +93,6 @@ class PlanConfig:
             ("--link", self.link_gbit),
             ("--intra-link", self.intra_gbit),
             ("--tflops", self.tflops),
-            ("--hbm-gbs", self.hbm_gbs),
             ("--memory-gb", self.memory_gb),
         ):
             if value is not None and not value > 0:
@@ -112,11 +109,6 @@ class PlanConfig:
             )
         if self.check:
             raise UsageError("--check runs the model here, which --hf-config's models are too big for; leave out one")
-        if self.hbm_gbs is None and (self.gpu is None or self.gpu.upper().replace(" ", "-") not in GPUS):
-            raise UsageError(
-                "--hf-config prices the memory-bound operators by the GPU's memory bandwidth: give --hbm-gbs"
-                " (GB/s) for a GPU given by its figures"
-            )
         if self.ac not in AC_MODES:
             raise UsageError(f"--ac {self.ac!r} is not a checkpointing mode; choose one of {', '.join(AC_MODES)}")
         if self.precision not in ("bf16", "fp32"):

@@ -27,7 +27,6 @@ Routing is taken as balanced (each expert gets its share of the rows); the FLOPs
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 from torchfleet.errors import UsageError
@@ -120,7 +119,7 @@ def split_experts(traced: Traced, block_share: float, ep: int, buffers: float) -
         {**{k: v * kept if k in GATHERED_KINDS else v for k, v in m.items()}, "ALL_TO_ALL": buffers}
         for m in traced.moments
     )
-    return dataclasses.replace(traced, moments=moments)
+    return Traced(traced.layers, traced.world, moments, traced.flops, traced.collectives, traced.held)
 
 
 def all_to_all_s(nbytes: float, ep: int, target: hardware.Target) -> float:
@@ -140,7 +139,8 @@ def step_time(
     """at_scale.step_time's parts for fsdp+ep (the module docstring): compute, FSDP's collectives, hidden
     behind compute but one block's share, and the all-to-alls, not hidden."""
     target = request.target
-    compute = scale_rows.compute_s(traced.flops, traced.traffic, params / gpus, target)
+    assert target.rate is not None
+    compute = traced.flops / target.rate
     link = target.link_for(gpus)
     param_bytes = 2 if request.precision == "bf16" else 4
     rest, local_experts = params - experts["parameters"], experts["parameters"] / ep

@@ -26,24 +26,22 @@ from torchfleet.plan.comm import Link
 
 DEFAULT_MFU = {"fp32": 0.65, "bf16": 0.18, "fp16": 0.18}
 
-# name: (dense bf16 TFLOP/s, dense TF32 TFLOP/s (fp32 where the card has no TF32), plain FP32 TFLOP/s, memory GB,
-# memory bandwidth TB/s).
+# name: (dense bf16 TFLOP/s, dense TF32 TFLOP/s (fp32 where the card has no TF32), plain FP32 TFLOP/s, memory GB).
 # Sources: NVIDIA datasheets: H100 SXM5 and H100 PCIe (2023), H200 SXM (2024), A100 SXM 80GB (2021;
 # the 40GB card has the same peaks), V100 SXM2 (no bf16: fp16 figure), L4 (2023), A10G (AWS's A10
 # variant, NVIDIA A10 datasheet figures), T4 (no bf16: fp16 figure), L40S (2023). Dense: without the
-# 2:4 structured sparsity that doubles the headline figures. Memory bandwidth from the same sheets (the
-# A100 40GB's own: 1.555 TB/s; the 80GB SXM card's 2.039).
-GPUS: dict[str, tuple[float, float, float, float, float]] = {
-    "H200": (989.4, 494.7, 67.0, 141.0, 4.8),
-    "H100": (989.4, 494.7, 67.0, 80.0, 3.35),
-    "H100-PCIE": (756.0, 378.0, 51.0, 80.0, 2.0),
-    "A100": (312.0, 156.0, 19.5, 80.0, 2.039),
-    "A100-40GB": (312.0, 156.0, 19.5, 40.0, 1.555),
-    "L40S": (362.1, 183.0, 91.6, 48.0, 0.864),
-    "A10G": (125.0, 62.5, 31.2, 24.0, 0.6),
-    "L4": (121.0, 60.0, 30.3, 24.0, 0.3),
-    "V100": (125.0, 15.7, 15.7, 32.0, 0.9),
-    "T4": (65.0, 8.1, 8.1, 16.0, 0.32),
+# 2:4 structured sparsity that doubles the headline figures.
+GPUS: dict[str, tuple[float, float, float, float]] = {
+    "H200": (989.4, 494.7, 67.0, 141.0),
+    "H100": (989.4, 494.7, 67.0, 80.0),
+    "H100-PCIE": (756.0, 378.0, 51.0, 80.0),
+    "A100": (312.0, 156.0, 19.5, 80.0),
+    "A100-40GB": (312.0, 156.0, 19.5, 40.0),
+    "L40S": (362.1, 183.0, 91.6, 48.0),
+    "A10G": (125.0, 62.5, 31.2, 24.0),
+    "L4": (121.0, 60.0, 30.3, 24.0),
+    "V100": (125.0, 15.7, 15.7, 32.0),
+    "T4": (65.0, 8.1, 8.1, 16.0),
 }
 
 # Links between machines and inside one, when --link does not say: NVLink 4 (H100 SXM: 450 GB/s each
@@ -66,7 +64,6 @@ class Target:
     intra: Link  # between processes on one node
     inter: Link  # between nodes
     rate: float | None = None
-    bandwidth: float | None = None  # one device's achieved memory bytes/s (the same fraction of its peak as rate)
     cores_per_node: int = 0  # CPU hosts: cores the processes of one node share; 0 for GPUs
     here: bool = False  # this machine, calibrated by its own probes
 
@@ -92,14 +89,8 @@ def gpu_figures(name: str, precision: str) -> tuple[float, float]:
             f"GPU {name!r} is not in torchfleet's table ({', '.join(GPUS)}); give its figures"
             " with --tflops (dense, at the precision planned) and --memory-gb"
         )
-    bf16, _tf32, fp32, memory_gb, _hbm = GPUS[key]
+    bf16, _tf32, fp32, memory_gb = GPUS[key]
     return (fp32 if precision == "fp32" else bf16) * 1e12, memory_gb * 1e9
-
-
-def gpu_bandwidth(name: str | None) -> float | None:
-    """A table GPU's peak memory bandwidth in bytes/s; None for a GPU not in it."""
-    figures = GPUS.get((name or "").upper().replace(" ", "-"))
-    return figures[4] * 1e12 if figures else None
 
 
 def gpu_cluster(
@@ -113,11 +104,8 @@ def gpu_cluster(
     precision: str,
     intra_gbit: float | None,
     inter_gbit: float | None,
-    hbm_gbs: float | None = None,
 ) -> Target:
-    """A described GPU cluster; figures given as flags win over the table's (`mfu` None: DEFAULT_MFU's). The
-    achieved memory bandwidth (the table's or `hbm_gbs`, GB/s, times `mfu`) is None for a GPU given by figures
-    without `hbm_gbs`."""
+    """A described GPU cluster; figures given as flags win over the table's (`mfu` None: DEFAULT_MFU's)."""
     _check_counts(nodes, per_node, "--gpus-per-node")
     mfu = DEFAULT_MFU[precision] if mfu is None else mfu
     if not 0 < mfu <= 1:
@@ -136,18 +124,9 @@ def gpu_cluster(
     sxm = (gpu or "").upper() in ("H100", "H200", "A100")
     intra = intra_gbit * 1e9 / 8 if intra_gbit else (NVLINK_BYTES_S if sxm else PCIE_BYTES_S)
     inter = inter_gbit * 1e9 / 8 if inter_gbit else DEFAULT_INTER_BYTES_S
-    hbm = _positive("--hbm-gbs", hbm_gbs) * 1e9 if hbm_gbs is not None else gpu_bandwidth(gpu)
-    given = [f"{tflops:g} TFLOP/s"] * (tflops is not None) + [f"{hbm_gbs:g} GB/s"] * (hbm_gbs is not None)
-    name = f"{nodes} x {per_node} {gpu or 'GPU'}" + (f" ({', '.join(given)})" if given else "")
+    name = f"{nodes} x {per_node} {gpu or 'GPU'}" + ("" if tflops is None else f" ({tflops:g} TFLOP/s)")
     return Target(
-        name,
-        nodes,
-        per_node,
-        memory,
-        Link(intra, GPU_LATENCY_S),
-        Link(inter, 2 * GPU_LATENCY_S),
-        rate=peak * mfu,
-        bandwidth=None if hbm is None else hbm * mfu,
+        name, nodes, per_node, memory, Link(intra, GPU_LATENCY_S), Link(inter, 2 * GPU_LATENCY_S), rate=peak * mfu
     )
 
 

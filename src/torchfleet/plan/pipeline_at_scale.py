@@ -170,11 +170,11 @@ def step_time(
     stages (not hidden), and FSDP's collectives for the stage's blocks, once a step, behind compute; under
     HSDP also the all-reduce of each rank's gradient shard across the stage's replicas, between nodes."""
     target = request.target
+    assert target.rate is not None
     tp = gpus // (one.world * pp * replicas)
-    per_microbatch = scale_rows.compute_s(one.flops, one.traffic, 0.0, target)
+    per_microbatch = one.flops / target.rate
     busy, idle = pipelines.bubble_slots(schedule, pp, m, v)
-    optimizer = scale_rows.compute_s(0.0, 0.0, stage_params / tp / one.world, target)  # once a step
-    compute = busy * per_microbatch / v + optimizer
+    compute = busy * per_microbatch / v
     bubble = idle * per_microbatch / v
     # One gather of the stage's bf16 parameters and one reduce-scatter of its fp32 gradients a step.
     shard_link = target.link_for(one.world * tp)

@@ -1,7 +1,6 @@
 """What every `plan --hf-config` row is made of, whichever layout made it: the memory columns, the
 allocator's reserve over the tensors, the layout's name, the cost of the tensor-parallel collectives
-a trace counted, a step's compute under the GPU's roofline (compute_s) and its seconds from its parts
-(fsdp_overlapped), and the row itself (table_row). plan/at_scale.py makes the FSDP, HSDP and tensor-parallel
+a trace counted, a step's seconds from its parts (fsdp_overlapped), and the row itself (table_row). plan/at_scale.py makes the FSDP, HSDP and tensor-parallel
 rows, plan/pipeline_at_scale.py the pipeline rows, plan/experts_at_scale.py the expert-parallel rows.
 """
 
@@ -88,20 +87,6 @@ def collectives_s(traced: Traced, tp: int, target: hardware.Target) -> float:
     costs = {"all_gather": comm.all_gather_s, "reduce_scatter": comm.reduce_scatter_s, "all_reduce": comm.all_reduce_s}
     # Each call pays its hops' latency; the formulas are linear in bytes, so calls x one average call.
     return sum(calls * costs[kind](nbytes / calls, tp, within) for kind, nbytes, calls in traced.collectives if calls)
-
-
-# A fused AdamW's bytes a parameter a step, on fp32 state: it reads the parameter, its gradient and the two
-# moments and writes the parameter and the moments back, in one pass (torchtitan's default implementation).
-FUSED_ADAMW_BYTES_PER_PARAM = 7 * 4
-
-
-def compute_s(flops: float, traffic: float, params_here: float, target: hardware.Target) -> float:
-    """One rank's compute under the GPU's roofline: the FLOPs of the operators with a FLOP formula (the
-    products, attention) at the achieved FLOP/s, then the bytes the others move, and the fused optimizer's
-    over the `params_here` parameters this rank updates, at the achieved memory bandwidth. Eager kernels run
-    one after another, so the two add."""
-    assert target.rate is not None and target.bandwidth is not None
-    return flops / target.rate + (traffic + FUSED_ADAMW_BYTES_PER_PARAM * params_here) / target.bandwidth
 
 
 def fsdp_overlapped(compute: float, fsdp: float, blocks: int, **unhidden: float) -> dict:

@@ -1,5 +1,5 @@
-"""A traced step's FLOPs, memory traffic and tensor-parallel collectives, counted as its operators dispatch
-(beside plan/trace.py's memory tracker)."""
+"""A traced step's FLOPs and tensor-parallel collectives, counted as its operators dispatch (beside
+plan/trace.py's memory tracker)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,7 @@ def step_counter():
     kernels (full, not causal-halved, as torch counts those). Unlike FlopCounterMode it tracks no modules, so
     the memory tracker beside it sees the step exactly as it would alone; `.total` after the step. It also
     adds up DTensor's collectives (tensor parallelism's) by kind in `.collectives`: FSDP2's own go through
-    c10d, not these functional collectives, and plan/at_scale.py costs them from the parameters. And `.traffic`:
-    the bytes every operator without a FLOP formula reads and writes (its tensor arguments and outputs; views,
-    allocations and queries move none), the memory-bound work a roofline prices by the GPU's bandwidth."""
+    c10d, not these functional collectives, and plan/at_scale.py costs them from the parameters."""
     import torch
     from torch._guards import active_fake_mode
     from torch.distributed.tensor import DTensor
@@ -44,15 +42,8 @@ def step_counter():
     gathered = {functional.all_gather_into_tensor.default: "all_gather"}  # the output is group_size inputs
     whole = {functional.reduce_scatter_tensor.default: "reduce_scatter", functional.all_reduce.default: "all_reduce"}
 
-    # Operators that read or write no tensor's elements: a new tensor's allocation, a shape's query.
-    # _unsafe_view is a view the schema does not mark as one.
-    no_traffic = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default, aten._unsafe_view.default}
-    filled = {aten.zeros_like.default, aten.ones_like.default, aten.full_like.default}  # write their output only
-
     class StepCounter(TorchDispatchMode):
         total = 0
-        traffic = 0  # bytes read and written by the operators without a FLOP formula (memory-bound ones)
-        counting_traffic = True  # off for the optimizer's step, which the plan prices as a fused one
         fake_mode = None  # the one the step runs under, set on entry
 
         def __enter__(self):
@@ -74,12 +65,7 @@ def step_counter():
                 return out
             if formula is not None:
                 self.total += formula(*args, **(kwargs or {}), out_val=out)
-            elif self.counting_traffic and not func.is_view and func not in (*gathered, *whole, *no_traffic):
-                written = _tensor_bytes(out)  # 0 for a query (a tensor's device, its size): no traffic
-                if written:
-                    read = 0 if func in filled else _tensor_bytes(args) + _tensor_bytes(kwargs)
-                    self.traffic += read + written
-            if func in gathered or func in whole:
+            elif func in gathered or func in whole:
                 kind = gathered.get(func) or whole[func]
                 tensor = out if func in gathered else args[0]
                 self.collectives[kind] = self.collectives.get(kind, 0.0) + tensor.numel() * tensor.element_size()
@@ -99,16 +85,3 @@ def grouped_mm_flops(a, b, *args, out_shape=None, **kwargs) -> int:
     if len(a) == 2 and len(b) == 2:  # [in, tokens] x [tokens, out] -> [groups, in, out]
         return 2 * a[0] * a[1] * b[1]
     return 2 * math.prod(out_shape or ()) * a[-1]
-
-
-def _tensor_bytes(value) -> int:
-    """The bytes of every tensor in `value` (an operator's arguments or outputs, nested in tuples, lists, dicts)."""
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, (list, tuple)):
-        return sum(_tensor_bytes(v) for v in value)
-    if isinstance(value, dict):
-        return sum(_tensor_bytes(v) for v in value.values())
-    return 0

@@ -76,7 +76,6 @@ def trace(fields: dict, work: Workload, world: int, layers: int | None = None) -
         counter.total,
         tuple((kind, nbytes, counter.calls[kind]) for kind, nbytes in sorted(counter.collectives.items())),
         tracker.held,
-        counter.traffic,
     )
 
 
@@ -123,7 +122,6 @@ def tracked_step(fields: dict, work: Workload, mesh, tracker_class, layers: int 
             hidden,
             last=work.stage in ("whole", "last"),
             after_forward=lambda: _note_held(tracker),
-            before_optimizer=lambda: setattr(counter, "counting_traffic", False),
         )
     return tracker, counter
 
@@ -231,12 +229,9 @@ def _timeline_tracker():
     return Timeline
 
 
-def _step(
-    model, optimizer, tokens, tp: int = 1, hidden=None, last: bool = True, after_forward=None, before_optimizer=None
-) -> None:
+def _step(model, optimizer, tokens, tp: int = 1, hidden=None, last: bool = True, after_forward=None) -> None:
     """One step: from the tokens (or a pipeline stage's input `hidden`) to the loss, or to the output whose
-    gradient the next stage sends back (not `last`); `after_forward` is called between the two passes,
-    `before_optimizer` after backward."""
+    gradient the next stage sends back (not `last`); `after_forward` is called between the two passes."""
     import torch
     import torch.nn.functional as F
     from torch.distributed.tensor.parallel import loss_parallel
@@ -252,7 +247,5 @@ def _step(
             out.backward(torch.ones_like(out))  # the gradient arriving from the next stage
         else:
             loss.backward()
-    if before_optimizer is not None:
-        before_optimizer()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)

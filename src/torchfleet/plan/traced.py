@@ -31,10 +31,6 @@ class Traced:
     # What one micro-batch's forward leaves for its backward (its saved activations and its input): what each
     # further micro-batch a pipeline stage holds in flight adds.
     held: float = 0.0
-    # Bytes the memory-bound operators of forward and backward read and write (step_counter's traffic): the
-    # roofline's other term. FSDP's copies into and out of its collectives' buffers are among them; the
-    # optimizer's step is not (plan/at_scale.py prices it as a fused AdamW's).
-    traffic: float = 0.0
 
     @property
     def kinds(self) -> dict[str, float]:
@@ -54,7 +50,6 @@ class Traced:
             self.flops,
             self.collectives,
             self.held,
-            self.traffic,
         )
 
 
@@ -98,5 +93,4 @@ def at_depth(low: Traced, high: Traced, layers: int) -> Traced:
         carried(low.flops, high.flops),
         collectives,
         carried(low.held, high.held),
-        carried(low.traffic, high.traffic),
     )
