@@ -91,6 +91,7 @@ def probe(device: torch.device, nbytes: int = PROBE_BYTES) -> list[float]:
         start = time.perf_counter()
         sent = dist.isend(outgoing, (rank + hop) % world)
         received = dist.irecv(incoming, (rank - hop) % world)
+        assert sent is not None and received is not None  # None only for a rank outside the group
         received.wait()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
