@@ -7,13 +7,14 @@ runs no probe."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import time
 
 import pytest
 
-from conftest import clean_env
+from conftest import clean_env, require_system
 from netns import _tbf, hosts
 from torchfleet.train.link_probe import PROBE_BYTES, LinkWatch, verdicts
 from torchfleet.train.rank_figures import RankWindow
@@ -67,7 +68,9 @@ def _run(tmp_path, slow: bool) -> tuple[list[dict], str, int | None]:
     """The job on four hosts; with `slow`, host SLOW_HOST's link limited once step SLOW_FROM is logged.
     The metrics rows, node 0's output, and the newest step logged before the limit (None: not slowed)."""
     out = tmp_path / "metrics.jsonl"
-    with hosts(4) as net:
+    if slow and shutil.which("tc") is None:
+        require_system("the `tc` command (iproute2), which limits the link, is not installed")
+    with hosts(4) as net:  # skips where namespaces cannot be built (not root, no iproute2)
         procs = [
             net.popen(
                 i,
