@@ -57,6 +57,7 @@ def test_a_slowed_rank_is_named_with_its_phase(tmp_path, phase):
     assert verdict["step"] <= 3 + 20  # named within 20 steps of the slowing
     assert verdict["value"] - verdict["median"] > 0.025  # the 30 ms a step, less the noise of a busy machine
     assert verdict["message"] in stdout and f"rank 2 (host {verdict['host']}) is slow in {phase}" in stdout
+    assert "probing each rank's link" not in stdout  # rank 2 waited least at the sync: no link probe
     ranks = [r for r in rows if r["kind"] == "rank"]
     assert sorted({r["rank"] for r in ranks}) == [0, 1, 2, 3] and {r["step"] for r in ranks} == set(range(2, 21, 2))
     field = "data_s" if phase == "data" else "compute_s"

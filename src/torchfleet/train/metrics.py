@@ -13,8 +13,8 @@ A run of several processes also gets, at each logged step, one row per rank
 seconds per step over the log window, memory_bytes and memory_kind; what each
 means is in train/rank_figures.py), as rank<r>/<figure> scalars in
 TensorBoard, and a row for each straggler verdict (kind "straggler": rank,
-host, phase, value, median, slower, windows and the message printed;
-train/stragglers.py), which TensorBoard gets as text under "stragglers".
+host, phase, value, median, slower, windows, for a slow link send_mb_s and
+others_mb_s, and the message printed; train/stragglers.py), which TensorBoard gets as text under "stragglers".
 
 A resumed run continues the file: the rows up to the checkpoint's step are
 kept and those after it, which the resumed run computes again, are dropped
@@ -36,7 +36,7 @@ from torchfleet.errors import UsageError
 FORMATS = {".csv": "csv", ".jsonl": "jsonl", ".json": "jsonl"}
 TRAIN_COLUMNS = ("kind", "step", "epoch", "loss", "lr", "samples_per_s", "elapsed_s")
 RANK_COLUMNS = ("rank", "host", "steps", "data_s", "compute_s", "comm_s", "step_s", "memory_bytes", "memory_kind")
-VERDICT_COLUMNS = ("phase", "value", "median", "slower", "windows", "message")
+VERDICT_COLUMNS = ("phase", "value", "median", "slower", "windows", "send_mb_s", "others_mb_s", "message")
 RANK_SCALARS = ("data_s", "compute_s", "comm_s", "step_s", "memory_bytes")
 
 

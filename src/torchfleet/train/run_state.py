@@ -18,7 +18,7 @@ import torch
 
 from torchfleet import checkpoint
 from torchfleet.fleet import Fleet
-from torchfleet.train import faults, report
+from torchfleet.train import faults, link_probe, report
 from torchfleet.train.checkpoints import resume, save
 from torchfleet.train.config import TrainConfig
 from torchfleet.train.job import Job, evaluate
@@ -63,6 +63,9 @@ class Run:
         if self.per_rank:
             share_host()
         self.stragglers = StragglerWatch()
+        # Every rank's copy of the rule that probes the links (the same figures reach every rank); not
+        # under replica groups, whose members may leave between the probe's rounds.
+        self.links = link_probe.LinkWatch() if self.per_rank and self.replicas is None else None
         slow = faults.slow_compute(fleet.rank)
         if slow is not None:  # a test's slow rank: its busy thread takes each forward's start, inside the timed step
             fleet.strategy.model.register_forward_pre_hook(lambda *_: slow(self.step + 1))
@@ -215,19 +218,23 @@ class Run:
             self.metrics.step(
                 self.step, epoch + 1, loss, self.job.optimizer.param_groups[0]["lr"], self.samples, **extras
             )
-            if self.per_rank and self.fleet.is_main:
+            if self.per_rank:
                 self._judge_ranks()
         return loss
 
     def _judge_ranks(self) -> None:
-        """The main rank's view of every rank's window: rows in the metrics files, and any straggler named."""
+        """Every rank's window: on every rank, the link probe when every rank's gradient sync rose together;
+        on the main rank, the rows in the metrics files and any straggler named."""
         fleet = self.fleet
-        if not self._hosts:
+        if fleet.is_main and not self._hosts:
             self._hosts = hosts(fleet.world_size)
         kind = "cuda_max_allocated" if fleet.strategy.runtime.device.type == "cuda" else "rss"
-        records = windows(self.step, self.window.payloads, self._hosts, kind)
+        records = windows(self.step, self.window.payloads, self._hosts or [""] * fleet.world_size, kind)
+        links = self._probe_links(records)
+        if not fleet.is_main:
+            return
         self.metrics.ranks(records)
-        verdicts = self.stragglers.judge(records)
+        verdicts = self.stragglers.judge(records) + links
         if self.replicas is not None:
             verdicts += self.stragglers.membership(
                 self.step, self.replicas.participants, fleet.rank, self._hosts[fleet.rank]
@@ -241,6 +248,20 @@ class Run:
             groups = self.replicas  # under replica groups, who is in the quorum: the page's membership chart
             membership = [{"kind": "train", "step": self.step, "participants": groups.participants}] if groups else []
             self.dashboard.publish(rows + named + membership)
+
+    def _probe_links(self, records: list) -> list:
+        """The ranks behind a slow link (train/link_probe.py); every rank decides the same and probes together."""
+        before = self.links.rose(records) if self.links is not None else None
+        if before is None:
+            return []
+        if self.fleet.is_main:
+            least = min(r.comm_s for r in records)
+            self.bar.note(
+                f"torchfleet: every rank's gradient sync rose together, from {before * 1e3:.1f} ms a step to"
+                f" {least * 1e3:.1f} ms or more: probing each rank's link"
+            )
+        device = self.fleet.strategy.runtime.device
+        return link_probe.verdicts(records, link_probe.send_seconds(device), before)
 
     def _save(self) -> None:
         self.saved = save(self.fleet, self.cfg, self.step, self.job.sampler, self.loss)

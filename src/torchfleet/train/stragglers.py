@@ -9,7 +9,11 @@ for WINDOWS log windows in a row, and again only after a window without.
 In a synchronous job every rank's step ends together: the ranks that wait
 for a slow one show the wait as communication. So communication is judged
 only in windows where no rank is slow in data or compute; then a rank whose
-gradient sync alone is slow (its link, its NIC) is named for it.
+gradient sync alone is slow is named for it. A slow link out of one host
+slows every rank's gradient sync alike (a ring all-reduce waits for its
+slowest hop), so no rank stands out here: train/link_probe.py sees every
+rank's communication rise together, probes each rank's link, and names the
+rank whose link sends slowly (a Verdict with `send_mb_s`).
 
 Memory is judged the same way: a rank whose memory rose by more than
 GROWTH_FLOOR bytes in each of MEMORY_WINDOWS windows in a row is named.
@@ -38,7 +42,9 @@ class Verdict:
     `phase` is data, compute or communication (`value` and `median` in seconds per step, `slower` the
     fraction above the others' median), memory (`value` the bytes now, `median` the bytes when it began
     to grow, `slower` the growth as a fraction), or membership (`value` the groups in the quorum now,
-    `median` before; rank and host are the main rank's).
+    `median` before; rank and host are the main rank's). A communication verdict from the link probe
+    (train/link_probe.py) has `send_mb_s`, the rank's link's measured rate, and `others_mb_s`, the other
+    ranks' median; its `value` is its comm_s now and `median` every rank's level before the rise.
     """
 
     step: int
@@ -49,6 +55,8 @@ class Verdict:
     median: float
     slower: float
     windows: int
+    send_mb_s: float | None = None
+    others_mb_s: float | None = None
 
     def line(self) -> str:
         if self.phase == "membership":
@@ -63,6 +71,13 @@ class Verdict:
                 f"straggler: {where} memory grew in each of {self.windows} log windows up to step {self.step}:"
                 f" {_mib(self.median)} to {_mib(self.value)} (+{self.slower:.0%})"
             )
+        if self.send_mb_s is not None:
+            return (
+                f"straggler: {where} is slow in communication: its link sends at {self.send_mb_s:.1f} MB/s, the"
+                f" other ranks' median {self.others_mb_s:.1f} MB/s; every rank's gradient sync rose from"
+                f" {self.median * 1e3:.1f} to {self.value * 1e3:.1f} ms a step, for {self.windows} log windows"
+                f" up to step {self.step}"
+            )
         how = f"{self.slower + 1:.1f} times" if self.slower >= 1 else f"{self.slower:.0%} above"
         return (
             f"straggler: {where} is slow in {self.phase}: {self.value * 1e3:.1f} ms a step, {how} the other"
@@ -71,6 +86,17 @@ class Verdict:
 
     def row(self) -> dict:
         return {**dataclasses.asdict(self), "message": self.line()}
+
+
+def slow_ranks(records: list[RankWindow], field: str) -> set[int]:
+    """The ranks slow in `field` this window: above the other ranks' median by SLOWER and by FLOOR_S."""
+    slow = set()
+    for record in records:
+        others = statistics.median(getattr(r, field) for r in records if r is not record)
+        mine = getattr(record, field)
+        if mine > others * (1 + SLOWER) and mine - others > FLOOR_S:
+            slow.add(record.rank)
+    return slow
 
 
 def _mib(n: float) -> str:
@@ -93,14 +119,15 @@ class StragglerWatch:
         for phase, field in PHASES.items():
             if phase == "communication" and slow:
                 break  # the others waited for the slow rank: their wait is not their own slowness
+            now = slow_ranks(records, field)
+            slow |= now
             for record in records:
-                others = statistics.median(getattr(r, field) for r in records if r is not record)
-                mine = getattr(record, field)
                 key = (record.rank, phase)
-                if mine > others * (1 + SLOWER) and mine - others > FLOOR_S:
-                    slow.add(record.rank)
+                if record.rank in now:
                     self._streaks[key] = self._streaks.get(key, 0) + 1
                     if self._streaks[key] == WINDOWS:
+                        mine = getattr(record, field)
+                        others = statistics.median(getattr(r, field) for r in records if r is not record)
                         slower = mine / others - 1 if others > 0 else float("inf")
                         verdicts.append(
                             Verdict(record.step, record.rank, record.host, phase, mine, others, slower, WINDOWS)

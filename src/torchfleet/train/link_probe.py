@@ -1,0 +1,131 @@
+"""A slow link: found by probing each rank's own link, once every rank's gradient sync has slowed together.
+
+A rank slow in data or compute keeps the others waiting at the gradient
+sync, and train/stragglers.py names it by its own phase. A slow link out of
+one host does not single out its rank that way: a ring all-reduce (Gloo's, and
+NCCL's) passes every chunk from rank to rank, so each rank waits as long as
+the slowest hop, and every rank's comm_s rises alike. Measured on four
+network-namespace hosts training the cnn under ddp, with a tbf limit of
+50 Mbit/s on one host's link from step 1: every rank's comm_s was 140-155 ms a
+step, the slowed rank's among them; without the limit, 6-17 ms on every rank.
+
+So every rank watches the gathered figures for that pattern (LinkWatch):
+every rank's comm_s above the run's earlier level by more than
+stragglers.SLOWER and stragglers.FLOOR_S, for stragglers.WINDOWS windows in a
+row. The level is the median of the earlier windows' medians, leaving out the
+warm-up window and those where a rank was slow in data or compute (the others
+waited for it). Every rank means the slow one too: a rank slow in data or
+compute arrives last at the sync and waits least, so it does not start the
+probe. Every rank holds the same
+figures (the loss window's all-gather, train/losses.py) and applies the same
+rule to them, so all decide at the same read and need no message to agree.
+
+Then, once per such streak, every rank runs the probe (`send_seconds`): in
+two rounds each rank sends PROBE_BYTES to one ring neighbour and receives as
+many from the other, first to the right, then to the left, and times its
+receive; one all-gather brings the times to every rank. A rank's send time is
+the faster of its two outgoing links' (each timed by its receiver), so a rank
+is named only when both its links out are slow: its own egress, not one
+neighbour's slow way in. It is named (`verdicts`) when that time exceeds the
+other ranks' median by more than LINK_SLOWER and by FLOOR_S. With two ranks
+the two links out are one link, so the rank named may be the one at its other
+end, with a slow way in.
+
+The probe and its gather are collectives of their own, run only after the
+anomaly, never in a job whose gradient sync keeps its level, and not under
+replica groups (whose members may leave between two rounds). The per-step
+path is unchanged.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from torchfleet.train.rank_figures import RankWindow, gather_rows
+from torchfleet.train.stragglers import FLOOR_S, SLOWER, WINDOWS, Verdict, slow_ranks
+
+PROBE_BYTES = 2 << 20  # several times the probe's own timing noise on a fast link; 0.3 s at 50 Mbit/s
+LINK_SLOWER = 1.0  # a link is slow at under half the others' median rate
+HISTORY = 2  # windows of the earlier level needed before a rise counts
+
+
+class LinkWatch:
+    """Every rank's copy of the rule that starts the probe: the same records give the same answer everywhere."""
+
+    def __init__(self) -> None:
+        self._levels: list[float] = []  # the median comm_s of each earlier window without a rise
+        self._seen = 0
+        self._streak = 0
+
+    def rose(self, records: list[RankWindow]) -> float | None:
+        """The earlier level (seconds per step) when this window completes a streak of every rank's
+        comm_s risen above it; None otherwise (most windows)."""
+        if len(records) < 2 or not all(r.steps for r in records):
+            return None
+        self._seen += 1
+        before = statistics.median(self._levels) if len(self._levels) >= HISTORY else None
+        if before is not None and all(
+            r.comm_s > before * (1 + SLOWER) and r.comm_s - before > FLOOR_S for r in records
+        ):
+            self._streak += 1
+            return before if self._streak == WINDOWS else None
+        self._streak = 0
+        # Not the level: the warm-up window, or one where the others waited for a rank slow in data or compute.
+        if self._seen > 1 and not (slow_ranks(records, "data_s") or slow_ranks(records, "compute_s")):
+            self._levels.append(statistics.median(r.comm_s for r in records))
+        return None
+
+
+def probe(device: torch.device, nbytes: int = PROBE_BYTES) -> list[float]:
+    """This rank's seconds to receive `nbytes` from its left neighbour (round one) and from its right (round two)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    outgoing = torch.ones(nbytes // 4, device=device)
+    incoming = torch.empty_like(outgoing)
+    seconds = []
+    for hop in (1, -1):
+        dist.barrier()  # every rank starts the round together, so each receive times the link alone
+        start = time.perf_counter()
+        sent = dist.isend(outgoing, (rank + hop) % world)
+        received = dist.irecv(incoming, (rank - hop) % world)
+        assert sent is not None and received is not None  # None only for a rank outside the group
+        received.wait()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds.append(time.perf_counter() - start)
+        sent.wait()
+    return seconds
+
+
+def send_seconds(device: torch.device, nbytes: int = PROBE_BYTES) -> list[float]:
+    """Every rank's send time (the faster of its two links out), by rank: the probe on every rank, one all-gather."""
+    table = gather_rows(torch.tensor(probe(device, nbytes), dtype=torch.float64, device=device)).tolist()
+    world = len(table)
+    # Rank r's first-round send is r+1's receive from the left; its second-round one r-1's from the right.
+    return [min(table[(r + 1) % world][0], table[(r - 1) % world][1]) for r in range(world)]
+
+
+def verdicts(records: list[RankWindow], sends: list[float], before: float, nbytes: int = PROBE_BYTES) -> list[Verdict]:
+    """The ranks whose link out is slow: `sends` from send_seconds, `before` the level LinkWatch.rose gave."""
+    named = []
+    for record, mine in zip(records, sends, strict=True):
+        others = statistics.median(s for r, s in zip(records, sends, strict=True) if r is not record)
+        if mine > others * (1 + LINK_SLOWER) and mine - others > FLOOR_S:
+            named.append(
+                Verdict(
+                    record.step,
+                    record.rank,
+                    record.host,
+                    "communication",
+                    record.comm_s,
+                    before,
+                    record.comm_s / before - 1 if before > 0 else float("inf"),
+                    WINDOWS,
+                    send_mb_s=nbytes / mine / 1e6,
+                    others_mb_s=nbytes / others / 1e6,
+                )
+            )
+    return named
