@@ -9,7 +9,12 @@ Every rank keeps, for the steps since the last read of the loss window:
                which is where DDP's reducer waits for its all-reduces to finish,
                FSDP for its reduce-scatters, a replica group for torchft's
                all-reduce and --max-grad-norm for its norm's all-reduce; plus
-               the time of the previous read of the loss window itself
+               the time of the previous read of the loss window itself; and,
+               under FSDP (fsdp, hsdp and their combinations), the time in its
+               param groups' waits for each all-gather and in their
+               reduce-scatters (with their buffer copies), which otherwise
+               fall inside forward and backward: there a rank that waits for a
+               slow peer waits at the next all-gather, not at the optimizer
     compute_s  the rest of the step: forward, backward up to its last local
                gradient, the optimizer's step
     step_s     data_s + compute_s + comm_s (host bookkeeping between steps and
@@ -136,11 +141,15 @@ class PhaseClock:
             if param.requires_grad
         ]
         self._hooks.append(optimizer.register_step_pre_hook(self._step_starts))
+        self._fsdp_blocked = 0.0  # this step's seconds in FSDP's collectives (_time_fsdp_waits)
+        self._fsdp_groups = _time_fsdp_waits(model, self)
 
     def close(self) -> None:
         """Take the hooks off (benchmarks/rank_view_overhead.py times steps with and without them)."""
         for hook in self._hooks:
             hook.remove()
+        for group in self._fsdp_groups:  # back to the class's methods
+            del group.unshard, group.wait_for_unshard, group.post_backward
 
     def batches(self, loader: Iterable, before_fetch: Callable[[], None] | None = None) -> Iterator:
         """`loader`'s batches, each fetch timed; `before_fetch` runs inside the timing (a test's slow loader)."""
@@ -155,6 +164,7 @@ class PhaseClock:
                 return
             self._fetched = time.perf_counter()
             self._data = self._fetched - start
+            self._fsdp_blocked = 0.0  # an evaluation's all-gathers, before this step, are not its own
             yield batch
 
     def trained(self) -> None:
@@ -162,6 +172,8 @@ class PhaseClock:
         end = time.perf_counter()
         synced = self._synced if self._synced > self._last_gradient else end
         comm = synced - self._last_gradient if self._last_gradient > self._fetched else 0.0
+        comm += self._fsdp_blocked
+        self._fsdp_blocked = 0.0
         sums = self._sums
         sums[0] += 1
         sums[1] += self._data
@@ -184,6 +196,45 @@ class PhaseClock:
 
     def _step_starts(self, *_args) -> None:
         self._synced = time.perf_counter()
+
+
+def _time_fsdp_waits(model: torch.nn.Module, clock: PhaseClock) -> list:
+    """Time each FSDP param group's all-gather (unshard, wait_for_unshard) and its reduce-scatter
+    (post_backward) into `clock`, by wrapping the three methods on this model's group objects; the groups
+    wrapped, for `close` to unwrap. The end of a group's post_backward is also a gradient done (its
+    post-accumulate-grad hooks run inside it, and not at all on some torch versions)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    groups = []
+    for module in model.modules():
+        state = module._get_fsdp_state() if isinstance(module, FSDPModule) else None
+        group = getattr(state, "_fsdp_param_group", None)
+        if group is None or not all(hasattr(group, m) for m in ("unshard", "wait_for_unshard", "post_backward")):
+            continue
+
+        def blocking(method):
+            def timed(*args, **kwargs):
+                start = time.perf_counter()
+                try:
+                    return method(*args, **kwargs)
+                finally:
+                    clock._fsdp_blocked += time.perf_counter() - start
+
+            return timed
+
+        def post_backward(*args, _reduce=group.post_backward, **kwargs):
+            start = time.perf_counter()
+            try:
+                return _reduce(*args, **kwargs)
+            finally:
+                clock._last_gradient = time.perf_counter()
+                clock._fsdp_blocked += clock._last_gradient - start
+
+        # On CPU the all-gather runs inside unshard (synchronously); on CUDA it is waited for in wait_for_unshard.
+        group.unshard, group.wait_for_unshard = blocking(group.unshard), blocking(group.wait_for_unshard)
+        group.post_backward = post_backward
+        groups.append(group)
+    return groups
 
 
 def windows(step: int, sent: list[list[float]], host_names: list[str], memory_kind: str) -> list[RankWindow]:
