@@ -99,8 +99,8 @@ def load_balancing_loss(router_logits: torch.Tensor, top_k_index: torch.Tensor, 
 class MoEFeedForward(nn.Module):
     """A block's feed-forward as a mixture of experts: forward(x [..., H]) -> [..., H].
 
-    After each forward with ``keep_aux_loss``: ``aux_loss``, this layer's `load_balancing_loss` with its gradient, for the training loss to add
-    (`aux_loss` below sums a model's)."""
+    After each forward with ``keep_aux_loss``: ``aux_loss``, this layer's `load_balancing_loss` with its
+    gradient, for the training loss to add (`aux_loss` below sums a model's)."""
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int = 2, keep_aux_loss: bool = False):
         super().__init__()

@@ -1,7 +1,8 @@
 """What every `plan --hf-config` row is made of, whichever layout made it: the memory columns, the
 allocator's reserve over the tensors, the layout's name, the cost of the tensor-parallel collectives
-a trace counted, a step's seconds from its parts (fsdp_overlapped), and the row itself (table_row). plan/at_scale.py makes the FSDP, HSDP and tensor-parallel
-rows, plan/pipeline_at_scale.py the pipeline rows, plan/experts_at_scale.py the expert-parallel rows.
+a trace counted, a step's seconds from its parts (fsdp_overlapped), and the row itself (table_row).
+plan/at_scale.py makes the FSDP, HSDP and tensor-parallel rows, plan/pipeline_at_scale.py the pipeline
+rows, plan/experts_at_scale.py the expert-parallel rows.
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ seconds per step over the log window, memory_bytes and memory_kind; what each
 means is in train/rank_figures.py), as rank<r>/<figure> scalars in
 TensorBoard, and a row for each straggler verdict (kind "straggler": rank,
 host, phase, value, median, slower, windows, for a slow link send_mb_s and
-others_mb_s, and the message printed; train/stragglers.py), which TensorBoard gets as text under "stragglers".
+others_mb_s, and the message printed; train/stragglers.py), which TensorBoard
+gets as text under "stragglers".
 
 A resumed run continues the file: the rows up to the checkpoint's step are
 kept and those after it, which the resumed run computes again, are dropped

@@ -212,29 +212,28 @@ def _time_fsdp_waits(model: torch.nn.Module, clock: PhaseClock) -> list:
         if group is None or not all(hasattr(group, m) for m in ("unshard", "wait_for_unshard", "post_backward")):
             continue
 
-        def blocking(method):
-            def timed(*args, **kwargs):
-                start = time.perf_counter()
-                try:
-                    return method(*args, **kwargs)
-                finally:
-                    clock._fsdp_blocked += time.perf_counter() - start
-
-            return timed
-
-        def post_backward(*args, _reduce=group.post_backward, **kwargs):
-            start = time.perf_counter()
-            try:
-                return _reduce(*args, **kwargs)
-            finally:
-                clock._last_gradient = time.perf_counter()
-                clock._fsdp_blocked += clock._last_gradient - start
-
         # On CPU the all-gather runs inside unshard (synchronously); on CUDA it is waited for in wait_for_unshard.
-        group.unshard, group.wait_for_unshard = blocking(group.unshard), blocking(group.wait_for_unshard)
-        group.post_backward = post_backward
+        group.unshard = _timed(group.unshard, clock)
+        group.wait_for_unshard = _timed(group.wait_for_unshard, clock)
+        group.post_backward = _timed(group.post_backward, clock, gradient_done=True)
         groups.append(group)
     return groups
+
+
+def _timed(method: Callable, clock: PhaseClock, gradient_done: bool = False) -> Callable:
+    """`method`, its time added to `clock`'s FSDP time; with `gradient_done`, its end marks a gradient done."""
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            end = time.perf_counter()
+            clock._fsdp_blocked += end - start
+            if gradient_done:
+                clock._last_gradient = end
+
+    return timed
 
 
 def windows(step: int, sent: list[list[float]], host_names: list[str], memory_kind: str) -> list[RankWindow]:
