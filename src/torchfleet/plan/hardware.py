@@ -30,10 +30,15 @@ DEFAULT_MFU = {"fp32": 0.65, "bf16": 0.18, "fp16": 0.18}
 # Sources: NVIDIA datasheets: H100 SXM5 and H100 PCIe (2023), H200 SXM (2024), A100 SXM 80GB (2021;
 # the 40GB card has the same peaks), V100 SXM2 (no bf16: fp16 figure), L4 (2023), A10G (AWS's A10
 # variant, NVIDIA A10 datasheet figures), T4 (no bf16: fp16 figure), L40S (2023). Dense: without the
-# 2:4 structured sparsity that doubles the headline figures.
+# 2:4 structured sparsity that doubles the headline figures. H100-HBM2E is the 96 GB HBM2e SXM H100 held to
+# 500 W that torchtitan's December 2024 benchmark ran on: its footnote puts the peak "between SXM and NVL" without
+# a figure, so each figure here is the middle of the H100 SXM's and the H100 NVL's datasheet peaks. On an SXM H100
+# at 700 W a Llama 3.1 8B step draws 685 W and runs its SM clock at 1,597 MHz, held back by the power cap
+# (benchmarks/power_probe.py, docs/benchmarks): a card held to 500 W cannot keep that clock.
 GPUS: dict[str, tuple[float, float, float, float]] = {
     "H200": (989.4, 494.7, 67.0, 141.0),
     "H100": (989.4, 494.7, 67.0, 80.0),
+    "H100-HBM2E": (912.2, 456.1, 63.5, 96.0),
     "H100-PCIE": (756.0, 378.0, 51.0, 80.0),
     "A100": (312.0, 156.0, 19.5, 80.0),
     "A100-40GB": (312.0, 156.0, 19.5, 40.0),
@@ -121,7 +126,7 @@ def gpu_cluster(
         raise UsageError(
             "a GPU cluster needs --gpu NAME (one of " + ", ".join(GPUS) + ") or both --tflops and --memory-gb"
         )
-    sxm = (gpu or "").upper() in ("H100", "H200", "A100")
+    sxm = (gpu or "").upper().replace(" ", "-") in ("H100", "H100-HBM2E", "H200", "A100")
     intra = intra_gbit * 1e9 / 8 if intra_gbit else (NVLINK_BYTES_S if sxm else PCIE_BYTES_S)
     inter = inter_gbit * 1e9 / 8 if inter_gbit else DEFAULT_INTER_BYTES_S
     name = f"{nodes} x {per_node} {gpu or 'GPU'}" + ("" if tflops is None else f" ({tflops:g} TFLOP/s)")
