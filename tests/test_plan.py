@@ -44,7 +44,7 @@ def test_the_profile_runs_only_batches_this_machine_holds(monkeypatch):
     roomy = profiler.measure(spec, "adamw", cores=1, batches=(1, 2), timed=False)
     assert roomy.memory_batches == (8, 16)  # 4 and 8 times the larger: where the activations show
     state = 12 * roomy.parameters  # fp32 weights and AdamW's two moments
-    model, inputs, targets, loss_fn = profiler._workload(spec, 1)
+    model, inputs, targets, loss_fn = profiler.workload(spec, 1)
     optimizer = profiler.make_optimizer("adamw", model.parameters())
     profiler._step(model, optimizer, inputs, targets, loss_fn)
     beyond = profiler._phase_peaks(model, optimizer, inputs, targets, loss_fn)[0] - state  # batch 1's, over the state

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 INIT_STD = 0.02  # GPT-2's, as the dense layers beside these get
 
@@ -48,16 +49,26 @@ class Experts(nn.Module):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         """hidden_states [T, H], top_k_index [T, k] (long), top_k_weights [T, k] -> [T, H]."""
         out = torch.zeros_like(hidden_states)
-        with torch.no_grad():
-            # [E + 1, k, T]: which (slot, token) pairs chose each expert; the last row, elsewhere.
-            chosen = F.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
-            hit = (chosen[: self.num_experts].sum(dim=(1, 2)) > 0).nonzero().flatten().tolist()
-        for expert in hit:
-            slot, token = torch.where(chosen[expert])
+        for expert, (slot, token) in self._routes(top_k_index):
             gate, up = F.linear(hidden_states[token], self.gate_up_proj[expert]).chunk(2, dim=-1)
             expert_out = F.linear(self.act_fn(gate) * up, self.down_proj[expert])
             out.index_add_(0, token, (expert_out * top_k_weights[token, slot, None]).to(out.dtype))
         return out
+
+    def _routes(self, top_k_index: torch.Tensor):
+        """(expert, (slot, token)) for each expert that got tokens: the k-slots and tokens that chose it."""
+        if is_fake(top_k_index):
+            # On fake tensors (plan's memory trace) the choices have no values: each expert takes its balanced
+            # share of the T x k choices, as the plan's expert parallelism assumes.
+            tokens, k = top_k_index.shape
+            share = -(-tokens * k // self.num_experts)
+            place = torch.arange(share, device=top_k_index.device)
+            return [(expert, (place % k, place % tokens)) for expert in range(self.num_experts)]
+        with torch.no_grad():
+            # [E + 1, k, T]: which (slot, token) pairs chose each expert; the last row, elsewhere.
+            chosen = F.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
+            hit = (chosen[: self.num_experts].sum(dim=(1, 2)) > 0).nonzero().flatten().tolist()
+        return [(expert, torch.where(chosen[expert])) for expert in hit]
 
 
 class Router(nn.Module):

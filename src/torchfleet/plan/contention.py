@@ -66,12 +66,12 @@ def _rounds(spec: dict, batch: int, threads: int, optimizer: str) -> float | Non
     import torch
     import torch.distributed as dist
 
-    from torchfleet.plan.profiler import _step, _workload, make_optimizer
+    from torchfleet.plan.profiler import _step, make_optimizer, workload
 
     torch.set_num_threads(threads)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    model, inputs, targets, loss_fn = _workload(spec, batch)
+    model, inputs, targets, loss_fn = workload(spec, batch)
     opt = make_optimizer(optimizer, model.parameters())
 
     def step() -> None:

@@ -118,7 +118,12 @@ def memory(profile: Profile, lay: Layout, batch: int) -> dict:
         persistent = grads  # DDP's buckets: the gradients once more, for the all-reduce (ep replicates by FSDP2)
     if lay.shard > 1:
         gathered = 2 * 4 * _largest_unit(profile, lay)
-    if lay.pp > 1:
+    # The whole model on the rank, unsplit, at a local batch the profile measured: its peak is read there.
+    whole = share == 1 and lay.tp == 1 and lay.pp == 1 and batch % lay.readers == 0
+    measured = profile.peak_above_state.get(batch // lay.readers) if whole else None
+    if measured is not None:
+        acts = measured
+    elif lay.pp > 1:
         micro = local / lay.microbatches
         held = pipelines.activations_held(lay.schedule, lay.pp, lay.microbatches, lay.stages_per_process)
         acts = profile.activation_per_sample * micro * held + 2 * micro * profile.boundary_bytes_per_sample
@@ -127,7 +132,8 @@ def memory(profile: Profile, lay: Layout, batch: int) -> dict:
         acts = profile.activation_per_sample * local * (in_blocks / lay.tp + 1 - in_blocks)
     else:
         acts = profile.activation_per_sample * local
-    acts += profile.activation_fixed * share
+    if measured is None:
+        acts += profile.activation_fixed * share
     forward_backward = acts + gathered
     stepping = grads + profile.optimizer_temporaries * share
     peak = params + opt + persistent + max(forward_backward, stepping)

@@ -47,6 +47,9 @@ class Profile:
     expert_parameters: int = 0
     routed_bytes_per_sample: float = 0.0  # one all-to-all's rows a sample, over every layer
     tp_whole_parameters: int = 0  # of block_parameters, those tp leaves whole on every rank (gpt-moe's experts)
+    # The forward-and-backward peak above the state at the local batches the plan's ranks run, measured at each
+    # (on fake tensors): what a rank that runs the whole model unsharded holds, without the line's extrapolation.
+    peak_above_state: dict[int, float] = field(default_factory=dict)
 
     @property
     def tp_split_parameters(self) -> int:
@@ -71,4 +74,5 @@ class Profile:
     def as_dict(self) -> dict:
         out = asdict(self)
         out["time"] = {str(t): asdict(f) for t, f in self.time.items()}
+        out["peak_above_state"] = {str(b): v for b, v in self.peak_above_state.items()}
         return out

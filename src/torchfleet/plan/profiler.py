@@ -5,11 +5,14 @@
   a block hands to the next (what a pipeline stage sends);
 - FLOPs per sample, counted as bench counts them (bench/flops.py);
 - memory: the peak tensor bytes (tensor_memory.TensorMemory, what a GPU's
-  max_memory_allocated reports) of a steady-state step at two batch sizes, split
-  into the forward-and-backward phase and the optimizer phase. Less the
-  parameters and optimizer state, the first phase's peak is a line in the batch
-  size: the activations (slope) and the gradients alive at the peak with the
-  batch-independent temporaries (intercept);
+  max_memory_allocated reports) of a steady-state step on fake tensors (never
+  allocated), at two batch sizes, split into the forward-and-backward phase and
+  the optimizer phase. Less the parameters and optimizer state, the first
+  phase's peak is a line in the batch size: the activations (slope) and the
+  gradients alive at the peak with the batch-independent temporaries
+  (intercept). The peak is also kept at each batch the plan's ranks run, for the
+  layouts that hold the whole model (a line drawn far away misses the peak
+  there: its composition changes with the batch);
 - time: a training step (zero_grad, forward, backward, optimizer step) at the
   batches the plan's ranks run (the global batch over 1, 2 and 4 processes;
   the memory batches where none is given) on 1 thread and on every usable
@@ -45,11 +48,12 @@ def make_optimizer(name: str, params) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=1e-3, momentum=0.9 if name == "sgd" else 0.0)
 
 
-def _workload(spec: dict, batch: int):
-    from torchfleet.bench.measure_cell import workload
+def workload(spec: dict, batch: int):
+    """bench's model, inputs, targets and loss for `spec` at `batch` samples, on this CPU (as rank 0)."""
+    from torchfleet.bench.measure_cell import workload as bench_workload
 
     host = SimpleNamespace(device=torch.device("cpu"), to_device=lambda t: t)
-    return workload(spec, batch, 0, host)  # pyright: ignore[reportArgumentType] (only device and to_device are read)
+    return bench_workload(spec, batch, 0, host)  # pyright: ignore[reportArgumentType] (only device and to_device are read)
 
 
 def _step(model, optimizer, inputs, targets, loss_fn) -> None:
@@ -75,7 +79,7 @@ def measure(
     from torchfleet.bench import flops
 
     before = torch.get_num_threads()
-    model, inputs, targets, loss_fn = _workload(spec, SHAPE_BATCH)
+    model, inputs, targets, loss_fn = workload(spec, SHAPE_BATCH)
     shape = _shape(model, inputs)
     flops_per_sample = flops.flops_per_sample(model, inputs, targets, loss_fn)
     batches = batches or (_probe_batches(spec, optimizer, cores) if timed else (1, 2))
@@ -83,12 +87,19 @@ def measure(
     torch.set_num_threads(cores)
     peaks = _Peaks(spec, optimizer, batches, shape.parameters)
     line_at = peaks.line_batches()
+    # The peak at each local batch the plan's ranks run, measured there (fake tensors: any batch costs no memory):
+    # a layout that runs the whole model on its rank reads it directly. The peak's composition changes with the
+    # batch (gradients at small ones, activations at large), so the line drawn far away misses it (transformer
+    # at 8 samples, from a line through 127 and 254: 1.635 MB against 1.416 measured).
+    for batch in set(time_at):
+        if batch not in peaks.forward_backward and (peaks.fake or peaks.holds(batch)):
+            peaks.measure(batch)
     # Timed at the batches the plan's ranks will run where it says them: the line is then drawn where it is
     # used, not extrapolated from small batches (whose choice a loaded machine skews: a slow first step picks
     # batches so small that the per-sample cost hides under the fixed one); those the machine holds.
     local = tuple(sorted({b for b in time_at if peaks.holds(b)}))
     timed_at = local if len(local) > 1 else batches
-    fits, stepping_s = _timings(peaks, spec, optimizer, timed_at, cores, timed_steps) if timed else ({}, {})
+    fits, stepping_s = _timings(spec, optimizer, timed_at, cores, timed_steps) if timed else ({}, {})
     torch.set_num_threads(before)
     slope, fixed = peaks.activation_line(line_at)
     return Profile(
@@ -117,6 +128,9 @@ def measure(
         expert_parameters=shape.experts.parameters,
         routed_bytes_per_sample=shape.experts.routed_bytes_per_sample,
         tp_whole_parameters=shape.tp_whole,
+        peak_above_state={
+            b: peaks.forward_backward[b] - peaks.state for b in set(time_at) if b in peaks.forward_backward
+        },
     )
 
 
@@ -163,8 +177,8 @@ class _Peaks:
         self.state = 4 * parameters + OPTIMIZER_STATE[optimizer] * parameters  # weights and optimizer state
         self.precision = spec.get("precision", "fp32")
         self.forward_backward: dict[int, int] = {}
+        self.fake = True  # measured on fake tensors (`measure` falls back to real ones where a kernel refuses)
         self.optimizer_phase: dict[int, int] = {}
-        self.made: dict[int, tuple] = {}  # batch -> (model, optimizer, inputs, targets, loss_fn), stepped once
         for batch in batches:
             self.measure(batch)
         # Only batches whose step this machine holds are run (a user plans GPT-2 for GPUs on a laptop): the
@@ -175,15 +189,33 @@ class _Peaks:
         self.per_sample = max(0, self.forward_backward[smallest] - self.state) / smallest
 
     def measure(self, batch: int) -> None:
-        with _traced(self.precision):
-            model, inputs, targets, loss_fn = _workload(self.spec, batch)
-            opt = make_optimizer(self.optimizer, model.parameters())
-            _step(model, opt, inputs, targets, loss_fn)  # the optimizer's state exists from here on
-            self.forward_backward[batch], self.optimizer_phase[batch] = _phase_peaks(
-                model, opt, inputs, targets, loss_fn, self.precision
-            )
-        if batch in self.batches and self.precision == "fp32":  # fake tensors cannot be timed
-            self.made[batch] = (model, opt, inputs, targets, loss_fn)
+        """The step's peaks at `batch`, on fake tensors (shapes and dtypes, no data, no compute: MemTracker counts
+        them like real ones): a model and batch this machine could not hold are measured all the same, and no
+        bf16 arithmetic is asked of a CPU without bf16 instructions (gpt2's step at one sequence: 445 s against
+        8 s in fp32 here). Under bf16 or fp16 the forward runs in CPU autocast to bf16 (2 bytes, as fp16), so
+        the activations saved are those a GPU's autocast saves (measured in fp32 alone, the plan put resnet50 at
+        batch 512 in bf16 at 39.9 GiB, where an H100 measured 21.6 GiB: docs/benchmarks/history.md)."""
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        try:
+            with FakeTensorMode():
+                self._measure(batch)
+        except Exception:  # noqa: BLE001 (an operator without a fake kernel for these dtypes, see below)
+            if self.precision != "fp32":
+                raise
+            # Some operators' fake kernels refuse what their CPU kernels run: torch's grouped matrix product, which
+            # transformers' mixtures of experts call, takes fp32 on a CPU and only bf16 on fake tensors. Such a
+            # model is measured on real tensors, at the batches this machine holds.
+            self.fake = False
+            self._measure(batch)
+
+    def _measure(self, batch: int) -> None:
+        model, inputs, targets, loss_fn = workload(self.spec, batch)
+        opt = make_optimizer(self.optimizer, model.parameters())
+        _step(model, opt, inputs, targets, loss_fn)  # the optimizer's state exists from here on
+        self.forward_backward[batch], self.optimizer_phase[batch] = _phase_peaks(
+            model, opt, inputs, targets, loss_fn, self.precision
+        )
 
     def holds(self, batch: int) -> bool:
         return self.state + batch * self.per_sample <= self.budget
@@ -221,15 +253,14 @@ class _Peaks:
 
 
 def _timings(
-    peaks: _Peaks, spec: dict, optimizer: str, timed_at: tuple[int, ...], cores: int, timed_steps: int
+    spec: dict, optimizer: str, timed_at: tuple[int, ...], cores: int, timed_steps: int
 ) -> tuple[dict[int, StepFit], dict[int, float]]:
     """({threads: step line}, {threads: the optimizer's step alone}) on 1 thread and on `cores`."""
-    made = peaks.made
+    made: dict[int, tuple] = {}  # batch -> (model, optimizer, inputs, targets, loss_fn), real and stepped once
     for batch in timed_at:
-        if batch not in made:
-            model, inputs, targets, loss_fn = _workload(spec, batch)
-            made[batch] = (model, make_optimizer(optimizer, model.parameters()), inputs, targets, loss_fn)
-            _step(*made[batch])
+        model, inputs, targets, loss_fn = workload(spec, batch)
+        made[batch] = (model, make_optimizer(optimizer, model.parameters()), inputs, targets, loss_fn)
+        _step(*made[batch])
     fits, stepping_s = {}, {}
     for threads in sorted({1, cores}):
         torch.set_num_threads(threads)
@@ -310,7 +341,7 @@ def _fit_line(medians: dict[int, float]) -> StepFit:
 def _probe_batches(spec: dict, optimizer: str, cores: int) -> tuple[int, ...]:
     """Batch sizes far enough apart to tell the per-sample cost from the fixed one, in well under a second a step."""
     torch.set_num_threads(cores)
-    model, inputs, targets, loss_fn = _workload(spec, 2)
+    model, inputs, targets, loss_fn = workload(spec, 2)
     opt = make_optimizer(optimizer, model.parameters())
     _step(model, opt, inputs, targets, loss_fn)
     # the fastest of three: load from elsewhere only ever adds, and one slow step would pick batches too small
@@ -322,28 +353,8 @@ def _probe_batches(spec: dict, optimizer: str, cores: int) -> tuple[int, ...]:
     return 2, max(3, top // 2), top
 
 
-def _traced(precision: str):
-    """Where a step's memory is measured: real tensors in fp32, fake ones (shapes and dtypes, no data, no
-    compute: torch's FakeTensorMode, which MemTracker counts like real ones) under bf16 or fp16.
-
-    Under bf16 or fp16 the forward runs in CPU autocast to bf16 (2 bytes, as fp16): the activations it saves
-    are then those a GPU's autocast saves, half-width where autocast casts (matmuls, convolutions and what
-    follows them), fp32 where it keeps fp32 (losses, norms' statistics). Measured in fp32 alone, the plan
-    put resnet50 at batch 512 in bf16 at 39.9 GiB, where an H100 measured 21.6 GiB (docs/benchmarks/history.md).
-    Fake, since a CPU without bf16 instructions computes it about 50 times slower than fp32 (gpt2's step at
-    one sequence: 445 s against 8 s here), and only the bytes are wanted.
-    """
-    import contextlib
-
-    if precision == "fp32":
-        return contextlib.nullcontext()
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    return FakeTensorMode()
-
-
 def _phase_peaks(model, opt, inputs, targets, loss_fn, precision: str = "fp32") -> tuple[int, int]:
-    """Peak tensor bytes of forward-and-backward (in `precision`'s autocast, see `_traced`), and of the
+    """Peak tensor bytes of forward-and-backward (in `precision`'s autocast, see `_Peaks.measure`), and of the
     optimizer's step."""
     import contextlib
 
@@ -354,8 +365,9 @@ def _phase_peaks(model, opt, inputs, targets, loss_fn, precision: str = "fp32") 
     with TensorMemory(model, opt) as forward_backward:
         forward_backward.next_step()
         with mixed:
-            output = model(**inputs) if isinstance(inputs, dict) else model(inputs)
-            loss = loss_fn(output, targets)
+            # The output is not held in a name: a training loop's is freed once the loss is computed (gpt tiny's
+            # logits held through backward put 512 KiB, 4%, on the peak).
+            loss = loss_fn(model(**inputs) if isinstance(inputs, dict) else model(inputs), targets)
         loss.backward()
     with TensorMemory(model, opt) as stepping:
         opt.step()
