@@ -6,7 +6,7 @@ import datetime
 
 from torchfleet.errors import UsageError
 from torchfleet.plan import check as plan_check
-from torchfleet.plan import contention, hardware, layouts, predict, probe
+from torchfleet.plan import contention, hardware, layout_trace, layouts, predict, probe
 from torchfleet.plan.config import PlanConfig
 from torchfleet.plan.profile import Profile
 from torchfleet.plan.profiler import meminfo
@@ -181,7 +181,22 @@ def predictions(
                 f" {lay.readers} readers x {lay.microbatches if lay.pp > 1 else 1} micro-batches"
             )
             continue
-        found.append(predict.predict(profile, lay, batch, target, cores, calib))
+        prediction = predict.predict(profile, lay, batch, target, cores, calib)
+        if target.here and name in layout_trace.TRACEABLE:  # runs here: its memory traced, not estimated
+            try:
+                peak = layout_trace.traced_peak(spec_of(cfg), profile.optimizer, name, n, batch, {})
+            except UsageError as exc:  # the strategy cannot split this model (tp without a plan)
+                notes.append(f"{name} on {n} processes left out: {exc}")
+                continue
+            except Exception as exc:  # noqa: BLE001 (an operator without a fake kernel: the formulas stand)
+                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:120]
+                notes.append(f"{name} on {n} processes: memory from the profile's formulas, not traced ({first})")
+            else:
+                # The safe figure decides: a step that frees a collective's buffer late holds it.
+                prediction.memory["peak"] = peak.late
+                prediction.memory["peak_freed_promptly"] = peak.prompt
+                prediction.fits = predict.fits(peak.late, lay, target)
+        found.append(prediction)
     serial = next((p for p in found if p.strategy == "serial"), None)
     for p in found:
         if serial is not None and p.time["step"] > 0:

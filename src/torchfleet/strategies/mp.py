@@ -167,9 +167,10 @@ class ModelParallel(Strategy):
                 stage += 1
             own = list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))
             if own:
-                module._apply(
-                    lambda t, d=self.devices[stage]: t.to(d), recurse=False
-                )  # in place: the optimizer keeps them
+                if any(t.device != self.devices[stage] for t in own):  # (plan's fake tensors cannot be moved)
+                    module._apply(
+                        lambda t, d=self.devices[stage]: t.to(d), recurse=False
+                    )  # in place: the optimizer keeps them
                 module.register_forward_pre_hook(_inputs_to_own_device, with_kwargs=True)
         self.notes.append(
             f"mp: a {type(model).__name__} is placed on {len(self.devices)} devices, stages"
