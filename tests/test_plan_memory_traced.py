@@ -5,8 +5,8 @@ layout whose memory can be measured here.
 FSDP2 and DTensor layouts and mp traced whole on a fake process group, plan/layout_trace.py), then runs the same
 layouts in real Gloo processes and reads each rank's tensor peak (MemTracker). Issue 37 asks for 10%; measured
 (28 Nov 2026, torch 2.14.1) every cell but ep's is within 0.5%, ep on 4 at 7.2% (its routing is the real one,
-the plan's balanced). The pipelines are not here: MemTracker refuses a stage's forward run once per micro-batch,
-so their memory is measured nowhere (the pipeline stage test in test_plan_at_scale drives one by hand).
+the plan's balanced). The pipelines are not here: their memory is measured (--check) but not traced, and their
+formulas fall short by up to 62% (docs/benchmarks, plan accuracy).
 
 Each model runs at a batch where one block's reduce-scatter copy, which Gloo's worker thread sometimes frees
 late (the plan's second figure), is a small part of the peak; at gpt tiny's 8 sequences the two figures differ by

@@ -15,9 +15,10 @@ reduce-scatter buffers are often freed on Gloo's worker threads, so the sum
 drifted upward by tens of MiB a step.
 
 Tracking runs Python code for every op: measure memory in steps that are not
-timed. A model must run its forward once per step, as every strategy but the
-pipelines does (their schedules call each stage once per micro-batch, which
-MemTracker refuses).
+timed. MemTracker refuses a model's second forward in one step, which a
+pipeline's schedule makes (each stage runs once per micro-batch): there the
+per-module records are cleared and the count goes on (`_Stages`), which keeps
+the peak, the one figure read here.
 """
 
 from __future__ import annotations
@@ -28,6 +29,17 @@ import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
 _TOTAL = "Total"  # MemTracker's key for the sum over categories
+
+
+class _Stages(MemTracker):
+    """MemTracker that lets a module run forward again within a step, as a pipeline stage does per micro-batch."""
+
+    def _pre_fw_hook(self, module, inputs) -> None:
+        try:
+            super()._pre_fw_hook(module, inputs)
+        except NotImplementedError:  # "multiple iterative calls": the stage's next micro-batch
+            self.reset_mod_stats()
+            super()._pre_fw_hook(module, inputs)
 
 
 class TensorMemory:
@@ -46,7 +58,7 @@ class TensorMemory:
     """
 
     def __init__(self, *tracked: Any) -> None:
-        self._tracker = MemTracker()
+        self._tracker = _Stages()
         if tracked:
             self._tracker.track_external(*tracked)
         self._peak: dict[torch.device, int] = {}

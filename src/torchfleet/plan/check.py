@@ -7,9 +7,8 @@ momentum) and bench's timing (bench/measure_cell.py: warm-up, then steps that st
 from a barrier and last as long as the slowest rank). Memory is the peak
 tensor bytes of each rank over two more steps (tensor_memory.TensorMemory, a
 GPU's max_memory_allocated on any device), measured after the timed steps so
-its bookkeeping never slows them. The pipelines run each stage's forward once
-per micro-batch, which torch's MemTracker refuses: their memory is not
-measured, and their rows say so.
+its bookkeeping never slows them; a pipeline's too, each rank its own stage's
+(tensor_memory.TensorMemory follows a stage run once per micro-batch).
 
 Accuracy is |predicted / measured - 1| per cell; the summary gives the median
 over the cells and the worst cell, for step time (bench's figure, the median
@@ -52,12 +51,7 @@ def run_check_cell(spec: dict) -> dict | None:
     for _ in range(spec["warmup"]):
         step()
     times = [bench_cell._timed(step, fleet.device) for _ in range(spec["steps"])]
-    if getattr(getattr(fleet.strategy, "dims", None), "pp", 1) > 1:
-        # Every rank must decide alike: one rank leaving the schedule on MemTracker's refusal would leave
-        # its peers waiting for its activations.
-        peak, why = None, "tensor memory not measured: MemTracker refuses a stage's forward run once per micro-batch"
-    else:
-        peak, why = _tensor_peak(model, optimizer, step, fleet.device)
+    peak, why = _tensor_peak(model, optimizer, step, fleet.device)
     found: list[Any] = [None] * fleet.world_size
     if dist.is_initialized():
         dist.all_gather_object(found, (times, peak))
@@ -85,7 +79,7 @@ def _tensor_peak(model, optimizer, step, device) -> tuple[int | None, str | None
             for _ in range(MEMORY_STEPS):
                 memory.next_step()
                 step()
-    except Exception as exc:  # noqa: BLE001 (MemTracker refuses some strategies: the row says which)
+    except Exception as exc:  # noqa: BLE001 (should MemTracker refuse a strategy, the row says so)
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:120]
         return None, f"tensor memory not measurable under this strategy ({first})"
     return memory.peak_bytes(device), None

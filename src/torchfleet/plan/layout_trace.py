@@ -27,7 +27,7 @@ import contextlib
 from dataclasses import dataclass
 
 # Strategies whose setup and step run on fake tensors; the rest keep the profile's formulas (ddp's reducer is
-# C++ that needs real storage; a pipeline's stages run once per micro-batch, which MemTracker refuses).
+# C++ that needs real storage; torch's pipeline stage refuses a fake group without each stage's static shapes).
 TRACEABLE = frozenset({"fsdp", "hsdp", "tp", "fsdp+tp", "mp"})
 TRACED_STEPS = 2
 
