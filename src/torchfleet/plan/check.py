@@ -80,9 +80,13 @@ def _tensor_peak(model, optimizer, step, device) -> tuple[int | None, str | None
                 memory.next_step()
                 step()
     except Exception as exc:  # noqa: BLE001 (should MemTracker refuse a strategy, the row says so)
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:120]
-        return None, f"tensor memory not measurable under this strategy ({first})"
+        return None, f"tensor memory not measurable under this strategy ({first_line(exc)})"
     return memory.peak_bytes(device), None
+
+
+def first_line(exc: BaseException) -> str:
+    """An exception's first line (its type where it has no message), at most 120 characters: for a row's note."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:120]
 
 
 def run_cell(cell, spec: dict, timeout_s: float) -> dict:

@@ -41,10 +41,6 @@ class TracedPeak:
     prompt: float
     late: float
 
-    def near(self, measured: float) -> float:
-        """|measured / figure - 1| for the nearer of the two figures."""
-        return min(abs(measured / self.prompt - 1), abs(measured / self.late - 1))
-
 
 def traced_peak(
     spec: dict, optimizer: str, strategy: str, processes: int, global_batch: int, options: dict

@@ -189,8 +189,8 @@ def predictions(
                 notes.append(f"{name} on {n} processes left out: {exc}")
                 continue
             except Exception as exc:  # noqa: BLE001 (an operator without a fake kernel: the formulas stand)
-                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:120]
-                notes.append(f"{name} on {n} processes: memory from the profile's formulas, not traced ({first})")
+                why = plan_check.first_line(exc)
+                notes.append(f"{name} on {n} processes: memory from the profile's formulas, not traced ({why})")
             else:
                 # The safe figure decides: a step that frees a collective's buffer late holds it.
                 prediction.memory["peak"] = peak.late
