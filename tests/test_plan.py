@@ -11,7 +11,8 @@ import sys
 import pytest
 
 from conftest import assert_refused_in_one_sentence, clean_env, forked_torchfleet, run
-from torchfleet.plan import comm, contention, overheads, pipelines, predict, probe, profiler
+from torchfleet.plan import comm, contention, overheads, pipelines, predict, probe, profiler, workload
+from torchfleet.plan.first_batches import first_batches
 from torchfleet.plan.hardware import Target
 from torchfleet.plan.layouts import layout
 from torchfleet.plan.profile import Profile
@@ -44,9 +45,9 @@ def test_the_profile_runs_only_batches_this_machine_holds(monkeypatch):
     roomy = profiler.measure(spec, "adamw", cores=1, batches=(1, 2), timed=False)
     assert roomy.memory_batches == (8, 16)  # 4 and 8 times the larger: where the activations show
     state = 12 * roomy.parameters  # fp32 weights and AdamW's two moments
-    model, inputs, targets, loss_fn = profiler.workload(spec, 1)
-    optimizer = profiler.make_optimizer("adamw", model.parameters())
-    profiler._step(model, optimizer, inputs, targets, loss_fn)
+    model, inputs, targets, loss_fn = workload.workload(spec, 1)
+    optimizer = workload.make_optimizer("adamw", model.parameters())
+    workload.train_step(model, optimizer, inputs, targets, loss_fn)
     beyond = profiler._phase_peaks(model, optimizer, inputs, targets, loss_fn)[0] - state  # batch 1's, over the state
     # A third of the free memory holds 12 samples' worth, by the profile's over-estimate: batch 8, not 16.
     monkeypatch.setattr(profiler, "_available_memory", lambda: 3 * (state + 12 * beyond))
@@ -462,3 +463,16 @@ def test_a_plan_in_bf16_counts_the_activations_that_autocast_keeps():
     ratio = bf16.activation_per_sample / fp32.activation_per_sample
     assert 0.5 < ratio < 0.8, ratio  # 0.68: bf16 where autocast casts, fp32 for the loss and norms
     assert bf16.parameters == fp32.parameters and bf16.flops_per_sample == fp32.flops_per_sample
+
+
+@pytest.mark.timeout(120)
+def test_a_model_that_cannot_train_on_one_sample_is_profiled_from_two():
+    """resnet18 at 32 px ends in 1 x 1 feature maps, where BatchNorm refuses a single sample; a loaded machine
+    once timed it slow enough to profile it at batches 1 and 2, and its plan failed there. It is profiled at 2
+    and 4 instead, on a machine of any speed; the model without BatchNorm keeps 1 and 2."""
+    resnet = {"model": "resnet18", "gpt_preset": "tiny", "image_size": 32, "seed": 0, "precision": "fp32"}
+    gpt = {**resnet, "model": "gpt"}
+    assert first_batches(resnet, "sgd", 1, timed=False) == (2, 4)
+    assert first_batches(gpt, "sgd", 1, timed=False) == (1, 2)
+    profile = profiler.measure(resnet, "sgd", 1, timed=False)  # failed at batch 1 before
+    assert profile.probe_batches == (2, 4) and profile.activation_per_sample > 0

@@ -15,14 +15,18 @@ reduce-scatter buffers are often freed on Gloo's worker threads, so the sum
 drifted upward by tens of MiB a step.
 
 Tracking runs Python code for every op: measure memory in steps that are not
-timed. MemTracker refuses a model's second forward in one step, which a
-pipeline's schedule makes (each stage runs once per micro-batch): there the
-per-module records are cleared and the count goes on (`_Stages`), which keeps
-the peak, the one figure read here.
+timed. MemTracker also follows modules (ModTracker's hooks) for its
+per-module records, which this figure never reads, and those hooks fail where
+a pipeline runs: a stage's second forward in a step is refused ("multiple
+iterative calls"), and the zero-bubble schedules' split backward
+(autograd.grad) trips ModTracker's gradient hooks ("A leaf node was passed to
+_will_engine_execute_node"). So modules are not followed here (`_TensorsOnly`):
+every tensor is still counted as its operator makes it, in the same total.
 """
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import torch
@@ -31,36 +35,53 @@ from torch.distributed._tools.mem_tracker import MemTracker
 _TOTAL = "Total"  # MemTracker's key for the sum over categories
 
 
-class _Stages(MemTracker):
-    """MemTracker that lets a module run forward again within a step, as a pipeline stage does per micro-batch."""
+class _NoModules:
+    """What MemTracker asks of its module tracker, answered for no module: no hooks, never in a backward."""
 
-    def _pre_fw_hook(self, module, inputs) -> None:
-        try:
-            super()._pre_fw_hook(module, inputs)
-        except NotImplementedError:  # "multiple iterative calls": the stage's next micro-batch
-            self.reset_mod_stats()
-            super()._pre_fw_hook(module, inputs)
+    parents: frozenset[str] = frozenset()
+    is_bw = False
+
+    def register_user_hooks(self, *hooks: Any) -> None:
+        pass
+
+    def clear_user_hooks(self) -> None:
+        pass
+
+    def __enter__(self) -> _NoModules:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+
+class _TensorsOnly(MemTracker):
+    """MemTracker counting tensors without following modules (the module's docstring says why)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._mod_tracker = _NoModules()  # pyright: ignore[reportAttributeAccessIssue]
 
 
 class TensorMemory:
     """Context manager: the peak bytes of tensors per device while it is open.
 
-    `tracked` are the objects that exist before it opens and count from the
-    start (a model, an optimizer, batches). Call `next_step()` before each
-    training step: MemTracker's per-module records refuse a second forward
-    of the same model, and clearing them leaves its peak as it was.
+    Every tensor alive when it is made counts from the start, as a GPU's
+    allocator counts what it has handed out: the model, the optimizer's
+    state, the batch, and what a strategy keeps between steps (a pipeline
+    schedule's receive buffers, which MemTracker would otherwise never see).
+    `tracked` (the model, the optimizer) are filed under MemTracker's own
+    categories (parameters, optimizer state); every other tensor alive counts
+    all the same.
 
         with TensorMemory(model, optimizer) as memory:
-            for batch in batches:
-                memory.next_step()
-                fleet.train_step(...)
+            for _ in range(steps):
+                fleet.train_step(inputs, targets, loss_fn)
         memory.peak_bytes("cpu")
     """
 
     def __init__(self, *tracked: Any) -> None:
-        self._tracker = _Stages()
-        if tracked:
-            self._tracker.track_external(*tracked)
+        self._tracker = _TensorsOnly()
+        self._tracker.track_external(*tracked, *_live_tensors())
         self._peak: dict[torch.device, int] = {}
 
     def __enter__(self) -> TensorMemory:
@@ -71,8 +92,19 @@ class TensorMemory:
         self._tracker.__exit__(*exc)
         self._peak = {device: figures[_TOTAL] for device, figures in self._tracker.get_tracker_snapshot("peak").items()}
 
-    def next_step(self) -> None:
-        self._tracker.reset_mod_stats()
-
     def peak_bytes(self, device: str | torch.device = "cpu") -> int:
         return self._peak.get(torch.device(device), 0)
+
+
+def _live_tensors() -> list[torch.Tensor]:
+    """The tensors alive now that this process's step could hold: under a fake mode (plan's traces) that mode's
+    fake tensors alone, since the planner's own real ones are no part of the step it traces; else the real ones."""
+    from torch._guards import active_fake_mode
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    mode = active_fake_mode()
+    gc.collect()  # what is garbage now is not held
+    tensors = [o for o in gc.get_objects() if issubclass(type(o), torch.Tensor)]
+    if mode is None:
+        return [t for t in tensors if not isinstance(t, FakeTensor)]
+    return [t for t in tensors if isinstance(t, FakeTensor) and t.fake_mode is mode]

@@ -77,7 +77,6 @@ def _tensor_peak(model, optimizer, step, device) -> tuple[int | None, str | None
     try:
         with TensorMemory(model, optimizer) as memory:
             for _ in range(MEMORY_STEPS):
-                memory.next_step()
                 step()
     except Exception as exc:  # noqa: BLE001 (should MemTracker refuse a strategy, the row says so)
         return None, f"tensor memory not measurable under this strategy ({first_line(exc)})"

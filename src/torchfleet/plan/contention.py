@@ -66,7 +66,7 @@ def _rounds(spec: dict, batch: int, threads: int, optimizer: str) -> float | Non
     import torch
     import torch.distributed as dist
 
-    from torchfleet.plan.profiler import _step, make_optimizer, workload
+    from torchfleet.plan.workload import make_optimizer, train_step, workload
 
     torch.set_num_threads(threads)
     dist.init_process_group("gloo")
@@ -75,7 +75,7 @@ def _rounds(spec: dict, batch: int, threads: int, optimizer: str) -> float | Non
     opt = make_optimizer(optimizer, model.parameters())
 
     def step() -> None:
-        _step(model, opt, inputs, targets, loss_fn)
+        train_step(model, opt, inputs, targets, loss_fn)
 
     step()  # the optimizer's state, and this thread count's threads, exist from here on
     seconds = _seconds(step, 1)

@@ -37,30 +37,11 @@ from torch import nn
 
 from torchfleet.models import TOKEN_MODELS
 from torchfleet.plan import experts
+from torchfleet.plan.first_batches import first_batches
 from torchfleet.plan.profile import OPTIMIZER_STATE, Profile, StepFit
+from torchfleet.plan.workload import make_optimizer, train_step, workload
 
 SHAPE_BATCH = 2  # samples of the forward that reads the model's structure (block outputs, routed rows)
-
-
-def make_optimizer(name: str, params) -> torch.optim.Optimizer:
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=1e-3)
-    return torch.optim.SGD(params, lr=1e-3, momentum=0.9 if name == "sgd" else 0.0)
-
-
-def workload(spec: dict, batch: int):
-    """bench's model, inputs, targets and loss for `spec` at `batch` samples, on this CPU (as rank 0)."""
-    from torchfleet.bench.measure_cell import workload as bench_workload
-
-    host = SimpleNamespace(device=torch.device("cpu"), to_device=lambda t: t)
-    return bench_workload(spec, batch, 0, host)  # pyright: ignore[reportArgumentType] (only device and to_device are read)
-
-
-def _step(model, optimizer, inputs, targets, loss_fn) -> None:
-    optimizer.zero_grad(set_to_none=True)
-    output = model(**inputs) if isinstance(inputs, dict) else model(inputs)
-    loss_fn(output, targets).backward()
-    optimizer.step()
 
 
 def measure(
@@ -82,7 +63,7 @@ def measure(
     model, inputs, targets, loss_fn = workload(spec, SHAPE_BATCH)
     shape = _shape(model, inputs)
     flops_per_sample = flops.flops_per_sample(model, inputs, targets, loss_fn)
-    batches = batches or (_probe_batches(spec, optimizer, cores) if timed else (1, 2))
+    batches = batches or first_batches(spec, optimizer, cores, timed)
     timed_steps = timed_steps or (3 if batches[0] == 1 else 7)  # a slow model's steps vary less
     torch.set_num_threads(cores)
     peaks = _Peaks(spec, optimizer, batches, shape.parameters)
@@ -212,7 +193,7 @@ class _Peaks:
     def _measure(self, batch: int) -> None:
         model, inputs, targets, loss_fn = workload(self.spec, batch)
         opt = make_optimizer(self.optimizer, model.parameters())
-        _step(model, opt, inputs, targets, loss_fn)  # the optimizer's state exists from here on
+        train_step(model, opt, inputs, targets, loss_fn)  # the optimizer's state exists from here on
         self.forward_backward[batch], self.optimizer_phase[batch] = _phase_peaks(
             model, opt, inputs, targets, loss_fn, self.precision
         )
@@ -260,14 +241,14 @@ def _timings(
     for batch in timed_at:
         model, inputs, targets, loss_fn = workload(spec, batch)
         made[batch] = (model, make_optimizer(optimizer, model.parameters()), inputs, targets, loss_fn)
-        _step(*made[batch])
+        train_step(*made[batch])
     fits, stepping_s = {}, {}
     for threads in sorted({1, cores}):
         torch.set_num_threads(threads)
         samples: dict[int, list[float]] = {b: [] for b in timed_at}
         optimizer_steps: list[float] = []
         for batch in timed_at:
-            _step(*made[batch])  # a first step at this thread count starts its threads
+            train_step(*made[batch])  # a first step at this thread count starts its threads
         # Interleaved, so a burst of load from elsewhere on a shared machine hits every batch alike.
         for _ in range(timed_steps):
             for batch in timed_at:
@@ -303,7 +284,7 @@ def _available_memory() -> float:
 
 
 def _timed_step(model, optimizer, inputs, targets, loss_fn) -> tuple[float, float]:
-    """(seconds of `_step`, of which the optimizer's step)."""
+    """(seconds of `train_step`, of which the optimizer's step)."""
     start = time.perf_counter()
     optimizer.zero_grad(set_to_none=True)
     output = model(**inputs) if isinstance(inputs, dict) else model(inputs)
@@ -320,12 +301,6 @@ def workload_name(spec: dict, optimizer: str) -> str:
     return f"{spec['model']}{shape}/{optimizer}"
 
 
-def _seconds(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
 def _fit_line(medians: dict[int, float]) -> StepFit:
     """Least squares `fixed + per_sample x batch` through the medians, neither part below zero."""
     xs, ys = list(medians), list(medians.values())
@@ -338,21 +313,6 @@ def _fit_line(medians: dict[int, float]) -> StepFit:
     return StepFit(fixed, per)
 
 
-def _probe_batches(spec: dict, optimizer: str, cores: int) -> tuple[int, ...]:
-    """Batch sizes far enough apart to tell the per-sample cost from the fixed one, in well under a second a step."""
-    torch.set_num_threads(cores)
-    model, inputs, targets, loss_fn = workload(spec, 2)
-    opt = make_optimizer(optimizer, model.parameters())
-    _step(model, opt, inputs, targets, loss_fn)
-    # the fastest of three: load from elsewhere only ever adds, and one slow step would pick batches too small
-    two = min(_seconds(lambda: _step(model, opt, inputs, targets, loss_fn)) for _ in range(3))
-    if two > 0.5:
-        return 1, 2
-    # a small model: enough samples that the per-sample part is seen above the fixed one
-    top = int(min(256, max(4, 2 * 0.3 / max(two, 1e-4))))
-    return 2, max(3, top // 2), top
-
-
 def _phase_peaks(model, opt, inputs, targets, loss_fn, precision: str = "fp32") -> tuple[int, int]:
     """Peak tensor bytes of forward-and-backward (in `precision`'s autocast, see `_Peaks.measure`), and of the
     optimizer's step."""
@@ -363,7 +323,6 @@ def _phase_peaks(model, opt, inputs, targets, loss_fn, precision: str = "fp32") 
     opt.zero_grad(set_to_none=True)
     mixed = torch.autocast("cpu", dtype=torch.bfloat16) if precision != "fp32" else contextlib.nullcontext()
     with TensorMemory(model, opt) as forward_backward:
-        forward_backward.next_step()
         with mixed:
             # The output is not held in a name: a training loop's is freed once the loss is computed (gpt tiny's
             # logits held through backward put 512 KiB, 4%, on the peak).

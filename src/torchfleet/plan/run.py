@@ -184,24 +184,32 @@ def predictions(
         prediction = predict.predict(profile, lay, batch, target, cores, calib)
         if target.here and name in layout_trace.TRACEABLE:  # runs here: its memory traced, not estimated
             try:
-                peak = layout_trace.traced_peak(spec_of(cfg), profile.optimizer, name, n, batch, {})
+                traced_memory(cfg, profile.optimizer, lay, prediction, target)
             except UsageError as exc:  # the strategy cannot split this model (tp without a plan)
                 notes.append(f"{name} on {n} processes left out: {exc}")
                 continue
             except Exception as exc:  # noqa: BLE001 (an operator without a fake kernel: the formulas stand)
                 why = plan_check.first_line(exc)
                 notes.append(f"{name} on {n} processes: memory from the profile's formulas, not traced ({why})")
-            else:
-                # The safe figure decides: a step that frees a collective's buffer late holds it.
-                prediction.memory["peak"] = peak.late
-                prediction.memory["peak_freed_promptly"] = peak.prompt
-                prediction.fits = predict.fits(peak.late, lay, target)
         found.append(prediction)
     serial = next((p for p in found if p.strategy == "serial"), None)
     for p in found:
         if serial is not None and p.time["step"] > 0:
             p.efficiency = serial.time["step"] / p.time["step"] / max(1, p.processes)
     return found, notes
+
+
+def traced_memory(cfg: PlanConfig, optimizer: str, lay: layouts.Layout, p: predict.Prediction, target) -> None:
+    """`p`'s memory from `lay` traced here (layout_trace.py), in place of the formulas'."""
+    options = {}
+    if lay.pp > 1:  # the schedule and micro-batches the plan modelled, not the count a rank's threads would pick
+        options = {"schedule": lay.schedule, "microbatches": lay.microbatches}
+        options.update({"stages_per_process": lay.stages_per_process} if lay.stages_per_process > 1 else {})
+    peak = layout_trace.traced_peak(spec_of(cfg), optimizer, lay.strategy, p.processes, p.global_batch, options)
+    # The safe figure decides: a step that frees a collective's buffer late holds it.
+    p.memory["peak"] = peak.late
+    p.memory["peak_freed_promptly"] = peak.prompt
+    p.fits = predict.fits(peak.late, lay, target)
 
 
 def recommend(found: list[predict.Prediction], cpus: bool = True) -> dict:
@@ -359,7 +367,10 @@ def _repredicted(document: dict, p: predict.Prediction, microbatches: int) -> pr
         profile,
         {**pipeline_options(document["_config"]), "microbatches": microbatches},
     )
-    return predict.predict(profile, lay, p.global_batch, target, calib.cores, calib)
+    again = predict.predict(profile, lay, p.global_batch, target, calib.cores, calib)
+    if "peak_freed_promptly" in p.memory:  # traced before: traced again with this count
+        traced_memory(document["_config"], profile.optimizer, lay, again, target)
+    return again
 
 
 def _check_line(row: dict) -> str:

@@ -146,8 +146,8 @@ def memory_job(
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
     config = gpt_config(config) if isinstance(config, str) else config
-    figures = {}
-    for strategy in strategies:
+
+    def measure(strategy: str) -> dict:  # a function: one strategy's model and optimizer are gone at the next's
         fleet = Fleet(strategy=strategy)
         before = resident_peak()
         torch.manual_seed(0)
@@ -162,7 +162,6 @@ def memory_job(
         )
         with TensorMemory(model, opt) as memory:
             for _ in range(steps):
-                memory.next_step()
                 fleet.train_step(tokens[:, :-1], tokens[:, 1:], lm_loss)
         held = fleet.strategy.memory_report()
         if held is None:  # whole copies (ddp): counted the same way
@@ -171,12 +170,14 @@ def memory_job(
         mine = torch.tensor([memory.peak_bytes(fleet.device), resident_peak() - before], dtype=torch.int64)
         every = [torch.zeros_like(mine) for _ in range(fleet.world_size)]
         torch.distributed.all_gather(every, mine)
-        figures[strategy] = {
+        return {
             "parameters": params,
             "held": held,
             "peak": [int(e[0]) for e in every],
             "resident": [int(e[1]) for e in every],
         }
+
+    figures = {strategy: measure(strategy) for strategy in strategies}
     main = torch.distributed.get_rank() == 0
     torch.distributed.barrier()  # see Fleet.close: tear down together
     torch.distributed.destroy_process_group()

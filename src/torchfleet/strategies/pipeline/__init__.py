@@ -25,6 +25,8 @@ The modules, one job each:
 - example_cut.py: this process's stages of a model that is not a Sequential, cut at setup
   (by its plan or by tracing) on one micro-batch of the example, checkpointed and compiled as asked.
 - stages.py: a stage that times its compute; sizing micro-batches, sending the loss.
+- static_shapes.py: every stage's shapes worked out in one process, for a fake process group
+  (plan's traces), which cannot send them.
 - local_stages.py: several stages in one process (the multi-stage schedules).
 - gradients.py: tied parameters' gradients summed across processes; clipping to the
   whole model's norm.

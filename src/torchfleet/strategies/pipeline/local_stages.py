@@ -112,8 +112,21 @@ def cut_local(
     """Cuts of stages `local` of `total`: by the model's plan (a copy of the model per extra stage) or traced."""
     if plan is None:
         return cutting.trace_stages(model, total, local, split_points, args, kwargs)
-    copies = [copy.deepcopy(model) for _ in local[1:]] + [model]  # cut_by_plan cuts the model in place
+    copies = [model_copy(model) for _ in local[1:]] + [model]  # cut_by_plan cuts the model in place
     return [cut_by_plan(m, plan, total, s, split_points, args, kwargs) for m, s in zip(copies, local, strict=True)]
+
+
+def model_copy(model: nn.Module) -> nn.Module:
+    """A deep copy of `model`. Fake tensors (plan's traces) are cloned in their own mode: deepcopy would give each a
+    fake mode of its own, which torch refuses to mix with the inputs' ("Mixing fake modes")."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    memo: dict[int, torch.Tensor] = {}
+    for tensor in (*model.parameters(), *model.buffers()):
+        if is_fake(tensor):
+            clone = tensor.detach().clone()
+            memo[id(tensor)] = nn.Parameter(clone, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else clone
+    return copy.deepcopy(model, memo)
 
 
 def sequential_stages(

@@ -33,7 +33,7 @@ class TimedStage(PipelineStage):
         # leave the stage (a copy in the autograd graph, so backward still reaches the
         # view; a view is copied, see _own_storage), and so are the input gradients sent
         # back (get_bwd_send_ops).
-        self.submod.register_forward_hook(_contiguous_outputs)
+        self.contiguous_hook = self.submod.register_forward_hook(_contiguous_outputs)
 
     def get_bwd_send_ops(self, bwd_chunk_id: int):
         grads = getattr(self, "bwd_cache", {}).get(bwd_chunk_id)

@@ -37,7 +37,13 @@ from torchfleet.strategies.pipeline import cutting, schedules
 from torchfleet.strategies.pipeline.cutting import tied_groups
 from torchfleet.strategies.pipeline.example_cut import cut_on_example
 from torchfleet.strategies.pipeline.gradients import clip_to_global_norm, sync_tied_gradients, tied_process_groups
-from torchfleet.strategies.pipeline.local_stages import LocalStages, run_stages, sequential_stages, share_tensors
+from torchfleet.strategies.pipeline.local_stages import (
+    LocalStages,
+    model_copy,
+    run_stages,
+    sequential_stages,
+    share_tensors,
+)
 from torchfleet.strategies.pipeline.report import layers_per_stage, pipeline_report
 from torchfleet.strategies.pipeline.stage_state import ModelKeys, gather_stages, load_stage
 from torchfleet.strategies.pipeline.stages import (
@@ -50,6 +56,7 @@ from torchfleet.strategies.pipeline.stages import (
     send_loss,
     sequential_ties,
 )
+from torchfleet.strategies.pipeline.static_shapes import stage_shapes, static_stages
 
 __all__ = ["Pipeline"]
 
@@ -101,6 +108,9 @@ class Pipeline(MeshStrategy):
         mesh = self.build_mesh()
         self.pp_group = mesh["pp"].get_group()
         old_names = parameter_names(model)
+        # A fake group (plan's traces) cannot send the stages their shapes: a copy of the whole model gives them
+        # at the first step (static_shapes.py).
+        self._shapes_from = model_copy(model) if dist.get_backend(self.pp_group) == "fake" else None
         # What save_model and checkpoints hold: the model's own keys, whatever a cut adds or drops.
         self.model_keys = ModelKeys(list(model.state_dict()), tied_groups(model))
         self._pointwise_convs = has_pointwise_convs(model)  # before the trace sizes the micro-batches
@@ -246,6 +256,11 @@ class Pipeline(MeshStrategy):
             problem = schedules.microbatch_problem(self.schedule_name, self.pp, self.microbatches)
             if problem:
                 raise UsageError(problem)
+            if self._shapes_from is not None:
+                micro = split_batch(split_batch(inputs, grad_accum)[0], self.microbatches)[0]
+                autocast = self.runtime.precision.autocast
+                shapes = stage_shapes(self._shapes_from, micro, self.stages, self.split_points, autocast)
+                self._stages, self._shapes_from = static_stages(self._stages, shapes), None
             self._schedule = schedules.build_schedule(self.schedule_name, self._stages, self.microbatches, self._loss)
             if self.per_process > 1:
                 # Before 2.14 the multi-stage schedules open their links in one batch of sends and receives
