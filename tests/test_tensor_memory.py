@@ -1,8 +1,9 @@
 """TensorMemory: the peak of the tensors a process holds, as `plan --check` reads a real rank's and plan's traces a
 fake one's.
 
-Every tensor alive when it opens counts (a pipeline schedule's receive buffers, made at the first step, were missed
-when only the model, the optimizer and modules' inputs were); a fake trace counts its own fake mode's tensors and
+In a rank's process every tensor alive when it opens counts (a pipeline schedule's receive buffers, made at the first
+step, were missed when only the model, the optimizer and modules' inputs were), and in a process others share (the
+planner's profile, a test) only what it is given and what is made while it is open; a fake trace counts its own fake mode's tensors and
 none of the planner's real ones; and what a pipeline's schedule does (a stage's second forward in a step, the zero
 bubble schedules' input gradients by autograd.grad) is followed, where MemTracker's module hooks refused both.
 """
@@ -18,18 +19,20 @@ from torchfleet.tensor_memory import TensorMemory
 KIB = 1024
 
 
-def _peak_while(inside) -> int:
-    with TensorMemory() as memory:
+def _peak_while(inside, whole_process: bool = True) -> int:
+    with TensorMemory(whole_process=whole_process) as memory:
         inside()
     return memory.peak_bytes("cpu")
 
 
-def test_a_tensor_made_before_it_opens_counts_though_nothing_names_it():
+def test_a_tensor_made_before_it_opens_counts_in_a_ranks_process_though_nothing_names_it():
     kept = [torch.zeros(64 * KIB, dtype=torch.uint8)]
     with_it = _peak_while(lambda: torch.ones(16 * KIB, dtype=torch.uint8))
+    shared = _peak_while(lambda: torch.ones(16 * KIB, dtype=torch.uint8), whole_process=False)
     kept.clear()
     without_it = _peak_while(lambda: torch.ones(16 * KIB, dtype=torch.uint8))
     assert with_it - without_it == 64 * KIB
+    assert shared == 16 * KIB  # a shared process: what was made while it was open, alone
 
 
 def test_a_fake_trace_counts_its_own_fake_tensors_and_not_the_real_ones_alive():

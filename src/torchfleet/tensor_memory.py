@@ -65,13 +65,14 @@ class _TensorsOnly(MemTracker):
 class TensorMemory:
     """Context manager: the peak bytes of tensors per device while it is open.
 
-    Every tensor alive when it is made counts from the start, as a GPU's
-    allocator counts what it has handed out: the model, the optimizer's
-    state, the batch, and what a strategy keeps between steps (a pipeline
-    schedule's receive buffers, which MemTracker would otherwise never see).
-    `tracked` (the model, the optimizer) are filed under MemTracker's own
-    categories (parameters, optimizer state); every other tensor alive counts
-    all the same.
+    `tracked` (a model, an optimizer, a batch or a dict of them) count from
+    the start. `whole_process=True` counts every tensor alive when it is made,
+    as a GPU's allocator counts what it has handed out: a rank of a job holds
+    its model, its optimizer's state, its batch and what its strategy keeps
+    between steps (a pipeline schedule's receive buffers, which MemTracker
+    would otherwise never see). Under a fake mode (plan's traces) that mode's
+    own tensors are all of the step there is, and count always; the
+    planner's real ones never do.
 
         with TensorMemory(model, optimizer) as memory:
             for _ in range(steps):
@@ -79,9 +80,9 @@ class TensorMemory:
         memory.peak_bytes("cpu")
     """
 
-    def __init__(self, *tracked: Any) -> None:
+    def __init__(self, *tracked: Any, whole_process: bool = False) -> None:
         self._tracker = _TensorsOnly()
-        self._tracker.track_external(*tracked, *_live_tensors())
+        self._tracker.track_external(*tracked, *_live_tensors(whole_process))
         self._peak: dict[torch.device, int] = {}
 
     def __enter__(self) -> TensorMemory:
@@ -96,13 +97,16 @@ class TensorMemory:
         return self._peak.get(torch.device(device), 0)
 
 
-def _live_tensors() -> list[torch.Tensor]:
-    """The tensors alive now that this process's step could hold: under a fake mode (plan's traces) that mode's
-    fake tensors alone, since the planner's own real ones are no part of the step it traces; else the real ones."""
+def _live_tensors(whole_process: bool) -> list[torch.Tensor]:
+    """The tensors alive now that count from the start: under a fake mode that mode's fake tensors alone; else the
+    process's real ones where it is a rank of the job (`whole_process`), none where other work shares it (a
+    planner's profile, a test)."""
     from torch._guards import active_fake_mode
     from torch._subclasses.fake_tensor import FakeTensor
 
     mode = active_fake_mode()
+    if mode is None and not whole_process:
+        return []
     gc.collect()  # what is garbage now is not held
     tensors = [o for o in gc.get_objects() if issubclass(type(o), torch.Tensor)]
     if mode is None:

@@ -75,7 +75,7 @@ def _tensor_peak(model, optimizer, step, device) -> tuple[int | None, str | None
     from torchfleet.tensor_memory import TensorMemory
 
     try:
-        with TensorMemory(model, optimizer) as memory:
+        with TensorMemory(model, optimizer, whole_process=True) as memory:  # the process is a rank
             for _ in range(MEMORY_STEPS):
                 step()
     except Exception as exc:  # noqa: BLE001 (should MemTracker refuse a strategy, the row says so)

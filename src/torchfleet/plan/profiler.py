@@ -322,13 +322,13 @@ def _phase_peaks(model, opt, inputs, targets, loss_fn, precision: str = "fp32") 
 
     opt.zero_grad(set_to_none=True)
     mixed = torch.autocast("cpu", dtype=torch.bfloat16) if precision != "fp32" else contextlib.nullcontext()
-    with TensorMemory(model, opt) as forward_backward:
+    with TensorMemory(model, opt, inputs, targets) as forward_backward:
         with mixed:
             # The output is not held in a name: a training loop's is freed once the loss is computed (gpt tiny's
             # logits held through backward put 512 KiB, 4%, on the peak).
             loss = loss_fn(model(**inputs) if isinstance(inputs, dict) else model(inputs), targets)
         loss.backward()
-    with TensorMemory(model, opt) as stepping:
+    with TensorMemory(model, opt, inputs, targets) as stepping:
         opt.step()
     return forward_backward.peak_bytes("cpu"), stepping.peak_bytes("cpu")
 

@@ -160,7 +160,7 @@ def memory_job(
             (sequences, config.block_size + 1),
             generator=torch.Generator().manual_seed(fleet.rank),
         )
-        with TensorMemory(model, opt) as memory:
+        with TensorMemory(model, opt, whole_process=True) as memory:
             for _ in range(steps):
                 fleet.train_step(tokens[:, :-1], tokens[:, 1:], lm_loss)
         held = fleet.strategy.memory_report()
