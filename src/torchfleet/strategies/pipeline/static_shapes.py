@@ -31,13 +31,15 @@ def stage_shapes(
     """(inputs, outputs) of each of `stages` stages of `whole` for one micro-batch `micro`, as meta tensors:
     what a Sequential's first stage takes positionally (a cut stage takes the model's inputs by keyword), and
     what each stage returns (the next one's inputs)."""
-    named = dict(micro) if isinstance(micro, Mapping) else None
+    # The model's inputs as the model takes them: by name from a dict, else one positional tensor.
+    whole_args, whole_kwargs = ((), dict(micro)) if isinstance(micro, Mapping) else ((micro,), {})
     if isinstance(whole, nn.Sequential) and not split_points:
         modules, cuts = sequential_stages(whole, stages, range(stages))[0], None
     else:
-        args, kwargs = ((), named) if named is not None else ((micro,), {})
         plan = declared_plan(whole)
-        cuts = cut_local(whole, stages, range(stages), split_points=split_points, args=args, kwargs=kwargs, plan=plan)
+        cuts = cut_local(
+            whole, stages, range(stages), split_points=split_points, args=whole_args, kwargs=whole_kwargs, plan=plan
+        )
         modules = [cut.module for cut in cuts]
     shapes, out = [], ()
     with autocast():  # with gradients: what needs one tells torch which gradients each stage receives
@@ -46,7 +48,7 @@ def stage_shapes(
             if cuts is not None:
                 args, kwargs = (() if first else out), cuts[index].stage_inputs(micro, first, last)
             elif first:
-                args, kwargs = ((), named) if named is not None else ((micro,), {})
+                args, kwargs = whole_args, whole_kwargs
             else:
                 args, kwargs = out, {}
             result = module(*args, **kwargs)
