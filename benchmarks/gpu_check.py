@@ -5,22 +5,23 @@
     python benchmarks/gpu_check.py --dry-run     # the same steps on this CPU, tiny: checks the script
 
 On a machine with one CUDA GPU and 16 cores it runs, within --budget seconds:
-- the CUDA suite (tests/test_cuda.py, 4 workers when pytest-xdist is there);
-- bench, serial on the GPU: resnet50 at batches 128 and 512 and gpt's gpt2
-  preset at batch 32, each in fp32, bf16 and fp16, eager; then the same cells
-  compiled (torch.compile per block), the targets' cells first, for as long as
-  the budget allows (compiling takes most of such a cell); each cell also runs
-  3 steps under torch.profiler (bench/kernels.py: where the time goes);
-- the host-sync comparison (the loss read every step against every 100);
-- `make cpu-scaling`'s measurement (benchmarks/parity.py --only scaling, free
-  processes against torchfleet's ddp) on 1, 2, 4 and 8 cores, in the
-  background from the start, its processes pinned to the upper 8 cores and
-  everything else to the lower 8, so neither slows the other by sharing a core.
+- the CUDA suite (tests/test_cuda.py and test_gpu_defaults.py, 4 workers when pytest-xdist is there);
+- bench, serial on the GPU, one `torchfleet bench` per row of BENCH_RUNS: gpt's gpt2
+  preset (its vocabulary padded to 50,304) at batch 32 in bf16 with fused AdamW, eager
+  and whole-model compiled (the loss compiled with it); resnet50 at batches 128 and 512
+  in fp32 and bf16 (channels-last, bf16's default on a GPU), and bf16 at 512 channels-first
+  for the layout's share; the optional rows (compiled resnet50, SGD) while the budget
+  allows. Each cell also runs 3 steps under torch.profiler (bench/kernels.py: where the
+  time goes);
+- `make cpu-scaling`'s measurement (benchmarks/parity.py --only scaling: free processes,
+  the hand-written DDP loop and torchfleet's ddp) on 1, 2, 4 and 8 cores, in the
+  background from the start, its processes pinned to the upper 8 cores and everything
+  else to the lower 8, so neither slows the other by sharing a core.
 It writes each part's output under --out, then summary.json and summary.md
 (every table, and each target with its measured figure), and packs the folder
 as OUT.tar.gz: with the two summaries, three files to bring back.
 `--plans-here` then adds the planner's prediction (--gpu named from the
-device, one GPU, serial, SGD as bench steps) beside each measured cell: the
+device, one GPU, serial, the cell's optimizer) beside each measured cell: the
 planner needs no GPU, so its minutes of CPU are not spent from the lease.
 """
 
@@ -45,13 +46,23 @@ PARITY = ROOT / "benchmarks" / "parity.py"
 GIB = 2**30
 KERNEL_KINDS = ("matmul", "convolution", "attention", "layout", "normalization", "optimizer", "other")
 
-# (model, preset, batch, precision): the order compiled cells run in, the targets' cells first.
-FULL_CELLS = (
-    [("gpt", "gpt2", 32, p) for p in ("bf16", "fp32", "fp16")]
-    + [("resnet50", None, 512, p) for p in ("bf16", "fp32", "fp16")]
-    + [("resnet50", None, 128, p) for p in ("bf16", "fp32", "fp16")]
-)
-DRY_CELLS = [("gpt", "tiny", 8, "fp32"), ("mlp", None, 64, "fp32")]
+# One `torchfleet bench` each, in this order: (name, model, preset, batches, precisions, extra flags, optional).
+# An optional row runs only while the budget holds one more of the longest row's length.
+GPT2 = ("gpt", "gpt2")
+BENCH_RUNS = [
+    ("gpt2-eager", *GPT2, [32], ["bf16"], ["--optimizer", "adamw"], False),
+    ("gpt2-compiled", *GPT2, [32], ["bf16"], ["--optimizer", "adamw", "--compile", "model"], False),
+    ("resnet50-eager", "resnet50", None, [128, 512], ["fp32", "bf16"], [], False),
+    ("resnet50-channels-first", "resnet50", None, [512], ["bf16"], ["--no-channels-last"], False),
+    ("resnet50-compiled", "resnet50", None, [512], ["bf16"], ["--compile", "model"], True),
+    ("gpt2-sgd-compiled", *GPT2, [32], ["bf16"], ["--compile", "model"], True),
+]
+DRY_RUNS = [
+    ("gpt-eager", "gpt", "tiny", [8], ["fp32"], ["--optimizer", "adamw"], False),
+    ("gpt-compiled", "gpt", "tiny", [8], ["fp32"], ["--optimizer", "adamw", "--compile", "model"], False),
+    ("resnet50-eager", "resnet50", None, [4], ["fp32", "bf16"], ["--image-size", "32"], False),
+    ("resnet50-channels-last", "resnet50", None, [4], ["bf16"], ["--image-size", "32", "--channels-last"], True),
+]
 
 
 def _env(**extra) -> dict:
@@ -111,7 +122,7 @@ def _plan_gpu(name: str | None) -> str:
 
 
 def _bench_cmd(
-    model: str, preset: str | None, batches: list[int], precisions: list[str], out: Path, compiled: bool, dry: bool
+    model: str, preset: str | None, batches: list[int], precisions: list[str], out: Path, extra: list[str], dry: bool
 ) -> list[str]:
     cmd = [
         sys.executable,
@@ -133,14 +144,12 @@ def _bench_cmd(
         "--out",
         str(out),
     ]
-    if preset:
-        cmd += ["--gpt-preset", preset]
-    if dry and model == "resnet50":
-        cmd += ["--image-size", "32"]
-    return cmd + (["--compile"] if compiled else [])
+    return cmd + (["--gpt-preset", preset] if preset else []) + extra
 
 
-def _plan_cmd(model: str, preset: str | None, batch: int, precision: str, gpu: str, out: Path) -> list[str]:
+def _plan_cmd(
+    model: str, preset: str | None, batch: int, precision: str, optimizer: str, gpu: str, out: Path
+) -> list[str]:
     cmd = [
         sys.executable,
         "-m",
@@ -153,7 +162,7 @@ def _plan_cmd(model: str, preset: str | None, batch: int, precision: str, gpu: s
         "--precision",
         precision,
         "--optimizer",
-        "sgd",
+        optimizer,
         "--gpu",
         gpu,
         "--gpus-per-node",
@@ -179,16 +188,16 @@ def plans_here(out: Path) -> None:
     folder.mkdir(exist_ok=True)
     done = set()
     for c in _cells(out):
-        key = (c["model"], c.get("gpt_preset"), c["global_batch"], c["precision"])
+        key = (c["model"], c.get("gpt_preset"), c["global_batch"], c["precision"], c.get("optimizer", "sgd"))
         if c["status"] != "ok" or key in done:
             continue
         done.add(key)
-        model, preset, batch, precision = key
+        model, preset, batch, precision, optimizer = key
         preset = preset if model == "gpt" else None  # bench's config names its default preset for any model
-        target = folder / f"{model}-b{batch}-{precision}.json"
-        print(f"planning {model} {preset or ''} batch {batch} {precision} ...", flush=True)
+        target = _plan_path(out, c)
+        print(f"planning {model} {preset or ''} batch {batch} {precision} {optimizer} ...", flush=True)
         subprocess.run(
-            _plan_cmd(model, preset, batch, precision, _plan_gpu(info.get("gpu")), target),
+            _plan_cmd(model, preset, batch, precision, optimizer, _plan_gpu(info.get("gpu")), target),
             env=_env(CUDA_VISIBLE_DEVICES=""),
             cwd=ROOT,
             stdout=subprocess.DEVNULL,
@@ -204,8 +213,13 @@ def _cells(folder: Path) -> list[dict]:
     return sorted(cells, key=lambda c: (c["model"], c["global_batch"], c["precision"], c["compile"] != "off"))
 
 
+def _plan_path(folder: Path, cell: dict) -> Path:
+    name = f"{cell['model']}-b{cell['global_batch']}-{cell['precision']}-{cell.get('optimizer', 'sgd')}"
+    return folder / "plan" / f"{name}.json"
+
+
 def _predicted(folder: Path, cell: dict) -> dict | None:
-    path = folder / "plan" / f"{cell['model']}-b{cell['global_batch']}-{cell['precision']}.json"
+    path = _plan_path(folder, cell)
     if not path.exists():
         return None
     p = json.loads(path.read_text())["predictions"][0]
@@ -240,6 +254,8 @@ def summarise(out: Path, info: dict, log: list[dict]) -> dict:
                         "global_batch",
                         "precision",
                         "compile",
+                        "optimizer",
+                        "channels_last",
                         "status",
                         "error",
                         "step_time_median_s",
@@ -262,17 +278,11 @@ def summarise(out: Path, info: dict, log: list[dict]) -> dict:
         )
     scaling_path = out / "scaling" / "parity.json"
     scaling = json.loads(scaling_path.read_text()).get("scaling") if scaling_path.exists() else None
-    host = {}
-    for n in (1, 100):
-        path = out / "host-sync" / f"log-every-{n}.json"
-        if path.exists():
-            host[n] = json.loads(path.read_text())["samples_per_s"]
     doc = {
         "info": info,
         "log": log,
         "cells": rows,
         "scaling": scaling,
-        "host_sync_samples_per_s": host,
         "suite": _suite(out),
         "targets": _targets(rows, scaling),
     }
@@ -289,7 +299,8 @@ def _suite(out: Path) -> str | None:
     return lines[-1].strip("= ") if lines else None
 
 
-def _cell(rows, model, batch, precision, compiled) -> dict | None:
+def _cell(rows, model, batch, precision, compiled, **wanted) -> dict | None:
+    """The first measured row of these; `wanted` adds fields it must hold (optimizer, channels_last)."""
     return next(
         (
             r
@@ -299,6 +310,7 @@ def _cell(rows, model, batch, precision, compiled) -> dict | None:
             and r["precision"] == precision
             and (r["compile"] != "off") == compiled
             and r["status"] == "ok"
+            and all(r.get(k) == v for k, v in wanted.items())
         ),
         None,
     )
@@ -306,11 +318,16 @@ def _cell(rows, model, batch, precision, compiled) -> dict | None:
 
 def _targets(rows: list[dict], scaling: dict | None) -> list[str]:
     said = []
-    fp32, bf16 = _cell(rows, "resnet50", 512, "fp32", False), _cell(rows, "resnet50", 512, "bf16", False)
-    if fp32 and bf16:
-        gain = fp32["step_time_median_s"] / bf16["step_time_median_s"]
-        said.append(f"bf16 / fp32 on resnet50 at batch 512 (eager): x{gain:.2f} (target 1.5)")
-    gpt = _cell(rows, "gpt", 32, "bf16", True) or _cell(rows, "gpt", 32, "bf16", False)
+    fp32 = _cell(rows, "resnet50", 512, "fp32", False)
+    for layout, last in (("channels-last", True), ("channels-first", False)):
+        bf16 = _cell(rows, "resnet50", 512, "bf16", False, channels_last=last)
+        if fp32 and bf16:
+            gain = fp32["step_time_median_s"] / bf16["step_time_median_s"]
+            said.append(
+                f"bf16 {layout} / fp32 on resnet50 at batch 512 (eager): x{gain:.2f}"
+                + (" (target 1.6)" if last else " (before channels-last)")
+            )
+    gpt = _cell(rows, "gpt", 32, "bf16", True, optimizer="adamw") or _cell(rows, "gpt", 32, "bf16", False)
     if gpt and gpt["mfu"] is not None:
         said.append(
             f"gpt2 bf16 ({'compiled' if gpt['compile'] != 'off' else 'eager: no compiled cell ran'}):"
@@ -350,22 +367,20 @@ def markdown(doc: dict) -> str:
         "",
         "## Bench (serial, one GPU) and the planner's prediction",
         "",
-        "| model | batch | precision | compile | ms/step | samples/s | tokens/s | MFU | vs fp32 | peak GiB |"
-        " first step s | predicted ms | predicted GiB | step pred/meas | mem pred/meas |",
-        "|" + "---|" * 15,
+        "| model | batch | precision | compile | optimizer | layout | ms/step | samples/s | tokens/s | MFU |"
+        " vs fp32 | peak GiB | first step s | predicted ms | predicted GiB | step pred/meas | mem pred/meas |",
+        "|" + "---|" * 17,
     ]
     for r in doc["cells"]:
         pred = r["predicted"] or {}
         name = r["model"] + (f" {r['gpt_preset']}" if r["model"] == "gpt" else "")
+        cell = f"| {name} | {r['global_batch']} | {r['precision']} | {r['compile']} | {r.get('optimizer') or 'sgd'} |"
+        cell += f" {'NHWC' if r.get('channels_last') else 'NCHW' if r['model'].startswith('resnet') else '-'} |"
         if r["status"] != "ok":
-            lines.append(
-                f"| {name} | {r['global_batch']} | {r['precision']} | {r['compile']} |"
-                f" {r['status']}: {r['error']} |" + " |" * 10
-            )
+            lines.append(f"{cell} {r['status']}: {r['error']} |" + " |" * 10)
             continue
         lines.append(
-            f"| {name} | {r['global_batch']} | {r['precision']} | {r['compile']} |"
-            f" {_fmt(r['step_time_median_s'], '.1f', 1e3)} | {_fmt(r['samples_per_s'], ',.0f')} |"
+            f"{cell} {_fmt(r['step_time_median_s'], '.1f', 1e3)} | {_fmt(r['samples_per_s'], ',.0f')} |"
             f" {_fmt(r['tokens_per_s'], ',.0f')} | {_fmt(r['mfu'], '.1%')} | {_fmt(r['vs_fp32'], '.2f')} |"
             f" {_fmt(r['peak_bytes'], '.2f', 1 / GIB)} | {_fmt(r['first_step_s'], '.1f')} |"
             f" {_fmt(pred.get('step_s'), '.1f', 1e3)} | {_fmt(pred.get('peak_bytes'), '.2f', 1 / GIB)} |"
@@ -375,8 +390,10 @@ def markdown(doc: dict) -> str:
         "",
         "## Where the time goes (3 profiled steps a cell; ms per step)",
         "",
-        "| model | batch | precision | compile | wall | " + " | ".join(KERNEL_KINDS) + " | no kernel |",
-        "|" + "---|" * (6 + len(KERNEL_KINDS)),
+        "| model | batch | precision | compile | optimizer | layout | wall | "
+        + " | ".join(KERNEL_KINDS)
+        + " | no kernel |",
+        "|" + "---|" * (8 + len(KERNEL_KINDS)),
     ]
     for r in doc["cells"]:
         k = r.get("kernels") or {}
@@ -384,20 +401,16 @@ def markdown(doc: dict) -> str:
         if "wall_ms_per_step" not in k:
             continue
         lines.append(
-            f"| {r['model']} | {r['global_batch']} | {r['precision']} | {r['compile']} |"
-            f" {k['wall_ms_per_step']:.1f} | "
+            f"| {r['model']} | {r['global_batch']} | {r['precision']} | {r['compile']} | {r.get('optimizer') or 'sgd'} |"
+            f" {'NHWC' if r.get('channels_last') else '-'} | {k['wall_ms_per_step']:.1f} | "
             + " | ".join(_fmt(ms.get(kind), ".1f") for kind in KERNEL_KINDS)
             + f" | {k['no_kernel_share']:.0%} |"
         )
-    host = doc["host_sync_samples_per_s"]
-    if len(host) == 2:
-        lines += [
-            "",
-            "## Host sync",
-            "",
-            f"cnn serial on the GPU: {host[1]:,.0f} samples/s reading the loss every"
-            f" step, {host[100]:,.0f} every 100 steps: x{host[100] / host[1]:.3f}",
-        ]
+    for r in doc["cells"]:  # the language model's kernels by name: where an MFU short of its target goes
+        top = (r.get("kernels") or {}).get("top_kernels_ms_per_step")
+        if r["model"] == "gpt" and top:
+            lines += ["", f"### Top kernels: gpt, {r['precision']}, compile {r['compile']} (ms per step)", ""]
+            lines += [f"- {ms:.1f}: `{name}`" for name, ms in list(top.items())[:8]]
     if doc["scaling"]:
         lines += [
             "",
@@ -459,11 +472,10 @@ def main() -> int:
         "python": sys.version.split()[0],
     }
     print(f"gpu-check: {gpu or 'no GPU (dry run)'}, torch {torch.__version__}, {len(cores)} cores", flush=True)
-    cells = DRY_CELLS if args.dry_run else FULL_CELLS
 
     # cpu-scaling in the background on the upper cores, from the start: it needs no GPU.
     counts, rounds, ways = (
-        ("2", "1", "torchfleet,free") if args.dry_run else ("2,4,8", args.scaling_rounds, "free,torchfleet")
+        ("2", "1", "torchfleet,free") if args.dry_run else ("2,4,8", args.scaling_rounds, "free,hand,torchfleet")
     )
     scaling_cmd = [
         sys.executable,
@@ -503,6 +515,7 @@ def main() -> int:
             "-m",
             "pytest",
             "tests/test_cuda.py",
+            "tests/test_gpu_defaults.py",
             "-p",
             "no:cacheprovider",
             "-ra",
@@ -518,80 +531,25 @@ def main() -> int:
     )
     began = time.monotonic()
     try:
-        rc = suite.wait(timeout=max(10.0, min(150.0, run.left() - 120)))
+        rc = suite.wait(timeout=max(10.0, min(120.0, run.left() - 180)))
     except subprocess.TimeoutExpired:
         suite.kill()
         rc = "timed out"
     run.log.append({"step": "CUDA suite", "rc": rc, "seconds": round(time.monotonic() - began, 1)})
 
     kernels = _env(TORCHFLEET_BENCH_PROFILE=str(out / "kernels"))
-    groups: dict[tuple, list] = {}
-    for model, preset, batch, precision in cells:
-        groups.setdefault((model, preset), []).append((batch, precision))
-    for (model, preset), wanted in groups.items():  # eager: one bench run per model
-        batches = sorted({b for b, _ in wanted})
-        precisions = list(dict.fromkeys(p for _, p in wanted))
-        run.step(
-            f"bench-{model}-eager",
-            _bench_cmd(model, preset, batches, precisions, out / f"bench-{model}-eager", False, args.dry_run),
-            run.left(),
-            env=kernels,
-        )
-    host = out / "host-sync"
-    host.mkdir(exist_ok=True)
-    for n in (1, 100):
-        run.step(
-            f"host-sync-{n}",
-            [
-                sys.executable,
-                "-m",
-                "torchfleet",
-                "train",
-                "--strategy",
-                "serial",
-                "--model",
-                "cnn",
-                "--data",
-                "synthetic",
-                "--synthetic-size",
-                "131072",
-                "--batch-size",
-                "256",
-                "--epochs",
-                "1",
-                "--max-steps",
-                "500" if not args.dry_run else "20",
-                "--log-every",
-                str(n),
-                "--no-progress",
-                "--json-out",
-                str(host / f"log-every-{n}.json"),
-            ],
-            120,
-        )
-    # Compiled cells, one bench run each, while a cell's likely time is left (the first one's, or 75 s).
-    took = 75.0
-    for model, preset, batch, precision in cells:
-        if run.left() < took + 10:
-            run.log.append(
-                {"step": f"bench-{model}-b{batch}-{precision}-compiled", "rc": "not run: budget", "seconds": 0}
-            )
+    longest = 0.0
+    for name, model, preset, batches, precisions, extra, optional in DRY_RUNS if args.dry_run else BENCH_RUNS:
+        if optional and run.left() < longest + 10:
+            run.log.append({"step": f"bench-{name}", "rc": "not run: budget", "seconds": 0})
             continue
         entry = run.step(
-            f"bench-{model}-b{batch}-{precision}-compiled",
-            _bench_cmd(
-                model,
-                preset,
-                [batch],
-                [precision],
-                out / f"bench-{model}-b{batch}-{precision}-compiled",
-                True,
-                args.dry_run,
-            ),
+            f"bench-{name}",
+            _bench_cmd(model, preset, batches, precisions, out / f"bench-{name}", extra, args.dry_run),
             run.left(),
             env=kernels,
         )
-        took = max(took if took != 75.0 else 0.0, entry["seconds"])
+        longest = max(longest, entry["seconds"])
 
     try:
         scaling.wait(timeout=max(10.0, run.left() + 20))

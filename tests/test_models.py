@@ -30,7 +30,8 @@ def _count(module: nn.Module) -> int:
 # ---- gpt ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("preset,params", [("tiny", 236_928), ("small50m", 57_294_336), ("gpt2", 124_439_808)])
+# gpt2: GPT-2 small's 124,439,808 and its vocabulary's 47 padded rows of 768 (50,257 -> 50,304).
+@pytest.mark.parametrize("preset,params", [("tiny", 236_928), ("small50m", 57_294_336), ("gpt2", 124_475_904)])
 def test_gpt_preset_parameter_counts(preset, params):
     with torch.device("meta"):  # the shapes without the memory or the initialisation time
         model = build_model("gpt", gpt_preset=preset)
@@ -43,6 +44,27 @@ def test_gpt2_preset_is_gpt2_small():
     cfg = GPT_PRESETS["gpt2"]
     assert (cfg.vocab_size, cfg.block_size, cfg.n_layer, cfg.n_head, cfg.n_embd) == (50257, 1024, 12, 12, 768)
     assert cfg.tie_embeddings and cfg.dropout == 0.0
+    assert cfg.padded_vocab == 50304  # nanoGPT's: a multiple of 64
+
+
+def test_a_padded_vocabulary_is_never_predicted():
+    """The padded rows are outside the logits: no probability, no loss, no gradient; the first
+    vocab_size rows compute what an unpadded GPT with the same weights computes."""
+    torch.manual_seed(0)
+    padded = GPT(GPTConfig(**{**SMALL.__dict__, "tie_embeddings": True, "vocab_multiple": 64}))
+    assert padded.tok_emb.weight.shape[0] == 128 and padded.head.weight is padded.tok_emb.weight
+    plain = GPT(GPTConfig(**{**SMALL.__dict__, "tie_embeddings": True}))
+    plain.load_state_dict(
+        {k: v[: SMALL.vocab_size] if v.shape[0] == 128 else v for k, v in padded.state_dict().items()}
+    )
+    idx, targets = torch.randint(0, SMALL.vocab_size, (2, 8)), torch.randint(0, SMALL.vocab_size, (2, 8))
+    logits = padded(idx)
+    assert logits.shape == (2, 8, SMALL.vocab_size)
+    assert torch.equal(logits, plain(idx))
+    lm_loss(logits, targets).backward()
+    grad = padded.tok_emb.weight.grad
+    assert grad is not None and grad[SMALL.vocab_size :].abs().max().item() == 0.0
+    assert grad[: SMALL.vocab_size].abs().max().item() > 0
 
 
 def test_tied_embeddings_share_storage():

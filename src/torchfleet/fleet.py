@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
-from torchfleet import allocator, checkpoint, versions
+from torchfleet import allocator, checkpoint, memory_format, versions
 from torchfleet.backend import choose_backend, probe_hardware, shares_gpus
 from torchfleet.data import GlobalBatchSampler, ShardSampler, batch_loader
 from torchfleet.data import dataset_length as _length
@@ -48,6 +48,7 @@ class Fleet:
         max_grad_norm: float | None = None,
         activation_checkpointing: bool = False,
         compile: bool | str = False,
+        channels_last: bool | None = None,
         fault_tolerance: str | None = None,
         preempt_signals: str | None = None,
         preempt_notice: str | None = None,
@@ -56,6 +57,8 @@ class Fleet:
         """`max_grad_norm`: clip gradients to this global norm (over every shard and stage).
         `activation_checkpointing`: recompute each repeated block's activations in backward.
         `compile`: torch.compile each block in place (True or "blocks") or the whole model ("model").
+        `channels_last`: NHWC convolution weights and image batches (None: on for a model with convolutions
+        in bf16 or fp16 on a GPU, as cuDNN's fast kernels want; memory_format.py).
         `fault_tolerance`: "step" in a replica group (`torchfleet run --fault-tolerance step` makes them; None:
         as the launcher says), "restart" otherwise. diloco and localsgd take `sync_every`, `outer_lr`... too.
         `preempt_signals` ("TERM,USR1"), `preempt_notice` ("aws", a URL...): what preempted() listens for
@@ -68,6 +71,7 @@ class Fleet:
         if compile not in (False, True, *COMPILE_MODES):
             raise UsageError(f'compile {compile!r} is not a mode; use True, "blocks" or "model"')
         self.activation_checkpointing, self.compile = activation_checkpointing, compile
+        self._channels_last_asked, self.channels_last = channels_last, False  # settled by setup, seeing the model
         self.env = env or DistEnv.detect()
         spec = settle(strategy, strategy_options, self.env, fault_tolerance)  # what the name comes to, once
         self.sagemaker = TrainingEnv.read()  # None outside a SageMaker training job
@@ -140,6 +144,9 @@ class Fleet:
         """
         model, compiled = unwrap_compiled(model)
         compile_mode = self.compile or compiled
+        self.channels_last = memory_format.apply(
+            self._channels_last_asked, model, self.strategy.runtime.precision.name, self.device, self.notes
+        )
         note = batchnorm_note(model, self.strategy.name, self.strategy.sync_batchnorm)
         if note and note not in self.notes:
             self.notes.append(note)
@@ -251,20 +258,13 @@ class Fleet:
         """A tensor, or a dict of tensors (keyword inputs), on this rank's device."""
         if isinstance(tensor, dict):
             return {k: self.to_device(v) for k, v in tensor.items()}
-        return tensor.to(self.device, non_blocking=True) if isinstance(tensor, torch.Tensor) else tensor
+        moved = tensor.to(self.device, non_blocking=True) if isinstance(tensor, torch.Tensor) else tensor
+        return memory_format.to_channels_last(moved) if self.channels_last else moved
 
     # -- collectives and printing -------------------------------------------
-    @property
-    def rank(self) -> int:
-        return self.env.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.env.world_size
-
-    @property
-    def is_main(self) -> bool:
-        return self.env.rank == 0
+    rank = property(lambda self: self.env.rank, doc="This process's rank.")
+    world_size = property(lambda self: self.env.world_size, doc="How many processes the job has.")
+    is_main = property(lambda self: self.env.rank == 0, doc="Whether this is rank 0, which prints and writes.")
 
     @property
     def strategy_name(self) -> str:
@@ -344,8 +344,7 @@ class Fleet:
 
     @property
     def checkpoint_dir(self) -> Path | None:
-        """/opt/ml/checkpoints in a SageMaker job that configured it (synced to S3, so a
-        restarted Spot job resumes from it), else None."""
+        """/opt/ml/checkpoints in a SageMaker job that set it (synced to S3: a restarted Spot job resumes), else None."""
         return self.sagemaker.checkpoint_dir if self.sagemaker else None
 
     def save_model(self, path: str | os.PathLike | None = None, adapters_only: bool = False) -> Path:
@@ -378,13 +377,11 @@ class Fleet:
 
     def close(self) -> None:
         """Leave the process group (a no-op for one process), after every rank met at a barrier: a rank that
-        tears down its Gloo pairs while a peer still uses them can abort at exit.
-
-        The barrier's Work object is kept until the interpreter exits: dropped by Gloo's worker thread, with
-        the collectives it waited for (whose saved thread-local state holds Python objects) while the main
-        thread is already finalizing, the worker cannot take the GIL, is unwound, and the process aborts
-        ("terminate called without an active exception", SIGABRT) after a run that succeeded.
-        """
+        tears down its Gloo pairs while a peer still uses them can abort at exit. The barrier's Work object is
+        kept until the interpreter exits: dropped by Gloo's worker thread, with the collectives it waited for
+        (whose saved thread-local state holds Python objects) while the main thread is already finalizing,
+        the worker cannot take the GIL, is unwound, and the process aborts ("terminate called without an
+        active exception", SIGABRT) after a run that succeeded."""
         self._leaving.stop()
         if self.replicas is not None:
             self.replicas.finish()

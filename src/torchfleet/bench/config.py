@@ -11,6 +11,7 @@ from torchfleet.precision import PRECISIONS
 from torchfleet.strategies import registry
 from torchfleet.strategies.block_transforms import COMPILE_MODES
 from torchfleet.strategies.pipeline.schedules import schedule_variant
+from torchfleet.train.config import OPTIMIZERS
 from torchfleet.train.models import GPT_PRESETS, MODELS
 
 
@@ -34,6 +35,8 @@ class BenchConfig:
     strategy_options: dict = field(default_factory=dict)
     cell_timeout_s: float = 1800.0  # a cell still running then is killed and reported
     compile: str | None = None  # torch.compile each block ("blocks") or the whole model ("model") in every cell
+    optimizer: str = "sgd"  # sgd (momentum 0.9) or adamw (fused on a GPU): what every cell steps with
+    channels_last: bool | None = None  # NHWC convolutions; None: Fleet's default (bf16 and fp16 on a GPU)
 
     def __post_init__(self) -> None:
         if user_model.is_user_model(self.model):
@@ -62,5 +65,7 @@ class BenchConfig:
             at_least("--threads", self.threads, 1)
         if self.compile is not None and self.compile not in COMPILE_MODES:
             raise choice_error("compile mode", self.compile, COMPILE_MODES)
+        if self.optimizer not in OPTIMIZERS:
+            raise choice_error("optimizer", self.optimizer, OPTIMIZERS)
         if not self.cell_timeout_s > 0:
             raise UsageError(f"cell timeout {self.cell_timeout_s} must be a positive number of seconds")

@@ -93,6 +93,7 @@ def run_one(cell: Cell, cfg: BenchConfig) -> dict:
         "model": cfg.model,
         **asdict(cell),
         "compile": cfg.compile or "off",
+        "optimizer": cfg.optimizer,
         "warmup": cfg.warmup,
         "steps": cfg.steps,
     }
@@ -119,6 +120,8 @@ def run_one(cell: Cell, cfg: BenchConfig) -> dict:
         "steps": cfg.steps,
         "seed": cfg.seed,
         "compile": cfg.compile,
+        "optimizer": cfg.optimizer,
+        "channels_last": cfg.channels_last,
         # each strategy gets only the options it takes: --microbatches is for mp and pipeline,
         # and a degree flag only for the presets that have that dimension (--pp not for ddp)
         "options": {

@@ -44,6 +44,7 @@ from torchfleet.fleet import Fleet
 from torchfleet.models import DIGITS_INPUT, IMAGE_MODELS, TOKEN_MODELS, build_model, gpt_config, lm_loss
 from torchfleet.strategies import Strategy
 from torchfleet.train.datasets import MockLoader, MockTokens
+from torchfleet.train.models import build_optimizer
 
 # Input shape of each model's mock batch: the digits' 8x8 for the small models,
 # ImageNet's 224x224 for the ResNets (or --image-size), as in the benchmark
@@ -163,7 +164,11 @@ def run_cell(spec: dict) -> dict | None:
     """
     torch.set_num_threads(spec["threads"])
     fleet = Fleet(
-        strategy=spec["strategy"], precision=spec["precision"], compile=spec.get("compile") or False, **spec["options"]
+        strategy=spec["strategy"],
+        precision=spec["precision"],
+        compile=spec.get("compile") or False,
+        channels_last=spec.get("channels_last"),
+        **spec["options"],
     )
     # No try/finally: a rank that failed must not wait at close()'s barrier for
     # peers stuck in a collective; it exits, and the launcher stops the others.
@@ -173,10 +178,14 @@ def run_cell(spec: dict) -> dict | None:
 
 
 def profile_name(spec: dict) -> str:
+    """The cell's name for its kernel summary: model, batch, precision, compile, optimizer and layout where
+    not the default (sgd, channels-first: `channels_last` is what the cell ran, not what was asked)."""
     preset = f"-{spec['gpt_preset']}" if spec["model"] in TOKEN_MODELS else ""
+    optimizer = "" if spec.get("optimizer", "sgd") == "sgd" else f"-{spec['optimizer']}"
+    layout = "-nhwc" if spec.get("channels_last") else ""
     return (
         f"{spec['model'].replace(':', '.')}{preset}-b{spec['global_batch']}-{spec['precision']}"
-        f"-{spec.get('compile') or 'eager'}-{spec['strategy']}x{spec['processes']}"
+        f"-{spec.get('compile') or 'eager'}{optimizer}{layout}-{spec['strategy']}x{spec['processes']}"
     )
 
 
@@ -215,7 +224,7 @@ def _measure(fleet: Fleet, spec: dict) -> dict | None:
     model, inputs, targets, loss_fn = workload(spec, local_batch, rank, fleet)
     # Counted on a meta copy (shapes only), before setup splits or shards the model.
     model_flops = flops.flops_per_sample(model, inputs, targets, loss_fn) if fleet.is_main else None
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    optimizer = build_optimizer(spec.get("optimizer", "sgd"), model.parameters(), 1e-3, fleet.device)
     fleet.setup(model, optimizer, example_inputs=inputs)  # pipelines trace a model that is not a Sequential
 
     def synced():
@@ -241,7 +250,8 @@ def _measure(fleet: Fleet, spec: dict) -> dict | None:
             local_times.append(_timed(unsynced, fleet.device))
     peak = memory.peak_bytes()
     # After the peak is read (the profiler's buffers are not the cell's); every rank steps, the main one writes.
-    kernels.profile_steps(synced, fleet.device, profile_name(spec), write=fleet.is_main)
+    name = profile_name({**spec, "channels_last": fleet.channels_last})
+    kernels.profile_steps(synced, fleet.device, name, write=fleet.is_main)
 
     # A step lasts as long as its slowest rank.
     per_rank = _gathered((times, local_times, peak))
@@ -262,6 +272,7 @@ def _measure(fleet: Fleet, spec: dict) -> dict | None:
         "comm_method": None,
         "notes": list(fleet.notes),
         "first_step_s": first_step,
+        "channels_last": fleet.channels_last,
     }
     if comm:
         unsynced_times = [max(t[i] for _, t, _ in per_rank) for i in range(len(local_times))]

@@ -25,6 +25,8 @@ FIELDS = (
     "local_batch",
     "precision",
     "compile",
+    "optimizer",
+    "channels_last",
     "threads_per_process",
     "warmup",
     "steps",

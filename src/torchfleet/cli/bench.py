@@ -121,6 +121,19 @@ def add_parser(sub, strategy_flags) -> None:
         " steps take the compilation, and each row gives its first step's seconds",
     )
     b.add_argument(
+        "--optimizer",
+        choices=("sgd", "adamw"),
+        default="sgd",
+        help="what every cell steps with: sgd (momentum 0.9, the default) or adamw (fused on a GPU)",
+    )
+    b.add_argument(
+        "--channels-last",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="convolution weights and image batches in NHWC memory (default: on in bf16 and fp16 on a GPU,"
+        " where cuDNN's fast kernels want it; off otherwise)",
+    )
+    b.add_argument(
         "--quick",
         action="store_true",
         help="a tiny matrix (mlp, batch 64, 6 steps; gpt tiny, 32x32 images): a smoke test; link mode: 20 timed steps",
@@ -170,7 +183,13 @@ def command(args, strategy_options: dict) -> int:
         return _link_mode(args, given, strategy_options, machines)
     chosen = {**(QUICK if args.quick else {}), **{k: v for k, v in given.items() if v is not None}}
     cfg = BenchConfig(
-        **chosen, threads=args.threads, out=args.out, strategy_options=strategy_options, compile=args.compile
+        **chosen,
+        threads=args.threads,
+        out=args.out,
+        strategy_options=strategy_options,
+        compile=args.compile,
+        optimizer=args.optimizer,
+        channels_last=args.channels_last,
     )
     document = run_bench(cfg)
     return 0 if any(c["status"] == "ok" for c in document["cells"]) else 1

@@ -20,6 +20,13 @@ Three choices serve the strategies:
 ``tie_embeddings=True`` makes the head and the token embedding one parameter,
 as GPT-2 does (its 124M count includes the embedding once).
 
+``vocab_multiple=64`` pads the embedding and the head to a multiple of 64 rows
+(the ``gpt2`` preset's 50,257 to 50,304, as nanoGPT does): a GPU's matrix
+kernels run on aligned widths, and GPT-2's odd vocabulary put its output layer
+on slow unaligned ones (docs/benchmarks). The head returns only the first
+``vocab_size`` columns, so a padded row is never a prediction: it is not
+sampled, takes no share of the softmax and gets no gradient.
+
 ``experts=E`` makes every block's MLP a mixture of E SiLU-gated experts, each
 as wide as the dense MLP, of which each token uses ``top_k`` (models/moe.py,
 Mixtral's layout): the built-in ``gpt-moe`` is a preset's GPT with 8 experts,
@@ -51,9 +58,10 @@ class GPTConfig:
     experts: int = 0  # 0: dense MLPs; E: each block's MLP a mixture of E experts
     top_k: int = 2  # experts per token, with experts
     moe_aux_loss: bool = False  # each MoE block keeps its load-balancing loss (moe.aux_loss sums them)
+    vocab_multiple: int = 1  # the embedding's and head's rows, padded up to a multiple of this
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "vocab_multiple"):
             if getattr(self, name) < 1:
                 raise UsageError(f"GPTConfig {name}={getattr(self, name)} must be at least 1")
         if self.n_embd % self.n_head:
@@ -76,6 +84,11 @@ class GPTConfig:
         return self.n_embd // self.n_head
 
     @property
+    def padded_vocab(self) -> int:
+        """The embedding's and head's rows: vocab_size rounded up to a multiple of vocab_multiple."""
+        return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
+
+    @property
     def base_model_pp_plan(self) -> dict[str, tuple[list[str], list[str]]]:
         """The pipeline plan, in transformers' form: {module: (inputs, outputs)} in forward order.
 
@@ -96,9 +109,10 @@ class GPTConfig:
 PRESETS = {
     "tiny": GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=64),  # 236,928
     "small50m": GPTConfig(vocab_size=256, block_size=256, n_layer=8, n_head=12, n_embd=768),  # 57,294,336
+    # GPT-2 small: its 124,439,808 parameters and 47 padded rows of 768 (36,096) for aligned kernels.
     "gpt2": GPTConfig(
-        vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768, tie_embeddings=True
-    ),  # 124,439,808: GPT-2 small
+        vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768, tie_embeddings=True, vocab_multiple=64
+    ),  # 124,475,904
 }
 
 
@@ -145,6 +159,18 @@ class MLP(nn.Module):
         return self.dropout(self.proj(self.gelu(self.fc(x))))
 
 
+class VocabHead(nn.Linear):
+    """The output layer over a padded vocabulary: `padded` rows, of which forward returns the first
+    `vocab_size` (see the module doc). Only a padded GPT has one; otherwise the head is a plain Linear."""
+
+    def __init__(self, n_embd: int, vocab_size: int, padded: int):
+        super().__init__(n_embd, padded, bias=False)
+        self.vocab_size = vocab_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x)[..., : self.vocab_size]
+
+
 class Block(nn.Module):
     """Pre-norm: x + attn(ln_1(x)), then x + mlp(ln_2(x)); mlp a mixture of experts with cfg.experts."""
 
@@ -172,12 +198,16 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.config = cfg
-        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.tok_emb = nn.Embedding(cfg.padded_vocab, cfg.n_embd)
         self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.norm = nn.LayerNorm(cfg.n_embd)
-        self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.head = (
+            nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+            if cfg.padded_vocab == cfg.vocab_size
+            else VocabHead(cfg.n_embd, cfg.vocab_size, cfg.padded_vocab)
+        )
         if cfg.tie_embeddings:
             self.head.weight = self.tok_emb.weight
         self.apply(self._init_weights)

@@ -127,6 +127,7 @@ class Strategy:
         to its stage after the cut.
         """
         self.adapters = adapter_skeleton(model)
+        self._compile_loss = args.compile == "model"
         if not self.cuts_by_tracing(model):
             if args.activation_checkpointing:
                 self.notes.append("activation checkpointing: " + span(checkpoint_activations(model)))
@@ -170,6 +171,7 @@ class Strategy:
         Returns the mean loss of the share (detached).
         """
         precision = self.runtime.precision
+        loss_fn = self.step_loss(loss_fn)
         self.zero_grad()
         if grad_accum == 1:
             # The common case, with nothing a hand-written loop would not do: no
@@ -193,6 +195,20 @@ class Strategy:
         self.before_step()
         self.apply_gradients()
         return total / grad_accum
+
+    _compile_loss = False  # set by setup: with the whole model compiled, the loss is compiled too
+    _compiled_loss: tuple[LossFn, LossFn] | None = None  # (the loss function given, its compiled form)
+
+    def step_loss(self, loss_fn: LossFn) -> LossFn:
+        """`loss_fn`, compiled where the whole model is (compile "model"). A language model's loss reads
+        logits as large as the model's activations (gpt2 at 32 x 1,024 tokens: 3.3 GB in bf16); compiled,
+        its softmax, log and gather are one pass over them instead of fp32 copies written and read back.
+        The last function compiled is kept: a loop passing the same function pays the compilation once."""
+        if not self._compile_loss:
+            return loss_fn
+        if self._compiled_loss is None or self._compiled_loss[0] is not loss_fn:
+            self._compiled_loss = (loss_fn, torch.compile(loss_fn))
+        return self._compiled_loss[1]
 
     def zero_grad(self) -> None:
         """The start of a step: gradients cleared, and the other replica groups' quorum asked for."""

@@ -58,7 +58,7 @@ def set_up(cfg: TrainConfig, fleet: Fleet) -> Job:
     in_shape = tuple(train_set[0][0].shape)
     model = build_model(cfg.model, in_shape, num_classes=10, gpt_preset=cfg.gpt_preset)
     task = task_for(cfg.model)  # the loss, and what validation reports
-    optimizer = build_optimizer(cfg.optimizer, model.parameters(), cfg.lr)
+    optimizer = build_optimizer(cfg.optimizer, model.parameters(), cfg.lr, fleet.device)
     loader = fleet.dataloader(train_set, cfg.batch_size, shuffle=True, seed=cfg.seed)
     sampler = loader.batch_sampler
     assert isinstance(sampler, GlobalBatchSampler)  # fleet.dataloader's own: local_batch, epoch, state
