@@ -146,9 +146,9 @@ bench: $(VENV)/.dev
 parity: $(VENV)/.parity
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python benchmarks/parity.py
 
-# On a machine with a CUDA GPU, in about 7 minutes (one H100, 16 cores): the GPU suite
-# (tests/test_cuda.py), bench on resnet50 and gpt2 in three precisions eager and
-# compiled with MFU and where the time goes, the host-sync comparison and
+# On a machine with a CUDA GPU, in about 5 minutes (one H200, 16 cores): the GPU suite
+# (tests/test_cuda.py, test_gpu_defaults.py), bench on gpt2 (bf16, eager and compiled) and
+# resnet50 (fp32 and bf16, channels-last and not) with MFU and where the time goes, and
 # cpu-scaling's figures, written as JSON and Markdown under GPU_OUT and packed as
 # GPU_OUT.tar.gz; afterwards, on any machine, `benchmarks/gpu_check.py --plans-here
 # GPU_OUT` adds the planner's prediction beside each measured cell (the script says how). It runs the interpreter that already has torch (GPU_PYTHON) with

@@ -20,7 +20,7 @@ PACKAGE = ROOT / "src" / "torchfleet"
 LAYERS = [
     ("errors", "versions", "outputs", "allocator", "netif", "config"),  # no torch knowledge needed
     # what a process finds, core rules, built-in models, tensor memory
-    ("env", "backend", "precision", "data", "models", "tensor_memory", "stores"),
+    ("env", "backend", "precision", "memory_format", "data", "models", "tensor_memory", "stores"),
     # how a model is wrapped; the parallel dimensions; diloco's and localsgd's options (no torch)
     ("strategies", "replica_groups.sync_methods", "hogwild.worker"),
     ("checkpoint",),  # verified directories, DCP

@@ -14,7 +14,11 @@ step ran cuBLAS's FFMA kernels at 46.2 TFLOP/s: 69% of the 67 TFLOP/s FP32 peak,
 convolutions take TF32 through cuDNN), bf16 5.6% (docs/benchmarks/history.md, GPU).
 The defaults are those measurements, rounded down: a larger model, or one
 compiled, reaches more (torchtitan's published Llama 3 8B runs on H100s are
-near 30%), and --mfu says so.
+near 30%), and --mfu says so. With the GPU defaults of 28 Nov 2026 (gpt2's
+vocabulary padded, convolutions channels-last in bf16) the eager bf16 cells
+on an H200 reached 30.0% (gpt2) and 10.3-11.9% (resnet50): one efficiency
+for both cannot fit either, and 0.18 still sits between them (the planner's
+step 1.67x gpt2's, 0.57-0.66x resnet50's), so it is kept.
 """
 
 from __future__ import annotations
