@@ -200,6 +200,17 @@ SURFACE = {
         "--split-points",
         "--find-unused-parameters",
     ],
+    "verify": [
+        "--hf-config",
+        "--model",
+        "--strategies",
+        "--nproc-per-node",
+        "-n",
+        "--steps",
+        "--layers",
+        "--width",
+        "--json-out",
+    ],
 }
 
 
@@ -275,6 +286,11 @@ BAD = [
     (["bench", "--steps", "1"], "--steps 1 must be at least 2"),
     (["bench", "--nproc", "2,x"], "process counts '2,x' is not a comma-separated list"),
     (["bench", "--precisions", "fp64"], "unknown precision 'fp64'"),
+    (["verify", "--hf-config", "llama-3.1-8b", "--strategies", "ddp,warp"], "unknown strategy 'warp'; choose one of"),
+    (["verify", "--hf-config", "llama-3.1-8b", "-n", "1"], "--nproc-per-node 1: verify runs 2 to 8 processes"),
+    (["verify", "--hf-config", "no-such-model"], "--hf-config 'no-such-model' is neither a file nor a shipped config"),
+    (["verify", "--model", "no_such_module:build"], "cannot import 'no_such_module'"),
+    (["verify"], "one of the arguments --hf-config --model is required"),
 ]
 
 

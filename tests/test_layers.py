@@ -32,7 +32,7 @@ LAYERS = [
     # the machine report; the built-in job; its N replica groups on one machine (a launcher each)
     ("doctor", "train", "replica_groups.on_one_machine", "hogwild.command"),
     ("testing", "bench"),  # reference jobs; the strategy matrix
-    ("plan",),  # predictions per strategy, checked against bench's cells
+    ("plan", "verify"),  # predictions per strategy, checked against bench's cells; each strategy against serial
     ("clusters",),  # job writers for schedulers
     ("cli", "__main__", "testing.cli"),  # the commands; the command line run for tests
 ]

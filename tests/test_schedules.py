@@ -49,6 +49,9 @@ LIBRARY = [("hf-llama-tied", s) for s in ("zbv", "interleaved-1f1b") if s in HER
 LIBRARY += [(m, "interleaved-1f1b") for m in ("peft-llama", "peft-qwen2") if "interleaved-1f1b" in HERE and PEFT]
 # peft's LoRA under the other multi-stage schedules too (1f1b and gpipe: test_zoo's pipeline cells).
 LIBRARY += [("peft-llama", s) for s in HERE if s != "interleaved-1f1b" and PEFT]
+# Families whose forward transforms the logits after the head (Gemma 2's soft-capping, Cohere's logit_scale): an
+# earlier stage must send its last block's output, not the forward's (1f1b: test_zoo's pipeline cells).
+LIBRARY += [(m, "interleaved-1f1b") for m in ("hf-gemma2", "hf-cohere") if "interleaved-1f1b" in HERE]
 OLD = [s for s, floor in NEEDS_RELEASE.items() if release() < floor]  # here, but refused on this torch
 # GPT-2 traced into 4 stages: its attention mask goes from stage 0 to every later stage. Before
 # torch 2.14 a bool tensor between stages is refused (cutting._refuse_integer_activations).

@@ -11,6 +11,7 @@ serial, clipped or not.
 from __future__ import annotations
 
 import functools
+import re
 
 import pytest
 import torch
@@ -146,3 +147,46 @@ def test_a_lora_layer_is_split_with_the_layer_it_adapts():
     assert f"{prefix}.self_attn.q_proj" not in plan  # the wrapper itself is no Linear torch could split
     with pytest.raises(UsageError, match="splits .*q_proj.*which carries an adapter, with SequenceParallel"):
         tp_plan_for(model, 2, given={f"{prefix}.self_attn.q_proj": SequenceParallel()})
+
+
+def test_a_library_plan_style_tp_cannot_map_is_refused_by_name():
+    """Every word of transformers' plans maps to a torch style or is refused in one sentence naming it; an
+    experts module's parameter words are taken by its own style, and must be the split it makes."""
+    from types import SimpleNamespace
+
+    from torchfleet.strategies.tp_styles import ExpertsSplit, LatentKeyValue, SumGradients, library_styles
+
+    config = SimpleNamespace(qk_rope_head_dim=8)
+    plan = library_styles(
+        {
+            "layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
+            "layers.*.self_attn.kv_a_proj_with_mqa": "mla_kv_a_proj",
+            "embed_in": "embedding_rowwise",
+            "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+            "layers.*.mlp.experts.down_proj": "rowwise",
+            "layers.*.mlp.experts": "moe_tp_experts",
+        },
+        config,
+        "Model",
+    )
+    assert sorted(plan) == [
+        "embed_in",
+        "layers.*.mlp.experts",
+        "layers.*.self_attn.kv_a_proj_with_mqa",
+        "layers.*.self_attn.q_norm",
+    ]
+    assert isinstance(plan["layers.*.self_attn.q_norm"], SumGradients)
+    assert isinstance(plan["layers.*.mlp.experts"], ExpertsSplit) and isinstance(plan["embed_in"], RowwiseParallel)
+    assert plan["layers.*.self_attn.kv_a_proj_with_mqa"].rope_dim == 8  # type: ignore[attr-defined]
+    assert isinstance(plan["layers.*.self_attn.kv_a_proj_with_mqa"], LatentKeyValue)
+    refusals = [
+        ({"layers.*.feed_forward.experts.gate_up_proj": "packed_rowwise"}, "with 'packed_rowwise' (an expert layout"),
+        ({"layers.*.self_attn": "local_params"}, "'local_params' (attention sinks"),
+        ({"layers.*.mlp.gate_up_proj": "packed_colwise"}, "'packed_colwise' outside an experts module"),
+        ({"layers.*.mlp.experts": "moe_tp_experts"}, "moe_tp_experts without layers.*.mlp.experts.gate_up_proj"),
+        ({"x": "warp"}, "with 'warp' (a style torchfleet does not know)"),
+    ]
+    for declared, words in refusals:
+        with pytest.raises(UsageError, match=re.escape(words)) as info:
+            library_styles(declared, config, "Llama4ForCausalLM")
+        assert "\n" not in str(info.value) and str(info.value).startswith("Llama4ForCausalLM's base_model_tp_plan")

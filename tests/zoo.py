@@ -156,6 +156,44 @@ def hf_qwen2():
     )
 
 
+# Families beyond Llama whose forwards differ around their layers (Gemma 2 soft-caps its logits, Cohere scales
+# them, GPT-NeoX fuses q, k and v per head and passes hidden_states by keyword in its pipeline plan) or whose tp
+# plans use styles besides colwise and rowwise (Qwen3's and Gemma 3's per-head norms, Phi-3's fused projections
+# gathered, OLMo 2's gathered attention, GPT-NeoX's split embedding, Qwen3-MoE's packed experts). Only the sizes
+# are small: 4 query heads and 2 key-value heads where the family has grouped-query attention, so tp 2 splits both.
+SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, max_position_embeddings=SEQ)
+
+
+def _causal(config: str, model: str, **fields):
+    import transformers
+
+    cfg = getattr(transformers, config)(**{**SMALL, "num_attention_heads": 4, **fields})
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):  # the full vocabulary's, outside the small one
+        if isinstance(getattr(cfg, name, None), int) and getattr(cfg, name) >= VOCAB:
+            setattr(cfg, name, None)
+    return getattr(transformers, model)(cfg)
+
+
+FAMILIES: dict[str, Callable[[], nn.Module]] = {
+    "hf-gemma2": lambda: _causal("Gemma2Config", "Gemma2ForCausalLM", num_key_value_heads=2, head_dim=8),
+    "hf-cohere": lambda: _causal("CohereConfig", "CohereForCausalLM", num_key_value_heads=2),
+    "hf-gpt-neox": lambda: _causal("GPTNeoXConfig", "GPTNeoXForCausalLM"),
+    "hf-qwen3": lambda: _causal("Qwen3Config", "Qwen3ForCausalLM", num_key_value_heads=2, head_dim=8),
+    "hf-gemma3": lambda: _causal("Gemma3TextConfig", "Gemma3ForCausalLM", num_key_value_heads=2, head_dim=8),
+    "hf-phi3": lambda: _causal("Phi3Config", "Phi3ForCausalLM", num_key_value_heads=2),
+    "hf-olmo2": lambda: _causal("Olmo2Config", "Olmo2ForCausalLM", num_key_value_heads=2),
+    "hf-qwen3-moe": lambda: _causal(
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        num_key_value_heads=2,
+        head_dim=8,
+        moe_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+    ),
+}
+
+
 # LoRA on every attention and MLP projection (Llama's and Qwen2's names), at peft's defaults (r 8, no dropout).
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -411,6 +449,7 @@ ZOO: dict[str, Entry] = {
         lambda b, s: ({"pixel_values": _images(b, s)[0]}, _images(b, s)[1]),
         lambda out, y: F.cross_entropy(out.logits, y),
     ),
+    **{name: Entry(build, _ids, _lm_loss) for name, build in FAMILIES.items()},
     "dict-out": Entry(DictOut, _digits, lambda out, y: F.cross_entropy(out["logits"], y)),
     "buffers": Entry(WithBuffers, _digits, F.cross_entropy),
     "nanogpt": Entry(NanoGPT, _idx_targets, _nano_loss),
@@ -427,54 +466,14 @@ ZOO: dict[str, Entry] = {
 }
 
 
-def train_zoo(
-    strategy: str,
-    name: str,
-    steps: int = 5,
-    batch_size: int = 8,
-    lr: float = 1e-2,
-    save_to: str | None = None,
-    memory: bool = False,
-    adapters_to: str | None = None,
-) -> dict | None:
-    """Zoo model `name` after `steps` SGD steps under `strategy`, as the main rank reports it.
-
-    {"weights": {name: tensor}, "notes": fleet.notes, "memory": the strategy's memory report
-    (with `memory`)}, or {"refused": the sentence} when setup or a step refuses the job;
-    None on the other ranks. `save_to` also writes ``fleet.save_model`` there, `adapters_to` its
-    adapters-only save (a peft model's).
-    The optimizer holds only the trainable parameters, as a fine-tuning script builds it.
-    """
-    from torchfleet import Fleet
-    from torchfleet.errors import UsageError
+def train_zoo(strategy: str, name: str, **options) -> dict | None:
+    """Zoo model `name` trained under `strategy` by `torchfleet verify`'s own case (verify/train.py's train_case:
+    5 SGD steps of batch 8 by default; `save_to`, `adapters_to`, `memory` as it takes them): {"weights": ...,
+    "notes": ..., "memory": ...} on the main rank, {"refused": the sentence} where setup refuses, None elsewhere."""
+    from torchfleet.verify.train import train_case
 
     entry = ZOO[name]
-    fleet = None
-    try:
-        fleet = Fleet(strategy=strategy)
-        torch.manual_seed(0)
-        net = entry.build()
-        opt = torch.optim.SGD([p for p in net.parameters() if p.requires_grad], lr=lr)
-        batches = [entry.batch(batch_size, seed) for seed in range(steps)]
-        share = fleet.strategy.data_coords()
-        fleet.setup(net, opt, example_inputs=_rows(batches[0], *share)[0])
-        for batch in batches:
-            fleet.train_step(*_rows(batch, *share), entry.loss)
-        if save_to:
-            fleet.save_model(save_to)
-        if adapters_to:
-            fleet.save_model(adapters_to, adapters_only=True)
-        state, _ = fleet.strategy.state_dicts()
-        report = fleet.strategy.memory_report() if memory else None
-    except UsageError as error:  # every rank refuses alike, before training
-        return {"refused": str(error)} if fleet is None or fleet.is_main else None
-    if not fleet.is_main:
-        return None
-    return {
-        "weights": {k: v.detach().float().cpu().clone() for k, v in state.items()},
-        "notes": list(fleet.notes),
-        "memory": report,
-    }
+    return train_case(strategy, entry.build, entry.batch, entry.loss, **options)
 
 
 def checkpoint_job(strategy: str, name: str, directory: str) -> dict | None:
@@ -510,11 +509,9 @@ def checkpoint_job(strategy: str, name: str, directory: str) -> dict | None:
 
 def _rows(batch, rank: int, world: int):
     """This data rank's rows of a global batch, as fleet.dataloader would give them."""
-    inputs, targets = batch
-    per = len(targets) // world
-    part = slice(rank * per, (rank + 1) * per)
-    inputs = {k: v[part] for k, v in inputs.items()} if isinstance(inputs, dict) else inputs[part]
-    return inputs, targets[part]
+    from torchfleet.verify.train import rows
+
+    return rows(batch, rank, world)
 
 
 def zoo_matrix(jobs: list[tuple[str, str, dict]]) -> list:
@@ -532,6 +529,30 @@ PEFT_BASES: dict[str, Callable[[], nn.Module]] = {"peft-llama": lambda: hf_llama
 if importlib.util.find_spec("peft") is not None:  # the dev extra installs it; without it the rest still runs
     ZOO["peft-llama"] = Entry(peft_llama, _ids, _lm_loss)
     ZOO["peft-qwen2"] = Entry(with_lora(hf_qwen2), _ids, _lm_loss)
+
+
+def _adapted(kind: str) -> Callable[[], nn.Module]:
+    """hf_llama with one of peft's other adapters on its attention and MLP projections, at peft's defaults."""
+
+    def make():
+        import peft
+
+        targets = ["q_proj", "v_proj", "down_proj"]
+        config = {
+            "dora": lambda: peft.LoraConfig(target_modules=targets, use_dora=True),
+            "ia3": lambda: peft.IA3Config(target_modules=targets, feedforward_modules=["down_proj"]),
+            "loha": lambda: peft.LoHaConfig(target_modules=targets),
+        }[kind]()
+        return peft.get_peft_model(hf_llama(False), config)
+
+    return make
+
+
+# Adapters tp does not split (their tensors span a layer's whole width): refused in one sentence there.
+ADAPTERS_TP_REFUSES = {"peft-llama-dora": "DoRA", "peft-llama-ia3": "IA3", "peft-llama-loha": "LoHa"}
+if importlib.util.find_spec("peft") is not None:
+    for _name, _kind in ADAPTERS_TP_REFUSES.items():
+        ZOO[_name] = Entry(_adapted(_kind.lower()), _ids, _lm_loss)
 
 
 def fsdp_traffic_job(names: list[str], steps: int = 2) -> dict | None:

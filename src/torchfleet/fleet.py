@@ -33,11 +33,14 @@ from torchfleet.strategies import Runtime
 from torchfleet.strategies.base import Batch, LossFn, SetupArgs
 from torchfleet.strategies.batchnorm import batchnorm_note
 from torchfleet.strategies.block_transforms import COMPILE_MODES, adopt_late_compile, unwrap_compiled
+from torchfleet.strategies.expert_load import ExpertLoad
 from torchfleet.strategy_spec import settle
 from torchfleet.worker import preemption
 
 
 class Fleet:
+    expert_load: ExpertLoad | None = None  # tokens per expert of a model with experts: its shares() and close()'s line
+
     def __init__(
         self,
         strategy: str = "serial",
@@ -147,6 +150,7 @@ class Fleet:
         self.channels_last = memory_format.apply(
             self._channels_last_asked, model, self.strategy.runtime.precision.name, self.device, self.notes
         )
+        self.expert_load = ExpertLoad.attach(model)  # before ep sends tokens away; close() says the shares
         note = batchnorm_note(model, self.strategy.name, self.strategy.sync_batchnorm)
         if note and note not in self.notes:
             self.notes.append(note)
@@ -265,10 +269,7 @@ class Fleet:
     rank = property(lambda self: self.env.rank, doc="This process's rank.")
     world_size = property(lambda self: self.env.world_size, doc="How many processes the job has.")
     is_main = property(lambda self: self.env.rank == 0, doc="Whether this is rank 0, which prints and writes.")
-
-    @property
-    def strategy_name(self) -> str:
-        return self.strategy.name
+    strategy_name = property(lambda self: self.strategy.name, doc="The strategy this Fleet runs, by name.")
 
     def all_reduce(self, value: torch.Tensor | float, op: str = "mean") -> torch.Tensor:
         """Combine a metric over all ranks: op is "mean", "sum", "max" or "min"."""
@@ -278,9 +279,7 @@ class Fleet:
         tensor = torch.as_tensor(value, dtype=torch.float64, device=self.device).clone()
         if dist.is_initialized():
             dist.all_reduce(tensor, ops[op])
-            if op == "mean":
-                tensor /= self.world_size
-        return tensor
+        return tensor / self.world_size if op == "mean" and dist.is_initialized() else tensor
 
     def barrier(self) -> None:
         if dist.is_initialized():
@@ -342,10 +341,10 @@ class Fleet:
         """Where the final model goes: SM_MODEL_DIR in a SageMaker job, else None."""
         return self.sagemaker.model_dir if self.sagemaker else None
 
-    @property
-    def checkpoint_dir(self) -> Path | None:
-        """/opt/ml/checkpoints in a SageMaker job that set it (synced to S3: a restarted Spot job resumes), else None."""
-        return self.sagemaker.checkpoint_dir if self.sagemaker else None
+    checkpoint_dir = property(
+        lambda self: self.sagemaker.checkpoint_dir if self.sagemaker else None,
+        doc="/opt/ml/checkpoints in a SageMaker job that set it (synced to S3: a restarted Spot job resumes), else None.",
+    )
 
     def save_model(self, path: str | os.PathLike | None = None, adapters_only: bool = False) -> Path:
         """Save the trained model's weights (a state dict, torch.load-able); main rank writes.
@@ -383,6 +382,8 @@ class Fleet:
         the worker cannot take the GIL, is unwound, and the process aborts ("terminate called without an
         active exception", SIGABRT) after a run that succeeded."""
         self._leaving.stop()
+        if self.expert_load is not None:
+            self.expert_load.say_once(self.print, self.strategy.runtime.device)
         if self.replicas is not None:
             self.replicas.finish()
             self.replicas.close()

@@ -196,6 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
     from torchfleet.cli import report as report_cli
 
     report_cli.add_parser(sub)
+
+    from torchfleet.cli import verify as verify_cli
+
+    verify_cli.add_parser(sub)
     return parser
 
 
@@ -318,6 +322,10 @@ def main(argv: list[str] | None = None) -> int:
             from torchfleet.cli import report as report_cli
 
             return report_cli.command(args)
+        if args.command == "verify":
+            from torchfleet.cli import verify as verify_cli
+
+            return verify_cli.command(args)
     except UsageError as exc:
         print(f"torchfleet {args.command}: error: {exc}", file=sys.stderr)
         return 2

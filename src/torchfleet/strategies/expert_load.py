@@ -20,8 +20,14 @@ from torchfleet.strategies.expert_parallel import find_experts
 class ExpertLoad:
     def __init__(self, model: nn.Module):
         self.counts: torch.Tensor | None = None
+        self.taken = False  # whether someone asked for the shares (then `say_once` says nothing)
         for _, module in find_experts(model):
             module.register_forward_pre_hook(self._count)
+
+    @classmethod
+    def attach(cls, model: nn.Module) -> ExpertLoad | None:
+        """A counter on `model`'s experts (before any strategy sends their tokens away); None without experts."""
+        return cls(model) if find_experts(model) else None
 
     def _count(self, _module: nn.Module, args: tuple) -> None:
         chosen = args[1].detach().reshape(-1)  # (hidden_states, top_k_index, top_k_weights)
@@ -32,6 +38,7 @@ class ExpertLoad:
     def shares(self, device: torch.device) -> list[float] | None:
         """Each expert's share of the tokens routed, over every rank and layer; None for a model without experts.
         A collective where a process group is up: every rank calls it (`device`: where its backend reduces)."""
+        self.taken = True
         counts = (self.counts if self.counts is not None else torch.zeros(0, dtype=torch.long)).to(device)
         if dist.is_initialized():  # a rank holding no experts (another pipeline stage's) adds zeros
             size = torch.tensor([counts.numel()], device=device)
@@ -41,3 +48,20 @@ class ExpertLoad:
             dist.all_reduce(counts)
         total = int(counts.sum())
         return [int(c) / total for c in counts] if total else None
+
+    def say_once(self, say, device: torch.device) -> None:
+        """At the end of a run on every rank (a collective): `say` the line of `summary`, unless the shares
+        were asked for already (the built-in job puts them in its own summary)."""
+        if not self.taken and (shares := self.shares(device)):
+            say(f"torchfleet: tokens per expert: {summary(shares)}")
+
+
+def summary(shares: list[float]) -> str:
+    """'e0 27.1%, e1 24.0%, e2 26.2%, e3 22.7%; busiest 1.08x the mean' (the extremes only past 16 experts)."""
+    mean = 1 / len(shares)
+    busiest = max(range(len(shares)), key=shares.__getitem__)
+    idlest = min(range(len(shares)), key=shares.__getitem__)
+    ratio = f"busiest {shares[busiest] / mean:.2f}x the mean"
+    if len(shares) <= 16:
+        return ", ".join(f"e{i} {s:.1%}" for i, s in enumerate(shares)) + f"; {ratio}"
+    return f"{len(shares)} experts; e{busiest} {shares[busiest]:.1%} ({ratio}), e{idlest} {shares[idlest]:.1%}"

@@ -10,7 +10,7 @@ between the two split and costs one all-reduce per pair in forward and one
 in backward. The plan comes from the user (strategy option ``tp_plan=``), or
 from the model: a ``tp_plan()`` method (the built-in gpt has one), or the
 ``base_model_tp_plan`` a transformers config declares (Llama and most decoder
-families), its ``colwise``/``rowwise`` entries taken as torch's two styles.
+families), its words mapped to torch's styles by tp_styles.py.
 
 Why the weights equal serial's: a column-wise layer's outputs are serial's
 dot products, computed by whichever rank holds those columns; a row-wise
@@ -39,6 +39,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from torchfleet.errors import UsageError
 from torchfleet.strategies.blocks import on_base_model
+from torchfleet.strategies.tp_styles import library_styles
 
 PLAN_HINT = (
     "give the strategy option tp_plan={module name: ColwiseParallel() or RowwiseParallel(), ...}"
@@ -69,8 +70,12 @@ def tp_plan_for(model: nn.Module, tp: int, given: dict | None = None) -> tuple[d
         raise UsageError(f"tensor parallelism needs a plan of which layers to split, and {kind} has none; " + PLAN_HINT)
     if not plan:
         raise UsageError(f"{source} is empty, so tensor parallelism would split nothing; " + PLAN_HINT)
-    plan = through_adapters(model, plan, source)
     names = [name for name, _ in model.named_modules()]
+    if source.endswith("(transformers)"):
+        # A family's plan names every kind of layer it may have (Qwen3-MoE's dense MLPs, for the layers a config
+        # keeps dense); transformers splits the ones a model has, and so does torchfleet.
+        plan = {key: style for key, style in plan.items() if any(fnmatchcase(name, key) for name in names)}
+    plan = through_adapters(model, plan, source)
     for key, style in plan.items():
         if not isinstance(style, ParallelStyle):
             raise UsageError(
@@ -83,8 +88,18 @@ def tp_plan_for(model: nn.Module, tp: int, given: dict | None = None) -> tuple[d
 
 
 def _is_adapter(module: nn.Module) -> bool:
-    """A layer peft's LoRA wraps: the original layer as `base_layer`, the adapters' two matrices beside it."""
-    return all(isinstance(getattr(module, n, None), nn.Module) for n in ("base_layer", "lora_A", "lora_B"))
+    """A layer one of peft's adapters wraps: the original layer as `base_layer`, the adapter's tensors beside it."""
+    return isinstance(getattr(module, "base_layer", None), nn.Module)
+
+
+def adapter_kind(module: nn.Module) -> str:
+    """The peft adapter on a wrapped layer: "LoRA", "DoRA" (LoRA with a magnitude vector), "IA3", "LoHa", ..."""
+    if all(isinstance(getattr(module, n, None), nn.Module) for n in ("lora_A", "lora_B")):
+        magnitude = getattr(module, "lora_magnitude_vector", None)
+        return "DoRA" if magnitude is not None and len(magnitude) else "LoRA"
+    tuner = type(module).__module__.split(".")  # peft.tuners.<kind>.layer
+    names = {"ia3": "IA3", "loha": "LoHa", "lokr": "LoKr", "oft": "OFT", "boft": "BOFT", "vera": "VeRA"}
+    return names.get(tuner[2], tuner[2]) if len(tuner) > 2 and tuner[0] == "peft" else type(module).__name__
 
 
 def through_adapters(model: nn.Module, plan: dict[str, ParallelStyle], source: str) -> dict[str, ParallelStyle]:
@@ -108,6 +123,13 @@ def through_adapters(model: nn.Module, plan: dict[str, ParallelStyle], source: s
             raise UsageError(
                 f"{source} names {key!r}, which matches layers with adapters and layers without; name them apart"
             )
+        kind = adapter_kind(adapters[0])
+        if kind != "LoRA":
+            raise UsageError(
+                f"{source} splits {key!r}, which carries a {kind} adapter; tp splits layers with LoRA adapters only"
+                f" (a {kind} adapter's tensors span the layer's whole width), and ddp, fsdp, hsdp and pipeline take"
+                f" {kind} adapters: use one of those"
+            )
         out[f"{key}.base_layer"] = style
         if isinstance(style, ColwiseParallel):
             out[f"{key}.lora_B.*"] = ColwiseParallel()
@@ -121,13 +143,6 @@ def through_adapters(model: nn.Module, plan: dict[str, ParallelStyle], source: s
     return out
 
 
-# transformers' names for the two Megatron styles. Its other styles (gathered, local, packed,
-# expert and sequence-parallel variants) have no one-to-one torch style, so a plan using
-# them is refused rather than half applied: a column-wise layer whose row-wise partner is
-# left whole would hand it a slice of the activations.
-LIBRARY_STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-
-
 def declared_tp_plan(model: nn.Module, tp: int) -> dict[str, ParallelStyle]:
     """A transformers model's own plan (its config's ``base_model_tp_plan``) as torch's styles.
 
@@ -137,13 +152,7 @@ def declared_tp_plan(model: nn.Module, tp: int) -> dict[str, ParallelStyle]:
     """
     kind = type(model).__name__
     config = getattr(model, "config", None)
-    declared = dict(getattr(config, "base_model_tp_plan", None) or {})
-    unknown = sorted({str(style) for style in declared.values() if style not in LIBRARY_STYLES})
-    if unknown:
-        raise UsageError(
-            f"{kind}'s base_model_tp_plan uses {', '.join(unknown)}, which torchfleet does not map"
-            " to torch's styles (it maps colwise and rowwise); " + PLAN_HINT
-        )
+    styles = library_styles(dict(getattr(config, "base_model_tp_plan", None) or {}), config, kind)
     for field in ("num_attention_heads", "num_key_value_heads"):
         heads = getattr(config, field, None)
         if isinstance(heads, int) and heads % tp:
@@ -151,7 +160,7 @@ def declared_tp_plan(model: nn.Module, tp: int) -> dict[str, ParallelStyle]:
                 f"tp {tp} does not divide {kind}'s {heads} {field.replace('_', ' ')}, which the"
                 f" column-wise attention projections split; use a tp that divides {heads}"
             )
-    return on_base_model(model, {key: LIBRARY_STYLES[style]() for key, style in declared.items()})
+    return on_base_model(model, styles)
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, ParallelStyle]) -> nn.Module:

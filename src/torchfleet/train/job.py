@@ -45,7 +45,7 @@ class Job:
     sampler: GlobalBatchSampler
     val_set: torch.utils.data.Dataset
     block: int  # a gpt sample's tokens
-    expert_load: ExpertLoad  # tokens per expert, for a model with experts
+    expert_load: ExpertLoad | None  # tokens per expert, for a model with experts
 
 
 def set_up(cfg: TrainConfig, fleet: Fleet) -> Job:
@@ -65,8 +65,8 @@ def set_up(cfg: TrainConfig, fleet: Fleet) -> Job:
     # A batch of this rank's shape, for pipelines that trace the model to cut it. Made from
     # the data set, not the loader: a loader's iterator draws from its shuffling generator.
     example = torch.stack([train_set[i][0] for i in range(sampler.local_batch)])
-    expert_load = ExpertLoad(model)  # before setup: its hooks see the chosen experts before ep sends tokens
     _, optimizer = fleet.setup(model, optimizer, example_inputs=example)
+    expert_load = fleet.expert_load  # Fleet counts a model's experts (None without)
     for note in fleet.notes:  # after setup: the BatchNorm note needs the model
         fleet.print(f"note: {note}")
     return Job(optimizer, task, loader, sampler, val_set, block, expert_load)

@@ -123,7 +123,8 @@ def _finish(cfg: TrainConfig, fleet: Fleet, job: Job, run: Run, wall: float) -> 
             replica_groups=replicas.participants,
             replica_pauses_s=[round(p, 2) for p in replicas.account.pauses],
         )
-    load = job.expert_load.shares(fleet.strategy.runtime.device)  # a collective: every rank calls it
+    # A collective: every rank calls it (each has the same model, with experts or without).
+    load = job.expert_load.shares(fleet.strategy.runtime.device) if job.expert_load else None
     if load:
         result["expert_load"] = load
     memory = fleet.strategy.memory_report()

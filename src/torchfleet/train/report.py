@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from torchfleet.strategies.expert_load import summary as expert_summary
 from torchfleet.view.table import RankTable
 
 console = Console(stderr=False)
@@ -113,17 +114,6 @@ def _bytes(n) -> str:
     return f"{n:.1f} TiB"
 
 
-def _expert_load(shares: list[float]) -> str:
-    """'e0 27%, e1 24%, e2 26%, e3 23%; busiest 1.08x the mean' (the extremes only past 16 experts)."""
-    mean = 1 / len(shares)
-    busiest = max(range(len(shares)), key=shares.__getitem__)
-    idlest = min(range(len(shares)), key=shares.__getitem__)
-    ratio = f"busiest {shares[busiest] / mean:.2f}x the mean"
-    if len(shares) <= 16:
-        return ", ".join(f"e{i} {s:.0%}" for i, s in enumerate(shares)) + f"; {ratio}"
-    return f"{len(shares)} experts; e{busiest} {shares[busiest]:.1%} ({ratio}), e{idlest} {shares[idlest]:.1%}"
-
-
 _ROWS = (
     ("strategy", "strategy"),
     ("processes", "world_size"),
@@ -166,7 +156,7 @@ def summary(result: dict) -> None:
     for rank, held in result.get("memory_per_rank", {}).items():
         table.add_row(f"memory {rank}", _fmt(held) if isinstance(held, dict) else _bytes(held))
     if result.get("expert_load"):
-        table.add_row("tokens per expert", _expert_load(result["expert_load"]))
+        table.add_row("tokens per expert", expert_summary(result["expert_load"]))
     pipe = result.get("pipeline", {})
     for label, key in _PIPELINE_ROWS if pipe else ():
         table.add_row(label, f"{pipe['stages']} x {pipe['replicas']}" if key is None else _fmt(pipe[key]))

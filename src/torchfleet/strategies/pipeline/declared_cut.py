@@ -10,13 +10,22 @@ torch's pipeline tracer). As torchtitan builds stages, each stage keeps its
 own modules and drops the others, and the model's own forward runs:
 
 - the entries before the layers (the embeddings) stay on the first stage;
-  a later stage drops them and hands its received activation to the forward
-  through the keyword the plan names (``inputs_embeds``);
+  a later stage drops those with parameters and hands its received activation
+  to the forward through a keyword the forward takes in their place
+  (``inputs_embeds``), so the forward skips them;
 - the layers are cut between blocks; a stage keeps its blocks under their
   original indices, so parameter names (and state-dict keys) stay the model's;
 - the entries after the layers and the head stay on the last stage; earlier
-  stages replace them with ``nn.Identity``, so their forward returns the
-  hidden states where the last returns logits.
+  stages replace them with ``nn.Identity`` to hold none of their memory.
+
+What crosses between stages is exactly what one block hands the next, whatever
+the model's forward does around its layers: a later stage's first block takes
+the received activation as its input (a forward pre-hook puts it there, after
+whatever the forward did to ``inputs_embeds``, such as Gemma's scaling by the
+square root of the width), and an earlier stage sends its last block's output
+(a forward hook takes it), not the forward's result. So the last stage runs the
+model's whole output path as serial does (Gemma 2's soft-capping of the logits,
+Cohere's ``logit_scale``), and no earlier stage's activation passes through it.
 
 Every other input (``attention_mask``, ``position_ids``) reaches every stage,
 since each stage's layers read it; ``labels`` only the last, whose head
@@ -68,11 +77,15 @@ def _shape(model: nn.Module, plan: dict[str, tuple]) -> tuple[str, list[str], li
     layers = lists[0]
     before, after = names[: names.index(layers)], names[names.index(layers) + 1 :]
     takes = inspect.signature(base_model(model).forward).parameters
-    embeds = plan[before[-1]][1][0] if before else None
-    if embeds is None or embeds not in takes:  # None: nothing before the layers
+    # The keyword that lets the forward skip the embeddings: the last activation before the layers that the
+    # forward takes (Llama's inputs_embeds; GPT-NeoX's plan names hidden_states after its dropout, which its
+    # forward does not take, and inputs_embeds before it).
+    given = [out for name in before for out in plan[name][1]]
+    embeds = next((out for out in reversed(given) if out in takes), None)
+    if embeds is None:
         raise UsageError(
-            f"{kind}'s pipeline plan gives its layers {embeds or 'nothing'}, which its forward does"
-            " not take by keyword; use fsdp or ddp for this model"
+            f"{kind}'s pipeline plan gives its layers {given[-1] if given else 'nothing'}, which its forward does"
+            " not take by keyword, so a later stage could not hand it its activation; use fsdp or ddp for this model"
         )
     return layers, before, after, embeds
 
@@ -136,16 +149,18 @@ def cut_by_plan(
         kept.add_module(str(index), blocks[index])
     _replace(model, layers, kept)
     for name in before if not first else ():
-        _replace(model, name, None)  # the forward skips it: the activation comes by keyword
+        if any(True for _ in model.get_submodule(name).parameters()):
+            _replace(model, name, None)  # the forward skips it: the activation comes by keyword
     for name in after if not last else ():
         _replace(model, name, nn.Identity())
+    relay = _Relay(blocks[start] if not first else None, blocks[end - 1] if not last else None)
     slots, at = [], 0
     for leaf in leaves:  # the last stage returns the tensors among the output's leaves, in order
         slots.append(("out", at) if isinstance(leaf, torch.Tensor) else ("const", leaf))
         at += isinstance(leaf, torch.Tensor)
     # transformers' models take use_cache; peft's wrapping hands its keywords on to the model it adapts
     caches = "use_cache" in inspect.signature(type(library_model(model)).forward).parameters
-    model.forward = functools.partial(_stage_forward, model.forward, first, last, embeds, caches)
+    model.forward = functools.partial(_stage_forward, model.forward, relay, embeds, caches)
     signature = tuple(inspect.signature(type(model).forward).parameters)[1:]
     return Cut(
         model,
@@ -168,13 +183,43 @@ def _replace(model: nn.Module, name: str, module: nn.Module | None) -> None:
     setattr(model.get_submodule(owner) if owner else model, leaf, module)
 
 
-def _stage_forward(forward, first: bool, last: bool, embeds: str, caches: bool, *args, **kwargs):
-    """The model's forward on one stage: a later stage's activation arrives as `embeds`."""
-    if not first:
+class _Relay:
+    """The activation between stages, at the blocks: the received one put in as the first block's input,
+    this stage's last block's output taken as what it sends (see the module doc)."""
+
+    def __init__(self, first_block: nn.Module | None, last_block: nn.Module | None):
+        self.first, self.last = first_block is None, last_block is None
+        self.incoming: torch.Tensor | None = None
+        self.outgoing: torch.Tensor | None = None
+        if first_block is not None:
+            self.input_name = next(iter(inspect.signature(first_block.forward).parameters), "hidden_states")
+            # prepend: before FSDP2's own pre-forward hook, which casts the block's inputs and registers its backward
+            first_block.register_forward_pre_hook(self._put_in, prepend=True, with_kwargs=True)
+        if last_block is not None:
+            last_block.register_forward_hook(self._take_out)
+
+    def _put_in(self, _module, args, kwargs):
+        incoming, self.incoming = self.incoming, None  # once: a block is called once per forward
+        if incoming is None:
+            return None
+        if args:
+            return (incoming, *args[1:]), kwargs
+        return args, {**kwargs, self.input_name: incoming}
+
+    def _take_out(self, _module, _args, output):
+        self.outgoing = output[0] if isinstance(output, (tuple, list)) else output
+
+
+def _stage_forward(forward, relay: _Relay, embeds: str, caches: bool, *args, **kwargs):
+    """The model's forward on one stage: a later stage's activation arrives as `embeds` and enters the first block
+    as it came; an earlier stage returns its last block's output."""
+    if not relay.first:
         (hidden, *args) = args
-        kwargs[embeds] = hidden
+        kwargs[embeds] = hidden  # the forward needs an activation of the right shape in place of the embeddings
+        relay.incoming = hidden
     out = forward(*args, use_cache=False, **kwargs) if caches else forward(*args, **kwargs)
-    tensors = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-    if last:
-        return tuple(tensors)
-    return tensors[0].contiguous()  # the hidden states: the head and final norm are nn.Identity here
+    if relay.last:
+        return tuple(t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+    sent, relay.outgoing = relay.outgoing, None
+    assert sent is not None, "the stage's last block did not run"
+    return sent.contiguous()
