@@ -39,7 +39,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from torchfleet.errors import UsageError
 from torchfleet.strategies.blocks import on_base_model
-from torchfleet.strategies.tp_styles import library_styles
+from torchfleet.strategies.tp_styles import ExpertsSplit, library_styles
 
 PLAN_HINT = (
     "give the strategy option tp_plan={module name: ColwiseParallel() or RowwiseParallel(), ...}"
@@ -171,6 +171,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, ParallelStyl
     one model even if each rank initialised its own (nothing later would
     reconcile them: their gradients are equal, not averaged).
     """
+    if any(isinstance(style, ExpertsSplit) for style in plan.values()):
+        ExpertsSplit.check(tp_mesh, type(model).__name__)
     parallelize_module(model, tp_mesh, plan)
     group = tp_mesh.get_group()
     first = dist.get_global_rank(group, 0)

@@ -179,6 +179,24 @@ class ExpertsSplit(ParallelStyle):
     router is whole), computes partial outputs from its slices, and the parts are summed; the gradients
     reaching the hidden states and the routing weights are parts too, summed in backward."""
 
+    @staticmethod
+    def check(device_mesh: DeviceMesh, kind: str) -> None:
+        """Refuse, on every rank alike, a torch whose DTensor cannot gather a strided shard whole (2.11 trains
+        through one but fails to gather it for a checkpoint): a collective of two numbers, before any split."""
+        from torch.distributed.tensor.placement_types import _StridedShard
+
+        probe = DTensor.from_local(
+            torch.zeros(1, 2, 1, device=device_mesh.device_type), device_mesh, [_StridedShard(1, split_factor=2)]
+        )
+        try:
+            probe.full_tensor()
+        except (ValueError, NotImplementedError, RuntimeError):
+            raise UsageError(
+                f"tp splits {kind}'s experts with their gate and up halves as a strided shard, which torch"
+                f" {torch.__version__.split('+')[0]}'s DTensor cannot gather for a checkpoint (torch 2.14 can);"
+                " split the experts with ep or fsdp+ep on this torch, or upgrade torch"
+            ) from None
+
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         from torch.distributed.tensor.placement_types import _StridedShard
 
