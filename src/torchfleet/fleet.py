@@ -11,6 +11,7 @@ PyTorchJob unchanged.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -20,8 +21,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from torchfleet import allocator, checkpoint, memory_format, versions
 from torchfleet.backend import choose_backend, probe_hardware, shares_gpus
-from torchfleet.data import GlobalBatchSampler, ShardSampler, batch_loader
-from torchfleet.data import dataset_length as _length
+from torchfleet.data import Collate, GlobalBatchSampler, ShardSampler, batch_loader, check_accumulation, dataset_length
+from torchfleet.data.stream import StreamLoader, is_stream, stream_loader
 from torchfleet.env import DistEnv
 from torchfleet.env.process_group import join_process_group
 from torchfleet.env.sagemaker import TrainingEnv
@@ -175,26 +176,28 @@ class Fleet:
         seed: int = 0,
         drop_last: bool = True,
         num_workers: int = 0,
-    ) -> DataLoader:
-        """A loader of this rank's share of each global batch of `batch_size` samples."""
-        size = _length(dataset, "dataloader")
+        transform: Callable | None = None,
+        collate_fn: Callable | None = None,
+    ) -> DataLoader | StreamLoader:
+        """A loader of this rank's share of each global batch of `batch_size` samples; `transform` runs on each
+        sample in the loader worker that reads it, `collate_fn` on the batch. A stream (an IterableDataset, Hugging
+        Face's streaming ones too) keeps its own order and drops its last incomplete global batch."""
         rank, world = self.strategy.data_coords()
         if self.replicas is not None:  # each replica group reads its share of every global batch
             groups = self.replicas.env
             rank, world = groups.group * world + rank, groups.groups * world
+        if is_stream(dataset):
+            args = (rank, world, self.grad_accum, self.replicas is not None, num_workers, seed)
+            return stream_loader(dataset, batch_size, *args, transform=transform, collate_fn=collate_fn)
+        size = dataset_length(dataset, "dataloader")
         sampler = GlobalBatchSampler(size, batch_size, rank, world, shuffle, seed, drop_last)
         self._samplers.append(sampler)  # under replica groups: moved to the batch of torchft's step
-        if sampler.local_batch % self.grad_accum:
-            raise UsageError(
-                f"each process's batch of {sampler.local_batch} (batch size {batch_size} / {world}"
-                f" processes) does not split into {self.grad_accum} accumulation steps;"
-                f" use a batch size that is a multiple of {world * self.grad_accum}"
-            )
-        return batch_loader(dataset, sampler, seed, num_workers)
+        check_accumulation(batch_size, world, self.grad_accum)
+        return batch_loader(dataset, sampler, seed, num_workers, Collate(transform, collate_fn))
 
     def eval_dataloader(self, dataset: Dataset, batch_size: int = 256) -> DataLoader:
         """Every sample exactly once across ranks; combine results with `all_reduce`."""
-        size = _length(dataset, "eval_dataloader")
+        size = dataset_length(dataset, "eval_dataloader")
         rank, world = self.strategy.data_coords()
         return DataLoader(dataset, batch_size=batch_size, sampler=ShardSampler(size, rank, world))
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 
 from torchfleet.data import GlobalBatchSampler
 from torchfleet.errors import UsageError
@@ -144,11 +145,13 @@ def resumed_equals_straight(
     run(start(seed), 0, steps)
     straight = full_weights(fleet)
     loader = start(seed)
+    assert isinstance(loader, DataLoader)  # map-style data: fleet.dataloader's DataLoader, not a stream's
     run(loader, 0, stop_at)
     path = f"{directory}/step-{stop_at:08d}"
     assert isinstance(loader.batch_sampler, GlobalBatchSampler)  # fleet.dataloader's, which has a state
     fleet.save(path, sharded=sharded, step=stop_at, sampler=loader.batch_sampler.state_dict())
     loader = start(seed + 1)  # other weights, other RNG: the checkpoint must restore both
+    assert isinstance(loader, DataLoader)
     extra = fleet.load(path)
     assert isinstance(loader.batch_sampler, GlobalBatchSampler)
     loader.batch_sampler.load_state_dict(extra["sampler"])

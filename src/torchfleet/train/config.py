@@ -10,7 +10,7 @@ from torchfleet.launcher.preempt_relay import parse_signals
 from torchfleet.outputs import check_writable_dir, check_writable_file
 from torchfleet.precision import PRECISIONS
 from torchfleet.strategies import registry
-from torchfleet.train.datasets import DATASETS, TOKEN_DATASETS
+from torchfleet.train.datasets import DATASETS, DOCUMENTS, SHARDS, TOKEN_DATASETS, path_kind
 from torchfleet.train.metrics import check_metrics_out, check_tensorboard
 from torchfleet.train.models import GPT_PRESETS, MODELS, TOKEN_MODELS
 from torchfleet.worker.spot_notices import check_spec
@@ -44,9 +44,17 @@ class TrainConfig:
     )
     data: str | None = option(
         None,
-        "built-in data (default: text for gpt, a byte-level corpus from scikit-learn's"
-        " data-set descriptions; digits for the others)",
-        choices=DATASETS,
+        f"built-in data ({', '.join(DATASETS)}; default: text for gpt, a byte-level corpus from scikit-learn's"
+        " data-set descriptions; digits for the others), or for gpt a PATH: a directory of token shards"
+        " (nanoGPT's uint16 .bin, numpy's .npy; files named val* are the validation set), or JSONL or parquet"
+        ' documents (a "text" field) with --tokenizer',
+        metavar="NAME|PATH",
+    )
+    tokenizer: str | None = option(
+        None,
+        "with --data FILE.jsonl or .parquet: a local tokenizer directory (tokenizer.json, or what"
+        " transformers' AutoTokenizer reads), run in the loader's worker",
+        metavar="DIR",
     )
     gpt_preset: str = option(
         "tiny",
@@ -163,8 +171,10 @@ class TrainConfig:
         if self.data is None:
             self.data = "text" if self.model in TOKEN_MODELS else "digits"
         if self.data not in DATASETS:
-            raise choice_error("data set", self.data, DATASETS)
-        if self.model in TOKEN_MODELS and self.data not in TOKEN_DATASETS:
+            self._check_data_path(self.data)
+        elif self.tokenizer is not None:
+            raise UsageError(f"--tokenizer is for --data FILE.jsonl or .parquet documents, not --data {self.data}")
+        elif self.model in TOKEN_MODELS and self.data not in TOKEN_DATASETS:
             raise UsageError(
                 f"--model {self.model} reads token sequences but --data {self.data} holds images;"
                 f" use --data {TOKEN_DATASETS[0]} (its default) or leave --data out"
@@ -214,6 +224,25 @@ class TrainConfig:
         if (self.resume or self.resume_fallback) and not self.checkpoint_dir:
             flag = "--resume" if self.resume else "--resume-fallback"
             raise UsageError(f"{flag} needs --checkpoint-dir to say where the checkpoints are")
+
+    def _check_data_path(self, path: str) -> None:
+        kind = path_kind(path)
+        if self.model not in TOKEN_MODELS:
+            raise UsageError(
+                f"--data {path!r} holds {kind} for --model {' or '.join(TOKEN_MODELS)}, but --model {self.model}"
+                " classifies images; use --data digits or synthetic"
+            )
+        if kind == DOCUMENTS and self.tokenizer is None:
+            raise UsageError(
+                f"--data {path!r} holds documents, which need --tokenizer DIR, a local tokenizer directory"
+            )
+        if kind == SHARDS and self.tokenizer is not None:
+            raise UsageError(f"--data {path!r} holds token shards, already tokenized; leave --tokenizer out")
+
+    @property
+    def data_path(self) -> bool:
+        """Whether --data is a path (the user's tokens), not a built-in data set."""
+        return self.data not in DATASETS
 
     def check_outputs(self) -> None:
         """Refuse an output path that cannot be written, before any work is done."""

@@ -6,6 +6,10 @@ byte-level corpus from the same package, for `gpt`. `synthetic` is random
 data of any shape, and `MockLoader` (images) and `MockTokens` (token
 sequences) yield one batch held in memory forever, as the benchmark notebook
 in the project's seeds does, so that loading is not timed.
+
+`--data PATH` is the user's own tokens for gpt: a directory of token shards
+(data/token_shards.py), or JSONL or parquet documents tokenized on the way
+with `--tokenizer DIR` (data/text_records.py), read as a stream.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from torchfleet.train.text import text
 
 DATASETS = ("digits", "synthetic", "text")
 TOKEN_DATASETS = ("text",)  # token sequences, for the token models (gpt); the others hold images
+SHARDS, DOCUMENTS = "token shards", "documents"  # what a --data PATH holds (path_kind)
 
 
 def digits(split: str = "train", val_fraction: float = 0.2, seed: int = 0) -> TensorDataset:
@@ -120,3 +125,48 @@ def builtin_dataset(
         n = size if split == "train" else max(1, size // 5)
         return synthetic(n, shape, num_classes, seed=seed, split=split)
     raise UsageError(f"unknown data set {name!r}; choose one of {', '.join(DATASETS)}")
+
+
+def path_kind(path: str) -> str:
+    """SHARDS or DOCUMENTS: what `--data PATH` holds, from its files' suffixes (the contents are read later)."""
+    from pathlib import Path
+
+    from torchfleet.data import text_records, token_shards
+
+    place = Path(path)
+    if not place.exists():
+        raise UsageError(
+            f"unknown data set {path!r}: neither a built-in one ({', '.join(DATASETS)}) nor a path that exists;"
+            " give one of those, a directory of token shards (.bin, .npy) or JSONL or parquet documents"
+        )
+    names = [place] if place.is_file() else list(place.iterdir())
+    if any(p.suffix in token_shards.SUFFIXES for p in names):
+        return SHARDS
+    if any(p.suffix in text_records.SUFFIXES for p in names):
+        return DOCUMENTS
+    if place.is_dir() and not names:
+        raise UsageError(f"--data directory {path!r} is empty; put token shards (.bin, .npy) or documents in it")
+    raise UsageError(f"--data {path!r} holds neither token shards (.bin, .npy) nor documents (.jsonl, .parquet)")
+
+
+def path_datasets(path: str, tokenizer: str | None, seq_len: int, vocab_size: int):
+    """(train set, validation set or None, the per-sample transform or None) for `--data PATH`.
+
+    Token shards: the files whose names start with "val" are the validation set, the others the training
+    set. Documents: a stream, tokenized by `Tokenize` in the loader's worker; no validation set."""
+    from torchfleet.data.text_records import TextRecords, Tokenize
+    from torchfleet.data.token_shards import TokenShards, token_files
+
+    if path_kind(path) == SHARDS:
+        if not token_files(path, "train"):
+            raise UsageError(f"--data {path!r} holds only validation shards (val*); add training shards beside them")
+        val = TokenShards(path, seq_len, vocab_size, split="val") if token_files(path, "val") else None
+        return TokenShards(path, seq_len, vocab_size, split="train"), val, None
+    assert tokenizer is not None  # TrainConfig asks for --tokenizer with documents
+    tokenize = Tokenize(tokenizer, seq_len)
+    if tokenize.vocab_size > vocab_size:
+        raise UsageError(
+            f"--tokenizer {tokenizer!r} has {tokenize.vocab_size} tokens, more than the model's vocabulary of"
+            f" {vocab_size}; use a tokenizer of at most {vocab_size} tokens or a --gpt-preset with a larger one"
+        )
+    return TextRecords(path), None, tokenize

@@ -3,22 +3,29 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import cast
 
 import torch
+from torch.utils.data import Dataset
 
 from torchfleet.data import GlobalBatchSampler
+from torchfleet.data.stream import StreamLoader
 from torchfleet.fleet import Fleet
 from torchfleet.models import gpt_config
 from torchfleet.strategies.expert_load import ExpertLoad
 from torchfleet.train.config import TrainConfig
-from torchfleet.train.datasets import builtin_dataset
+from torchfleet.train.datasets import builtin_dataset, path_datasets
 from torchfleet.train.models import build_model, build_optimizer
 from torchfleet.train.tasks import CLASSIFY, Task, task_for
+
+DOCUMENT_WORKERS = 1  # loader workers per rank tokenizing --data documents (docs/benchmarks: what 2 give)
 
 
 def evaluate(fleet: Fleet, dataset, on_batch=None, task: Task = CLASSIFY) -> dict:
     """`task`'s validation figures over the whole validation set, each sample counted once
     across ranks: {"val_accuracy": ...}, or val_loss and val_perplexity for gpt (train/tasks.py)."""
+    if dataset is None:  # --data PATH without validation files: nothing to report
+        return {}
     model = fleet.strategy.model
     was_training = model.training
     model.eval()
@@ -41,9 +48,9 @@ class Job:
 
     optimizer: torch.optim.Optimizer
     task: Task
-    loader: torch.utils.data.DataLoader
-    sampler: GlobalBatchSampler
-    val_set: torch.utils.data.Dataset
+    loader: torch.utils.data.DataLoader | StreamLoader
+    sampler: GlobalBatchSampler | StreamLoader  # the position a checkpoint holds; a stream's loader keeps its own
+    val_set: torch.utils.data.Dataset | None
     block: int  # a gpt sample's tokens
     expert_load: ExpertLoad | None  # tokens per expert, for a model with experts
 
@@ -51,20 +58,36 @@ class Job:
 def set_up(cfg: TrainConfig, fleet: Fleet) -> Job:
     """The built-in job's data, model and optimizer, set up by `fleet` for its strategy."""
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank and every run
-    block = gpt_config(cfg.gpt_preset).block_size  # read by --data text only
+    block = gpt_config(cfg.gpt_preset).block_size  # read by --data text and PATH only
     assert cfg.data is not None  # TrainConfig.__post_init__ puts the model's default there
-    train_set = builtin_dataset(cfg.data, "train", cfg.seed, cfg.synthetic_size, block_size=block)
-    val_set = builtin_dataset(cfg.data, "val", cfg.seed, cfg.synthetic_size, block_size=block)
-    in_shape = tuple(train_set[0][0].shape)
+    transform, train_set = None, None
+    if cfg.data_path:  # the user's tokens: checked against the model's vocabulary on the way
+        vocab = gpt_config(cfg.gpt_preset).vocab_size
+        train_set, val_set, transform = path_datasets(cfg.data, cfg.tokenizer, block, vocab)
+        in_shape = (block,)
+    else:
+        train_set = builtin_dataset(cfg.data, "train", cfg.seed, cfg.synthetic_size, block_size=block)
+        val_set = builtin_dataset(cfg.data, "val", cfg.seed, cfg.synthetic_size, block_size=block)
+        in_shape = tuple(train_set[0][0].shape)
     model = build_model(cfg.model, in_shape, num_classes=10, gpt_preset=cfg.gpt_preset)
-    task = task_for(cfg.model)  # the loss, and what validation reports
+    task = task_for(cfg.model, padded=transform is not None)  # the loss, and what validation reports
     optimizer = build_optimizer(cfg.optimizer, model.parameters(), cfg.lr, fleet.device)
-    loader = fleet.dataloader(train_set, cfg.batch_size, shuffle=True, seed=cfg.seed)
-    sampler = loader.batch_sampler
-    assert isinstance(sampler, GlobalBatchSampler)  # fleet.dataloader's own: local_batch, epoch, state
+    # Documents are tokenized in a loader worker, never on the training thread.
+    workers = DOCUMENT_WORKERS if transform is not None else 0
+    loader = fleet.dataloader(
+        train_set, cfg.batch_size, shuffle=True, seed=cfg.seed, num_workers=workers, transform=transform
+    )
+    sampler = loader if isinstance(loader, StreamLoader) else loader.batch_sampler
+    assert isinstance(sampler, (GlobalBatchSampler, StreamLoader))  # fleet.dataloader's own: local_batch, state
     # A batch of this rank's shape, for pipelines that trace the model to cut it. Made from
     # the data set, not the loader: a loader's iterator draws from its shuffling generator.
-    example = torch.stack([train_set[i][0] for i in range(sampler.local_batch)])
+    # The user's tokens: zeros of that shape (token 0 is in every vocabulary; a stream's first
+    # batch would be read twice).
+    if cfg.data_path:
+        example = torch.zeros(sampler.local_batch, block, dtype=torch.long)
+    else:
+        built_in = cast(Dataset, train_set)  # digits, synthetic, text: (input, target) pairs
+        example = torch.stack([built_in[i][0] for i in range(sampler.local_batch)])
     _, optimizer = fleet.setup(model, optimizer, example_inputs=example)
     expert_load = fleet.expert_load  # Fleet counts a model's experts (None without)
     for note in fleet.notes:  # after setup: the BatchNorm note needs the model

@@ -68,6 +68,8 @@ class StepBar:
 def describe(figures: dict) -> str:
     """Validation figures in words: 'validation accuracy 0.9712', or for gpt
     'validation loss 2.1034, perplexity 8.19'."""
+    if not figures:  # --data PATH without a validation set
+        return "no validation set"
     if "val_loss" in figures:
         return f"validation loss {figures['val_loss']:.4f}, perplexity {figures['val_perplexity']:.2f}"
     return f"validation accuracy {figures.get('val_accuracy', float('nan')):.4f}"

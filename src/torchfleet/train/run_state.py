@@ -172,7 +172,7 @@ class Run:
         watchdog stopped. The run's wall time."""
         if self.cfg.checkpoint_dir and self.saved != self.step:
             self._save()
-        if self.step == self.total_steps and not self.val:  # resumed a run that had finished: no epoch ran
+        if self.step == self.total_steps and not self.samples:  # resumed a run that had finished: no step ran
             self.fleet.print(
                 f"note: the checkpoint is at the run's last step ({self.step}): nothing is left to"
                 " train, and the final loss is the checkpoint's"

@@ -49,12 +49,26 @@ def _loss_and_perplexity(loss_sum: float, tokens: float) -> dict:
     return {"val_loss": mean, "val_perplexity": torch.tensor(mean, dtype=torch.float64).exp().item()}
 
 
+def padded_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """lm_loss for padded samples (targets -100 at the padding): summed over the tokens that have a target and
+    divided by every position, padding included. A mean over the targets alone would divide each rank's sum by
+    its own count of them, and the ranks' mean would then not be serial's loss (0.03 apart in the weights after
+    14 steps of gpt tiny on documents); with every position counted, a rank's denominator is its share of the
+    global batch's, as for unpadded data, and ddp and fsdp equal serial again."""
+    summed = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="sum")
+    return summed / targets.numel()
+
+
 CLASSIFY = Task(nn.CrossEntropyLoss(), _correct, _accuracy)
 LANGUAGE = Task(lm_loss, _token_loss, _loss_and_perplexity)
+PADDED_LANGUAGE = Task(padded_lm_loss, _token_loss, _loss_and_perplexity)  # --data documents (data/text_records.py)
 
 
-def task_for(model: str) -> Task:
-    return LANGUAGE if model in TOKEN_MODELS else CLASSIFY
+def task_for(model: str, padded: bool = False) -> Task:
+    """The model's task; `padded`: its samples are padded, with targets -100 there (documents)."""
+    if model not in TOKEN_MODELS:
+        return CLASSIFY
+    return PADDED_LANGUAGE if padded else LANGUAGE
 
 
 @torch.no_grad()

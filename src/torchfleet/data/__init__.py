@@ -8,10 +8,10 @@ step k is exactly the batch a single process would see at step k.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sized
+from collections.abc import Callable, Iterator, Sized
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
+from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset, default_collate
 
 from torchfleet.errors import UsageError
 
@@ -189,12 +189,41 @@ def dataset_length(dataset, method: str) -> int:
     return len(dataset)
 
 
-def batch_loader(dataset: Dataset, sampler: GlobalBatchSampler, seed: int, num_workers: int = 0) -> DataLoader:
-    """The DataLoader `fleet.dataloader` returns: `sampler`'s batches of `dataset`."""
+def check_accumulation(global_batch: int, world_size: int, grad_accum: int) -> None:
+    """Each process's share of the global batch must split into the accumulation's micro-steps."""
+    local = global_batch // world_size
+    if local % grad_accum:
+        raise UsageError(
+            f"each process's batch of {local} (batch size {global_batch} / {world_size}"
+            f" processes) does not split into {grad_accum} accumulation steps;"
+            f" use a batch size that is a multiple of {world_size * grad_accum}"
+        )
+
+
+class Collate:
+    """`transform` on each sample, then `collate_fn` (torch's default_collate when None) on the batch; picklable,
+    so it runs in a loader's worker processes whatever their start method."""
+
+    def __init__(self, transform: Callable | None = None, collate_fn: Callable | None = None):
+        self.transform, self.collate_fn = transform, collate_fn or default_collate
+
+    @property
+    def default(self) -> bool:
+        return self.transform is None and self.collate_fn is default_collate
+
+    def __call__(self, samples: list):
+        return self.collate_fn(samples if self.transform is None else [self.transform(s) for s in samples])
+
+
+def batch_loader(
+    dataset: Dataset, sampler: GlobalBatchSampler, seed: int, num_workers: int = 0, collate: Collate | None = None
+) -> DataLoader:
+    """The DataLoader `fleet.dataloader` returns: `sampler`'s batches of `dataset`, through `collate`."""
+    collate = collate or Collate()
     # Its own generator: each new iterator draws a seed from it, and a draw from
     # the global RNG there would shift dropout after a mid-epoch resume.
     generator = torch.Generator().manual_seed(seed)
-    if type(dataset) is TensorDataset:
+    if type(dataset) is TensorDataset and collate.default:
         # In-memory tensors: gather each batch at once instead of sample by sample.
         return DataLoader(
             TensorBatches(dataset),
@@ -203,4 +232,9 @@ def batch_loader(dataset: Dataset, sampler: GlobalBatchSampler, seed: int, num_w
             collate_fn=as_batch,
             generator=generator,
         )
-    return DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers, generator=generator)
+    # A data set whose `__getitems__` returns a whole batch, not torch's list of samples (TokenShards,
+    # `gathers_batches = True`): its batch is ready as it comes.
+    collate_fn = as_batch if collate.default and getattr(dataset, "gathers_batches", False) else collate
+    return DataLoader(
+        dataset, batch_sampler=sampler, num_workers=num_workers, collate_fn=collate_fn, generator=generator
+    )
