@@ -18,6 +18,7 @@ SURFACE = {
         "--checkpoint-dir",
         "--checkpoint-every",
         "--data",
+        "--tokenizer",
         "--epochs",
         "--preempt-signals",
         "--preempt-notice",

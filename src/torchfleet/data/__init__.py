@@ -16,6 +16,11 @@ from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset, defaul
 from torchfleet.errors import UsageError
 
 
+class DataError(UsageError):
+    """Bad data found while reading it (a shard that is empty, cut short or holds a token outside the vocabulary,
+    a document too long): one sentence naming the file and the offset or record."""
+
+
 class TensorBatches(Dataset):
     """A TensorDataset that hands a DataLoader whole batches: one gather per tensor.
 

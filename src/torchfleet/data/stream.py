@@ -25,13 +25,14 @@ sample on any number of processes and workers.
 from __future__ import annotations
 
 import copy
+import multiprocessing
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
-from torchfleet.data import check_accumulation, check_global_batch
+from torchfleet.data import DataError, check_accumulation, check_global_batch
 from torchfleet.errors import UsageError
 
 
@@ -122,6 +123,16 @@ class StreamShare(IterableDataset):
 _END = object()
 
 
+def _worker_context(num_workers: int) -> str | None:
+    """Fork the loader's workers from the rank itself where the platform can. A worker leaves when its parent
+    does (torch's worker loop watches its parent's pid); a rank started by the launcher's forkserver would
+    otherwise start its workers from a forkserver of its own, which outlives a rank killed with SIGKILL: the
+    orphaned worker then lived on, holding the job's output open (seen: a killed run's command never returned)."""
+    if num_workers == 0 or "fork" not in multiprocessing.get_all_start_methods():
+        return None
+    return "fork"
+
+
 class StreamLoader:
     """What `fleet.dataloader` returns for a stream: this rank's batches, and the stream's position.
 
@@ -158,11 +169,12 @@ class StreamLoader:
             batch_size=None,
             num_workers=self.num_workers,
             generator=torch.Generator().manual_seed(self.seed),
+            multiprocessing_context=_worker_context(self.num_workers),
         )
         for step, batch, after in loader:
             if batch is None:
                 if isinstance(after, str):
-                    raise UsageError(after)
+                    raise DataError(after)
                 if step == 0:
                     raise UsageError(
                         f"the stream ended after {after} samples, before its first global batch of"

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import IterableDataset
 
+from torchfleet.data import DataError
 from torchfleet.errors import UsageError
 
 SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -103,7 +104,7 @@ def _jsonl(file: Path, field: str, offset: int, record: int) -> Iterator[tuple[s
             except (ValueError, KeyError, TypeError):
                 value = None
             if not isinstance(value, str):
-                raise UsageError(
+                raise DataError(
                     f"{file.name} record {line_number} is not a JSON object with a {field!r} string;"
                     f" every line of a JSONL document file must be one"
                 )
@@ -157,7 +158,7 @@ class Tokenize:
             ids.append(self.eos)
         length = self.seq_len + 1
         if len(ids) > length:
-            raise UsageError(
+            raise DataError(
                 f"document {document['at']} is {len(ids)} tokens, longer than the model's {self.seq_len}"
                 f" positions and the next token ({length}); split it, or write it as token shards"
                 " (--data DIR of .bin or .npy files), whose windows take any document length"

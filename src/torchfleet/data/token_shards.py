@@ -33,14 +33,11 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from torchfleet.data import DataError
 from torchfleet.errors import UsageError
 
 SUFFIXES = (".bin", ".npy")
 DTYPES = ("uint16", "uint32")
-
-
-class ShardError(UsageError):
-    """A token shard that cannot be read as asked: empty, cut short, or holding a token outside the vocabulary."""
 
 
 def token_files(path: str | os.PathLike, split: str | None = None) -> list[Path]:
@@ -51,7 +48,7 @@ def token_files(path: str | os.PathLike, split: str | None = None) -> list[Path]
         raise UsageError(f"token shards {str(path)!r} do not exist; give a directory of .bin or .npy token files")
     files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.suffix in SUFFIXES and p.is_file())
     if not files:
-        raise ShardError(f"directory {str(path)!r} holds no token files; put .bin (nanoGPT) or .npy token files in it")
+        raise DataError(f"directory {str(path)!r} holds no token files; put .bin (nanoGPT) or .npy token files in it")
     if split is not None:
         files = [f for f in files if f.name.startswith("val") == (split == "val")]
     return files
@@ -63,16 +60,16 @@ def _open(file: Path, dtype: str) -> np.ndarray:
         try:
             tokens = np.load(file, mmap_mode="r")
         except (ValueError, OSError, EOFError) as exc:
-            raise ShardError(f"token shard {str(file)!r} is not a readable .npy file ({exc})") from None
+            raise DataError(f"token shard {str(file)!r} is not a readable .npy file ({exc})") from None
         if tokens.ndim != 1 or tokens.dtype.name not in DTYPES:
-            raise ShardError(
+            raise DataError(
                 f"token shard {str(file)!r} holds a {tokens.ndim}-D array of {tokens.dtype.name}; token shards are"
                 f" 1-D arrays of {' or '.join(DTYPES)}"
             )
         return tokens
     size, width = file.stat().st_size, np.dtype(dtype).itemsize
     if size % width:
-        raise ShardError(
+        raise DataError(
             f"token shard {str(file)!r} has {size} bytes, not a whole number of {dtype} tokens of {width} bytes:"
             " it was cut short or is not a token file"
         )
@@ -85,7 +82,7 @@ class TokenShards(Dataset):
     """Windows of `seq_len` + 1 tokens from the token files at `path` (see the module doc).
 
     `vocab_size`: every batch's tokens are checked against it, and a token at or above it stops the run
-    with the file and offset named (a ShardError, exit status 2 under `train`), never an index error
+    with the file and offset named (a DataError: exit status 2 under `train`), never an index error
     deep in an embedding. `split`: "train" or "val" by file name (token_files), None for every file.
     """
 
@@ -110,10 +107,10 @@ class TokenShards(Dataset):
         for file in self.files:
             tokens = len(_open(file, dtype))
             if tokens == 0:
-                raise ShardError(f"token shard {str(file)!r} is empty; remove it or write its tokens again")
+                raise DataError(f"token shard {str(file)!r} is empty; remove it or write its tokens again")
             counts.append(max(0, (tokens - 1) // seq_len))  # each window also needs the token after it
         if sum(counts) == 0:
-            raise ShardError(
+            raise DataError(
                 f"the token shards at {str(path)!r} hold no window of {seq_len + 1} tokens (the sequence and"
                 " its next token); give more tokens or a shorter sequence"
             )
@@ -165,7 +162,7 @@ class TokenShards(Dataset):
     def _refuse(self, rows: np.ndarray, indices: list[int]):
         row, column = np.argwhere(rows >= self.vocab_size)[0]
         file, offset = self._window(indices[row])
-        raise ShardError(
+        raise DataError(
             f"token shard {str(self.files[file])!r} holds token id {rows[row, column]} at token offset"
             f" {offset + column}, at or above the model's vocabulary of {self.vocab_size}; it was written with"
             " another tokenizer or is corrupt"

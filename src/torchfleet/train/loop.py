@@ -72,7 +72,7 @@ def _train(cfg: TrainConfig, fleet: Fleet, listener: preemption.Listener) -> dic
         while not run.done:
             epoch, tick = job.sampler.epoch, time.perf_counter()
             moved = False  # a replica group healed into another epoch: its pass starts at the peers' batch
-            for inputs, targets in run.clock.batches(job.loader, run.slow_fetch):  # each fetch timed
+            for inputs, targets in run.batches():  # each fetch timed
                 run.loss = fleet.train_step(inputs, targets, job.task.loss_fn)
                 run.clock.trained()
                 if run.took_peers_step():  # torchft redid the step, or the group healed to its peers'

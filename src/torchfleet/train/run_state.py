@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import torch
 
 from torchfleet import checkpoint
+from torchfleet.data import DataError
 from torchfleet.fleet import Fleet
 from torchfleet.train import faults, link_probe, report
 from torchfleet.train.checkpoints import resume, save
@@ -126,6 +127,19 @@ class Run:
             self.watchdog.beat(self.step)
         self.bar.at(self.step)
         return True
+
+    def batches(self) -> Iterator:
+        """The loader's batches, each fetch timed. Bad data found on the way (data/__init__.py's DataError) stops
+        the run in one sentence that also says which checkpoint to resume from: one rank cannot save alone
+        (the others wait in a collective), so this rank leaves and the launcher stops the others."""
+        try:
+            yield from self.clock.batches(self.job.loader, self.slow_fetch)
+        except DataError as exc:
+            if not self.cfg.checkpoint_dir:
+                raise
+            newest = checkpoint.step_path(self.cfg.checkpoint_dir, self.saved) if self.saved else None
+            where = f"--resume goes on from {newest}" if newest else "no checkpoint was saved before it"
+            raise DataError(f"{exc} (read for step {self.step + 1}; {where})") from None
 
     def slow_fetch(self) -> None:
         """Inside each timed fetch of a batch: the fault hook's slow loader, when a test asks for one."""
