@@ -181,3 +181,38 @@ def test_a_stream_through_fleet_dataloader_refuses_replica_groups_and_uneven_bat
         Fleet("serial", grad_accum=2).dataloader(Counting(10), 5)
     with pytest.raises(UsageError, match="a stream cannot be read under replica groups"):
         stream_loader(Counting(10), 4, 0, 1, 1, True, 0, 0)
+
+
+def _train(argv: list[str], capsys) -> tuple[int, str]:
+    from torchfleet import cli
+
+    code = cli.main(["train", "--model", "gpt", "--strategy", "serial", "--no-progress", "--hang-timeout", "0", *argv])
+    return code, capsys.readouterr().err
+
+
+def test_train_data_paths_refuse_bad_input_in_one_sentence(tmp_path, capsys):
+    require_module("tokenizers", "the data extra (pip install 'torchfleet[data]')")
+    texts = token_data.sentences(20)
+    tokenizer = str(token_data.tokenizer(tmp_path / "tok", texts))
+    rng = np.random.default_rng(0)
+    letters = [" ".join("".join(rng.choice(list("abcdefghijklmnop"), 4)) for _ in range(30)) for _ in range(300)]
+    big = str(token_data.tokenizer(tmp_path / "big", letters, vocab=300))
+    docs = str(token_data.jsonl(tmp_path / "docs.jsonl", texts))
+    (tmp_path / "empty").mkdir()
+    empty_shard = token_data.shards(tmp_path / "empty_shard", files=1, tokens=500)
+    (empty_shard / "train01.bin").write_bytes(b"")
+    wide = tmp_path / "wide"
+    wide.mkdir()
+    np.arange(500, dtype=np.uint16).tofile(wide / "train.bin")  # ids 256 and up from offset 256
+    rows = [
+        (["--data", str(tmp_path / "empty")], f"--data directory '{tmp_path / 'empty'}' is empty"),
+        (["--data", str(empty_shard)], f"token shard '{empty_shard / 'train01.bin'}' is empty"),
+        (["--data", docs], f"--data '{docs}' holds documents, which need --tokenizer DIR"),
+        (["--data", docs, "--tokenizer", big], "has 300 tokens, more than the model's vocabulary of 256"),
+        (["--data", docs, "--tokenizer", tokenizer, "--batch-size", "32"], "the stream holds 20 samples, fewer than"),
+        (["--data", str(wide), "--batch-size", "6"], "holds token id 256 at token offset 256, at or above the model's"),
+    ]
+    for argv, sentence in rows:
+        code, err = _train(argv, capsys)
+        assert code == 2 and "Traceback" not in err, err
+        assert len(err.strip().splitlines()) == 1 and sentence in err, err

@@ -222,4 +222,9 @@ def stream_loader(
     check_accumulation(batch_size, world, grad_accum)
     if num_workers < 0:
         raise UsageError(f"num_workers {num_workers} must be 0 (read in the training process) or more")
+    if hasattr(dataset, "__len__") and len(dataset) < batch_size:  # known now: said before any process reads
+        raise UsageError(
+            f"the stream holds {len(dataset)} samples, fewer than one global batch of {batch_size};"
+            f" use a batch size of at most {len(dataset)} or give it more samples"
+        )
     return StreamLoader(StreamShare(dataset, batch_size, rank, world, transform, collate_fn), num_workers, seed)
