@@ -65,7 +65,7 @@ class StreamShare(IterableDataset):
     def __init__(self, source, global_batch: int, rank: int, world: int, transform=None, collate_fn=None):
         self.source, self.global_batch = source, global_batch
         self.rank, self.local_batch = rank, global_batch // world
-        self.transform: Callable = transform or (lambda sample: sample)
+        self.transform: Callable = transform or _unchanged  # a module's function: picklable for spawned workers
         self.collate_fn: Callable = collate_fn or default_collate
         self.start: tuple[int, int, Any] = (0, 0, None)  # (epoch, first step, the stream's state there)
 
@@ -121,6 +121,10 @@ class StreamShare(IterableDataset):
 
 
 _END = object()
+
+
+def _unchanged(sample):
+    return sample
 
 
 def _worker_context(num_workers: int) -> str | None:

@@ -53,6 +53,8 @@ def train_hogwild(cfg, workers: int) -> dict:
             " and --tensorboard, or use serial or ddp"
         )
     check_global_batch(cfg.batch_size, workers)
+    if cfg.data_path:  # the job below is built from the built-in data sets alone
+        raise UsageError(f"hogwild reads the built-in data sets only, not --data {cfg.data!r}; use serial or ddp")
 
     torch.manual_seed(cfg.seed)  # the same initial weights as every other strategy
     block = gpt_config(cfg.gpt_preset).block_size  # read by --data text only
