@@ -16,7 +16,7 @@ import token_data
 from conftest import require_module
 from torchfleet.data import DataError
 from torchfleet.data.stream import stream_loader
-from torchfleet.data.text_records import TextRecords, Tokenize
+from torchfleet.data.text_records import Document, TextRecords, Tokenize
 from torchfleet.data.token_shards import TokenShards
 from torchfleet.errors import UsageError
 from torchfleet.fleet import Fleet
@@ -151,12 +151,12 @@ def test_documents_are_tokenized_in_the_loaders_workers_and_resume_by_their_posi
     token_data.jsonl(tmp_path / "docs" / "a.jsonl", texts[:20])
     token_data.parquet(tmp_path / "docs" / "b.parquet", texts[20:], row_group=8)
     records = TextRecords(tmp_path / "docs")
-    assert len(records) == 50 and [r["text"] for r in records] == texts
+    assert len(records) == 50 and [r.text for r in records] == texts
     tokenize = Tokenize(tokenizer, 32)
     assert tokenize.vocab_size <= 200 and tokenize.eos is not None
     straight = [b[0] for b in _loader(TextRecords(tmp_path / "docs"), 8, workers=2, transform=tokenize)]
     assert len(straight) == 6
-    inputs, targets = tokenize({"text": texts[9], "at": ""})
+    inputs, targets = tokenize(Document("a.jsonl record 10", "text", text=texts[9]))
     assert torch.equal(straight[1][1], inputs)
     assert (targets == -100).any() and targets[0] == inputs[1]  # padded at the end, shifted by one
     loader = _loader(TextRecords(tmp_path / "docs"), 8, 0, 2, workers=1, transform=tokenize)
@@ -168,6 +168,9 @@ def test_documents_are_tokenized_in_the_loaders_workers_and_resume_by_their_posi
     resumed = _loader(TextRecords(tmp_path / "docs"), 8, workers=1, transform=tokenize)
     resumed.load_state_dict(state)
     assert all(torch.equal(a, b[0]) for a, b in zip(straight[3:], resumed, strict=True))
+    (tmp_path / "bad.jsonl").write_text('{"text": "the ranks"}\n\n{"txt": "the ranks"}\n')
+    with pytest.raises(DataError, match=r"^bad.jsonl record 2 is not a JSON object with a 'text' string; every"):
+        list(_loader(TextRecords(tmp_path / "bad.jsonl"), 1, workers=1, transform=tokenize))
     with pytest.raises(
         DataError, match=r"document a.jsonl record 1 is \d+ tokens, longer than the model's 4 positions"
     ):
@@ -216,3 +219,20 @@ def test_train_data_paths_refuse_bad_input_in_one_sentence(tmp_path, capsys):
         code, err = _train(argv, capsys)
         assert code == 2 and "Traceback" not in err, err
         assert len(err.strip().splitlines()) == 1 and sentence in err, err
+
+
+def test_a_corrupt_shard_found_mid_run_stops_it_naming_file_offset_and_the_checkpoint_to_resume(tmp_path, capsys):
+    from torchfleet.data import GlobalBatchSampler
+
+    shards = token_data.shards(tmp_path / "shards", files=1, tokens=64 * 40 + 1)
+    window = list(GlobalBatchSampler(40, 8, seed=0))[2][5]  # read at step 3, after step 2's checkpoint
+    tokens = np.fromfile(shards / "train00.bin", dtype=np.uint16)
+    tokens[window * 64 + 7] = 60000  # past gpt tiny's 256: a shard written by another tokenizer, or damaged
+    tokens.tofile(shards / "train00.bin")
+    ck = tmp_path / "ck"
+    argv = ["--data", str(shards), "--batch-size", "8", "--checkpoint-dir", str(ck), "--checkpoint-every", "2"]
+    code, err = _train(argv, capsys)
+    assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    named = f"token shard '{shards / 'train00.bin'}' holds token id 60000 at token offset {window * 64 + 7}"
+    assert named in err and f"(read for step 3; --resume goes on from {ck / 'step-00000002'})" in err, err
+    assert sorted(p.name for p in ck.iterdir()) == ["step-00000002"]  # nothing written after the bad read

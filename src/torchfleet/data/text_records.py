@@ -46,8 +46,34 @@ def text_files(path: str | os.PathLike) -> list[Path]:
     return files
 
 
+class Document:
+    """One record: its text, and where it is ("a.jsonl record 17") for a sentence about it. A JSONL line is
+    parsed only when its text is asked for, so the readers that skip a record (every loader worker but the one
+    that keeps it, data/stream.py) pay for finding the line's end and nothing more."""
+
+    __slots__ = ("_line", "_text", "field", "at")
+
+    def __init__(self, at: str, field: str, text: str | None = None, line: bytes = b""):
+        self.at, self.field, self._text, self._line = at, field, text, line
+
+    @property
+    def text(self) -> str:
+        if self._text is None:
+            try:
+                value = json.loads(self._line)[self.field]
+            except (ValueError, KeyError, TypeError):
+                value = None
+            if not isinstance(value, str):
+                raise DataError(
+                    f"{self.at} is not a JSON object with a {self.field!r} string; every line of a JSONL"
+                    " document file must be one"
+                )
+            self._text = value
+        return self._text
+
+
 class TextRecords(IterableDataset):
-    """The documents of JSONL or parquet files in order, as {"text": str, "at": "file record N"} (module doc)."""
+    """The documents of JSONL or parquet files in order, as `Document`s (module doc)."""
 
     def __init__(self, path: str | os.PathLike, field: str = "text"):
         self.files, self.field = text_files(path), field
@@ -67,16 +93,16 @@ class TextRecords(IterableDataset):
     def load_state_dict(self, state: dict) -> None:
         self._position = dict(state)
 
-    def __iter__(self) -> Iterator[dict]:
+    def __iter__(self) -> Iterator[Document]:
         start, self._position = self._position, {"file": 0, "offset": 0, "record": 0}
         self._state = dict(start)
         for index in range(start["file"], len(self.files)):
             file = self.files[index]
             first = start if index == start["file"] else {"offset": 0, "record": 0}
             read = _jsonl if file.suffix != ".parquet" else _parquet
-            for text, offset, record in read(file, self.field, first["offset"], first["record"]):
+            for document, offset, record in read(file, self.field, first["offset"], first["record"]):
                 self._state = {"file": index, "offset": offset, "record": record}
-                yield {"text": text, "at": f"{file.name} {'row' if file.suffix == '.parquet' else 'record'} {record}"}
+                yield document
             self._state = {"file": index + 1, "offset": 0, "record": 0}
 
 
@@ -89,37 +115,24 @@ def _count(file: Path) -> int:
         return sum(1 for line in fh if line.strip())
 
 
-def _jsonl(file: Path, field: str, offset: int, record: int) -> Iterator[tuple[str, int, int]]:
-    """(text, byte offset after its line, its record number from 1) for each JSONL record after `offset`."""
+def _jsonl(file: Path, field: str, offset: int, record: int) -> Iterator[tuple[Document, int, int]]:
+    """(document, byte offset after its line, its record number from 1) for each JSONL record after `offset`."""
     with open(file, "rb") as fh:
         fh.seek(offset)
-        line_number = record  # records and lines agree but for blank lines, which are skipped
         for line in fh:
             offset += len(line)
-            if not line.strip():
-                continue
-            line_number += 1
-            try:
-                value = json.loads(line)[field]
-            except (ValueError, KeyError, TypeError):
-                value = None
-            if not isinstance(value, str):
-                raise DataError(
-                    f"{file.name} record {line_number} is not a JSON object with a {field!r} string;"
-                    f" every line of a JSONL document file must be one"
-                )
-            yield value, offset, line_number
+            if line.strip():  # blank lines are no record
+                record += 1
+                yield Document(f"{file.name} record {record}", field, line=line), offset, record
 
 
-def _parquet(file: Path, field: str, offset: int, record: int) -> Iterator[tuple[str, int, int]]:
-    """(text, 0, its row number from 1) for each parquet row after row `record` (whole row groups skipped)."""
+def _parquet(file: Path, field: str, offset: int, record: int) -> Iterator[tuple[Document, int, int]]:
+    """(document, 0, its row number from 1) for each parquet row after row `record` (whole row groups skipped)."""
     import pyarrow.parquet as pq
 
     parquet = pq.ParquetFile(file)
     if field not in parquet.schema_arrow.names:
-        raise UsageError(
-            f"{file.name} has no column {field!r}; its columns are {', '.join(parquet.schema_arrow.names)}"
-        )
+        raise DataError(f"{file.name} has no column {field!r}; its columns are {', '.join(parquet.schema_arrow.names)}")
     row, groups = 0, []
     for group in range(parquet.num_row_groups):
         rows = parquet.metadata.row_group(group).num_rows
@@ -130,8 +143,11 @@ def _parquet(file: Path, field: str, offset: int, record: int) -> Iterator[tuple
     for batch in parquet.iter_batches(columns=[field], row_groups=groups):
         for text in batch.column(0).to_pylist():
             row += 1
-            if row > record:
-                yield text, 0, row
+            if row <= record:
+                continue
+            if not isinstance(text, str):
+                raise DataError(f"{file.name} row {row} holds {text!r} in column {field!r}, not a document's text")
+            yield Document(f"{file.name} row {row}", field, text=text), 0, row
 
 
 class Tokenize:
@@ -152,14 +168,14 @@ class Tokenize:
             self._tokenizer = _Tokenizer(self.directory)
         return self._tokenizer
 
-    def __call__(self, document: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        ids = self.load().encode(document["text"])
+    def __call__(self, document: Document) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = self.load().encode(document.text)
         if self.eos is not None:
             ids.append(self.eos)
         length = self.seq_len + 1
         if len(ids) > length:
             raise DataError(
-                f"document {document['at']} is {len(ids)} tokens, longer than the model's {self.seq_len}"
+                f"document {document.at} is {len(ids)} tokens, longer than the model's {self.seq_len}"
                 f" positions and the next token ({length}); split it, or write it as token shards"
                 " (--data DIR of .bin or .npy files), whose windows take any document length"
             )
