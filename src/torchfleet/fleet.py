@@ -179,9 +179,8 @@ class Fleet:
         transform: Callable | None = None,
         collate_fn: Callable | None = None,
     ) -> DataLoader | StreamLoader:
-        """A loader of this rank's share of each global batch of `batch_size` samples; `transform` runs on each
-        sample in the loader worker that reads it, `collate_fn` on the batch. A stream (an IterableDataset, Hugging
-        Face's streaming ones too) keeps its own order and drops its last incomplete global batch."""
+        """This rank's share of each global batch of `batch_size` samples; `transform` runs on each sample in the
+        worker reading it, `collate_fn` on the batch. A stream (IterableDataset) keeps its order (data/stream.py)."""
         rank, world = self.strategy.data_coords()
         if self.replicas is not None:  # each replica group reads its share of every global batch
             groups = self.replicas.env
