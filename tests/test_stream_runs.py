@@ -1,7 +1,12 @@
 """`train --data PATH` in real processes: a rank killed with SIGKILL mid-epoch and the group resumed (--resume auto)
 ends with the weights of a run never killed, bit for bit, over documents tokenized on the way (a stream) under
-fsdp and over token shards under ddp; the stream under fsdp equals serial within 1e-5, and so does the 2-process
-run's checkpoint resumed on 1 process (the global order of samples kept). Bad data: tests/test_streams.py.
+fsdp; the stream under fsdp equals serial within 1e-5, and so does the 2-process run's checkpoint resumed on 1
+process (the global order of samples kept).
+
+Token shards are map-style: their resume is GlobalBatchSampler's, which tests/test_faults.py kills and resumes
+under ddp; tests/test_streams.py checks that the shards' windows follow it on any number of ranks. Each test
+here costs 2-process runs' start-up, so CI runs the stream's (what is new) and not every pairing; the others
+(ddp over documents, fsdp and pipeline over shards and documents) were run by hand (issue 58's closing note).
 """
 
 from __future__ import annotations
@@ -27,11 +32,7 @@ def data(tmp_path_factory):
     texts = token_data.sentences(200, longest=10)
     token_data.jsonl(root / "docs" / "a.jsonl", texts[:120])
     token_data.parquet(root / "docs" / "b.parquet", texts[120:], row_group=32)
-    return {
-        "docs": ["--data", str(root / "docs"), "--tokenizer", str(token_data.tokenizer(root / "tok", texts))],
-        "shards": ["--data", str(token_data.shards(root / "shards", files=2, tokens=4000))],
-        "root": root,
-    }
+    return {"docs": ["--data", str(root / "docs"), "--tokenizer", str(token_data.tokenizer(root / "tok", texts))]}
 
 
 def _weights(path) -> dict:
@@ -86,10 +87,3 @@ def test_documents_under_fsdp_resume_bit_for_bit_equal_serial_and_resume_on_one_
     difference = _max_difference(resumed, serial)
     print(f"2 processes' checkpoint resumed on 1 against serial: max weight difference {difference:.3g}")
     assert difference < 1e-5
-
-
-@pytest.mark.timeout(420)
-def test_token_shards_under_ddp_resume_bit_for_bit(data, tmp_path):
-    straight, killed = _straight_and_killed([*COMMON, *data["shards"], "--strategy", "ddp", "-n", "2"], tmp_path, 1)
-    for name in straight:
-        assert torch.equal(straight[name], killed[name]), name

@@ -236,3 +236,24 @@ def test_a_corrupt_shard_found_mid_run_stops_it_naming_file_offset_and_the_check
     named = f"token shard '{shards / 'train00.bin'}' holds token id 60000 at token offset {window * 64 + 7}"
     assert named in err and f"(read for step 3; --resume goes on from {ck / 'step-00000002'})" in err, err
     assert sorted(p.name for p in ck.iterdir()) == ["step-00000002"]  # nothing written after the bad read
+
+
+def test_token_shards_follow_the_global_batch_and_its_position_on_any_number_of_ranks(tmp_path):
+    from torchfleet.data import GlobalBatchSampler
+
+    shards = TokenShards(token_data.shards(tmp_path / "shards", files=2, tokens=2000), 32, 256, split="train")
+
+    def steps(world: int, state: dict | None = None) -> list[torch.Tensor]:
+        """Each step's global batch of inputs: the ranks' shares put together in rank order."""
+        per_rank = []
+        for rank in range(world):
+            sampler = GlobalBatchSampler(len(shards), 12, rank, world, seed=3)
+            if state is not None:
+                sampler.load_state_dict(state)
+            per_rank.append([shards.__getitems__(indices)[0] for indices in sampler])
+        return [torch.cat(share) for share in zip(*per_rank, strict=True)]
+
+    serial = steps(1)
+    assert len(serial) == len(shards) // 12 and all(torch.equal(a, b) for a, b in zip(serial, steps(3), strict=True))
+    resumed = steps(2, {"epoch": 0, "position": 4, "seed": 3})  # a checkpoint after step 4, on 2 ranks
+    assert all(torch.equal(a, b) for a, b in zip(serial[4:], resumed, strict=True))
