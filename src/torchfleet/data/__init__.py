@@ -4,6 +4,10 @@
 epoch's permutation is cut into global batches first, and each data-parallel
 rank takes its contiguous slice of every global batch. The union over ranks of
 step k is exactly the batch a single process would see at step k.
+
+The package's other modules: stream.py cuts a stream (an IterableDataset) the
+same way in its own order; token_shards.py and text_records.py are the data
+sets behind `train --data PATH` (docs/guides/data.md).
 """
 
 from __future__ import annotations
