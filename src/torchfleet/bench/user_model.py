@@ -70,6 +70,21 @@ def build(name: str) -> tuple[nn.Module, Callable[[int], tuple], Callable]:
     return model, make_batch or _default_batches(model, name), loss_fn or nn.functional.cross_entropy
 
 
+def build_on_meta(name: str) -> nn.Module:
+    """The user's model built on the meta device (shapes, no storage): what `plan` reads of a model too big to
+    build here. A builder that makes real tensors itself still makes them (torch.device("meta") is the default
+    device, not a rule)."""
+    with torch.device("meta"):
+        made = _function(name)()
+    model = made[0] if isinstance(made, tuple) and made else made
+    if not isinstance(model, nn.Module):
+        raise UsageError(
+            f"--model {name!r} returned {type(made).__name__}; return a torch.nn.Module, or"
+            " (model, make_batch) or (model, make_batch, loss_fn)"
+        )
+    return model
+
+
 def _default_batches(model: nn.Module, name: str) -> Callable[[int], tuple]:
     try:
         with torch.no_grad():
