@@ -487,7 +487,7 @@ def test_a_pipeline_whose_stages_span_nodes_also_comes_as_hsdp(tmp_path):
         ),
         (
             ["--hf-config", "no-such-model", "--gpu", "H100", "--gpus-per-node", "8"],
-            "is neither a file nor a shipped config; give a config.json's path or one of llama-3.1-405b",
+            "is neither a file nor a shipped config; give a config.json's path or one of deepseek-v3, llama-3.1-405b",
         ),
         (
             ["--hf-config", "llama-3.1-8b", "--gpu", "H100", "--gpus-per-node", "8", "--ac", "some"],

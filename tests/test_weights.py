@@ -253,3 +253,68 @@ def test_a_meta_module_with_no_initialisation_is_refused_in_one_sentence():
     ) as caught:
         fleet.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
     assert "\n" not in str(caught.value)
+
+
+BYTE_LLAMA = """
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def build():  # a language model over bytes, the built-in text's tokens
+    config = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, max_position_embeddings=32)
+    return LlamaForCausalLM(config)
+"""
+
+
+def test_train_runs_the_built_in_loop_on_a_hugging_face_directory_and_on_a_builder(tmp_path):
+    import json
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    from conftest import assert_refused_in_one_sentence, forked_torchfleet, torchfleet
+
+    (tmp_path / "bytes_model.py").write_text(BYTE_LLAMA)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import bytes_model
+
+        bytes_model.build().save_pretrained(tmp_path / "start")
+    finally:
+        sys.path.remove(str(tmp_path))
+    steps = ("--max-steps", "2", "--batch-size", "8", "--no-progress")
+    result = torchfleet(
+        "train", "--hf-model", str(tmp_path / "start"), "--strategy", "fsdp", "-n", "2", *steps,
+        "--save-model", str(tmp_path / "tuned"), "--json-out", str(tmp_path / "tuned.json"),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert json.loads((tmp_path / "tuned.json").read_text())["steps"] == 2
+    start, tuned = (AutoModelForCausalLM.from_pretrained(tmp_path / d, dtype=torch.float32) for d in ("start", "tuned"))
+    moved = [k for k, v in tuned.state_dict().items() if not torch.equal(v, start.state_dict()[k])]
+    assert "model.layers.1.mlp.down_proj.weight" in moved  # trained from the directory's weights, and saved
+    from torchfleet.train.config import TrainConfig
+    from torchfleet.train.loop import train
+
+    built = train(  # --model MODULE:FUNCTION, in this process
+        TrainConfig(model=f"{tmp_path / 'bytes_model.py'}:build", max_steps=2, batch_size=8, progress=False), "serial"
+    )
+    assert built["steps"] == 2 and built["final_loss"] < 6.0  # about ln 256 = 5.5 at the start
+    (tmp_path / "bare").mkdir()
+    (tmp_path / "bare" / "config.json").write_text((tmp_path / "start" / "config.json").read_text())
+    result = forked_torchfleet("train", "--hf-model", str(tmp_path / "bare"), "--strategy", "serial", *steps)
+    assert_refused_in_one_sentence(result, "holds neither model.safetensors nor model.safetensors.index.json")
+
+
+def test_commands_that_need_transformers_name_the_extra_where_it_is_missing(monkeypatch, tmp_path):
+    import sys
+
+    from torchfleet import Fleet
+    from torchfleet.errors import UsageError
+    from torchfleet.plan import library_model
+    from torchfleet.train import own_model
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as in the venv `make demo` makes
+    with pytest.raises(UsageError, match=r"^--hf-config needs transformers .* pip install 'torchfleet\[hf\]'$"):
+        library_model.parameter_count(library_model.read_config("llama-3.1-8b"))
+    with pytest.raises(UsageError, match=r"^--hf-model needs transformers .* pip install 'torchfleet\[hf\]'$"):
+        own_model.build(Fleet(strategy="serial"), str(tmp_path), "cnn")

@@ -70,8 +70,8 @@ def transformers_config(fields: dict, layers: int | None = None):
         from transformers import AutoConfig
     except ImportError:
         raise UsageError(
-            "--hf-config needs transformers to build the model's modules (nothing is downloaded):"
-            " pip install transformers"
+            "--hf-config needs transformers to build the model's modules (nothing is downloaded), which is not"
+            " installed here: pip install 'torchfleet[hf]'"
         ) from None
     fields = dict(fields)
     if layers is not None:
@@ -89,9 +89,10 @@ def transformers_config(fields: dict, layers: int | None = None):
 def build(fields: dict, layers: int | None = None):
     """The causal language model with fp32 parameters (the master weights); call it under FakeTensorMode."""
     import torch
+
+    config = transformers_config(fields, layers)  # refuses first, in one sentence, where transformers is missing
     from transformers import AutoModelForCausalLM
 
-    config = transformers_config(fields, layers)
     try:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     except ValueError as exc:

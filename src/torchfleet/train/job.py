@@ -9,11 +9,13 @@ import torch
 from torchfleet.data import GlobalBatchSampler
 from torchfleet.fleet import Fleet
 from torchfleet.models import gpt_config
+from torchfleet.models.user import is_user_model
 from torchfleet.strategies.expert_load import ExpertLoad
+from torchfleet.train import own_model
 from torchfleet.train.config import TrainConfig
 from torchfleet.train.datasets import builtin_dataset
 from torchfleet.train.models import build_model, build_optimizer
-from torchfleet.train.tasks import CLASSIFY, Task, task_for
+from torchfleet.train.tasks import CLASSIFY, OWN_LANGUAGE, Task, task_for
 
 
 def evaluate(fleet: Fleet, dataset, on_batch=None, task: Task = CLASSIFY) -> dict:
@@ -53,12 +55,18 @@ def set_up(cfg: TrainConfig, fleet: Fleet) -> Job:
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank and every run
     block = gpt_config(cfg.gpt_preset).block_size  # read by --data text only
     assert cfg.data is not None  # TrainConfig.__post_init__ puts the model's default there
+    weights, own = None, cfg.hf_model is not None or is_user_model(cfg.model)
+    if own:  # the user's language model, built on the meta device; no longer context than it takes
+        model, weights, context = own_model.build(fleet, cfg.hf_model, cfg.model)
+        block = min(block, context) if context else block
     train_set = builtin_dataset(cfg.data, "train", cfg.seed, cfg.synthetic_size, block_size=block)
     val_set = builtin_dataset(cfg.data, "val", cfg.seed, cfg.synthetic_size, block_size=block)
     in_shape = tuple(train_set[0][0].shape)
-    model = build_model(cfg.model, in_shape, num_classes=10, gpt_preset=cfg.gpt_preset)
-    task = task_for(cfg.model)  # the loss, and what validation reports
-    optimizer = build_optimizer(cfg.optimizer, model.parameters(), cfg.lr, fleet.device)
+    if not own:
+        model = build_model(cfg.model, in_shape, num_classes=10, gpt_preset=cfg.gpt_preset)
+    task = OWN_LANGUAGE if own else task_for(cfg.model)  # the loss, and what validation reports
+    # A meta model's optimizer is not fused: torch's fused AdamW refuses parameters on the meta device.
+    optimizer = build_optimizer(cfg.optimizer, model.parameters(), cfg.lr, None if own else fleet.device)
     loader = fleet.dataloader(train_set, cfg.batch_size, shuffle=True, seed=cfg.seed)
     sampler = loader.batch_sampler
     assert isinstance(sampler, GlobalBatchSampler)  # fleet.dataloader's own: local_batch, epoch, state
@@ -66,7 +74,7 @@ def set_up(cfg: TrainConfig, fleet: Fleet) -> Job:
     # the data set, not the loader: a loader's iterator draws from its shuffling generator.
     example = torch.stack([train_set[i][0] for i in range(sampler.local_batch)])
     expert_load = ExpertLoad(model)  # before setup: its hooks see the chosen experts before ep sends tokens
-    _, optimizer = fleet.setup(model, optimizer, example_inputs=example)
+    _, optimizer = fleet.setup(model, optimizer, example_inputs=example, weights=weights)
     for note in fleet.notes:  # after setup: the BatchNorm note needs the model
         fleet.print(f"note: {note}")
     return Job(optimizer, task, loader, sampler, val_set, block, expert_load)

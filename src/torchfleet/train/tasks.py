@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchfleet.models import TOKEN_MODELS, lm_loss
+from torchfleet.train.own_model import logits_of
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,10 @@ def _loss_and_perplexity(loss_sum: float, tokens: float) -> dict:
 
 CLASSIFY = Task(nn.CrossEntropyLoss(), _correct, _accuracy)
 LANGUAGE = Task(lm_loss, _token_loss, _loss_and_perplexity)
+# The user's language model (train --hf-model, --model MODULE:FUNCTION): its logits, or a transformers output's.
+OWN_LANGUAGE = Task(
+    lambda out, y: lm_loss(logits_of(out), y), lambda out, y: _token_loss(logits_of(out), y), _loss_and_perplexity
+)
 
 
 def task_for(model: str) -> Task:
