@@ -90,13 +90,14 @@ def _by_case(results: list[list[dict]], cases: list[tuple]) -> dict:
         per_rank = [rank[i] for rank in results]
         for got in per_rank:
             assert "error" not in got, f"{case[:2]} failed:\n{got['error']}"
-        out[case[0], case[1], case[2] is not None] = per_rank
+        out[case[0], case[1], case[2] is not None, case[3] is not None] = per_rank
     return out
 
 
 @pytest.fixture(scope="module")
 def two(dirs):
-    cases = [*_cases(dirs, TWO_LOADS, SCRATCH), ("pipeline", "dict-out", None, None, None)]
+    fresh = ("tp", "peft-llama", str(dirs["root"] / "llama"), None, None)  # base weights read, adapters fresh
+    cases = [*_cases(dirs, TWO_LOADS, SCRATCH), ("pipeline", "dict-out", None, None, None), fresh]
     return _by_case(launch(cases_job, nprocs=2, args=(cases,)), cases)
 
 
@@ -118,7 +119,7 @@ def test_a_model_built_on_meta_starts_from_the_same_weights_under_every_layout(t
     assert 0.015 < serial["model.layers.0.mlp.up_proj.weight"].std() < 0.025  # Llama's own: normal, std 0.02
     assert (serial["model.norm.weight"] == 1).all()
     for strategy in SCRATCH:
-        state = two[strategy, "llama", False][0]["state"]
+        state = two[strategy, "llama", False, False][0]["state"]
         assert list(state) == list(serial)
         for key, value in serial.items():
             assert torch.equal(state[key], value), f"{strategy}: {key} differs from serial's initial value"
@@ -133,7 +134,7 @@ def test_pretrained_weights_load_shard_by_shard_and_save_back(request, dirs, str
     from transformers import AutoModelForCausalLM
 
     launched = request.getfixturevalue("four" if (strategy, name) in FOUR_LOADS else "two")
-    per_rank = launched[strategy, name, True]
+    per_rank = launched[strategy, name, True, name == "peft-llama"]
     diff = (_logits(per_rank) - dirs[name]).abs().max().item()
     assert diff < LOGITS_TOLERANCE, f"{strategy} on {name}: logits {diff:.3g} from from_pretrained's"
     if strategy in ("fsdp", "fsdp+tp", "fsdp+ep"):  # each rank read its share, not the files
@@ -155,7 +156,7 @@ def test_pretrained_weights_load_shard_by_shard_and_save_back(request, dirs, str
 def test_each_rank_holds_and_reads_its_share(two):
     """The mechanism of benchmarks/weights_memory.py's figures: under fsdp a rank of 2 holds half the
     parameters and reads about half the bytes; under tp the split layers' half and the rest whole."""
-    fsdp, tp = two["fsdp", "llama", True], two["tp", "llama", True]
+    fsdp, tp = two["fsdp", "llama", True, False], two["tp", "llama", True, False]
     whole = sum(v.numel() * 4 for v in fsdp[0]["state"].values())
     for rank in fsdp:
         assert math.isclose(rank["held"], whole / 2, rel_tol=0.05)
@@ -165,7 +166,7 @@ def test_each_rank_holds_and_reads_its_share(two):
 
 
 def test_a_meta_model_a_pipeline_must_trace_is_refused_in_one_sentence(two):
-    for rank in two["pipeline", "dict-out", False]:
+    for rank in two["pipeline", "dict-out", False, False]:
         said = rank["refused"]
         assert "meta device" in said and "tracing" in said and "\n" not in said
 
@@ -318,3 +319,14 @@ def test_commands_that_need_transformers_name_the_extra_where_it_is_missing(monk
         library_model.parameter_count(library_model.read_config("llama-3.1-8b"))
     with pytest.raises(UsageError, match=r"^--hf-model needs transformers .* pip install 'torchfleet\[hf\]'$"):
         own_model.build(Fleet(strategy="serial"), str(tmp_path), "cnn")
+
+
+def test_a_peft_model_reads_its_base_weights_and_starts_its_adapters_as_peft_does(two, dirs):
+    """Without an adapter directory the adapters start as peft starts them (B zero): the base model's logits."""
+    per_rank = two["tp", "peft-llama", True, False]
+    diff = (_logits(per_rank) - dirs["llama"]).abs().max().item()
+    assert diff < LOGITS_TOLERANCE, f"fresh adapters moved the base model's logits by {diff:.3g}"
+    state = next(r["state"] for r in per_rank if r["state"])
+    a = [v for k, v in state.items() if "lora_A" in k]
+    b = [v for k, v in state.items() if "lora_B" in k]
+    assert a and all(v.abs().max() > 0 for v in a) and all((v == 0).all() for v in b)

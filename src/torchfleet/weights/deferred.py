@@ -1,18 +1,17 @@
 """A model built on the meta device, given storage and values only where this process holds them.
 
-`Fleet.setup` takes the model before any strategy has touched it and keeps a storage-free copy of it
-(the *skeleton*), which every process has whole and alike. The strategy then shards, splits or cuts the
-meta model as it would a real one (FSDP2, DTensor and the pipeline's cut all work on meta tensors), and
-`materialise` gives each tensor this process holds its storage, in place (its identity kept: optimizers,
-FSDP2 and a pipeline's grafted stages hold the same objects), and then its values:
+`Fleet.setup` reads the model before any strategy has touched it: its tensors' names (`Recipe`), and a meta
+copy of each module whose initialisation it may have to run, the same on every process. The strategy then
+shards, splits or cuts the meta model as it would a real one (FSDP2, DTensor and the pipeline's cut all
+work on meta tensors), and `materialise` gives each tensor this process holds its storage, in place (its
+identity kept: optimizers, FSDP2 and a pipeline's grafted stages hold the same objects), and then its values:
 
 - from a directory's files where a `LoadPlan` has them, this process's region only;
-- else from the model's own initialisation, run module by module on the skeleton: a module's tensors
-  made whole on the CPU, the transformers model's ``_init_weights`` (or the module's ``reset_parameters``,
-  or peft's ``reset_lora_parameters`` for an adapter) run on them under a seed drawn from the module's
-  name, and this process's region copied out. Every layout sees the same whole tensors, so serial, fsdp,
-  tp and pipeline start from equal weights; the host holds this process's share plus one module's
-  tensors whole, at most.
+- else from the model's own initialisation, run module by module: a module's tensors made whole on the CPU,
+  the transformers model's ``_init_weights`` (or the module's ``reset_parameters``, or peft's
+  ``reset_lora_parameters`` for an adapter) run on them under a seed drawn from the module's name, and this
+  process's region copied out. Every layout sees the same whole tensors, so serial, fsdp, tp and pipeline
+  start from equal weights; the host holds this process's share plus one module's tensors whole, at most.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,41 +74,43 @@ class Unit:
 
 
 class Recipe:
-    """How each meta tensor of a model gets its values: the units of `skeleton`, each tensor made by the
-    first unit holding it, and every name a tensor goes by (its first name keys it)."""
+    """How each meta tensor of `model` gets its values when no file gives them: the model's units, each tensor
+    made by the first unit holding it (transformers' initialisation skips a tied tensor made already), and
+    every name a tensor goes by (its first name keys it). Taken before the strategy changes the model: each
+    unit that `wanted` names a tensor of keeps a meta copy of its module (all of them without `wanted`)."""
 
-    def __init__(self, model_skeleton: nn.Module, seed: int):
-        self.skeleton, self.seed = model_skeleton, seed
+    def __init__(self, model: nn.Module, seed: int, wanted: Callable[[str], bool] | None = None):
+        self.seed = seed
+        self.lib = library_model(model)  # its _init_weights reads its config alone, which no strategy changes
+        self.peft_config = dict(getattr(model, "peft_config", None) or {})
         self.first: dict[str, str] = {}  # every name of a tensor -> its first name
         by_id: dict[int, str] = {}
-        for name, t in (
-            *model_skeleton.named_parameters(remove_duplicate=False),
-            *model_skeleton.named_buffers(remove_duplicate=False),
-        ):
+        for name, t in (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)):
             self.first[name] = by_id.setdefault(id(t), name)
         self.units: list[Unit] = []
         made: set[str] = set()
         inside_adapters: list[str] = []
-        for name, module in model_skeleton.named_modules():
+        for name, module in model.named_modules():
             if any(name.startswith(prefix) for prefix in inside_adapters):
                 continue  # made by the adapter layer above it
             unit = Unit(name, module)
             if _is_adapter_layer(module):
                 inside_adapters += [f"{name}.{child}." for child in module._modules if child.startswith("lora_")]
-                held = [(p, t) for p, t in _tensors(module) if p.startswith("lora_")]
+                held = [(p, t) for p, t in _tensors(module, recurse=True) if p.startswith("lora_")]
             else:
-                held = [(p, t) for p, t in _tensors(module, recurse=False)]
+                held = list(_tensors(module))
             for path, _ in held:
                 key = self.first[f"{name}.{path}" if name else path]
                 if key not in made:
                     made.add(key)
                     unit.tensors[path] = key
-            if unit.tensors:
+            if unit.tensors and (wanted is None or any(wanted(key) for key in unit.tensors.values())):
+                unit.module = skeleton(module)  # its own meta copy: the strategy may change the module itself
                 self.units.append(unit)
 
     def values(self, unit: Unit) -> dict[str, torch.Tensor]:
         """{tensor name: its whole value}, the unit's own initialisation run on CPU copies under its seed."""
-        module, lib = unit.module, library_model(self.skeleton)
+        module, lib = unit.module, self.lib
         adapter = _is_adapter_layer(module)
         paths = [
             p for p, _ in _tensors(module, recurse=adapter) if (p.startswith("lora_") if adapter else p in unit.tensors)
@@ -126,7 +127,7 @@ class Recipe:
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             torch.manual_seed((self.seed * 1_000_003 + zlib.crc32(unit.name.encode())) % (2**63))
             if adapter:
-                config = getattr(self.skeleton, "peft_config", {}) or {}
+                config = self.peft_config
                 for adapter in (*whole.lora_A.keys(), *getattr(whole, "lora_embedding_A", {}).keys()):
                     init = getattr(config.get(adapter), "init_lora_weights", True)
                     whole.reset_lora_parameters(adapter, init)
@@ -219,13 +220,13 @@ def load(tensor: torch.Tensor, name: str, plan: LoadPlan) -> None:
         if any(a >= b for a, b in zip(lo, hi, strict=True)):
             continue
         inside = tuple(a - p for a, p in zip(lo, piece.start, strict=True))
-        size = tuple(b - a for a, b in zip(lo, hi, strict=True))
-        block = (
-            files.read(piece.key, inside[1:], size[1:]).unsqueeze(0)
-            if piece.stacked
-            else files.read(piece.key, inside, size)
-        )
-        target[tuple(slice(a - s, b - s) for a, b, s in zip(lo, hi, start, strict=True))].copy_(block)
+        into = target[tuple(slice(a - s, b - s) for a, b, s in zip(lo, hi, start, strict=True))]
+        into = into[0] if piece.stacked else into
+        # Read on the host; a GPU's share goes over in one copy per piece (at most one tensor's share at once).
+        host = into if into.device.type == "cpu" else torch.empty(into.shape, dtype=into.dtype)
+        files.read_into(piece.key, inside[1:] if piece.stacked else inside, host)
+        if host is not into:
+            into.copy_(host)
 
 
 def agreed_seed() -> int:

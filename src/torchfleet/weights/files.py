@@ -119,26 +119,32 @@ class WeightFiles:
             f" (it holds {', '.join(present) or 'nothing'}); give a directory that save_pretrained wrote in safetensors"
         )
 
-    def read(self, key: str, start: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
-        """The region [start, start + shape) of tensor `key`, in the file's dtype."""
+    def read_into(self, key: str, start: tuple[int, ...], out: torch.Tensor) -> None:
+        """The region of tensor `key` that starts at `start` and has `out`'s shape, into `out` (cast to its dtype).
+
+        Straight into `out` where the region is whole rows of the file's tensor and `out` is contiguous in the
+        file's dtype (a row-split shard): no copy, and its pages touched once. Otherwise a block of whole rows at
+        a time, at most BLOCK_BYTES, copied out of: the transient memory stays one block."""
         entry = self.entries[key]
-        full = entry.shape
-        out = torch.empty(shape, dtype=entry.dtype)
+        full, shape = entry.shape, tuple(out.shape)
         if out.numel() == 0:
-            return out
-        size = out.element_size()
+            return
+        size = entry.dtype.itemsize
         row = math.prod(full[1:]) * size if full else size  # bytes of one index of the first dimension
-        if not full or tuple(shape[1:]) == tuple(full[1:]):  # whole rows: one contiguous read
-            self._pread(entry, entry.begin + start[0] * row if full else entry.begin, out)
-            return out
+        whole_rows = not full or shape[1:] == tuple(full[1:])
+        if whole_rows and out.dtype == entry.dtype and out.is_contiguous():
+            self._pread(entry, entry.begin + (start[0] * row if full else 0), out)
+            return
         per_block = max(1, BLOCK_BYTES // row)
         rest = tuple(slice(s, s + n) for s, n in zip(start[1:], shape[1:], strict=True))
-        for first in range(0, shape[0], per_block):
-            rows = min(per_block, shape[0] - first)
-            block = torch.empty((rows, *full[1:]), dtype=entry.dtype)
-            self._pread(entry, entry.begin + (start[0] + first) * row, block)
-            out[first : first + rows] = block[(slice(None), *rest)]
-        return out
+        for first in range(0, shape[0] if full else 1, per_block):
+            rows = min(per_block, shape[0] - first) if full else 1
+            block = torch.empty((rows, *full[1:]) if full else (), dtype=entry.dtype)
+            self._pread(entry, entry.begin + ((start[0] + first) * row if full else 0), block)
+            if full:
+                out[first : first + rows] = block[(slice(None), *rest)]
+            else:
+                out.copy_(block)
 
     def _pread(self, entry: Entry, offset: int, into: torch.Tensor) -> None:
         fd = self._fds.get(entry.file)

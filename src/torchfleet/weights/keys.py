@@ -41,35 +41,43 @@ class Conversions:
     (MergeModulelist, then Concatenate). Empty before transformers 5, whose models kept one module per expert."""
 
     def __init__(self, model: nn.Module, legacy: bool = True):
-        self.renamings: list = []
-        self.experts: list = []  # (reversed converter, its source patterns, the concatenation's dimension or None)
+        self._model: Any = library_model(model)  # a transformers PreTrainedModel, which nn.Module's typing cannot say
+        self._legacy = legacy
+        self._read: tuple[list, list] | None = None
+
+    def _transforms(self) -> tuple[list, list]:
+        """(reversed renamings, (reversed converter, its source patterns, the concatenation's dimension or None)),
+        read from transformers the first time a key is not found as it is (its table takes 0.4 s to build)."""
+        if self._read is not None:
+            return self._read
+        self._read = renamings, experts = [], []
         try:
             from transformers.conversion_mapping import get_model_conversion_mapping
             from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter, WeightRenaming
         except ImportError:
-            return
-        inner: Any = library_model(model)  # a transformers PreTrainedModel, which nn.Module's typing cannot say
-        if not hasattr(inner, "config"):
-            return
-        for transform in get_model_conversion_mapping(inner, add_legacy=legacy):
+            return self._read
+        if not hasattr(self._model, "config"):
+            return self._read
+        for transform in get_model_conversion_mapping(self._model, add_legacy=self._legacy):
             if isinstance(transform, WeightRenaming):
-                self.renamings.append(transform.reverse_transform())
+                renamings.append(transform.reverse_transform())
             elif isinstance(transform, WeightConverter):
                 ops = list(transform.operations)
                 if ops and isinstance(ops[0], MergeModulelist) and ops[0].dim == 0:
                     if len(ops) == 1 or (len(ops) == 2 and isinstance(ops[1], Concatenate)):
                         dim = getattr(ops[1], "dim") if len(ops) == 2 else None  # noqa: B009 (Concatenate's)
-                        self.experts.append((transform.reverse_transform(), list(transform.source_patterns), dim))
+                        experts.append((transform.reverse_transform(), list(transform.source_patterns), dim))
+        return self._read
 
     def renamed(self, key: str) -> str:
-        for renaming in self.renamings:
+        for renaming in self._transforms()[0]:
             key, _ = renaming.rename_source_key(key)
         return key
 
     def expert_parts(self, key: str) -> tuple[list[str], int | None] | None:
         """The file keys (with ``*`` for the expert) a stacked model key is made of, and the dimension
         along which they are side by side; None where no conversion makes `key`."""
-        for reverse, sources, dim in self.experts:
+        for reverse, sources, dim in self._transforms()[1]:
             name, matched = reverse.rename_source_key(key)
             if matched is not None and sources[0] in name:
                 return [name.replace(sources[0], source) for source in sources], dim
@@ -158,10 +166,10 @@ class LoadPlan:
                 if mapped not in files.entries:
                     raise UsageError(f"key_map maps {key} to {mapped}, which {files.directory} does not hold")
                 key = mapped
-        for candidate in dict.fromkeys((key, conversions.renamed(key))):
-            if candidate in files.entries:
-                _check(files, candidate, shape, dtype, name)
-                return [Piece(candidate, (0,) * len(shape), shape)]
+        candidate = key if key in files.entries else conversions.renamed(key)
+        if candidate in files.entries:
+            _check(files, candidate, shape, dtype, name)
+            return [Piece(candidate, (0,) * len(shape), shape)]
         parts = conversions.expert_parts(key)
         if parts is None or not shape:
             return None

@@ -1,6 +1,6 @@
 """What `Fleet.setup` does around the strategy for a model built on the meta device or loaded from a directory.
 
-Before the strategy sees the model: its skeleton (weights/deferred.py), the check of the directory's
+Before the strategy sees the model: the meta copies of its modules to initialise (weights/deferred.py), the check of the directory's
 keys against it (weights/keys.py), and the seed of its initialisation, each the same on every rank, so a
 bad directory or a model that cannot be initialised stops every rank alike, before anything is sharded.
 A strategy that takes meta models (`Strategy.wraps_meta`) wraps it as it is and each process then gives
@@ -17,7 +17,7 @@ from torch import nn
 from torchfleet.errors import UsageError
 from torchfleet.strategies.base import Strategy
 from torchfleet.strategies.blocks import on_meta
-from torchfleet.weights.deferred import Recipe, agreed_seed, load, materialise, skeleton
+from torchfleet.weights.deferred import Recipe, agreed_seed, load, materialise
 from torchfleet.weights.files import WeightFiles
 from torchfleet.weights.keys import KeyMap, LoadPlan
 
@@ -47,13 +47,12 @@ class Start:
         self.made: list[str] = []  # the tensors initialised rather than loaded
         if not self.meta and weights is None:
             return
-        shape = skeleton(model)
-        if weights is not None:
-            self.plan = LoadPlan(
-                shape, WeightFiles(weights), key_map, WeightFiles(adapters, "adapters") if adapters else None
-            )
+        if weights is not None:  # the model's names and shapes, before the strategy changes them
+            adapter_files = WeightFiles(adapters, "adapters") if adapters else None
+            self.plan = LoadPlan(model, WeightFiles(weights), key_map, adapter_files)
         if self.meta:
-            self.recipe = Recipe(shape, agreed_seed())
+            loaded = self.plan.pieces if self.plan is not None else {}
+            self.recipe = Recipe(model, agreed_seed(), wanted=(lambda key: key not in loaded) if loaded else None)
 
     def before(self, model: nn.Module, device: torch.device) -> None:
         if self.early:
