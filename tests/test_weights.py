@@ -31,6 +31,7 @@ LOGITS_TOLERANCE = 1e-6
 def dirs(tmp_path_factory) -> dict:
     """The models' directories as transformers and peft write them, and each one's logits from one process."""
     from peft import LoraConfig, PeftModel, get_peft_model
+    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
     import zoo
@@ -42,6 +43,13 @@ def dirs(tmp_path_factory) -> dict:
         loaded = AutoModelForCausalLM.from_pretrained(root / name, dtype=torch.float32).eval()
         with torch.no_grad():
             out[name] = loaded(input_ids=INPUTS).logits
+    tied = build("llama-tied")  # its head saved beside the embedding it is tied to, as some checkpoints hold it
+    tied.config.save_pretrained(root / "llama-tied")
+    state = {k: v.contiguous().clone() for k, v in tied.state_dict().items()}
+    assert "lm_head.weight" in state and "model.embed_tokens.weight" in state
+    save_file(state, root / "llama-tied" / "model.safetensors", metadata={"format": "pt"})
+    with torch.no_grad():
+        out["llama-tied"] = tied.eval()(input_ids=INPUTS).logits
     base = AutoModelForCausalLM.from_pretrained(root / "llama", dtype=torch.float32)
     adapted = get_peft_model(base, LoraConfig(target_modules=zoo.LORA_TARGETS))
     with torch.no_grad():
@@ -62,7 +70,7 @@ def dirs(tmp_path_factory) -> dict:
 def _cases(dirs: dict, loads: list[tuple[str, str]], scratch: list[str]) -> list[tuple]:
     cases = [(s, "llama", None, None, None) for s in scratch]
     for strategy, name in loads:
-        base = dirs["root"] / ("qwen2-moe" if name == "qwen2-moe" else "llama")
+        base = dirs["root"] / (name if name in ("qwen2-moe", "llama-tied") else "llama")
         adapters = dirs["root"] / "lora" if name == "peft-llama" else None
         cases.append((strategy, name, str(base), adapters and str(adapters), str(dirs["root"] / f"{strategy}-{name}")))
     return cases
@@ -78,6 +86,7 @@ TWO_LOADS = [
     ("fsdp", "peft-llama"),
     ("tp", "peft-llama"),
     ("pipeline", "peft-llama"),
+    ("pipeline", "llama-tied"),  # the head on the last stage, read under its embedding's key or its own
 ]
 FOUR_LOADS = [("fsdp+tp", "llama"), ("hsdp", "llama"), ("fsdp+ep", "qwen2-moe"), ("fsdp+tp", "peft-llama")]
 SCRATCH = ["fsdp", "tp", "pipeline", "ddp"]  # ddp holds the model whole: it is made whole before ddp wraps it

@@ -143,6 +143,8 @@ class LoadPlan:
                 if found is not None:
                     self.pieces[name], self.sources[name] = found, source
                     (used_adapters if adapter else used).update(p.key for p in found)
+                    # A tied tensor's other names (a head saved beside its embedding) are the model's keys too.
+                    (used_adapters if adapter else used).update(key_of(n)[0] for n in names[id(tensor)])
                     break
             if found is None and not key_of(name)[1]:
                 raise UsageError(
