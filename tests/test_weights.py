@@ -339,3 +339,15 @@ def test_a_peft_model_reads_its_base_weights_and_starts_its_adapters_as_peft_doe
     a = [v for k, v in state.items() if "lora_A" in k]
     b = [v for k, v in state.items() if "lora_B" in k]
     assert a and all(v.abs().max() > 0 for v in a) and all((v == 0).all() for v in b)
+
+
+def test_a_key_map_reads_a_directory_under_other_names(tmp_path):
+    from safetensors.torch import save_file
+
+    model = build("llama")
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    save_file({f"decoder/{k}": v for k, v in state.items()}, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    loaded = _setup_serial("llama", tmp_path, key_map=lambda key: f"decoder/{key}")
+    assert all(torch.equal(v, state[k]) for k, v in loaded.state_dict().items())
+    bad = {**{k: f"decoder/{k}" for k in state}, "model.norm.weight": "norm"}
+    _one_sentence(r"key_map maps model\.norm\.weight to norm, which .* does not hold", "llama", tmp_path, key_map=bad)
