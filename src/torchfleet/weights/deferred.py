@@ -128,9 +128,8 @@ class Recipe:
             torch.manual_seed((self.seed * 1_000_003 + zlib.crc32(unit.name.encode())) % (2**63))
             if adapter:
                 config = self.peft_config
-                for adapter in (*whole.lora_A.keys(), *getattr(whole, "lora_embedding_A", {}).keys()):
-                    init = getattr(config.get(adapter), "init_lora_weights", True)
-                    whole.reset_lora_parameters(adapter, init)
+                for name in (*whole.lora_A.keys(), *getattr(whole, "lora_embedding_A", {}).keys()):
+                    whole.reset_lora_parameters(name, getattr(config.get(name), "init_lora_weights", True))
             elif callable(init_weights := getattr(lib, "_init_weights", None)):
                 init_weights(whole)
             elif callable(getattr(whole, "reset_parameters", None)):
