@@ -115,7 +115,7 @@ FLOOR_TESTS := test_real_models test_zoo test_schedules test_sharded_pipelined t
 	test_checkpoint test_tensor_parallel test_equivalence test_batchnorm test_fp16_scaler \
 	test_compression test_security test_single_process test_models test_layers test_hot_path \
 	test_backend test_env test_data test_versions test_cuda test_elastic test_faults test_ft \
-	test_plan_at_scale test_plan_published
+	test_plan_at_scale test_plan_published test_weights
 
 # The floor lane's environment alone: CI builds it while the newest lane's tests run.
 floor-venv:

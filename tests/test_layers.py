@@ -23,7 +23,7 @@ LAYERS = [
     ("env", "backend", "precision", "memory_format", "data", "models", "tensor_memory", "stores"),
     # how a model is wrapped; the parallel dimensions; diloco's and localsgd's options (no torch)
     ("strategies", "replica_groups.sync_methods", "hogwild.worker"),
-    ("checkpoint",),  # verified directories, DCP
+    ("checkpoint", "weights"),  # verified directories, DCP; meta models, weights read and written by shards
     ("replica_groups",),  # replica groups on torchft: the lighthouse, per-step fault tolerance, the outer step
     ("launcher", "hogwild.runner"),  # starting processes, reading back their failures
     ("worker",),  # what runs inside the training processes: preemption, the hang watchdog, a script's entry

@@ -487,7 +487,7 @@ def test_a_pipeline_whose_stages_span_nodes_also_comes_as_hsdp(tmp_path):
         ),
         (
             ["--hf-config", "no-such-model", "--gpu", "H100", "--gpus-per-node", "8"],
-            "is neither a file nor a shipped config; give a config.json's path or one of llama-3.1-405b",
+            "is neither a file nor a shipped config; give a config.json's path or one of deepseek-v3, llama-3.1-405b",
         ),
         (
             ["--hf-config", "llama-3.1-8b", "--gpu", "H100", "--gpus-per-node", "8", "--ac", "some"],
@@ -569,3 +569,42 @@ def test_a_mixture_of_experts_counts_its_grouped_experts_as_their_loop_would():
             model(input_ids=tokens).logits.float().sum().backward()
         counted[experts] = counter.total
     assert counted["grouped_mm"] == counted["eager"] > 0
+
+
+def test_deepseek_v3_counts_671b_parameters_from_its_whole_model_and_is_refused_on_one_node():
+    # Counted over every block built on the meta device: its first 3 blocks are dense, the other 58 hold 256
+    # experts each (a count carried from one block gave 37.4 B, and 671 B on 8 H100 was not refused).
+    result = forked_torchfleet("plan", "--hf-config", "deepseek-v3", "--gpu", "H100", "--gpus-per-node", "8")
+    assert_refused_in_one_sentence(result, "deepseek-v3's 671.0 B parameters are 2,684 GB as fp32 weights alone")
+
+
+BUILDER = """
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+FIELDS = {fields!r}
+
+
+def build():
+    assert torch.empty(1).device.type == "meta", "plan calls the builder on the meta device"
+    return LlamaForCausalLM(LlamaConfig(**FIELDS))
+"""
+
+
+def test_plan_model_calls_a_library_builder_on_meta_and_plans_it_at_scale(tmp_path):
+    fields = {k: v for k, v in SMALL.items() if k not in ("architectures", "model_type", "torch_dtype")}
+    (tmp_path / "builder.py").write_text(BUILDER.format(fields=fields))
+    out = tmp_path / "plan.json"
+    result = forked_torchfleet(
+        "plan",
+        *("--model", f"{tmp_path / 'builder.py'}:build", "--gpu", "H100", "--gpus-per-node", "8", "--nproc", "8"),
+        *("--tp", "1", "--seq-len", "64", "--local-batch", "2", "--json-out", str(out)),
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(out.read_text())
+    with __import__("torch").device("meta"):
+        parameters = sum(p.numel() for p in library_model.build(SMALL).parameters())
+    assert doc["parameters"] == parameters and doc["hf_config"].endswith("builder.py:build")
+    assert doc["workload"]["precision"] == "bf16"  # planned at scale, as --hf-config's models are
+    assert doc["rows"] and all(row["peak"] > 0 for row in doc["rows"])

@@ -113,6 +113,17 @@ def shares_gpus(hw: Hardware, local_procs: int) -> bool:
     return 0 < hw.gpus < local_procs
 
 
+def shared_gpus_refusal(strategy: str, local_procs: int, gpus: int) -> str:
+    """Why `strategy` cannot run with processes sharing GPUs (only ddp can): one sentence for Fleet to raise."""
+    return (
+        f"{strategy} on {local_procs} processes sharing {gpus} GPU(s) needs"
+        " collectives that Gloo does not run on GPU tensors (it all-reduces and broadcasts"
+        f" only), and NCCL needs a GPU of its own for each process; start at most {gpus}"
+        " process(es) per host, use ddp, or hide the GPUs (CUDA_VISIBLE_DEVICES=) to run on"
+        " CPU cores"
+    )
+
+
 def _choose_for_gpus(hw: Hardware, local_procs: int) -> tuple[str, str]:
     found = f"found {_plural(hw.gpus, 'CUDA GPU')}"
     if shares_gpus(hw, local_procs):

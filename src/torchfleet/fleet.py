@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
 from torchfleet import allocator, checkpoint, memory_format, versions
-from torchfleet.backend import choose_backend, probe_hardware, shares_gpus
+from torchfleet.backend import choose_backend, probe_hardware, shared_gpus_refusal, shares_gpus
 from torchfleet.data import Collate, GlobalBatchSampler, ShardSampler, batch_loader, check_accumulation, dataset_length
 from torchfleet.data.stream import StreamLoader, is_stream, stream_loader
 from torchfleet.env import DistEnv
@@ -36,6 +36,7 @@ from torchfleet.strategies.batchnorm import batchnorm_note
 from torchfleet.strategies.block_transforms import COMPILE_MODES, adopt_late_compile, unwrap_compiled
 from torchfleet.strategies.expert_load import ExpertLoad
 from torchfleet.strategy_spec import settle
+from torchfleet.weights import Pretrained, Start, saving
 from torchfleet.worker import preemption
 
 
@@ -88,6 +89,8 @@ class Fleet:
         self.notes: list[str] = list(spec.notes)
         self._samplers: list[GlobalBatchSampler] = []  # the training loaders' (dataloader)
         self._returned: torch.nn.Module | None = None  # what setup returned, until train_step's first check
+        self._pretrained: Pretrained | None = None  # a transformers model's config and keys, for save_model
+        self.weights_report: dict | None = None  # setup's: what this rank read of `weights`, what it initialised
 
         hardware = probe_hardware()
         local_procs = self.env.local_world_size if self.env.is_distributed else 1
@@ -114,13 +117,7 @@ class Fleet:
         )
         self.strategy = spec.build(runtime)
         if self._gpus_shared and self.strategy.name != "ddp":
-            raise UsageError(
-                f"{self.strategy.name} on {local_procs} processes sharing {hardware.gpus} GPU(s) needs"
-                " collectives that Gloo does not run on GPU tensors (it all-reduces and broadcasts"
-                f" only), and NCCL needs a GPU of its own for each process; start at most {hardware.gpus}"
-                " process(es) per host, use ddp, or hide the GPUs (CUDA_VISIBLE_DEVICES=) to run on"
-                " CPU cores"
-            )
+            raise UsageError(shared_gpus_refusal(self.strategy.name, local_procs, hardware.gpus))
         if spec.joined.meeting is not None:
             self.strategy.name = spec.joined.meeting.method  # what checkpoints and reports call it
             self.notes.append(spec.joined.meeting.describe())
@@ -134,7 +131,13 @@ class Fleet:
             return torch.device("cuda", index)
         return torch.device("cpu")
 
-    def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, example_inputs=None):
+    def init_module(self):
+        """A context that builds a model without its memory (meta device); setup gives each process its share."""
+        return torch.device("meta")
+
+    def setup(
+        self, model, optimizer, example_inputs=None, weights: Path | str | None = None, key_map=None, adapters=None
+    ):
         """Wrap `model` and `optimizer` for the strategy; use what it returns.
 
         `example_inputs`: one batch as `train_step` will get it (a tensor or a
@@ -145,8 +148,16 @@ class Fleet:
         and compiled again in place, so checkpoints keep the model's own keys.
         A model with BatchNorm adds a note (once) on which statistics it normalises with:
         only here is the model seen, so owners print `notes` after setup.
+        `weights`: a Hugging Face directory (safetensors) each process reads its share of, under the model's own
+        keys (`key_map`: {model key: file key} or a function, where they differ); `adapters`: a peft adapter
+        directory (else a peft model's adapters start fresh). A model built on the meta device (`init_module`)
+        gets storage for this process's share only, its values from `weights` or from its own initialisation:
+        the same whatever the strategy and number of processes.
         """
         model, compiled = unwrap_compiled(model)
+        start = Start(model, self.strategy, weights, key_map, adapters)  # checks the directory on every rank alike
+        self._pretrained = Pretrained.of(model)
+        start.before(model, self.device)
         compile_mode = self.compile or compiled
         self.channels_last = memory_format.apply(
             self._channels_last_asked, model, self.strategy.runtime.precision.name, self.device, self.notes
@@ -162,6 +173,7 @@ class Fleet:
             compile_mode,
         )
         wrapped = self.strategy.setup(model, optimizer, args)
+        self.weights_report = start.after(self.strategy, self.device)  # bytes this rank read; what it initialised
         self.notes.extend(n for n in self.strategy.notes if n not in self.notes)  # what wrap found
         if self.replicas is not None:  # torchft's Manager starts once the model is wrapped
             self.replicas.attach(self.strategy.model, self.strategy.optimizer, self.strategy.runtime.precision)
@@ -202,11 +214,8 @@ class Fleet:
 
     # -- training ---------------------------------------------------------
     def train_step(self, inputs: Batch, targets: torch.Tensor, loss_fn: LossFn) -> torch.Tensor:
-        """Forward, backward and optimizer step for one global batch; returns this rank's loss.
-
-        ``torch.compile(model)`` after setup makes a module this method would not
-        call: the first step compiles the module it runs in place instead.
-        """
+        """Forward, backward and optimizer step for one global batch; returns this rank's loss. A
+        ``torch.compile(model)`` after setup is adopted: the first step compiles in place the module it runs."""
         if self._returned is not None:
             if adopt_late_compile(self._returned):
                 self.notes.append("torch.compile after setup: train_step compiles the module it runs, in place")
@@ -349,26 +358,15 @@ class Fleet:
     )
 
     def save_model(self, path: str | os.PathLike | None = None, adapters_only: bool = False) -> Path:
-        """Save the trained model's weights (a state dict, torch.load-able); main rank writes.
+        """Save the trained model; call it on every rank.
 
-        Call it on every rank (sharding strategies gather here). Without `path` it
-        writes model.pt in `model_dir`, which SageMaker uploads when the job ends.
+        A transformers model and a directory: a Hugging Face directory that `from_pretrained` loads (safetensors
+        shards, their index and config.json; a peft model's adapters in adapter/), each rank writing its share.
+        Otherwise (any model, or a path ending in .pt, .pth or .bin) the state dict, torch.load-able, gathered to
+        and written by the main rank. Without `path`: model.pt in `model_dir`, which SageMaker uploads.
         `adapters_only`: a peft model's adapters alone, in directory `path`, as peft's save_pretrained writes them.
         """
-        write = checkpoint.adapters.writer(self.strategy.adapters) if adapters_only else checkpoint.atomic_write
-        if path is None:
-            if self.model_dir is None:
-                raise UsageError(
-                    "save_model() needs a path outside a SageMaker job (inside one it writes model.pt to SM_MODEL_DIR)"
-                )
-            path = self.model_dir / ("adapters" if adapters_only else "model.pt")
-        state, _ = self.strategy.state_dicts()
-        path = Path(path)
-        if self.is_main:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            write(state, path)
-        self.barrier()
-        return path
+        return saving.save_model(self, path, adapters_only, self._pretrained)
 
     def finish(self) -> None:
         """After the last step, on every rank: diloco's and localsgd's groups meet a last time (to evaluate and

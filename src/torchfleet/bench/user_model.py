@@ -11,11 +11,6 @@ current directory, or given as a path: ``my_models/net.py:build``.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import os
-import sys
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -23,43 +18,14 @@ from torch import nn
 
 from torchfleet.errors import UsageError
 from torchfleet.models import DIGITS_INPUT
+from torchfleet.models.user import is_user_model, user_function  # noqa: F401 (is_user_model: bench and plan ask here)
 
 DEFAULT_INPUT = DIGITS_INPUT
 
 
-def is_user_model(name: str) -> bool:
-    return ":" in name
-
-
-def _function(name: str) -> Callable:
-    where, _, attr = name.rpartition(":")
-    if not where or not attr:
-        raise UsageError(f"--model {name!r} is not MODULE:FUNCTION (e.g. mymodels:build) nor a built-in model")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())  # as `python -m` finds modules
-    try:
-        if where.endswith(".py"):
-            spec = importlib.util.spec_from_file_location(Path(where).stem, where)
-            if spec is None or spec.loader is None or not Path(where).is_file():
-                raise ImportError(f"no file {where}")
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(where)
-    except ImportError as exc:
-        raise UsageError(
-            f"--model {name!r}: cannot import {where!r} ({exc}); run from the directory that"
-            " holds it, or give its path (path/to/file.py:FUNCTION)"
-        ) from None
-    function = getattr(module, attr, None)
-    if not callable(function):
-        raise UsageError(f"--model {name!r}: {where!r} has no function {attr!r}")
-    return function
-
-
 def build(name: str) -> tuple[nn.Module, Callable[[int], tuple], Callable]:
     """(model, make_batch, loss_fn) from the user's function."""
-    made = _function(name)()
+    made = user_function(name)()
     parts = made if isinstance(made, tuple) else (made,)
     model, make_batch, loss_fn = (*parts, None, None)[:3]
     if not isinstance(model, nn.Module) or not 1 <= len(parts) <= 3:
@@ -68,6 +34,21 @@ def build(name: str) -> tuple[nn.Module, Callable[[int], tuple], Callable]:
             " (model, make_batch) or (model, make_batch, loss_fn)"
         )
     return model, make_batch or _default_batches(model, name), loss_fn or nn.functional.cross_entropy
+
+
+def build_on_meta(name: str) -> nn.Module:
+    """The user's model built on the meta device (shapes, no storage): what `plan` reads of a model too big to
+    build here. A builder that makes real tensors itself still makes them (torch.device("meta") is the default
+    device, not a rule)."""
+    with torch.device("meta"):
+        made = user_function(name)()
+    model = made[0] if isinstance(made, tuple) and made else made
+    if not isinstance(model, nn.Module):
+        raise UsageError(
+            f"--model {name!r} returned {type(made).__name__}; return a torch.nn.Module, or"
+            " (model, make_batch) or (model, make_batch, loss_fn)"
+        )
+    return model
 
 
 def _default_batches(model: nn.Module, name: str) -> Callable[[int], tuple]:

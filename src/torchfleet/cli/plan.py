@@ -234,6 +234,8 @@ def command(args) -> int:
         pp=args.pp or (),
         ep=args.ep or (),
     )
+    if cfg.library_fields and not args.precision:
+        cfg.precision = "bf16"  # a --model builder's library model is planned at scale, as --hf-config's
     for path, what in ((cfg.json_out, "--json-out"), (cfg.chart, "--chart")):
         if path:
             check_writable_file(path, what)
@@ -242,7 +244,7 @@ def command(args) -> int:
     def say(text: str) -> None:
         console.print(text, markup=False, highlight=False)
 
-    if cfg.hf_config:
+    if cfg.hf_config or cfg.library_fields:  # a library model at scale, from its config or its --model builder
         return _at_scale(cfg, console, say)
     document = plan_document(cfg, say=say)
     for note in document["notes"]:

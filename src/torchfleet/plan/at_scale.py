@@ -45,7 +45,7 @@ AT_SCALE_EFFICIENCY = 0.48
 
 @dataclass(frozen=True)
 class ScaleRequest:
-    hf_config: str
+    hf_config: str  # the shipped name or path, or the --model builder that made the model
     seq: int
     local_batch: int
     ac: str
@@ -61,6 +61,7 @@ class ScaleRequest:
     pps: tuple[int, ...] = (1,)  # pipeline degrees
     schedule: str | None = None  # the pipelines' schedule; None: pipeline_at_scale.SCHEDULES
     eps: tuple[int, ...] = ()  # expert-parallel degrees (fsdp+ep); empty: experts_at_scale.default_eps
+    fields: dict | None = None  # the config's fields where they come from a --model builder, not a file
 
 
 def request_of(cfg) -> ScaleRequest:
@@ -80,7 +81,7 @@ def request_of(cfg) -> ScaleRequest:
         inter_gbit=cfg.link_gbit,
     )
     return ScaleRequest(
-        cfg.hf_config,
+        cfg.hf_config or cfg.model,
         cfg.seq_len,
         cfg.local_batch,
         cfg.ac,
@@ -96,11 +97,12 @@ def request_of(cfg) -> ScaleRequest:
         tuple(cfg.pp) or (1,),
         cfg.schedule,
         tuple(cfg.ep),
+        cfg.library_fields,
     )
 
 
 def plan_at_scale(request: ScaleRequest, say=print) -> dict:
-    fields = library_model.read_config(request.hf_config)
+    fields = request.fields or library_model.read_config(request.hf_config)
     params = library_model.parameter_count(fields)
     _refuse_weights_beyond_the_cluster(request, params)
     tps = request.tps or default_tps(fields, request.per_node)

@@ -48,6 +48,9 @@ class PlanConfig:
     tp: tuple[int, ...] = ()  # --hf-config's tensor-parallel degrees; empty: 1 and a node's GPUs where they divide
     pp: tuple[int, ...] = ()  # --hf-config's pipeline degrees; empty: none
     ep: tuple[int, ...] = ()  # --hf-config's expert-parallel degrees; empty: a node's worth for a model with experts
+    # Not a flag: the config of a transformers model that --model's builder returned (built on the meta device),
+    # planned at scale as --hf-config's are when a GPU cluster is described.
+    library_fields: dict | None = None
 
     @property
     def described(self) -> bool:
@@ -57,7 +60,13 @@ class PlanConfig:
         if self.hf_config is not None:
             self._check_at_scale()
         if user_model.is_user_model(self.model):
-            user_model.build(self.model)  # a bad one fails here, in one sentence
+            # Built on the meta device (a bad one fails here, in one sentence): a 70 B model costs its modules only.
+            from torchfleet.plan.library_model import checked, fields_of
+
+            fields = fields_of(user_model.build_on_meta(self.model))
+            if fields is not None and (self.gpus_per_node or self.gpu or self.tflops):
+                self.library_fields = checked(fields, f"--model {self.model}'s config")
+                self._check_at_scale()
         elif self.model not in MODELS:
             raise choice_error("model", self.model, (*MODELS, "MODULE:FUNCTION"))
         if self.gpt_preset not in GPT_PRESETS:

@@ -99,6 +99,9 @@ class Strategy:
     sync_batchnorm: bool = False
     # A peft model's structure on the meta device, kept by setup for an adapters-only save; None without adapters.
     adapters: nn.Module | None = None
+    # True when `wrap` takes a model on the meta device and leaves each process's share of it there, for Fleet to
+    # give storage and values (weights/deferred.py); otherwise Fleet makes the whole model first.
+    wraps_meta: ClassVar[bool] = False
 
     def __init__(self, runtime: Runtime, **options):
         unknown = sorted(set(options) - set(self.options))

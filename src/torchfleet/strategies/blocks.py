@@ -27,6 +27,11 @@ def parameter_names(model: nn.Module) -> dict[int, list[str]]:
     return names
 
 
+def on_meta(model: nn.Module) -> bool:
+    """Whether `model` holds tensors on the meta device (built without storage, weights/deferred.py gives it)."""
+    return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+
+
 def library_model(model: nn.Module) -> nn.Module:
     """The transformers model inside `model`: `model` itself, or the one peft's wrapping holds.
 

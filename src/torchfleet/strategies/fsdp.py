@@ -106,6 +106,7 @@ def memory_per_rank(params, grads, optimizer: torch.optim.Optimizer, experts=())
 class FullyShardedDataParallel(MeshStrategy):
     name = "fsdp"
     sharded_checkpoint = True  # each rank saves its own shards through torch.distributed.checkpoint
+    wraps_meta = True  # FSDP2, DTensor's split and the experts' shards all work on meta tensors
 
     def wrap(self, model, optimizer, args):
         model = self.synchronise_batchnorm(model)  # before sharding replaces the parameters

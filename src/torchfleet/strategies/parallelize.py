@@ -34,7 +34,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from torchfleet.errors import UsageError
-from torchfleet.strategies.blocks import find_blocks
+from torchfleet.strategies.blocks import find_blocks, on_meta
 from torchfleet.strategies.dims import ParallelDims
 from torchfleet.strategies.expert_parallel import apply_ep
 from torchfleet.strategies.partition import partition
@@ -223,7 +223,8 @@ def parallelize(
         model = cut_stage
     elif dims.pp > 1:
         model, bounds = apply_pipeline(model, dims.pp, stage)
-    model = model.to(device)
+    if not on_meta(model):  # a meta model is given its storage after, each rank only its share
+        model = model.to(device)
     if dims.pp > 1:
         apply_autocast(model, precision)  # a plain step enters autocast itself
     if dims.tp > 1:

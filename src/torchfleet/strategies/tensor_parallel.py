@@ -177,7 +177,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, ParallelStyl
     group = tp_mesh.get_group()
     first = dist.get_global_rank(group, 0)
     for tensor in (*model.parameters(), *model.buffers()):
-        if not isinstance(tensor, DTensor):
+        if not isinstance(tensor, DTensor) and not tensor.is_meta:  # meta ones get equal values from the skeleton
             dist.broadcast(tensor.data, first, group=group)
     return model
 

@@ -7,12 +7,14 @@ from dataclasses import asdict, dataclass, field
 from torchfleet.config import BACKENDS, at_least, option
 from torchfleet.errors import UsageError, choice_error
 from torchfleet.launcher.preempt_relay import parse_signals
+from torchfleet.models.user import is_user_model
 from torchfleet.outputs import check_writable_dir, check_writable_file
 from torchfleet.precision import PRECISIONS
 from torchfleet.strategies import registry
 from torchfleet.train.datasets import DATASETS, DOCUMENTS, SHARDS, TOKEN_DATASETS, path_kind
 from torchfleet.train.metrics import check_metrics_out, check_tensorboard
 from torchfleet.train.models import GPT_PRESETS, MODELS, TOKEN_MODELS
+from torchfleet.train.own_model import check_hf_model
 from torchfleet.worker.spot_notices import check_spec
 
 OPTIMIZERS = ("sgd", "adamw")
@@ -39,8 +41,17 @@ class TrainConfig:
         "cnn",
         "built-in model (default %(default)s): mlp, cnn, transformer classify digits; gpt is"
         " a decoder-only transformer (--gpt-preset), gpt-moe the same with each MLP a mixture of 8"
-        " experts, top-2; resnet18, resnet50 are torchvision's ResNets, built in (torchvision not needed)",
-        choices=MODELS,
+        " experts, top-2; resnet18, resnet50 are torchvision's ResNets, built in (torchvision not needed);"
+        " or MODULE:FUNCTION, your function returning a language model (logits over bytes), built on the"
+        " meta device and trained on --data text",
+        metavar="NAME",
+    )
+    hf_model: str | None = option(
+        None,
+        "a Hugging Face causal language model's directory (config.json and safetensors): built on the meta"
+        " device, each process reading its share of the weights, and trained on --data text (needs"
+        " torchfleet[hf]); --save-model DIR writes it back as a Hugging Face directory",
+        metavar="DIR",
     )
     data: str | None = option(
         None,
@@ -166,10 +177,18 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.strategy != "auto" and registry.find(self.strategy) is None:
             raise choice_error("strategy", self.strategy, ("auto", *registry.names()))
-        if self.model not in MODELS:
-            raise choice_error("model", self.model, MODELS)
+        own = self.hf_model is not None or is_user_model(self.model)  # a language model of the user's
+        if not own and self.model not in MODELS:
+            raise choice_error("model", self.model, (*MODELS, "MODULE:FUNCTION"))
+        if self.hf_model is not None:
+            check_hf_model(self.hf_model)
         if self.data is None:
-            self.data = "text" if self.model in TOKEN_MODELS else "digits"
+            self.data = "text" if own or self.model in TOKEN_MODELS else "digits"
+        if own and self.data not in TOKEN_DATASETS:
+            raise UsageError(
+                f"--data {self.data} holds images, and {'--hf-model' if self.hf_model else '--model ' + self.model}"
+                f" is trained as a language model; use --data {TOKEN_DATASETS[0]} (its default) or leave --data out"
+            )
         if self.data not in DATASETS:
             self._check_data_path(self.data)
         elif self.tokenizer is not None:
@@ -179,7 +198,7 @@ class TrainConfig:
                 f"--model {self.model} reads token sequences but --data {self.data} holds images;"
                 f" use --data {TOKEN_DATASETS[0]} (its default) or leave --data out"
             )
-        if self.data in TOKEN_DATASETS and self.model not in TOKEN_MODELS:
+        if self.data in TOKEN_DATASETS and self.model not in TOKEN_MODELS and not own:
             raise UsageError(
                 f"--data {self.data} holds token sequences for --model {' or '.join(TOKEN_MODELS)},"
                 f" but --model {self.model} classifies images; use --data digits or synthetic"

@@ -12,11 +12,13 @@ from torchfleet.data import GlobalBatchSampler
 from torchfleet.data.stream import StreamLoader
 from torchfleet.fleet import Fleet
 from torchfleet.models import gpt_config
+from torchfleet.models.user import is_user_model
 from torchfleet.strategies.expert_load import ExpertLoad
+from torchfleet.train import own_model
 from torchfleet.train.config import TrainConfig
 from torchfleet.train.datasets import builtin_dataset, path_datasets
 from torchfleet.train.models import build_model, build_optimizer
-from torchfleet.train.tasks import CLASSIFY, Task, task_for
+from torchfleet.train.tasks import CLASSIFY, OWN_LANGUAGE, Task, task_for
 
 DOCUMENT_WORKERS = 1  # loader workers per rank tokenizing --data documents (docs/benchmarks: what 2 give)
 
@@ -60,18 +62,25 @@ def set_up(cfg: TrainConfig, fleet: Fleet) -> Job:
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank and every run
     block = gpt_config(cfg.gpt_preset).block_size  # read by --data text and PATH only
     assert cfg.data is not None  # TrainConfig.__post_init__ puts the model's default there
+    weights, own = None, cfg.hf_model is not None or is_user_model(cfg.model)
+    if own:  # the user's language model, built on the meta device; no longer context than it takes
+        model, weights, context = own_model.build(fleet, cfg.hf_model, cfg.model)
+        block = min(block, context) if context else block
     transform, train_set = None, None
     if cfg.data_path:  # the user's tokens: checked against the model's vocabulary on the way
-        vocab = gpt_config(cfg.gpt_preset).vocab_size
+        vocab = own_model.vocabulary(model) if own else gpt_config(cfg.gpt_preset).vocab_size
         train_set, val_set, transform = path_datasets(cfg.data, cfg.tokenizer, block, vocab)
         in_shape = (block,)
     else:
         train_set = builtin_dataset(cfg.data, "train", cfg.seed, cfg.synthetic_size, block_size=block)
         val_set = builtin_dataset(cfg.data, "val", cfg.seed, cfg.synthetic_size, block_size=block)
         in_shape = tuple(train_set[0][0].shape)
-    model = build_model(cfg.model, in_shape, num_classes=10, gpt_preset=cfg.gpt_preset)
-    task = task_for(cfg.model, padded=transform is not None)  # the loss, and what validation reports
-    optimizer = build_optimizer(cfg.optimizer, model.parameters(), cfg.lr, fleet.device)
+    if not own:
+        model = build_model(cfg.model, in_shape, num_classes=10, gpt_preset=cfg.gpt_preset)
+    # the loss, and what validation reports
+    task = OWN_LANGUAGE if own else task_for(cfg.model, padded=transform is not None)
+    # A meta model's optimizer is not fused: torch's fused AdamW refuses parameters on the meta device.
+    optimizer = build_optimizer(cfg.optimizer, model.parameters(), cfg.lr, None if own else fleet.device)
     # Documents are tokenized in a loader worker, never on the training thread.
     workers = DOCUMENT_WORKERS if transform is not None else 0
     loader = fleet.dataloader(
@@ -88,7 +97,7 @@ def set_up(cfg: TrainConfig, fleet: Fleet) -> Job:
     else:
         built_in = cast(Dataset, train_set)  # digits, synthetic, text: (input, target) pairs
         example = torch.stack([built_in[i][0] for i in range(sampler.local_batch)])
-    _, optimizer = fleet.setup(model, optimizer, example_inputs=example)
+    _, optimizer = fleet.setup(model, optimizer, example_inputs=example, weights=weights)
     expert_load = fleet.expert_load  # Fleet counts a model's experts (None without)
     for note in fleet.notes:  # after setup: the BatchNorm note needs the model
         fleet.print(f"note: {note}")

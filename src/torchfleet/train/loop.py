@@ -102,7 +102,7 @@ def _finish(cfg: TrainConfig, fleet: Fleet, job: Job, run: Run, wall: float) -> 
         "backend": fleet.strategy.runtime.backend or "none",
         "backend_reason": fleet.backend_reason,
         "precision": cfg.precision,
-        "model": cfg.model,
+        "model": cfg.hf_model or cfg.model,
         "data": cfg.data,
         "epochs": cfg.epochs,
         "steps": run.step,

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchfleet.models import TOKEN_MODELS, lm_loss
+from torchfleet.train.own_model import logits_of
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,10 @@ def padded_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 CLASSIFY = Task(nn.CrossEntropyLoss(), _correct, _accuracy)
 LANGUAGE = Task(lm_loss, _token_loss, _loss_and_perplexity)
 PADDED_LANGUAGE = Task(padded_lm_loss, _token_loss, _loss_and_perplexity)  # --data documents (data/text_records.py)
+# The user's language model (train --hf-model, --model MODULE:FUNCTION): its logits, or a transformers output's.
+OWN_LANGUAGE = Task(
+    lambda out, y: lm_loss(logits_of(out), y), lambda out, y: _token_loss(logits_of(out), y), _loss_and_perplexity
+)
 
 
 def task_for(model: str, padded: bool = False) -> Task:

@@ -42,7 +42,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from torchfleet.errors import UsageError
-from torchfleet.strategies.blocks import describe, find_blocks, parameter_names
+from torchfleet.strategies.blocks import describe, find_blocks, on_meta, parameter_names
 from torchfleet.strategies.partition import partition
 from torchfleet.strategies.pipeline.skips import carry_skips
 from torchfleet.versions import release
@@ -257,9 +257,26 @@ def run_generated_code(pipe, modules: list[nn.Module], args: tuple, kwargs: dict
 
 
 def flat_output(model: nn.Module, args: tuple, kwargs: dict) -> tuple[list, pytree.TreeSpec]:
-    """The leaves and structure of what `model` returns for these inputs (one forward, no gradients)."""
+    """The leaves and structure of what `model` returns for these inputs (one forward, no gradients).
+
+    A model on the meta device runs on fake tensors of its shapes on the inputs' device instead: meta kernels
+    refuse what a forward computes from its data (a mixture of experts' routing), fake CPU ones do not. Its
+    floating-point tensors are faked in bf16: the grouped matrix products of transformers' experts have fake
+    kernels for bf16 and fp16 only (torch 2.14), and the output's structure does not depend on the dtype."""
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
-        return pytree.tree_flatten(model(*args, **kwargs))
+        if not on_meta(model):
+            return pytree.tree_flatten(model(*args, **kwargs))
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.func import functional_call
+
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            device = next((t.device for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)), None)
+            tensors = {
+                name: torch.empty(t.shape, dtype=torch.bfloat16 if t.is_floating_point() else t.dtype, device=device)
+                for name, t in (*model.named_parameters(), *model.named_buffers())
+            }
+            fake = pytree.tree_map_only(torch.Tensor, mode.from_tensor, (args, kwargs))
+            return pytree.tree_flatten(functional_call(model, tensors, fake[0], fake[1]))
 
 
 def has_scalar(leaves: list) -> bool:

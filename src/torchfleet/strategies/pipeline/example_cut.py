@@ -16,6 +16,7 @@ from torch import nn
 from torchfleet.errors import UsageError
 from torchfleet.strategies.base import SetupArgs, batch_size, split_batch
 from torchfleet.strategies.block_transforms import checkpoint_activations, compile_model
+from torchfleet.strategies.blocks import on_meta
 from torchfleet.strategies.pipeline import cutting
 from torchfleet.strategies.pipeline.declared_cut import declared_plan
 from torchfleet.strategies.pipeline.local_stages import cut_local
@@ -42,8 +43,15 @@ def cut_on_example(
         )
     micro = split_batch(example, batch_size(example) // (per_step // microbatches))[0]
     args, kwargs = ((), dict(micro)) if isinstance(micro, dict) else ((micro,), {})
-    model.to(device)  # the example is there already
     plan = declared_plan(model)
+    if on_meta(model):
+        if plan is None:
+            raise UsageError(
+                f"{type(model).__name__} is on the meta device, and a pipeline cuts a model without a pipeline plan by"
+                " tracing it, which needs its weights; build it with real tensors, or use fsdp or tp for it"
+            )
+    else:
+        model.to(device)  # the example is there already
     cuts = cut_local(model, stages, local, split_points=split_points, args=args, kwargs=kwargs, plan=plan)
     notes = []
     if plan is not None:

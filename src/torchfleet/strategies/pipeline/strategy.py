@@ -66,6 +66,7 @@ class Pipeline(MeshStrategy):
     options = (*MeshStrategy.options, "microbatches", "schedule", "stages_per_process")
     schedules_steps = True
     sharded_checkpoint = True  # each stage saves its own layers through torch.distributed.checkpoint
+    wraps_meta = True  # a Sequential's children and a plan's blocks are cut on meta tensors alike (not a trace)
 
     def __init__(
         self,

@@ -1,0 +1,196 @@
+"""A Hugging Face directory of safetensors files, read a region at a time and written a tensor at a time.
+
+The format (huggingface/safetensors): 8 bytes holding the header's length, the header (JSON: each
+tensor's dtype, shape and byte offsets), then the tensors' bytes, row-major. A directory holds
+``model.safetensors``, or ``model.safetensors.index.json`` whose ``weight_map`` names the file of each
+key. Read here with `os.pread`, not memory-mapped: a rank reads only the bytes of its slice (the rows
+of a row-split tensor, whole rows of a column-split one, a block at a time), and none of it stays in
+the process's resident set as mapped pages would (safetensors' own reader maps the file).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from torchfleet.errors import UsageError
+
+SINGLE = "model.safetensors"
+ADAPTERS = "adapter_model.safetensors"  # peft's save_pretrained: one file, no index
+INDEX = "model.safetensors.index.json"
+DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+NAMES = {dtype: name for name, dtype in DTYPES.items()}
+BLOCK_BYTES = 32 << 20  # rows read at once where a slice is not contiguous in the file
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor of a file: where its bytes are, its dtype and shape."""
+
+    file: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int  # absolute offset of its first byte in the file
+
+
+def _header(path: Path) -> tuple[dict, int]:
+    try:
+        with open(path, "rb") as fh:
+            (length,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(length))
+    except (OSError, struct.error, ValueError, UnicodeDecodeError) as exc:
+        raise UsageError(
+            f"{path} is not a safetensors file ({type(exc).__name__}: its header cannot be read)"
+        ) from None
+    return header, 8 + length
+
+
+class WeightFiles:
+    """The tensors of a Hugging Face model directory: {key: Entry}, from the headers alone."""
+
+    def __init__(self, directory: str | os.PathLike, what: str = "weights"):
+        self.directory, self.what = Path(directory), what
+        if not self.directory.is_dir():
+            raise UsageError(f"{what} {str(directory)!r} is not a directory; give a Hugging Face model directory")
+        files = self._files()
+        self.entries: dict[str, Entry] = {}
+        for file in files:
+            header, start = _header(file)
+            for key, info in header.items():
+                if key == "__metadata__":
+                    continue
+                if info.get("dtype") not in DTYPES:
+                    raise UsageError(
+                        f"{file.name} holds {key} as {info.get('dtype')}, a dtype torchfleet does not read;"
+                        f" it reads {', '.join(DTYPES)}"
+                    )
+                self.entries[key] = Entry(
+                    file, DTYPES[info["dtype"]], tuple(info["shape"]), start + info["data_offsets"][0]
+                )
+        self._fds: dict[Path, int] = {}
+        self.nbytes = sum(math.prod(e.shape) * e.dtype.itemsize for e in self.entries.values())
+        self.bytes_read = 0  # what this process read of the files (a rank reads its share: tests hold it)
+
+    def _files(self) -> list[Path]:
+        if self.what == "adapters":
+            if (self.directory / ADAPTERS).is_file():
+                return [self.directory / ADAPTERS]
+            raise UsageError(
+                f"adapters {str(self.directory)!r} holds no {ADAPTERS}; give a directory that peft's save_pretrained"
+                " wrote"
+            )
+        index = self.directory / INDEX
+        if index.is_file():
+            try:
+                names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (ValueError, KeyError, TypeError, AttributeError):
+                raise UsageError(f"{index} is not a safetensors index (it has no weight_map of key to file)") from None
+            missing = [n for n in names if not (self.directory / n).is_file()]
+            if missing:
+                raise UsageError(
+                    f"{index.name} in {self.directory} names {missing[0]}, which is not there"
+                    f" ({len(missing)} of {len(names)} files missing); copy the whole directory"
+                )
+            return [self.directory / n for n in names]
+        if (self.directory / SINGLE).is_file():
+            return [self.directory / SINGLE]
+        present = sorted(p.name for p in self.directory.iterdir())[:6]
+        raise UsageError(
+            f"{self.what} {str(self.directory)!r} holds neither {SINGLE} nor {INDEX}"
+            f" (it holds {', '.join(present) or 'nothing'}); give a directory that save_pretrained wrote in safetensors"
+        )
+
+    def read_into(self, key: str, start: tuple[int, ...], out: torch.Tensor) -> None:
+        """The region of tensor `key` that starts at `start` and has `out`'s shape, into `out` (cast to its dtype).
+
+        Straight into `out` where the region is whole rows of the file's tensor and `out` is contiguous in the
+        file's dtype (a row-split shard): no copy, and its pages touched once. Otherwise a block of whole rows at
+        a time, at most BLOCK_BYTES, copied out of: the transient memory stays one block."""
+        entry = self.entries[key]
+        full, shape = entry.shape, tuple(out.shape)
+        if out.numel() == 0:
+            return
+        size = entry.dtype.itemsize
+        row = math.prod(full[1:]) * size if full else size  # bytes of one index of the first dimension
+        whole_rows = not full or shape[1:] == tuple(full[1:])
+        if whole_rows and out.dtype == entry.dtype and out.is_contiguous():
+            self._pread(entry, entry.begin + (start[0] * row if full else 0), out)
+            return
+        per_block = max(1, BLOCK_BYTES // row)
+        rest = tuple(slice(s, s + n) for s, n in zip(start[1:], shape[1:], strict=True))
+        for first in range(0, shape[0] if full else 1, per_block):
+            rows = min(per_block, shape[0] - first) if full else 1
+            block = torch.empty((rows, *full[1:]) if full else (), dtype=entry.dtype)
+            self._pread(entry, entry.begin + ((start[0] + first) * row if full else 0), block)
+            if full:
+                out[first : first + rows] = block[(slice(None), *rest)]
+            else:
+                out.copy_(block)
+
+    def _pread(self, entry: Entry, offset: int, into: torch.Tensor) -> None:
+        fd = self._fds.get(entry.file)
+        if fd is None:
+            fd = self._fds[entry.file] = os.open(entry.file, os.O_RDONLY)
+        view = memoryview(into.view(-1).view(torch.uint8).numpy().data)
+        done = 0
+        while done < len(view):
+            got = os.preadv(fd, [view[done:]], offset + done)
+            if got <= 0:
+                raise UsageError(f"{entry.file} ends before its header says (truncated); copy it again")
+            done += got
+        self.bytes_read += done
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+class FileWriter:
+    """A safetensors file of `entries` (key, dtype, shape), written one tensor at a time with `add`, in their
+    order: the header is known before any tensor is, so none waits in memory for the others."""
+
+    def __init__(self, path: Path, entries: list[tuple[str, torch.dtype, tuple[int, ...]]]):
+        header: dict = {"__metadata__": {"format": "pt"}}  # transformers reads only files that say "pt"
+        offset = 0
+        for key, dtype, shape in entries:
+            nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            header[key] = {"dtype": NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+        self.entries, self.nbytes, self.done = entries, offset, 0
+        self.fh = open(path, "wb")
+        self.fh.write(struct.pack("<Q", len(raw)))
+        self.fh.write(raw)
+
+    def add(self, tensor: torch.Tensor) -> None:
+        key, dtype, shape = self.entries[self.done]
+        assert tensor.dtype == dtype and tuple(tensor.shape) == tuple(shape), f"{key}: {tensor.dtype} {tensor.shape}"
+        self.fh.write(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().data)
+        self.done += 1
+
+    def close(self) -> None:
+        assert self.done == len(self.entries), f"{self.fh.name}: {self.done} of {len(self.entries)} tensors written"
+        self.fh.flush()
+        os.fsync(self.fh.fileno())
+        self.fh.close()
