@@ -166,6 +166,7 @@ SURFACE = {
         "--precisions",
         "--quick",
         "--steps",
+        "--rounds",
         "--compile",
         "--optimizer",
         "--channels-last",
@@ -273,6 +274,7 @@ BAD = [
     (["frobnicate"], "invalid choice: 'frobnicate'"),
     (["bench", "--strategies", "serial,warp"], "unknown strategy 'warp'; choose one of serial"),
     (["bench", "--steps", "1"], "--steps 1 must be at least 2"),
+    (["bench", "--rounds", "0"], "--rounds 0 must be at least 1"),
     (["bench", "--nproc", "2,x"], "process counts '2,x' is not a comma-separated list"),
     (["bench", "--precisions", "fp64"], "unknown precision 'fp64'"),
 ]
