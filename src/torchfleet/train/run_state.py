@@ -181,6 +181,7 @@ class Run:
         if self.watchdog:
             self.watchdog.stop()
         if self.dashboard is not None:
+            self.dashboard.keep(self.cfg.metrics_out)  # readable after the run, which takes the server away
             self.dashboard.close()
         return time.perf_counter() - self.start
 
