@@ -53,6 +53,7 @@ import itertools
 import math
 import statistics
 
+from torchfleet.machine_load import busy_cores
 from torchfleet.train.rank_figures import RankWindow
 
 SLOWER = 0.5
@@ -168,7 +169,7 @@ class MachineBusy:
     def line(self) -> str:
         waited = f"every rank waited for a CPU {self.wait_low:.0%} to {self.wait_high:.0%} of its step"
         span = f"for {self.windows} log windows up to step {self.step}"
-        if self.others_cores is not None and self.others_cores >= max(0.5, 0.25 * self.host_cores):
+        if self.others_cores is not None and self.others_cores >= busy_cores(self.host_cores):
             return (
                 f"the machine is busy, no rank is to blame: other processes kept {self.others_cores:.1f} of its"
                 f" {self.host_cores} cores busy and {waited}, {span}; step times here are the machine's"
@@ -235,7 +236,8 @@ class StragglerWatch:
 
     def _machine_busy(self, records: list[RankWindow]) -> bool:
         """Whether every rank waited for a CPU for BUSY_WAIT of its step; a note at WINDOWS such windows."""
-        shares = [r.cpu_wait_s / r.step_s for r in records if r.cpu_wait_s is not None and r.step_s > 0]
+        # At most the whole step: a window's wait also covers what runs between steps (an evaluation, the read).
+        shares = [min(1.0, r.cpu_wait_s / r.step_s) for r in records if r.cpu_wait_s is not None and r.step_s > 0]
         if len(shares) < len(records) or min(shares) < BUSY_WAIT:
             self._busy = 0
             return False
