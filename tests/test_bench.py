@@ -248,21 +248,30 @@ def test_impossible_speedups_spread_and_load_are_flagged():
     text = _judged(rows)
     assert rows[1]["flags"] == ["bound"] and rows[0]["flags"] == ["baseline"] and rows[2]["flags"] == []
     assert "5.02x serial is more than 2 processes on 2 cores can reach (2x, 3x" in rows[1]["flag_reasons"][0]
-    assert text.startswith("mp is the fastest")
+    assert text.startswith("no verdict: only one cell's figure holds (mp at batch 64)")
     assert "Left out, flagged: serial at batch 64 (baseline); ddp on 2 processes at batch 64 (bound)" in text
     # On 1 core the same 2 processes can reach 1x at most; on a GPU each has its own device.
     assert verdict.speedup_bound(rows[1], cores=1, gpus=0) == 1
     assert verdict.speedup_bound({**rows[1], "device": "cuda:0"}, cores=1, gpus=2) == 2
     # Rounds 2x apart: above the spread limit; other processes on a core: busy, and the verdict says so.
-    rows = [_cell("serial", 1, 64, [10.0, 20.0]), _cell("ddp", 2, 64, [9.0, 9.1], others=1.2)]
+    rows = [
+        _cell("serial", 1, 64, [10.0, 20.0]),
+        _cell("ddp", 2, 64, [9.0, 9.1], others=1.2),
+        _cell("mp", 1, 64, [10.0, 10.2]),
+    ]
     text = _judged(rows)
-    assert rows[0]["flags"] == ["spread"] and rows[1]["flags"] == ["busy"]
+    assert rows[0]["flags"] == ["spread"] and rows[1]["flags"] == ["busy"] and rows[2]["flags"] == []
     assert "its rounds differ by 67% of the median, above the 25% limit" in rows[0]["flag_reasons"][0]
     assert text.startswith(
         "uncertain, the machine was busy (other processes kept up to 1.2 of 2 cores busy): ddp on 2 processes is"
     )
     rows = [_cell("serial", 1, 64, [10.0, 20.0]), _cell("ddp", 2, 64, [9.0, 30.1])]
     assert _judged(rows).startswith("no verdict: every cell's figure is in doubt. Left out, flagged: serial")
+    # One cell left holds nothing to be the fastest against.
+    rows = [_cell("serial", 1, 64, [10.0, 20.0]), _cell("ddp", 2, 64, [9.0, 9.1]), _cell("fsdp", 2, 64, [9.0, 30.0])]
+    assert _judged(rows).startswith(
+        "no verdict: only one cell's figure holds (ddp on 2 processes at batch 64). Left out, flagged: serial"
+    )
 
 
 @pytest.mark.timeout(300)

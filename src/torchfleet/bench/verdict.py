@@ -100,11 +100,14 @@ def verdict(rows: list[dict], machine: dict | None = None) -> str:
     left_out = [r for r in ok if r not in trusted]
     out = f" Left out, flagged: {'; '.join(_left_out(r) for r in left_out)} (the table says why)." if left_out else ""
     busy = _busy(ok, machine)
-    if not trusted:
+    if not trusted or len(trusted) < 2 <= len(ok):  # one cell left has nothing to be the fastest against
         why = f"; {busy}" if busy else ""
-        return (
-            f"no verdict: every cell's figure is in doubt{why}.{out} Rerun on an idle machine, or give more --rounds."
+        held = (
+            f"only one cell's figure holds ({label(trusted[0])} at batch {trusted[0]['global_batch']})"
+            if trusted
+            else "every cell's figure is in doubt"
         )
+        return f"no verdict: {held}{why}.{out} Rerun on an idle machine, or give more --rounds."
     best = max(trusted, key=lambda r: r["samples_per_s"])
     slowest_best = rate_range(best)[0]
     tied = [r for r in trusted if r is not best and rate_range(r)[1] >= slowest_best]
