@@ -30,16 +30,19 @@ slowest hop), so no rank stands out here: train/link_probe.py sees every
 rank's communication rise together, probes each rank's link, and names the
 rank whose link sends slowly (a Verdict with `send_mb_s`).
 
-A machine busy for everyone is not a rank's fault: when every rank's main
-thread waited for a CPU for BUSY_WAIT of its step or more (rank_figures'
-cpu_wait_s), for WINDOWS windows in a row, a MachineBusy note says so, with
-the other processes' cores, once per such streak. In such windows a rank is
-slow only above BUSY_SLOWER (twice the others' median): the scheduler shares
-the cores unevenly from one window to the next, while a rank slowed by its own
-work stays far above (a 30 ms sleep in one of four ranks' fsdp steps, on 2
-cores beside another job's busy core: 35 ms of compute against 4 to 13 ms).
-A rank whose own core others took waits alone (the machine is not busy for
-the others), and is named, in compute.
+A busy machine is not a rank's fault. A window is busy when other processes
+kept busy_cores() of a host's cores busy (rank_figures' others_cores), or when
+every rank's main thread waited for a CPU for BUSY_WAIT of its step or more
+(cpu_wait_s: this job's own threads may outnumber the cores). After WINDOWS
+busy windows in a row a MachineBusy note says so, with the figures, once per
+such streak. In a busy window a rank is slow only above BUSY_SLOWER (twice the
+others' median): the scheduler shares the cores unevenly, and for a few
+windows at a time puts other processes on one rank's core (unpinned ranks
+beside another job's busy core: one named at 82% above, for 3 windows, in 2
+runs of 5 with a 20% margin); a rank slowed by its own work, or whose own core
+others hold for good, stays far above (a 30 ms sleep in one of four ranks'
+fsdp steps: 35 ms of compute against 4 to 13 ms; a core shared with two busy
+processes: about 3 times).
 
 Memory is judged the same way: a rank whose memory rose by more than
 GROWTH_FLOOR bytes in each of MEMORY_WINDOWS windows in a row is named.
@@ -157,22 +160,27 @@ def _mib(n: float) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class MachineBusy:
-    """Every rank waited for a CPU for WINDOWS windows up to `step`: a metrics row of kind "machine", and `line`."""
+    """The machine was busy for WINDOWS windows up to `step`: a metrics row of kind "machine", and `line`."""
 
     step: int
     windows: int
-    wait_low: float  # the least and most share of a step any rank waited for a CPU, in the last window
-    wait_high: float
+    wait_low: float | None  # the least and most share of a step a rank waited for a CPU (None: not every rank)
+    wait_high: float | None
     others_cores: float | None  # other processes' cores on the busiest host
     host_cores: int
 
     def line(self) -> str:
-        waited = f"every rank waited for a CPU {self.wait_low:.0%} to {self.wait_high:.0%} of its step"
         span = f"for {self.windows} log windows up to step {self.step}"
+        waited = (
+            f"every rank waited for a CPU {self.wait_low:.0%} to {self.wait_high:.0%} of its step"
+            if self.wait_low is not None and self.wait_high is not None
+            else ""
+        )
         if self.others_cores is not None and self.others_cores >= busy_cores(self.host_cores):
             return (
-                f"the machine is busy, no rank is to blame: other processes kept {self.others_cores:.1f} of its"
-                f" {self.host_cores} cores busy and {waited}, {span}; step times here are the machine's"
+                f"the machine is busy: other processes kept {self.others_cores:.1f} of its {self.host_cores} cores"
+                f" busy{' and ' + waited if waited else ''}, {span}; step times here are partly theirs, and a rank"
+                " is named a straggler only at twice the others' time"
             )
         others = "" if self.others_cores is None else f" (other processes kept {self.others_cores:.1f} busy)"
         return (
@@ -235,20 +243,20 @@ class StragglerWatch:
         )
 
     def _machine_busy(self, records: list[RankWindow]) -> bool:
-        """Whether every rank waited for a CPU for BUSY_WAIT of its step; a note at WINDOWS such windows."""
+        """Whether other processes held busy_cores() of a host, or every rank waited for a CPU for BUSY_WAIT of
+        its step; a note at WINDOWS such windows in a row."""
         # At most the whole step: a window's wait also covers what runs between steps (an evaluation, the read).
         shares = [min(1.0, r.cpu_wait_s / r.step_s) for r in records if r.cpu_wait_s is not None and r.step_s > 0]
-        if len(shares) < len(records) or min(shares) < BUSY_WAIT:
+        waiting = len(shares) == len(records) and min(shares) >= BUSY_WAIT
+        others = any(r.others_cores is not None and r.others_cores >= busy_cores(r.host_cores) for r in records)
+        if not (waiting or others):
             self._busy = 0
             return False
         self._busy += 1
         if self._busy == WINDOWS:
             busiest = max(records, key=lambda r: r.others_cores or 0.0)
-            self.machine = [
-                MachineBusy(
-                    records[0].step, WINDOWS, min(shares), max(shares), busiest.others_cores, busiest.host_cores
-                )
-            ]
+            low, high = (min(shares), max(shares)) if waiting else (None, None)
+            self.machine = [MachineBusy(records[0].step, WINDOWS, low, high, busiest.others_cores, busiest.host_cores)]
         return True
 
     def membership(self, step: int, participants: int, rank: int, host: str) -> list[Verdict]:
