@@ -175,7 +175,7 @@ def test_a_busy_machine_names_no_rank_and_says_so():
     assert notes[0].line() == (
         "the machine is busy: other processes kept 1.9 of its 2 cores busy and every rank waited for a CPU 38% to"
         " 48% of its step, for 3 log windows up to step 16; step times here are partly theirs, and a rank is named"
-        " a straggler only at twice the others' time"
+        " slow only at twice the others' time"
     )
     # Without other processes, the job itself outnumbers the cores.
     own = dataclasses.replace(notes[0], others_cores=0.1)

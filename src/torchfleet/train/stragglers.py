@@ -180,7 +180,7 @@ class MachineBusy:
             return (
                 f"the machine is busy: other processes kept {self.others_cores:.1f} of its {self.host_cores} cores"
                 f" busy{' and ' + waited if waited else ''}, {span}; step times here are partly theirs, and a rank"
-                " is named a straggler only at twice the others' time"
+                " is named slow only at twice the others' time"
             )
         others = "" if self.others_cores is None else f" (other processes kept {self.others_cores:.1f} busy)"
         return (
