@@ -35,8 +35,9 @@ kept busy_cores() of a host's cores busy (rank_figures' others_cores), or when
 every rank's main thread waited for a CPU for BUSY_WAIT of its step or more
 (cpu_wait_s: this job's own threads may outnumber the cores). After WINDOWS
 busy windows in a row a MachineBusy note says so, with the figures, once per
-such streak. In a busy window a rank is slow only above BUSY_SLOWER (twice the
-others' median): the scheduler shares the cores unevenly, and for a few
+such streak. In a busy window communication is not judged (a rank's sync waits
+for peers others' processes held up), and a rank is slow only above BUSY_SLOWER
+(twice the others' median): the scheduler shares the cores unevenly, and for a few
 windows at a time puts other processes on one rank's core (unpinned ranks
 beside another job's busy core: one named at 82% above, for 3 windows, in 2
 runs of 5 with a 20% margin); a rank slowed by its own work, or whose own core
@@ -209,15 +210,17 @@ class StragglerWatch:
         warm = records and records[0].step - records[0].steps < WARMUP_STEPS
         if len(records) < 2 or not all(r.steps for r in records) or warm:
             return self._memory_verdicts(records)
-        # While every rank waits for a CPU, a rank must be twice the others' to be slow for its own part.
-        floor = math.log1p(BUSY_SLOWER if self._machine_busy(records) else SLOWER)
+        # On a busy machine a rank must be twice the others' to be slow for its own part, and a slow gradient sync
+        # is the scheduler's: the ranks wait for peers that others' processes held up, at random.
+        busy = self._machine_busy(records)
+        floor = math.log1p(BUSY_SLOWER if busy else SLOWER)
         verdicts, leaning = [], False
         for phase, field in PHASES.items():
             standing = standings(records, field)
             history = self._history[phase]
             history.append(standing)
             del history[:-HISTORY]
-            if phase == "communication" and leaning:
+            if phase == "communication" and (leaning or busy):
                 # the others waited for a rank slow in data or compute: their wait is not their own slowness
                 self._streaks.update({(r.rank, phase): 0 for r in records})
                 continue
