@@ -41,7 +41,7 @@ from torchfleet.bench.verdict import flag
 from torchfleet.doctor import strategy_availability
 from torchfleet.errors import UsageError
 
-# A smoke test in seconds on 2 CPU cores, whichever model is asked for.
+# A smoke test in under a minute on 2 CPU cores (3 rounds of 6 steps a cell), whichever model is asked for.
 QUICK = {
     "model": "mlp",
     "batch_sizes": (64,),

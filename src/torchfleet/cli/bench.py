@@ -144,7 +144,8 @@ def add_parser(sub, strategy_flags) -> None:
     b.add_argument(
         "--quick",
         action="store_true",
-        help="a tiny matrix (mlp, batch 64, 6 steps; gpt tiny, 32x32 images): a smoke test; link mode: 20 timed steps",
+        help="a tiny matrix (mlp, batch 64, 3 rounds of 6 steps; gpt tiny, 32x32 images): a smoke test; link mode: 20"
+        " timed steps",
     )
     link = b.add_argument_group(
         "link mode: the same command on every machine; ddp, ddp with PowerSGD and diloco over the link between"
