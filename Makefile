@@ -88,11 +88,16 @@ system-deps:
 # timeout, Slurm holding a requeued job: they mostly sleep) in one, every other test in the other,
 # in file order. The waiting run's report follows the other's, whichever failed (the recipe runs under
 # bash -e: each status is caught, not left to end it); exit 5 (none selected) counts as passed.
+# Ctrl-C or SIGTERM stops both and all they started within seconds (tests/scripts/stop_suites.sh): each
+# run is a session of its own, which the recipe's trap stops (make sends SIGTERM to the recipe's shell
+# alone, and a background run would ignore SIGINT); `wait` lets the trap run at once.
 test: $(VENV)/.dev system-deps
 	$(BIN)/python -c "import torch; print('make test: torch', torch.__version__)"
-	@waits_log=$$(mktemp); \
-	$(BIN)/python -m pytest -m waits -p no:cacheprovider $(PYTEST_ARGS) > "$$waits_log" 2>&1 & waits=$$!; \
-	status=0; $(BIN)/python -m pytest -m "not waits" $(PYTEST_ARGS) || status=$$?; \
+	@waits_log=$$(mktemp); main=; waits=; \
+	trap 'tests/scripts/stop_suites.sh $$main $$waits; rm -f "$$waits_log"; echo "make test: stopped"; exit 130' INT TERM; \
+	setsid $(BIN)/python -m pytest -m waits -p no:cacheprovider $(PYTEST_ARGS) > "$$waits_log" 2>&1 & waits=$$!; \
+	setsid $(BIN)/python -m pytest -m "not waits" $(PYTEST_ARGS) & main=$$!; \
+	status=0; wait $$main || status=$$?; \
 	waits_status=0; wait $$waits || waits_status=$$?; \
 	echo "make test: the tests marked waits, run beside the others (exit $$waits_status):"; cat "$$waits_log"; \
 	rm -f "$$waits_log"; [ $$waits_status = 5 ] && waits_status=0; \

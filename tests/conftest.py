@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -32,6 +33,26 @@ _CLUSTER_VARS = (
     "SM_HOSTS",
     "SM_CURRENT_HOST",
 )
+
+
+def pytest_configure(config) -> None:
+    """SIGTERM and SIGINT stop the run as Ctrl-C does: KeyboardInterrupt in pytest's own process, so the test's
+    children are killed (subprocess.run kills its child on any exception) and fixtures stop what they started
+    (a Slurm cluster's daemons, which leave their process group). SIGINT too, because `make test` starts one
+    of its two runs in the background, where the shell makes it ignore SIGINT. A process forked from this
+    one (forked_torchfleet) keeps the default action: only pytest's process raises."""
+    main = os.getpid()
+
+    def stop(signum, frame) -> None:
+        if os.getpid() != main:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        raise KeyboardInterrupt(f"stopped by {signal.Signals(signum).name}")
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, stop)
+        signal.signal(signal.SIGINT, stop)
 
 
 # Set by .ci/run: a test that needs something of the machine (root, network namespaces,

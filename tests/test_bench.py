@@ -14,7 +14,7 @@ import pytest
 
 from conftest import clean_env, require_module, run, torchfleet
 from torchfleet.bench import cells as bench_cells
-from torchfleet.bench import launch_cell, measure_cell
+from torchfleet.bench import launch_cell, measure_cell, verdict
 from torchfleet.bench import matrix as bench
 from torchfleet.bench import report as bench_report
 from torchfleet.bench.config import BenchConfig
@@ -31,16 +31,34 @@ def _cores() -> int:
 @pytest.mark.timeout(300)
 def test_quick_bench_figures_are_complete_and_consistent(tmp_path):
     # Batch 3 cannot be split between 2 processes: that cell fails inside its
-    # workers, on purpose, and the other three cells must still run.
+    # workers, on purpose (in its first round, and is not run again), and the other three cells must still run.
     out = tmp_path / "bench"
     result = torchfleet(
-        "bench", "--quick", "--strategies", "serial,ddp", "--batch-sizes", "64,3", "--out", str(out), timeout=280
+        "bench",
+        "--quick",
+        "--strategies",
+        "serial,ddp",
+        "--batch-sizes",
+        "64,3",
+        "--rounds",
+        "2",
+        "--out",
+        str(out),
+        timeout=280,
     )
     assert result.returncode == 0, result.stderr
     doc = json.loads((out / "results.json").read_text())
-    assert doc["schema"] == "torchfleet-bench/1"
+    assert doc["schema"] == "torchfleet-bench/2"
     assert MACHINE_KEYS <= set(doc["machine"])
     assert doc["config"]["strategies"] == ["serial", "ddp"] and doc["config"]["steps"] == 6
+    assert doc["config"]["rounds"] == 2
+    # How busy the machine was, said first, with the figure.
+    state = doc["machine_state"]
+    assert state["cores"] == _cores() and 0 <= state["others_cores"] <= state["cores"] + 0.05
+    assert state["busy"] == (state["others_cores"] >= max(0.5, 0.25 * _cores()))
+    assert result.stdout.lstrip().startswith(
+        ("warning: the machine is busy: other processes kept", "the machine is idle")
+    )
     cells = {(c["strategy"], c["global_batch"]): c for c in doc["cells"]}
     assert len(doc["cells"]) == 4 and set(cells) == {("serial", 64), ("ddp", 64), ("serial", 3), ("ddp", 3)}
     for cell in doc["cells"]:
@@ -48,6 +66,7 @@ def test_quick_bench_figures_are_complete_and_consistent(tmp_path):
 
     failed = cells[("ddp", 3)]
     assert failed["status"] == "failed" and "does not split evenly among 2 processes" in failed["error"]
+    assert failed["rounds"] == 1 and failed["flags"] == []
     assert failed["samples_per_s"] is None and failed["speedup"] is None
 
     for cell in (cells[("serial", 64)], cells[("ddp", 64)], cells[("serial", 3)]):
@@ -56,6 +75,13 @@ def test_quick_bench_figures_are_complete_and_consistent(tmp_path):
         assert cell["threads_per_process"] == max(1, _cores() // cell["processes"])
         spread = [cell[f"step_time_{k}_s"] for k in ("min", "q1", "median", "q3", "max")]
         assert 0 < spread[0] and spread == sorted(spread)
+        # Two rounds, each of 6 steps: the median of the rounds' medians, and their range over it.
+        rounds = cell["round_step_time_s"]
+        assert cell["rounds"] == 2 and len(rounds) == 2 and cell["step_time_median_s"] == statistics.median(rounds)
+        assert cell["spread"] == pytest.approx((max(rounds) - min(rounds)) / statistics.median(rounds))
+        assert 0 <= cell["others_cores"] <= _cores() + 0.05
+        assert len(cell["flags"]) == len(cell["flag_reasons"]) and set(cell["flags"]) <= set(verdict.FLAGS)
+        assert ("spread" in cell["flags"]) == (cell["spread"] > verdict.SPREAD_LIMIT)
         assert cell["samples_per_s"] == pytest.approx(cell["global_batch"] / cell["step_time_median_s"], rel=1e-12)
         assert cell["efficiency"] == pytest.approx(cell["speedup"] / cell["processes"], rel=1e-12)
         assert len(cell["peak_memory_bytes"]) == cell["processes"]
@@ -85,8 +111,7 @@ def test_quick_bench_figures_are_complete_and_consistent(tmp_path):
     ]
     assert float(rows[0]["speedup"]) == 1.0
 
-    fastest = max((c for c in doc["cells"] if c["status"] == "ok"), key=lambda c: c["samples_per_s"])
-    assert doc["verdict"].startswith(bench_report.label(fastest) + " is the fastest for mlp here")
+    assert doc["verdict"] == verdict.verdict(doc["cells"], state)  # the figures as written give the verdict
     assert f"verdict: {doc['verdict'][:40]}" in " ".join(result.stdout.split())
     assert "does not split evenly" in result.stdout  # the failed row's reason is shown
     try:
@@ -151,24 +176,39 @@ def test_plan_covers_whatever_is_registered_and_available(monkeypatch):
     assert row["status"] == "skipped" and "needs 2 GPUs" in row["error"]
 
 
-def test_derived_figures_and_verdict():
-    def ok(strategy, processes, batch, median, comm=None):
-        return {
-            "model": "cnn",
-            "strategy": strategy,
-            "processes": processes,
-            "global_batch": batch,
-            "precision": "fp32",
-            "status": "ok",
-            "step_time_median_s": median,
-            "comm_share": comm,
-        }
+def _cell(strategy, processes, batch, rounds_ms, comm=None, others=0.1):
+    """A cell's row as rounds.merge leaves it: `rounds_ms` its rounds' median steps, in ms."""
+    medians = [ms / 1e3 for ms in rounds_ms]
+    median = statistics.median(medians)
+    return {
+        "model": "cnn",
+        "strategy": strategy,
+        "processes": processes,
+        "global_batch": batch,
+        "precision": "fp32",
+        "device": "cpu",
+        "status": "ok",
+        "step_time_median_s": median,
+        "rounds": len(medians),
+        "round_step_time_s": medians,
+        "spread": (max(medians) - min(medians)) / median,
+        "others_cores": others,
+        "comm_share": comm,
+    }
 
+
+def _judged(rows, cores=2, state=None):
+    bench.derive(rows)
+    verdict.flag(rows, cores, gpus=0)
+    return verdict.verdict(rows, state or {"cores": cores, "busy": False, "others_cores": 0.1})
+
+
+def test_derived_figures_and_verdict():
     rows = [
-        ok("serial", 1, 32, 0.010),
-        ok("ddp", 2, 32, 0.0125, comm=0.4),
-        ok("serial", 1, 256, 0.080),
-        ok("ddp", 2, 256, 0.047, comm=0.08),
+        _cell("serial", 1, 32, [10.0, 10.2, 9.9]),
+        _cell("ddp", 2, 32, [12.5, 12.4, 12.7], comm=0.4),
+        _cell("serial", 1, 256, [80.0, 81.0, 79.0]),
+        _cell("ddp", 2, 256, [47.0, 47.5, 46.8], comm=0.08),
         {
             "model": "cnn",
             "strategy": "fsdp",
@@ -179,21 +219,67 @@ def test_derived_figures_and_verdict():
             "error": "boom",
         },
     ]
-    bench.derive(rows)
+    text = _judged(rows)
     assert [r["speedup"] for r in rows[:4]] == pytest.approx([1.0, 0.8, 1.0, 80 / 47])
     assert rows[1]["efficiency"] == pytest.approx(0.4) and rows[4]["speedup"] is None
     assert rows[3]["samples_per_s"] == pytest.approx(256 / 0.047)
-    text = bench_report.verdict(rows)
+    assert [r["flags"] for r in rows] == [[]] * 5
     assert text.startswith("ddp on 2 processes is the fastest for cnn here: 5,447 samples/s at batch 256")
     assert "1.70x serial at the same batch (communication is 8% of the step)" in text
     assert "at batch 32 it is 0.80x serial (communication is 40% of the step)" in text
     assert statistics.median([1.0, 2.0]) == 1.5  # the spread helper's median is statistics'
 
 
+def test_a_lead_inside_the_rounds_spread_names_no_fastest():
+    # ddp's median is faster, but serial's fastest round beats ddp's slowest: they cannot be told apart.
+    rows = [_cell("serial", 1, 64, [10.0, 8.9, 10.4]), _cell("ddp", 2, 64, [9.5, 9.0, 9.8])]
+    text = _judged(rows)
+    assert text.startswith("no fastest for cnn here: 2 cells cannot be told apart, their rounds overlap")
+    assert "ddp on 2 processes at batch 64 6,531-7,111 samples/s" in text and "--rounds" in text
+    # Apart: ddp's slowest round is faster than serial's fastest.
+    assert _judged([_cell("serial", 1, 64, [10.0, 9.6]), _cell("ddp", 2, 64, [9.5, 9.0])]).startswith(
+        "ddp on 2 processes is the fastest"
+    )
+
+
+def test_impossible_speedups_spread_and_load_are_flagged():
+    # 2 processes on 2 cores 5x faster than serial: more than they can be; serial's own figure is the suspect.
+    rows = [_cell("serial", 1, 64, [50.0, 51.0]), _cell("ddp", 2, 64, [10.0, 10.1]), _cell("mp", 1, 64, [49.0, 52.0])]
+    text = _judged(rows)
+    assert rows[1]["flags"] == ["bound"] and rows[0]["flags"] == ["baseline"] and rows[2]["flags"] == []
+    assert "5.02x serial is more than 2 processes on 2 cores can reach (2x, 3x" in rows[1]["flag_reasons"][0]
+    assert text.startswith("no verdict: only one cell's figure holds (mp at batch 64)")
+    assert "Left out, flagged: serial at batch 64 (baseline); ddp on 2 processes at batch 64 (bound)" in text
+    # On 1 core the same 2 processes can reach 1x at most; on a GPU each has its own device.
+    assert verdict.speedup_bound(rows[1], cores=1, gpus=0) == 1
+    assert verdict.speedup_bound({**rows[1], "device": "cuda:0"}, cores=1, gpus=2) == 2
+    # Rounds 2x apart: above the spread limit; other processes on a core: busy, and the verdict says so.
+    rows = [
+        _cell("serial", 1, 64, [10.0, 20.0]),
+        _cell("ddp", 2, 64, [9.0, 9.1], others=1.2),
+        _cell("mp", 1, 64, [10.0, 10.2]),
+    ]
+    text = _judged(rows)
+    assert rows[0]["flags"] == ["spread"] and rows[1]["flags"] == ["busy"] and rows[2]["flags"] == []
+    assert "its rounds differ by 67% of the median, above the 25% limit" in rows[0]["flag_reasons"][0]
+    assert text.startswith(
+        "uncertain, the machine was busy (other processes kept up to 1.2 of 2 cores busy): ddp on 2 processes is"
+    )
+    rows = [_cell("serial", 1, 64, [10.0, 20.0]), _cell("ddp", 2, 64, [9.0, 30.1])]
+    assert _judged(rows).startswith("no verdict: every cell's figure is in doubt. Left out, flagged: serial")
+    # One cell left holds nothing to be the fastest against.
+    rows = [_cell("serial", 1, 64, [10.0, 20.0]), _cell("ddp", 2, 64, [9.0, 9.1]), _cell("fsdp", 2, 64, [9.0, 30.0])]
+    assert _judged(rows).startswith(
+        "no verdict: only one cell's figure holds (ddp on 2 processes at batch 64). Left out, flagged: serial"
+    )
+
+
 @pytest.mark.timeout(300)
 def test_a_compiled_cell_runs_compiled_and_its_first_step_pays_the_compilation(tmp_path):
     out = tmp_path / "bench"
-    result = torchfleet("bench", "--quick", "--strategies", "serial", "--compile", "--out", str(out), timeout=280)
+    result = torchfleet(
+        "bench", "--quick", "--strategies", "serial", "--compile", "--rounds", "1", "--out", str(out), timeout=280
+    )
     assert result.returncode == 0, result.stderr
     doc = json.loads((out / "results.json").read_text())
     (cell,) = doc["cells"]
@@ -287,7 +373,7 @@ def test_model_flops_are_counted_on_shapes_alone():
 
 @pytest.mark.timeout(600)
 def test_quick_bench_runs_every_cell(tmp_path):
-    result = torchfleet("bench", "--quick", "--out", str(tmp_path), timeout=580)
+    result = torchfleet("bench", "--quick", "--rounds", "1", "--out", str(tmp_path), timeout=580)
     assert result.returncode == 0, result.stderr
     cells = json.loads((tmp_path / "results.json").read_text())["cells"]
     broken = [(c["strategy"], c["processes"], c["error"]) for c in cells if c["status"] != "ok"]
@@ -316,8 +402,19 @@ def test_missing_matplotlib_says_how_to_get_the_chart(monkeypatch, tmp_path):
 
 
 USER_MODULE = '''
+import time
+
 import torch
+import torch.distributed as dist
 from torch import nn
+
+
+class SlowAlone(nn.Module):
+    """100 ms in every forward of a process without a group: serial's cell, planted slow."""
+    def forward(self, x):
+        if not dist.is_initialized():
+            time.sleep(0.1)
+        return x
 
 
 def build():
@@ -327,13 +424,20 @@ def build():
     return nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 5)), make_batch
 
 
+def slow_alone():
+    model, make_batch = build()
+    return nn.Sequential(SlowAlone(), *model), make_batch
+
+
 def plain():
     return nn.Sequential(nn.Flatten(), nn.Linear(64, 3))  # takes the default 8x8 batch
 '''
 
 
 @pytest.mark.timeout(300)
-def test_bench_runs_the_users_own_model(tmp_path):
+def test_bench_runs_the_users_own_model_and_flags_a_planted_slow_cell(tmp_path):
+    # slow_alone's serial cell sleeps 100 ms a step, its multi-process ones do not: ddp and the pipeline then beat
+    # serial by far more than 2 processes on the same cores can, and bench must not name either the fastest.
     (tmp_path / "my_models.py").write_text(USER_MODULE)
     out = tmp_path / "bench"
     result = run(
@@ -343,9 +447,11 @@ def test_bench_runs_the_users_own_model(tmp_path):
             "torchfleet",
             "bench",
             "--model",
-            "my_models:build",
+            "my_models:slow_alone",
             "--strategies",
             "serial,ddp,pipeline",
+            "--rounds",
+            "1",
             "--batch-sizes",
             "32",
             "--steps",
@@ -361,8 +467,14 @@ def test_bench_runs_the_users_own_model(tmp_path):
     assert result.returncode == 0, result.stderr
     cells = json.loads((out / "results.json").read_text())["cells"]
     assert [(c["strategy"], c["status"]) for c in cells] == [("serial", "ok"), ("ddp", "ok"), ("pipeline", "ok")]
-    assert all(c["model"] == "my_models:build" for c in cells)
-    assert "my_models:build" in result.stdout
+    assert all(c["model"] == "my_models:slow_alone" for c in cells)
+    assert "my_models:slow_alone" in result.stdout
+    serial, ddp, pipeline = cells
+    assert serial["step_time_min_s"] > 0.1 and ddp["speedup"] > 3 and pipeline["speedup"] > 3
+    assert ddp["flags"][0] == "bound" and pipeline["flags"][0] == "bound" and serial["flags"][-1] == "baseline"
+    said = " ".join(result.stdout.split())
+    assert "ddp x2, batch 32, fp32: bound: " in said and f"is more than 2 processes on {_cores()} cores can" in said
+    assert "verdict: no verdict: every cell's figure is in doubt" in said
 
     # Without a batch maker: the built-ins' 8x8 input; by path, from anywhere.
     result = torchfleet(
@@ -406,7 +518,17 @@ def test_a_bad_user_model_is_one_sentence(model, said, tmp_path):
 @pytest.mark.timeout(300)
 def test_bench_gpt_reports_tokens_per_second(tmp_path):
     result = torchfleet(
-        "bench", "--quick", "--model", "gpt", "--strategies", "serial", "--out", str(tmp_path), timeout=280
+        "bench",
+        "--quick",
+        "--model",
+        "gpt",
+        "--strategies",
+        "serial",
+        "--rounds",
+        "1",
+        "--out",
+        str(tmp_path),
+        timeout=280,
     )
     assert result.returncode == 0, result.stderr
     doc = json.loads((tmp_path / "results.json").read_text())
@@ -420,7 +542,17 @@ def test_bench_gpt_reports_tokens_per_second(tmp_path):
 def test_bench_resnet50_reports_images_per_second(tmp_path):
     # --quick: 32 x 32 images, batch 64; ddp is there so that one cell has two ranks
     result = torchfleet(
-        "bench", "--quick", "--model", "resnet50", "--strategies", "serial,ddp", "--out", str(tmp_path), timeout=280
+        "bench",
+        "--quick",
+        "--model",
+        "resnet50",
+        "--strategies",
+        "serial,ddp",
+        "--rounds",
+        "1",
+        "--out",
+        str(tmp_path),
+        timeout=280,
     )
     assert result.returncode == 0, result.stderr
     doc = json.loads((tmp_path / "results.json").read_text())
@@ -488,6 +620,8 @@ def test_bench_diloco_on_one_machine_is_a_note_not_a_failed_cell(tmp_path):
         "2",
         "--warmup",
         "0",
+        "--rounds",
+        "1",
         "--out",
         str(tmp_path),
         timeout=110,

@@ -9,7 +9,7 @@ import pytest
 from rich.console import Console
 
 from torchfleet.backend import Hardware
-from torchfleet.doctor import collect_report, render_report, strategy_availability
+from torchfleet.doctor import collect_report, mpi_sentence, render_report, strategy_availability
 from torchfleet.strategies import registry
 
 KEYS = {
@@ -21,6 +21,7 @@ KEYS = {
     "infiniband",
     "ip_over_ib",
     "backends_built",
+    "mpirun",
     "cluster",
     "interfaces",
     "backend",
@@ -49,6 +50,40 @@ def test_report_is_json_and_complete(report: dict) -> None:
     assert set(report["backend"]) == {"name", "reason"}
     assert set(report["backends_built"]) == {"gloo", "nccl", "mpi"}
     assert report["cpu_cores"]["usable"] >= 1
+
+
+@pytest.mark.timeout(60)
+def test_doctor_says_mpi_works_only_where_it_finds_open_mpis_mpirun(tmp_path) -> None:
+    """doctor on a PATH without mpirun, with another MPI's, and with Open MPI's (scripts that answer
+    --version as each does): only the last says `mpirun -np N` works."""
+    import os
+    import sys
+
+    from conftest import clean_env, run
+
+    said = {}
+    for name, version in (("none", None), ("mpich", "HYDRA build details:"), ("openmpi", "mpirun (Open MPI) 4.1.4")):
+        folder = tmp_path / name
+        folder.mkdir()
+        if version:
+            (folder / "mpirun").write_text(f"#!/bin/sh\necho '{version}'\n")
+            (folder / "mpirun").chmod(0o755)
+        env = clean_env(PATH=f"{folder}{os.pathsep}/bin")  # /bin: the shell the scripts name; no mpirun in it
+        done = run([sys.executable, "-m", "torchfleet", "doctor", "--json"], env=env, timeout=50)
+        assert done.returncode == 0, done.stderr
+        said[name] = json.loads(done.stdout)["mpirun"]
+    assert said["none"] == {"path": None, "version": None, "open_mpi": False}
+    assert said["mpich"]["path"].endswith("mpich/mpirun") and not said["mpich"]["open_mpi"]
+    assert said["openmpi"] == {
+        "path": str(tmp_path / "openmpi" / "mpirun"),
+        "version": "mpirun (Open MPI) 4.1.4",
+        "open_mpi": True,
+    }
+    base = {"backends_built": {"mpi": False}}
+    assert mpi_sentence({**base, "mpirun": said["none"]}).startswith("no mpirun on PATH, so `mpirun -np N")
+    assert "works" not in mpi_sentence({**base, "mpirun": said["none"]})
+    assert "is not Open MPI's (it says 'HYDRA build details:')" in mpi_sentence({**base, "mpirun": said["mpich"]})
+    assert "`mpirun -np N python script.py` works" in mpi_sentence({**base, "mpirun": said["openmpi"]})
 
 
 def test_report_on_this_machine(report: dict) -> None:

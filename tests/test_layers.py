@@ -18,7 +18,7 @@ PACKAGE = ROOT / "src" / "torchfleet"
 # or a module under the package root; a dotted entry ("testing.cli") places one module of a feature's
 # package on a higher layer than the rest of it, so a feature can live in one room and still be layered.
 LAYERS = [
-    ("errors", "versions", "outputs", "allocator", "netif", "config"),  # no torch knowledge needed
+    ("errors", "versions", "outputs", "allocator", "netif", "config", "machine_load"),  # no torch knowledge needed
     # what a process finds, core rules, built-in models, tensor memory
     ("env", "backend", "precision", "memory_format", "data", "models", "tensor_memory", "stores"),
     # how a model is wrapped; the parallel dimensions; diloco's and localsgd's options (no torch)

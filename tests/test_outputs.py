@@ -86,7 +86,9 @@ def test_missing_directories_are_created(tmp_path, paths):
     assert [p.name for p in checkpoints.iterdir() if p.name.startswith("step-")] == ["step-00000003"]
 
     bench_out = tmp_path / "bench-new" / "run1"
-    result = torchfleet("bench", "--quick", "--strategies", "serial", "--out", str(bench_out), timeout=240)
+    result = torchfleet(
+        "bench", "--quick", "--strategies", "serial", "--rounds", "1", "--out", str(bench_out), timeout=240
+    )
     assert result.returncode == 0, result.stderr
     assert json.loads((bench_out / "results.json").read_text())["cells"][0]["status"] == "ok"
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from conftest import assert_refused_in_one_sentence, clean_env, forked_torchfleet, run
-from torchfleet.plan import comm, contention, overheads, pipelines, predict, probe, profiler, workload
+from torchfleet.plan import check, comm, contention, overheads, pipelines, predict, probe, profiler, workload
 from torchfleet.plan.first_batches import first_batches
 from torchfleet.plan.hardware import Target
 from torchfleet.plan.layouts import layout
@@ -369,8 +369,18 @@ def test_check_measures_cells_and_meets_the_step_time_the_docs_claim(tmp_path):
             doc, stdout = _check(tmp_path, attempt)
         cells = {(c["strategy"], c["processes"]): c for c in doc["check"]["cells"]}
         assert set(cells) == {("serial", 1), ("ddp", 2), ("fsdp", 2), ("pipeline", 2)}
+        # bench's flags on the check's cells, from the figures as written; the summary names the flagged ones.
+        state = doc["check"]["machine_state"]
+        assert state["cores"] >= 1 and state["others_cores"] >= 0 and "machine is" in stdout
+        judged = [dict(c) for c in doc["check"]["cells"]]
+        check.flag(judged, state["cores"], gpus=0)
+        assert [c["flags"] for c in judged] == [c["flags"] for c in doc["check"]["cells"]]
+        flagged = [c for c in cells.values() if c["flags"]]
+        assert len(doc["check"]["summary"]["flagged"]) == len(flagged)
+        assert all(f"flagged: {c['flag_reasons'][0]}" in " ".join(stdout.split()) for c in flagged)
         for cell in cells.values():
             assert cell["status"] == "ok", cell
+            assert cell["others_cores"] >= 0 and cell["spread"] >= 0
             assert cell["measured_peak_bytes"], cell  # every rank's tensor peak, a pipeline stage's too
             if cell["strategy"] != "pipeline":  # its memory comes from formulas (docs/benchmarks, plan accuracy)
                 # peak tensor memory: the acceptance bound for memory predictions on a small model
@@ -409,6 +419,37 @@ def test_check_measures_cells_and_meets_the_step_time_the_docs_claim(tmp_path):
         f"the step-time claim (median error within {STEP_TIME_CLAIM}, fsdp slower than ddp) failed in"
         f" {CHECK_ATTEMPTS} attempts: {attempts}"
     )
+
+
+def test_the_check_flags_its_cells_as_bench_does():
+    """A ddp cell 5 times faster than the serial cell on 2 cores, a cell whose steps spread, a cell beside a load."""
+
+    def row(strategy, processes, step_s, spread=0.05, others=0.0):
+        return {
+            "strategy": strategy,
+            "processes": processes,
+            "global_batch": 16,
+            "status": "ok",
+            "measured_step_s": step_s,
+            "spread": spread,
+            "others_cores": others,
+        }
+
+    rows = [
+        row("serial", 1, 0.05),
+        row("ddp", 2, 0.01),
+        row("fsdp", 2, 0.04, spread=0.6),
+        row("pipeline", 2, 0.04, others=1.5),
+    ]
+    check.flag(rows, cores=2, gpus=0)
+    assert [r["flags"] for r in rows] == [["baseline"], ["bound"], ["spread"], ["busy"]]
+    assert rows[1]["flag_reasons"][0].startswith("bound: 5.00x serial is more than 2 processes on 2 cores can reach")
+    assert check.summary(rows)["flagged"] == [
+        "serial x1 at batch 16 (baseline)",
+        "ddp x2 at batch 16 (bound)",
+        "fsdp x2 at batch 16 (spread)",
+        "pipeline x2 at batch 16 (busy)",
+    ]
 
 
 @pytest.mark.parametrize(

@@ -179,6 +179,8 @@ def test_a_plugged_in_preset_is_in_doctor_bench_and_plan(plugin_env, tmp_path):
         "1",
         "--steps",
         "2",
+        "--rounds",
+        "1",
         "--out",
         str(tmp_path / "bench"),
         env=plugin_env,

@@ -2,6 +2,7 @@
 unslowed run names no rank. The slowdowns come from the TORCHFLEET_FAULT hook (src/torchfleet/train/faults.py): a
 sleep in the slowed rank's batch fetches, and a busy thread in its process that holds the interpreter."""
 
+import dataclasses
 import json
 import sys
 import threading
@@ -102,8 +103,13 @@ def test_an_unslowed_run_names_no_rank(tmp_path, strategy):
     assert len([r for r in rows if r["kind"] == "rank"]) == 4 * 10
 
 
-def _window(rank: int, step: int, data: float = 0.001, compute: float = 0.01, comm: float = 0.002, memory=1 << 30):
-    return RankWindow(step, rank, "h", 2, data, compute, comm, data + compute + comm, memory, "rss")
+def _window(
+    rank: int, step: int, data: float = 0.001, compute: float = 0.01, comm: float = 0.002, memory=1 << 30, wait=None
+):
+    # `step` counts windows after the warm-up: window 1 holds steps 11 and 12.
+    return RankWindow(
+        10 + 2 * step, rank, "h", 2, data, compute, comm, data + compute + comm, memory, "rss", cpu_wait_s=wait
+    )
 
 
 def test_verdicts_need_a_streak_a_margin_and_a_floor():
@@ -112,12 +118,76 @@ def test_verdicts_need_a_streak_a_margin_and_a_floor():
     for step in range(1, 2 * WINDOWS + 1):
         slow = 0.01 + 2 * FLOOR_S if step != 2 else 0.01  # one window without: the streak starts again
         named += watch.judge([_window(0, step), _window(1, step, compute=slow), _window(2, step), _window(3, step)])
-    assert [(v.rank, v.phase, v.step) for v in named] == [(1, "compute", 2 + WINDOWS)]
+    assert [(v.rank, v.phase, v.step) for v in named] == [(1, "compute", 10 + 2 * (2 + WINDOWS))]
     assert named[0].value == pytest.approx(0.02) and named[0].median == pytest.approx(0.01)
     # Twice as slow but under the floor (a fast step): noise, not a straggler.
     quiet = StragglerWatch()
     for step in range(1, 2 * WINDOWS):
         assert not quiet.judge([_window(0, step, compute=0.001), _window(1, step, compute=0.002)])
+    # The warm-up's windows (steps 1 to 5 in them) are not judged, however slow a rank is there.
+    warm = StragglerWatch()
+    for step in range(1, 4):
+        record = RankWindow(2 * step, 1, "h", 2, 0.0, 0.05, 0.0, 0.05, 1 << 30, "rss")
+        assert not warm.judge([_at(0, 2 * step), record])
+
+
+def _at(rank: int, step: int) -> RankWindow:
+    return RankWindow(step, rank, "h", 2, 0.001, 0.01, 0.002, 0.013, 1 << 30, "rss")
+
+
+def test_cpu_jitter_names_nobody_and_a_rank_slowed_for_good_is_named_in_compute():
+    # Two ranks whose compute swings 20-40% one way or the other from window to window (an idle CPU's jitter,
+    # measured with each rank pinned to its own core): nobody is named, though a rank is 40% above for 3 windows.
+    swings = [1.4, 1.35, 1.4, 0.75, 1.3, 0.7, 1.4, 1.25, 1.4, 0.8] * 3
+    watch = StragglerWatch()
+    named = []
+    for step, swing in enumerate(swings, 1):
+        named += watch.judge([_window(0, step, compute=0.07 * swing), _window(1, step, compute=0.07)])
+    assert named == []
+    # Rank 1's core taken by two other processes from window 4 on: its compute 2.5x, jittering as much, and
+    # its waits for the CPU; its collectives run slower too (its comm above rank 0's in some windows), but
+    # the phase named, first, is compute.
+    watch, named = StragglerWatch(), []
+    for step, swing in enumerate(swings[:12], 1):
+        slowed = step >= 4
+        compute = 0.07 * (2.5 if slowed else 1.0) * swing
+        comm = 0.03 if slowed and step % 2 else 0.002
+        named += watch.judge(
+            [
+                _window(0, step, compute=0.07, comm=0.002, wait=0.0005),
+                _window(1, step, compute=compute, comm=comm, wait=0.1 if slowed else 0.0005),
+            ]
+        )
+    assert [(v.rank, v.phase) for v in named][:1] == [(1, "compute")]  # within the 12 windows
+    assert "it waited 100.0 ms a step for a CPU, the others 0.5 ms: other processes share its cores" in named[0].line()
+
+
+def test_a_busy_machine_names_no_rank_and_says_so():
+    watch = StragglerWatch()
+    named, notes = [], []
+    for step in range(1, 8):
+        # Every rank waits for a CPU 40% of its step or more; rank 1 is the slower for it, by 60%.
+        records = [_window(0, step, compute=0.05, wait=0.02), _window(1, step, compute=0.08, wait=0.04)]
+        records = [dataclasses.replace(r, others_cores=1.9, host_cores=2) for r in records]
+        named += watch.judge(records)
+        notes += watch.machine
+    assert named == [] and len(notes) == 1 and notes[0].step == 10 + 2 * WINDOWS
+    assert notes[0].line() == (
+        "the machine is busy: other processes kept 1.9 of its 2 cores busy and every rank waited for a CPU 38% to"
+        " 48% of its step, for 3 log windows up to step 16; step times here are partly theirs, and a rank is named"
+        " slow only at twice the others' time"
+    )
+    # Without other processes, the job itself outnumbers the cores.
+    own = dataclasses.replace(notes[0], others_cores=0.1)
+    assert "the machine is busy with this job" in own.line() and "outnumber the 2 cores" in own.line()
+    # Other processes on one rank's core only (the scheduler's doing, for a few windows): busy too, and
+    # rank 1 at 1.8 times rank 0 is not named; at 3 times, for good, it is, in compute.
+    for slowed, named_now in ((1.8, []), (3.0, [(1, "compute")])):
+        watch, named = StragglerWatch(), []
+        for step in range(1, 8):
+            records = [_window(0, step, compute=0.05, wait=0.0), _window(1, step, compute=0.05 * slowed, wait=0.05)]
+            named += watch.judge([dataclasses.replace(r, others_cores=1.0, host_cores=2) for r in records])
+        assert [(v.rank, v.phase) for v in named] == named_now
 
 
 def test_waiting_ranks_are_not_named_for_communication_and_memory_growth_is():

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from conftest import assert_refused_in_one_sentence, forked_torchfleet, require_module, require_system
+from conftest import assert_refused_in_one_sentence, forked_torchfleet, require_module, require_system, torchfleet
 from torchfleet.errors import UsageError
 from torchfleet.view import figures, rows
 from torchfleet.view.server import DashboardServer, check_serves_here, dashboard_port
@@ -345,6 +345,26 @@ def test_the_page_of_a_real_training_run_draws_its_ranks_in_chromium(tmp_path):
     host = socket.gethostname()
     assert drawn["step"][:2] == [f"rank 0 ({host})", f"rank 1 ({host})"], drawn
     assert drawn["memory"] == [f"rank 0 ({host})", f"rank 1 ({host})"], drawn
+
+
+@pytest.mark.timeout(120)
+def test_the_dashboards_page_outlives_a_short_run(tmp_path):
+    """The README's `train --dashboard` ends in seconds, its server with it: the page as it stood at the end
+    is written beside the metrics file, and the run's last lines say where."""
+    metrics = tmp_path / "run.jsonl"
+    done = torchfleet(
+        "train", "--strategy", "ddp", "-n", "2", "--model", "mlp", "--max-steps", "12", "--log-every", "2",
+        "--no-progress", "--dashboard", "0", "--metrics-out", str(metrics), timeout=110,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    kept = tmp_path / "run.html"
+    said = " ".join(done.stderr.split())
+    assert f"its last page, the same charts, is {kept} (open it in a browser)" in said
+    page = kept.read_text()
+    host = socket.gethostname()
+    # report's static page of the same rows: both ranks' series to step 12, plotly inside
+    assert f"rank 0 ({host})" in page and f"rank 1 ({host})" in page and "step 12" in page
+    assert "plotly" in page and len(page) > 1_000_000
 
 
 def test_train_refuses_a_dashboard_it_cannot_serve_before_any_process_starts():

@@ -210,6 +210,24 @@ def _fault_tolerance() -> dict:
     }
 
 
+def _mpirun() -> dict:
+    """Where mpirun is and whether it is Open MPI's (torchfleet reads Open MPI's variables), from `mpirun
+    --version`; path None when there is none on PATH."""
+    import shutil
+    import subprocess
+
+    path = shutil.which("mpirun")
+    if path is None:
+        return {"path": None, "version": None, "open_mpi": False}
+    try:
+        said = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=10)
+        first = (said.stdout or said.stderr).strip().splitlines()
+    except (OSError, subprocess.SubprocessError):
+        first = []
+    version = first[0] if first else None
+    return {"path": path, "version": version, "open_mpi": bool(version and "Open MPI" in version)}
+
+
 def collect_report(hw: Hardware | None = None, environ: Mapping[str, str] | None = None) -> dict:
     """Everything doctor knows about this host, as a JSON-serialisable dict."""
     hw = hw if hw is not None else probe_hardware()
@@ -224,6 +242,7 @@ def collect_report(hw: Hardware | None = None, environ: Mapping[str, str] | None
         "infiniband": hw.infiniband,
         "ip_over_ib": hw.ip_over_ib,
         "backends_built": {name: name in hw.built for name in BACKENDS},
+        "mpirun": _mpirun(),
         "cluster": _cluster(environ),
         "interfaces": _interfaces(),
         "backend": _backend(hw),
@@ -295,15 +314,34 @@ def render_report(report: dict, console: Console) -> None:
     backend = report["backend"]
     name = backend["name"] or "none usable"
     console.print(f"[bold]Backend:[/] [cyan]{escape(name)}[/]: {escape(backend['reason'])}")
-    if not report["backends_built"].get("mpi"):
-        console.print(
-            "[bold]MPI:[/] `mpirun -np N python script.py` works: ranks come from"
-            " OpenMPI's variables and Gloo carries the tensors. The MPI backend itself"
-            " needs PyTorch built from source on a host with MPI installed."
-        )
+    console.print(f"[bold]MPI:[/] {escape(mpi_sentence(report))}")
     console.print(_strategy_table(report))
     ft = report["fault_tolerance"]
     console.print(f"[bold]Per-step fault tolerance:[/] {_yes(ft['available'])}: {escape(ft['why'])}")
+
+
+def mpi_sentence(report: dict) -> str:
+    """What doctor found of MPI: whether `mpirun -np N python script.py` can run here, and why."""
+    found = report.get("mpirun") or {}
+    backend = (
+        " The MPI backend itself is built into this PyTorch."
+        if report["backends_built"].get("mpi")
+        else " The MPI backend itself needs PyTorch built from source on a host with MPI installed."
+    )
+    if not found.get("path"):
+        return (
+            "no mpirun on PATH, so `mpirun -np N python script.py` cannot run here; with Open MPI's (apt-get"
+            " install openmpi-bin) it would, ranks from Open MPI's variables and Gloo carrying the tensors." + backend
+        )
+    if not found.get("open_mpi"):
+        return (
+            f"{found['path']} is not Open MPI's (it says {found.get('version')!r}); torchfleet reads Open MPI's"
+            " variables, so use Open MPI's mpirun, or torchrun." + backend
+        )
+    return (
+        f"{found['path']} ({found['version']}): `mpirun -np N python script.py` works, ranks from Open MPI's"
+        " variables and Gloo carrying the tensors." + backend
+    )
 
 
 def print_doctor(json_out: bool = False) -> int:

@@ -28,7 +28,8 @@ class BenchConfig:
     batch_sizes: tuple[int, ...] = ()  # global
     precisions: tuple[str, ...] = ()
     warmup: int = 5
-    steps: int = 30
+    steps: int = 30  # timed steps per round
+    rounds: int = 3  # each cell runs once per round, the rounds interleaved (bench/rounds.py)
     threads: int | None = None  # intra-op threads per process; None: usable cores / processes
     out: str = "runs/bench"
     seed: int = 0
@@ -61,6 +62,7 @@ class BenchConfig:
             at_least("--batch-sizes", b, 1)
         at_least("--warmup", self.warmup, 0)
         at_least("--steps", self.steps, 2)  # a spread needs two steps
+        at_least("--rounds", self.rounds, 1)
         if self.threads is not None:
             at_least("--threads", self.threads, 1)
         if self.compile is not None and self.compile not in COMPILE_MODES:

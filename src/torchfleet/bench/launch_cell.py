@@ -87,8 +87,9 @@ def failure_reason(summary) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
-def run_one(cell: Cell, cfg: BenchConfig) -> dict:
-    """Measure `cell` in its own processes; always returns a row, never raises for the cell's failure."""
+def run_one(cell: Cell, cfg: BenchConfig, profile: bool = True) -> dict:
+    """Measure `cell` in its own processes; always returns a row, never raises for the cell's failure.
+    `profile`: whether its ranks profile their kernels after the timed steps (bench/kernels.py)."""
     row = {
         "model": cfg.model,
         **asdict(cell),
@@ -119,6 +120,7 @@ def run_one(cell: Cell, cfg: BenchConfig) -> dict:
         "warmup": cfg.warmup,
         "steps": cfg.steps,
         "seed": cfg.seed,
+        "profile": profile,
         "compile": cfg.compile,
         "optimizer": cfg.optimizer,
         "channels_last": cfg.channels_last,

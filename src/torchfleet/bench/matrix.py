@@ -12,7 +12,9 @@ cell runs in new processes started through `torchfleet.launcher.launch`
 (measure_cell.run_cell is what they run), so a cell that fails (a bad batch, an
 out-of-memory, a crash, a hang past the timeout) is one row with its reason
 and the rest of the matrix still runs. cells.py chooses the cells, launch_cell.py
-runs one; here the whole command runs them in turn and derives the figures below.
+runs one, rounds.py runs them all in interleaved rounds; here the whole command
+measures how busy the machine is first (machine_load.py), runs the rounds, derives
+the figures below and flags those that cannot hold (verdict.py).
 
 Derived figures, for each cell that ran:
   samples_per_s = global_batch / median step time
@@ -30,14 +32,16 @@ import logging
 import os
 from dataclasses import replace
 
+from torchfleet import machine_load
+from torchfleet.bench import rounds
 from torchfleet.bench.cells import plan, resolve
 from torchfleet.bench.config import BenchConfig
 from torchfleet.bench.flops import peak_flops
-from torchfleet.bench.launch_cell import run_one
+from torchfleet.bench.verdict import flag
 from torchfleet.doctor import strategy_availability
 from torchfleet.errors import UsageError
 
-# A smoke test in seconds on 2 CPU cores, whichever model is asked for.
+# A smoke test in under a minute on 2 CPU cores (3 rounds of 6 steps a cell), whichever model is asked for.
 QUICK = {
     "model": "mlp",
     "batch_sizes": (64,),
@@ -45,6 +49,7 @@ QUICK = {
     "precisions": ("fp32",),
     "warmup": 2,
     "steps": 6,
+    "rounds": 3,
     "gpt_preset": "tiny",
     "image_size": 32,
 }
@@ -122,17 +127,19 @@ def run_bench(cfg: BenchConfig, console=None) -> dict:
     if not cells:
         raise UsageError("nothing to benchmark: no strategy and process count fit together here")
     cfg = replace(cfg, strategies=tuple(dict.fromkeys(c.strategy for c in cells)))
+    # First, so that a busy start is the first thing said, with its figure.
+    state = machine_load.measure(gpus=hw.gpus)
+    console.print(("warning: " if state.busy else "") + state.line(), markup=False)
     for note in notes:
         console.print(f"note: {note}", markup=False)  # brackets in a note are text, not styles
 
-    rows: list[dict] = []
-    with bench_report.progress(console, len(cells)) as bar:
-        for cell in cells:
-            bar.start(cell)
-            rows.append(run_one(cell, cfg))
-            derive(rows, hw.gpus)
-            bar.done(rows[-1])
-    document = bench_report.document(cfg, machine, rows, notes)
+    with bench_report.progress(console, rounds.runs(cells, cfg)) as bar:
+        rows = rounds.run(cells, cfg, bar)
+        derive(rows, hw.gpus)
+        flag(rows, cores, hw.gpus)
+        for row in rows:
+            bar.done(row)
+    document = bench_report.document(cfg, machine, rows, notes, state.row())
     bench_report.write_json(document, out / "results.json")
     bench_report.write_csv(rows, out / "results.csv")
     console.print(bench_report.table(document))

@@ -24,6 +24,9 @@ What is measured, and how:
   activations and communication buffers, as the OS counts them. A throwaway
   step of a tiny model first takes torch's one-time start-up (autograd's
   engine, the optimizer's code, about 160 MiB here) out of the figure.
+- other processes' CPU (machine_load.py): the CPUs' busy seconds over the
+  cell's run, from its start to its last timed step, less every rank's own
+  CPU seconds over it, per second of it: the cores others took meanwhile.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torchfleet import machine_load
 from torchfleet.bench import flops, kernels, user_model
 from torchfleet.data import check_global_batch
 from torchfleet.fleet import Fleet
@@ -162,6 +166,7 @@ def run_cell(spec: dict) -> dict | None:
     `spec` holds model, gpt_preset, image_size, strategy, processes, global_batch,
     precision, threads, warmup, steps, seed and options (the strategy's options).
     """
+    span = machine_load.Span()  # on every rank: its own CPU seconds; the main rank's CPUs' busy seconds
     torch.set_num_threads(spec["threads"])
     fleet = Fleet(
         strategy=spec["strategy"],
@@ -172,7 +177,7 @@ def run_cell(spec: dict) -> dict | None:
     )
     # No try/finally: a rank that failed must not wait at close()'s barrier for
     # peers stuck in a collective; it exits, and the launcher stops the others.
-    result = _measure(fleet, spec)
+    result = _measure(fleet, spec, span)
     fleet.close()
     return result
 
@@ -215,7 +220,7 @@ def workload(spec: dict, local_batch: int, rank: int, fleet: Fleet) -> tuple[nn.
     return model, inputs, targets, loss_fn
 
 
-def _measure(fleet: Fleet, spec: dict) -> dict | None:
+def _measure(fleet: Fleet, spec: dict, span: machine_load.Span) -> dict | None:
     rank, readers = fleet.strategy.data_coords()
     check_global_batch(spec["global_batch"], readers)
     local_batch = spec["global_batch"] // readers
@@ -249,24 +254,29 @@ def _measure(fleet: Fleet, spec: dict) -> dict | None:
         if comm:
             local_times.append(_timed(unsynced, fleet.device))
     peak = memory.peak_bytes()
+    span.end()
     # After the peak is read (the profiler's buffers are not the cell's); every rank steps, the main one writes.
-    name = profile_name({**spec, "channels_last": fleet.channels_last})
-    kernels.profile_steps(synced, fleet.device, name, write=fleet.is_main)
+    # Once per cell: bench asks for it in the last round only.
+    if spec.get("profile", True):
+        name = profile_name({**spec, "channels_last": fleet.channels_last})
+        kernels.profile_steps(synced, fleet.device, name, write=fleet.is_main)
 
     # A step lasts as long as its slowest rank.
-    per_rank = _gathered((times, local_times, peak))
+    per_rank = _gathered((times, local_times, peak, span.own_cpu_s))
     if not fleet.is_main:
         return None
-    step_times = [max(t[i] for t, _, _ in per_rank) for i in range(len(times))]
+    step_times = [max(t[i] for t, _, _, _ in per_rank) for i in range(len(times))]
     result = {
         **spread(step_times),
+        "step_times_s": step_times,
+        "others_cores": span.others_cores(sum(cpu for *_, cpu in per_rank)),
         "local_batch": local_batch,
         "threads_per_process": torch.get_num_threads(),
         "device": str(fleet.device),
         "device_name": torch.cuda.get_device_name(fleet.device) if fleet.device.type == "cuda" else None,
         "flops_per_sample": model_flops,
         "backend": fleet.strategy.runtime.backend or "none",
-        "peak_memory_bytes": [p for _, _, p in per_rank],
+        "peak_memory_bytes": [p for _, _, p, _ in per_rank],
         "memory_method": memory.method,
         "comm_share": None,
         "comm_method": None,
@@ -275,7 +285,7 @@ def _measure(fleet: Fleet, spec: dict) -> dict | None:
         "channels_last": fleet.channels_last,
     }
     if comm:
-        unsynced_times = [max(t[i] for _, t, _ in per_rank) for i in range(len(local_times))]
+        unsynced_times = [max(t[i] for _, t, _, _ in per_rank) for i in range(len(local_times))]
         synced_median = statistics.median(step_times)
         saved = synced_median - statistics.median(unsynced_times)
         result["comm_share"] = max(0.0, saved / synced_median)

@@ -1,4 +1,5 @@
-"""What `torchfleet bench` shows and writes: progress, the table, JSON, CSV and the verdict."""
+"""What `torchfleet bench` shows and writes: progress, the table, JSON and CSV (verdict.py: the flags and the
+verdict they allow)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from torchfleet.models import IMAGE_MODELS, TOKEN_MODELS
+from torchfleet.bench.verdict import comm, label, throughput, throughput_unit, verdict
 
 # Every cell object in results.json has exactly these fields (None where a
 # figure does not apply or the cell did not run), in this order in results.csv.
@@ -37,6 +38,12 @@ FIELDS = (
     "step_time_q3_s",
     "step_time_min_s",
     "step_time_max_s",
+    "rounds",
+    "round_step_time_s",
+    "spread",
+    "others_cores",
+    "flags",
+    "flag_reasons",
     "samples_per_s",
     "tokens_per_s",
     "speedup",
@@ -56,33 +63,11 @@ FIELDS = (
     "first_step_s",
     "wall_s",
 )
-SCHEMA = "torchfleet-bench/1"
-
-
-def label(row: dict) -> str:
-    name = row["strategy"]
-    return name if row["processes"] == 1 else f"{name} on {row['processes']} processes"
+SCHEMA = "torchfleet-bench/2"  # 2: rounds, spread, others_cores, flags; machine_state
 
 
 def _cell_name(row: dict) -> str:
     return f"{label(row)}, batch {row['global_batch']}, {row['precision']}"
-
-
-def throughput_unit(model: str) -> str:
-    """Throughput's unit for a model: tokens/s for gpt (a sample is a sequence), images/s for the ResNets."""
-    return "tokens/s" if model in TOKEN_MODELS else "images/s" if model in IMAGE_MODELS else "samples/s"
-
-
-def throughput(row: dict) -> str:
-    """A cell's rate with its unit, as the tables and the cell lines show it (bench's link mode too)."""
-    if row.get("tokens_per_s") is not None:
-        return f"{row['tokens_per_s']:,.0f} tokens/s"
-    return f"{row['samples_per_s']:,.0f} {throughput_unit(row.get('model', ''))}"
-
-
-def _comm(row: dict) -> str:
-    share = row.get("comm_share")
-    return "" if share is None else f" (communication is {share:.0%} of the step)"
 
 
 # ---- while it runs -----------------------------------------------------------------------
@@ -92,18 +77,20 @@ class _Bar:
     def __init__(self, console, progress: Progress, task):
         self.console, self.progress, self.task = console, progress, task
 
-    def start(self, cell) -> None:
-        name = f"{cell.strategy} x{cell.processes}, batch {cell.global_batch}, {cell.precision}"
-        self.progress.update(self.task, description=escape(name))
+    def start(self, cell, round_index: int, rounds: int) -> None:
+        name = f"round {round_index + 1} of {rounds}: {cell.strategy} x{cell.processes}, batch {cell.global_batch}"
+        self.progress.update(self.task, description=escape(f"{name}, {cell.precision}"))
+
+    def step(self) -> None:
+        self.progress.advance(self.task)
 
     def done(self, row: dict) -> None:
-        self.progress.advance(self.task)
         self.console.print(escape(line(row)))
 
 
 @contextlib.contextmanager
 def progress(console, total: int):
-    """A bar over the cells (on a terminal) and one line per finished cell (everywhere)."""
+    """A bar over the cells' runs (on a terminal); `done` prints a cell's line once its rounds are over."""
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as bar:
         yield _Bar(console, bar, bar.add_task("starting", total=total))
@@ -119,64 +106,28 @@ def line(row: dict) -> str:
         text += f", {row['vs_fp32']:.2f}x its fp32 cell"
     if row.get("mfu") is not None:
         text += f", MFU {row['mfu']:.1%}"
-    return text + _comm(row)
-
-
-# ---- the verdict -------------------------------------------------------------------------
-
-
-def verdict(rows: list[dict]) -> str:
-    """The fastest cell, with the figure that explains it."""
-    ok = [r for r in rows if r["status"] == "ok"]
-    if not ok:
-        return "no cell ran, so there is no verdict; each row says why"
-    best = max(ok, key=lambda r: r["samples_per_s"])
-    text = (
-        f"{label(best)} is the fastest for {best['model']} here: "
-        f"{throughput(best)} at batch {best['global_batch']} ({best['precision']})"
-    )
-    if best["strategy"] == "serial":
-        rivals = [r for r in ok if r["strategy"] != "serial" and r["speedup"] is not None]
-        if rivals:
-            top = max(rivals, key=lambda r: r["speedup"])
-            text += (
-                f"; the best parallel cell, {label(top)} at batch {top['global_batch']},"
-                f" reaches {top['speedup']:.2f}x serial{_comm(top)}"
-            )
-        return text + "."
-    if best["speedup"] is not None:
-        text += f", {best['speedup']:.2f}x serial at the same batch{_comm(best)}"
-    # How the same set-up fares at the smallest other batch says why batch size matters.
-    same = sorted(
-        (
-            r
-            for r in ok
-            if r is not best
-            and r["speedup"] is not None
-            and (r["strategy"], r["processes"], r["precision"])
-            == (best["strategy"], best["processes"], best["precision"])
-        ),
-        key=lambda r: r["global_batch"],
-    )
-    if same:
-        small = same[0]
-        text += f"; at batch {small['global_batch']} it is {small['speedup']:.2f}x serial{_comm(small)}"
-    return text + "."
+    if row.get("spread") is not None:
+        text += f", rounds within {row['spread']:.0%}"
+    text += comm(row)
+    reasons = row.get("flag_reasons")
+    return text + (f"; flagged: {'; '.join(reasons)}" if reasons else "")
 
 
 # ---- files -------------------------------------------------------------------------------
 
 
-def document(cfg, machine: dict, rows: list[dict], notes: list[str]) -> dict:
+def document(cfg, machine: dict, rows: list[dict], notes: list[str], state: dict | None = None) -> dict:
+    """results.json: `machine` is doctor's report, `state` how busy the machine was (machine_load.py)."""
     cells = [{field: row.get(field) for field in FIELDS} for row in rows]
     return {
         "schema": SCHEMA,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "config": asdict(cfg),
         "machine": machine,
+        "machine_state": state,
         "notes": notes,
         "cells": cells,
-        "verdict": verdict(cells),
+        "verdict": verdict(cells, state),
     }
 
 
@@ -244,7 +195,7 @@ def table(doc: dict) -> Table:
         "batch",
         "precision",
         "ms/step",
-        "IQR ms",
+        "spread",
         rate,
         "speedup",
         "effic.",
@@ -260,21 +211,19 @@ def table(doc: dict) -> Table:
     reasons = []
     for r in doc["cells"]:
         ok = r["status"] == "ok"
-        if not ok:
-            reasons.append(
-                f"[{len(reasons) + 1}] {r['strategy']} x{r['processes']}, batch "
-                f"{r['global_batch']}, {r['precision']}: {r['error']}"
-            )
-        iqr = (r["step_time_q3_s"] - r["step_time_q1_s"]) * 1e3 if ok else None
-        median_ms = r["step_time_median_s"] * 1e3 if ok else None
         name = r["strategy"] if r["processes"] == 1 else f"{r['strategy']} x{r['processes']}"
+        if not ok or r.get("flags"):
+            why = r["error"] if not ok else "; ".join(r["flag_reasons"])
+            reasons.append(f"[{len(reasons) + 1}] {name}, batch {r['global_batch']}, {r['precision']}: {why}")
+        median_ms = r["step_time_median_s"] * 1e3 if ok else None
+        status = "ok" if ok and not r.get("flags") else f"flag [{len(reasons)}]" if ok else None
         t.add_row(
             escape(name),
-            str(r["threads_per_process"]),
+            f"{r['processes']}x{r['threads_per_process']}",
             str(r["global_batch"]),
             r["precision"],
             _num(median_ms, ".2f"),
-            _num(iqr, ".2f"),
+            _num(r.get("spread") if ok else None, ".0%"),
             _num(r["tokens_per_s" if tokens else "samples_per_s"], ",.0f"),
             _num(r["speedup"], ".2f"),
             _num(r["efficiency"], ".2f"),
@@ -283,8 +232,23 @@ def table(doc: dict) -> Table:
             *((_num(r.get("mfu"), ".1%"),) if mfu else ()),
             _mib(r["peak_memory_bytes"]),
             _num(r["comm_share"], ".0%"),
-            "ok" if ok else f"[red]{r['status']} [{len(reasons)}][/]",
+            status or f"[red]{r['status']} [{len(reasons)}][/]",
         )
-    if reasons:
-        t.caption = escape("\n".join(reasons))
+    t.caption = escape("\n".join([budget(doc), *reasons]))
     return t
+
+
+def budget(doc: dict) -> str:
+    """The thread budget of the cells: processes x intra-op threads each, on the usable cores."""
+    cores = doc["machine"]["cpu_cores"]["usable"]
+    used = sorted({r["processes"] * r["threads_per_process"] for r in doc["cells"] if r["status"] != "skipped"})
+    rounds = doc["config"].get("rounds", 1)
+    spread = (
+        f"spread: the {rounds} rounds' range over their median" if rounds > 1 else "spread: the steps' IQR / median"
+    )
+    if len(used) == 1:
+        return f"every cell runs {used[0]} threads in all (processes x threads each) on {cores} usable cores; {spread}"
+    return (
+        f"the cells run {', '.join(map(str, used))} threads in all (processes x threads each; --threads sets them"
+        f" per process) on {cores} usable cores: their speedups compare unequal budgets; {spread}"
+    )

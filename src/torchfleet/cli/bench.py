@@ -102,6 +102,14 @@ def add_parser(sub, strategy_flags) -> None:
         help="timed steps (default 30; link mode 50, whole blocks of --sync-every, at least two)",
     )
     b.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="rounds of the whole matrix, each cell once per round, interleaved so that load that comes and"
+        " goes hits every cell alike; a cell's figure is the median of its rounds', and the fastest is named"
+        " only when it beats the others in every round (default 3)",
+    )
+    b.add_argument(
         "--threads", type=int, default=None, help="intra-op threads per process (default: usable cores / processes)"
     )
     b.add_argument(
@@ -136,7 +144,8 @@ def add_parser(sub, strategy_flags) -> None:
     b.add_argument(
         "--quick",
         action="store_true",
-        help="a tiny matrix (mlp, batch 64, 6 steps; gpt tiny, 32x32 images): a smoke test; link mode: 20 timed steps",
+        help="a tiny matrix (mlp, batch 64, 3 rounds of 6 steps; gpt tiny, 32x32 images): a smoke test; link mode: 20"
+        " timed steps",
     )
     link = b.add_argument_group(
         "link mode: the same command on every machine; ddp, ddp with PowerSGD and diloco over the link between"
@@ -163,6 +172,7 @@ def command(args, strategy_options: dict) -> int:
     from torchfleet.bench.config import BenchConfig
     from torchfleet.bench.link.job import machines_from_flags
     from torchfleet.bench.matrix import QUICK, run_bench
+    from torchfleet.errors import UsageError
 
     given = {
         name: getattr(args, name)
@@ -176,10 +186,13 @@ def command(args, strategy_options: dict) -> int:
             "precisions",
             "warmup",
             "steps",
+            "rounds",
         )
     }
     machines = machines_from_flags(args.nnodes, args.node_rank, args.master_addr, args.master_port)
     if machines is not None:
+        if given.pop("rounds") is not None:
+            raise UsageError("--rounds is for the matrix on one machine; link mode times each cell once per machine")
         return _link_mode(args, given, strategy_options, machines)
     chosen = {**(QUICK if args.quick else {}), **{k: v for k, v in given.items() if v is not None}}
     cfg = BenchConfig(

@@ -16,6 +16,11 @@ step) and for peak memory; and for the cell's fastest step, the figure the
 calibration aims at (it takes the fastest of its own steps: on a machine
 shared with others' jobs their load only ever adds to a step, so the median
 of a few steps says as much about the neighbours as about the strategy).
+
+Each cell is flagged as bench flags its cells (bench/verdict.py): a speedup over the
+serial cell above what its processes on these cores allow, a spread of its steps
+(IQR over median) above the limit, other processes' load while it ran
+(machine_load.py). Flagged cells stay in the summary, which says how many were.
 """
 
 from __future__ import annotations
@@ -33,10 +38,12 @@ def run_check_cell(spec: dict) -> dict | None:
     import torch
     import torch.distributed as dist
 
+    from torchfleet import machine_load
     from torchfleet.bench import measure_cell as bench_cell
     from torchfleet.data import check_global_batch
     from torchfleet.fleet import Fleet
 
+    span = machine_load.Span()  # every rank's CPU seconds; the main rank's CPUs' busy seconds
     torch.set_num_threads(spec["threads"])
     fleet = Fleet(strategy=spec["strategy"], precision="fp32", **spec["options"])
     rank, readers = fleet.strategy.data_coords()
@@ -51,18 +58,22 @@ def run_check_cell(spec: dict) -> dict | None:
     for _ in range(spec["warmup"]):
         step()
     times = [bench_cell._timed(step, fleet.device) for _ in range(spec["steps"])]
+    span.end()
     peak, why = _tensor_peak(model, optimizer, step, fleet.device)
     found: list[Any] = [None] * fleet.world_size
     if dist.is_initialized():
-        dist.all_gather_object(found, (times, peak))
+        dist.all_gather_object(found, (times, peak, span.own_cpu_s))
     else:
-        found = [(times, peak)]
+        found = [(times, peak, span.own_cpu_s)]
     result = None
     if fleet.is_main:
-        step_times = [max(t[i] for t, _ in found) for i in range(len(times))]
-        peaks = [p for _, p in found]
+        step_times = [max(t[i] for t, _, _ in found) for i in range(len(times))]
+        peaks = [p for _, p, _ in found]
+        figures = bench_cell.spread(step_times)
         result = {
-            **bench_cell.spread(step_times),
+            **figures,
+            "spread": (figures["step_time_q3_s"] - figures["step_time_q1_s"]) / figures["step_time_median_s"],
+            "others_cores": span.others_cores(sum(cpu for *_, cpu in found)),
             "peak_tensor_bytes": peaks if None not in peaks else None,
             "memory_note": why,
             "microbatches": getattr(fleet.strategy, "microbatches", None),
@@ -129,6 +140,10 @@ def compare(prediction, measured: dict) -> dict:
         "microbatches": measured.get("microbatches"),
         "measured_fastest_step_s": None,
         "fastest_ratio": None,
+        "spread": measured.get("spread"),
+        "others_cores": measured.get("others_cores"),
+        "flags": [],
+        "flag_reasons": [],
     }
     if measured["status"] != "ok":
         return row
@@ -148,9 +163,33 @@ def compare(prediction, measured: dict) -> dict:
     return row
 
 
+def flag(rows: list[dict], cores: int, gpus: int) -> None:
+    """Each measured row's flags and their reasons, as bench's (bench/verdict.py), in place: speedups over the
+    serial cell of the same batch, the steps' spread, other processes' load."""
+    from torchfleet.bench.verdict import flag as bench_flag
+
+    serial = {
+        r["global_batch"]: r["measured_step_s"] for r in rows if r["strategy"] == "serial" and r["status"] == "ok"
+    }
+    shaped = [
+        {
+            **r,
+            "precision": "fp32",
+            "device": "cuda" if gpus else "cpu",
+            "speedup": serial[r["global_batch"]] / r["measured_step_s"] if r["global_batch"] in serial else None,
+        }
+        if r["status"] == "ok"
+        else r
+        for r in rows
+    ]
+    bench_flag(shaped, cores, gpus)
+    for row, judged in zip(rows, shaped, strict=True):
+        row["flags"], row["flag_reasons"] = judged["flags"], judged["flag_reasons"]
+
+
 def summary(rows: list[dict]) -> dict:
-    """Median and worst |predicted / measured - 1| for step time and for peak memory."""
-    out: dict[str, Any] = {}
+    """Median and worst |predicted / measured - 1| for step time and for peak memory; which cells are flagged."""
+    out: dict[str, Any] = {"flagged": [_name(r) + f" ({', '.join(r['flags'])})" for r in rows if r.get("flags")]}
     for what, key in (("step_time", "step_ratio"), ("peak_memory", "memory_ratio"), ("fastest_step", "fastest_ratio")):
         measured = [r for r in rows if r.get(key) is not None]
         if not measured:
@@ -165,6 +204,10 @@ def summary(rows: list[dict]) -> dict:
             | {"error": abs(worst[key] - 1)},
         }
     return out
+
+
+def _name(row: dict) -> str:
+    return f"{row['strategy']} x{row['processes']} at batch {row['global_batch']}"
 
 
 def cell_dict(cell) -> dict:

@@ -87,7 +87,7 @@ def check_table(check: dict) -> Table:
     for r in check["cells"]:
         ratio = "-" if r["step_ratio"] is None else f"{r['step_ratio']:.2f}"
         mem_ratio = "-" if r["memory_ratio"] is None else f"{r['memory_ratio']:.2f}"
-        note = r["error"] or (r["memory_note"] or "")
+        note = r["error"] or ", ".join(f"flag: {f}" for f in r.get("flags") or ()) or (r["memory_note"] or "")
         t.add_row(
             r["strategy"],
             str(r["processes"]),
@@ -104,7 +104,15 @@ def check_table(check: dict) -> Table:
 
 
 def check_sentences(summary: dict) -> list[str]:
-    out = []
+    flagged = summary.get("flagged")
+    out = (
+        [
+            f"{len(flagged)} cells flagged, their step times in doubt (bench's flags; the lines above say why):"
+            f" {'; '.join(flagged)}"
+        ]
+        if flagged
+        else []
+    )
     for what, label in (("step_time", "step time"), ("peak_memory", "peak memory"), ("fastest_step", "fastest step")):
         if what not in summary:
             continue

@@ -339,11 +339,16 @@ def plan_document(cfg: PlanConfig, say=print) -> dict:
 
 def run_check(cfg: PlanConfig, document: dict, say=print) -> dict:
     """bench's cells here, each predicted and measured; the rows and their summary."""
+    from torchfleet import machine_load
+    from torchfleet.backend import probe_hardware
     from torchfleet.bench.cells import Cell
 
     spec = {**spec_of(cfg), "precision": "fp32", "warmup": cfg.warmup, "steps": cfg.steps, "options": {}}
     rows = []
     cores = document["calibration"]["cores"]
+    gpus = probe_hardware().gpus  # the cells run here, on these
+    state = machine_load.measure(gpus=gpus)
+    say(("warning: " if state.busy else "") + state.line())
     for p in document["_found"]:
         cell = Cell(p.strategy, p.processes, p.global_batch, "fp32", max(1, cores // p.processes))
         piped = " m" in p.degrees and p.processes > 1  # a pipeline: it runs the schedule planned
@@ -354,8 +359,11 @@ def run_check(cfg: PlanConfig, document: dict, say=print) -> dict:
         if used and piped and f" m{used} " not in f"{p.degrees} ":
             p = _repredicted(document, p, used)  # the schedule chose another count than the plan's rule
         rows.append(plan_check.compare(p, measured))
-        say(_check_line(rows[-1]))
-    return {"cells": rows, "summary": plan_check.summary(rows)}
+    # Flagged against the serial cell, which may come last: the lines follow once every cell has run.
+    plan_check.flag(rows, cores, gpus)
+    for row in rows:
+        say(_check_line(row))
+    return {"cells": rows, "summary": plan_check.summary(rows), "machine_state": state.row()}
 
 
 def _repredicted(document: dict, p: predict.Prediction, microbatches: int) -> predict.Prediction:
@@ -383,4 +391,6 @@ def _check_line(row: dict) -> str:
     )
     if row["measured_peak_bytes"] is not None:
         text += f"; peak predicted {_gib(row['predicted_peak_bytes'])}, measured {_gib(row['measured_peak_bytes'])}"
+    if row["flag_reasons"]:
+        text += f"; flagged: {'; '.join(row['flag_reasons'])}"
     return text

@@ -10,9 +10,8 @@ network-namespace hosts training the cnn under ddp, with a tbf limit of
 step, the slowed rank's among them; without the limit, 6-17 ms on every rank.
 
 So every rank watches the gathered figures for that pattern (LinkWatch):
-every rank's comm_s above the run's earlier level by more than
-stragglers.SLOWER and stragglers.FLOOR_S, for stragglers.WINDOWS windows in a
-row. The level is the median of the earlier windows' medians, leaving out the
+every rank's comm_s above the run's earlier level by more than RISE and
+stragglers.FLOOR_S, for stragglers.WINDOWS windows in a row. The level is the median of the earlier windows' medians, leaving out the
 warm-up window and those where a rank was slow in data or compute (the others
 waited for it). Every rank means the slow one too: a rank slow in data or
 compute arrives last at the sync and waits least, so it does not start the
@@ -46,11 +45,12 @@ import torch
 import torch.distributed as dist
 
 from torchfleet.train.rank_figures import RankWindow, gather_rows
-from torchfleet.train.stragglers import FLOOR_S, SLOWER, WINDOWS, Verdict, slow_ranks
+from torchfleet.train.stragglers import FLOOR_S, WINDOWS, Verdict, slow_ranks
 
 PROBE_BYTES = 2 << 20  # several times the probe's own timing noise on a fast link; 0.3 s at 50 Mbit/s
 LINK_SLOWER = 1.0  # a link is slow at under half the others' median rate
 HISTORY = 2  # windows of the earlier level needed before a rise counts
+RISE = 0.2  # every rank's gradient sync this much above its earlier level: the probe runs
 
 
 class LinkWatch:
@@ -68,9 +68,7 @@ class LinkWatch:
             return None
         self._seen += 1
         before = statistics.median(self._levels) if len(self._levels) >= HISTORY else None
-        if before is not None and all(
-            r.comm_s > before * (1 + SLOWER) and r.comm_s - before > FLOOR_S for r in records
-        ):
+        if before is not None and all(r.comm_s > before * (1 + RISE) and r.comm_s - before > FLOOR_S for r in records):
             self._streak += 1
             return before if self._streak == WINDOWS else None
         self._streak = 0
@@ -129,3 +127,15 @@ def verdicts(records: list[RankWindow], sends: list[float], before: float, nbyte
                 )
             )
     return named
+
+
+def found(sends: list[float], named: list[Verdict], nbytes: int = PROBE_BYTES) -> str:
+    """What the probe measured, one sentence: every rank's link's rate out, and which is slow, if any."""
+    rates = ", ".join(f"rank {r} {nbytes / s / 1e6:,.1f}" for r, s in enumerate(sends))
+    slow = [v.rank for v in named]
+    verdict = (
+        f"rank {', '.join(map(str, slow))}'s link is slow (below half the others' median)"
+        if slow
+        else "no rank's link is below half the others' median: the rise is not one link's"
+    )
+    return f"the link probe sent {nbytes / 2**20:g} MiB out of each rank: MB/s {rates}; {verdict}"

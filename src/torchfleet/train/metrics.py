@@ -10,12 +10,15 @@ flushed as it is written, so a run that dies keeps every row before it.
 
 A run of several processes also gets, at each logged step, one row per rank
 (kind "rank": rank, host, steps, data_s, compute_s, comm_s, step_s in
-seconds per step over the log window, memory_bytes and memory_kind; what each
-means is in train/rank_figures.py), as rank<r>/<figure> scalars in
-TensorBoard, and a row for each straggler verdict (kind "straggler": rank,
-host, phase, value, median, slower, windows, for a slow link send_mb_s and
-others_mb_s, and the message printed; train/stragglers.py), which TensorBoard
-gets as text under "stragglers".
+seconds per step over the log window, memory_bytes and memory_kind,
+cpu_wait_s, others_cores and host_cores; what each means is in
+train/rank_figures.py), as rank<r>/<figure> scalars in TensorBoard, a row for
+each straggler verdict (kind "straggler": rank, host, phase, value, median,
+slower, windows, cpu_wait_s and others_wait_s in data and compute, for a slow
+link send_mb_s and others_mb_s, and the message printed; train/stragglers.py),
+which TensorBoard gets as text under "stragglers", and a row when the machine
+is busy for every rank (kind "machine": step, windows, wait_low, wait_high,
+others_cores, host_cores, message).
 
 A resumed run continues the file: the rows up to the checkpoint's step are
 kept and those after it, which the resumed run computes again, are dropped
@@ -36,8 +39,33 @@ from torchfleet.errors import UsageError
 
 FORMATS = {".csv": "csv", ".jsonl": "jsonl", ".json": "jsonl"}
 TRAIN_COLUMNS = ("kind", "step", "epoch", "loss", "lr", "samples_per_s", "elapsed_s")
-RANK_COLUMNS = ("rank", "host", "steps", "data_s", "compute_s", "comm_s", "step_s", "memory_bytes", "memory_kind")
-VERDICT_COLUMNS = ("phase", "value", "median", "slower", "windows", "send_mb_s", "others_mb_s", "message")
+RANK_COLUMNS = (
+    "rank",
+    "host",
+    "steps",
+    "data_s",
+    "compute_s",
+    "comm_s",
+    "step_s",
+    "memory_bytes",
+    "memory_kind",
+    "cpu_wait_s",
+    "others_cores",
+    "host_cores",
+)
+VERDICT_COLUMNS = (
+    "phase",
+    "value",
+    "median",
+    "slower",
+    "windows",
+    "send_mb_s",
+    "others_mb_s",
+    "others_wait_s",
+    "wait_low",
+    "wait_high",
+    "message",
+)
 RANK_SCALARS = ("data_s", "compute_s", "comm_s", "step_s", "memory_bytes")
 
 
@@ -141,6 +169,14 @@ class MetricsLog:
         self._write({"kind": "straggler", **verdict.row(), "elapsed_s": time.perf_counter() - self._start})
         if self._tb is not None:
             self._tb.add_text("stragglers", verdict.line(), verdict.step)
+
+    def machine(self, note) -> None:
+        """Every rank waited for a CPU (stragglers.MachineBusy)."""
+        if self._file is None and self._tb is None:
+            return
+        self._write({"kind": "machine", **note.row(), "elapsed_s": time.perf_counter() - self._start})
+        if self._tb is not None:
+            self._tb.add_text("stragglers", note.line(), note.step)
 
     def epoch(self, step: int, epoch: int, figures: dict) -> None:
         """An epoch's validation figures, at the step the epoch ended."""

@@ -33,6 +33,14 @@ the fp16 scaler skips) counts its gradient wait as compute.
 Memory is read once per window: torch.cuda.max_memory_allocated on a GPU, the
 process's resident set (/proc/self/statm) on CPU.
 
+How busy the machine is, also once per window (machine_load.py; Linux, else None):
+
+    cpu_wait_s    seconds per step this rank's main thread waited, ready to run,
+                  for a CPU (its run delay): others, or this job's own threads
+                  beyond the cores, held them
+    others_cores  the cores of this rank's host that other processes kept busy:
+                  the host's busy CPU-seconds less its ranks' own, per second
+
 The figures travel to every rank in the collective that reads the loss window
 (train/losses.py): RankWindow.FIELDS more numbers a rank in the one all-gather
 that replaces the all-reduce, so they cost no collective and no host sync of
@@ -42,6 +50,7 @@ their own. The hosts' names are exchanged once, through the group's store.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import resource
 import socket
@@ -51,6 +60,8 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
+
+from torchfleet import machine_load
 
 STORE_PREFIX = "torchfleet/ranks"
 
@@ -71,9 +82,13 @@ class RankWindow:
     step_s: float
     memory_bytes: int
     memory_kind: str
+    cpu_wait_s: float | None = None
+    others_cores: float | None = None
+    host_cores: int = 0  # the CPUs of its host
 
-    # What each rank sends, in this order: the step count, then the three phases' sums and the memory.
-    FIELDS = 5
+    # What each rank sends, in this order: the step count, the three phases' sums, the memory, then its CPU
+    # seconds, its wait for a CPU, the host's busy CPU-seconds, the window's wall seconds and the host's CPUs.
+    FIELDS = 10
 
     def row(self) -> dict:
         """The record as a metrics row's fields (kind "rank")."""
@@ -143,6 +158,7 @@ class PhaseClock:
         self._hooks.append(optimizer.register_step_pre_hook(self._step_starts))
         self._fsdp_blocked = 0.0  # this step's seconds in FSDP's collectives (_time_fsdp_waits)
         self._fsdp_groups = _time_fsdp_waits(model, self)
+        self._machine = _MachineWindow()
 
     def close(self) -> None:
         """Take the hooks off (benchmarks/rank_view_overhead.py times steps with and without them)."""
@@ -189,13 +205,30 @@ class PhaseClock:
         steps, data, compute, comm = self._sums
         memory, _ = memory_now(self.device)
         self._sums = [0, 0.0, 0.0, 0.0]
-        return [float(steps), data, compute, comm, float(memory)]
+        return [float(steps), data, compute, comm, float(memory), *self._machine.take()]
 
     def _gradient_done(self, _param: torch.Tensor) -> None:
         self._last_gradient = time.perf_counter()
 
     def _step_starts(self, *_args) -> None:
         self._synced = time.perf_counter()
+
+
+class _MachineWindow:
+    """This rank's CPU seconds, its wait for a CPU and its host's busy CPU-seconds since the last `take`."""
+
+    def __init__(self) -> None:
+        self._cpus = set(range(os.cpu_count() or 1))  # the whole host: ranks pinned apart still share it
+        self._span = machine_load.Span(self._cpus)
+        self._delay = machine_load.run_delay_seconds()
+
+    def take(self) -> list[float]:
+        """cpu_s, wait_s, busy_s, wall_s and the host's CPUs (NaN where unreadable); a new window started."""
+        span, delay = self._span.end(), machine_load.run_delay_seconds()
+        wait = delay - self._delay if delay is not None and self._delay is not None else math.nan
+        self._span, self._delay = machine_load.Span(self._cpus), delay
+        busy = span.busy_s if span.busy_s is not None else math.nan
+        return [span.own_cpu_s, wait, busy, span.wall_s, float(len(self._cpus))]
 
 
 def _time_fsdp_waits(model: torch.nn.Module, clock: PhaseClock) -> list:
@@ -239,7 +272,8 @@ def _timed(method: Callable, clock: PhaseClock, gradient_done: bool = False) -> 
 def windows(step: int, sent: list[list[float]], host_names: list[str], memory_kind: str) -> list[RankWindow]:
     """The ranks' records from what each sent (PhaseClock.take's numbers, by rank)."""
     records = []
-    for rank, (steps, data, compute, comm, memory) in enumerate(sent):
+    others = _others_cores(sent, host_names)
+    for rank, (steps, data, compute, comm, memory, _cpu, wait, _busy, _wall, cores) in enumerate(sent):
         per = max(steps, 1.0)
         records.append(
             RankWindow(
@@ -253,6 +287,24 @@ def windows(step: int, sent: list[list[float]], host_names: list[str], memory_ki
                 step_s=(data + compute + comm) / per,
                 memory_bytes=int(memory),
                 memory_kind=memory_kind,
+                cpu_wait_s=None if math.isnan(wait) else wait / per,
+                others_cores=others[host_names[rank]],
+                host_cores=int(cores),
             )
         )
     return records
+
+
+def _others_cores(sent: list[list[float]], host_names: list[str]) -> dict[str, float | None]:
+    """Each host's cores that other processes kept busy over the window: its busy CPU-seconds per second (the
+    median of its ranks' readings) less its ranks' own CPU-seconds per second."""
+    found: dict[str, float | None] = {}
+    for host in dict.fromkeys(host_names):
+        mine = [row for row, name in zip(sent, host_names, strict=True) if name == host]
+        busy = [row[7] / row[8] for row in mine if row[8] > 0 and not math.isnan(row[7])]
+        if len(busy) < len(mine):
+            found[host] = None
+            continue
+        ours = sum(row[5] / row[8] for row in mine)
+        found[host] = max(0.0, sorted(busy)[len(busy) // 2] - ours)
+    return found

@@ -195,6 +195,7 @@ class Run:
         if self.watchdog:
             self.watchdog.stop()
         if self.dashboard is not None:
+            self.dashboard.keep(self.cfg.metrics_out)  # readable after the run, which takes the server away
             self.dashboard.close()
         return time.perf_counter() - self.start
 
@@ -253,6 +254,9 @@ class Run:
             verdicts += self.stragglers.membership(
                 self.step, self.replicas.participants, fleet.rank, self._hosts[fleet.rank]
             )
+        for note in self.stragglers.machine:
+            self.bar.note(f"torchfleet: {note.line()}")
+            self.metrics.machine(note)
         for verdict in verdicts:
             self.bar.note(f"torchfleet: {verdict.line()}")
             self.metrics.verdict(verdict)
@@ -275,7 +279,11 @@ class Run:
                 f" {least * 1e3:.1f} ms or more: probing each rank's link"
             )
         device = self.fleet.strategy.runtime.device
-        return link_probe.verdicts(records, link_probe.send_seconds(device), before)
+        sends = link_probe.send_seconds(device)
+        named = link_probe.verdicts(records, sends, before)
+        if self.fleet.is_main:
+            self.bar.note(f"torchfleet: {link_probe.found(sends, named)}")
+        return named
 
     def _save(self) -> None:
         self.saved = save(self.fleet, self.cfg, self.step, self.job.sampler, self.loss)

@@ -2,18 +2,48 @@
 
 The main rank judges each log window's records (train/rank_figures.py). A
 rank is slow in a phase when its seconds per step there exceed the median of
-the other ranks' by more than SLOWER (a fraction) and by more than FLOOR_S
-(noise on a busy machine); it is named once it has been slow in that phase
-for WINDOWS log windows in a row, and again only after a window without.
+the other ranks' by more than a threshold and by more than FLOOR_S (noise on a
+busy machine); it is named once it has been slow in that phase for WINDOWS log
+windows in a row, and again only after a window without.
+
+The threshold is the run's own: its standing in a phase is log(mine / the
+others' median) (FLOOR_S added to both, so phases of a few microseconds do not
+swing it), and the run's noise there is the median change of the ranks'
+standings from one window to the next, over the last HISTORY windows. A rank
+is slow when its standing exceeds NOISE_K times that noise, and log(1 + SLOWER)
+whatever the noise. Two ranks pinned each to its own core of an idle 2-core
+machine, training gpt, differed by 20-40% from window to window, one way or the
+other: with a fixed 20% both were named in turn in a 27 s run. A rank slowed
+for good keeps its standing, so its changes, and the noise, stay small. The
+windows that hold any of the first WARMUP_STEPS steps are not judged (allocator
+growth, the first graphs, Gloo's first connections: a 36-step run once named
+rank 0 at step 10, 42% above the other).
 
 In a synchronous job every rank's step ends together: the ranks that wait
-for a slow one show the wait as communication. So communication is judged
-only in windows where no rank is slow in data or compute; then a rank whose
-gradient sync alone is slow is named for it. A slow link out of one host
+for a slow one show the wait as communication, and a rank whose core others
+took runs its collectives slower too. So the phase named is where the time is
+lost: communication is judged only in windows where no rank stands above the
+others in data or compute even by half the margin, and its streaks start
+again after any window that is not judged. A slow link out of one host
 slows every rank's gradient sync alike (a ring all-reduce waits for its
 slowest hop), so no rank stands out here: train/link_probe.py sees every
 rank's communication rise together, probes each rank's link, and names the
 rank whose link sends slowly (a Verdict with `send_mb_s`).
+
+A busy machine is not a rank's fault. A window is busy when other processes
+kept busy_cores() of a host's cores busy (rank_figures' others_cores), or when
+every rank's main thread waited for a CPU for BUSY_WAIT of its step or more
+(cpu_wait_s: this job's own threads may outnumber the cores). After WINDOWS
+busy windows in a row a MachineBusy note says so, with the figures, once per
+such streak. In a busy window communication is not judged (a rank's sync waits
+for peers others' processes held up), and a rank is slow only above BUSY_SLOWER
+(twice the others' median): the scheduler shares the cores unevenly, and for a few
+windows at a time puts other processes on one rank's core (unpinned ranks
+beside another job's busy core: one named at 82% above, for 3 windows, in 2
+runs of 5 with a 20% margin); a rank slowed by its own work, or whose own core
+others hold for good, stays far above (a 30 ms sleep in one of four ranks'
+fsdp steps: 35 ms of compute against 4 to 13 ms; a core shared with two busy
+processes: about 3 times).
 
 Memory is judged the same way: a rank whose memory rose by more than
 GROWTH_FLOOR bytes in each of MEMORY_WINDOWS windows in a row is named.
@@ -23,13 +53,21 @@ A replica group leaving or joining the quorum is named as it happens.
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import math
 import statistics
 
+from torchfleet.machine_load import busy_cores
 from torchfleet.train.rank_figures import RankWindow
 
-SLOWER = 0.2
+SLOWER = 0.5
+NOISE_K = 2.0
+HISTORY = 8
 FLOOR_S = 0.005
 WINDOWS = 3
+WARMUP_STEPS = 5
+BUSY_WAIT = 0.1
+BUSY_SLOWER = 1.0
 MEMORY_WINDOWS = 5
 GROWTH_FLOOR = 4 << 20
 PHASES = {"data": "data_s", "compute": "compute_s", "communication": "comm_s"}
@@ -57,6 +95,8 @@ class Verdict:
     windows: int
     send_mb_s: float | None = None
     others_mb_s: float | None = None
+    cpu_wait_s: float | None = None  # seconds per step its main thread waited for a CPU (data, compute)
+    others_wait_s: float | None = None  # the other ranks' median of the same
 
     def line(self) -> str:
         if self.phase == "membership":
@@ -79,28 +119,78 @@ class Verdict:
                 f" up to step {self.step}"
             )
         how = f"{self.slower + 1:.1f} times" if self.slower >= 1 else f"{self.slower:.0%} above"
-        return (
+        text = (
             f"straggler: {where} is slow in {self.phase}: {self.value * 1e3:.1f} ms a step, {how} the other"
             f" ranks' median of {self.median * 1e3:.1f} ms, for {self.windows} log windows up to step {self.step}"
         )
+        if self.cpu_wait_s is not None and self.others_wait_s is not None:
+            if self.cpu_wait_s - self.others_wait_s > FLOOR_S:
+                text += (
+                    f"; it waited {self.cpu_wait_s * 1e3:.1f} ms a step for a CPU, the others"
+                    f" {self.others_wait_s * 1e3:.1f} ms: other processes share its cores"
+                )
+        return text
 
     def row(self) -> dict:
         return {**dataclasses.asdict(self), "message": self.line()}
 
 
-def slow_ranks(records: list[RankWindow], field: str) -> set[int]:
-    """The ranks slow in `field` this window: above the other ranks' median by SLOWER and by FLOOR_S."""
+def slow_ranks(records: list[RankWindow], field: str, slower: float = SLOWER) -> set[int]:
+    """The ranks above the other ranks' median in `field` this window by `slower` and by FLOOR_S."""
     slow = set()
     for record in records:
         others = statistics.median(getattr(r, field) for r in records if r is not record)
         mine = getattr(record, field)
-        if mine > others * (1 + SLOWER) and mine - others > FLOOR_S:
+        if mine > others * (1 + slower) and mine - others > FLOOR_S:
             slow.add(record.rank)
     return slow
 
 
+def standings(records: list[RankWindow], field: str) -> dict[int, float]:
+    """Each rank's log(mine / the other ranks' median) in `field`, FLOOR_S added to both."""
+    found = {}
+    for record in records:
+        others = statistics.median(getattr(r, field) for r in records if r is not record)
+        found[record.rank] = math.log((getattr(record, field) + FLOOR_S) / (others + FLOOR_S))
+    return found
+
+
 def _mib(n: float) -> str:
     return f"{n / (1 << 20):.1f} MiB"
+
+
+@dataclasses.dataclass(frozen=True)
+class MachineBusy:
+    """The machine was busy for WINDOWS windows up to `step`: a metrics row of kind "machine", and `line`."""
+
+    step: int
+    windows: int
+    wait_low: float | None  # the least and most share of a step a rank waited for a CPU (None: not every rank)
+    wait_high: float | None
+    others_cores: float | None  # other processes' cores on the busiest host
+    host_cores: int
+
+    def line(self) -> str:
+        span = f"for {self.windows} log windows up to step {self.step}"
+        waited = (
+            f"every rank waited for a CPU {self.wait_low:.0%} to {self.wait_high:.0%} of its step"
+            if self.wait_low is not None and self.wait_high is not None
+            else ""
+        )
+        if self.others_cores is not None and self.others_cores >= busy_cores(self.host_cores):
+            return (
+                f"the machine is busy: other processes kept {self.others_cores:.1f} of its {self.host_cores} cores"
+                f" busy{' and ' + waited if waited else ''}, {span}; step times here are partly theirs, and a rank"
+                " is named slow only at twice the others' time"
+            )
+        others = "" if self.others_cores is None else f" (other processes kept {self.others_cores:.1f} busy)"
+        return (
+            f"the machine is busy with this job: {waited}, {span}: its processes and threads outnumber the"
+            f" {self.host_cores} cores{others}; fewer processes or --threads would wait less"
+        )
+
+    def row(self) -> dict:
+        return {**dataclasses.asdict(self), "message": self.line()}
 
 
 class StragglerWatch:
@@ -110,31 +200,67 @@ class StragglerWatch:
         self._streaks: dict[tuple[int, str], int] = {}
         self._memory: dict[int, tuple[int, float, float]] = {}  # rank: (windows grown, bytes at start, last)
         self._participants: int | None = None
+        self._history: dict[str, list[dict[int, float]]] = {phase: [] for phase in PHASES}  # standings by window
+        self._busy = 0  # windows in a row every rank waited for a CPU
+        self.machine: list[MachineBusy] = []  # notes of this window (`judge` fills it)
 
     def judge(self, records: list[RankWindow]) -> list[Verdict]:
-        """The verdicts that this window's records complete (most windows: none)."""
-        if len(records) < 2 or not all(r.steps for r in records):
+        """The verdicts that this window's records complete (most windows: none); `machine` the busy note."""
+        self.machine = []
+        warm = records and records[0].step - records[0].steps < WARMUP_STEPS
+        if len(records) < 2 or not all(r.steps for r in records) or warm:
             return self._memory_verdicts(records)
-        verdicts, slow = [], set()
+        # On a busy machine a rank must be twice the others' to be slow for its own part, and a slow gradient sync
+        # is the scheduler's: the ranks wait for peers that others' processes held up, at random.
+        busy = self._machine_busy(records)
+        floor = math.log1p(BUSY_SLOWER if busy else SLOWER)
+        verdicts, leaning = [], False
         for phase, field in PHASES.items():
-            if phase == "communication" and slow:
-                break  # the others waited for the slow rank: their wait is not their own slowness
-            now = slow_ranks(records, field)
-            slow |= now
+            standing = standings(records, field)
+            history = self._history[phase]
+            history.append(standing)
+            del history[:-HISTORY]
+            if phase == "communication" and (leaning or busy):
+                # the others waited for a rank slow in data or compute: their wait is not their own slowness
+                self._streaks.update({(r.rank, phase): 0 for r in records})
+                continue
+            margin = max(floor, NOISE_K * _noise(history))
+            now = {r for r in slow_ranks(records, field, 0.0) if standing[r] > margin}
+            leaning = leaning or any(x > margin / 2 for x in standing.values())
             for record in records:
                 key = (record.rank, phase)
-                if record.rank in now:
-                    self._streaks[key] = self._streaks.get(key, 0) + 1
-                    if self._streaks[key] == WINDOWS:
-                        mine = getattr(record, field)
-                        others = statistics.median(getattr(r, field) for r in records if r is not record)
-                        slower = mine / others - 1 if others > 0 else float("inf")
-                        verdicts.append(
-                            Verdict(record.step, record.rank, record.host, phase, mine, others, slower, WINDOWS)
-                        )
-                else:
-                    self._streaks[key] = 0
+                self._streaks[key] = self._streaks.get(key, 0) + 1 if record.rank in now else 0
+                if self._streaks[key] == WINDOWS:
+                    verdicts.append(self._verdict(record, records, phase, field))
         return verdicts + self._memory_verdicts(records)
+
+    def _verdict(self, record: RankWindow, records: list[RankWindow], phase: str, field: str) -> Verdict:
+        others = [r for r in records if r is not record]
+        mine, median = getattr(record, field), statistics.median(getattr(r, field) for r in others)
+        slower = mine / median - 1 if median > 0 else float("inf")
+        waits = [r.cpu_wait_s for r in others if r.cpu_wait_s is not None]
+        wait = record.cpu_wait_s if phase != "communication" and waits else None
+        others_wait = statistics.median(waits) if wait is not None else None
+        return Verdict(
+            record.step, record.rank, record.host, phase, mine, median, slower, WINDOWS, None, None, wait, others_wait
+        )
+
+    def _machine_busy(self, records: list[RankWindow]) -> bool:
+        """Whether other processes held busy_cores() of a host, or every rank waited for a CPU for BUSY_WAIT of
+        its step; a note at WINDOWS such windows in a row."""
+        # At most the whole step: a window's wait also covers what runs between steps (an evaluation, the read).
+        shares = [min(1.0, r.cpu_wait_s / r.step_s) for r in records if r.cpu_wait_s is not None and r.step_s > 0]
+        waiting = len(shares) == len(records) and min(shares) >= BUSY_WAIT
+        others = any(r.others_cores is not None and r.others_cores >= busy_cores(r.host_cores) for r in records)
+        if not (waiting or others):
+            self._busy = 0
+            return False
+        self._busy += 1
+        if self._busy == WINDOWS:
+            busiest = max(records, key=lambda r: r.others_cores or 0.0)
+            low, high = (min(shares), max(shares)) if waiting else (None, None)
+            self.machine = [MachineBusy(records[0].step, WINDOWS, low, high, busiest.others_cores, busiest.host_cores)]
+        return True
 
     def membership(self, step: int, participants: int, rank: int, host: str) -> list[Verdict]:
         """A replica group that left or joined the quorum since the last read."""
@@ -156,3 +282,9 @@ class StragglerWatch:
                 growth = r.memory_bytes / start - 1 if start else float("inf")
                 verdicts.append(Verdict(r.step, r.rank, r.host, "memory", r.memory_bytes, start, growth, grown))
         return verdicts
+
+
+def _noise(history: list[dict[int, float]]) -> float:
+    """The median change of a rank's standing from one window to the next, over `history` (0 with one window)."""
+    changes = [abs(now[r] - before[r]) for before, now in itertools.pairwise(history) for r in now if r in before]
+    return statistics.median(changes) if changes else 0.0

@@ -1,5 +1,11 @@
 """`--dashboard [PORT]`: the page served by the main rank, on 127.0.0.1 only, while the run trains.
 
+When the run ends the server goes with the process, so the main rank first writes the page as it stands
+then, as one HTML file (report's static page: the same charts, plotly.js inside): beside the
+--metrics-out file, where `torchfleet report` would write it, or else in the temporary directory, and
+a line at the run's end names the file. A run of 4 s is over before a browser opened after its first line
+gets there.
+
 The app is bottle's (one module, no dependencies of its own); it runs on the
 standard library's WSGI server, one thread per request, in a daemon thread
 beside training, so the loop's only cost is `publish`, which files the
@@ -23,9 +29,11 @@ from __future__ import annotations
 
 import errno
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from socketserver import ThreadingMixIn
 from urllib.parse import parse_qs
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -33,7 +41,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from torchfleet.errors import UsageError
 from torchfleet.view import check_installed
 from torchfleet.view.figures import payload
-from torchfleet.view.page import live_page
+from torchfleet.view.page import live_page, static_page
 from torchfleet.view.rows import RunRows
 
 HOST = "127.0.0.1"
@@ -115,6 +123,23 @@ class DashboardServer:
         )
         return self
 
+    def keep(self, metrics_out: str | None = None) -> Path | None:
+        """Write the page as it stands to one HTML file (final_page's path) and say where; None if it cannot."""
+        path = final_page(metrics_out)
+        with self._lock:
+            rows = self.rows.copy()
+        try:
+            path.write_text(static_page(self.title, payload(rows)))
+        except OSError as exc:
+            print(f"torchfleet: the dashboard's last page could not be written to {path} ({exc})", file=sys.stderr)
+            return None
+        print(
+            f"torchfleet: the run is over and {self.url} with it; its last page, the same charts, is {path}"
+            " (open it in a browser)",
+            file=sys.stderr,
+        )
+        return path
+
     def close(self) -> None:
         if self._thread is not None:
             self._server.shutdown()
@@ -167,6 +192,14 @@ class DashboardServer:
         bottle.response.set_header("X-Version", str(version))
         bottle.response.set_header("Cache-Control", "no-store")
         return text
+
+
+def final_page(metrics_out: str | None) -> Path:
+    """Where the dashboard's last page goes: the metrics file's name with .html (as `torchfleet report`
+    writes it), or a file of its own in the temporary directory."""
+    if metrics_out:
+        return Path(metrics_out).with_suffix(".html")
+    return Path(tempfile.gettempdir()) / f"torchfleet-dashboard-{time.strftime('%Y%m%d-%H%M%S')}.html"
 
 
 def _only_loopback_names() -> None:
