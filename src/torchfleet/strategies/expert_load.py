@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from torchfleet.strategies.expert_parallel import find_experts
 
@@ -31,6 +32,8 @@ class ExpertLoad:
 
     def _count(self, _module: nn.Module, args: tuple) -> None:
         chosen = args[1].detach().reshape(-1)  # (hidden_states, top_k_index, top_k_weights)
+        if chosen.is_meta or is_fake(chosen):  # a shape-only run (a pipeline cutting a meta model) routes nothing
+            return
         experts = next(_module.parameters(recurse=False)).shape[0]  # a DTensor's shape is the whole's
         counted = torch.bincount(chosen, minlength=experts)
         self.counts = counted if self.counts is None else self.counts + counted
