@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from torchfleet import launch
+from torchfleet.versions import release
 from weights_jobs import INPUTS, build, cases_job
 
 LOGITS_TOLERANCE = 1e-6
@@ -83,12 +84,19 @@ TWO_LOADS = [
     ("fsdp", "qwen2-moe"),
     ("ep", "qwen2-moe"),
     ("pipeline", "qwen2-moe"),
+    ("tp", "qwen2-moe"),  # experts split by tp (a strided shard of the packed gate and up halves)
     ("fsdp", "peft-llama"),
     ("tp", "peft-llama"),
     ("pipeline", "peft-llama"),
     ("pipeline", "llama-tied"),  # the head on the last stage, read under its embedding's key or its own
 ]
-FOUR_LOADS = [("fsdp+tp", "llama"), ("hsdp", "llama"), ("fsdp+ep", "qwen2-moe"), ("fsdp+tp", "peft-llama")]
+FOUR_LOADS = [
+    ("fsdp+tp", "llama"),
+    ("hsdp", "llama"),
+    ("fsdp+ep", "qwen2-moe"),
+    ("fsdp+tp", "peft-llama"),
+    ("fsdp+tp", "qwen2-moe"),
+]
 SCRATCH = ["fsdp", "tp", "pipeline", "ddp"]  # ddp holds the model whole: it is made whole before ddp wraps it
 
 
@@ -144,6 +152,9 @@ def test_pretrained_weights_load_shard_by_shard_and_save_back(request, dirs, str
 
     launched = request.getfixturevalue("four" if (strategy, name) in FOUR_LOADS else "two")
     per_rank = launched[strategy, name, True, name == "peft-llama"]
+    if "tp" in strategy and name == "qwen2-moe" and release() < (2, 14):  # tp of experts: refused there
+        assert all("as a strided shard, which torch 2.1" in rank["refused"] for rank in per_rank), per_rank
+        return
     diff = (_logits(per_rank) - dirs[name]).abs().max().item()
     assert diff < LOGITS_TOLERANCE, f"{strategy} on {name}: logits {diff:.3g} from from_pretrained's"
     if strategy in ("fsdp", "hsdp", "fsdp+tp", "fsdp+ep"):  # each rank read its share, not the files

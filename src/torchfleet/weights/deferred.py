@@ -54,6 +54,35 @@ def region(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return (0,) * tensor.dim(), tuple(tensor.shape)
 
 
+def regions(tensor: torch.Tensor) -> list[tuple[tuple[int, ...], tuple[int, ...], tuple[slice, ...]]]:
+    """(start, shape, where in the local tensor) of each block of the whole tensor this process holds. One block,
+    but for a strided shard whose dimension nothing else splits: tp's split of experts whose gate and up halves
+    are packed in one parameter (strategies/tp_styles.py) holds a slice of each half, `split_factor` blocks."""
+    start, shape = region(tensor)
+    everything = tuple(slice(None) for _ in shape)
+    if not isinstance(tensor, DTensor):
+        return [(start, shape, everything)]
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    placements = tensor.placements
+    for mesh_dim, p in enumerate(placements):
+        if not isinstance(p, _StridedShard) or any(q.is_shard(p.dim) for q in placements if q is not p):
+            continue  # FSDP2's strided shard over a tp-split dimension holds one block
+        dim, parts = p.dim % tensor.dim(), p.split_factor
+        coordinate = tensor.device_mesh.get_coordinate()
+        assert coordinate is not None
+        chunk = tensor.shape[dim] // parts
+        piece = chunk // tensor.device_mesh.size(mesh_dim)
+        out = []
+        for part in range(parts):
+            at, size, local = list(start), list(shape), list(everything)
+            at[dim], size[dim] = part * chunk + coordinate[mesh_dim] * piece, piece
+            local[dim] = slice(part * piece, (part + 1) * piece)
+            out.append((tuple(at), tuple(size), tuple(local)))
+        return out
+    return [(start, shape, everything)]
+
+
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
@@ -200,9 +229,9 @@ def materialise(
         whole = recipe.values(unit)
         for key in wanted:
             for t in local[key].values():
-                start, shape = region(t)
-                part = whole[key][tuple(slice(s, s + n) for s, n in zip(start, shape, strict=True))]
-                _local(t).copy_(part)
+                for start, shape, where in regions(t):
+                    part = whole[key][tuple(slice(s, s + n) for s, n in zip(start, shape, strict=True))]
+                    _local(t)[where].copy_(part)
             made.append(key)
     return made
 
@@ -210,9 +239,13 @@ def materialise(
 @torch.no_grad()
 def load(tensor: torch.Tensor, name: str, plan: LoadPlan) -> None:
     """This process's region of `tensor` (the model's `name`) read from the plan's files, piece by piece."""
+    for start, shape, where in regions(tensor):
+        _load_block(_local(tensor)[where], start, shape, name, plan)
+
+
+def _load_block(target: torch.Tensor, start: tuple[int, ...], shape: tuple[int, ...], name: str, plan) -> None:
+    """The block of the whole tensor `name` at `start` of `shape`, read into `target` piece by piece."""
     files = plan.sources[name]
-    start, shape = region(tensor)
-    target = _local(tensor)
     for piece in plan.pieces[name]:
         lo = [max(a, b) for a, b in zip(start, piece.start, strict=True)]
         hi = [min(a + n, b + m) for a, n, b, m in zip(start, shape, piece.start, piece.shape, strict=True)]
