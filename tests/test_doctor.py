@@ -56,7 +56,6 @@ def test_report_is_json_and_complete(report: dict) -> None:
 def test_doctor_says_mpi_works_only_where_it_finds_open_mpis_mpirun(tmp_path) -> None:
     """doctor on a PATH without mpirun, with another MPI's, and with Open MPI's (scripts that answer
     --version as each does): only the last says `mpirun -np N` works."""
-    import os
     import sys
 
     from conftest import clean_env, run
@@ -68,7 +67,7 @@ def test_doctor_says_mpi_works_only_where_it_finds_open_mpis_mpirun(tmp_path) ->
         if version:
             (folder / "mpirun").write_text(f"#!/bin/sh\necho '{version}'\n")
             (folder / "mpirun").chmod(0o755)
-        env = clean_env(PATH=f"{folder}{os.pathsep}/bin")  # /bin: the shell the scripts name; no mpirun in it
+        env = clean_env(PATH=str(folder))  # the folder alone: /bin holds Open MPI's mpirun where it is installed
         done = run([sys.executable, "-m", "torchfleet", "doctor", "--json"], env=env, timeout=50)
         assert done.returncode == 0, done.stderr
         said[name] = json.loads(done.stdout)["mpirun"]
