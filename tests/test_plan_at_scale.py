@@ -521,6 +521,16 @@ def test_a_pipeline_whose_stages_span_nodes_also_comes_as_hsdp(tmp_path):
             ["--hf-config", "llama-3.1-8b", "--gpu", "H100", "--gpus-per-node", "8", "--ep", "2"],
             "--ep 2: llama has no experts to split (no module whose weights stack one matrix per expert)",
         ),
+        (
+            ["--model", "mlp", "--global-batch", "16"],
+            "--global-batch 16 is --hf-config's; a --model plan's global batch is --batch-size",
+        ),
+        (
+            ["--hf-config", "llama-3.1-8b", "--gpu", "H100", "--gpus-per-node", "8", "--nodes", "2"]
+            + ["--nproc", "16", "--global-batch", "3"],
+            "--global-batch 3 cannot be shared evenly by the data-parallel GPUs of any layout planned; give a"
+            " multiple of the GPU counts (--nproc)",
+        ),
     ],
     ids=[
         "no-cluster",
@@ -534,6 +544,8 @@ def test_a_pipeline_whose_stages_span_nodes_also_comes_as_hsdp(tmp_path):
         "pp-not-dividing-blocks",
         "ep-not-dividing-experts",
         "ep-without-experts",
+        "global-batch-without-hf-config",
+        "global-batch-no-layout-shares",
     ],
 )
 def test_bad_input_is_one_sentence(args, said):
@@ -608,3 +620,40 @@ def test_plan_model_calls_a_library_builder_on_meta_and_plans_it_at_scale(tmp_pa
     assert doc["parameters"] == parameters and doc["hf_config"].endswith("builder.py:build")
     assert doc["workload"]["precision"] == "bf16"  # planned at scale, as --hf-config's models are
     assert doc["rows"] and all(row["peak"] > 0 for row in doc["rows"])
+
+
+def test_a_global_batch_is_honoured_on_every_row_by_accumulation_or_micro_batches(tmp_path):
+    """--global-batch 12 on 2, 4 and 8 GPUs, at most 2 samples a GPU at once: FSDP 2 runs 3 passes of 2 samples,
+    FSDP 4 3 passes of 1, FSDP 8 cannot share 12 samples evenly and is left out with a note; the pipelines of 2
+    stages run a data-parallel GPU's share as micro-batches of one. Each pass pays its FLOPs and FSDP's
+    collectives, and from the second on every GPU holds its shard's fp32 gradients."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(SMALL))
+    out = tmp_path / "plan.json"
+    flags = ["--gpu", "H100", "--gpus-per-node", "8", "--nproc", "2,4,8", "--tp", "1", "--pp", "2"]
+    flags += ["--schedule", "1f1b", "--seq-len", "64", "--local-batch", "2", "--global-batch", "12"]
+    result = forked_torchfleet("plan", "--hf-config", str(config), *flags, "--json-out", str(out))
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(out.read_text())
+    rows = {r["layout"]: r for r in doc["rows"]}
+    assert {r["global_batch"] for r in doc["rows"]} == {12}
+    assert {name: r["batch"] for name, r in rows.items()} == {
+        "FSDP 2": "2 x 3 x 2",
+        "FSDP 4": "1 x 3 x 4",
+        "FSDP 1 x PP 2 (1f1b)": "1 x 12 x 1",
+        "FSDP 2 x PP 2 (1f1b)": "1 x 6 x 2",
+        "FSDP 4 x PP 2 (1f1b)": "1 x 3 x 4",
+    }
+    assert "FSDP 8 left out: its 8 data-parallel GPUs cannot share a global batch of 12 evenly" in doc["notes"]
+    assert rows["FSDP 1 x PP 2 (1f1b)"]["microbatches"] == 12
+    one = trace.traced_at_scale(SMALL, trace.Workload(seq=64, local_batch=2), 2)
+    fsdp2 = rows["FSDP 2"]
+    assert fsdp2["flops"] == pytest.approx(3 * one.flops)
+    t = fsdp2["time"]
+    assert t["compute"] == pytest.approx(3 * one.flops / (989.4e12 * at_scale.AT_SCALE_EFFICIENCY))
+    params = doc["parameters"]
+    passes = 3 * (8 * params * (2 - 1) / 2 / 450e9 + 3 * (2 - 1) * 20e-6)
+    assert t["fsdp"] == pytest.approx(passes, rel=1e-6)
+    assert fsdp2["memory"]["gradients"] >= 4 * params / 2
+    for r in doc["rows"]:
+        assert r["tokens_per_s_per_gpu"] == pytest.approx(12 * 64 / r["gpus"] / r["time"]["step"])

@@ -8,6 +8,7 @@ rows, plan/experts_at_scale.py the expert-parallel rows.
 from __future__ import annotations
 
 from torchfleet.plan import comm, hardware
+from torchfleet.plan.global_batch import Reach
 from torchfleet.plan.traced import Traced
 
 # What the CUDA caching allocator holds (reserved) over the tensors' own peak (allocated), one figure for every
@@ -47,11 +48,13 @@ def table_row(
     flops: float,
     collectives: tuple,
     timing: dict,
+    reach: Reach,
     pp: int | None = None,
     **extra,
 ) -> dict:
-    """One row of the table. `collectives`: (kind, bytes, calls) of the step; `extra`: the layout's own
-    fields (a pipeline's schedule and micro-batches), placed after the degrees; `pp` only in a pipeline's row."""
+    """One row of the table. `collectives`: (kind, bytes, calls) of the step; `reach`: how its data-parallel
+    GPUs reach its global batch; `extra`: the layout's own fields (a pipeline's schedule and micro-batches),
+    placed after the degrees; `pp` only in a pipeline's row."""
     reserved = peak * RESERVED_OVER_ALLOCATED
     return {
         "gpus": gpus,
@@ -69,11 +72,12 @@ def table_row(
         "time": timing,
         # A tensor-parallel group shares its samples, and so do a pipeline's stages: each GPU moves
         # 1/(tp x pp) of their tokens.
-        "tokens_per_s_per_gpu": request.local_batch * request.seq / (tp * (pp or 1)) / timing["step"],
+        "tokens_per_s_per_gpu": reach.per_gpu * request.seq / (tp * (pp or 1)) / timing["step"],
         "reserved": reserved,
         "fits": peak <= request.memory_bytes,
         "tight": peak <= request.memory_bytes < reserved,
-        "global_batch": replicas * shard * request.local_batch,
+        "global_batch": reach.global_batch,
+        "batch": reach.describe(),  # samples at once x passes a step x data-parallel GPUs
     }
 
 
