@@ -22,6 +22,7 @@ from torchfleet.plan import (  # noqa: E402
     at_scale,
     flash_attention,
     library_model,
+    nccl,
     pipeline_at_scale,
     pipelines,
     scale_rows,
@@ -44,6 +45,25 @@ SMALL = {
     "eos_token_id": None,
 }
 WORK = {"seq": 64, "local_batch": 2}
+# Llama 3.1 8B's FSDP units: 32 blocks of 218,112,000 parameters, and the root (the embedding and the output
+# layer, 128,256 x 4,096 each, and the final norm).
+LLAMA_8B_ROOT = 2 * 128_256 * 4096 + 4096
+LLAMA_8B_UNITS = ((32, (8_030_261_248 - LLAMA_8B_ROOT) / 32), (1, LLAMA_8B_ROOT))
+
+
+def _fsdp_wire(params: float, units, ranks: int, nodes: int, bandwidth: float) -> float:
+    """FSDP's three passes, a call per unit as NCCL runs it: gathered in bf16 for forward and backward, fp32
+    gradients reduce-scattered."""
+    assert sum(calls * count for calls, count in units) == pytest.approx(params)
+
+    def call(kind, nbytes):
+        return nccl.collective_s(kind, nbytes, ranks, nodes, bandwidth, "nvlink")[0]
+
+    return sum(
+        calls * (2 * call("all_gather", 2 * count) + call("reduce_scatter", 4 * count)) for calls, count in units
+    )
+
+
 # The same with a vocabulary wide beside the rest, as Llama 3.1's 128,256 are beside its width: the whole
 # vocabulary's logits, which no tensor-parallel rank holds, outweigh the model's other tensors.
 WIDE_VOCAB = {**SMALL, "vocab_size": 4096}
@@ -280,20 +300,20 @@ def test_a_shipped_config_plans_its_columns_from_its_parameter_count(tmp_path):
     shards_at_8 = rows[8]["memory"]["optimizer"] + 4 * params / 8
     assert rows[8]["peak"] - rows[128]["peak"] == pytest.approx(shards_at_8 * 15 / 16, rel=1e-3)
     # The step: the traced FLOPs at 48% of the H100's 989.4 TFLOP/s; three passes over the parameters (gathered
-    # in bf16 for forward and for backward, fp32 gradients scattered: 8 bytes a parameter) around a ring of the
-    # GPUs, over NVLink (450 GB/s) within a machine and --link 400 Gbit/s (50 GB/s) across machines.
-    # Each pass pays a latency per hop: 20 us within a machine, 40 us across (hardware.GPU_LATENCY_S).
-    for gpus, bandwidth, latency in ((8, 450e9, 20e-6), (128, 50e9, 40e-6)):
+    # in bf16 for forward and for backward, fp32 gradients scattered: 8 bytes a parameter), a call per FSDP unit
+    # (32 blocks and the root) as NCCL runs it, over NVLink (450 GB/s) within a machine and --link 400 Gbit/s
+    # (50 GB/s) across its 16 machines.
+    for gpus, bandwidth, nodes in ((8, 450e9, 1), (128, 50e9, 16)):
         t = rows[gpus]["time"]
         assert t["compute"] == pytest.approx(rows[gpus]["flops"] / (989.4e12 * at_scale.AT_SCALE_EFFICIENCY))
-        wire = 8 * params * (gpus - 1) / gpus / bandwidth + 3 * (gpus - 1) * latency
+        wire = _fsdp_wire(params, LLAMA_8B_UNITS, gpus, nodes, bandwidth)
         assert t["communication"] == pytest.approx(wire, rel=1e-6)
         assert t["step"] == pytest.approx(t["compute"] + t["communication"] / 32)  # hidden but one block's share
         assert rows[gpus]["tokens_per_s_per_gpu"] == pytest.approx(2 * 8192 / t["step"])
     # 8B on 8 H100s: 70.3 GiB of tensors fit 74.5 GiB, and 79.8 reserved do not; 128 GPUs hold it with room.
     assert rows[8]["tight"] and rows[128]["fits"] and not rows[128]["tight"]
     assert "FSDP 128 over 128 H100 GPUs is the fewest that hold the step" in doc["recommendation"]
-    assert "on 128 H100 GPUs the fastest layout that fits is FSDP 128: 7,160 tokens/s a GPU" in doc["recommendation"]
+    assert "on 128 H100 GPUs the fastest layout that fits is FSDP 128: 7,156 tokens/s a GPU" in doc["recommendation"]
 
 
 def test_tensor_parallel_and_hsdp_layouts_cost_their_collectives_on_the_links_they_cross(tmp_path):
@@ -331,26 +351,28 @@ def test_tensor_parallel_and_hsdp_layouts_cost_their_collectives_on_the_links_th
     # AdamW's moments: every parameter's shard is 1/16 in both layouts.
     assert tp["memory"]["optimizer"] == pytest.approx(fsdp["memory"]["optimizer"], rel=1e-3)
     t = tp["time"]
-    # Rings of 8 over NVLink (450 GB/s): 7/8 of the bytes each way, and 20 us a hop for every call; an all-reduce
-    # is both, twice.
-    twice = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2}
+    # Each call among the 8 GPUs of a node over NVLink (450 GB/s), as NCCL runs it.
     expected = sum(
-        twice[kind] * (7 / 8 * c["bytes"] / 450e9 + c["calls"] * 7 * 20e-6) for kind, c in tp["collectives"].items()
+        c["calls"] * nccl.collective_s(kind, c["bytes"] / c["calls"], 8, 1, 450e9, "nvlink")[0]
+        for kind, c in tp["collectives"].items()
     )
     assert t["tp"] == pytest.approx(expected, rel=1e-6)
     # One bf16 activation of batch 2 x 8192 x 4096 is 128 MiB; selective checkpointing gathers it 6 times a block
     # (twice in forward, again when recomputing, and twice as backward's reduce-scatters' reverse).
     assert tp["collectives"]["all_gather"]["bytes"] == pytest.approx(6 * 32 * 2 * 8192 * 4096 * 2, rel=0.02)
     params = doc["parameters"]
-    wire = 8 * params / 8 * (2 - 1) / 2 / 50e9 + 3 * (2 - 1) * 40e-6
+    wire = _fsdp_wire(params / 8, tuple((calls, count / 8) for calls, count in LLAMA_8B_UNITS), 2, 2, 50e9)
     assert t["fsdp"] == pytest.approx(wire, rel=1e-6)
     assert t["step"] == pytest.approx(t["compute"] + t["fsdp"] / 32 + t["tp"])
     assert tp["tokens_per_s_per_gpu"] == pytest.approx(2 * 8192 / 8 / t["step"])
     # HSDP: AdamW's moments shard over one machine's 8 GPUs, not 16; FSDP's three passes stay on NVLink, and
-    # the fp32 gradient shards (an eighth of the model each) are all-reduced by 2 replicas over --link.
+    # each unit's fp32 gradient shards (an eighth of it) are all-reduced by 2 replicas over --link.
     assert hsdp["memory"]["optimizer"] == pytest.approx(8 * params / 8, rel=1e-3)
-    within = 8 * params * 7 / 8 / 450e9 + 3 * 7 * 20e-6
-    across = 2 * (2 - 1) / 2 * 4 * params / 8 / 50e9 + 2 * (2 - 1) * 40e-6
+    within = _fsdp_wire(params, LLAMA_8B_UNITS, 8, 1, 450e9)
+    across = sum(
+        calls * nccl.collective_s("all_reduce", 4 * count / 8, 2, 2, 50e9, "nvlink")[0]
+        for calls, count in LLAMA_8B_UNITS
+    )
     assert hsdp["time"]["fsdp"] == pytest.approx(within + across, rel=1e-6)
     assert hsdp["global_batch"] == fsdp["global_batch"] == 32
     best = max((r for r in doc["rows"] if r["fits"] and not r["tight"]), key=lambda r: r["tokens_per_s_per_gpu"])
@@ -480,10 +502,15 @@ def test_a_pipeline_whose_stages_span_nodes_also_comes_as_hsdp(tmp_path):
     hsdp, within = rows[(32, "HSDP 2 x 8 x PP 2 (1f1b)")], rows[(16, "FSDP 8 x PP 2 (1f1b)")]
     assert (hsdp["dp_replicate"], hsdp["dp_shard"]) == (2, 8)
     assert hsdp["memory"] == within["memory"]
-    # The last GPU paces the pipeline: half the blocks, the final norm and the output layer.
+    # The last GPU paces the pipeline: half the blocks, the final norm and the output layer, a unit each block
+    # and the rest, each unit's gradient shard all-reduced by the 2 replicas over --link.
     width, vocab = SMALL["hidden_size"], SMALL["vocab_size"]
     stage = (doc["parameters"] - 2 * vocab * width - width) / 2 + vocab * width + width
-    across = 2 * (2 - 1) / 2 * 4 * stage / 8 / 50e9 + 2 * (2 - 1) * 40e-6
+    units = scale_rows.fsdp_units(SMALL, stage, 4)
+    assert sum(calls * count for calls, count in units) == pytest.approx(stage)
+    across = sum(
+        calls * nccl.collective_s("all_reduce", 4 * count / 8, 2, 2, 50e9, "nvlink")[0] for calls, count in units
+    )
     assert hsdp["time"]["fsdp"] == pytest.approx(within["time"]["fsdp"] + across, rel=1e-9)
 
 
@@ -662,8 +689,7 @@ def test_a_global_batch_is_honoured_on_every_row_by_accumulation_or_micro_batche
     t = fsdp2["time"]
     assert t["compute"] == pytest.approx(3 * one.flops / (989.4e12 * at_scale.AT_SCALE_EFFICIENCY))
     params = doc["parameters"]
-    passes = 3 * (8 * params * (2 - 1) / 2 / 450e9 + 3 * (2 - 1) * 20e-6)
-    assert t["fsdp"] == pytest.approx(passes, rel=1e-6)
+    assert t["fsdp"] == pytest.approx(3 * _fsdp_wire(params, scale_rows.fsdp_units(SMALL, params), 2, 1, 450e9))
     assert fsdp2["memory"]["gradients"] >= 4 * params / 2
     for r in doc["rows"]:
         assert r["tokens_per_s_per_gpu"] == pytest.approx(12 * 64 / r["gpus"] / r["time"]["step"])

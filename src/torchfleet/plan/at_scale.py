@@ -21,7 +21,6 @@ from dataclasses import dataclass, replace
 
 from torchfleet.errors import UsageError
 from torchfleet.plan import (
-    comm,
     experts_at_scale,
     global_batch,
     hardware,
@@ -35,6 +34,8 @@ from torchfleet.plan.scale_rows import (
     RESERVED_OVER_ALLOCATED,
     collectives_s,
     fsdp_overlapped,
+    fsdp_s,
+    fsdp_units,
     layout_name,
     memory_columns,
     table_row,
@@ -232,7 +233,7 @@ def _row(
         return global_batch.left_out(layout, dp, request.global_batch or 0)
     one = trace.traced_at_scale(fields, replace(work, local_batch=reach.local), shard)  # over one replica's ranks
     traced = global_batch.accumulating(one, 4 * params / (work.tp * shard), reach.passes)
-    timing = step_time(traced, params, fields["num_hidden_layers"], gpus, request, replicas, reach.passes)
+    timing = step_time(traced, params, fields, gpus, request, replicas, reach.passes)
     return table_row(
         request,
         gpus=gpus,
@@ -252,15 +253,15 @@ def _row(
 
 
 def step_time(
-    traced: Traced, params: int, blocks: int, gpus: int, request: ScaleRequest, replicas: int = 1, passes: int = 1
+    traced: Traced, params: int, fields: dict, gpus: int, request: ScaleRequest, replicas: int = 1, passes: int = 1
 ) -> dict:
     """One step's seconds: compute at the target's achieved rate, then two kinds of collectives.
 
-    - FSDP's, over the dp_shard ranks of each tensor-parallel shard (params / tp each): all-gathers of the
-      parameters (forward, and again in backward, as FSDP2 reshards after forward) and a reduce-scatter of
-      fp32 gradients, rings on the slower link they cross; under HSDP, also an all-reduce of each rank's
-      gradient shard across the replicas, between nodes. Overlapped with compute by prefetching except one
-      block's share.
+    - FSDP's, over the dp_shard ranks of each tensor-parallel shard (params / tp each), unit by unit (each
+      block, and the root), each its own NCCL call (plan/nccl.py) on the slower link it crosses: all-gathers
+      of the parameters (forward, and again in backward, as FSDP2 reshards after forward) and a
+      reduce-scatter of fp32 gradients; under HSDP, also an all-reduce of each rank's gradient shard across
+      the replicas, between nodes. Overlapped with compute by prefetching except one block's share.
     - Tensor parallelism's, as the trace counted them: rings over the tp ranks of one node, each between two
       products that wait for it, so none is hidden (torchtitan's async TP, which overlaps them, is not
       planned).
@@ -271,12 +272,9 @@ def step_time(
     compute = passes * traced.flops / target.rate
     link = target.link_for(traced.world * tp)  # a replica's ranks are consecutive: tp inside, shards around
     param_bytes = 2 if request.precision == "bf16" else 4
-    shard = params / tp
-    fsdp = passes * (
-        2 * comm.all_gather_s(shard * param_bytes, traced.world, link)
-        + comm.reduce_scatter_s(shard * 4, traced.world, link)
-        + comm.all_reduce_s(shard / traced.world * 4, replicas, target.link_for(gpus))
-    )
+    units = tuple((calls, count / tp) for calls, count in fsdp_units(fields, params))
+    fsdp = passes * fsdp_s(units, param_bytes, traced.world, link, replicas, target.link_for(gpus))
+    blocks = fields["num_hidden_layers"]
     return fsdp_overlapped(compute, fsdp, blocks, tp=passes * collectives_s(traced, tp, target))
 
 

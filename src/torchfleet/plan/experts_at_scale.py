@@ -101,7 +101,7 @@ def row(fields: dict, work: trace.Workload, gpus: int, ep: int, params: int, req
     act_bytes = 2 if request.precision == "bf16" else 4
     routed = reach.local * request.seq * experts["top_k"] * fields["hidden_size"] * act_bytes
     split = split_experts(traced, experts["block_share"], ep, 2 * routed)
-    timing = step_time(split, params, experts, fields["num_hidden_layers"], gpus, ep, routed, request, reach.passes)
+    timing = step_time(split, params, experts, fields, gpus, ep, routed, request, reach.passes)
     return scale_rows.table_row(
         request,
         gpus=gpus,
@@ -141,7 +141,15 @@ def all_to_all_s(nbytes: float, ep: int, target: hardware.Target) -> float:
 
 
 def step_time(
-    traced: Traced, params: int, experts: dict, blocks: int, gpus: int, ep: int, routed: float, request, passes: int = 1
+    traced: Traced,
+    params: int,
+    experts: dict,
+    fields: dict,
+    gpus: int,
+    ep: int,
+    routed: float,
+    request,
+    passes: int = 1,
 ) -> dict:
     """at_scale.step_time's parts for fsdp+ep (the module docstring): compute, FSDP's collectives, hidden
     behind compute but one block's share, and the all-to-alls, not hidden; each `passes` times a step."""
@@ -151,9 +159,13 @@ def step_time(
     link = target.link_for(gpus)
     param_bytes = 2 if request.precision == "bf16" else 4
     rest, local_experts = params - experts["parameters"], experts["parameters"] / ep
-    fsdp = passes * sum(
-        2 * comm.all_gather_s(count * param_bytes, ranks, link) + comm.reduce_scatter_s(count * 4, ranks, link)
-        for count, ranks in ((rest, gpus), (local_experts, gpus // ep))
+    # Unit by unit, each its own call: the blocks' rest and the root over every GPU, each layer's experts (a
+    # unit of their own) over its dp / ep group.
+    fsdp = passes * (
+        scale_rows.fsdp_s(scale_rows.fsdp_units(fields, rest), param_bytes, gpus, link)
+        + scale_rows.fsdp_s(
+            ((experts["layers"], local_experts / max(1, experts["layers"])),), param_bytes, gpus // ep, link
+        )
     )
     full = request.ac == "full"
     rows_calls = experts["layers"] * (ALL_TO_ALLS_PER_LAYER + (2 if full else 0))
@@ -161,4 +173,4 @@ def step_time(
     ep_s = passes * rows_calls * all_to_all_s(routed, ep, target) + passes * count_calls * all_to_all_s(
         experts["experts"] * COUNT_BYTES, ep, target
     )
-    return scale_rows.fsdp_overlapped(compute, fsdp, blocks, ep=ep_s)
+    return scale_rows.fsdp_overlapped(compute, fsdp, fields["num_hidden_layers"], ep=ep_s)

@@ -181,13 +181,18 @@ def step_time(
     busy, idle = pipelines.bubble_slots(schedule, pp, m, v)
     compute = busy * per_microbatch / v
     bubble = idle * per_microbatch / v
-    # One gather of the stage's bf16 parameters and one reduce-scatter of its fp32 gradients a step.
+    # One gather of the stage's bf16 parameters and one reduce-scatter of its fp32 gradients a step, unit by unit.
     shard_link = target.link_for(one.world * tp)
     param_bytes = 2 if request.precision == "bf16" else 4
-    fsdp = (
-        comm.all_gather_s(stage_params / tp * param_bytes, one.world, shard_link)
-        + comm.reduce_scatter_s(stage_params / tp * 4, one.world, shard_link)
-        + comm.all_reduce_s(stage_params / tp / one.world * 4, replicas, target.link_for(gpus // pp))
+    units = scale_rows.fsdp_units(fields, stage_params, blocks)
+    fsdp = scale_rows.fsdp_s(
+        tuple((calls, count / tp) for calls, count in units),
+        param_bytes,
+        one.world,
+        shard_link,
+        replicas,
+        target.link_for(gpus // pp),
+        gathers=1,
     )
     tensor = scale_rows.collectives_s(one, tp, target) * m
     # The sequence-parallel activation a tp rank holds, in bf16: what crosses to the next stage.

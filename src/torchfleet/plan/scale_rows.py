@@ -94,6 +94,37 @@ def collectives_s(traced: Traced, tp: int, target: hardware.Target) -> float:
     return sum(calls * costs[kind](nbytes / calls, tp, within) for kind, nbytes, calls in traced.collectives if calls)
 
 
+def fsdp_units(fields: dict, params: float, blocks: int | None = None) -> tuple[tuple[int, float], ...]:
+    """(calls, parameters each) of FSDP2's units, each its own collective: every decoder block (`blocks` of
+    them, the config's by default), and the root's embedding, final norm and output layer."""
+    blocks = blocks or fields["num_hidden_layers"]
+    tied = fields.get("tie_word_embeddings", False)
+    root = min(params, fields["vocab_size"] * fields["hidden_size"] * (1 if tied else 2) + fields["hidden_size"])
+    return ((blocks, (params - root) / blocks), (1, root))
+
+
+def fsdp_s(
+    units: tuple[tuple[int, float], ...],
+    param_bytes: int,
+    shard: int,
+    shard_link: comm.Link,
+    replicas: int = 1,
+    replica_link: comm.Link | None = None,
+    gathers: int = 2,
+) -> float:
+    """A step's FSDP2 collectives, unit by unit: `gathers` all-gathers of its parameters in `param_bytes` (forward,
+    and again in backward where it reshards after forward), a reduce-scatter of its fp32 gradients over the
+    `shard` ranks, and under HSDP an all-reduce of each rank's gradient shard across the `replicas`."""
+    total = 0.0
+    for calls, count in units:
+        total += calls * (
+            gathers * comm.all_gather_s(count * param_bytes, shard, shard_link)
+            + comm.reduce_scatter_s(count * 4, shard, shard_link)
+            + (comm.all_reduce_s(count / shard * 4, replicas, replica_link) if replica_link is not None else 0.0)
+        )
+    return total
+
+
 def fsdp_overlapped(compute: float, fsdp: float, blocks: int, **unhidden: float) -> dict:
     """A step's seconds from its compute, FSDP's collectives (prefetched behind compute, but for one block's
     share, and whatever exceeds the compute) and collectives no compute hides (`unhidden`, by name: tp, ep)."""
