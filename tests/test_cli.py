@@ -143,6 +143,7 @@ SURFACE = {
         "--hf-config",
         "--seq-len",
         "--local-batch",
+        "--global-batch",
         "--ac",
         "--tp",
         "--pp",

@@ -13,7 +13,7 @@ from conftest import assert_refused_in_one_sentence, forked_torchfleet, require_
 require_module("transformers", "transformers (the test extra) builds the Mixtral models from configs")
 
 from small_moe import EXPERTS, HIDDEN, LAYERS, SEQ, TOP_K  # noqa: E402 (after the skip)
-from torchfleet.plan import comm, experts, predict, probe, profiler, run  # noqa: E402
+from torchfleet.plan import comm, experts, nccl, predict, probe, profiler, run  # noqa: E402
 from torchfleet.plan.config import PlanConfig  # noqa: E402
 from torchfleet.plan.hardware import Target  # noqa: E402
 from torchfleet.plan.layouts import layout  # noqa: E402
@@ -167,14 +167,19 @@ def test_mixtral_at_scale_plans_fsdp_ep_over_a_nodes_gpus(tmp_path):
     one = 7 / 8 * routed / 450e9 + 7 * 20e-6
     counts = 7 / 8 * 8 * 8 / 450e9 + 7 * 20e-6
     assert ep["time"]["ep"] == pytest.approx(32 * (4 * one + counts), rel=1e-9)
-    # FSDP: gathered in bf16 for forward and backward, fp32 gradients scattered (8 bytes a parameter), over --link
-    # (400 Gbit/s, 40 us) as the 16 GPUs and the 2-GPU groups both span the nodes
+    # FSDP: gathered in bf16 for forward and backward, fp32 gradients scattered, a call per unit as NCCL runs it,
+    # over --link (400 Gbit/s) as the 16 GPUs and the 2-GPU groups both span the 2 nodes: the rest in its 32 blocks
+    # and the root (embedding, norm, output layer), each layer's experts a unit of their own.
     params = doc["parameters"]
     in_experts = 32 * 8 * 3 * 4096 * 14336
-    wire = sum(
-        8 * count * (ranks - 1) / ranks / 50e9 + 3 * (ranks - 1) * 40e-6
-        for count, ranks in ((params - in_experts, 16), (in_experts / 8, 2))
-    )
+    root = 2 * 32000 * 4096 + 4096
+    rest = params - in_experts
+
+    def unit(count, ranks):
+        gather = nccl.collective_s("all_gather", 2 * count, ranks, 2, 50e9, "nvlink")[0]
+        return 2 * gather + nccl.collective_s("reduce_scatter", 4 * count, ranks, 2, 50e9, "nvlink")[0]
+
+    wire = 32 * unit((rest - root) / 32, 16) + unit(root, 16) + 32 * unit(in_experts / 8 / 32, 2)
     assert ep["time"]["fsdp"] == pytest.approx(wire, rel=1e-6)
     assert ep["time"]["step"] == pytest.approx(ep["time"]["compute"] + ep["time"]["fsdp"] / 32 + ep["time"]["ep"])
     assert ep["time"]["fsdp"] < fsdp["time"]["fsdp"] / 5  # an eighth of the experts' bytes, most of the model

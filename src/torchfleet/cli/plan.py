@@ -105,7 +105,20 @@ def add_parser(sub) -> None:
         " parallelism (--tp), pipelines (--pp) and expert parallelism (--ep)",
     )
     s.add_argument("--seq-len", type=int, default=8192, help="--hf-config: tokens a sample (default 8192)")
-    s.add_argument("--local-batch", type=int, default=2, help="--hf-config: samples a GPU a step (default 2)")
+    s.add_argument(
+        "--local-batch",
+        type=int,
+        default=2,
+        help="--hf-config: samples a GPU runs at once (default 2); without --global-batch, a step's",
+    )
+    s.add_argument(
+        "--global-batch",
+        type=int,
+        default=None,
+        help="--hf-config: samples a step on every row, reached by each layout's data-parallel GPUs with"
+        " gradient accumulation (passes of at most --local-batch) or micro-batches (default: --local-batch"
+        " a data-parallel GPU, so it grows with them)",
+    )
     s.add_argument(
         "--ac",
         default="selective",
@@ -233,6 +246,7 @@ def command(args) -> int:
         tp=args.tp or (),
         pp=args.pp or (),
         ep=args.ep or (),
+        global_batch=args.global_batch,
     )
     if cfg.library_fields and not args.precision:
         cfg.precision = "bf16"  # a --model builder's library model is planned at scale, as --hf-config's

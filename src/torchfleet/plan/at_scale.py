@@ -20,12 +20,22 @@ import time
 from dataclasses import dataclass, replace
 
 from torchfleet.errors import UsageError
-from torchfleet.plan import comm, experts_at_scale, hardware, library_model, pipeline_at_scale, tensor_parallel, trace
+from torchfleet.plan import (
+    experts_at_scale,
+    global_batch,
+    hardware,
+    library_model,
+    pipeline_at_scale,
+    tensor_parallel,
+    trace,
+)
 from torchfleet.plan.scale_rows import (
     COLUMNS,
     RESERVED_OVER_ALLOCATED,
     collectives_s,
     fsdp_overlapped,
+    fsdp_s,
+    fsdp_units,
     layout_name,
     memory_columns,
     table_row,
@@ -62,6 +72,7 @@ class ScaleRequest:
     schedule: str | None = None  # the pipelines' schedule; None: pipeline_at_scale.SCHEDULES
     eps: tuple[int, ...] = ()  # expert-parallel degrees (fsdp+ep); empty: experts_at_scale.default_eps
     fields: dict | None = None  # the config's fields where they come from a --model builder, not a file
+    global_batch: int | None = None  # every row's (plan/global_batch.py); None: local_batch a data-parallel GPU
 
 
 def request_of(cfg) -> ScaleRequest:
@@ -98,6 +109,7 @@ def request_of(cfg) -> ScaleRequest:
         cfg.schedule,
         tuple(cfg.ep),
         cfg.library_fields,
+        getattr(cfg, "global_batch", None),
     )
 
 
@@ -149,6 +161,13 @@ def plan_at_scale(request: ScaleRequest, say=print) -> dict:
     for ep in eps:
         for gpus in (g for g in request.counts if g >= ep and g % ep == 0):
             rows.append(experts_at_scale.row(fields, replace(work, tp=1), gpus, ep, params, request))
+    left = [r for r in rows if isinstance(r, str)]
+    rows = [r for r in rows if not isinstance(r, str)]
+    if not rows:
+        raise UsageError(
+            f"--global-batch {request.global_batch} cannot be shared evenly by the data-parallel GPUs of any"
+            " layout planned; give a multiple of the GPU counts (--nproc)"
+        )
     return {
         "schema": SCHEMA,
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -160,6 +179,7 @@ def plan_at_scale(request: ScaleRequest, say=print) -> dict:
             "local_batch": request.local_batch,
             "ac": request.ac,
             "precision": request.precision,
+            "global_batch": request.global_batch,
         },
         "gpu_memory_bytes": request.memory_bytes,
         "target": request.gpu_name,
@@ -168,7 +188,8 @@ def plan_at_scale(request: ScaleRequest, say=print) -> dict:
         "trace_s": round(time.perf_counter() - began, 1),
         "efficiency": request.efficiency,
         "achieved_flops_per_s": request.target.rate,
-        "notes": [
+        "notes": left
+        + [
             f"peak/GPU is the tensors' peak as FSDPMemTracker follows them on fake tensors (what"
             f" max_memory_allocated reads on a GPU); reserved is {RESERVED_OVER_ALLOCATED} times it, the"
             " caching allocator's measured overhead with expandable segments; a step whose tensors fit"
@@ -201,50 +222,60 @@ def default_tps(fields: dict, per_node: int) -> tuple[int, ...]:
     return (1, per_node) if per_node > 1 else (1,)
 
 
-def _row(fields: dict, work: trace.Workload, gpus: int, params: int, request: ScaleRequest, replicas: int = 1) -> dict:
+def _row(
+    fields: dict, work: trace.Workload, gpus: int, params: int, request: ScaleRequest, replicas: int = 1
+) -> dict | str:
     dp = gpus // work.tp
     shard = dp // replicas
-    traced = trace.traced_at_scale(fields, work, shard)  # the states shard over one replica's ranks only
-    timing = step_time(traced, params, fields["num_hidden_layers"], gpus, request, replicas)
+    layout = layout_name(replicas, shard, work.tp)
+    reach = global_batch.reach(request.global_batch, request.local_batch, dp)
+    if reach is None:
+        return global_batch.left_out(layout, dp, request.global_batch or 0)
+    one = trace.traced_at_scale(fields, replace(work, local_batch=reach.local), shard)  # over one replica's ranks
+    traced = global_batch.accumulating(one, 4 * params / (work.tp * shard), reach.passes)
+    timing = step_time(traced, params, fields, gpus, request, replicas, reach.passes)
     return table_row(
         request,
         gpus=gpus,
         tp=work.tp,
         replicas=replicas,
         shard=shard,
-        layout=layout_name(replicas, shard, work.tp),
+        layout=layout,
         memory=memory_columns(traced.kinds),
         peak=traced.peak,
-        flops=traced.flops,
-        collectives=traced.collectives,
+        flops=traced.flops * reach.passes,
+        collectives=tuple(
+            (kind, nbytes * reach.passes, calls * reach.passes) for kind, nbytes, calls in traced.collectives
+        ),
         timing=timing,
+        reach=reach,
     )
 
 
-def step_time(traced: Traced, params: int, blocks: int, gpus: int, request: ScaleRequest, replicas: int = 1) -> dict:
+def step_time(
+    traced: Traced, params: int, fields: dict, gpus: int, request: ScaleRequest, replicas: int = 1, passes: int = 1
+) -> dict:
     """One step's seconds: compute at the target's achieved rate, then two kinds of collectives.
 
-    - FSDP's, over the dp_shard ranks of each tensor-parallel shard (params / tp each): all-gathers of the
-      parameters (forward, and again in backward, as FSDP2 reshards after forward) and a reduce-scatter of
-      fp32 gradients, rings on the slower link they cross; under HSDP, also an all-reduce of each rank's
-      gradient shard across the replicas, between nodes. Overlapped with compute by prefetching except one
-      block's share.
+    - FSDP's, over the dp_shard ranks of each tensor-parallel shard (params / tp each), unit by unit (each
+      block, and the root), each its own NCCL call (plan/nccl.py) on the slower link it crosses: all-gathers
+      of the parameters (forward, and again in backward, as FSDP2 reshards after forward) and a
+      reduce-scatter of fp32 gradients; under HSDP, also an all-reduce of each rank's gradient shard across
+      the replicas, between nodes. Overlapped with compute by prefetching except one block's share.
     - Tensor parallelism's, as the trace counted them: rings over the tp ranks of one node, each between two
       products that wait for it, so none is hidden (torchtitan's async TP, which overlaps them, is not
-      planned)."""
+      planned).
+    - `passes` forward-and-backward passes a step (gradient accumulation): each pays its compute and collectives."""
     target = request.target
     assert target.rate is not None
     tp = gpus // (traced.world * replicas)
-    compute = traced.flops / target.rate
+    compute = passes * traced.flops / target.rate
     link = target.link_for(traced.world * tp)  # a replica's ranks are consecutive: tp inside, shards around
     param_bytes = 2 if request.precision == "bf16" else 4
-    shard = params / tp
-    fsdp = (
-        2 * comm.all_gather_s(shard * param_bytes, traced.world, link)
-        + comm.reduce_scatter_s(shard * 4, traced.world, link)
-        + comm.all_reduce_s(shard / traced.world * 4, replicas, target.link_for(gpus))
-    )
-    return fsdp_overlapped(compute, fsdp, blocks, tp=collectives_s(traced, tp, target))
+    units = tuple((calls, count / tp) for calls, count in fsdp_units(fields, params))
+    fsdp = passes * fsdp_s(units, param_bytes, traced.world, link, replicas, target.link_for(gpus))
+    blocks = fields["num_hidden_layers"]
+    return fsdp_overlapped(compute, fsdp, blocks, tp=passes * collectives_s(traced, tp, target))
 
 
 def recommend(rows: list[dict], request: ScaleRequest) -> str:
@@ -299,7 +330,9 @@ def table(document: dict):
     w = document["workload"]
     t = Table(
         title=f"torchfleet plan: {document['hf_config']} ({document['parameters'] / 1e9:,.1f} B),"
-        f" sequence {w['seq']}, local batch {w['local_batch']}, checkpointing {w['ac']}, {w['precision']},"
+        f" sequence {w['seq']}, "
+        + (f"global batch {w['global_batch']:,}, at most " if w.get("global_batch") else "")
+        + f"local batch {w['local_batch']}, checkpointing {w['ac']}, {w['precision']},"
         f" on {document['target']} (traced on fake tensors; memory in GiB per GPU)",
         title_justify="left",
     )
@@ -308,6 +341,7 @@ def table(document: dict):
         "layout",
         "nodes",
         "global batch",
+        "at once x passes x dp",
         *COLUMNS,
         "peak/GPU",
         "reserved",
@@ -323,6 +357,7 @@ def table(document: dict):
             r["layout"],
             str(r["nodes"]),
             f"{r['global_batch']:,}",
+            r["batch"],
             *(f"{r['memory'][name] / 2**30:,.2f}" for name in COLUMNS),
             f"{r['peak'] / 2**30:,.2f}",
             f"{r['reserved'] / 2**30:,.1f}",

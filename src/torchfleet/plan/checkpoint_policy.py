@@ -8,8 +8,10 @@ def selective_contexts():
     import torch
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+    from torchfleet.plan import flash_attention  # noqa: F401 (registers torchfleet::attention)
+
     aten = torch.ops.aten
-    keep = {aten.mm.default, aten.max.default}
+    keep = {aten.mm.default, aten.max.default, torch.ops.torchfleet.attention.default}  # plan/flash_attention.py's
     for name in (
         "_scaled_dot_product_efficient_attention",
         "_scaled_dot_product_flash_attention",

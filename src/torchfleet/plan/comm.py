@@ -1,7 +1,9 @@
 """The time of each collective, from its message size, the number of ranks and the link.
 
-Ring algorithms, as Gloo and NCCL run them for large messages (Thakur, Rabenseifner
-and Gropp, "Optimization of Collective Communication Operations in MPICH", 2005):
+Between GPUs (a link that names its hardware, `Link.hw`), as NCCL runs them: ring or tree by size and
+scale, each with its own latency, over the nodes the group spans (plan/nccl.py). Between CPU processes,
+ring algorithms as Gloo runs them (Thakur, Rabenseifner and Gropp, "Optimization of Collective
+Communication Operations in MPICH", 2005):
 
     all-reduce      2(N-1)/N x bytes / bandwidth + 2(N-1) x latency
     all-gather      (N-1)/N x bytes / bandwidth + (N-1) x latency   (bytes: the gathered whole)
@@ -18,31 +20,47 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from torchfleet.plan import nccl
+
 
 @dataclass(frozen=True)
 class Link:
-    """A link between ranks: bus bandwidth in bytes/s and per-message latency in seconds."""
+    """A link between ranks: bus bandwidth in bytes/s and per-message latency in seconds. Between GPUs also `hw`,
+    the link inside a node ("nvlink" or "pci"), and `nodes`, how many nodes the group spans: NCCL's collectives
+    (plan/nccl.py) then take their latencies from those; without `hw`, Gloo's rings pay `latency` a hop."""
 
     bandwidth: float
     latency: float = 0.0
+    hw: str = ""
+    nodes: int = 1
 
     def as_dict(self) -> dict:
         return {"bandwidth_bytes_s": self.bandwidth, "latency_s": self.latency}
 
 
+def _nccl(kind: str, nbytes: float, ranks: int, link: Link) -> float:
+    return nccl.collective_s(kind, nbytes, ranks, link.nodes, link.bandwidth, link.hw)[0]
+
+
 def all_reduce_s(nbytes: float, ranks: int, link: Link) -> float:
     if ranks <= 1 or nbytes <= 0:
         return 0.0
+    if link.hw:
+        return _nccl("all_reduce", nbytes, ranks, link)
     return 2 * (ranks - 1) / ranks * nbytes / link.bandwidth + 2 * (ranks - 1) * link.latency
 
 
 def all_gather_s(nbytes: float, ranks: int, link: Link) -> float:
     if ranks <= 1 or nbytes <= 0:
         return 0.0
+    if link.hw:
+        return _nccl("all_gather", nbytes, ranks, link)
     return (ranks - 1) / ranks * nbytes / link.bandwidth + (ranks - 1) * link.latency
 
 
 def reduce_scatter_s(nbytes: float, ranks: int, link: Link) -> float:
+    if link.hw and ranks > 1 and nbytes > 0:
+        return _nccl("reduce_scatter", nbytes, ranks, link)
     return all_gather_s(nbytes, ranks, link)  # the same traffic, in the other direction
 
 
@@ -56,8 +74,22 @@ def all_to_all_s(nbytes: float, ranks: int, link: Link) -> float:
     return (ranks - 1) * send_s(nbytes / ranks, link)
 
 
-def bucketed_all_reduce_s(nbytes: float, ranks: int, link: Link, bucket_bytes: float) -> tuple[float, float]:
-    """(all of it, the last bucket alone) for gradients all-reduced in buckets of `bucket_bytes`, as DDP does.
+def buckets(nbytes: float, bucket_bytes: float, first_bytes: float) -> list[float]:
+    """DDP's buckets of `nbytes` of gradients: the first (the last layers', ready first) of at most
+    `first_bytes`, the rest of at most `bucket_bytes` each."""
+    if nbytes <= 0:
+        return []
+    first = min(nbytes, first_bytes)
+    rest = nbytes - first
+    full, left = divmod(rest, bucket_bytes)
+    return [first] + [bucket_bytes] * int(full) + ([left] if left > 0 else [])
+
+
+def bucketed_all_reduce_s(
+    nbytes: float, ranks: int, link: Link, bucket_bytes: float, first_bytes: float | None = None
+) -> tuple[float, float]:
+    """(all of it, the last bucket alone) for gradients all-reduced in buckets, as DDP fills them (`first_bytes`,
+    then `bucket_bytes` each; one size when `first_bytes` is None), each bucket its own call.
 
     DDP launches a bucket's all-reduce as soon as backward has filled it, so all
     but the last bucket can hide behind the rest of backward; the last one
@@ -65,7 +97,5 @@ def bucketed_all_reduce_s(nbytes: float, ranks: int, link: Link, bucket_bytes: f
     """
     if ranks <= 1 or nbytes <= 0:
         return 0.0, 0.0
-    buckets = max(1, -(-int(nbytes) // int(bucket_bytes)))
-    whole = 2 * (ranks - 1) / ranks * nbytes / link.bandwidth + buckets * 2 * (ranks - 1) * link.latency
-    last = all_reduce_s(min(nbytes, bucket_bytes), ranks, link)
-    return whole, last
+    sizes = buckets(nbytes, bucket_bytes, bucket_bytes if first_bytes is None else first_bytes)
+    return sum(all_reduce_s(size, ranks, link) for size in sizes), all_reduce_s(sizes[-1], ranks, link)

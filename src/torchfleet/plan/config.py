@@ -51,6 +51,7 @@ class PlanConfig:
     # Not a flag: the config of a transformers model that --model's builder returned (built on the meta device),
     # planned at scale as --hf-config's are when a GPU cluster is described.
     library_fields: dict | None = None
+    global_batch: int | None = None  # --hf-config's, the same on every row; None: local_batch a data-parallel GPU
 
     @property
     def described(self) -> bool:
@@ -69,6 +70,10 @@ class PlanConfig:
                 self._check_at_scale()
         elif self.model not in MODELS:
             raise choice_error("model", self.model, (*MODELS, "MODULE:FUNCTION"))
+        if self.global_batch is not None and self.hf_config is None and self.library_fields is None:
+            raise UsageError(
+                f"--global-batch {self.global_batch} is --hf-config's; a --model plan's global batch is --batch-size"
+            )
         if self.gpt_preset not in GPT_PRESETS:
             raise choice_error("gpt preset", self.gpt_preset, tuple(GPT_PRESETS))
         if self.optimizer not in OPTIMIZER_STATE:
@@ -127,6 +132,8 @@ class PlanConfig:
             )
         at_least("--seq-len", self.seq_len, 1)
         at_least("--local-batch", self.local_batch, 1)
+        if self.global_batch is not None:
+            at_least("--global-batch", self.global_batch, 1)
         for degree in self.pp:
             at_least("--pp", degree, 1)
         for degree in self.ep:

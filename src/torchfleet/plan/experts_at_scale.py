@@ -28,9 +28,10 @@ Routing is taken as balanced (each expert gets its share of the rows); the FLOPs
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 from torchfleet.errors import UsageError
-from torchfleet.plan import comm, hardware, scale_rows, trace
+from torchfleet.plan import comm, global_batch, hardware, scale_rows, trace
 from torchfleet.plan.experts import ALL_TO_ALLS_PER_LAYER, COUNT_BYTES
 from torchfleet.plan.traced import Traced
 
@@ -89,13 +90,18 @@ def default_eps(fields: dict, per_node: int) -> tuple[int, ...]:
     return (max(fitting),) if fitting else ()
 
 
-def row(fields: dict, work: trace.Workload, gpus: int, ep: int, params: int, request) -> dict:
+def row(fields: dict, work: trace.Workload, gpus: int, ep: int, params: int, request) -> dict | str:
+    """One fsdp+ep layout, or a note where its GPUs, all data-parallel, cannot share the global batch."""
     experts = shape(fields)
-    traced = trace.traced_at_scale(fields, work, gpus)
+    reach = global_batch.reach(request.global_batch, request.local_batch, gpus)
+    if reach is None:
+        return global_batch.left_out(f"FSDP {gpus} + EP {ep}", gpus, request.global_batch or 0)
+    one = trace.traced_at_scale(fields, replace(work, local_batch=reach.local), gpus)
+    traced = global_batch.accumulating(one, 4 * params / gpus, reach.passes)
     act_bytes = 2 if request.precision == "bf16" else 4
-    routed = request.local_batch * request.seq * experts["top_k"] * fields["hidden_size"] * act_bytes
+    routed = reach.local * request.seq * experts["top_k"] * fields["hidden_size"] * act_bytes
     split = split_experts(traced, experts["block_share"], ep, 2 * routed)
-    timing = step_time(split, params, experts, fields["num_hidden_layers"], gpus, ep, routed, request)
+    timing = step_time(split, params, experts, fields, gpus, ep, routed, request, reach.passes)
     return scale_rows.table_row(
         request,
         gpus=gpus,
@@ -106,9 +112,10 @@ def row(fields: dict, work: trace.Workload, gpus: int, ep: int, params: int, req
         layout=f"FSDP {gpus} + EP {ep}",
         memory=scale_rows.memory_columns(split.kinds),
         peak=split.peak,
-        flops=split.flops,
+        flops=split.flops * reach.passes,
         collectives=split.collectives,
         timing=timing,
+        reach=reach,
     )
 
 
@@ -134,24 +141,36 @@ def all_to_all_s(nbytes: float, ep: int, target: hardware.Target) -> float:
 
 
 def step_time(
-    traced: Traced, params: int, experts: dict, blocks: int, gpus: int, ep: int, routed: float, request
+    traced: Traced,
+    params: int,
+    experts: dict,
+    fields: dict,
+    gpus: int,
+    ep: int,
+    routed: float,
+    request,
+    passes: int = 1,
 ) -> dict:
     """at_scale.step_time's parts for fsdp+ep (the module docstring): compute, FSDP's collectives, hidden
-    behind compute but one block's share, and the all-to-alls, not hidden."""
+    behind compute but one block's share, and the all-to-alls, not hidden; each `passes` times a step."""
     target = request.target
     assert target.rate is not None
-    compute = traced.flops / target.rate
+    compute = passes * traced.flops / target.rate
     link = target.link_for(gpus)
     param_bytes = 2 if request.precision == "bf16" else 4
     rest, local_experts = params - experts["parameters"], experts["parameters"] / ep
-    fsdp = sum(
-        2 * comm.all_gather_s(count * param_bytes, ranks, link) + comm.reduce_scatter_s(count * 4, ranks, link)
-        for count, ranks in ((rest, gpus), (local_experts, gpus // ep))
+    # Unit by unit, each its own call: the blocks' rest and the root over every GPU, each layer's experts (a
+    # unit of their own) over its dp / ep group.
+    fsdp = passes * (
+        scale_rows.fsdp_s(scale_rows.fsdp_units(fields, rest), param_bytes, gpus, link)
+        + scale_rows.fsdp_s(
+            ((experts["layers"], local_experts / max(1, experts["layers"])),), param_bytes, gpus // ep, link
+        )
     )
     full = request.ac == "full"
     rows_calls = experts["layers"] * (ALL_TO_ALLS_PER_LAYER + (2 if full else 0))
     count_calls = experts["layers"] * (2 if full else 1)
-    ep_s = rows_calls * all_to_all_s(routed, ep, target) + count_calls * all_to_all_s(
+    ep_s = passes * rows_calls * all_to_all_s(routed, ep, target) + passes * count_calls * all_to_all_s(
         experts["experts"] * COUNT_BYTES, ep, target
     )
-    return scale_rows.fsdp_overlapped(compute, fsdp, blocks, ep=ep_s)
+    return scale_rows.fsdp_overlapped(compute, fsdp, fields["num_hidden_layers"], ep=ep_s)

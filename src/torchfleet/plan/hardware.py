@@ -23,7 +23,7 @@ step 1.67x gpt2's, 0.57-0.66x resnet50's), so it is kept.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from torchfleet.errors import UsageError
 from torchfleet.plan.comm import Link
@@ -58,7 +58,9 @@ GPUS: dict[str, tuple[float, float, float, float]] = {
 NVLINK_BYTES_S = 450e9
 PCIE_BYTES_S = 25e9
 DEFAULT_INTER_BYTES_S = 12.5e9
-GPU_LATENCY_S = 20e-6  # one message between GPUs (NCCL's small-message latency is 10-30 us)
+# One point-to-point message between GPUs (a pipeline's send, an all-to-all's part); the collectives take
+# NCCL's own latencies instead (plan/nccl.py).
+GPU_LATENCY_S = 20e-6
 
 
 @dataclass(frozen=True)
@@ -81,8 +83,12 @@ class Target:
         return self.nodes * self.per_node
 
     def link_for(self, ranks_together: int) -> Link:
-        """The link a collective over `ranks_together` consecutive ranks crosses: the slower one if it leaves a node."""
-        return self.inter if ranks_together > self.per_node else self.intra
+        """The link a collective over `ranks_together` consecutive ranks crosses: the slower one if it leaves a node;
+        between GPUs, with the nodes it spans, for NCCL's latencies (a group strided over them spans them all)."""
+        link = self.inter if ranks_together > self.per_node else self.intra
+        if not link.hw:
+            return link
+        return replace(link, nodes=max(1, -(-ranks_together // self.per_node)))
 
     def as_dict(self) -> dict:
         out = asdict(self)
@@ -134,8 +140,16 @@ def gpu_cluster(
     intra = intra_gbit * 1e9 / 8 if intra_gbit else (NVLINK_BYTES_S if sxm else PCIE_BYTES_S)
     inter = inter_gbit * 1e9 / 8 if inter_gbit else DEFAULT_INTER_BYTES_S
     name = f"{nodes} x {per_node} {gpu or 'GPU'}" + ("" if tflops is None else f" ({tflops:g} TFLOP/s)")
+    # The link inside a node, whose latencies NCCL's collectives pay for their steps there (plan/nccl.py).
+    hw = "nvlink" if sxm else "pci"
     return Target(
-        name, nodes, per_node, memory, Link(intra, GPU_LATENCY_S), Link(inter, 2 * GPU_LATENCY_S), rate=peak * mfu
+        name,
+        nodes,
+        per_node,
+        memory,
+        Link(intra, GPU_LATENCY_S, hw),
+        Link(min(inter, intra), 2 * GPU_LATENCY_S, hw),
+        rate=peak * mfu,
     )
 
 

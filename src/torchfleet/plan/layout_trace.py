@@ -1,7 +1,7 @@
 """A layout's memory traced, not estimated: the strategy's own setup and step on fake tensors and a fake group.
 
-The strategies built on FSDP2 and DTensor (fsdp, hsdp, tp, fsdp+tp), mp and the
-pipelines split a model in ways a formula over the whole model's profile only
+The strategies built on FSDP2 and DTensor (fsdp, hsdp, tp, fsdp+tp, ep, fsdp+ep), mp and
+the pipelines split a model in ways a formula over the whole model's profile only
 approximates: which activations tp splits, what FSDP2 holds gathered and for
 how long, what each stage holds of its micro-batches. Their memory is instead taken from one rank of the layout itself:
 torchfleet's Fleet sets the model up and trains it for a step on fake tensors
@@ -33,9 +33,12 @@ import contextlib
 from dataclasses import dataclass
 
 # Strategies whose setup and step run on fake tensors; the rest keep the profile's formulas (ddp's reducer is
-# C++ that needs real storage; ep's routing has no values to route by). The pipelines' replicas go through
-# FSDP2 (strategies/parallelize.py), and their stages are given their shapes (pipeline/static_shapes.py).
-TRACEABLE = frozenset({"fsdp", "hsdp", "tp", "fsdp+tp", "mp", "pipeline", "ddp+pipeline", "fsdp+pipeline"})
+# C++ that needs real storage). ep's routing, which has no values to route by, sends every expert an even share
+# (expert_parallel._balanced). The pipelines' replicas go through FSDP2 (strategies/parallelize.py), and their
+# stages are given their shapes (pipeline/static_shapes.py).
+TRACEABLE = frozenset(
+    {"fsdp", "hsdp", "tp", "fsdp+tp", "ep", "fsdp+ep", "mp", "pipeline", "ddp+pipeline", "fsdp+pipeline"}
+)
 TRACED_STEPS = 2
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from torchfleet.errors import UsageError
-from torchfleet.plan import comm, pipelines, scale_rows, trace
+from torchfleet.plan import comm, global_batch, pipelines, scale_rows, trace
 from torchfleet.plan.traced import Traced
 
 SCHEDULES = ("1f1b", "interleaved-1f1b")  # torchtitan's two in its published 405B table
@@ -95,13 +95,18 @@ def row(
     params: int,
     request,
     replicas: int = 1,
-) -> dict:
+) -> dict | str:
     """One pipeline layout; `replicas` > 1: HSDP in each stage, its dp ranks `replicas` x shards. Its memory is
-    the fuller of the first GPU's and the last's; its pace is the last GPU's, which runs the output layer."""
+    the fuller of the first GPU's and the last's; its pace is the last GPU's, which runs the output layer. A
+    note instead where its data-parallel GPUs cannot share the global batch asked for."""
     tp = work.tp
     dp = gpus // (tp * pp)
     shard = dp // replicas
-    m = max(1, request.local_batch // MICROBATCH)
+    name = f"{scale_rows.layout_name(replicas, shard, tp)} x PP {pp} ({schedule})"
+    reach = global_batch.reach(request.global_batch, request.local_batch, dp, MICROBATCH)
+    if reach is None:
+        return global_batch.left_out(name, dp, request.global_batch or 0)
+    m = reach.passes
     stage = {**fields, "num_hidden_layers": fields["num_hidden_layers"] // pp}
     kept = replace(work, local_batch=MICROBATCH, reshard_after_forward=False)
     first_held = pipelines.activations_held(schedule, pp, m, v) * pp  # micro-batches of its own activations
@@ -132,7 +137,6 @@ def row(
         request,
         replicas,
     )
-    name = scale_rows.layout_name(replicas, shard, tp)
     return scale_rows.table_row(
         request,
         gpus=gpus,
@@ -143,12 +147,13 @@ def row(
         peak_stage=fullest,
         replicas=replicas,
         shard=shard,
-        layout=f"{name} x PP {pp} ({schedule})",
+        layout=name,
         memory=grouped,
         peak=sum(grouped.values()),
         flops=one.flops * m,
         timing=timing,
         collectives=tuple((kind, nbytes * m, calls * m) for kind, nbytes, calls in one.collectives),
+        reach=reach,
     )
 
 
@@ -176,13 +181,18 @@ def step_time(
     busy, idle = pipelines.bubble_slots(schedule, pp, m, v)
     compute = busy * per_microbatch / v
     bubble = idle * per_microbatch / v
-    # One gather of the stage's bf16 parameters and one reduce-scatter of its fp32 gradients a step.
+    # One gather of the stage's bf16 parameters and one reduce-scatter of its fp32 gradients a step, unit by unit.
     shard_link = target.link_for(one.world * tp)
     param_bytes = 2 if request.precision == "bf16" else 4
-    fsdp = (
-        comm.all_gather_s(stage_params / tp * param_bytes, one.world, shard_link)
-        + comm.reduce_scatter_s(stage_params / tp * 4, one.world, shard_link)
-        + comm.all_reduce_s(stage_params / tp / one.world * 4, replicas, target.link_for(gpus // pp))
+    units = scale_rows.fsdp_units(fields, stage_params, blocks)
+    fsdp = scale_rows.fsdp_s(
+        tuple((calls, count / tp) for calls, count in units),
+        param_bytes,
+        one.world,
+        shard_link,
+        replicas,
+        target.link_for(gpus // pp),
+        gathers=1,
     )
     tensor = scale_rows.collectives_s(one, tp, target) * m
     # The sequence-parallel activation a tp rank holds, in bf16: what crosses to the next stage.

@@ -44,8 +44,10 @@ probes (overheads.py), is added on the critical path as well: FSDP2's cost
 per unit and per step (in place of the per-message latency, which its
 measurement includes), tp's per parallel Linear, DDP's reducer per gradient
 tensor and per step, and a pipeline's per slot (in place of each send's
-latency). GPU targets have no such figures: their collectives cost latency
-and bytes only.
+latency). GPU targets have no such figures: their collectives are NCCL's
+(plan/nccl.py: ring or tree by size and scale, each with its latency over the
+nodes the group spans), DDP's in its buckets (1 MiB first, then 25 MiB), FSDP's
+a call per unit.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ from torchfleet.plan.probe import Calibration
 from torchfleet.plan.profile import Profile
 
 DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's bucket_cap_mb default
+DDP_FIRST_BUCKET_BYTES = 2**20  # and its first bucket's (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES)
 BACKWARD_SHARE = 2 / 3  # backward is about twice forward's FLOPs
 OPTIMIZER_SHARE = 0.2  # of a step's fixed cost, the optimizer's, where a profile has no measured figure
 
@@ -221,7 +224,9 @@ def step_time(
         # ep's replicas hold other experts each (ep is every replica): only the rest's gradients are averaged
         grads = (stage_bytes if lay.ep == 1 else 4 * (profile.parameters - profile.expert_parameters)) / lay.shard
         if lay.shard == 1 and not lay.hybrid and lay.ep == 1:
-            whole, last = bucketed_all_reduce_s(grads, lay.replicate, replica_link, DDP_BUCKET_BYTES)
+            whole, last = bucketed_all_reduce_s(
+                grads, lay.replicate, replica_link, DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES
+            )
             # the reducer's own work (hooks, copies into buckets) runs on the cores backward needs
             reducer = costs.get("ddp_step_s", 0.0) + costs.get("ddp_tensor_s", 0.0) * profile.tensors * per_stage
             total, exposed = whole + reducer, max(last, whole - overlap * backward) + reducer
@@ -230,11 +235,16 @@ def step_time(
     if lay.shard > 1 or lay.hybrid or lay.ep > 1:
         units = max(1, profile.units + (profile.expert_layers if lay.ep > 1 else 0))  # the experts: units of their own
         gathers = scatter = 0.0
-        for nbytes, ranks in _sharded(profile, lay, stage_bytes):
-            gathers += 2 * all_gather_s(nbytes, ranks, shard_link)
-            scatter += reduce_scatter_s(nbytes, ranks, shard_link)
+        # Between GPUs each unit is its own NCCL call, whose latency its algorithm sets (plan/nccl.py).
+        per_unit = bool(shard_link.hw) and not costs
+        for nbytes, ranks, calls in _sharded(profile, lay, stage_bytes, max(1, round(profile.units * per_stage))):
+            calls = calls if per_unit else 1
+            gathers += 2 * calls * all_gather_s(nbytes / calls, ranks, shard_link)
+            scatter += calls * reduce_scatter_s(nbytes / calls, ranks, shard_link)
         if costs:  # measured: FSDP2's work around each unit's collectives, their small-message latency in it
             machinery = costs["fsdp_step_s"] + costs["fsdp_unit_s"] * max(1.0, units * per_stage)
+        elif per_unit:
+            machinery = 0.0
         else:
             machinery = 3 * (units - 1) * (lay.shard - 1) * shard_link.latency
         fsdp = gathers + scatter + machinery
@@ -273,14 +283,16 @@ def step_time(
     return {"compute": compute, "bubble": bubble, "communication": exposed, "communication_total": total, "step": step}
 
 
-def _sharded(profile: Profile, lay: Layout, stage_bytes: float) -> tuple[tuple[float, int], ...]:
-    """(bytes, ranks) FSDP2 gathers and scatters: a stage's over the shards; under ep the rest over the shards
-    and each rank's experts over the dp / ep groups (fsdp+ep), or over none (ep)."""
+def _sharded(profile: Profile, lay: Layout, stage_bytes: float, units: int) -> tuple[tuple[float, int, int], ...]:
+    """(bytes, ranks, units) FSDP2 gathers and scatters: a stage's over the shards, in its `units`; under ep the
+    rest over the shards and each rank's experts, a unit a layer, over the dp / ep groups (fsdp+ep), or over
+    none (ep)."""
     if lay.ep == 1:
-        return ((stage_bytes, lay.shard),)
+        return ((stage_bytes, lay.shard, units),)
     rest = 4 * (profile.parameters - profile.expert_parameters)
     groups = lay.shard // lay.ep if lay.shard > 1 else 1
-    return ((rest, lay.shard), (4 * profile.expert_parameters / lay.ep, groups))
+    layers = max(1, profile.expert_layers)
+    return ((rest, lay.shard, units), (4 * profile.expert_parameters / lay.ep, groups, layers))
 
 
 def _overheads(target: Target, lay: Layout, calib: Calibration | None) -> dict[str, float]:

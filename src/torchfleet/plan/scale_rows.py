@@ -8,6 +8,7 @@ rows, plan/experts_at_scale.py the expert-parallel rows.
 from __future__ import annotations
 
 from torchfleet.plan import comm, hardware
+from torchfleet.plan.global_batch import Reach
 from torchfleet.plan.traced import Traced
 
 # What the CUDA caching allocator holds (reserved) over the tensors' own peak (allocated), one figure for every
@@ -47,11 +48,13 @@ def table_row(
     flops: float,
     collectives: tuple,
     timing: dict,
+    reach: Reach,
     pp: int | None = None,
     **extra,
 ) -> dict:
-    """One row of the table. `collectives`: (kind, bytes, calls) of the step; `extra`: the layout's own
-    fields (a pipeline's schedule and micro-batches), placed after the degrees; `pp` only in a pipeline's row."""
+    """One row of the table. `collectives`: (kind, bytes, calls) of the step; `reach`: how its data-parallel
+    GPUs reach its global batch; `extra`: the layout's own fields (a pipeline's schedule and micro-batches),
+    placed after the degrees; `pp` only in a pipeline's row."""
     reserved = peak * RESERVED_OVER_ALLOCATED
     return {
         "gpus": gpus,
@@ -69,11 +72,12 @@ def table_row(
         "time": timing,
         # A tensor-parallel group shares its samples, and so do a pipeline's stages: each GPU moves
         # 1/(tp x pp) of their tokens.
-        "tokens_per_s_per_gpu": request.local_batch * request.seq / (tp * (pp or 1)) / timing["step"],
+        "tokens_per_s_per_gpu": reach.per_gpu * request.seq / (tp * (pp or 1)) / timing["step"],
         "reserved": reserved,
         "fits": peak <= request.memory_bytes,
         "tight": peak <= request.memory_bytes < reserved,
-        "global_batch": replicas * shard * request.local_batch,
+        "global_batch": reach.global_batch,
+        "batch": reach.describe(),  # samples at once x passes a step x data-parallel GPUs
     }
 
 
@@ -88,6 +92,37 @@ def collectives_s(traced: Traced, tp: int, target: hardware.Target) -> float:
     costs = {"all_gather": comm.all_gather_s, "reduce_scatter": comm.reduce_scatter_s, "all_reduce": comm.all_reduce_s}
     # Each call pays its hops' latency; the formulas are linear in bytes, so calls x one average call.
     return sum(calls * costs[kind](nbytes / calls, tp, within) for kind, nbytes, calls in traced.collectives if calls)
+
+
+def fsdp_units(fields: dict, params: float, blocks: int | None = None) -> tuple[tuple[int, float], ...]:
+    """(calls, parameters each) of FSDP2's units, each its own collective: every decoder block (`blocks` of
+    them, the config's by default), and the root's embedding, final norm and output layer."""
+    blocks = blocks or fields["num_hidden_layers"]
+    tied = fields.get("tie_word_embeddings", False)
+    root = min(params, fields["vocab_size"] * fields["hidden_size"] * (1 if tied else 2) + fields["hidden_size"])
+    return ((blocks, (params - root) / blocks), (1, root))
+
+
+def fsdp_s(
+    units: tuple[tuple[int, float], ...],
+    param_bytes: int,
+    shard: int,
+    shard_link: comm.Link,
+    replicas: int = 1,
+    replica_link: comm.Link | None = None,
+    gathers: int = 2,
+) -> float:
+    """A step's FSDP2 collectives, unit by unit: `gathers` all-gathers of its parameters in `param_bytes` (forward,
+    and again in backward where it reshards after forward), a reduce-scatter of its fp32 gradients over the
+    `shard` ranks, and under HSDP an all-reduce of each rank's gradient shard across the `replicas`."""
+    total = 0.0
+    for calls, count in units:
+        total += calls * (
+            gathers * comm.all_gather_s(count * param_bytes, shard, shard_link)
+            + comm.reduce_scatter_s(count * 4, shard, shard_link)
+            + (comm.all_reduce_s(count / shard * 4, replicas, replica_link) if replica_link is not None else 0.0)
+        )
+    return total
 
 
 def fsdp_overlapped(compute: float, fsdp: float, blocks: int, **unhidden: float) -> dict:

@@ -35,6 +35,17 @@ def step_counter():
                 grad, q, heads_of(q, k), heads_of(q, v)
             )
         )
+    from torchfleet.plan import flash_attention  # noqa: F401 (registers torchfleet's attention operators)
+
+    fused = torch.ops.torchfleet
+    table[fused.attention] = shape_wrapper(
+        lambda q, k, v, *args, out_shape=None, **kwargs: sdpa_flop_count(q, heads_of(q, k), heads_of(q, v))
+    )
+    table[fused.attention_backward] = shape_wrapper(
+        lambda grad, q, k, v, *args, out_shape=None, **kwargs: sdpa_backward_flop_count(
+            grad, q, heads_of(q, k), heads_of(q, v)
+        )
+    )
     if hasattr(aten, "_grouped_mm") and aten._grouped_mm not in table:
         table[aten._grouped_mm] = shape_wrapper(grouped_mm_flops)
 

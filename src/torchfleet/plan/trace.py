@@ -93,9 +93,10 @@ def tracked_step(fields: dict, work: Workload, mesh, tracker_class, layers: int 
     collectives). On fake tensors for the plan; on real ones to check it."""
     import torch
 
-    from torchfleet.plan import library_model
+    from torchfleet.plan import flash_attention, library_model
 
     model = library_model.build(fields, layers)
+    flash_attention.use(model)  # attention as a GPU's fused kernels hold it, for every variant
     if work.stage != "whole":
         library_model.keep_stage(model, work.stage)
     _prepare(model, fields, work, mesh)

@@ -32,7 +32,7 @@ class ExpertLoad:
 
     def _count(self, _module: nn.Module, args: tuple) -> None:
         chosen = args[1].detach().reshape(-1)  # (hidden_states, top_k_index, top_k_weights)
-        if chosen.is_meta or is_fake(chosen):  # a shape-only run (a pipeline cutting a meta model) routes nothing
+        if chosen.is_meta or is_fake(chosen):  # a shape-only run (plan's trace, a meta model's cut) routes nothing
             return
         experts = next(_module.parameters(recurse=False)).shape[0]  # a DTensor's shape is the whole's
         counted = torch.bincount(chosen, minlength=experts)
@@ -43,6 +43,8 @@ class ExpertLoad:
         A collective where a process group is up: every rank calls it (`device`: where its backend reduces)."""
         self.taken = True
         counts = (self.counts if self.counts is not None else torch.zeros(0, dtype=torch.long)).to(device)
+        if is_fake(counts):  # made under plan's fake tensors: nothing was counted
+            return None
         if dist.is_initialized():  # a rank holding no experts (another pipeline stage's) adds zeros
             size = torch.tensor([counts.numel()], device=device)
             dist.all_reduce(size, op=dist.ReduceOp.MAX)

@@ -31,6 +31,7 @@ import logging
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
@@ -148,6 +149,18 @@ def _exchange(rows: torch.Tensor, receive: list[int], send: list[int], group) ->
     return wait_tensor(all_to_all_single_autograd(rows.contiguous(), receive, send, group))
 
 
+def _balanced(chosen: torch.Tensor, total: int, ep: int, group) -> tuple[torch.Tensor, torch.Tensor, list, list]:
+    """(order, arriving, send, receive) as `_route` finds them, for choices spread evenly over the experts, every
+    rank of the group choosing alike: what plan's memory trace routes, whose fake choices have no values."""
+    rows = chosen.numel()
+    counts = [rows // total + (1 if e < rows % total else 0) for e in range(total)]
+    local = total // ep
+    mine = dist.get_group_rank(group, dist.get_rank()) * local
+    send = [sum(counts[r * local : (r + 1) * local]) for r in range(ep)]
+    arriving = torch.tensor(counts[mine : mine + local] * ep, device=chosen.device)  # [source rank, local expert]
+    return torch.arange(rows, device=chosen.device), arriving, send, [send[mine // local]] * ep
+
+
 def _route(module: nn.Module, group, ep: int) -> None:
     own_forward = module.forward  # the module's (or the library's dispatching) forward, bound
 
@@ -156,15 +169,20 @@ def _route(module: nn.Module, group, ep: int) -> None:
         local = total // ep
         tokens, k = top_k_index.shape
         chosen = top_k_index.reshape(-1)
-        order = torch.argsort(chosen, stable=True)  # (token, choice) pairs by expert, so by rank
+        if is_fake(chosen):  # plan's memory trace: no values to route by, each expert takes an even share
+            order, arriving, send, receive = _balanced(chosen, total, ep, group)
+        else:
+            order = torch.argsort(chosen, stable=True)  # (token, choice) pairs by expert, so by rank
+            counts = torch.bincount(chosen, minlength=total)
+            arriving = torch.empty_like(counts)  # [source rank, local expert]
+            dist.all_to_all_single(arriving, counts, group=group)
+            send = counts.view(ep, local).sum(1).tolist()
+            receive = arriving.view(ep, local).sum(1).tolist()
         token_of = order // k
-        counts = torch.bincount(chosen, minlength=total)
-        arriving = torch.empty_like(counts)  # [source rank, local expert]
-        dist.all_to_all_single(arriving, counts, group=group)
-        send = counts.view(ep, local).sum(1).tolist()
-        receive = arriving.view(ep, local).sum(1).tolist()
         arrived = _exchange(hidden_states[token_of], receive, send, group)
-        local_index = torch.arange(local, device=chosen.device).repeat(ep).repeat_interleave(arriving)
+        local_index = (
+            torch.arange(local, device=chosen.device).repeat(ep).repeat_interleave(arriving, output_size=sum(receive))
+        )
         weights = {
             name: _ScaleGrad.apply(p.to_local() if isinstance(p, DTensor) else p, 1.0 / ep)
             for name, p in module.named_parameters(recurse=False)
