@@ -11,9 +11,9 @@ import time
 import pytest
 
 from conftest import clean_env, torchfleet
+from torchfleet.run_services.rank_figures import RankWindow
+from torchfleet.run_services.stragglers import FLOOR_S, WINDOWS, StragglerWatch
 from torchfleet.train import faults
-from torchfleet.train.rank_figures import RankWindow
-from torchfleet.train.stragglers import FLOOR_S, WINDOWS, StragglerWatch
 
 # 4 ranks of 16 samples, a read every 2 steps: a verdict needs WINDOWS reads, 6 steps after the slowing starts.
 JOB = [

@@ -19,14 +19,14 @@ import torch
 from torchfleet import checkpoint
 from torchfleet.data import DataError
 from torchfleet.fleet import Fleet
+from torchfleet.run_services.metrics import MetricsLog
+from torchfleet.run_services.rank_figures import PhaseClock, gather_rows, hosts, share_host, windows
+from torchfleet.run_services.stragglers import StragglerWatch
 from torchfleet.train import faults, link_probe, report
 from torchfleet.train.checkpoints import resume, save
 from torchfleet.train.config import TrainConfig
 from torchfleet.train.job import Job, evaluate
 from torchfleet.train.losses import LossWindow
-from torchfleet.train.metrics import MetricsLog
-from torchfleet.train.rank_figures import PhaseClock, gather_rows, hosts, share_host, windows
-from torchfleet.train.stragglers import StragglerWatch
 from torchfleet.worker import preemption
 from torchfleet.worker.hang_watchdog import Watchdog
 
@@ -52,7 +52,7 @@ class Run:
             self.total_steps = min(self.total_steps, cfg.max_steps)
         self.watchdog = Watchdog(fleet.rank, fleet.world_size, cfg.hang_timeout).start() if cfg.hang_timeout else None
         # The loss reaches the host every --log-every steps, not every step (train/losses.py), and each
-        # rank's step phases and memory ride with it to every rank (train/rank_figures.py).
+        # rank's step phases and memory ride with it to every rank (run_services/rank_figures.py).
         self.window = LossWindow(
             cfg.log_every,
             fleet.rank,

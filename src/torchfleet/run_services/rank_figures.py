@@ -69,7 +69,7 @@ STORE_PREFIX = "torchfleet/ranks"
 @dataclasses.dataclass(frozen=True)
 class RankWindow:
     """One rank's figures for one log window: the per-rank record that the metrics files, the straggler
-    verdicts (train/stragglers.py) and any live view read. Times are seconds per step (means over the
+    verdicts (run_services/stragglers.py) and any live view read. Times are seconds per step (means over the
     window's steps); `memory_bytes` is as the module says (`memory_kind`: "cuda_max_allocated" or "rss")."""
 
     step: int  # the window's last step

@@ -1,0 +1,6 @@
+"""The run's services, offered alike to a user's Fleet script and to `torchfleet train`.
+
+rank_figures.py  each rank's data, compute and communication seconds and memory per log window
+stragglers.py    the verdicts that name a slow rank, its host and its phase
+metrics.py       the --metrics-out file and TensorBoard's events
+"""
