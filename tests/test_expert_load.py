@@ -84,5 +84,5 @@ def test_the_shares_are_summed_over_every_rank(tmp_path, second):
         p.join(10)
         assert p.exitcode == 0
     total = [a + b for a, b in zip(counts[0], second or [0, 0, 0, 0], strict=True)]
-    want = [c / sum(total) for c in total]  # every rank's tokens, not rank 0's own
-    assert said[0] == pytest.approx(want) and said[1] == pytest.approx(want), said
+    want = [c / sum(total) for c in total]  # every rank's tokens, not rank 0's own (sixteenths: exact)
+    assert said == {0: want, 1: want}
