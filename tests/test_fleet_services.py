@@ -100,5 +100,5 @@ def test_the_options_travel_in_the_environment_and_one_process_gets_no_services(
     loader = fleet.dataloader(torch.utils.data.TensorDataset(torch.zeros(8, 2)), batch_size=4)
     assert fleet.services is None  # one process: no other rank to be slower than
     assert isinstance(loader, torch.utils.data.DataLoader) and len(loader) == 2 and len(list(loader)) == 2
-    monkeypatch.delenv(in_fleet.ON)
-    assert in_fleet.RunOptions.from_environment() is None
+    monkeypatch.setenv(in_fleet.ON, "0")  # a user's opt-out: torchfleet run passes it on, and Fleet starts none
+    assert options.exported()[in_fleet.ON] == "0" and in_fleet.RunOptions.from_environment() is None

@@ -3,7 +3,8 @@
 
 `torchfleet run` asks for them through the environment its workers inherit (`RunOptions.exported`), with
 train's flag names: --log-every, --metrics-out, --dashboard. A script under another launcher (torchrun,
-Slurm) gets them with TORCHFLEET_RANK_VIEW=1 and the other variables set by hand. Fleet then times each
+Slurm) gets them with TORCHFLEET_RANK_VIEW=1 and the other variables set by hand; with
+TORCHFLEET_RANK_VIEW=0 `torchfleet run` starts none. Fleet then times each
 rank's steps as train does (rank_figures.PhaseClock): `fleet.dataloader`'s fetches are the data phase,
 `train_step` the compute and communication. Every --log-every steps the ranks' figures travel in one
 all-gather (every rank calls train_step as often, so every rank meets it at the same step), and the main
@@ -58,8 +59,8 @@ class RunOptions:
         return cls(int(every), os.environ.get(METRICS_OUT) or None, os.environ.get(DASHBOARD) or None)
 
     def exported(self) -> dict[str, str]:
-        """The variables that carry these options to the workers."""
-        found = {ON: "1", LOG_EVERY: str(self.log_every)}
+        """The variables that carry these options to the workers (TORCHFLEET_RANK_VIEW=0 given stays: none)."""
+        found = {ON: "0" if os.environ.get(ON) == "0" else "1", LOG_EVERY: str(self.log_every)}
         if self.metrics_out:
             found[METRICS_OUT] = self.metrics_out
         if self.dashboard is not None:
