@@ -109,6 +109,11 @@ SURFACE = {
         "--preempt_signals",
         "--preempt-notice",
         "--preempt_notice",
+        "--log-every",  # the run's services for a Fleet script (run_services/in_fleet.py): train's names
+        "--log_every",
+        "--metrics-out",
+        "--metrics_out",
+        "--dashboard",
     ],
     "lighthouse": ["--host", "--port", "--min-replicas"],
     "k8s": ["--gpus-per-node", "--image", "--nodes", "--nproc-per-node", "--out", "--fault-tolerance"],

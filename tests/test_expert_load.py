@@ -53,3 +53,36 @@ def test_a_fleet_script_says_each_experts_share_of_every_ranks_tokens(tmp_path):
         model(tokens[:4, :-1])  # rank 0's half alone
     alone = load.shares(torch.device("cpu"))
     assert alone is not None and max(abs(a - b) for a, b in zip(alone, want, strict=True)) > 0.002  # tells them apart
+
+
+def _shares_on(rank: int, init: str, counts: list[int] | None, found) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    try:
+        load = ExpertLoad(torch.nn.Module())  # no experts to hook: the counts are set by hand
+        load.counts = None if counts is None else torch.tensor(counts)
+        found.put((rank, load.shares(torch.device("cpu"))))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("second", [[0, 2, 4, 2], None])  # None: rank 1 holds no experts (another stage's)
+def test_the_shares_are_summed_over_every_rank(tmp_path, second):
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    found = context.Queue()
+    init = f"file://{tmp_path / 'store'}"
+    counts = [[6, 2, 0, 0], second]
+    procs = [context.Process(target=_shares_on, args=(r, init, counts[r], found)) for r in range(2)]
+    for p in procs:
+        p.start()
+    said = dict(found.get(timeout=50) for _ in procs)
+    for p in procs:
+        p.join(10)
+        assert p.exitcode == 0
+    total = [a + b for a, b in zip(counts[0], second or [0, 0, 0, 0], strict=True)]
+    want = [c / sum(total) for c in total]  # every rank's tokens, not rank 0's own (sixteenths: exact)
+    assert said == {0: want, 1: want}

@@ -27,8 +27,9 @@ LAYERS = [
     ("replica_groups",),  # replica groups on torchft: the lighthouse, per-step fault tolerance, the outer step
     ("launcher", "hogwild.runner"),  # starting processes, reading back their failures
     ("worker",),  # what runs inside the training processes: preemption, the hang watchdog, a script's entry
-    ("fleet", "hogwild", "strategy_spec"),  # the API a script holds; what a strategy name comes to
     ("view",),  # the live table, the --dashboard page and report's: plain rows in, no torch
+    ("run_services",),  # per-rank figures, straggler verdicts, the metrics files: what Fleet and train offer
+    ("fleet", "hogwild", "strategy_spec"),  # the API a script holds; what a strategy name comes to
     # the machine report; the built-in job; its N replica groups on one machine (a launcher each)
     ("doctor", "train", "replica_groups.on_one_machine", "hogwild.command"),
     ("testing", "bench"),  # reference jobs; the strategy matrix

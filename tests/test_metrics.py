@@ -8,9 +8,9 @@ import torch
 
 from conftest import require_module
 from torchfleet.errors import UsageError
+from torchfleet.run_services.metrics import MetricsLog
 from torchfleet.train.config import TrainConfig
 from torchfleet.train.loop import train
-from torchfleet.train.metrics import MetricsLog
 
 # 256 samples in batches of 32: 8 steps an epoch. lr is TrainConfig's default.
 JOB = dict(model="mlp", data="synthetic", synthetic_size=256, batch_size=32, progress=False, hang_timeout=0)
@@ -193,7 +193,7 @@ def test_bad_metrics_options_are_one_sentence(tmp_path, monkeypatch, capsys):
         train(TrainConfig(**JOB, metrics_out=str(tmp_path / "m.csv")), "hogwild", nproc=2)
 
     from torchfleet import cli
-    from torchfleet.train import metrics
+    from torchfleet.run_services import metrics
 
     real = metrics.importlib.util.find_spec
     monkeypatch.setattr(

@@ -16,9 +16,9 @@ import pytest
 
 from conftest import clean_env, require_system
 from netns import _tbf, hosts
+from torchfleet.run_services.rank_figures import RankWindow
+from torchfleet.run_services.stragglers import WINDOWS
 from torchfleet.train.link_probe import PROBE_BYTES, LinkWatch, verdicts
-from torchfleet.train.rank_figures import RankWindow
-from torchfleet.train.stragglers import WINDOWS
 
 SLOW_HOST = 2  # one process a host: the host's rank
 RATE_MBIT = 50  # the cnn's gradients (0.6 MB) take about 0.15 s a step through it, against 0.01 s without

@@ -11,9 +11,9 @@ import time
 import pytest
 
 from conftest import clean_env, torchfleet
+from torchfleet.run_services.rank_figures import RankWindow
+from torchfleet.run_services.stragglers import FLOOR_S, WINDOWS, StragglerWatch
 from torchfleet.train import faults
-from torchfleet.train.rank_figures import RankWindow
-from torchfleet.train.stragglers import FLOOR_S, WINDOWS, StragglerWatch
 
 # 4 ranks of 16 samples, a read every 2 steps: a verdict needs WINDOWS reads, 6 steps after the slowing starts.
 JOB = [
@@ -204,3 +204,29 @@ def test_waiting_ranks_are_not_named_for_communication_and_memory_growth_is():
         )
     assert [(v.rank, v.phase) for v in named] == [(0, "data"), (1, "memory")]
     assert "memory grew in each of 5 log windows" in named[1].line()
+
+
+def _steady(computes: list[float], windows: int = WINDOWS) -> list:
+    """The verdicts of `windows` alike windows (no noise) whose ranks computed `computes` seconds a step."""
+    watch, named = StragglerWatch(), []
+    for step in range(1, windows + 1):
+        named += watch.judge([_window(rank, step, compute=c) for rank, c in enumerate(computes)])
+    return named
+
+
+def test_a_rank_half_again_as_slow_is_named_and_one_40_percent_slower_is_not():
+    # The threshold is 50% above the others' median (FLOOR_S added to both): with 100 ms steps, 60% above
+    # stands at 1.57 and is named, 40% above stands at 1.38 and is not, whatever the noise (none here).
+    named = _steady([0.1, 0.16, 0.1])
+    assert [(v.rank, v.phase) for v in named] == [(1, "compute")]
+    assert named[0].slower == pytest.approx(0.6)
+    assert _steady([0.1, 0.14, 0.1]) == []
+
+
+def test_the_others_are_judged_by_their_median_not_their_mean():
+    # Rank 3 is five times the others; rank 2 at 180 ms is 80% above the others' median (100 ms) but under their
+    # mean (233 ms): it is named, with that median, beside rank 3.
+    named = _steady([0.1, 0.1, 0.18, 0.5])
+    assert [(v.rank, v.phase) for v in named] == [(2, "compute"), (3, "compute")]
+    assert named[0].median == pytest.approx(0.1) and named[1].median == pytest.approx(0.1)
+    assert "80% above the other ranks' median of 100.0 ms" in named[0].line()

@@ -30,6 +30,7 @@ from torchfleet.errors import UsageError
 from torchfleet.launcher.sagemaker import relaunch_per_gpu
 from torchfleet.precision import Precision
 from torchfleet.replica_groups import which_group
+from torchfleet.run_services import in_fleet
 from torchfleet.strategies import Runtime
 from torchfleet.strategies.base import Batch, LossFn, SetupArgs
 from torchfleet.strategies.batchnorm import batchnorm_note
@@ -91,6 +92,7 @@ class Fleet:
         self._returned: torch.nn.Module | None = None  # what setup returned, until train_step's first check
         self._pretrained: Pretrained | None = None  # a transformers model's config and keys, for save_model
         self.weights_report: dict | None = None  # setup's: what this rank read of `weights`, what it initialised
+        self.run_options, self.services = in_fleet.RunOptions.from_environment(), None  # run_services/in_fleet.py
 
         hardware = probe_hardware()
         local_procs = self.env.local_world_size if self.env.is_distributed else 1
@@ -178,8 +180,10 @@ class Fleet:
         if self.replicas is not None:  # torchft's Manager starts once the model is wrapped
             self.replicas.attach(self.strategy.model, self.strategy.optimizer, self.strategy.runtime.precision)
         self._returned = wrapped[0]
+        self.services = in_fleet.FleetServices.start(self)  # times train_step from here on
         return wrapped
 
+    @in_fleet.timed_loader  # under `torchfleet run`, its fetches are the data phase of each rank's steps
     def dataloader(
         self,
         dataset: Dataset,
@@ -222,7 +226,8 @@ class Fleet:
             self._returned = None
         inputs, targets = self.to_device(inputs), self.to_device(targets)
         before = self.replicas.step if self.replicas is not None else 0
-        loss = self.strategy.train_step(inputs, targets, loss_fn, self.grad_accum)
+        with in_fleet.timed_step(self.services):  # under `torchfleet run`: the step's phases, every rank's read
+            loss = self.strategy.train_step(inputs, targets, loss_fn, self.grad_accum)
         self._after_replica_step(before)
         return loss
 
@@ -369,19 +374,16 @@ class Fleet:
         return saving.save_model(self, path, adapters_only, self._pretrained)
 
     def finish(self) -> None:
-        """After the last step, on every rank: diloco's and localsgd's groups meet a last time (to evaluate and
-        save the same weights everywhere; close() does it too); nothing otherwise."""
+        """After the last step, on every rank: diloco's and localsgd's groups meet a last time (close() does too)."""
         if self.replicas is not None:
             self.replicas.finish()
 
     def close(self) -> None:
-        """Leave the process group (a no-op for one process), after every rank met at a barrier: a rank that
-        tears down its Gloo pairs while a peer still uses them can abort at exit. The barrier's Work object is
-        kept until the interpreter exits: dropped by Gloo's worker thread, with the collectives it waited for
-        (whose saved thread-local state holds Python objects) while the main thread is already finalizing,
-        the worker cannot take the GIL, is unwound, and the process aborts ("terminate called without an
-        active exception", SIGABRT) after a run that succeeded."""
+        """Leave the process group after every rank met at a barrier (a rank tearing down its Gloo pairs while a
+        peer uses them can abort), the barrier's Work kept until exit (dropped by Gloo's thread as the interpreter
+        finalizes, it cannot take the GIL, and the process aborts with SIGABRT after a run that succeeded)."""
         self._leaving.stop()
+        in_fleet.close(self.services)  # the metrics file closed, the page kept
         if self.expert_load is not None:
             self.expert_load.say_once(self.print, self.strategy.runtime.device)
         if self.replicas is not None:

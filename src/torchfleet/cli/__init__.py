@@ -160,6 +160,33 @@ def build_parser() -> argparse.ArgumentParser:
         " gcp, azure, or an http:// URL whose answer 200 with a body is the notice"
         " (default %(default)s)",
     )
+    services = run.add_argument_group(
+        "the run's services for a Fleet script's train_step (several processes): each rank's phases, stragglers named"
+    )
+    services.add_argument(
+        "--log-every",
+        "--log_every",
+        type=int,
+        default=10,
+        metavar="N",
+        help="read every rank's figures every N"
+        " steps; a straggler is named after 3 slow reads in a row (default %(default)s)",
+    )
+    services.add_argument(
+        "--metrics-out",
+        "--metrics_out",
+        metavar="FILE",
+        help="each rank's data, compute and communication seconds"
+        " and memory per read, and any straggler named: FILE.csv or FILE.jsonl (written by the main rank)",
+    )
+    services.add_argument(
+        "--dashboard",
+        nargs="?",
+        const="8050",
+        metavar="PORT",
+        help="serve a page of every rank's figures while"
+        " the script trains, on 127.0.0.1:PORT only (default 8050; 0: any free port); needs torchfleet[dashboard]",
+    )
     run.add_argument(
         "script", help="the Python script to run on every rank (a module with -m, a program with --no-python)"
     )
@@ -251,19 +278,27 @@ def cmd_train(args, argv: list[str]) -> int:
 def cmd_run(args) -> int:
     from torchfleet.launcher import torchrun_flags
     from torchfleet.launcher.agent import run_script
+    from torchfleet.launcher.environ import exported
     from torchfleet.launcher.preempt_relay import parse_signals
+    from torchfleet.run_services.in_fleet import RunOptions
     from torchfleet.worker.spot_notices import check_spec
 
     parse_signals(args.preempt_signals)  # refused here, before any process starts
     check_spec(args.preempt_notice)
-    return run_script(
-        _launch_config(args),
-        args.script,
-        args.script_args,
-        torchrun_flags.given(args),
-        preempt_signals=args.preempt_signals,
-        preempt_notice=args.preempt_notice,
-    )
+    services = RunOptions(args.log_every, args.metrics_out, args.dashboard)  # the workers' Fleet reads them
+    if args.dashboard is not None and args.node_rank == 0:
+        from torchfleet.train.config import check_dashboard
+
+        check_dashboard(args.dashboard)
+    with exported(services.exported()):
+        return run_script(
+            _launch_config(args),
+            args.script,
+            args.script_args,
+            torchrun_flags.given(args),
+            preempt_signals=args.preempt_signals,
+            preempt_notice=args.preempt_notice,
+        )
 
 
 def cmd_lighthouse(args) -> int:

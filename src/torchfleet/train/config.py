@@ -10,9 +10,9 @@ from torchfleet.launcher.preempt_relay import parse_signals
 from torchfleet.models.user import is_user_model
 from torchfleet.outputs import check_writable_dir, check_writable_file
 from torchfleet.precision import PRECISIONS
+from torchfleet.run_services.metrics import check_metrics_out, check_tensorboard
 from torchfleet.strategies import registry
 from torchfleet.train.datasets import DATASETS, DOCUMENTS, SHARDS, TOKEN_DATASETS, path_kind
-from torchfleet.train.metrics import check_metrics_out, check_tensorboard
 from torchfleet.train.models import GPT_PRESETS, MODELS, TOKEN_MODELS
 from torchfleet.train.own_model import check_hf_model
 from torchfleet.worker.spot_notices import check_spec

@@ -17,7 +17,7 @@ rank `rank` after step `step` the fault fires:
             compute wakes a busy thread in the rank's process at the start
             of each forward, which keeps the interpreter and a core for
             `seconds` (a noisy neighbour); for the straggler verdicts
-            (train/stragglers.py)
+            (run_services/stragglers.py)
 
 ``once=FILE`` fires only while FILE does not exist and writes it (holding
 the time it fired) just before firing, so a group restarted by torchrun's

@@ -1,7 +1,7 @@
 """A slow link: found by probing each rank's own link, once every rank's gradient sync has slowed together.
 
 A rank slow in data or compute keeps the others waiting at the gradient
-sync, and train/stragglers.py names it by its own phase. A slow link out of
+sync, and run_services/stragglers.py names it by its own phase. A slow link out of
 one host does not single out its rank that way: a ring all-reduce (Gloo's, and
 NCCL's) passes every chunk from rank to rank, so each rank waits as long as
 the slowest hop, and every rank's comm_s rises alike. Measured on four
@@ -44,8 +44,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from torchfleet.train.rank_figures import RankWindow, gather_rows
-from torchfleet.train.stragglers import FLOOR_S, WINDOWS, Verdict, slow_ranks
+from torchfleet.run_services.rank_figures import RankWindow, gather_rows
+from torchfleet.run_services.stragglers import FLOOR_S, WINDOWS, Verdict, slow_ranks
 
 PROBE_BYTES = 2 << 20  # several times the probe's own timing noise on a fast link; 0.3 s at 50 Mbit/s
 LINK_SLOWER = 1.0  # a link is slow at under half the others' median rate

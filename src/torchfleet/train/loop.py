@@ -45,6 +45,7 @@ def train(cfg: TrainConfig, strategy: str, nproc: int = 1) -> dict:
         compile=cfg.compile,
         **cfg.strategy_options,
     )
+    fleet.run_options = None  # train's Run serves the ranks itself (the same run_services), from its loss reads
     if fleet.checkpoint_dir and not cfg.checkpoint_dir:
         # A SageMaker job with checkpoints: they go where SageMaker syncs them to S3,
         # and a restarted (Spot) job resumes from there.

@@ -76,7 +76,7 @@ class LossWindow:
         skips such steps, after FP16_NONFINITE_LIMIT in a row.
 
         `leave` is this rank's preemption flag and `payload` its figures of the window (the same
-        number of them on every rank: train/rank_figures.py). They ride in the same all-gather as the
+        number of them on every rank: run_services/rank_figures.py). They ride in the same all-gather as the
         losses, more slots of each rank's row, so they cost no collective and no host sync of their
         own; any rank's flag turns `self.leave` True, and `self.payloads` holds every rank's figures.
         """

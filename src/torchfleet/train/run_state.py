@@ -19,14 +19,14 @@ import torch
 from torchfleet import checkpoint
 from torchfleet.data import DataError
 from torchfleet.fleet import Fleet
+from torchfleet.run_services.metrics import MetricsLog
+from torchfleet.run_services.rank_figures import PhaseClock, gather_rows, hosts, share_host, windows
+from torchfleet.run_services.rank_view import RankView, start_dashboard
 from torchfleet.train import faults, link_probe, report
 from torchfleet.train.checkpoints import resume, save
 from torchfleet.train.config import TrainConfig
 from torchfleet.train.job import Job, evaluate
 from torchfleet.train.losses import LossWindow
-from torchfleet.train.metrics import MetricsLog
-from torchfleet.train.rank_figures import PhaseClock, gather_rows, hosts, share_host, windows
-from torchfleet.train.stragglers import StragglerWatch
 from torchfleet.worker import preemption
 from torchfleet.worker.hang_watchdog import Watchdog
 
@@ -52,7 +52,7 @@ class Run:
             self.total_steps = min(self.total_steps, cfg.max_steps)
         self.watchdog = Watchdog(fleet.rank, fleet.world_size, cfg.hang_timeout).start() if cfg.hang_timeout else None
         # The loss reaches the host every --log-every steps, not every step (train/losses.py), and each
-        # rank's step phases and memory ride with it to every rank (train/rank_figures.py).
+        # rank's step phases and memory ride with it to every rank (run_services/rank_figures.py).
         self.window = LossWindow(
             cfg.log_every,
             fleet.rank,
@@ -63,7 +63,6 @@ class Run:
         self.per_rank = fleet.world_size > 1  # one rank has no others to be slower than
         if self.per_rank:
             share_host()
-        self.stragglers = StragglerWatch()
         # Every rank's copy of the rule that probes the links (the same figures reach every rank); not
         # under replica groups, whose members may leave between the probe's rounds.
         self.links = link_probe.LinkWatch() if self.per_rank and self.replicas is None else None
@@ -84,11 +83,8 @@ class Run:
             if fleet.is_main
             else MetricsLog()
         )
-        self.dashboard = None  # --dashboard's page, served by the main rank
-        if cfg.dashboard is not None and fleet.is_main:
-            from torchfleet.view.server import DashboardServer, dashboard_port
-
-            self.dashboard = DashboardServer(dashboard_port(cfg.dashboard)).start()
+        # The rows, verdicts and --dashboard page of every window, on the main rank: as a Fleet script's.
+        self.view = RankView(self.metrics, start_dashboard(cfg.dashboard) if fleet.is_main else None)
         self.val: dict = {}  # the newest validation figures (evaluate's)
         self.samples = 0
         self.train_seconds = 0.0
@@ -194,9 +190,7 @@ class Run:
             self.val = evaluate(self.fleet, self.job.val_set, task=self.job.task)
         if self.watchdog:
             self.watchdog.stop()
-        if self.dashboard is not None:
-            self.dashboard.keep(self.cfg.metrics_out)  # readable after the run, which takes the server away
-            self.dashboard.close()
+        self.view.close(self.cfg.metrics_out)  # the page readable after the run, which takes the server away
         return time.perf_counter() - self.start
 
     def leave_if_asked(self) -> None:
@@ -248,24 +242,15 @@ class Run:
         links = self._probe_links(records)
         if not fleet.is_main:
             return
-        self.metrics.ranks(records)
-        verdicts = self.stragglers.judge(records) + links
-        if self.replicas is not None:
-            verdicts += self.stragglers.membership(
-                self.step, self.replicas.participants, fleet.rank, self._hosts[fleet.rank]
-            )
-        for note in self.stragglers.machine:
-            self.bar.note(f"torchfleet: {note.line()}")
-            self.metrics.machine(note)
-        for verdict in verdicts:
-            self.bar.note(f"torchfleet: {verdict.line()}")
-            self.metrics.verdict(verdict)
-        rows, named = [r.row() for r in records], [v.row() for v in verdicts]
+        groups = self.replicas  # under replica groups, who is in the quorum: a verdict, the page's membership chart
+        more = list(links)
+        if groups is not None:
+            more += self.view.stragglers.membership(self.step, groups.participants, fleet.rank, self._hosts[fleet.rank])
+        page = [{"kind": "train", "step": self.step, "participants": groups.participants}] if groups else []
+        lines, rows, named = self.view.show(records, more, page)
+        for line in lines:
+            self.bar.note(line)
         self.bar.ranks(rows, named)
-        if self.dashboard is not None:
-            groups = self.replicas  # under replica groups, who is in the quorum: the page's membership chart
-            membership = [{"kind": "train", "step": self.step, "participants": groups.participants}] if groups else []
-            self.dashboard.publish(rows + named + membership)
 
     def _probe_links(self, records: list) -> list:
         """The ranks behind a slow link (train/link_probe.py); every rank decides the same and probes together."""

@@ -6,11 +6,11 @@ row) is passed over:
     rank       one rank's figures for one log window: step, rank, host, steps,
                data_s, compute_s, comm_s, step_s (seconds per step, means over
                the window), memory_bytes, memory_kind ("cuda_max_allocated" or
-               "rss"); torchfleet.train.rank_figures says how each is measured
+               "rss"); torchfleet.run_services.rank_figures says how each is measured
     straggler  a verdict: step, rank, host, phase (data, compute,
                communication, memory or membership), value, median, slower,
                windows and message, the line the main rank printed
-               (torchfleet.train.stragglers)
+               (torchfleet.run_services.stragglers)
     membership the replica groups in the quorum: a "train" row's participants
                column, a row of kind "membership" with step and participants,
                or a verdict of phase membership (value: the groups after)

@@ -3,7 +3,7 @@
 Each window the main rank hands the table its ranks' rows and the verdicts
 named in it (rows.py). A rank named a straggler keeps its marker for `hold`
 windows after the verdict: a verdict is named once per streak
-(torchfleet.train.stragglers), and a marker that lasted one redraw would be missed.
+(torchfleet.run_services.stragglers), and a marker that lasted one redraw would be missed.
 A replica group leaving or joining is the table's caption.
 
 Used alone, `with table.live(): ... table.update(rows, verdicts)` draws it

@@ -1,6 +1,6 @@
 """Straggler verdicts: which rank keeps the others waiting, on which host, by how much, in which phase.
 
-The main rank judges each log window's records (train/rank_figures.py). A
+The main rank judges each log window's records (run_services/rank_figures.py). A
 rank is slow in a phase when its seconds per step there exceed the median of
 the other ranks' by more than a threshold and by more than FLOOR_S (noise on a
 busy machine); it is named once it has been slow in that phase for WINDOWS log
@@ -58,7 +58,7 @@ import math
 import statistics
 
 from torchfleet.machine_load import busy_cores
-from torchfleet.train.rank_figures import RankWindow
+from torchfleet.run_services.rank_figures import RankWindow
 
 SLOWER = 0.5
 NOISE_K = 2.0

@@ -12,10 +12,10 @@ A run of several processes also gets, at each logged step, one row per rank
 (kind "rank": rank, host, steps, data_s, compute_s, comm_s, step_s in
 seconds per step over the log window, memory_bytes and memory_kind,
 cpu_wait_s, others_cores and host_cores; what each means is in
-train/rank_figures.py), as rank<r>/<figure> scalars in TensorBoard, a row for
+run_services/rank_figures.py), as rank<r>/<figure> scalars in TensorBoard, a row for
 each straggler verdict (kind "straggler": rank, host, phase, value, median,
 slower, windows, cpu_wait_s and others_wait_s in data and compute, for a slow
-link send_mb_s and others_mb_s, and the message printed; train/stragglers.py),
+link send_mb_s and others_mb_s, and the message printed; run_services/stragglers.py),
 which TensorBoard gets as text under "stragglers", and a row when the machine
 is busy for every rank (kind "machine": step, windows, wait_low, wait_high,
 others_cores, host_cores, message).

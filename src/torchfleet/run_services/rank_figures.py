@@ -69,7 +69,7 @@ STORE_PREFIX = "torchfleet/ranks"
 @dataclasses.dataclass(frozen=True)
 class RankWindow:
     """One rank's figures for one log window: the per-rank record that the metrics files, the straggler
-    verdicts (train/stragglers.py) and any live view read. Times are seconds per step (means over the
+    verdicts (run_services/stragglers.py) and any live view read. Times are seconds per step (means over the
     window's steps); `memory_bytes` is as the module says (`memory_kind`: "cuda_max_allocated" or "rss")."""
 
     step: int  # the window's last step
@@ -147,7 +147,7 @@ class PhaseClock:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device):
         self.device = device
-        self._fetched = self._last_gradient = self._synced = 0.0
+        self._fetched = self._last_gradient = self._synced = self._ended = 0.0
         self._sums = [0, 0.0, 0.0, 0.0]  # steps, data, compute, comm
         self._data = 0.0
         self._hooks = [
@@ -183,9 +183,15 @@ class PhaseClock:
             self._fsdp_blocked = 0.0  # an evaluation's all-gathers, before this step, are not its own
             yield batch
 
+    def starting(self) -> None:
+        """A train step starts: with no fetch timed since the last step (a loader not iterated through
+        `batches`), the step's phases start here, its data phase none."""
+        if self._fetched <= self._ended:
+            self._fetched, self._data, self._fsdp_blocked = time.perf_counter(), 0.0, 0.0
+
     def trained(self) -> None:
         """A train step has returned: add its phases to the window."""
-        end = time.perf_counter()
+        end = self._ended = time.perf_counter()
         synced = self._synced if self._synced > self._last_gradient else end
         comm = synced - self._last_gradient if self._last_gradient > self._fetched else 0.0
         comm += self._fsdp_blocked
