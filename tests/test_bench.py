@@ -274,6 +274,32 @@ def test_impossible_speedups_spread_and_load_are_flagged():
     )
 
 
+def test_a_cell_left_out_for_spread_still_counts_by_its_rounds():
+    # serial's rounds differ by 40%, yet its slowest is far faster than ddp's and fsdp's fastest: named, not ddp.
+    rows = [
+        _cell("serial", 1, 64, [0.4, 0.5, 0.36]),
+        _cell("ddp", 2, 64, [2.0, 2.1, 1.98]),
+        _cell("fsdp", 2, 64, [11.0, 11.5, 11.2]),
+    ]
+    text = _judged(rows)
+    assert rows[0]["flags"] == ["spread"] and rows[1]["flags"] == [] and rows[2]["flags"] == []
+    assert text.startswith("serial is the fastest for cnn here: 160,000 samples/s at batch 64"), text
+    assert "Its rounds differ by 35%, but even its slowest was faster than every other cell's fastest." in text
+    assert "Left out" not in text
+    # A spread cell whose fastest round reaches the held best's slowest: no cell is named.
+    rows = [
+        _cell("serial", 1, 64, [1.5, 2.5, 1.8]),
+        _cell("ddp", 2, 64, [2.0, 2.1, 1.98]),
+        _cell("fsdp", 2, 64, [11.0, 11.5, 11.2]),
+    ]
+    text = _judged(rows)
+    assert text.startswith("no verdict: ddp on 2 processes leads the cells whose figures hold"), text
+    assert (
+        "serial at batch 64 25,600-42,667 samples/s" in text
+        and "Left out, flagged: serial at batch 64 (spread)" in text
+    )
+
+
 @pytest.mark.timeout(300)
 def test_a_compiled_cell_runs_compiled_and_its_first_step_pays_the_compilation(tmp_path):
     out = tmp_path / "bench"

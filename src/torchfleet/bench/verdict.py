@@ -15,7 +15,10 @@ stays in the verdict, which then says it is uncertain and why, with the figure.
 
 The fastest cell is named only when its slowest round is faster than every other cell's fastest
 (rounds.rate_range): a lead inside the rounds' spread is noise. Otherwise the verdict names the cells it
-cannot tell apart, why, and what to do.
+cannot tell apart, why, and what to do. A cell left out for its spread alone still counts by its rounds:
+one whose slowest beats every other cell's fastest is named (the spread said), and one whose fastest
+reaches the best held cell's slowest leaves no verdict: an idle 2-core machine once had serial flagged for
+spread at 0.39 ms a step and named ddp, at 1.98 ms, the fastest.
 """
 
 from __future__ import annotations
@@ -100,6 +103,19 @@ def verdict(rows: list[dict], machine: dict | None = None) -> str:
     left_out = [r for r in ok if r not in trusted]
     out = f" Left out, flagged: {'; '.join(_left_out(r) for r in left_out)} (the table says why)." if left_out else ""
     busy = _busy(ok, machine)
+    # A cell left out for its spread alone still ran no faster than its fastest round and no slower than its
+    # slowest: the noise of a busy core slows rounds, it does not speed them up (what would is flagged `bound`).
+    spread_only = [r for r in left_out if set(r["flags"]) & set(LEFT_OUT) == {"spread"}]
+    ahead = _ahead_of_all(spread_only, trusted + spread_only)
+    if ahead is not None:
+        rest = [r for r in left_out if r is not ahead]
+        out = f" Left out, flagged: {'; '.join(_left_out(r) for r in rest)} (the table says why)." if rest else ""
+        text = _named(ahead, [*trusted, ahead])
+        text += (
+            f" Its rounds differ by {ahead['spread']:.0%}, but even its slowest was faster than every other cell's"
+            " fastest."
+        )
+        return (f"uncertain, {busy}: {text[0].lower()}{text[1:]}" if busy else text) + out
     if not trusted or len(trusted) < 2 <= len(ok):  # one cell left has nothing to be the fastest against
         why = f"; {busy}" if busy else ""
         held = (
@@ -111,6 +127,15 @@ def verdict(rows: list[dict], machine: dict | None = None) -> str:
     best = max(trusted, key=lambda r: r["samples_per_s"])
     slowest_best = rate_range(best)[0]
     tied = [r for r in trusted if r is not best and rate_range(r)[1] >= slowest_best]
+    shadowed = [r for r in spread_only if rate_range(r)[1] >= slowest_best]
+    if shadowed:  # a cell left out may be the fastest: naming the best of those that hold would mislead
+        cells = ", ".join(f"{label(r)} at batch {r['global_batch']} {_range(r)}" for r in shadowed)
+        why = f"; {busy}" if busy else ""
+        return (
+            f"no verdict: {label(best)} leads the cells whose figures hold ({_range(best)}), but cells left out"
+            f" for their spread reached as far or further in some round ({cells}){why}.{out} Rerun on an idle"
+            " machine, or give more --rounds."
+        )
     if tied:
         text = _tied(best, tied)
     else:
@@ -118,6 +143,15 @@ def verdict(rows: list[dict], machine: dict | None = None) -> str:
     if busy:
         text = f"uncertain, {busy}: {text[0].lower()}{text[1:]}"
     return text + out
+
+
+def _ahead_of_all(candidates: list[dict], others: list[dict]) -> dict | None:
+    """The candidate whose slowest round beats every other cell's fastest (of `others`), if one does."""
+    for r in candidates:
+        rivals = [o for o in others if o is not r]
+        if rivals and all(rate_range(r)[0] > rate_range(o)[1] for o in rivals):
+            return r
+    return None
 
 
 def _busy(ok: list[dict], machine: dict | None) -> str:
