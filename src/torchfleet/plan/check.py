@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import asdict
 from typing import Any
 
 MEMORY_STEPS = 2
@@ -208,7 +207,3 @@ def summary(rows: list[dict]) -> dict:
 
 def _name(row: dict) -> str:
     return f"{row['strategy']} x{row['processes']} at batch {row['global_batch']}"
-
-
-def cell_dict(cell) -> dict:
-    return asdict(cell)

@@ -65,17 +65,6 @@ class Calibration:
         None if not measured."""
         return self.slowdowns.get(key, {}).get(processes)
 
-    def thread_speed(self, threads: int, reference: int) -> float:
-        """How much faster `threads` threads multiply than `reference` threads (1.0 when unknown)."""
-        mine, ref = self._rate(threads), self._rate(reference)
-        return mine / ref if mine and ref else 1.0
-
-    def _rate(self, threads: int) -> float | None:
-        if not self.matmul_flops:
-            return None
-        known = max((t for t in self.matmul_flops if t <= threads), default=min(self.matmul_flops))
-        return self.matmul_flops[known]
-
     def link(self, processes: int) -> Link:
         """The local link among `processes` processes: the probe's at that count, or the nearest probed."""
         if processes in self.links:
