@@ -32,6 +32,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from torchfleet import installed
 from torchfleet.plan.comm import Link
 
 PROBE_PROCESSES = (2, 4)
@@ -128,12 +129,10 @@ def probes_digest() -> str:
 def cache_path() -> Path:
     import torch
 
-    import torchfleet
-
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torchfleet"
     return root / (
         f"plan-{socket.gethostname()}-torch{torch.__version__}-{usable_cores()}cores"
-        f"-torchfleet{torchfleet.__version__}-{probes_digest()}.json"
+        f"-torchfleet{installed.version()}-{probes_digest()}.json"
     )
 
 
