@@ -290,9 +290,8 @@ def plan_document(cfg: PlanConfig, say=print) -> dict:
     )
     # Timed at the local batches the planned processes run (the global batch split among them): here, 1 to
     # the most processes planned; on a described CPU cluster, whose compute is this machine's step, its own
-    # counts. A line through the probe's own batches (2, 17 and 34 for gpt tiny) put gpt tiny's one-thread
-    # step at 8 samples 15% above the measured one (21.8 against 19.0 ms): two namespace hosts on 1 Gbit/s
-    # were predicted 16 to 30% slow (docs/benchmarks/history.md).
+    # counts. A line through the probe's own batches, drawn instead, overpriced the step at the batches
+    # that run, and with it whole plans (docs/benchmarks/history.md, "Two machines on a slow link").
     counts = links if target.here else cluster_counts(cfg, target) if target.rate is None else ()
     local = tuple(max(1, batch // n) for n in (1, *counts)) if counts else ()
     profile = profiler.measure(spec_of(cfg), optimizer, cores, timed=target.rate is None, time_at=local)

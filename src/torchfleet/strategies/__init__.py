@@ -6,7 +6,7 @@ that runs a preset follows from its degrees (`class_for`). `register` adds
 one from a program; a package adds one through an entry point (registry.py).
 
 Each strategy's module is imported on first use: the pipeline strategies pull
-in torch.distributed.pipelining and with it torch._dynamo (about 2 s), which
+in torch.distributed.pipelining and with it torch._dynamo (seconds), which
 `torchfleet run` and every worker of a ddp job would otherwise pay at start-up.
 """
 

@@ -4,7 +4,7 @@ A BatchNorm layer in training mode normalises with the mean and variance of
 the batch it is given. `serial` gives it the whole global batch; a
 data-parallel process gives it only its share, so ddp, fsdp and hsdp
 normalise with each share's statistics and end away from serial's weights
-(1.25 to 1.83 max weight on a ResNet, issue 13), and micro-batched
+(docs/concepts/equivalence.md, "BatchNorm"), and micro-batched
 strategies (mp, pipeline) normalise each micro-batch. `batchnorm_note` says
 which, once, when a model has BatchNorm.
 

@@ -137,7 +137,7 @@ def _train_here(cfg: TrainConfig, env: DistEnv) -> int:
     if env.is_distributed or env.source == "torchrun":  # torchrun's one process may hold a group of one
         # Work done, results written, process group closed. Gloo's threads can
         # still abort in C++ destructors during interpreter teardown ("terminate
-        # called without an active exception", seen about 1 run in 10 here), which
+        # called without an active exception", now and then, not every run), which
         # would turn a finished job into a failure: leave without that teardown.
         sys.stdout.flush()
         sys.stderr.flush()
