@@ -182,7 +182,7 @@ def predictions(
             )
             continue
         prediction = predict.predict(profile, lay, batch, target, cores, calib)
-        if target.here and name in layout_trace.TRACEABLE:  # runs here: its memory traced, not estimated
+        if target.here and registry.traced(name):  # runs here: its memory traced, not estimated
             try:
                 traced_memory(cfg, profile.optimizer, lay, prediction, target)
             except UsageError as exc:  # the strategy cannot split this model (tp without a plan)

@@ -71,11 +71,8 @@ def run(cfg: TrainConfig, launch: LaunchConfig, nproc: int | None, argv: list[st
         if not launch.multi_node:
             return run_groups_here(launch, argv, strategy)
         launch = dataclasses.replace(launch, fault_tolerance="step")
-    if launch.replica_groups and starts == "spawn":
-        raise UsageError(
-            f"{strategy} shares memory inside one machine and has no gradients to average across"
-            " replica groups; use ddp (or fsdp) with --fault-tolerance step"
-        )
+    if launch.replica_groups:
+        which_group.refuse_shared_memory(strategy)
     if starts == "spawn":
         return _train_hogwild(cfg, launch)
     if not launch.multi_process and not launch.replica_groups:  # a replica group always runs under the agent
@@ -126,7 +123,7 @@ def worker_main(argv: list[str]) -> None:
 
 def _train_here(cfg: TrainConfig, env: DistEnv) -> int:
     """One of many processes already (torchrun, Slurm, mpirun, SageMaker): train in this one."""
-    strategy = cfg.strategy if cfg.strategy != "auto" else ("ddp" if env.is_distributed else "serial")
+    strategy = cfg.strategy if cfg.strategy != "auto" else registry.auto(env.world_size)
     code = 0
     try:
         failures.call_recorded(train, cfg, strategy)
