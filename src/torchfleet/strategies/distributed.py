@@ -2,9 +2,9 @@
 
 A multi-process strategy is a preset of degrees (strategies/dims.py); which
 class runs it follows from the degrees, not the name: a pipeline dimension
-means a schedule of micro-batches (`Pipeline`), sharding or tensor
-parallelism means FSDP2's state handling of DTensors
-(`FullyShardedDataParallel`), replicas alone mean DDP.
+means a schedule of micro-batches (`Pipeline`), sharding, tensor or expert
+parallelism means DTensors and their state handling (`SplitParameters`),
+replicas alone mean DDP (registry.MESH_CLASSES).
 """
 
 from __future__ import annotations

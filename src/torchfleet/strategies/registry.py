@@ -40,6 +40,14 @@ BATCHNORMS = ("whole batch", "shares", "chunks", "stage micro-batches", "micro-b
 # What doctor checks for a class of its own (doctor.py): one device; cores for workers sharing memory;
 # GPUs one process splits batches over; devices one process places stages on.
 CHECKS = ("one device", "worker cores", "split batch", "placed stages")
+# The classes that run the mesh's presets, by what the degrees hold: pipeline stages, else parameters split across
+# processes (FSDP2's shards, tensor parallelism's pieces or experts: DTensors, whose state one class gathers and
+# scatters), else whole replicas. "module:Class" under torchfleet.strategies, or a full dotted module.
+MESH_CLASSES = {
+    "stages": "torchfleet.strategies.pipeline.strategy:Pipeline",
+    "split": "fsdp:SplitParameters",
+    "replicas": "ddp:DataParallelDistributed",
+}
 # "auto": one process runs the reference, several the plain replicas (train/processes.py).
 REFERENCE = "serial"
 AUTO_SEVERAL = "ddp"
@@ -103,11 +111,23 @@ class Preset:
         return "dp_shard" in degrees or "tp" in degrees or "ep" in degrees
 
     @property
+    def runs_class(self) -> str:
+        """Where the class that runs it is ("module:Class"): its own, or for the mesh's degrees the one they need."""
+        if self.degrees is None:
+            return str(self.runs)
+        return mesh_class(pipelined="pp" in self.degrees, split=self.shards)
+
+    @property
     def min_processes(self) -> int:
         """The fewest processes that show every dimension it names: 2 each."""
         if self.degrees is None:
             return 1
         return 2 ** len([d for d in self.degrees if d in DIM_NAMES])
+
+
+def mesh_class(pipelined: bool, split: bool) -> str:
+    """The class that runs degrees with a pipeline (`pipelined`) or parameters split across processes (`split`)."""
+    return MESH_CLASSES["stages" if pipelined else "split" if split else "replicas"]
 
 
 _ONE = "one process"
