@@ -18,6 +18,7 @@ from torchfleet.strategies.base import Strategy
 from torchfleet.strategies.batchnorm import check_sync_batchnorm, convert_sync_batchnorm
 from torchfleet.strategies.dims import DIM_NAMES, ParallelDims
 from torchfleet.strategies.moe_balance import balance_over
+from torchfleet.strategies.registry import BORROWED_DIMS
 
 
 def names_option(value) -> tuple[str, ...] | None:
@@ -31,10 +32,11 @@ def names_option(value) -> tuple[str, ...] | None:
 
 class MeshStrategy(Strategy):
     distributed = True
+    shards_alone = False  # a launcher's one process for it still shards (FSDP2 over a group of one)
     # --dp-replicate, --dp-shard, --pp, --tp, --sync-batchnorm: every preset takes them, and with
     # them the options of the dimensions they may add (the class follows from the degrees).
     # tp_plan (Python only): {module name: ParallelStyle} for a model without a tp_plan().
-    options = (*DIM_NAMES, "ep", "sync_batchnorm", "fsdp_units", "split_points", "tp_plan", "experts")
+    options = (*DIM_NAMES, *BORROWED_DIMS, "sync_batchnorm", "fsdp_units", "split_points", "tp_plan", "experts")
 
     def __init__(
         self,
@@ -89,7 +91,7 @@ class MeshStrategy(Strategy):
         # One process that a launcher started for ddp or fsdp (Fleet keeps it a group of
         # one): the class wraps the model as at any size, which degrees of 1 would skip.
         self.alone = dims.world_size == 1
-        if self.fsdp_units and dims.dp_shard == 1 and not (self.alone and self.name == "fsdp"):
+        if self.fsdp_units and dims.dp_shard == 1 and not (self.alone and self.shards_alone):
             raise UsageError(
                 f"--fsdp-units applies where parameters are sharded (fsdp, hsdp, fsdp+pipeline);"
                 f" {dims.name} does not shard them"

@@ -108,6 +108,7 @@ class SplitParameters(MeshStrategy):
     pieces, experts, or any of them together. All are DTensors, whose state this class gathers and scatters."""
 
     name = "fsdp"
+    shards_alone = True
     sharded_checkpoint = True  # each rank saves its own shards through torch.distributed.checkpoint
     wraps_meta = True  # FSDP2, DTensor's split and the experts' shards all work on meta tensors
 

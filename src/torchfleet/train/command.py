@@ -47,9 +47,11 @@ def run(cfg: TrainConfig, launch: LaunchConfig, nproc: int | None, argv: list[st
 
         check_serves_here(launch.node_rank)
         check_dashboard(cfg.dashboard)
-    # Many machines make a multi-process job even with one process each: auto means ddp.
+    # Many machines make a multi-process job even with one process each: auto means its choice for several.
     many = launch.multi_node
-    strategy, nproc, why = plan_processes("ddp" if many and cfg.strategy == "auto" else cfg.strategy, nproc)
+    strategy, nproc, why = plan_processes(
+        registry.AUTO_SEVERAL if many and cfg.strategy == "auto" else cfg.strategy, nproc
+    )
     if many and not get_strategy(strategy).distributed:
         raise UsageError(
             f"strategy {strategy!r} runs in one process, not one per machine of"
@@ -74,7 +76,7 @@ def run(cfg: TrainConfig, launch: LaunchConfig, nproc: int | None, argv: list[st
     if launch.replica_groups:
         which_group.refuse_shared_memory(strategy)
     if starts == "spawn":
-        return _train_hogwild(cfg, launch)
+        return _train_spawned(cfg, launch, strategy)
     if not launch.multi_process and not launch.replica_groups:  # a replica group always runs under the agent
         train(cfg, strategy)
         return 0
@@ -142,16 +144,16 @@ def _train_here(cfg: TrainConfig, env: DistEnv) -> int:
     return code
 
 
-def _train_hogwild(cfg: TrainConfig, launch: LaunchConfig) -> int:
+def _train_spawned(cfg: TrainConfig, launch: LaunchConfig, strategy: str) -> int:
     # Hogwild's workers must share this process's memory, so this process
     # spawns them (torchfleet.hogwild) instead of torchrun's agent.
     if launch.multi_node:
         raise UsageError(
-            f"hogwild shares memory on one machine; --nnodes {launch.nnodes} is not"
+            f"{strategy} shares memory on one machine; --nnodes {launch.nnodes} is not"
             " possible with it, use ddp across machines"
         )
     try:
-        train(cfg, "hogwild", nproc=launch.nproc_per_node)
+        train(cfg, strategy, nproc=launch.nproc_per_node)
     except LaunchError as exc:
         return failures.report(exc.summary)
     return 0
