@@ -42,11 +42,6 @@ class MeshStrategy(Strategy):
         self,
         runtime,
         dims: ParallelDims | None = None,
-        dp_replicate: int | None = None,
-        dp_shard: int | None = None,
-        pp: int | None = None,
-        tp: int | None = None,
-        ep: int | None = None,
         sync_batchnorm: bool = False,
         fsdp_units=None,
         split_points=None,
@@ -54,19 +49,14 @@ class MeshStrategy(Strategy):
         experts=None,
         **options,
     ):
+        # The degrees come settled, in `dims` (strategy_spec.py resolves them once); a degree among the
+        # keywords is refused here as the option of another class would be.
+        degrees = sorted(set(options) & {*DIM_NAMES, *BORROWED_DIMS})
+        if degrees:
+            raise UsageError(f"{self.name}: the degree {degrees[0]!r} is given in dims, not as an option")
         super().__init__(runtime, **options)
         env = runtime.env
-        if dims is None:
-            dims = ParallelDims.from_preset(
-                self.name,
-                env.world_size,
-                nodes=env.nnodes,
-                dp_replicate=dp_replicate,
-                dp_shard=dp_shard,
-                pp=pp,
-                tp=tp,
-                ep=ep,
-            )
+        assert dims is not None, "a mesh strategy is built with its degrees (StrategySpec.build)"
         check_sync_batchnorm(dims.pp, sync_batchnorm)
         if sync_batchnorm and dims.tp > 1:
             raise UsageError(
