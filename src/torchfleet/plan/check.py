@@ -166,9 +166,10 @@ def flag(rows: list[dict], cores: int, gpus: int) -> None:
     """Each measured row's flags and their reasons, as bench's (bench/verdict.py), in place: speedups over the
     serial cell of the same batch, the steps' spread, other processes' load."""
     from torchfleet.bench.verdict import flag as bench_flag
+    from torchfleet.strategies.registry import REFERENCE
 
     serial = {
-        r["global_batch"]: r["measured_step_s"] for r in rows if r["strategy"] == "serial" and r["status"] == "ok"
+        r["global_batch"]: r["measured_step_s"] for r in rows if r["strategy"] == REFERENCE and r["status"] == "ok"
     }
     shaped = [
         {

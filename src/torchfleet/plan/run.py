@@ -192,7 +192,7 @@ def predictions(
                 why = plan_check.first_line(exc)
                 notes.append(f"{name} on {n} processes: memory from the profile's formulas, not traced ({why})")
         found.append(prediction)
-    serial = next((p for p in found if p.strategy == "serial"), None)
+    serial = next((p for p in found if p.strategy == registry.REFERENCE), None)
     for p in found:
         if serial is not None and p.time["step"] > 0:
             p.efficiency = serial.time["step"] / p.time["step"] / max(1, p.processes)

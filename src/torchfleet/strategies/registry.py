@@ -335,6 +335,13 @@ def traced(name: str) -> bool:
     return preset is not None and preset.traced
 
 
+def spans_devices(name: str) -> bool:
+    """One process whose work spreads over every visible device (dp's split batch, mp's placed stages):
+    its cell counts the devices, not its one process."""
+    preset = find(name)
+    return preset is not None and preset.checks in ("split batch", "placed stages")
+
+
 def auto(processes: int) -> str:
     """The strategy "auto" means on `processes` processes (no GPU count known)."""
     return AUTO_SEVERAL if processes > 1 else REFERENCE
