@@ -61,7 +61,7 @@ class Preset:
     `defaults`: strategy options it sets unless a flag does.
     `across_nodes`: the degree that takes the number of machines when there are several (hsdp's
     replicas). `cost`: how plan predicts it: "mesh" (from the degrees), "meetings" (replica groups meeting
-    every few steps), "one" (one process), "mp" (one process, micro-batches through stages on its devices;
+    every few steps), "one" (one process), "stages here" (one process, micro-batches through stages on its devices;
     planned on this machine only), "here" (one process, planned on this machine only), or None (not planned).
     `batchnorm`: what its BatchNorm layers normalise with (one of BATCHNORMS; None: nothing is said).
     `checks`: what doctor checks for a class of its own (one of CHECKS; None: its launch or degrees say).
@@ -168,7 +168,7 @@ BUILT_IN = (
         "2+ devices to pay (`--devices`)",
         runs="mp:ModelParallel",
         launch=_ONE,
-        cost="mp",
+        cost="stages here",
         batchnorm="micro-batches",
         checks="placed stages",
         traced=True,
