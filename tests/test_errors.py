@@ -26,7 +26,8 @@ from torchfleet import Fleet, UsageError, cli
 from torchfleet.config import LaunchConfig
 from torchfleet.data import GlobalBatchSampler
 from torchfleet.env import DistEnv
-from torchfleet.launcher.ports import free_port, wait_for_master
+from torchfleet.launcher.ports import wait_for_master
+from torchfleet.netif import free_port
 from torchfleet.strategies import registry
 from torchfleet.train.config import TrainConfig
 from torchfleet.train.datasets import synthetic

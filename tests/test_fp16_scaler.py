@@ -13,7 +13,8 @@ from torchfleet import launch, precision
 from torchfleet.errors import TrainingError
 from torchfleet.testing.devices import fp16_skip_job
 from torchfleet.train.config import TrainConfig
-from torchfleet.train.loop import FP16_NONFINITE_LIMIT, train
+from torchfleet.train.loop import train
+from torchfleet.train.losses import FP16_NONFINITE_LIMIT
 
 STEPS, POISONED = 5, 3  # steps are counted from 1
 INITIAL_SCALE = 65536.0  # GradScaler's default; it grows only after 2000 clean steps

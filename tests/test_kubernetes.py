@@ -26,7 +26,7 @@ import pytest
 import reference
 from conftest import ROOT, clean_env, require_module
 from torchfleet.cli import main
-from torchfleet.launcher.ports import free_port
+from torchfleet.netif import free_port
 
 jsonschema = require_module("jsonschema", "jsonschema is in the dev extra")
 yaml = require_module("yaml", "pyyaml is in the dev extra")

@@ -18,20 +18,21 @@ PACKAGE = ROOT / "src" / "torchfleet"
 # or a module under the package root; a dotted entry ("testing.cli") places one module of a feature's
 # package on a higher layer than the rest of it, so a feature can live in one room and still be layered.
 LAYERS = [
-    ("errors", "versions", "outputs", "allocator", "netif", "config", "machine_load"),  # no torch knowledge needed
+    # no torch knowledge needed
+    ("errors", "versions", "installed", "outputs", "allocator", "netif", "config", "machine_load"),
     # what a process finds, core rules, built-in models, tensor memory
     ("env", "backend", "precision", "memory_format", "data", "models", "tensor_memory", "stores"),
     # how a model is wrapped; the parallel dimensions; diloco's and localsgd's options (no torch)
     ("strategies", "replica_groups.sync_methods", "hogwild.worker"),
     ("checkpoint", "weights"),  # verified directories, DCP; meta models, weights read and written by shards
-    ("replica_groups",),  # replica groups on torchft: the lighthouse, per-step fault tolerance, the outer step
+    # replica groups on torchft: the lighthouse, per-step fault tolerance, the outer step, N groups on one machine
+    ("replica_groups",),
     ("launcher", "hogwild.runner"),  # starting processes, reading back their failures
     ("worker",),  # what runs inside the training processes: preemption, the hang watchdog, a script's entry
     ("view",),  # the live table, the --dashboard page and report's: plain rows in, no torch
     ("run_services",),  # per-rank figures, straggler verdicts, the metrics files: what Fleet and train offer
     ("fleet", "hogwild", "strategy_spec"),  # the API a script holds; what a strategy name comes to
-    # the machine report; the built-in job; its N replica groups on one machine (a launcher each)
-    ("doctor", "train", "replica_groups.on_one_machine", "hogwild.command"),
+    ("doctor", "train"),  # the machine report; the built-in job, hogwild's and replica groups' runs of it
     ("testing", "bench"),  # reference jobs; the strategy matrix
     ("plan", "verify"),  # predictions per strategy, checked against bench's cells; each strategy against serial
     ("clusters",),  # job writers for schedulers

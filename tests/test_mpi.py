@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import ROOT, clean_env, require_system, run, torchfleet
-from torchfleet.launcher.ports import free_port
+from torchfleet.netif import free_port
 
 JOB = str(ROOT / "tests" / "scripts" / "fleet_job.py")
 

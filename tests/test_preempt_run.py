@@ -23,7 +23,7 @@ from test_preemption import _signalled, worker
 from torchfleet.checkpoint import list_checkpoints, verify
 from torchfleet.errors import UsageError
 from torchfleet.launcher.failures import PREEMPTED_EXIT
-from torchfleet.launcher.ports import free_port
+from torchfleet.netif import free_port
 from torchfleet.worker import spot_notices
 
 SCRIPT = str(ROOT / "tests" / "scripts" / "leaves_when_told.py")

@@ -15,7 +15,7 @@ from collections import Counter
 import pytest
 
 from conftest import ROOT, clean_env, run
-from torchfleet.launcher.ports import free_port
+from torchfleet.netif import free_port
 
 SCRIPTS = ROOT / "tests" / "scripts"
 LINE = re.compile(r"rank ([01]) line (\d+)( w){20}")

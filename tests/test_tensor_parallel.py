@@ -79,7 +79,7 @@ def test_degrees_mesh_layout_and_class():
     names = {(1, 1, 1, 2): "tp", (1, 2, 1, 2): "fsdp+tp", (2, 1, 1, 2): "ddp+tp", (2, 2, 1, 2): "hsdp+tp"}
     for (r, s, p, t), name in names.items():
         dims = ParallelDims(r, s, p, world_size=r * s * p * t, tp=t)
-        assert dims.name == name and class_for(dims).__name__ == "FullyShardedDataParallel"
+        assert dims.name == name and class_for(dims).__name__ == "SplitParameters"
     # tp innermost: a tensor-parallel group is neighbouring ranks, and it reads one share of the batch.
     dims = ParallelDims(1, 2, 1, world_size=4, tp=2)
     assert [dims.coords(rank)["tp"] for rank in range(4)] == [0, 1, 0, 1]

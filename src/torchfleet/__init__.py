@@ -26,8 +26,7 @@ __all__ = ["Fleet", "UsageError", "launch", "notebook_launch", "__version__"]
 
 # Fleet and launch import torch, which takes seconds; loading them on first
 # use keeps `torchfleet --help` and `torchfleet doctor --json` quick. The
-# version too: finding the package's metadata scans sys.path (~0.1 s), which
-# every worker of `torchfleet run` would pay before the user's script starts.
+# version too (installed.py says why).
 _LAZY = {
     "Fleet": "torchfleet.fleet",
     "launch": "torchfleet.launcher.agent",
@@ -35,18 +34,11 @@ _LAZY = {
 }
 
 
-def _version() -> str:
-    from importlib import metadata
-
-    try:
-        return metadata.version("torchfleet")
-    except metadata.PackageNotFoundError:  # running from a source tree
-        return "0+unknown"
-
-
 def __getattr__(name: str):
     if name == "__version__":
-        return _version()
+        from torchfleet import installed
+
+        return installed.version()
     if name in _LAZY:
         import importlib
 

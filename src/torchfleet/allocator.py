@@ -3,9 +3,8 @@
 A CPU training step allocates the same activations and gradients every step
 and frees them at its end. glibc returns large freed blocks to the kernel
 (``munmap``, and trimming the top of the heap past 128 KiB), so the next step
-faults every page in again: on the CNN at 256 samples a step took about
-1,900 page faults and 21 ms, against 5 and 17.6 ms with the two thresholds
-below raised (docs/benchmarks/history.md). The faults also make step times uneven,
+faults every page in again, and pays for it in time (docs/benchmarks/history.md,
+"Where 2-process scaling goes on this machine"). The faults also make step times uneven,
 which costs twice in data-parallel training, where every step waits for the
 slowest rank.
 

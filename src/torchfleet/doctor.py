@@ -113,13 +113,14 @@ def _meeting(hw: Hardware, cores: int) -> tuple[bool, str]:
     )
 
 
-# The strategies that are classes of their own; every preset of the mesh's degrees follows one rule.
-_RULES: dict[str, Rule] = {"serial": _serial, "hogwild": _hogwild, "dp": _dp, "mp": _mp}
+# The strategies that are classes of their own, by what their preset says to check (registry.CHECKS);
+# every preset of the mesh's degrees follows one rule.
+_RULES: dict[str, Rule] = {"one device": _serial, "worker cores": _hogwild, "split batch": _dp, "placed stages": _mp}
 
 
 def _rule(preset: registry.Preset) -> Rule:
-    if preset.name in _RULES:
-        return _RULES[preset.name]
+    if preset.checks is not None:
+        return _RULES[preset.checks]
     if preset.launch == "replica groups":
         return _meeting
     if not preset.mesh:

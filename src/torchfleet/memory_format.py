@@ -3,7 +3,7 @@
 cuDNN's tensor-core convolutions in bf16 and fp16 work on NHWC. A model left
 channels-first (NCHW, torch's default) pays a layout conversion around every
 convolution, and in bf16 torch's own batch-norm kernels instead of the
-channels-last ones: on one H100 that was 63% of resnet50's bf16 step outside
+channels-last ones: on a GPU that was most of resnet50's bf16 step outside
 convolutions and matrix products (docs/benchmarks). So a model with
 convolutions, trained in bf16 or fp16 on a GPU, is made channels-last by
 default, with its image batches; fp32 and the CPU keep torch's default, since

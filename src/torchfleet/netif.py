@@ -12,10 +12,12 @@ import json
 import shutil
 import socket
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 SYS_NET = Path("/sys/class/net")
+LOOPBACK = "127.0.0.1"
 
 # ARPHRD_* link types from <linux/if_arp.h>, as found in /sys/class/net/<n>/type.
 _KINDS = {1: "ethernet", 32: "infiniband", 772: "loopback"}
@@ -188,3 +190,29 @@ def interface_for(dest: str) -> Interface | None:
         # 127.0.0.2 etc. is routed through lo even though lo only lists 127.0.0.1.
         return next((i for i in interfaces if i.is_loopback), None)
     return next((i for i in interfaces if source in i.addresses), None)
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    """A TCP port nothing listens on at `host` now (the kernel's choice)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def wait_reachable(host: str, port: int, wait: float, interval: float) -> float:
+    """Seconds it took host:port to accept a TCP connection, knocking every `interval` seconds.
+
+    A name that does not resolve raises socket.gaierror at once; a port still closed after
+    `wait` seconds raises the last OSError. Callers say what the host was meant to be.
+    """
+    socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    start = time.monotonic()
+    deadline = start + wait
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=min(5.0, max(0.1, deadline - time.monotonic()))):
+                return time.monotonic() - start
+        except OSError:
+            if time.monotonic() >= deadline:
+                raise
+        time.sleep(interval)

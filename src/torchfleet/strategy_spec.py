@@ -17,10 +17,6 @@ from torchfleet.strategies import Runtime, Strategy, class_for, get_strategy, re
 from torchfleet.strategies.dims import ParallelDims
 from torchfleet.strategies.options import StrategyOptions
 
-# A launcher's one process for these is a process group of one, as torch runs `torchrun -n 1`
-# (NCCL on a GPU box's one GPU); any other strategy alone has nothing to share and runs serial.
-GROUP_OF_ONE = ("ddp", "fsdp")
-
 
 @dataclass
 class StrategySpec:
@@ -45,13 +41,13 @@ def settle(name: str, given: dict, env: DistEnv, fault_tolerance: str | None) ->
     joined = which_group.plan(name, fault_tolerance, StrategyOptions.of(registry.options_for(name, given)))
     meeting, options = joined.meeting, joined.strategy_options
     if meeting is not None and env.world_size == 1:  # a group of one process: nothing to share in it
-        cls = get_strategy("serial")
-    alone = env.source == "torchrun" and env.world_size == 1 and name in GROUP_OF_ONE
+        cls = get_strategy(registry.REFERENCE)
+    alone = env.source == "torchrun" and env.world_size == 1 and preset.group_of_one
     grouped = env.is_distributed or alone
     notes = []
     if cls.distributed and not grouped:
-        notes.append(f"{name} with one process has nothing to share; running it as serial")
-        cls, options = get_strategy("serial"), StrategyOptions()
+        notes.append(f"{name} with one process has nothing to share; running it as {registry.REFERENCE}")
+        cls, options = get_strategy(registry.REFERENCE), StrategyOptions()
     if env.is_distributed and not cls.distributed:
         raise UsageError(
             f"strategy {name!r} runs in one process but {env.world_size} were started;"

@@ -103,9 +103,9 @@ def plan(cfg: BenchConfig, availability: list[dict], cores: int) -> tuple[list[C
         ]
         if left_out:
             notes.append("not available here: " + "; ".join(left_out))
-    if "serial" not in chosen:
-        notes.append("serial added: it is the baseline every speedup is measured against")
-    chosen = ["serial"] + [name for name in chosen if name != "serial"]
+    if registry.REFERENCE not in chosen:
+        notes.append(f"{registry.REFERENCE} added: it is the baseline every speedup is measured against")
+    chosen = [registry.REFERENCE] + [name for name in chosen if name != registry.REFERENCE]
 
     cells = []
     for batch in cfg.batch_sizes:

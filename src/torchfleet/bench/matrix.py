@@ -40,6 +40,7 @@ from torchfleet.bench.flops import peak_flops
 from torchfleet.bench.verdict import flag
 from torchfleet.doctor import strategy_availability
 from torchfleet.errors import UsageError
+from torchfleet.strategies import registry
 
 # A smoke test in under a minute on 2 CPU cores (3 rounds of 6 steps a cell), whichever model is asked for.
 QUICK = {
@@ -71,7 +72,9 @@ def derive(rows: list[dict], gpus: int = 0) -> None:
     `gpus`: the GPUs here, which dp and mp (one process) spread their work over.
     """
     ok = [r for r in rows if r["status"] == "ok"]
-    serial = {(r["global_batch"], r["precision"]): r["step_time_median_s"] for r in ok if r["strategy"] == "serial"}
+    serial = {
+        (r["global_batch"], r["precision"]): r["step_time_median_s"] for r in ok if r["strategy"] == registry.REFERENCE
+    }
     fp32 = {
         (r["strategy"], r["processes"], r["global_batch"]): r["step_time_median_s"]
         for r in ok
@@ -96,7 +99,7 @@ def derive(rows: list[dict], gpus: int = 0) -> None:
             achieved = r["flops_per_sample"] * r["samples_per_s"]
             r["model_tflops"] = achieved / 1e12
             peak = peak_flops(r.get("device_name"), r["precision"])
-            devices = max(1, gpus) if r["strategy"] in ("dp", "mp") else r["processes"]
+            devices = max(1, gpus) if registry.spans_devices(r["strategy"]) else r["processes"]
             if peak:
                 r["mfu"] = achieved / (peak * devices)
 

@@ -15,6 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from torchfleet.bench.verdict import comm, label, throughput, throughput_unit, verdict
+from torchfleet.strategies import registry
 
 # Every cell object in results.json has exactly these fields (None where a
 # figure does not apply or the cell did not run), in this order in results.csv.
@@ -100,7 +101,7 @@ def line(row: dict) -> str:
     if row["status"] != "ok":
         return f"{_cell_name(row)}: {row['status']}: {row['error']}"
     text = f"{_cell_name(row)}: {row['step_time_median_s'] * 1e3:.2f} ms/step, {throughput(row)}"
-    if row["speedup"] is not None and row["strategy"] != "serial":
+    if row["speedup"] is not None and row["strategy"] != registry.REFERENCE:
         text += f", {row['speedup']:.2f}x serial"
     if row.get("vs_fp32") is not None:
         text += f", {row['vs_fp32']:.2f}x its fp32 cell"

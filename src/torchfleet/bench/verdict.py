@@ -26,6 +26,7 @@ from __future__ import annotations
 from torchfleet.bench.rounds import rate_range
 from torchfleet.machine_load import busy_cores
 from torchfleet.models import IMAGE_MODELS, TOKEN_MODELS
+from torchfleet.strategies import registry
 
 BOUND_SLACK = 1.5
 SPREAD_LIMIT = 0.25
@@ -58,7 +59,7 @@ def comm(row: dict) -> str:
 def speedup_bound(row: dict, cores: int, gpus: int) -> int:
     """The most `row`'s cell can beat serial by, from its processes and the cores or GPUs they use."""
     if str(row.get("device", "cpu")).startswith("cuda"):
-        return max(1, gpus) if row["strategy"] in ("dp", "mp") else row["processes"]
+        return max(1, gpus) if registry.spans_devices(row["strategy"]) else row["processes"]
     return max(1, min(row["processes"], cores))
 
 
@@ -70,7 +71,7 @@ def flag(rows: list[dict], cores: int, gpus: int) -> None:
     doubted = set()
     for r in ok:
         bound = speedup_bound(r, cores, gpus)
-        if r["strategy"] != "serial" and r["speedup"] is not None and r["speedup"] > bound * BOUND_SLACK:
+        if r["strategy"] != registry.REFERENCE and r["speedup"] is not None and r["speedup"] > bound * BOUND_SLACK:
             doubted.add((r["global_batch"], r["precision"]))
             uses = "processes" if r["processes"] > 1 else "process"
             _add(
@@ -85,7 +86,7 @@ def flag(rows: list[dict], cores: int, gpus: int) -> None:
         if r.get("others_cores") is not None and r["others_cores"] >= busy_cores(cores):
             _add(r, "busy", f"other processes kept {r['others_cores']:.1f} of {cores} cores busy while it ran")
     for r in ok:
-        if r["strategy"] == "serial" and (r["global_batch"], r["precision"]) in doubted:
+        if r["strategy"] == registry.REFERENCE and (r["global_batch"], r["precision"]) in doubted:
             _add(r, "baseline", "cells of its batch beat it by more than their resources allow: its figure is in doubt")
 
 
@@ -190,8 +191,8 @@ def _named(best: dict, trusted: list[dict]) -> str:
         f"{label(best)} is the fastest for {best['model']} here: "
         f"{throughput(best)} at batch {best['global_batch']} ({best['precision']})"
     )
-    if best["strategy"] == "serial":
-        rivals = [r for r in trusted if r["strategy"] != "serial" and r["speedup"] is not None]
+    if best["strategy"] == registry.REFERENCE:
+        rivals = [r for r in trusted if r["strategy"] != registry.REFERENCE and r["speedup"] is not None]
         if rivals:
             top = max(rivals, key=lambda r: r["speedup"])
             text += (

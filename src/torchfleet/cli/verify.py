@@ -46,8 +46,8 @@ def command(args) -> int:
     if args.strategies:
         strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
         for name in strategies:
-            if registry.find(name) is None or name == "serial":
-                raise choice_error("strategy", name, tuple(n for n in registry.names() if n != "serial"))
+            if registry.find(name) is None or name == registry.REFERENCE:
+                raise choice_error("strategy", name, tuple(n for n in registry.names() if n != registry.REFERENCE))
     if args.hf_config:
         from torchfleet.plan.library_model import read_config
 

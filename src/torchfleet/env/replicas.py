@@ -68,7 +68,7 @@ class ReplicaEnv:
         }
 
     @classmethod
-    def for_fleet(cls, fault_tolerance: str | None, strategy: str) -> ReplicaEnv | None:
+    def for_fleet(cls, fault_tolerance: str | None) -> ReplicaEnv | None:
         """The replica group this process is in under --fault-tolerance step, or None; refuses a mode that
         contradicts what the launcher set up."""
         found = cls.detect()
@@ -84,10 +84,6 @@ class ReplicaEnv:
             raise UsageError(
                 f"this process was started as replica group {found.group} of {found.groups}"
                 " (--fault-tolerance step) but Fleet was given fault_tolerance='restart'; leave it out"
-            )
-        if found is not None and strategy == "hogwild":
-            raise UsageError(
-                "hogwild has no gradients to average across replica groups; use ddp or fsdp with --fault-tolerance step"
             )
         return found
 

@@ -7,7 +7,7 @@ handed over as shared-memory handles when the workers are spawned), so this
 process stays the parent: it shares the model, spawns the workers with
 `torch.multiprocessing`, waits for them, and afterwards holds the trained
 model. `torchfleet train --strategy hogwild -n 4` runs through here
-(torchfleet/hogwild/command.py).
+(torchfleet/train/hogwild.py).
 
     from torchfleet import hogwild
 

@@ -20,7 +20,7 @@ _LAZY = {
     "run_script": "torchfleet.launcher.agent",
     "launch": "torchfleet.launcher.agent",
     "LaunchError": "torchfleet.launcher.agent",
-    "free_port": "torchfleet.launcher.ports",
+    "free_port": "torchfleet.netif",
     "agent_config": "torchfleet.launcher.elastic_config",
 }
 

@@ -3,20 +3,13 @@
 from __future__ import annotations
 
 import socket
-import time
 
 from torchfleet import netif
 from torchfleet.config import LaunchConfig
 from torchfleet.errors import UsageError
+from torchfleet.netif import LOOPBACK
 
-LOOPBACK = "127.0.0.1"
 MASTER_WAIT = 60.0  # seconds a node waits for node 0's rendezvous to answer
-
-
-def free_port(host: str = LOOPBACK) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def check_port_free(host: str, port: int, endpoint: str | None = None) -> None:
@@ -40,23 +33,16 @@ def check_port_free(host: str, port: int, endpoint: str | None = None) -> None:
 def wait_for_master(addr: str, port: int, wait: float = MASTER_WAIT) -> None:
     """UsageError when node 0's rendezvous at addr:port cannot be reached within `wait` seconds."""
     try:
-        socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
+        netif.wait_reachable(addr, port, wait, interval=1.0)
     except socket.gaierror as exc:
         raise UsageError(
             f"--master-addr {addr!r} cannot be resolved ({exc.strerror}); give node 0's host name or IP address"
         ) from None
-    deadline = time.monotonic() + wait
-    while True:
-        try:
-            with socket.create_connection((addr, port), timeout=min(5.0, max(0.1, wait))):
-                return
-        except OSError as exc:
-            if time.monotonic() >= deadline:
-                raise UsageError(
-                    f"cannot reach the master at {addr}:{port} within {wait:.0f} s ({exc.strerror or exc});"
-                    " check --master-addr and --master-port, and that node 0 has started"
-                ) from None
-        time.sleep(1.0)
+    except OSError as exc:
+        raise UsageError(
+            f"cannot reach the master at {addr}:{port} within {wait:.0f} s ({exc.strerror or exc});"
+            " check --master-addr and --master-port, and that node 0 has started"
+        ) from None
 
 
 def check_ports(cfg: LaunchConfig) -> None:

@@ -32,7 +32,7 @@ import socket
 import time
 from dataclasses import asdict, dataclass
 
-from torchfleet import netif
+from torchfleet import installed, netif
 from torchfleet.errors import UsageError
 
 CONNECT_SECONDS = 4.0  # how long a node keeps knocking on the master's port
@@ -62,11 +62,9 @@ class Facts:
 def _versions() -> tuple[str, str]:
     import torch
 
-    from torchfleet import __version__
-
     return (
         os.environ.get("TORCHFLEET_PREFLIGHT_TORCH_VERSION", torch.__version__),
-        os.environ.get("TORCHFLEET_PREFLIGHT_TORCHFLEET_VERSION", __version__),
+        os.environ.get("TORCHFLEET_PREFLIGHT_TORCHFLEET_VERSION", installed.version()),
     )
 
 

@@ -47,9 +47,9 @@ SCHEMA = "torchfleet-plan-at-scale/1"
 # AdamW's two fp32 moments.
 TRAINING_BYTES_PER_PARAM = 16
 # The fraction of a GPU's dense peak that a large transformer's step reaches, on FLOPs as FlopCounterMode counts
-# them (recomputation included, attention unhalved), one figure for every plan (--mfu overrides it): the mean
-# of the same two H100 cells, 194.6 TFLOP in 417.6 ms (47.1% of 989.4 TFLOP/s) with the selective policy and
-# 223.7 TFLOP in 455.6 ms (49.6%) with full recomputation, on one GPU, eager.
+# them (recomputation included, attention unhalved). One figure for every plan (--mfu overrides it), as the plan
+# has no model of kernel efficiency: the mean of the same two GPU steps as scale_rows.RESERVED_OVER_ALLOCATED
+# (docs/benchmarks/history.md, "Planning at scale on fake tensors").
 AT_SCALE_EFFICIENCY = 0.48
 
 

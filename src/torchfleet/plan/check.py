@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import asdict
 from typing import Any
 
 MEMORY_STEPS = 2
@@ -167,9 +166,10 @@ def flag(rows: list[dict], cores: int, gpus: int) -> None:
     """Each measured row's flags and their reasons, as bench's (bench/verdict.py), in place: speedups over the
     serial cell of the same batch, the steps' spread, other processes' load."""
     from torchfleet.bench.verdict import flag as bench_flag
+    from torchfleet.strategies.registry import REFERENCE
 
     serial = {
-        r["global_batch"]: r["measured_step_s"] for r in rows if r["strategy"] == "serial" and r["status"] == "ok"
+        r["global_batch"]: r["measured_step_s"] for r in rows if r["strategy"] == REFERENCE and r["status"] == "ok"
     }
     shaped = [
         {
@@ -208,7 +208,3 @@ def summary(rows: list[dict]) -> dict:
 
 def _name(row: dict) -> str:
     return f"{row['strategy']} x{row['processes']} at batch {row['global_batch']}"
-
-
-def cell_dict(cell) -> dict:
-    return asdict(cell)

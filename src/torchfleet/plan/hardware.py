@@ -7,18 +7,12 @@ fraction of a GPU's peak (model FLOPs utilisation) is not on any datasheet:
 
 fp32 is planned against the card's plain FP32 peak, not TF32's: torch keeps
 TF32 off for matrix products by default (`torch.backends.cuda.matmul
-.allow_tf32`), and on one H100 80GB HBM3 (torch 2.11, 26 Nov 2026) gpt2's fp32
-step ran cuBLAS's FFMA kernels at 46.2 TFLOP/s: 69% of the 67 TFLOP/s FP32 peak,
-9.3% of TF32's 494.7. The same run's bf16 step reached 18.9% of the bf16 peak
-(fp16 18.2%), eager; ResNet-50 at batch 512, fp32 68% of the FP32 peak (its
-convolutions take TF32 through cuDNN), bf16 5.6% (docs/benchmarks/history.md, GPU).
-The defaults are those measurements, rounded down: a larger model, or one
-compiled, reaches more (torchtitan's published Llama 3 8B runs on H100s are
-near 30%), and --mfu says so. With the GPU defaults of 28 Nov 2026 (gpt2's
-vocabulary padded, convolutions channels-last in bf16) the eager bf16 cells
-on an H200 reached 30.0% (gpt2) and 10.3-11.9% (resnet50): one efficiency
-for both cannot fit either, and 0.18 still sits between them (the planner's
-step 1.67x gpt2's, 0.57-0.66x resnet50's), so it is kept.
+.allow_tf32`), and fp32 steps run cuBLAS's FFMA kernels, near the FP32 peak and
+far below TF32's. The defaults are measured eager steps of the built-in models
+on one GPU, rounded down (docs/benchmarks/history.md, "GPU" and "The eighth
+run"): a larger model, or one compiled, reaches more, and --mfu says so. One
+efficiency cannot fit a transformer and a ResNet at once; the bf16 default sits
+between the two, so that neither is planned far off.
 """
 
 from __future__ import annotations

@@ -32,13 +32,10 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
-# Strategies whose setup and step run on fake tensors; the rest keep the profile's formulas (ddp's reducer is
-# C++ that needs real storage). ep's routing, which has no values to route by, sends every expert an even share
-# (expert_parallel._balanced). The pipelines' replicas go through FSDP2 (strategies/parallelize.py), and their
-# stages are given their shapes (pipeline/static_shapes.py).
-TRACEABLE = frozenset(
-    {"fsdp", "hsdp", "tp", "fsdp+tp", "ep", "fsdp+ep", "mp", "pipeline", "ddp+pipeline", "fsdp+pipeline"}
-)
+# The strategies whose preset says `traced` have their setup and step run on fake tensors; the rest keep the
+# profile's formulas (ddp's reducer is C++ that needs real storage). ep's routing, which has no values to
+# route by, sends every expert an even share (expert_parallel._balanced). The pipelines' replicas go through
+# FSDP2 (strategies/parallelize.py), and their stages are given their shapes (pipeline/static_shapes.py).
 TRACED_STEPS = 2
 
 

@@ -39,7 +39,7 @@ class Layout:
 
     @property
     def cost(self) -> str | None:
-        """How the strategy is costed (registry.Preset.cost): "mesh", "meetings", "mp", "one", "here"."""
+        """How the strategy is costed (registry.Preset.cost): "mesh", "meetings", "stages here", "one", "here"."""
         return registry.presets()[self.strategy].cost
 
     @property
@@ -55,7 +55,7 @@ class Layout:
             if v > 1
         ]
         text = " x ".join(parts) + (f", ep{self.ep}" if self.ep > 1 else "")  # borrowed, not multiplied
-        if self.pp > 1 or self.cost == "mp":
+        if self.pp > 1 or self.cost == "stages here":
             text += f" m{self.microbatches}"
         if self.pp > 1 and self.schedule != "1f1b":
             text += f" {self.schedule}" + (f" v{self.stages_per_process}" if self.stages_per_process > 1 else "")
@@ -74,7 +74,7 @@ def layout(
     typed = StrategyOptions.of(given)
     pipeline = typed.pipeline
     cost = registry.presets()[strategy].cost
-    if cost == "mp":
+    if cost == "stages here":
         return Layout(strategy, 1, microbatches=pipeline.microbatches or MP_MICROBATCHES)
     if cost == "meetings":
         every = typed.replica_groups.sync_every or DEFAULT_SYNC_EVERY

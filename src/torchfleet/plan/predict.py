@@ -186,7 +186,7 @@ def _compute(
         busy, idle = pipelines.bubble_slots(lay.schedule, lay.pp, lay.microbatches, lay.stages_per_process)
         slot = (fb + per_sample * micro) / (lay.pp * lay.stages_per_process)  # a stage: 1/(p v) of the model
         return crowding * (slot * (busy + idle) + opt / lay.pp), crowding * slot * idle
-    if lay.cost == "mp":
+    if lay.cost == "stages here":
         return crowding * (fb * lay.microbatches + per_sample * local + opt), 0.0
     return crowding * (fixed + per_sample * local * work_share), 0.0
 

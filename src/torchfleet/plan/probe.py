@@ -32,6 +32,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from torchfleet import installed
 from torchfleet.plan.comm import Link
 
 PROBE_PROCESSES = (2, 4)
@@ -64,17 +65,6 @@ class Calibration:
         """How much slower a step (contention.key) runs in `processes` local processes at once than in one;
         None if not measured."""
         return self.slowdowns.get(key, {}).get(processes)
-
-    def thread_speed(self, threads: int, reference: int) -> float:
-        """How much faster `threads` threads multiply than `reference` threads (1.0 when unknown)."""
-        mine, ref = self._rate(threads), self._rate(reference)
-        return mine / ref if mine and ref else 1.0
-
-    def _rate(self, threads: int) -> float | None:
-        if not self.matmul_flops:
-            return None
-        known = max((t for t in self.matmul_flops if t <= threads), default=min(self.matmul_flops))
-        return self.matmul_flops[known]
 
     def link(self, processes: int) -> Link:
         """The local link among `processes` processes: the probe's at that count, or the nearest probed."""
@@ -139,12 +129,10 @@ def probes_digest() -> str:
 def cache_path() -> Path:
     import torch
 
-    import torchfleet
-
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torchfleet"
     return root / (
         f"plan-{socket.gethostname()}-torch{torch.__version__}-{usable_cores()}cores"
-        f"-torchfleet{torchfleet.__version__}-{probes_digest()}.json"
+        f"-torchfleet{installed.version()}-{probes_digest()}.json"
     )
 
 

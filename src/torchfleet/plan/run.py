@@ -182,7 +182,7 @@ def predictions(
             )
             continue
         prediction = predict.predict(profile, lay, batch, target, cores, calib)
-        if target.here and name in layout_trace.TRACEABLE:  # runs here: its memory traced, not estimated
+        if target.here and registry.traced(name):  # runs here: its memory traced, not estimated
             try:
                 traced_memory(cfg, profile.optimizer, lay, prediction, target)
             except UsageError as exc:  # the strategy cannot split this model (tp without a plan)
@@ -192,7 +192,7 @@ def predictions(
                 why = plan_check.first_line(exc)
                 notes.append(f"{name} on {n} processes: memory from the profile's formulas, not traced ({why})")
         found.append(prediction)
-    serial = next((p for p in found if p.strategy == "serial"), None)
+    serial = next((p for p in found if p.strategy == registry.REFERENCE), None)
     for p in found:
         if serial is not None and p.time["step"] > 0:
             p.efficiency = serial.time["step"] / p.time["step"] / max(1, p.processes)
@@ -290,9 +290,8 @@ def plan_document(cfg: PlanConfig, say=print) -> dict:
     )
     # Timed at the local batches the planned processes run (the global batch split among them): here, 1 to
     # the most processes planned; on a described CPU cluster, whose compute is this machine's step, its own
-    # counts. A line through the probe's own batches (2, 17 and 34 for gpt tiny) put gpt tiny's one-thread
-    # step at 8 samples 15% above the measured one (21.8 against 19.0 ms): two namespace hosts on 1 Gbit/s
-    # were predicted 16 to 30% slow (docs/benchmarks/history.md).
+    # counts. A line through the probe's own batches, drawn instead, overpriced the step at the batches
+    # that run, and with it whole plans (docs/benchmarks/history.md, "Two machines on a slow link").
     counts = links if target.here else cluster_counts(cfg, target) if target.rate is None else ()
     local = tuple(max(1, batch // n) for n in (1, *counts)) if counts else ()
     profile = profiler.measure(spec_of(cfg), optimizer, cores, timed=target.rate is None, time_at=local)

@@ -11,13 +11,11 @@ from torchfleet.plan import comm, hardware
 from torchfleet.plan.global_batch import Reach
 from torchfleet.plan.traced import Traced
 
-# What the CUDA caching allocator holds (reserved) over the tensors' own peak (allocated), one figure for every
-# plan: the mean of two cells measured on one H100 80GB HBM3 (torch 2.11, 27 Nov 2026), a Llama 3.2 1B-shaped
-# model at sequence 8192 and local batch 2 under FSDP2 in bf16, with PYTORCH_CUDA_ALLOC_CONF=
-# expandable_segments:True as torchtitan's launcher sets it: 59.56 / 53.61 GiB (1.111) with torchtitan's
-# selective policy, 53.73 / 46.33 GiB (1.160) with every block recomputed. Without expandable segments the
-# same cells reserved 1.207 and 1.256 times their tensors (docs/benchmarks/history.md). Published runs report the
-# reserved figure, and a GPU runs out of memory when its reserve cannot grow.
+# What the CUDA caching allocator holds (reserved) over the tensors' own peak (allocated). Published runs report
+# the reserved figure, and a GPU runs out of memory when its reserve cannot grow, so the plan's tensors are scaled
+# by it. One figure for every plan, as the plan has no model of the allocator: the mean of two real FSDP2 steps
+# on one GPU, selective and full recomputation, with expandable segments as torchtitan's launcher sets them
+# (the cells and the figure without them: docs/benchmarks/history.md, "Planning at scale on fake tensors").
 RESERVED_OVER_ALLOCATED = 1.135
 # The tracker's kinds, grouped as the table shows them.
 COLUMNS = {

@@ -19,7 +19,6 @@ steps take milliseconds to seconds:
 from __future__ import annotations
 
 import socket
-import time
 
 from torchfleet import netif
 from torchfleet.errors import UsageError
@@ -84,26 +83,18 @@ def _check_port_free(host: str, port: int) -> None:
 def wait_reachable(host: str, port: int, wait: float = REACH_SECONDS) -> float:
     """Seconds it took the lighthouse at host:port to accept a connection; UsageError after `wait`."""
     try:
-        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        return netif.wait_reachable(host, port, wait, interval=0.5)
     except socket.gaierror as exc:
         raise UsageError(
             f"the lighthouse's host {host!r} cannot be resolved ({exc.strerror}); check --lighthouse (or --master-addr)"
         ) from None
-    start_time = time.monotonic()
-    deadline = start_time + wait
-    while True:
-        try:
-            with socket.create_connection((host, port), timeout=min(5.0, max(0.1, deadline - time.monotonic()))):
-                return time.monotonic() - start_time
-        except OSError as exc:
-            if time.monotonic() >= deadline:
-                raise UsageError(
-                    f"cannot reach the lighthouse at {host}:{port} within {wait:.0f} s"
-                    f" ({exc.strerror or exc}); start it first (node 0 starts it at --master-addr"
-                    " and --master-port, or run `torchfleet lighthouse`) and check --lighthouse,"
-                    " --master-addr and the firewall"
-                ) from None
-        time.sleep(0.5)
+    except OSError as exc:
+        raise UsageError(
+            f"cannot reach the lighthouse at {host}:{port} within {wait:.0f} s"
+            f" ({exc.strerror or exc}); start it first (node 0 starts it at --master-addr"
+            " and --master-port, or run `torchfleet lighthouse`) and check --lighthouse,"
+            " --master-addr and the firewall"
+        ) from None
 
 
 def serve(host: str, port: int, min_replicas: int = 1) -> int:

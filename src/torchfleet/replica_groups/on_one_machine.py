@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 from torchfleet.config import LaunchConfig
-from torchfleet.launcher.ports import free_port
+from torchfleet.netif import free_port
 
 # The first group's files are the job's: the others would write the same paths with the same contents.
 _OUTPUT_FLAGS = ("--json-out", "--metrics-out", "--tensorboard", "--save-model")

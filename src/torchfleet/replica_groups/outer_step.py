@@ -67,8 +67,8 @@ class OuterGroup(ReplicaGroup):
             )
             # pin_memory: the copy of the weights at the last meeting stays in pageable memory, as the
             # model itself does on a CPU (pinning needs an accelerator). use_bucketization: the
-            # pseudo-gradients cross in one flat all-reduce, not one per tensor (gpt tiny's 30-odd tensors
-            # took 50 to 100 ms a meeting on loopback one by one, 17 to 52 ms flat, on a busy machine).
+            # pseudo-gradients cross in one flat all-reduce, not one per tensor: a meeting pays one
+            # collective's latency, not one per tensor (docs/benchmarks/history.md, "Slow links with diloco").
             diloco = DiLoCo(
                 self.manager,
                 [model],

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from torchfleet.env.replicas import ReplicaEnv
 from torchfleet.errors import UsageError
 from torchfleet.replica_groups.sync_methods import METHODS, SyncOptions, refuse_alone
+from torchfleet.strategies import registry
 from torchfleet.strategies.options import ReplicaGroupOptions, StrategyOptions
 
 
@@ -25,7 +26,10 @@ class Plan:
 
 def plan(strategy: str, fault_tolerance: str | None, options: StrategyOptions) -> Plan:
     if strategy not in METHODS:
-        return Plan(ReplicaEnv.for_fleet(fault_tolerance, strategy), None, options)
+        env = ReplicaEnv.for_fleet(fault_tolerance)
+        if env is not None:
+            refuse_shared_memory(strategy)
+        return Plan(env, None, options)
     meeting = meeting_of(strategy, options)
     rest = dataclasses.replace(options, replica_groups=ReplicaGroupOptions())  # ddp's, inside each group
     if fault_tolerance == "restart":
@@ -33,7 +37,7 @@ def plan(strategy: str, fault_tolerance: str | None, options: StrategyOptions) -
             f"{strategy} runs its replica groups under torchft, which is per-step fault tolerance"
             " already; leave fault_tolerance out"
         )
-    env = ReplicaEnv.for_fleet("step" if ReplicaEnv.detect() is not None else None, strategy)
+    env = ReplicaEnv.for_fleet("step" if ReplicaEnv.detect() is not None else None)
     if env is None:
         raise UsageError(
             f"{strategy} meets across replica groups, and this process is in none: train with"
@@ -43,6 +47,16 @@ def plan(strategy: str, fault_tolerance: str | None, options: StrategyOptions) -
         )
     refuse_alone(strategy, env.groups)
     return Plan(env, meeting, rest)
+
+
+def refuse_shared_memory(strategy: str) -> None:
+    """A strategy whose workers share one machine's memory (hogwild's spawn) has no replica groups to join."""
+    preset = registry.find(strategy)
+    if preset is not None and preset.launch == "spawn":
+        raise UsageError(
+            f"{strategy} shares memory inside one machine and has no gradients to average across"
+            " replica groups; use ddp (or fsdp) with --fault-tolerance step"
+        )
 
 
 def meeting_of(method: str, options: StrategyOptions) -> SyncOptions:

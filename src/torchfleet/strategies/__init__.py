@@ -6,7 +6,7 @@ that runs a preset follows from its degrees (`class_for`). `register` adds
 one from a program; a package adds one through an entry point (registry.py).
 
 Each strategy's module is imported on first use: the pipeline strategies pull
-in torch.distributed.pipelining and with it torch._dynamo (about 2 s), which
+in torch.distributed.pipelining and with it torch._dynamo (seconds), which
 `torchfleet run` and every worker of a ddp job would otherwise pay at start-up.
 """
 
@@ -23,13 +23,6 @@ from torchfleet.strategies.dims import ParallelDims
 from torchfleet.strategies.options import StrategyOptions
 from torchfleet.strategies.registry import Preset, register
 
-# The classes that run the mesh's presets, by what the degrees hold.
-_MESH = {
-    "replicate": "ddp:DataParallelDistributed",
-    "shard": "fsdp:FullyShardedDataParallel",
-    "pipeline": "torchfleet.strategies.pipeline.strategy:Pipeline",
-}
-
 
 def _load(where: str) -> type[Strategy]:
     """The class `where` names: "module:Class", a bare module name under torchfleet.strategies, a dotted one whole
@@ -38,32 +31,22 @@ def _load(where: str) -> type[Strategy]:
     return getattr(importlib.import_module(module if "." in module else f"torchfleet.strategies.{module}"), cls)
 
 
-def _kind(pipelined: bool, sharded: bool) -> str:
-    return "pipeline" if pipelined else "shard" if sharded else "replicate"
-
-
 def class_for(dims: ParallelDims) -> type[Strategy]:
-    """The class that runs these degrees: pipeline stages, else shards, else replicas.
-
-    Tensor and expert parallelism count as sharding: their parameters are DTensors, whose
-    state FSDP's class gathers and scatters (full state dicts, the optimizer
-    rebuilt over the new parameters), with or without FSDP2 beside it.
-    """
-    return _load(_MESH[_kind(dims.pp > 1, dims.dp_shard > 1 or dims.tp > 1 or dims.ep > 1)])
+    """The class that runs these degrees (registry.MESH_CLASSES): pipeline stages, else split parameters,
+    else replicas. Tensor and expert parallelism split parameters as FSDP2's shards do: into DTensors, whose
+    state one class gathers and scatters (full state dicts, the optimizer rebuilt over the new parameters)."""
+    return _load(registry.mesh_class(pipelined=dims.pp > 1, split=dims.dp_shard > 1 or dims.tp > 1 or dims.ep > 1))
 
 
-class _Registry(Mapping[str, type[Strategy]]):
-    """name -> strategy class, importing the class's module when it is first looked up.
+class _Classes(Mapping[str, type[Strategy]]):
+    """name -> strategy class, as the registry names it, importing the class's module when it is first looked up.
 
     A preset maps to the class its own degrees need; flags that change the
     degrees (``--pp`` on ddp) may need another, which `class_for` gives.
     """
 
     def __getitem__(self, name: str) -> type[Strategy]:
-        preset = registry.presets()[name]
-        if preset.degrees is None:
-            return _load(str(preset.runs))
-        return _load(_MESH[_kind("pp" in preset.degrees, preset.shards)])
+        return _load(registry.presets()[name].runs_class)
 
     def __iter__(self) -> Iterator[str]:
         return iter(registry.names())
@@ -72,7 +55,7 @@ class _Registry(Mapping[str, type[Strategy]]):
         return len(registry.names())
 
 
-STRATEGIES: Mapping[str, type[Strategy]] = _Registry()
+STRATEGIES: Mapping[str, type[Strategy]] = _Classes()
 
 
 def get_strategy(name: str) -> type[Strategy]:

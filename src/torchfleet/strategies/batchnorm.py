@@ -4,7 +4,7 @@ A BatchNorm layer in training mode normalises with the mean and variance of
 the batch it is given. `serial` gives it the whole global batch; a
 data-parallel process gives it only its share, so ddp, fsdp and hsdp
 normalise with each share's statistics and end away from serial's weights
-(1.25 to 1.83 max weight on a ResNet, issue 13), and micro-batched
+(docs/concepts/equivalence.md, "BatchNorm"), and micro-batched
 strategies (mp, pipeline) normalise each micro-batch. `batchnorm_note` says
 which, once, when a model has BatchNorm.
 
@@ -48,6 +48,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 
 from torchfleet.errors import UsageError
+from torchfleet.strategies import registry
 
 _SYNCED = (nn.SyncBatchNorm,)  # and SyncBatchNorm below: already synchronised, left alone
 
@@ -214,40 +215,53 @@ def check_sync_batchnorm(pp: int, sync_batchnorm: bool) -> None:
 _ADVICE = "; pass --sync-batchnorm (sync_batchnorm=True) to normalise with the whole batch's, as serial does"
 
 
+def _normalises_with(strategy_name: str) -> str | None:
+    """What `strategy_name`'s BatchNorm normalises with, as its preset declares (registry.BATCHNORMS).
+
+    A mesh class names itself by its degrees, which may make a name no preset has ("hsdp+pipeline"):
+    a pipeline's micro-batches if one of its parts is a pipeline, else nothing to say.
+    """
+    preset = registry.find(strategy_name)
+    if preset is not None:
+        return preset.batchnorm
+    parts = [registry.find(part) for part in strategy_name.split("+")]
+    staged = any(part is not None and part.batchnorm == "stage micro-batches" for part in parts)
+    return "stage micro-batches" if staged else None
+
+
 def batchnorm_note(model: nn.Module | list[nn.Module], strategy_name: str, synced: bool) -> str | None:
     """One sentence on which statistics `model`'s BatchNorm layers normalise with; None without any.
 
-    serial normalises the whole batch: the reference, so nothing to say.
+    The whole batch (serial's) is the reference, so nothing to say.
     """
-    if strategy_name == "serial" or not has_batchnorm(model):
+    kind = _normalises_with(strategy_name)
+    if kind in (None, "whole batch") or not has_batchnorm(model):
         return None
     where = f"BatchNorm under {strategy_name}"
-    if "pipeline" in strategy_name:
+    if kind == "stage micro-batches":
         return (
             f"{where} normalises each micro-batch with its own statistics (--sync-batchnorm does"
             " not apply to pipelines), so its weights differ from serial's"
         )
-    if strategy_name in ("ddp", "fsdp", "hsdp"):
+    if kind == "shares":
         if synced:
             return (
                 f"{where} normalises with the whole batch's statistics, all-reduced across the"
                 " data-parallel processes (sync_batchnorm), as serial does"
             )
         return f"{where} normalises each process's share of the batch with that share's statistics{_ADVICE}"
-    if strategy_name == "dp":
+    if kind == "chunks":
         return (
             f"{where}: nn.DataParallel's replicas normalise each GPU's chunk of the batch with that"
             " chunk's statistics and keep the first GPU's running statistics (on one device the whole"
             " batch, as serial)"
         )
-    if strategy_name == "mp":
+    if kind == "micro-batches":
         return (
             f"{where} normalises each micro-batch with its own statistics, so its weights differ from"
             " serial's; --microbatches 1 normalises the whole batch, as serial does"
         )
-    if strategy_name == "hogwild":
-        return (
-            f"{where}: each worker normalises its own batch and updates the shared running"
-            " statistics without locks, so they are no single batch's"
-        )
-    return None
+    return (  # "own batches"
+        f"{where}: each worker normalises its own batch and updates the shared running"
+        " statistics without locks, so they are no single batch's"
+    )

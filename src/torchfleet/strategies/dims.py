@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from torchfleet.errors import UsageError
-from torchfleet.strategies.registry import DIM_NAMES, find
+from torchfleet.strategies.registry import BORROWED_DIMS, DIM_NAMES, find
 
 DEGREE_FLAGS = {"dp_replicate": "--dp-replicate", "dp_shard": "--dp-shard", "pp": "--pp", "tp": "--tp", "ep": "--ep"}
 # Each preset's degrees are declared with the preset, in strategies/registry.py.
@@ -67,7 +67,7 @@ class ParallelDims:
     ep: int = 1
 
     def __post_init__(self) -> None:
-        for name in (*DIM_NAMES, "ep"):
+        for name in (*DIM_NAMES, *BORROWED_DIMS):
             if getattr(self, name) < 1:
                 raise UsageError(f"{DEGREE_FLAGS[name]} {getattr(self, name)} must be at least 1")
         if self.dp_replicate * self.dp_shard * self.pp * self.tp != self.world_size:

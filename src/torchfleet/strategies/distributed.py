@@ -2,9 +2,9 @@
 
 A multi-process strategy is a preset of degrees (strategies/dims.py); which
 class runs it follows from the degrees, not the name: a pipeline dimension
-means a schedule of micro-batches (`Pipeline`), sharding or tensor
-parallelism means FSDP2's state handling of DTensors
-(`FullyShardedDataParallel`), replicas alone mean DDP.
+means a schedule of micro-batches (`Pipeline`), sharding, tensor or expert
+parallelism means DTensors and their state handling (`SplitParameters`),
+replicas alone mean DDP (registry.MESH_CLASSES).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from torchfleet.strategies.base import Strategy
 from torchfleet.strategies.batchnorm import check_sync_batchnorm, convert_sync_batchnorm
 from torchfleet.strategies.dims import DIM_NAMES, ParallelDims
 from torchfleet.strategies.moe_balance import balance_over
+from torchfleet.strategies.registry import BORROWED_DIMS
 
 
 def names_option(value) -> tuple[str, ...] | None:
@@ -31,20 +32,16 @@ def names_option(value) -> tuple[str, ...] | None:
 
 class MeshStrategy(Strategy):
     distributed = True
+    shards_alone = False  # a launcher's one process for it still shards (FSDP2 over a group of one)
     # --dp-replicate, --dp-shard, --pp, --tp, --sync-batchnorm: every preset takes them, and with
     # them the options of the dimensions they may add (the class follows from the degrees).
     # tp_plan (Python only): {module name: ParallelStyle} for a model without a tp_plan().
-    options = (*DIM_NAMES, "ep", "sync_batchnorm", "fsdp_units", "split_points", "tp_plan", "experts")
+    options = (*DIM_NAMES, *BORROWED_DIMS, "sync_batchnorm", "fsdp_units", "split_points", "tp_plan", "experts")
 
     def __init__(
         self,
         runtime,
         dims: ParallelDims | None = None,
-        dp_replicate: int | None = None,
-        dp_shard: int | None = None,
-        pp: int | None = None,
-        tp: int | None = None,
-        ep: int | None = None,
         sync_batchnorm: bool = False,
         fsdp_units=None,
         split_points=None,
@@ -52,19 +49,14 @@ class MeshStrategy(Strategy):
         experts=None,
         **options,
     ):
+        # The degrees come settled, in `dims` (strategy_spec.py resolves them once); a degree among the
+        # keywords is refused here as the option of another class would be.
+        degrees = sorted(set(options) & {*DIM_NAMES, *BORROWED_DIMS})
+        if degrees:
+            raise UsageError(f"{self.name}: the degree {degrees[0]!r} is given in dims, not as an option")
         super().__init__(runtime, **options)
         env = runtime.env
-        if dims is None:
-            dims = ParallelDims.from_preset(
-                self.name,
-                env.world_size,
-                nodes=env.nnodes,
-                dp_replicate=dp_replicate,
-                dp_shard=dp_shard,
-                pp=pp,
-                tp=tp,
-                ep=ep,
-            )
+        assert dims is not None, "a mesh strategy is built with its degrees (StrategySpec.build)"
         check_sync_batchnorm(dims.pp, sync_batchnorm)
         if sync_batchnorm and dims.tp > 1:
             raise UsageError(
@@ -89,7 +81,7 @@ class MeshStrategy(Strategy):
         # One process that a launcher started for ddp or fsdp (Fleet keeps it a group of
         # one): the class wraps the model as at any size, which degrees of 1 would skip.
         self.alone = dims.world_size == 1
-        if self.fsdp_units and dims.dp_shard == 1 and not (self.alone and self.name == "fsdp"):
+        if self.fsdp_units and dims.dp_shard == 1 and not (self.alone and self.shards_alone):
             raise UsageError(
                 f"--fsdp-units applies where parameters are sharded (fsdp, hsdp, fsdp+pipeline);"
                 f" {dims.name} does not shard them"

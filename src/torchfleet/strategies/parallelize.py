@@ -155,8 +155,8 @@ def apply_fsdp(
         # which comes next, instead of being freed and gathered again; inside a pipeline every block's do,
         # as a schedule runs forward and backward once per micro-batch (one gather per step, not per
         # micro-batch). The root keeps FSDP2's own default (gathered, for the same reason as the last block).
-        # Measured on gpt (benchmarks/decompose.py, docs/benchmarks/history.md): 0.95x FSDP2's defaults' step on
-        # tiny, 0.96x on small50m; prefetching 2 units and units of 2 blocks did not beat it on both.
+        # It beat FSDP2's defaults on gpt at two sizes, where prefetching 2 units and units of 2 blocks did not
+        # on both (benchmarks/decompose.py; docs/benchmarks/history.md, "Where fsdp's and the pipeline's step goes").
         keep = pipelined or i == len(units) - 1
         fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, reshard_after_forward=not keep)
     fully_shard(model, mesh=mesh)

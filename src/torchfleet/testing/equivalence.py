@@ -8,8 +8,6 @@ Functions here are module-level so `launch` can start them in new processes.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
@@ -19,13 +17,6 @@ from torchfleet.errors import UsageError
 from torchfleet.fleet import Fleet
 from torchfleet.train.datasets import synthetic
 from torchfleet.train.models import build_model, build_optimizer
-
-if TYPE_CHECKING:
-    pass
-
-
-def flat_weights(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().float().cpu().flatten() for p in model.state_dict().values()])
 
 
 def train_k_steps(

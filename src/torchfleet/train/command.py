@@ -47,9 +47,11 @@ def run(cfg: TrainConfig, launch: LaunchConfig, nproc: int | None, argv: list[st
 
         check_serves_here(launch.node_rank)
         check_dashboard(cfg.dashboard)
-    # Many machines make a multi-process job even with one process each: auto means ddp.
+    # Many machines make a multi-process job even with one process each: auto means its choice for several.
     many = launch.multi_node
-    strategy, nproc, why = plan_processes("ddp" if many and cfg.strategy == "auto" else cfg.strategy, nproc)
+    strategy, nproc, why = plan_processes(
+        registry.AUTO_SEVERAL if many and cfg.strategy == "auto" else cfg.strategy, nproc
+    )
     if many and not get_strategy(strategy).distributed:
         raise UsageError(
             f"strategy {strategy!r} runs in one process, not one per machine of"
@@ -71,13 +73,10 @@ def run(cfg: TrainConfig, launch: LaunchConfig, nproc: int | None, argv: list[st
         if not launch.multi_node:
             return run_groups_here(launch, argv, strategy)
         launch = dataclasses.replace(launch, fault_tolerance="step")
-    if launch.replica_groups and starts == "spawn":
-        raise UsageError(
-            f"{strategy} shares memory inside one machine and has no gradients to average across"
-            " replica groups; use ddp (or fsdp) with --fault-tolerance step"
-        )
+    if launch.replica_groups:
+        which_group.refuse_shared_memory(strategy)
     if starts == "spawn":
-        return _train_hogwild(cfg, launch)
+        return _train_spawned(cfg, launch, strategy)
     if not launch.multi_process and not launch.replica_groups:  # a replica group always runs under the agent
         train(cfg, strategy)
         return 0
@@ -126,7 +125,7 @@ def worker_main(argv: list[str]) -> None:
 
 def _train_here(cfg: TrainConfig, env: DistEnv) -> int:
     """One of many processes already (torchrun, Slurm, mpirun, SageMaker): train in this one."""
-    strategy = cfg.strategy if cfg.strategy != "auto" else ("ddp" if env.is_distributed else "serial")
+    strategy = cfg.strategy if cfg.strategy != "auto" else registry.auto(env.world_size)
     code = 0
     try:
         failures.call_recorded(train, cfg, strategy)
@@ -137,7 +136,7 @@ def _train_here(cfg: TrainConfig, env: DistEnv) -> int:
     if env.is_distributed or env.source == "torchrun":  # torchrun's one process may hold a group of one
         # Work done, results written, process group closed. Gloo's threads can
         # still abort in C++ destructors during interpreter teardown ("terminate
-        # called without an active exception", seen about 1 run in 10 here), which
+        # called without an active exception", now and then, not every run), which
         # would turn a finished job into a failure: leave without that teardown.
         sys.stdout.flush()
         sys.stderr.flush()
@@ -145,16 +144,16 @@ def _train_here(cfg: TrainConfig, env: DistEnv) -> int:
     return code
 
 
-def _train_hogwild(cfg: TrainConfig, launch: LaunchConfig) -> int:
+def _train_spawned(cfg: TrainConfig, launch: LaunchConfig, strategy: str) -> int:
     # Hogwild's workers must share this process's memory, so this process
     # spawns them (torchfleet.hogwild) instead of torchrun's agent.
     if launch.multi_node:
         raise UsageError(
-            f"hogwild shares memory on one machine; --nnodes {launch.nnodes} is not"
+            f"{strategy} shares memory on one machine; --nnodes {launch.nnodes} is not"
             " possible with it, use ddp across machines"
         )
     try:
-        train(cfg, "hogwild", nproc=launch.nproc_per_node)
+        train(cfg, strategy, nproc=launch.nproc_per_node)
     except LaunchError as exc:
         return failures.report(exc.summary)
     return 0

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from torchfleet.config import BACKENDS, at_least, option
 from torchfleet.errors import UsageError, choice_error
@@ -276,9 +276,6 @@ class TrainConfig:
         if self.tensorboard:
             check_tensorboard()
             check_writable_dir(self.tensorboard, "--tensorboard")
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def check_dashboard(port: str) -> None:

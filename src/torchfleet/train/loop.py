@@ -16,12 +16,11 @@ import time
 
 from torchfleet import outputs
 from torchfleet.fleet import Fleet
-from torchfleet.hogwild.command import train_hogwild
 from torchfleet.strategies import registry
 from torchfleet.train import report
 from torchfleet.train.config import TrainConfig
-from torchfleet.train.job import Job, evaluate, set_up  # noqa: F401 - evaluate stays importable from here
-from torchfleet.train.losses import FP16_NONFINITE_LIMIT  # noqa: F401 - the limit stays importable from here
+from torchfleet.train.hogwild import train_hogwild
+from torchfleet.train.job import Job, set_up
 from torchfleet.train.run_state import Run
 from torchfleet.train.tasks import CLASSIFY
 from torchfleet.worker import preemption

@@ -28,16 +28,17 @@ def plan_processes(strategy: str, nproc: int | None) -> tuple[str, int, str]:
     gpus, cores = _gpus(), _cpu_cores()
     if strategy == "auto":
         if nproc is not None:
-            return ("ddp" if nproc > 1 else "serial"), nproc, ""
+            return registry.auto(nproc), nproc, ""
+        one, several = registry.auto(1), registry.auto(2)
         if gpus >= 2:
-            return "ddp", gpus, f"strategy auto: ddp on {gpus} processes, one per GPU"
+            return several, gpus, f"strategy auto: {several} on {gpus} processes, one per GPU"
         if gpus == 1:
             # Two processes on one GPU would take turns on it and all-reduce through the host
             # (Gloo): one process, with a bigger batch or bf16, is what makes one GPU faster.
-            return "serial", 1, "strategy auto: serial on the one GPU (processes sharing it would take turns)"
+            return one, 1, f"strategy auto: {one} on the one GPU (processes sharing it would take turns)"
         if cores >= 2:
-            return "ddp", 2, f"strategy auto: ddp on 2 processes ({cores} CPU cores, no GPU)"
-        return "serial", 1, "strategy auto: serial (one CPU core: more processes would only compete)"
+            return several, 2, f"strategy auto: {several} on 2 processes ({cores} CPU cores, no GPU)"
+        return one, 1, f"strategy auto: {one} (one CPU core: more processes would only compete)"
     cls = get_strategy(strategy)
     preset = registry.presets()[strategy]
     if preset.launch == "spawn":

@@ -16,6 +16,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from torchfleet.strategies import registry
+
 Batch = Callable[[int, int], tuple]  # (rows, seed) -> (inputs, targets)
 
 
@@ -120,7 +122,7 @@ def summed_in_halves():
 def reordered(build: Callable[[], nn.Module], batch: Batch, loss_fn: Callable, **options) -> dict | None:
     """Serial's case with every linear layer's products summed in two halves (summed_in_halves)."""
     with summed_in_halves():
-        return train_case("serial", build, batch, loss_fn, **options)
+        return train_case(registry.REFERENCE, build, batch, loss_fn, **options)
 
 
 def max_difference(want: dict, got: dict) -> float:

@@ -21,8 +21,8 @@ MEETING_CELLS = ("diloco", "localsgd")  # replica groups, one per machine, under
 # five times in the default run and still exchanges a tenth of what ddp does.
 DEFAULT_SYNC_EVERY = 10
 DEFAULT_POWERSGD_RANK = 2  # ddp's own default (strategies/ddp.py)
-# gpt tiny, 16 sequences of 64 tokens per machine (benchmarks/slow_text.py's job): about 27 ms of
-# compute on one core against 75 ms of all-reduce at 100 Mbit/s, so the link decides.
+# gpt tiny, 16 sequences of 64 tokens per machine (benchmarks/slow_text.py's job): small enough that its
+# all-reduce on a slow link outlasts its compute, so the link decides what the cells show.
 DEFAULT_MODEL, DEFAULT_PRESET, DEFAULT_GLOBAL_BATCH = "gpt", "tiny", 32
 DEFAULT_WARMUP, DEFAULT_STEPS = 10, 50
 QUICK_STEPS = 20

@@ -51,9 +51,9 @@ NEEDS_RELEASE: dict[str, tuple[int, int]] = {"zbv": (2, 14)}
 
 def default_schedule(stages_per_process: int | None) -> str:
     """1f1b with one stage per process; interleaved 1F1B with several (torchtitan's choice too)."""
-    # Measured (benchmarks/bubble.py, docs/benchmarks/history.md, Gloo on 2 CPU cores): no schedule beat 1f1b.
-    # Stages of Linear(2048) blocks: zbv 0.97x its speed on 2 processes, gpipe 1.03x on 4 (noise);
-    # of Linear(512): every multi-stage schedule 1.3x to 2.3x slower, each extra stage boundary a send.
+    # No schedule beat 1f1b where stages were timed (benchmarks/bubble.py): with large stages the others
+    # were within noise, with small ones each extra stage boundary is a send that costs more than the bubble
+    # it saves (docs/benchmarks/history.md, "Pipeline schedules and their bubbles").
     return "interleaved-1f1b" if (stages_per_process or 1) > 1 else "1f1b"
 
 

@@ -122,8 +122,9 @@ def sequential_ties(model: nn.Module, bounds) -> list[tuple[list[str], list[int]
 
 # ATen's CPU convolution takes its native path instead of oneDNN for 1x1 kernels
 # when a process has one thread and a batch has fewer than 16 samples (use_mkldnn
-# in Convolution.cpp). A bottleneck ResNet is mostly 1x1 convolutions: ResNet-50
-# took 46 ms a sample at 8 and 20 ms at 16 with one thread (docs/benchmarks/history.md).
+# in Convolution.cpp). A bottleneck ResNet is mostly 1x1 convolutions, so its
+# micro-batches below this run at less than half the speed a sample (docs/benchmarks/history.md,
+# "Real models on this machine").
 SLOW_CONV_BELOW = 16
 
 
@@ -165,9 +166,8 @@ def receive_loss(loss: torch.Tensor, src: int, group) -> list:
 
     Under Gloo this is posted before the schedule runs, so the loss lands while this process still
     computes, and waiting for it after the optimizer step costs nothing. Posted after the schedule, the
-    exchange's round trip was 4 ms of a 65 ms gpt tiny step on the first stage (2 loaded cores); a
-    blocking broadcast after the optimizer step cost about as much, and an asynchronous one overlapping
-    it hung once in 12 parity launches (docs/benchmarks/history.md)."""
+    exchange's round trip is added to the first stage's step; a blocking broadcast after the optimizer step
+    costs as much, and an asynchronous one overlapping it hung in parity launches (docs/benchmarks/history.md)."""
     return [dist.irecv(loss, src=src, group=group, tag=LOSS_TAG)]
 
 

@@ -61,7 +61,7 @@ def train_hogwild(cfg, workers: int) -> dict:
     train_set = builtin_dataset(cfg.data, "train", cfg.seed, cfg.synthetic_size, block_size=block)
     val_set = builtin_dataset(cfg.data, "val", cfg.seed, cfg.synthetic_size, block_size=block)
     model = build_model(cfg.model, tuple(train_set[0][0].shape), num_classes=10, gpt_preset=cfg.gpt_preset)
-    note = batchnorm_note(model, "hogwild", synced=False)  # said here once, not by every worker
+    note = batchnorm_note(model, Hogwild.name, synced=False)  # said here once, not by every worker
     if note:
         print(f"note: {note}", flush=True)
     start = time.perf_counter()
@@ -75,7 +75,7 @@ def train_hogwild(cfg, workers: int) -> dict:
     wall = time.perf_counter() - start
     train_seconds = max(d["seconds"] for d in done)
     result = {
-        "strategy": "hogwild",
+        "strategy": Hogwild.name,
         "world_size": workers,
         "backend": "none",
         "backend_reason": "no process group: the workers share the model's memory",
@@ -100,7 +100,7 @@ def _train_worker(model: nn.Module, cfg, train_set, val_set) -> dict:
     """One worker's loop: its own optimizer, its share of each global batch, no locks."""
     info = worker_info()
     assert info is not None  # this runs in a hogwild worker, which has its info
-    fleet = Fleet(strategy="hogwild", precision=cfg.precision, grad_accum=cfg.grad_accum, **cfg.strategy_options)
+    fleet = Fleet(strategy=Hogwild.name, precision=cfg.precision, grad_accum=cfg.grad_accum, **cfg.strategy_options)
     torch.manual_seed(cfg.seed + info.rank)
     optimizer = build_optimizer(cfg.optimizer, model.parameters(), cfg.lr)
     model, optimizer = fleet.setup(model, optimizer)
