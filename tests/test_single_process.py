@@ -148,6 +148,8 @@ def test_mp_bad_models():
         fleet.setup(nn.Sequential(nn.Linear(2, 2), nn.ReLU()), None)
     with pytest.raises(UsageError, match="mp was given 2 stages for 3 devices"):
         fleet.setup([nn.Linear(2, 2), nn.Linear(2, 2)], None)
+    with torch.device("meta"), pytest.raises(UsageError, match="need the whole model as one nn.Module"):
+        fleet.setup([nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2)], None)
     with pytest.raises(
         UsageError,
         match=r"cannot cut this Linear into 3 stages automatically: it has 0"

@@ -19,16 +19,17 @@ from torchfleet.strategies.expert_parallel import find_experts
 
 
 class ExpertLoad:
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module | list[nn.Module]):
         self.counts: torch.Tensor | None = None
         self.taken = False  # whether someone asked for the shares (then `say_once` says nothing)
-        for _, module in find_experts(model):
+        for module in _experts(model):
             module.register_forward_pre_hook(self._count)
 
     @classmethod
-    def attach(cls, model: nn.Module) -> ExpertLoad | None:
-        """A counter on `model`'s experts (before any strategy sends their tokens away); None without experts."""
-        return cls(model) if find_experts(model) else None
+    def attach(cls, model: nn.Module | list[nn.Module]) -> ExpertLoad | None:
+        """A counter on the experts of `model` (or of mp's stages given as a list), before any strategy sends their
+        tokens away; None without experts."""
+        return cls(model) if _experts(model) else None
 
     def _count(self, _module: nn.Module, args: tuple) -> None:
         chosen = args[1].detach().reshape(-1)  # (hidden_states, top_k_index, top_k_weights)
@@ -70,3 +71,9 @@ def summary(shares: list[float]) -> str:
     if len(shares) <= 16:
         return ", ".join(f"e{i} {s:.1%}" for i, s in enumerate(shares)) + f"; {ratio}"
     return f"{len(shares)} experts; e{busiest} {shares[busiest]:.1%} ({ratio}), e{idlest} {shares[idlest]:.1%}"
+
+
+def _experts(model: nn.Module | list[nn.Module]) -> list[nn.Module]:
+    """The modules holding experts in `model`, or in each stage of a list of stages."""
+    stages = model if isinstance(model, (list, tuple)) else [model]
+    return [m for stage in stages if isinstance(stage, nn.Module) for _, m in find_experts(stage)]

@@ -40,11 +40,20 @@ class Start:
     ):
         if weights is None and (key_map is not None or adapters is not None):
             raise UsageError("key_map and adapters name what to read from weights=DIR; give weights too")
-        self.meta = on_meta(model)
         self.plan: LoadPlan | None = None
         self.recipe: Recipe | None = None
-        self.early = self.meta and not strategy.wraps_meta  # made whole before the strategy wraps it
         self.made: list[str] = []  # the tensors initialised rather than loaded
+        if isinstance(model, (list, tuple)):  # mp's stages given by hand: the strategy checks them
+            stages = [m for m in model if isinstance(m, nn.Module)]
+            if weights is not None or any(on_meta(m) for m in stages):
+                raise UsageError(
+                    "weights=DIR and a model built on the meta device need the whole model as one nn.Module,"
+                    " not a list of stages; give the model and let the strategy cut it"
+                )
+            self.meta = self.early = False
+            return
+        self.meta = on_meta(model)
+        self.early = self.meta and not strategy.wraps_meta  # made whole before the strategy wraps it
         if not self.meta and weights is None:
             return
         if weights is not None:  # the model's names and shapes, before the strategy changes them
