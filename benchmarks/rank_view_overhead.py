@@ -33,11 +33,11 @@ def _worker(args: argparse.Namespace) -> None:
     import torch
 
     from torchfleet.fleet import Fleet
+    from torchfleet.run_services.rank_figures import PhaseClock, gather_rows, hosts, share_host, windows
+    from torchfleet.run_services.stragglers import StragglerWatch
     from torchfleet.train.config import TrainConfig
     from torchfleet.train.job import set_up
     from torchfleet.train.losses import LossWindow
-    from torchfleet.run_services.rank_figures import PhaseClock, gather_rows, hosts, share_host, windows
-    from torchfleet.run_services.stragglers import StragglerWatch
 
     torch.set_num_threads(1)
     cfg = TrainConfig(

@@ -36,6 +36,15 @@ VARIABLES: dict[str, tuple[str, str]] = {
         "A directory: bench profiles each cell's kernels and writes the table there (what `make gpu-check` sets).",
     ),
     "TORCHFLEET_PREEMPT_SIGNALS": ("launcher", "`run --preempt-signals`, passed to the script's Fleet."),
+    "TORCHFLEET_RANK_VIEW": (
+        "users",
+        "`1` gives a Fleet script on several processes the run's services (per-rank figures, straggler"
+        " verdicts, the metrics file, the `--dashboard` page): `torchfleet run` sets it, a script under"
+        " torchrun or Slurm sets it by hand; `0` turns them off under `torchfleet run`.",
+    ),
+    "TORCHFLEET_LOG_EVERY": ("launcher", "`run --log-every`: steps between two reads of every rank's figures."),
+    "TORCHFLEET_METRICS_OUT": ("launcher", "`run --metrics-out`: the file the per-rank rows go to."),
+    "TORCHFLEET_DASHBOARD": ("launcher", "`run --dashboard`: the live page's port (default 8050; 0: any free port)."),
     "TORCHFLEET_PREEMPT_NOTICE": ("launcher", "`run --preempt-notice`, passed to the script's Fleet."),
     "TORCHFLEET_PREEMPT_NOTE": (
         "launcher",

@@ -161,17 +161,16 @@ def timed(loader: Any, fleet: Any) -> Any:
     if fleet.run_options is None:
         return loader
     base = type(loader)
-    cls = _TIMED.get(base)
-    if cls is None:
+    if base not in _TIMED:
 
         def __iter__(self):  # noqa: N807 - the loader's own
-            batches = super(cls, self).__iter__()
+            batches = base.__iter__(self)  # what super() gives: the subclass's only parent is `base`
             services = self._torchfleet_fleet.services
             return batches if services is None else services.batches(batches)
 
-        cls = _TIMED[base] = type(base.__name__, (base,), {"__iter__": __iter__, "__qualname__": base.__qualname__})
+        _TIMED[base] = type(base.__name__, (base,), {"__iter__": __iter__, "__qualname__": base.__qualname__})
     loader._torchfleet_fleet = fleet
-    loader.__class__ = cls
+    loader.__class__ = _TIMED[base]
     return loader
 
 
