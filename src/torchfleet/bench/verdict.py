@@ -102,21 +102,19 @@ def verdict(rows: list[dict], machine: dict | None = None) -> str:
         return "no cell ran, so there is no verdict; each row says why"
     trusted = [r for r in ok if not set(r.get("flags") or ()) & set(LEFT_OUT)]
     left_out = [r for r in ok if r not in trusted]
-    out = f" Left out, flagged: {'; '.join(_left_out(r) for r in left_out)} (the table says why)." if left_out else ""
+    out = _left_out_sentence(left_out)
     busy = _busy(ok, machine)
     # A cell left out for its spread alone still ran no faster than its fastest round and no slower than its
     # slowest: the noise of a busy core slows rounds, it does not speed them up (what would is flagged `bound`).
     spread_only = [r for r in left_out if set(r["flags"]) & set(LEFT_OUT) == {"spread"}]
     ahead = _ahead_of_all(spread_only, trusted + spread_only)
     if ahead is not None:
-        rest = [r for r in left_out if r is not ahead]
-        out = f" Left out, flagged: {'; '.join(_left_out(r) for r in rest)} (the table says why)." if rest else ""
         text = _named(ahead, [*trusted, ahead])
         text += (
             f" Its rounds differ by {ahead['spread']:.0%}, but even its slowest was faster than every other cell's"
             " fastest."
         )
-        return (f"uncertain, {busy}: {text[0].lower()}{text[1:]}" if busy else text) + out
+        return _uncertain(text, busy) + _left_out_sentence([r for r in left_out if r is not ahead])
     if not trusted or len(trusted) < 2 <= len(ok):  # one cell left has nothing to be the fastest against
         why = f"; {busy}" if busy else ""
         held = (
@@ -130,20 +128,27 @@ def verdict(rows: list[dict], machine: dict | None = None) -> str:
     tied = [r for r in trusted if r is not best and rate_range(r)[1] >= slowest_best]
     shadowed = [r for r in spread_only if rate_range(r)[1] >= slowest_best]
     if shadowed:  # a cell left out may be the fastest: naming the best of those that hold would mislead
-        cells = ", ".join(f"{label(r)} at batch {r['global_batch']} {_range(r)}" for r in shadowed)
         why = f"; {busy}" if busy else ""
         return (
             f"no verdict: {label(best)} leads the cells whose figures hold ({_range(best)}), but cells left out"
-            f" for their spread reached as far or further in some round ({cells}){why}.{out} Rerun on an idle"
-            " machine, or give more --rounds."
+            f" for their spread reached as far or further in some round ({_ranges(shadowed)}){why}.{out}"
+            " Rerun on an idle machine, or give more --rounds."
         )
-    if tied:
-        text = _tied(best, tied)
-    else:
-        text = _named(best, trusted)
-    if busy:
-        text = f"uncertain, {busy}: {text[0].lower()}{text[1:]}"
-    return text + out
+    return _uncertain(_tied(best, tied) if tied else _named(best, trusted), busy) + out
+
+
+def _uncertain(text: str, busy: str) -> str:
+    """The verdict `text`, said to be uncertain where the machine was `busy` (the reason; '' when idle)."""
+    return f"uncertain, {busy}: {text[0].lower()}{text[1:]}" if busy else text
+
+
+def _left_out_sentence(rows: list[dict]) -> str:
+    return f" Left out, flagged: {'; '.join(_left_out(r) for r in rows)} (the table says why)." if rows else ""
+
+
+def _ranges(rows: list[dict]) -> str:
+    """Each cell with its batch and the range of its rounds' rates, as the verdicts list cells they cannot rank."""
+    return ", ".join(f"{label(r)} at batch {r['global_batch']} {_range(r)}" for r in rows)
 
 
 def _ahead_of_all(candidates: list[dict], others: list[dict]) -> dict | None:
@@ -172,10 +177,9 @@ def _left_out(row: dict) -> str:
 
 def _tied(best: dict, tied: list[dict]) -> str:
     cells = [best, *sorted(tied, key=lambda r: -r["samples_per_s"])]
-    ranges = ", ".join(f"{label(r)} at batch {r['global_batch']} {_range(r)}" for r in cells)
     return (
         f"no fastest for {best['model']} here: {len(cells)} cells cannot be told apart, their rounds overlap"
-        f" ({ranges}). Rerun on an idle machine, or give more --rounds (or --steps) to narrow them."
+        f" ({_ranges(cells)}). Rerun on an idle machine, or give more --rounds (or --steps) to narrow them."
     )
 
 
