@@ -49,9 +49,10 @@ def test_all_gathers_and_reduce_scatters_go_by_ring():
     assert nccl.collective_s("all_gather", 1e6, 1, 1, 50e9, "nvlink") == (0.0, "-")
 
 
-def test_a_gpu_clusters_links_take_nccls_latencies_over_the_nodes_a_group_spans():
-    target = gpu_cluster(
-        nodes=64,
+def _h100_nodes_on_25_gbit(nodes: int):
+    """H100 nodes of 8, bf16, joined by 25 Gbit/s: the cluster both tests below plan on."""
+    return gpu_cluster(
+        nodes=nodes,
         per_node=8,
         gpu="H100",
         tflops=None,
@@ -61,6 +62,10 @@ def test_a_gpu_clusters_links_take_nccls_latencies_over_the_nodes_a_group_spans(
         intra_gbit=None,
         inter_gbit=25,
     )
+
+
+def test_a_gpu_clusters_links_take_nccls_latencies_over_the_nodes_a_group_spans():
+    target = _h100_nodes_on_25_gbit(64)
     assert target.link_for(8).hw == "nvlink" and target.link_for(8).nodes == 1
     across = target.link_for(512)
     assert (across.nodes, across.bandwidth) == (64, LINK_25G)
@@ -89,17 +94,7 @@ def test_more_parameters_per_flop_scale_worse_under_ddp_on_a_slow_link(gpus):
     """Issue 61: across a 25 Gbit/s link a model with three times the parameters per FLOP was predicted to scale
     better at 128 ranks (97% against 95%): at that scale the ring's per-hop latency, the same for both, hid the
     bytes. With NCCL's algorithms the gradients' bytes rule, and the heavier model scales worse."""
-    target = gpu_cluster(
-        nodes=gpus // 8,
-        per_node=8,
-        gpu="H100",
-        tflops=None,
-        memory_gb=None,
-        mfu=None,
-        precision="bf16",
-        intra_gbit=None,
-        inter_gbit=25,
-    )
+    target = _h100_nodes_on_25_gbit(gpus // 8)
     efficiency = {}
     for name, params in (("light", 125_000_000), ("heavy", 375_000_000)):
         profile = _profile(params, 6 * 125_000_000 * 1024)
