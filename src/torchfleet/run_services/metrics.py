@@ -9,10 +9,11 @@ train/samples_per_s and val/<figure>. The main rank writes; each row is
 flushed as it is written, so a run that dies keeps every row before it.
 
 A run of several processes also gets, at each logged step, one row per rank
-(kind "rank": rank, host, steps, data_s, compute_s, comm_s, step_s in
-seconds per step over the log window, memory_bytes and memory_kind,
-cpu_wait_s, others_cores and host_cores; what each means is in
-run_services/rank_figures.py), as rank<r>/<figure> scalars in TensorBoard, a row for
+(kind "rank": the fields of the per-rank record, view/record.py, in the order
+declared there: rank, host, steps, data_s, compute_s, comm_s and step_s in
+seconds per step over the log window, memory and more; what each means is in
+run_services/rank_figures.py), its phases and charted figures as
+rank<r>/<figure> scalars in TensorBoard, a row for
 each straggler verdict (kind "straggler": rank, host, phase, value, median,
 slower, windows, cpu_wait_s and others_wait_s in data and compute, for a slow
 link send_mb_s and others_mb_s, and the message printed; run_services/stragglers.py),
@@ -28,6 +29,7 @@ kept and those after it, which the resumed run computes again, are dropped
 from __future__ import annotations
 
 import csv
+import dataclasses
 import importlib.util
 import json
 import math
@@ -36,37 +38,23 @@ from pathlib import Path
 
 from torchfleet import outputs
 from torchfleet.errors import UsageError
+from torchfleet.run_services.stragglers import MachineBusy, Verdict
+from torchfleet.view import record as rank_record
 
 FORMATS = {".csv": "csv", ".jsonl": "jsonl", ".json": "jsonl"}
 TRAIN_COLUMNS = ("kind", "step", "epoch", "loss", "lr", "samples_per_s", "elapsed_s")
-RANK_COLUMNS = (
-    "rank",
-    "host",
-    "steps",
-    "data_s",
-    "compute_s",
-    "comm_s",
-    "step_s",
-    "memory_bytes",
-    "memory_kind",
-    "cpu_wait_s",
-    "others_cores",
-    "host_cores",
+# A "rank" row's columns are the record's fields (view/record.py), a "straggler" or "machine" row's those of
+# stragglers.Verdict and MachineBusy, each column once, in the order first declared.
+RANK_COLUMNS = tuple(name for name in rank_record.figures() if name not in TRAIN_COLUMNS)
+VERDICT_COLUMNS = tuple(
+    dict.fromkeys(
+        name
+        for name in (*(f.name for kind in (Verdict, MachineBusy) for f in dataclasses.fields(kind)), "message")
+        if name not in (*TRAIN_COLUMNS, *RANK_COLUMNS)
+    )
 )
-VERDICT_COLUMNS = (
-    "phase",
-    "value",
-    "median",
-    "slower",
-    "windows",
-    "send_mb_s",
-    "others_mb_s",
-    "others_wait_s",
-    "wait_low",
-    "wait_high",
-    "message",
-)
-RANK_SCALARS = ("data_s", "compute_s", "comm_s", "step_s", "memory_bytes")
+# TensorBoard's per-rank scalars: the figures the page draws.
+RANK_SCALARS = tuple(name for name, how in rank_record.figures().items() if how.phase or how.chart)
 
 
 def check_metrics_out(path: str) -> None:

@@ -42,14 +42,15 @@ How busy the machine is, also once per window (machine_load.py; Linux, else None
                   the host's busy CPU-seconds less its ranks' own, per second
 
 The figures travel to every rank in the collective that reads the loss window
-(train/losses.py): RankWindow.FIELDS more numbers a rank in the one all-gather
-that replaces the all-reduce, so they cost no collective and no host sync of
-their own. The hosts' names are exchanged once, through the group's store.
+(train/losses.py): the numbers the record's fields send (view/record.py, where
+RankWindow is declared, with how each field comes from them), more slots of a
+rank's row in the one all-gather that replaces the all-reduce, so they cost no
+collective and no host sync of their own. The hosts' names are exchanged once,
+through the group's store.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import resource
@@ -62,37 +63,11 @@ import torch
 import torch.distributed as dist
 
 from torchfleet import machine_load
+from torchfleet.view.record import RankWindow as RankWindow
+from torchfleet.view.record import pack
+from torchfleet.view.record import windows as windows
 
 STORE_PREFIX = "torchfleet/ranks"
-
-
-@dataclasses.dataclass(frozen=True)
-class RankWindow:
-    """One rank's figures for one log window: the per-rank record that the metrics files, the straggler
-    verdicts (run_services/stragglers.py) and any live view read. Times are seconds per step (means over the
-    window's steps); `memory_bytes` is as the module says (`memory_kind`: "cuda_max_allocated" or "rss")."""
-
-    step: int  # the window's last step
-    rank: int
-    host: str
-    steps: int  # steps in the window
-    data_s: float
-    compute_s: float
-    comm_s: float
-    step_s: float
-    memory_bytes: int
-    memory_kind: str
-    cpu_wait_s: float | None = None
-    others_cores: float | None = None
-    host_cores: int = 0  # the CPUs of its host
-
-    # What each rank sends, in this order: the step count, the three phases' sums, the memory, then its CPU
-    # seconds, its wait for a CPU, the host's busy CPU-seconds, the window's wall seconds and the host's CPUs.
-    FIELDS = 10
-
-    def row(self) -> dict:
-        """The record as a metrics row's fields (kind "rank")."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
 def memory_now(device: torch.device) -> tuple[int, str]:
@@ -207,11 +182,13 @@ class PhaseClock:
         self._sums[3] += seconds
 
     def take(self) -> list[float]:
-        """This window's sums to send (RankWindow.FIELDS numbers), and a new window started."""
+        """This window's sums to send (view/record.py's `pack`), and a new window started."""
         steps, data, compute, comm = self._sums
         memory, _ = memory_now(self.device)
         self._sums = [0, 0.0, 0.0, 0.0]
-        return [float(steps), data, compute, comm, float(memory), *self._machine.take()]
+        return pack(
+            {"steps": steps, "data": data, "compute": compute, "comm": comm, "memory": memory, **self._machine.take()}
+        )
 
     def _gradient_done(self, _param: torch.Tensor) -> None:
         self._last_gradient = time.perf_counter()
@@ -228,13 +205,19 @@ class _MachineWindow:
         self._span = machine_load.Span(self._cpus)
         self._delay = machine_load.run_delay_seconds()
 
-    def take(self) -> list[float]:
-        """cpu_s, wait_s, busy_s, wall_s and the host's CPUs (NaN where unreadable); a new window started."""
+    def take(self) -> dict[str, float]:
+        """cpu_s, wait_s, busy_s, wall_s and the host's CPUs, cores (NaN where unreadable); a new window started."""
         span, delay = self._span.end(), machine_load.run_delay_seconds()
         wait = delay - self._delay if delay is not None and self._delay is not None else math.nan
         self._span, self._delay = machine_load.Span(self._cpus), delay
         busy = span.busy_s if span.busy_s is not None else math.nan
-        return [span.own_cpu_s, wait, busy, span.wall_s, float(len(self._cpus))]
+        return {
+            "cpu_s": span.own_cpu_s,
+            "wait_s": wait,
+            "busy_s": busy,
+            "wall_s": span.wall_s,
+            "cores": len(self._cpus),
+        }
 
 
 def _time_fsdp_waits(model: torch.nn.Module, clock: PhaseClock) -> list:
@@ -273,44 +256,3 @@ def _timed(method: Callable, clock: PhaseClock, gradient_done: bool = False) -> 
                 clock._last_gradient = end
 
     return timed
-
-
-def windows(step: int, sent: list[list[float]], host_names: list[str], memory_kind: str) -> list[RankWindow]:
-    """The ranks' records from what each sent (PhaseClock.take's numbers, by rank)."""
-    records = []
-    others = _others_cores(sent, host_names)
-    for rank, (steps, data, compute, comm, memory, _cpu, wait, _busy, _wall, cores) in enumerate(sent):
-        per = max(steps, 1.0)
-        records.append(
-            RankWindow(
-                step=step,
-                rank=rank,
-                host=host_names[rank],
-                steps=int(steps),
-                data_s=data / per,
-                compute_s=compute / per,
-                comm_s=comm / per,
-                step_s=(data + compute + comm) / per,
-                memory_bytes=int(memory),
-                memory_kind=memory_kind,
-                cpu_wait_s=None if math.isnan(wait) else wait / per,
-                others_cores=others[host_names[rank]],
-                host_cores=int(cores),
-            )
-        )
-    return records
-
-
-def _others_cores(sent: list[list[float]], host_names: list[str]) -> dict[str, float | None]:
-    """Each host's cores that other processes kept busy over the window: its busy CPU-seconds per second (the
-    median of its ranks' readings) less its ranks' own CPU-seconds per second."""
-    found: dict[str, float | None] = {}
-    for host in dict.fromkeys(host_names):
-        mine = [row for row, name in zip(sent, host_names, strict=True) if name == host]
-        busy = [row[7] / row[8] for row in mine if row[8] > 0 and not math.isnan(row[7])]
-        if len(busy) < len(mine):
-            found[host] = None
-            continue
-        ours = sum(row[5] / row[8] for row in mine)
-        found[host] = max(0.0, sorted(busy)[len(busy) // 2] - ours)
-    return found

@@ -58,7 +58,8 @@ import math
 import statistics
 
 from torchfleet.machine_load import busy_cores
-from torchfleet.run_services.rank_figures import RankWindow
+from torchfleet.view import record as rank_record
+from torchfleet.view.record import RankWindow
 
 SLOWER = 0.5
 NOISE_K = 2.0
@@ -70,7 +71,7 @@ BUSY_WAIT = 0.1
 BUSY_SLOWER = 1.0
 MEMORY_WINDOWS = 5
 GROWTH_FLOOR = 4 << 20
-PHASES = {"data": "data_s", "compute": "compute_s", "communication": "comm_s"}
+PHASES = rank_record.phases()  # phase name: the record's field (data, compute, communication)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,6 +5,10 @@
     memory    memory per rank over the steps
     groups    the replica groups in the quorum over the steps (a note where the run had none)
 
+The line charts (step, memory) are the record's fields that name a chart, and
+the phases its fields that are phases (record.py): `CHARTS` are their ids, in
+the order of the fields' places, and groups last.
+
 `payload` is what the page receives: each figure as plotly's JSON, the
 verdicts' lines and a status line. plotly draws; this module only sorts the
 rows into traces.
@@ -13,13 +17,28 @@ rows into traces.
 from __future__ import annotations
 
 import json
+import math
 
+from torchfleet.view import record
 from torchfleet.view.rows import RunRows
 
 MIB = 1 << 20
-PHASE_TRACES = (("data", "data_s"), ("compute", "compute_s"), ("communication", "comm_s"))
+PHASE_TRACES = tuple(record.phases().items())
 MEMORY_TITLES = {"cuda_max_allocated": "CUDA peak allocated (MiB)", "rss": "resident set (MiB)"}
 HEIGHT = 360
+# What a unit is drawn in: (the axis's title, the factor from the field's value); a count as it is.
+SCALES = {"s": ("ms per step", 1e3), "bytes": ("MiB", 1 / MIB)}
+
+
+def _charts() -> tuple[str, ...]:
+    """The page's charts, by id: the record's line charts and its phases, in the order of their fields' places."""
+    how = record.figures()
+    places = {chart: how[field].place for chart, (field, _) in record.charts().items()}
+    places["phases"] = min((how[field].place for field in record.phases().values()), default=math.inf)
+    return (*sorted(places, key=lambda chart: places[chart]), "groups")
+
+
+CHARTS = _charts()
 
 
 def _layout(title: str, x: str, y: str, **more) -> dict:
@@ -44,25 +63,29 @@ def _color(rank: int) -> str:
     return qualitative.Plotly[rank % len(qualitative.Plotly)]
 
 
-def step_figure(rows: RunRows):
+def line_figure(rows: RunRows, field: str, title: str):
+    """`field` per rank over the steps; on the step chart, a mark where a rank was named."""
     import plotly.graph_objects as go
 
-    fig = go.Figure(layout=_layout("step time per rank", "step", "ms per step"))
+    axis, scale = SCALES.get(record.figures()[field].unit, (field, 1.0))
+    if record.figures()[field].unit == "bytes":  # what kind of memory the run read
+        axis = MEMORY_TITLES.get(rows.memory_kind(), "memory (MiB)")
+    fig = go.Figure(layout=_layout(title, "step", axis))
     for rank, windows in sorted(rows.ranks.items()):
         fig.add_scatter(
             x=[w["step"] for w in windows],
-            y=[w["step_s"] * 1e3 for w in windows],
+            y=[_scaled(w.get(field), scale) for w in windows],
             name=rank_name(windows),
             legendgroup=str(rank),
             mode="lines+markers",
             line={"color": _color(rank)},
         )
     named = [v for v in rows.verdicts if v.get("phase") not in ("membership", None) and v.get("rank") in rows.ranks]
-    if named:  # each verdict marked on its rank's line, the printed sentence on hover
+    if named and field == record.charts()["step"][0]:  # each verdict marked on its rank's line, the sentence on hover
         at = [_window_at(rows.ranks[v["rank"]], v["step"]) for v in named]
         fig.add_scatter(
             x=[v["step"] for v in named],
-            y=[w["step_s"] * 1e3 for w in at],
+            y=[_scaled(w.get(field), scale) for w in at],
             text=[v.get("message", "") for v in named],
             hoverinfo="text",
             name="straggler named",
@@ -70,6 +93,10 @@ def step_figure(rows: RunRows):
             marker={"symbol": "x", "size": 14, "color": "red"},
         )
     return fig
+
+
+def _scaled(value, scale: float):
+    return None if value is None else value * scale
 
 
 def _window_at(windows: list[dict], step: int) -> dict:
@@ -97,23 +124,6 @@ def _mean(windows: list[dict], field: str) -> float:
     return sum(w[field] * (w.get("steps") or 1) for w in windows) / steps * 1e3
 
 
-def memory_figure(rows: RunRows):
-    import plotly.graph_objects as go
-
-    kind = rows.memory_kind()
-    fig = go.Figure(layout=_layout("memory per rank", "step", MEMORY_TITLES.get(kind, "memory (MiB)")))
-    for rank, windows in sorted(rows.ranks.items()):
-        fig.add_scatter(
-            x=[w["step"] for w in windows],
-            y=[w["memory_bytes"] / MIB for w in windows],
-            name=rank_name(windows),
-            legendgroup=str(rank),
-            mode="lines+markers",
-            line={"color": _color(rank)},
-        )
-    return fig
-
-
 def groups_figure(rows: RunRows):
     import plotly.graph_objects as go
 
@@ -136,12 +146,9 @@ def groups_figure(rows: RunRows):
 
 def figures(rows: RunRows, recent: int | None = None) -> dict:
     """Every chart of the page, by the id of its place on the page."""
-    return {
-        "step": step_figure(rows),
-        "phases": phase_figure(rows, recent),
-        "memory": memory_figure(rows),
-        "groups": groups_figure(rows),
-    }
+    drawn = {chart: line_figure(rows, field, title) for chart, (field, title) in record.charts().items()}
+    drawn |= {"phases": phase_figure(rows, recent), "groups": groups_figure(rows)}
+    return {name: drawn[name] for name in CHARTS}
 
 
 def status(rows: RunRows) -> str:

@@ -1,4 +1,4 @@
-"""The one page both views show: four plotly charts, the verdicts' lines, a status line.
+"""The one page both views show: the plotly charts of figures.py (CHARTS), the verdicts' lines, a status line.
 
 The live page (`--dashboard`) loads plotly.js from its server and asks the
 server's figures.json for the charts every POLL_MS, passing the version it
@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import html
 
+from torchfleet.view.figures import CHARTS
+
 POLL_MS = 2000
-CHARTS = ("step", "phases", "memory", "groups")
 
 _STYLE = """
 body { font-family: system-ui, sans-serif; margin: 1rem 2rem; color: #222; }

@@ -3,10 +3,10 @@
 Three kinds of row are read; every other row (a "train" row's loss, a "val"
 row) is passed over:
 
-    rank       one rank's figures for one log window: step, rank, host, steps,
-               data_s, compute_s, comm_s, step_s (seconds per step, means over
-               the window), memory_bytes, memory_kind ("cuda_max_allocated" or
-               "rss"); torchfleet.run_services.rank_figures says how each is measured
+    rank       one rank's figures for one log window: the fields of the record
+               (record.py declares them; a row is read with its `needed` ones,
+               those files held before the rest were added);
+               torchfleet.run_services.rank_figures says how each is measured
     straggler  a verdict: step, rank, host, phase (data, compute,
                communication, memory or membership), value, median, slower,
                windows and message, the line the main rank printed
@@ -28,11 +28,13 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from torchfleet.errors import UsageError
+from torchfleet.view import record
 
-RANK_FIELDS = ("step", "rank", "host", "steps", "data_s", "compute_s", "comm_s", "step_s", "memory_bytes")
+RANK_FIELDS = record.needed()
 VERDICT_FIELDS = ("step", "rank", "host", "phase", "value", "median", "slower", "windows", "message")
-_INTS = {"step", "rank", "steps", "memory_bytes", "windows", "participants"}
-_FLOATS = {"data_s", "compute_s", "comm_s", "step_s", "value", "median", "slower", "elapsed_s"}
+_NUMBERS = record.types()
+_INTS = {name for name, kind in _NUMBERS.items() if kind is int} | {"windows", "participants"}
+_FLOATS = {name for name, kind in _NUMBERS.items() if kind is float} | {"value", "median", "slower", "elapsed_s"}
 FORMATS = (".jsonl", ".json", ".csv")
 
 
@@ -121,7 +123,7 @@ class RunRows:
 
 def _kind(row: dict) -> str | None:
     """The kind of a row handed over without one: RankWindow.row() and Verdict.row() as the loop holds them."""
-    if "step_s" in row:
+    if all(f in row for f in RANK_FIELDS):
         return "rank"
     return "straggler" if "phase" in row else None
 

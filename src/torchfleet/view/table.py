@@ -21,9 +21,8 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from torchfleet.view import record
 from torchfleet.view.rows import clean
-
-PHASES = (("data", "data_s"), ("compute", "compute_s"), ("comm", "comm_s"))
 
 
 def _ms(seconds: float) -> str:
@@ -32,6 +31,18 @@ def _ms(seconds: float) -> str:
 
 def _mib(n: float) -> str:
     return f"{n / (1 << 20):,.0f} MiB" if n < 1 << 30 else f"{n / (1 << 30):.2f} GiB"
+
+
+def _cell(value, how: record.Figure, total: float) -> str:
+    """A field's value as the table shows it, by its unit; a phase with its share of the step's `total`."""
+    if value is None:
+        return ""
+    if how.unit == "bytes":
+        return _mib(value)
+    if how.unit != "s":
+        return f"{value:.3g}" if isinstance(value, float) else str(value)
+    share = f" ({value / total:.0%})" if how.phase and total > 0 else ""
+    return _ms(value) + share
 
 
 class RankTable:
@@ -64,37 +75,26 @@ class RankTable:
             self._live.update(self.render(), refresh=True)
 
     def render(self) -> Table:
-        """The table as it stands: rank, host, step time, each phase with its share, memory, the marker."""
+        """The table as it stands: the record's columns (rank, host, step time, each phase with its share of
+        the step, memory), then the marker."""
         step = max((row["step"] for row in self._rows.values()), default=None)
         title = "ranks" if step is None else f"ranks at step {step}"
         table = Table(title=title, title_justify="left", caption=self._caption or None, caption_justify="left")
-        table.add_column("rank", justify="right", style="bold")
-        table.add_column("host")
-        table.add_column("step ms", justify="right")
-        for name, _ in PHASES:
-            table.add_column(f"{name} ms", justify="right")
-        table.add_column("memory", justify="right")
+        how, kinds = record.figures(), record.types()
+        columns = record.columns()
+        for n, (name, title) in enumerate(columns):  # the first names the row
+            table.add_column(title, justify="right" if kinds[name] else "left", style="bold" if n == 0 else None)
         table.add_column("straggler")
         for rank in sorted(self._rows):
             row = self._rows[rank]
-            total = row.get("step_s", 0.0)
-            phases = [self._phase(row.get(field, 0.0), total) for _, field in PHASES]
+            total = sum(row.get(field, 0.0) for field in record.phases().values())
             mark = self._marks.get(rank)
             table.add_row(
-                str(rank),
-                str(row.get("host", "")),
-                _ms(total),
-                *phases,
-                _mib(row.get("memory_bytes", 0)),
+                *(_cell(row.get(name), how[name], total) for name, _ in columns),
                 f"<< {mark[0]}" if mark else "",
                 style="red" if mark else None,
             )
         return table
-
-    @staticmethod
-    def _phase(seconds: float, total: float) -> str:
-        share = f" ({seconds / total:.0%})" if total > 0 else ""
-        return _ms(seconds) + share
 
     def __rich__(self) -> Table:
         return self.render()
