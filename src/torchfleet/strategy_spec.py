@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from torchfleet.env import DistEnv
 from torchfleet.errors import UsageError
 from torchfleet.replica_groups import which_group
-from torchfleet.strategies import Runtime, Strategy, class_for, get_strategy, registry, resolve_dims
+from torchfleet.strategies import Runtime, Strategy, class_for, dims_of, get_strategy, registry
 from torchfleet.strategies.dims import ParallelDims
 from torchfleet.strategies.options import StrategyOptions
 
@@ -62,7 +62,7 @@ def settle(name: str, given: dict, env: DistEnv, fault_tolerance: str | None) ->
         )
     dims = None
     if cls.distributed:  # (still distributed: several processes, or a group of one)
-        dims = resolve_dims(name, env.world_size, env.nnodes, options.given())
+        dims = dims_of(name, env.world_size, env.nnodes, options)  # options: the preset's defaults are in them
         assert dims is not None  # a distributed strategy always has degrees
         if not alone:
             cls = class_for(dims)  # the degrees pick the class: ddp with --pp 2 runs as ddp+pipeline
