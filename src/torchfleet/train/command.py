@@ -43,7 +43,7 @@ def run(cfg: TrainConfig, launch: LaunchConfig, nproc: int | None, argv: list[st
     cfg.check_outputs()
     env = DistEnv.detect()
     if env.is_distributed or env.source != "single":
-        return _train_here(cfg, env)  # a worker: its rank 0, if any, binds --dashboard's port (or refuses it)
+        return _train_here(cfg, env)  # started by torchrun, Slurm...: its rank 0 binds --dashboard's port (or refuses)
     if cfg.dashboard is not None:  # the command that starts the workers, once, before any starts
         from torchfleet.view.server import check_serves_here
 
@@ -113,7 +113,7 @@ def _run_workers(cfg: TrainConfig, launch: LaunchConfig, carried: Carried) -> in
     PREEMPTED_EXIT once the workers have saved (launcher/preempt_relay.py), not in a traceback."""
     return run_command(
         launch,
-        ["-m", "torchfleet", "train", "--strategy", carried.strategy],  # what each worker runs, as said in logs
+        [],  # worker_main is given the job itself: no command line to run
         preempt_signals=cfg.preempt_signals,
         preempt_notice=cfg.preempt_notice,
         why=preempt_relay.TRAIN_WHY,
@@ -121,9 +121,9 @@ def _run_workers(cfg: TrainConfig, launch: LaunchConfig, carried: Carried) -> in
     )
 
 
-def worker_main(carried: Carried, argv: list[str]) -> None:
-    """A worker forked from the launcher's server (launcher/forked.py), without importing torch again: it
-    trains what the launcher carried to it, neither parsing `argv` nor settling the strategy again."""
+def worker_main(carried: Carried, _argv: list[str]) -> None:
+    """A worker of the agent, forked from the launcher's server (launcher/forked.py) without importing torch
+    again: it trains what the launcher carried to it, neither parsing a command line nor settling the strategy."""
     for stream in (sys.stdout, sys.stderr):
         if isinstance(stream, io.TextIOWrapper):  # as -u: each rank's lines go out at once
             stream.reconfigure(line_buffering=True, write_through=True)
@@ -136,8 +136,8 @@ def worker_main(carried: Carried, argv: list[str]) -> None:
 
 
 def _train_here(cfg: TrainConfig, env: DistEnv, strategy: StrategySpec | str | None = None) -> int:
-    """One of many processes already (torchrun, Slurm, mpirun, SageMaker): train in this one, with the
-    spec its launcher settled, or else settling the strategy here (this process read the command line)."""
+    """One of many processes already (the agent's, torchrun's, Slurm's, mpirun's, SageMaker's): train in this
+    one, with the spec the launcher settled, or else settling the strategy here (this process read the words)."""
     if strategy is None:
         strategy = cfg.strategy if cfg.strategy != "auto" else registry.auto(env.world_size)
     code = 0
