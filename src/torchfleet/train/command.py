@@ -31,7 +31,7 @@ from torchfleet.replica_groups.sync_methods import refuse_alone
 from torchfleet.strategies import get_strategy, registry, resolve_dims
 from torchfleet.strategies.batchnorm import check_sync_batchnorm
 from torchfleet.strategies.options import StrategyOptions
-from torchfleet.strategy_spec import StrategySpec, settle, settle_for_launch
+from torchfleet.strategy_spec import StrategySpec, settle_for_launch
 from torchfleet.train.config import TrainConfig, check_dashboard
 from torchfleet.train.loop import train
 from torchfleet.train.processes import plan_processes
@@ -77,9 +77,9 @@ def run(cfg: TrainConfig, launch: LaunchConfig, nproc: int | None, argv: list[st
     if launch.replica_groups:
         which_group.refuse_shared_memory(strategy)
     if starts == "spawn":
-        return _train_spawned(cfg, launch, strategy, env)
+        return _train_spawned(cfg, launch, strategy)
     if not launch.multi_process and not launch.replica_groups:  # a replica group always runs under the agent
-        train(cfg, settle(strategy, cfg.strategy_options, env, None))
+        train(cfg, strategy)  # settled there: this process read the words and trains in itself
         return 0
     # Before any process starts: the degrees multiply out, and the batch splits among
     # the processes that read data. Replica groups are alike: each machine's processes
@@ -95,7 +95,7 @@ def run(cfg: TrainConfig, launch: LaunchConfig, nproc: int | None, argv: list[st
     )
     if options.replication.sync_batchnorm and dims is not None:  # refused for pipelines before they start
         check_sync_batchnorm(dims.pp, sync_batchnorm=True)  # (a single-process strategy refuses it itself)
-    return _run_workers(cfg, launch, Carried(cfg, strategy, specs))
+    return _run_workers(cfg, launch, Carried(dataclasses.replace(cfg, strategy=strategy), specs))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,8 +103,7 @@ class Carried:
     """What each worker trains: the config as parsed here, and the spec settled here for each world
     size the job can have (none for replica groups: each worker settles it in the group it is in)."""
 
-    cfg: TrainConfig
-    strategy: str  # "auto" resolved
+    cfg: TrainConfig  # its strategy "auto" resolved
     specs: dict[int, StrategySpec]
 
 
@@ -129,7 +128,7 @@ def worker_main(carried: Carried, _argv: list[str]) -> None:
             stream.reconfigure(line_buffering=True, write_through=True)
     carried.cfg.check_outputs()
     env = DistEnv.detect()
-    code = _train_here(carried.cfg, env, carried.specs.get(env.world_size) or carried.strategy)
+    code = _train_here(carried.cfg, env, carried.specs.get(env.world_size) or carried.cfg.strategy)
     if code != 0:
         raise SystemExit(code)
     # A worker function returns on success: torch's agent waits for its (None) result.
@@ -158,7 +157,7 @@ def _train_here(cfg: TrainConfig, env: DistEnv, strategy: StrategySpec | str | N
     return code
 
 
-def _train_spawned(cfg: TrainConfig, launch: LaunchConfig, strategy: str, env: DistEnv) -> int:
+def _train_spawned(cfg: TrainConfig, launch: LaunchConfig, strategy: str) -> int:
     # Hogwild's workers must share this process's memory, so this process
     # spawns them (torchfleet.hogwild) instead of torchrun's agent.
     if launch.multi_node:
@@ -167,7 +166,7 @@ def _train_spawned(cfg: TrainConfig, launch: LaunchConfig, strategy: str, env: D
             " possible with it, use ddp across machines"
         )
     try:
-        train(cfg, settle(strategy, cfg.strategy_options, env, None), nproc=launch.nproc_per_node)
+        train(cfg, strategy, nproc=launch.nproc_per_node)  # settled there, carried to the workers
     except LaunchError as exc:
         return failures.report(exc.summary)
     return 0
