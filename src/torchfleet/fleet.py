@@ -36,7 +36,7 @@ from torchfleet.strategies.base import Batch, LossFn, SetupArgs
 from torchfleet.strategies.batchnorm import batchnorm_note
 from torchfleet.strategies.block_transforms import COMPILE_MODES, adopt_late_compile, unwrap_compiled
 from torchfleet.strategies.expert_load import ExpertLoad
-from torchfleet.strategy_spec import settle
+from torchfleet.strategy_spec import StrategySpec, settle
 from torchfleet.weights import Pretrained, Start, saving
 from torchfleet.worker import preemption
 
@@ -58,6 +58,7 @@ class Fleet:
         fault_tolerance: str | None = None,
         preempt_signals: str | None = None,
         preempt_notice: str | None = None,
+        settled: StrategySpec | None = None,
         **strategy_options: Any,
     ):
         """`max_grad_norm`: clip gradients to this global norm (over every shard and stage).
@@ -68,7 +69,8 @@ class Fleet:
         `fault_tolerance`: "step" in a replica group (`torchfleet run --fault-tolerance step` makes them; None:
         as the launcher says), "restart" otherwise. diloco and localsgd take `sync_every`, `outer_lr`... too.
         `preempt_signals` ("TERM,USR1"), `preempt_notice` ("aws", a URL...): what preempted() listens for
-        (default: what `torchfleet run --preempt-signals/--preempt-notice` said, else TERM,USR1 and no notice)."""
+        (default: what `torchfleet run --preempt-signals/--preempt-notice` said, else TERM,USR1 and no notice).
+        `settled`: a spec `torchfleet train`'s launcher settled (strategy, options, fault_tolerance unread)."""
         versions.require_supported_torch()
         if grad_accum < 1:
             raise UsageError(f"grad_accum {grad_accum} must be at least 1")
@@ -79,7 +81,7 @@ class Fleet:
         self.activation_checkpointing, self.compile = activation_checkpointing, compile
         self._channels_last_asked, self.channels_last = channels_last, False  # settled by setup, seeing the model
         self.env = env or DistEnv.detect()
-        spec = settle(strategy, strategy_options, self.env, fault_tolerance)  # what the name comes to, once
+        spec = settled or settle(strategy, strategy_options, self.env, fault_tolerance)  # what the name comes to
         self.sagemaker = TrainingEnv.read()  # None outside a SageMaker training job
         # Ranks from SM_* alone (not torchrun's or mpirun's) on a multi-GPU host: the toolkit
         # started this one process, so it starts one worker per GPU and exits here.
@@ -106,9 +108,7 @@ class Fleet:
             allocator.keep_freed_memory()  # a step's memory stays for the next step
         if spec.grouped:
             join_process_group(self.env, self.backend)
-        self.replicas = which_group.group(
-            spec.joined, self.env, self.device
-        )  # replica_groups/per_step.py, replica_groups/outer_step.py
+        self.replicas = which_group.group(spec.joined, self.env, self.device)  # per_step.py or outer_step.py
         runtime = Runtime(
             self.env,
             self.device,

@@ -69,10 +69,14 @@ def resolve_dims(name: str, world_size: int, nodes: int = 1, options: dict | Non
 
     Degree flags (dp_replicate, dp_shard, pp, tp, ep) in `options` override the preset's.
     """
+    return dims_of(name, world_size, nodes, StrategyOptions.of(registry.options_for(name, options)))
+
+
+def dims_of(name: str, world_size: int, nodes: int, typed: StrategyOptions) -> ParallelDims | None:
+    """`resolve_dims` for options already under the preset's defaults, sorted into their groups."""
     preset = registry.find(name)
     if preset is None or preset.degrees is None:
         return None
-    typed = StrategyOptions.of(registry.options_for(name, options))
     given = {k: v for k, v in dataclasses.asdict(typed.degrees).items() if v is not None}
     dims = ParallelDims.from_preset(name, world_size, nodes=nodes, **given)
     pipeline = typed.pipeline
@@ -98,6 +102,7 @@ __all__ = [
     "Strategy",
     "class_for",
     "data_readers",
+    "dims_of",
     "get_strategy",
     "register",
     "resolve_dims",

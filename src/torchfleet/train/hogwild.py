@@ -24,24 +24,19 @@ from torchfleet.models import gpt_config
 from torchfleet.precision import Precision
 from torchfleet.strategies.base import Runtime
 from torchfleet.strategies.batchnorm import batchnorm_note
-from torchfleet.strategies.options import StrategyOptions
+from torchfleet.strategy_spec import StrategySpec
 from torchfleet.train import report
 from torchfleet.train.datasets import builtin_dataset
 from torchfleet.train.models import build_model, build_optimizer
 from torchfleet.train.tasks import task_for, validate
 
 
-def train_hogwild(cfg, workers: int) -> dict:
-    """Train the built-in job on `workers` hogwild workers; return the summary figures."""
-    if DistEnv.detect().is_distributed:
-        raise UsageError(
-            "hogwild starts its own workers on one machine; run it with"
-            " `torchfleet train --strategy hogwild -n N`, not under torchrun, Slurm or mpirun"
-        )
+def train_hogwild(cfg, spec: StrategySpec, workers: int) -> dict:
+    """Train the built-in job on `workers` hogwild workers, each given `spec` as settled here (under torchrun,
+    Slurm or mpirun settling refused it); return the summary figures."""
     # Fail on bad options here, before any worker starts.
     cpu = torch.device("cpu")
-    options = StrategyOptions.of(cfg.strategy_options)
-    Hogwild(Runtime(DistEnv(), cpu, Precision(cfg.precision, cpu), None), **options.given())
+    spec.build(Runtime(DistEnv(), cpu, Precision(cfg.precision, cpu), None))
     if cfg.checkpoint_dir or cfg.resume:
         raise UsageError(
             "hogwild has no single state to checkpoint (each worker keeps its own optimizer"
@@ -69,8 +64,8 @@ def train_hogwild(cfg, workers: int) -> dict:
         _train_worker,
         model,
         workers,
-        args=(cfg, train_set, val_set),
-        sharing_strategy=options.single_process.sharing_strategy,
+        args=(cfg, spec, train_set, val_set),
+        sharing_strategy=spec.options.single_process.sharing_strategy,
     )
     wall = time.perf_counter() - start
     train_seconds = max(d["seconds"] for d in done)
@@ -96,11 +91,11 @@ def train_hogwild(cfg, workers: int) -> dict:
     return result
 
 
-def _train_worker(model: nn.Module, cfg, train_set, val_set) -> dict:
+def _train_worker(model: nn.Module, cfg, spec: StrategySpec, train_set, val_set) -> dict:
     """One worker's loop: its own optimizer, its share of each global batch, no locks."""
     info = worker_info()
     assert info is not None  # this runs in a hogwild worker, which has its info
-    fleet = Fleet(strategy=Hogwild.name, precision=cfg.precision, grad_accum=cfg.grad_accum, **cfg.strategy_options)
+    fleet = Fleet(strategy=spec.name, settled=spec, precision=cfg.precision, grad_accum=cfg.grad_accum)
     torch.manual_seed(cfg.seed + info.rank)
     optimizer = build_optimizer(cfg.optimizer, model.parameters(), cfg.lr)
     model, optimizer = fleet.setup(model, optimizer)

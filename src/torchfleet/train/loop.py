@@ -15,8 +15,9 @@ import os
 import time
 
 from torchfleet import outputs
+from torchfleet.env import DistEnv
 from torchfleet.fleet import Fleet
-from torchfleet.strategies import registry
+from torchfleet.strategy_spec import StrategySpec, settle
 from torchfleet.train import report
 from torchfleet.train.config import TrainConfig
 from torchfleet.train.hogwild import train_hogwild
@@ -26,23 +27,30 @@ from torchfleet.train.tasks import CLASSIFY
 from torchfleet.worker import preemption
 
 
-def train(cfg: TrainConfig, strategy: str, nproc: int = 1) -> dict:
+def train(cfg: TrainConfig, strategy: str | StrategySpec, nproc: int = 1) -> dict:
     """Train the built-in job with `strategy` and return the summary figures.
 
+    `strategy`: the spec the launcher settled, or a name this process settles
+    with `cfg.strategy_options` (it read the user's words itself).
     `nproc` is read by hogwild only: its workers share this process's memory,
     so it spawns them itself (torchfleet.hogwild) instead of running in them.
     """
-    if registry.presets()[strategy].launch == "spawn":  # hogwild: workers sharing this process's memory
-        return train_hogwild(cfg, nproc)
+    spec = (
+        strategy
+        if isinstance(strategy, StrategySpec)
+        else settle(strategy, cfg.strategy_options, DistEnv.detect(), None)
+    )
+    if spec.preset.launch == "spawn":  # hogwild: workers sharing this process's memory
+        return train_hogwild(cfg, spec, nproc)
     fleet = Fleet(
-        strategy=strategy,
+        strategy=spec.name,
+        settled=spec,
         precision=cfg.precision,
         backend=cfg.backend,
         grad_accum=cfg.grad_accum,
         max_grad_norm=cfg.max_grad_norm,
         activation_checkpointing=cfg.activation_checkpointing,
         compile=cfg.compile,
-        **cfg.strategy_options,
     )
     fleet.run_options = None  # train's Run serves the ranks itself (the same run_services), from its loss reads
     if fleet.checkpoint_dir and not cfg.checkpoint_dir:
