@@ -119,7 +119,7 @@ def test_the_tokens_per_expert_are_counted_before_ep_sends_them():
     [
         ("ep", 4, {"ep": 2}, "ep splits the experts over every process (--ep 4)"),
         ("fsdp+ep", 4, {"ep": 3}, "--ep 3 does not divide the 4 data-parallel processes"),
-        ("fsdp+ep", 4, {"pp": 2}, "expert parallelism beside pipeline stages or tp is not supported yet"),
+        ("fsdp+ep", 4, {"pp": 2}, "expert parallelism beside pipeline stages is not supported yet"),
         ("fsdp+ep", 8, {"dp_replicate": 2}, "beside both replicas and shards"),
     ],
 )

@@ -17,6 +17,8 @@ model's plan split across processes). Their product is the number of processes:
     fsdp+tp        dp_shard = N / tp, tp (default 2)
     ep             dp_replicate = N, ep = N
     fsdp+ep        dp_shard = N, ep (default 2)
+    ep --tp T      dp_replicate = N / T, ep = N / T, tp = T   ("ep+tp")
+    fsdp+ep --tp T dp_shard = N / T, ep (default 2), tp = T   ("fsdp+ep+tp")
 
 `--dp-replicate`, `--dp-shard`, `--pp` and `--tp` set a degree directly; the
 preset fills the rest. The mesh is ("dp_replicate", "dp_shard", "pp", "tp"),
@@ -33,7 +35,11 @@ data-parallel processes. Each group of ``ep`` neighbouring data-parallel ranks
 splits every mixture-of-experts layer's experts among itself and sends each
 token to its experts' rank (strategies/expert_parallel.py); the experts are
 then replicated, or sharded by FSDP2, over the ``dp / ep`` groups, on a mesh
-of their own, ("dp_mod_ep", "ep") (torchtitan's name for the first).
+of their own, ("dp_mod_ep", "ep") (torchtitan's name for the first). Beside
+tp that mesh is ("dp_mod_ep", "ep", "tp"): each expert a rank of an ep group
+keeps is split over its tp group as the model's plan splits it (or kept whole
+where the plan leaves the experts whole), and each tp column of ranks routes
+its tokens among itself, as the ranks of one column hold the same slices.
 """
 
 from __future__ import annotations
@@ -81,11 +87,12 @@ class ParallelDims:
             self._check_ep()
 
     def _check_ep(self) -> None:
-        """ep borrows data-parallel ranks of one kind: every replica (ep), or shards (fsdp+ep)."""
-        if self.pp > 1 or self.tp > 1:
+        """ep borrows data-parallel ranks of one kind: every replica (ep), or shards (fsdp+ep); tp may split
+        what each rank keeps."""
+        if self.pp > 1:
             raise UsageError(
-                f"--ep {self.ep} with {self.arithmetic()}: expert parallelism beside pipeline stages or tp is"
-                " not supported yet; drop --pp and --tp, or choose a strategy without ep"
+                f"--ep {self.ep} with {self.arithmetic()}: expert parallelism beside pipeline stages is"
+                " not supported yet; drop --pp, or choose a strategy without ep"
             )
         if self.dp_shard > 1 and self.dp_replicate > 1:
             raise UsageError(
@@ -160,7 +167,8 @@ class ParallelDims:
             (self.dp_replicate > 1, self.dp_shard > 1)
         ]
         if self.ep > 1:  # experts split over replicas alone are the ep preset: ddp is what ep borrows
-            return "ep" if data == "ddp" else f"{data}+ep"
+            name = "ep" if data == "ddp" else f"{data}+ep"
+            return f"{name}+tp" if self.tp > 1 else name
         for degree, model in ((self.pp, "pipeline"), (self.tp, "tp")):
             if degree > 1:
                 return f"{data}+{model}" if data else model
@@ -171,7 +179,7 @@ class ParallelDims:
         rank, column = divmod(rank, self.tp)
         rank, stage = divmod(rank, self.pp)
         replica, shard = divmod(rank, self.dp_shard)
-        # ep groups are neighbouring data-parallel ranks (pp and tp are 1 beside ep)
+        # ep groups are neighbouring data-parallel ranks (pp is 1 beside ep), one group per tp column
         return {"dp_replicate": replica, "dp_shard": shard, "pp": stage, "tp": column, "ep": rank % self.ep}
 
     def dp_rank(self, rank: int) -> int:
@@ -186,5 +194,9 @@ class ParallelDims:
     def build_expert_mesh(self, device_type: str) -> DeviceMesh:
         """The experts' own 2-D mesh ("dp_mod_ep", "ep"): split over "ep", neighbours, as the all-to-all
         between them is the heaviest traffic of the step; replicated or sharded over "dp_mod_ep".
-        One mesh holding both, as FSDP2 needs for parameters already split over another dimension."""
-        return init_device_mesh(device_type, (self.dp // self.ep, self.ep), mesh_dim_names=("dp_mod_ep", "ep"))
+        One mesh holding both, as FSDP2 needs for parameters already split over another dimension. Beside tp,
+        a third dimension, "tp", last as in the main mesh, so each rank keeps its place."""
+        shape, names = (self.dp // self.ep, self.ep), ("dp_mod_ep", "ep")
+        if self.tp > 1:
+            shape, names = (*shape, self.tp), (*names, "tp")
+        return init_device_mesh(device_type, shape, mesh_dim_names=names)

@@ -34,7 +34,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.nn.utils.stateless import _reparametrize_module
 
 from torchfleet.errors import UsageError
@@ -104,16 +104,34 @@ def _count(module: nn.Module) -> int:
 
 
 def apply_ep(experts: list[tuple[str, nn.Module]], mesh: DeviceMesh) -> None:
-    """Split each module's experts over `mesh`'s "ep" dimension and route its tokens to them."""
+    """Split each module's experts over `mesh`'s "ep" dimension and route its tokens to them.
+
+    Beside tp (`mesh` with a "tp" dimension, the experts already split over it, or left whole, by the plan),
+    each rank keeps its ep share of what tp gave it, and each tp column routes among its own ep group."""
     ep_mesh = mesh["ep"]
     # A full state dict gathers each expert weight over both of the experts' mesh dimensions, which DTensor
     # warns, every save, may take two all-gathers; that is the expected cost, not a fault to report.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    beside_tp = "tp" in (mesh.mesh_dim_names or ())
     for _, module in experts:
         for name, param in list(module.named_parameters(recurse=False)):
-            shard = distribute_tensor(param.data, ep_mesh, [Shard(0)])
+            shard = _beside_tp(param.data, mesh) if beside_tp else distribute_tensor(param.data, ep_mesh, [Shard(0)])
             module.register_parameter(name, nn.Parameter(shard, requires_grad=param.requires_grad))
         _route(module, ep_mesh.get_group(), ep_mesh.size())
+
+
+def _beside_tp(tensor: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+    """`tensor` (tp's DTensor, or a whole one the plan left whole) as a DTensor of `mesh`'s ("ep", "tp"): its
+    experts split over "ep", each rank's part over "tp" as tp placed it. The ep share is scattered from the first
+    rank of each column's ep group, as without tp, so the group holds one set of experts."""
+    if isinstance(tensor, DTensor):
+        local, over_tp = tensor.to_local(), tensor.placements[0]
+    else:
+        local, over_tp = tensor, Replicate()
+    mine = distribute_tensor(local, mesh["ep"], [Shard(0)]).to_local()
+    return DTensor.from_local(
+        mine, mesh["ep", "tp"], [Shard(0), over_tp], run_check=False, shape=tensor.shape, stride=tensor.stride()
+    )
 
 
 class _ScaleGrad(torch.autograd.Function):

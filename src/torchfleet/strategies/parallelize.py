@@ -5,8 +5,9 @@ The multi-process strategies compose them in one fixed order (`parallelize`):
 1. pipeline: cut the model into stages, keep this rank's (``pp``);
 2. or tensor parallelism: split the layers of the model's plan over ``tp``
    (strategies/tensor_parallel.py; not yet inside pipeline stages);
-   or expert parallelism: split the experts over ``ep`` (strategies/expert_parallel.py),
-   then FSDP2 on each experts' module over the experts' mesh ("dp_mod_ep"), before its block's;
+   and expert parallelism: split the experts (each as tp left it) over ``ep``
+   (strategies/expert_parallel.py), then FSDP2 on each experts' module over the
+   experts' mesh ("dp_mod_ep"), before its block's;
 3. then the data-parallel dimensions on what is left:
    FSDP2 ``fully_shard`` over ``dp_shard`` (with ``dp_replicate`` too: HSDP,
    replicas of shards on FSDP2's 2-D mesh), or else DDP over ``dp_replicate``.
