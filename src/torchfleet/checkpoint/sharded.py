@@ -27,6 +27,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from torchfleet.checkpoint.strided import restrided, unstrided
+
 _TORCH_KINDS = (torch.dtype, torch.layout, torch.memory_format)
 # Exactly what DCP's metadata holds; a dotted name could reach any attribute
 # (pickle resolves "os.system" inside an allowed module), so names match whole.
@@ -120,7 +122,7 @@ def save(strategy, directory: Path) -> None:
     # sync_files (the default) fsyncs every shard before DCP reports success.
     try:
         dcp.save(
-            {"model": model_state, "optimizer": optimizer_state},
+            unstrided({"model": model_state, "optimizer": optimizer_state}),
             no_dist=not dist.is_initialized(),
             storage_writer=dcp.FileSystemWriter(str(directory), sync_files=True),
         )
@@ -134,13 +136,15 @@ def load(strategy, directory: Path) -> None:
     # DCP has tensors of the right shapes and placements to read into.
     model_state, optimizer_state = get_state_dict(strategy.model, strategy.optimizer, options=_OPTIONS)
     own = _own_entries(strategy, model_state)
-    state = {"model": own, "optimizer": optimizer_state}
+    original = {"model": own, "optimizer": optimizer_state}
+    state = unstrided(original)
     try:
         dcp.load(
             state, storage_reader=SafeReader(str(directory)), planner=SafePlanner(), no_dist=not dist.is_initialized()
         )
     except CheckpointException as exc:
         raise _first_failure(exc) from None
+    state = restrided(state, original)
     # Entries left out above keep their values: only then is a missing key expected.
     options = _OPTIONS if len(own) == len(model_state) else _LENIENT
     set_state_dict(
