@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from conftest import clean_env, require_module, run, torchfleet
+from helpers import clean_env, require_module, run, torchfleet
 from torchfleet.bench import cells as bench_cells
 from torchfleet.bench import launch_cell, measure_cell, verdict
 from torchfleet.bench import matrix as bench
@@ -689,7 +689,7 @@ LINK_BAD = [
 
 @pytest.mark.parametrize("args,sentence", LINK_BAD, ids=[" ".join(a) for a, _ in LINK_BAD])
 def test_link_mode_bad_input_is_one_sentence_and_status_2(args, sentence, tmp_path):
-    from conftest import forked_torchfleet
+    from helpers import forked_torchfleet
 
     result = forked_torchfleet("bench", *args, "--out", str(tmp_path / "b"))
     assert result.returncode == 2 and "Traceback" not in result.stderr

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT, clean_env
+from helpers import ROOT, clean_env
 from torchfleet import Fleet, UsageError, checkpoint, launch
 from torchfleet.strategies import registry
 from torchfleet.testing.equivalence import dropout_mlp, resume_job

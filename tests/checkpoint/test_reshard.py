@@ -14,7 +14,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import torchfleet
+from helpers import torchfleet
 
 JOB = [
     "train",

@@ -1,6 +1,6 @@
 """`torchfleet k8s`: a PyTorchJob manifest that the CRD's schema accepts, and pods that train.
 
-The schema is the PyTorchJob CRD's openAPIV3Schema (tests/data/pytorchjob.v1.schema.json
+The schema is the PyTorchJob CRD's openAPIV3Schema (tests/fixtures/pytorchjob.v1.schema.json
 says where it comes from and how it was reduced). Kubernetes rejects fields a structural
 schema does not name (kubectl's strict field validation); `_strict` makes jsonschema do the
 same, so a misspelt field fails here as it would there.
@@ -24,14 +24,14 @@ from pathlib import Path
 import pytest
 
 import reference
-from conftest import ROOT, clean_env, require_module
+from helpers import ROOT, clean_env, require_module
 from torchfleet.cli import main
 from torchfleet.netif import free_port
 
 jsonschema = require_module("jsonschema", "jsonschema is in the dev extra")
 yaml = require_module("yaml", "pyyaml is in the dev extra")
 
-SCHEMA = json.loads((Path(__file__).parent / "data" / "pytorchjob.v1.schema.json").read_text())
+SCHEMA = json.loads((Path(__file__).parents[1] / "fixtures" / "pytorchjob.v1.schema.json").read_text())
 SCRIPT = "examples/train_digits.py"  # relative: the image's working folder holds it
 FT_SCRIPT = "tests/scripts/ft_seeds.py"  # a Fleet script for replica groups
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, clean_env, require_system, run, torchfleet
+from helpers import ROOT, clean_env, require_system, run, torchfleet
 from torchfleet.netif import free_port
 
 JOB = str(ROOT / "tests" / "scripts" / "fleet_job.py")

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import slurm_cluster
-from conftest import clean_env, run, torchfleet
+from helpers import clean_env, run, torchfleet
 from torchfleet.cli import build_parser
 from torchfleet.train.config import TrainConfig
 from torchfleet.train.loop import train

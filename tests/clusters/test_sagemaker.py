@@ -21,7 +21,7 @@ import pytest
 
 import netns
 import reference
-from conftest import EXAMPLES, clean_env
+from helpers import EXAMPLES, clean_env
 from torchfleet.cli import main
 
 SCRIPT = str(EXAMPLES / "train_digits.py")

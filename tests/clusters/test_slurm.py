@@ -22,7 +22,7 @@ import pytest
 
 import reference
 import slurm_cluster
-from conftest import EXAMPLES, ROOT, clean_env, run
+from helpers import EXAMPLES, ROOT, clean_env, run
 from torchfleet.cli import main
 
 SCRIPT = str(EXAMPLES / "train_digits.py")

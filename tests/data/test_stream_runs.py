@@ -3,8 +3,8 @@ ends with the weights of a run never killed, bit for bit, over documents tokeniz
 fsdp; the stream under fsdp equals serial within 1e-5, and so does the 2-process run's checkpoint resumed on 1
 process (the global order of samples kept).
 
-Token shards are map-style: their resume is GlobalBatchSampler's, which tests/test_faults.py kills and resumes
-under ddp; tests/test_streams.py checks that the shards' windows follow it on any number of ranks. Each test
+Token shards are map-style: their resume is GlobalBatchSampler's, which tests/train/test_faults.py kills and resumes
+under ddp; tests/data/test_streams.py checks that the shards' windows follow it on any number of ranks. Each test
 here costs 2-process runs' start-up, so CI runs the stream's (what is new) and not every pairing; the others
 (ddp over documents, fsdp and pipeline over shards and documents) were run by hand (issue 58's closing note).
 """
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import token_data
-from conftest import clean_env, require_module, torchfleet
+from helpers import clean_env, require_module, torchfleet
 from torchfleet.train.config import TrainConfig
 from torchfleet.train.loop import train
 

@@ -2,7 +2,7 @@
 twice or skipped, the global batch kept, the position resumed on any number of processes; bad data in one sentence.
 
 Ranks are played here by building each rank's loader with its (rank, world): the sharding is arithmetic on the
-stream's order, the same in one process as in many. tests/test_stream_runs.py runs the real processes.
+stream's order, the same in one process as in many. tests/data/test_stream_runs.py runs the real processes.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import IterableDataset
 
 import token_data
-from conftest import require_module
+from helpers import require_module
 from torchfleet.data import DataError
 from torchfleet.data.stream import stream_loader
 from torchfleet.data.text_records import Document, TextRecords, Tokenize

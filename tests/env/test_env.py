@@ -600,7 +600,7 @@ def test_torch_env_round_trip(environ: dict[str, str]) -> None:
 
 
 def test_import_does_not_load_torch() -> None:
-    src = Path(__file__).resolve().parents[1] / "src"
+    src = Path(__file__).resolve().parents[2] / "src"
     code = "import sys, torchfleet.env; sys.exit('torch' in sys.modules)"
     result = subprocess.run(
         [sys.executable, "-c", code],

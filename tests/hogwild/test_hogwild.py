@@ -116,7 +116,7 @@ def test_outside_a_worker_it_is_serial_and_says_so():
 
 @pytest.mark.timeout(180)
 def test_train_from_the_command_line(tmp_path):
-    from conftest import torchfleet as cli
+    from helpers import torchfleet as cli
 
     out = tmp_path / "result.json"
     result = cli("train", "--strategy", "hogwild", "-n", "2", "--model", "mlp", "--epochs", "1", "--json-out", str(out))

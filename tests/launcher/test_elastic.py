@@ -22,7 +22,7 @@ import time
 import pytest
 import torch
 
-from conftest import clean_env, newest_checkpoint_model, said
+from helpers import clean_env, newest_checkpoint_model, said
 from netns import hosts
 
 STEPS, EVERY, LOST_AFTER = 10, 4, 5  # checkpoints at 4, 8, 10; host 2 stops after step 5

@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from conftest import EXAMPLES, ROOT, run, torchfleet
+from helpers import EXAMPLES, ROOT, run, torchfleet
 from torchfleet import UsageError, launch
 from torchfleet.launcher.agent import LaunchError
 

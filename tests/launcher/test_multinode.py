@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from conftest import clean_env, newest_checkpoint_model, torchfleet
+from helpers import clean_env, newest_checkpoint_model, torchfleet
 from netns import hosts
 from torchfleet.launcher import preflight
 

@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from conftest import EXAMPLES, clean_env, require_module
+from helpers import EXAMPLES, clean_env, require_module
 from torchfleet import UsageError, notebook_launch
 
 nbformat = require_module("nbformat", "nbformat is in the dev extra")

@@ -14,7 +14,7 @@ from collections import Counter
 
 import pytest
 
-from conftest import ROOT, clean_env, run
+from helpers import ROOT, clean_env, run
 from torchfleet.netif import free_port
 
 SCRIPTS = ROOT / "tests" / "scripts"

@@ -12,7 +12,7 @@ import tempfile
 import pytest
 from torch.distributed.run import config_from_args, get_args_parser
 
-from conftest import clean_env, run, torchfleet
+from helpers import clean_env, run, torchfleet
 from torchfleet.cli import _launch_config, build_parser
 from torchfleet.errors import UsageError
 from torchfleet.launcher.elastic_config import agent_config

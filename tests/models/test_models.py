@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import require_module, torchfleet
+from helpers import require_module, torchfleet
 from torchfleet import cli
 from torchfleet.errors import UsageError
 from torchfleet.models import GPT, GPT_PRESETS, MODELS, GPTConfig, build_model, lm_loss, resnet18, resnet50

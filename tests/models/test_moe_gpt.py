@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import torchfleet
+from helpers import torchfleet
 from torchfleet import launch
 from torchfleet.errors import UsageError
 from torchfleet.models import GPT, TOKEN_MODELS, GPTConfig, build_model, lm_loss

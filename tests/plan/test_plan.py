@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import assert_refused_in_one_sentence, clean_env, forked_torchfleet, run
+from helpers import assert_refused_in_one_sentence, clean_env, forked_torchfleet, run
 from torchfleet.plan import check, comm, contention, overheads, pipelines, predict, probe, profiler, workload
 from torchfleet.plan.first_batches import first_batches
 from torchfleet.plan.hardware import Target

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import require_module
+from helpers import require_module
 
 require_module("transformers", "transformers (the test extra) builds the library models from configs")
 

@@ -21,7 +21,7 @@ import sys
 
 import pytest
 
-from conftest import clean_env, run
+from helpers import clean_env, run
 
 # model, global batch, extra flags, process counts; the layouts each one's plan must give (beyond EVERY_MODEL's,
 # which every model runs). resnet50 runs on 2 processes alone: its 4-process layouts are resnet18's, cut alike,

@@ -15,7 +15,7 @@ import json
 
 import pytest
 
-from conftest import forked_torchfleet, require_module
+from helpers import forked_torchfleet, require_module
 
 require_module("transformers", "transformers (the test extra) builds the library models from configs")
 

@@ -17,7 +17,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import require_module, torchfleet
+from helpers import require_module, torchfleet
 from test_ft import MLP, _groups, _max_diff, _serial, one_group_killed, outside_replica_groups, refused_in_one_sentence
 
 require_module("torchft", "diloco and localsgd run on torchft (the dev extra installs it)")

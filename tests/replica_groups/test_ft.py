@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import ROOT, clean_env, read_outputs, require_module, said, torchfleet
+from helpers import ROOT, clean_env, read_outputs, require_module, said, torchfleet
 
 require_module("torchft", "--fault-tolerance step needs torchft (the dev extra installs it)")
 

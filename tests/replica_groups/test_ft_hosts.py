@@ -22,7 +22,7 @@ import time
 import pytest
 import torch
 
-from conftest import clean_env, read_outputs, require_module, said, torchfleet
+from helpers import clean_env, read_outputs, require_module, said, torchfleet
 from netns import hosts
 from test_ft import MLP, SGD, _max_diff, replay
 from torchfleet.replica_groups.lighthouse import HEARTBEAT_TIMEOUT_MS

@@ -8,7 +8,7 @@ import socket
 import pytest
 import torch
 
-from conftest import require_module, torchfleet
+from helpers import require_module, torchfleet
 from torchfleet.run_services import in_fleet
 
 # rank 1 sleeps SLOW seconds per sample in __getitem__: 8 samples a step, 20 ms more data time a step.

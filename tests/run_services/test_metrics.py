@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from conftest import require_module
+from helpers import require_module
 from torchfleet.errors import UsageError
 from torchfleet.run_services.metrics import MetricsLog
 from torchfleet.train.config import TrainConfig
@@ -67,7 +67,7 @@ def test_a_row_per_logged_step_and_per_epoch(tmp_path):
 
 @pytest.mark.timeout(150)
 def test_ddp_logs_the_whole_batchs_loss_as_serial_does(tmp_path):
-    from conftest import torchfleet
+    from helpers import torchfleet
 
     job = [
         "train",

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from conftest import clean_env, require_system
+from helpers import clean_env, require_system
 from netns import _tbf, hosts
 from torchfleet.run_services.rank_figures import RankWindow
 from torchfleet.run_services.stragglers import WINDOWS

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import clean_env, torchfleet
+from helpers import clean_env, torchfleet
 from torchfleet.run_services.rank_figures import RankWindow
 from torchfleet.run_services.stragglers import FLOOR_S, WINDOWS, StragglerWatch
 from torchfleet.train import faults

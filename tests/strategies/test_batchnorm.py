@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from conftest import torchfleet as cli
+from helpers import torchfleet as cli
 from torchfleet import UsageError, launch
 from torchfleet.cli import _strategy_options, build_parser
 from torchfleet.fleet import Fleet

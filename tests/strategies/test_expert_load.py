@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from conftest import torchfleet
+from helpers import torchfleet
 from torchfleet.models import gpt_moe
 from torchfleet.strategies.expert_load import ExpertLoad
 

@@ -17,7 +17,7 @@ import re
 import pytest
 import torch
 
-from conftest import require_module
+from helpers import require_module
 from torchfleet import launch
 from torchfleet.errors import UsageError
 from torchfleet.strategies.dims import ParallelDims
@@ -139,7 +139,7 @@ def test_ep_borrows_data_parallel_ranks_and_names_its_layout():
 
 @pytest.mark.timeout(300)
 def test_train_summarises_the_tokens_per_expert_and_each_ranks_experts(tmp_path):
-    from conftest import torchfleet
+    from helpers import torchfleet
     from torchfleet.train.models import build_model
 
     out = tmp_path / "run.json"

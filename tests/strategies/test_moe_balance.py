@@ -1,6 +1,6 @@
 """The router's load-balancing loss over a data-parallel group (strategies/moe_balance.py), in one process.
 
-The zoo's cells (tests/test_zoo.py) hold ddp, fsdp and hsdp to serial's weights with the loss on, on
+The zoo's cells (tests/strategies/test_zoo.py) hold ddp, fsdp and hsdp to serial's weights with the loss on, on
 2 and 4 processes; here the formula is checked against transformers' own, which the strategies leave
 in place for serial, so that a change in transformers shows up as a failure rather than a drift.
 """
@@ -11,7 +11,7 @@ import importlib
 
 import torch
 
-from conftest import require_module
+from helpers import require_module
 from torchfleet.strategies.moe_balance import RouterLoss, balance_loss, balance_over, router_loss
 
 require_module("transformers", "transformers (the test extra) builds the MoE models from configs")

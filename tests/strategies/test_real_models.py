@@ -14,7 +14,7 @@ import functools
 import pytest
 import torch
 
-from conftest import require_module
+from helpers import require_module
 from torchfleet import launch
 from torchfleet.errors import UsageError
 from torchfleet.launcher import LaunchError

@@ -14,7 +14,7 @@ import re
 import pytest
 import torch
 
-from conftest import ROOT, clean_env, torchfleet
+from helpers import ROOT, clean_env, torchfleet
 from torchfleet import UsageError
 from torchfleet.strategies import get_strategy, registry, resolve_dims
 from torchfleet.strategies.pipeline.strategy import Pipeline

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.distributed import pipelining
 
-from conftest import require_system, torchfleet
+from helpers import require_system, torchfleet
 from torchfleet import Fleet, launch
 from torchfleet.errors import UsageError
 from torchfleet.strategies import resolve_dims

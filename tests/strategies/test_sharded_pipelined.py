@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import torchfleet
+from helpers import torchfleet
 from torchfleet import launch
 from torchfleet.errors import UsageError
 from torchfleet.fleet import Fleet

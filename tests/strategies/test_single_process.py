@@ -161,7 +161,7 @@ def test_mp_bad_models():
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("strategy,flags", [("dp", []), ("mp", ["--devices", "cpu,cpu", "--microbatches", "2"])])
 def test_train_from_the_command_line(tmp_path, strategy, flags):
-    from conftest import torchfleet as cli
+    from helpers import torchfleet as cli
 
     out = tmp_path / "result.json"
     result = cli(

@@ -130,7 +130,7 @@ def test_options_that_need_tp_or_forbid_it():
 def test_a_lora_layer_is_split_with_the_layer_it_adapts():
     """peft's LoRA Llama: the plan is found through peft's wrapping, each adapted layer's style goes to the
     layer it wraps, and its adapter's B (beside a column-wise layer) or A (beside a row-wise one) is split
-    with it. (The weights equal serial's under tp and fsdp+tp: tests/test_zoo.py.)"""
+    with it. (The weights equal serial's under tp and fsdp+tp: tests/strategies/test_zoo.py.)"""
     pytest.importorskip("peft", reason="peft (the dev extra) wraps the model in LoRA adapters")
     from torch.distributed.tensor.parallel import SequenceParallel
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import require_module
+from helpers import require_module
 from torchfleet import launch
 from torchfleet.versions import release
 

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from conftest import clean_env, torchfleet
+from helpers import clean_env, torchfleet
 
 JOB = [
     "train",

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from conftest import newest_checkpoint_model, torchfleet
+from helpers import newest_checkpoint_model, torchfleet
 
 FIELDS = {
     "strategy",

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from conftest import ROOT, require_module, torchfleet
+from helpers import ROOT, require_module, torchfleet
 
 
 @pytest.mark.timeout(400)

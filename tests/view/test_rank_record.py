@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from helpers import ROOT
 from torchfleet.run_services import metrics, stragglers
 from torchfleet.view import figures, record, rows
 from torchfleet.view.record import RankWindow, figure

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from conftest import assert_refused_in_one_sentence, forked_torchfleet, require_module, require_system, torchfleet
+from helpers import assert_refused_in_one_sentence, forked_torchfleet, require_module, require_system, torchfleet
 from torchfleet.errors import UsageError
 from torchfleet.view import figures, rows
 from torchfleet.view.server import DashboardServer, check_serves_here, dashboard_port

@@ -293,7 +293,7 @@ def test_train_runs_the_built_in_loop_on_a_hugging_face_directory_and_on_a_build
 
     from transformers import AutoModelForCausalLM
 
-    from conftest import assert_refused_in_one_sentence, forked_torchfleet, torchfleet
+    from helpers import assert_refused_in_one_sentence, forked_torchfleet, torchfleet
 
     (tmp_path / "bytes_model.py").write_text(BYTE_LLAMA)
     sys.path.insert(0, str(tmp_path))

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, clean_env, torchfleet
+from helpers import ROOT, clean_env, torchfleet
 from test_preemption import _signalled, worker
 from torchfleet.checkpoint import list_checkpoints, verify
 from torchfleet.errors import UsageError

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, clean_env, torchfleet, tree_digest
+from helpers import ROOT, clean_env, torchfleet, tree_digest
 from torchfleet.checkpoint import list_checkpoints, verify
 from torchfleet.launcher.failures import PREEMPTED_EXIT, FailureSummary, RankFailure
 from torchfleet.launcher.preempt_relay import parse_signals
