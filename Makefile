@@ -70,7 +70,7 @@ demo: $(VENV)/.base
 
 # Programs some tests drive for real: mpirun (openmpi-bin), a Slurm cluster
 # with munge, network namespaces and tbf (iproute2), a browser for the per-rank
-# page (headless chromium, tests/test_view.py). Best-effort: installed
+# page (headless chromium, tests/view/test_view.py). Best-effort: installed
 # only where we are root and have apt-get, and only what is missing; elsewhere
 # those tests skip and say why (fail, under TORCHFLEET_REQUIRE_SYSTEM_TESTS=1, as in CI).
 SYSTEM_PACKAGES := openmpi-bin slurm-wlm munge iproute2 chromium
@@ -122,12 +122,15 @@ FLOOR_TESTS := test_real_models test_zoo test_schedules test_sharded_pipelined t
 	test_backend test_env test_data test_versions test_cuda test_elastic test_faults test_ft \
 	test_plan_at_scale test_plan_published test_weights
 
+# Each name's file, in tests/ or the folder of the package it tests; a name with no file stops make.
+FLOOR_FILES = $(foreach t,$(FLOOR_TESTS),$(or $(wildcard tests/$(t).py tests/*/$(t).py),$(error no tests/$(t).py nor tests/*/$(t).py)))
+
 # The floor lane's environment alone: CI builds it while the newest lane's tests run.
 floor-venv:
 	$(MAKE) .venv-floor/.dev VENV=.venv-floor TORCH=$(TORCH_FLOOR)
 
 test-floor:
-	$(MAKE) test VENV=.venv-floor TORCH=$(TORCH_FLOOR) PYTEST_ARGS="$(foreach t,$(FLOOR_TESTS),tests/$(t).py)"
+	$(MAKE) test VENV=.venv-floor TORCH=$(TORCH_FLOOR) PYTEST_ARGS="$(FLOOR_FILES)"
 
 # ruff's formatting and rules, then basedpyright over src/ (pyproject's [tool.basedpyright]): it sees what ruff
 # cannot, such as a call of an attribute torch does not have. --pythonpath: this venv's torch.

@@ -515,7 +515,7 @@ def main() -> int:
             "-m",
             "pytest",
             "tests/test_cuda.py",
-            "tests/test_gpu_defaults.py",
+            "tests/train/test_gpu_defaults.py",
             "-p",
             "no:cacheprovider",
             "-ra",

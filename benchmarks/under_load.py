@@ -1,7 +1,7 @@
 """The fault-tolerance and elastic tests, run again and again beside a CPU load: do they hold on a busy machine?
 
     python benchmarks/under_load.py                   # 10 rounds beside stress-ng --cpu 4 (load average about 5-6)
-    python benchmarks/under_load.py --rounds 3 --workers 6 --tests tests/test_ft.py
+    python benchmarks/under_load.py --rounds 3 --workers 6 --tests tests/replica_groups/test_ft.py
 
 CI machines are shared: a test that times a pause, waits for a heartbeat or races a restart against its peers
 must still pass when the cores are busy with other work. Each round runs pytest over the tests
@@ -29,12 +29,12 @@ ROOT = Path(__file__).resolve().parents[1]
 # The tests whose claims involve time: killed, hung and lost ranks and hosts, restarts, healing, lighthouses,
 # and the preflight's verdicts on many hosts (it failed CI once when a second torch lane ran beside it).
 FAULT_TESTS = [
-    "tests/test_ft.py",
-    "tests/test_ft_hosts.py",
-    "tests/test_elastic.py",
-    "tests/test_faults.py",
-    "tests/test_diloco.py::test_a_group_killed_between_meetings_heals_at_the_next_and_the_other_never_waits_long",
-    "tests/test_multinode.py::test_preflight_names_the_node_and_the_cause_in_seconds",
+    "tests/replica_groups/test_ft.py",
+    "tests/replica_groups/test_ft_hosts.py",
+    "tests/launcher/test_elastic.py",
+    "tests/train/test_faults.py",
+    "tests/replica_groups/test_diloco.py::test_a_group_killed_between_meetings_heals_at_the_next_and_the_other_never_waits_long",
+    "tests/launcher/test_multinode.py::test_preflight_names_the_node_and_the_cause_in_seconds",
 ]
 
 

@@ -1,38 +1,14 @@
-"""Shared helpers: run torchfleet as a user would, in a real subprocess, with a timeout."""
+"""pytest's hooks and the fixtures every folder of tests/ shares; the helpers are in helpers.py."""
 
 from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import threading
-import time
-from pathlib import Path
-from typing import NoReturn
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-EXAMPLES = ROOT / "examples"
-
-# Variables that would make a child think it is already part of a job.
-_CLUSTER_VARS = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "TORCHELASTIC_RUN_ID",
-    "SLURM_PROCID",
-    "SLURM_NTASKS",
-    "OMPI_COMM_WORLD_RANK",
-    "PMI_RANK",
-    "SM_HOSTS",
-    "SM_CURRENT_HOST",
-)
+from helpers import torchfleet
 
 
 def pytest_configure(config) -> None:
@@ -53,67 +29,6 @@ def pytest_configure(config) -> None:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, stop)
         signal.signal(signal.SIGINT, stop)
-
-
-# Set by .ci/run: a test that needs something of the machine (root, network namespaces,
-# mpirun, a Slurm cluster, mounts) fails where it would skip, so that CI cannot go green
-# with the multi-host, MPI or Slurm tests silently left out ("-ra" only lists skips).
-REQUIRE_SYSTEM = "TORCHFLEET_REQUIRE_SYSTEM_TESTS"
-
-
-def require_system(reason: str) -> NoReturn:
-    """Skip the calling test (or module) for `reason` (what the machine lacks), or fail it when
-    TORCHFLEET_REQUIRE_SYSTEM_TESTS is set to anything but "" or "0"."""
-    if os.environ.get(REQUIRE_SYSTEM, "") not in ("", "0"):
-        pytest.fail(f"{reason}; {REQUIRE_SYSTEM} is set, so this test must run here, not skip", pytrace=False)
-    pytest.skip(reason, allow_module_level=True)
-
-
-def require_module(name: str, reason: str):
-    """The module `name` (an extra the project's Makefile installs for its tests), or the calling test or
-    module skipped for `reason`; under TORCHFLEET_REQUIRE_SYSTEM_TESTS its absence fails instead, so that CI
-    cannot go green with the torchft, transformers or notebook tests left out."""
-    import importlib
-
-    try:
-        return importlib.import_module(name)
-    except ImportError as exc:
-        require_system(f"{reason} ({exc})")
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in _CLUSTER_VARS}
-    env["PYTHONUNBUFFERED"] = "1"
-    env.update(extra)
-    return env
-
-
-def run(args: list[str], timeout: float = 120, env: dict | None = None, cwd=None) -> subprocess.CompletedProcess:
-    """Run a command, failing the test (not hanging it) past `timeout` seconds."""
-    return subprocess.run(
-        args, capture_output=True, text=True, timeout=timeout, env=env or clean_env(), cwd=cwd or ROOT
-    )
-
-
-def torchfleet(*args: str, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
-    return run([sys.executable, "-m", "torchfleet", *args], timeout=timeout, env=env)
-
-
-def forked_torchfleet(*args: str, timeout: float = 60, env: dict | None = None) -> subprocess.CompletedProcess:
-    """`torchfleet` as `torchfleet()` runs it, in a child forked from a process that imported torch once.
-
-    For the many rows that check a help page or a refusal: each is still a
-    process of its own with its own exit status and stderr (see
-    torchfleet.testing.cli), two seconds sooner. A few tests keep the real
-    `python -m torchfleet`, so the entry point itself stays covered.
-    """
-    import multiprocessing
-
-    if "forkserver" not in multiprocessing.get_all_start_methods():  # not on Windows
-        return torchfleet(*args, timeout=timeout, env=env)
-    from torchfleet.testing.cli import forked_cli
-
-    return forked_cli(list(args), env or clean_env(), str(ROOT), timeout=timeout)
 
 
 @pytest.fixture
@@ -142,65 +57,3 @@ def good_checkpoint(tmp_path_factory):
         "serial",
     )
     return directory
-
-
-def tree_digest(path: Path) -> dict[str, str]:
-    """Every file under `path` and its sha256: equal digests mean nothing changed."""
-    import hashlib
-
-    return {
-        str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(path.rglob("*"))
-        if p.is_file()
-    }
-
-
-def newest_checkpoint_model(directory: Path) -> tuple[str, dict]:
-    """(name, model state) of the newest full checkpoint in `directory` (step-NNNNNNNN/state.pt)."""
-    import torch
-
-    newest = max(directory.glob("step-*"))
-    return newest.name, torch.load(newest / "state.pt", weights_only=True)["model"]
-
-
-def assert_refused_in_one_sentence(result, sentence: str) -> None:
-    """A command's refusal as torchfleet promises it: exit status 2 and `sentence` on one line of stderr, no traceback."""
-    assert result.returncode == 2, result.stderr
-    assert sentence in result.stderr and "Traceback" not in result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1
-
-
-def said(codes, outputs) -> str:
-    """Exit statuses and every process's whole output, as one failure message (pytest cuts a long repr short)."""
-    return f"exit statuses {codes}" + "".join(f"\n--- {name}:\n{text}" for name, text in outputs.items())
-
-
-def read_outputs(procs: list[subprocess.Popen], timeout: float, when: dict | None = None) -> list[str]:
-    """Every process's whole output, read as it comes; `when` maps a process's index to (text, action): the
-    action runs once, as soon as that process prints a line holding the text. Past `timeout` seconds the
-    processes are killed and the test fails with what they printed."""
-    lines: list[list[str]] = [[] for _ in procs]
-
-    def read(i: int) -> None:
-        text, action = (when or {}).get(i, (None, None))
-        assert procs[i].stdout is not None
-        for line in procs[i].stdout:
-            lines[i].append(line)
-            if text is not None and text in line:
-                action()
-                text = None
-
-    readers = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(len(procs))]
-    for reader in readers:
-        reader.start()
-    deadline = time.monotonic() + timeout
-    try:
-        for p in procs:
-            p.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        pytest.fail(f"still running after {timeout:.0f} s: {[''.join(out)[-2000:] for out in lines]}")
-    for reader in readers:
-        reader.join(timeout=30)
-    return ["".join(out) for out in lines]

@@ -20,9 +20,9 @@ The trap this exists to show: the hosts share the machine's host name, which res
 set) tells its peers to connect to 127.0.0.1 and the ranks never meet.
 
 Needs root and iproute2. Where the machine cannot, `hosts()` skips the calling test with the
-reason, or fails it under TORCHFLEET_REQUIRE_SYSTEM_TESTS=1 (conftest.require_system), or raises
+reason, or fails it under TORCHFLEET_REQUIRE_SYSTEM_TESTS=1 (helpers.require_system), or raises
 `NetnsUnavailable` with `skip=False`, for scripts. Self-contained: standard library only
-(conftest, and so pytest, is imported only to skip).
+(helpers, and so pytest, is imported only to skip).
 """
 
 from __future__ import annotations
@@ -213,7 +213,7 @@ def hosts(n: int = 2, bandwidth: str | None = None, skip: bool = True):
         except NetnsUnavailable as exc:
             if not skip:
                 raise
-            from conftest import require_system  # skips, or fails where CI demands these tests
+            from helpers import require_system  # skips, or fails where CI demands these tests
 
             require_system(f"cannot build network-namespace hosts: {exc}")
         try:

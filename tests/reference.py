@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from conftest import EXAMPLES, run
+from helpers import EXAMPLES, run
 
 SCRIPT = str(EXAMPLES / "train_digits.py")
 EPOCHS = "1"

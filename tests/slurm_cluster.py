@@ -11,7 +11,7 @@ with 2 CPUs, which two jobs may share (OverSubscribe=FORCE:2: the requeue test r
 jobs side by side, their waits overlapping), and the settings need no cgroups (proctrack/linuxproc,
 task/none), so it runs in containers. The daemons are always stopped, even
 when the test fails. Where something is missing, the test is skipped with
-the reason (failed under TORCHFLEET_REQUIRE_SYSTEM_TESTS=1: conftest.require_system).
+the reason (failed under TORCHFLEET_REQUIRE_SYSTEM_TESTS=1: helpers.require_system).
 """
 
 from __future__ import annotations
@@ -168,7 +168,7 @@ def running(skip: bool = True, idle_timeout: float = 30):
     if reason is not None:
         if not skip:
             raise RuntimeError(reason)
-        from conftest import require_system  # skips, or fails where CI demands these tests
+        from helpers import require_system  # skips, or fails where CI demands these tests
 
         require_system(f"cannot start a Slurm cluster: {reason}")
     # A short path: the munge socket path must fit in sun_path (108 bytes).
@@ -189,7 +189,7 @@ def running(skip: bool = True, idle_timeout: float = 30):
         except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
             if not skip:
                 raise
-            from conftest import require_system
+            from helpers import require_system
 
             require_system(f"cannot start a Slurm cluster: {exc}")
         yield cluster

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import clean_env
+from helpers import clean_env
 
 # Page faults are counted, not timed: they do not depend on how busy the machine is.
 FAULTS_PER_STEP = """

@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from conftest import clean_env, forked_torchfleet, torchfleet, tree_digest
+from helpers import clean_env, forked_torchfleet, torchfleet, tree_digest
 from torchfleet.cli import build_parser
 from torchfleet.launcher.torchrun_flags import torchrun_actions
 
@@ -336,7 +336,7 @@ def test_version():
 
 
 def test_the_real_entry_point_refuses_and_helps_as_the_forked_rows_do():
-    """The rows above run in forked children (conftest.forked_torchfleet); here `python -m torchfleet` itself."""
+    """The rows above run in forked children (helpers.forked_torchfleet); here `python -m torchfleet` itself."""
     for args in (["train", "--strategy", "warp"], ["bench", "--steps", "1"], ["train", "--help"]):
         real, forked = torchfleet(*args, timeout=60), forked_torchfleet(*args)
         assert (real.returncode, real.stdout, real.stderr) == (forked.returncode, forked.stdout, forked.stderr)

@@ -123,7 +123,7 @@ def test_per_rank_figures_on_cuda_name_a_slow_rank_and_read_the_gpu_memory(tmp_p
     """Issue 40 on a GPU: 2 processes sharing it, rank 1 slowed 30 ms a step in its loader. On CUDA the
     host runs ahead, but data_s is still exact, so the verdict names rank 1 / data; memory is the
     allocator's peak on the GPU, not the host's resident set."""
-    from conftest import clean_env, torchfleet
+    from helpers import clean_env, torchfleet
 
     out = tmp_path / "metrics.jsonl"
     job = ["train", "--strategy", "ddp", "-n", "2", "--model", "mlp", "--data", "synthetic"]

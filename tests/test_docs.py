@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, clean_env
+from helpers import ROOT, clean_env
 from torchfleet import cli
 
 # Appended, not put first, and named docs_*: tests/ has a reference.py of its own that must stay the one
@@ -160,7 +160,7 @@ def test_the_code_names_only_paths_that_exist():
     files = [
         *PACKAGE.rglob("*.py"),
         *(ROOT / "benchmarks").glob("*.py"),
-        *(f for f in (ROOT / "tests").glob("*.py") if f.name != "test_docs.py"),
+        *(f for f in (ROOT / "tests").rglob("*.py") if f.name != "test_docs.py"),
     ]
     assert not (missing := _code_paths_that_do_not_exist(files)), "\n".join(missing)
     planted = _code_paths_that_do_not_exist([ROOT / "tests" / "test_docs.py"])  # this file names two on purpose

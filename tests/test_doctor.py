@@ -58,7 +58,7 @@ def test_doctor_says_mpi_works_only_where_it_finds_open_mpis_mpirun(tmp_path) ->
     --version as each does): only the last says `mpirun -np N` works."""
     import sys
 
-    from conftest import clean_env, run
+    from helpers import clean_env, run
 
     said = {}
     for name, version in (("none", None), ("mpich", "HYDRA build details:"), ("openmpi", "mpirun (Open MPI) 4.1.4")):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from helpers import ROOT
 
 PACKAGE = ROOT / "src" / "torchfleet"
 # Bottom to top. A module may import its own layer and the layers below it. An entry names a package

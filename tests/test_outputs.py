@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from conftest import forked_torchfleet, torchfleet
+from helpers import forked_torchfleet, torchfleet
 from torchfleet.errors import UsageError
 from torchfleet.outputs import check_writable_file, write_text
 

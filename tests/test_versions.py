@@ -9,7 +9,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from conftest import ROOT
+from helpers import ROOT
 from torchfleet import versions
 from torchfleet.doctor import collect_report, render_report
 from torchfleet.errors import UsageError

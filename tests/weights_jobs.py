@@ -1,4 +1,4 @@
-"""Jobs of tests/test_weights.py, run in `torchfleet.launch`'s processes (imported by name, as zoo.py is).
+"""Jobs of tests/weights/test_weights.py, run in `torchfleet.launch`'s processes (imported by name, as zoo.py is).
 
 Each case builds a zoo model on the meta device (`fleet.init_module()`), sets it up under a strategy,
 from a directory (`weights=`, `adapters=`) or from scratch, and reports what the main rank (or, for

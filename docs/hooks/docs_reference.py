@@ -137,9 +137,9 @@ def api() -> str:
 
 
 def _variables_in_source() -> dict[str, list[str]]:
-    """Every TORCHFLEET_* name in src/ (and the tests' conftest.py), with the files that name it."""
+    """Every TORCHFLEET_* name in src/ (and the tests' helpers.py), with the files that name it."""
     found: dict[str, set[str]] = {}
-    for path in [*sorted((SRC / "torchfleet").rglob("*.py")), ROOT / "tests" / "conftest.py"]:
+    for path in [*sorted((SRC / "torchfleet").rglob("*.py")), ROOT / "tests" / "helpers.py"]:
         for name in set(re.findall(r"\bTORCHFLEET_[A-Z0-9_]+\b", path.read_text())):
             found.setdefault(name, set()).add(str(path.relative_to(ROOT)))
     return {name: sorted(paths) for name, paths in sorted(found.items())}

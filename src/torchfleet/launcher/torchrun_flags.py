@@ -6,7 +6,7 @@ some itself (processes, nodes, the master, restarts, the rendezvous endpoint and
 id: `LaunchConfig`); the rest are handed to torchrun's own `config_from_args`,
 and torchrun's agent configuration (log directory, redirects, tee, rank filters,
 start method, role, rendezvous backend and options...) is carried into the agent
-torchfleet starts; tests/test_torchrun_compat.py compares the two, field by field,
+torchfleet starts; tests/launcher/test_torchrun_compat.py compares the two, field by field,
 flag by flag. `-m`, `--no-python` and `--run-path` choose how each worker runs
 the script, as under torchrun.
 """

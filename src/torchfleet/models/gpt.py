@@ -105,7 +105,7 @@ class GPTConfig:
         }
 
 
-# Parameter counts are in tests/test_models.py; `tiny` trains in seconds on 2 CPU cores.
+# Parameter counts are in tests/models/test_models.py; `tiny` trains in seconds on 2 CPU cores.
 PRESETS = {
     "tiny": GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=64),  # 236,928
     "small50m": GPTConfig(vocab_size=256, block_size=256, n_layer=8, n_head=12, n_embd=768),  # 57,294,336

@@ -5,7 +5,7 @@ may have none yet: installing torchvision for two models could swap the very
 torch a test lane is meant to run. So the two ResNets are written here, with
 torchvision's names (conv1, bn1, relu, maxpool, layer1..layer4 of
 BasicBlock/Bottleneck, avgpool, fc), shapes and initialisation, and a
-torchvision checkpoint loads into them as it is (tests/test_models.py
+torchvision checkpoint loads into them as it is (tests/models/test_models.py
 compares the keys and shapes when torchvision is installed).
 
 BatchNorm normalises each batch with that batch's own statistics: under a

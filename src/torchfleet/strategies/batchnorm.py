@@ -18,7 +18,7 @@ nn.BatchNorm. torch's own `nn.SyncBatchNorm` refuses CPU tensors (its
 kernels are CUDA's); this one is written with ordinary tensor operations and
 a differentiable all-reduce, so it runs on Gloo and CPU as on NCCL and CUDA,
 at the cost of a few unfused element-wise kernels. Measured on 2 processes
-(tests/test_batchnorm.py, a CNN with BatchNorm2d and BatchNorm1d, 5 steps):
+(tests/strategies/test_batchnorm.py, a CNN with BatchNorm2d and BatchNorm1d, 5 steps):
 ddp and fsdp end 2.1e-7 (SGD) and 3.7e-7 (AdamW) from serial's weights and
 running statistics, against 4.0e-2 without synchronisation.
 

@@ -1,0 +1,196 @@
+"""Many machines, on real separate network hosts (namespaces, see netns.py).
+
+Each host has its own interfaces and addresses, and its host name resolves to
+127.0.0.1: the set-up where Gloo, left alone, advertises loopback and the ranks
+never meet. torchfleet must choose the interface, check the nodes first, and
+give the same weights as one machine.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from helpers import clean_env, newest_checkpoint_model, torchfleet
+from netns import hosts
+from torchfleet.launcher import preflight
+
+JOB = [
+    "train",
+    "--strategy",
+    "ddp",
+    "--model",
+    "mlp",
+    "--epochs",
+    "1",
+    "--max-steps",
+    "4",
+    "--batch-size",
+    "32",
+    "--no-progress",
+]
+
+
+def _final_weights(directory) -> torch.Tensor:
+    _, state = newest_checkpoint_model(directory)
+    return torch.cat([t.flatten() for t in state.values()])
+
+
+def _on_hosts(net, argv_for, env_for=None, timeout=200) -> list[tuple[int, str, float]]:
+    """Start `torchfleet argv_for(i)` on every host at once; (status, output, seconds) each."""
+    start = time.monotonic()
+    procs = [
+        net.popen(
+            i,
+            [sys.executable, "-m", "torchfleet", *argv_for(i)],
+            env=(env_for or (lambda i: clean_env()))(i),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(len(net.names))
+    ]
+    results = []
+    for proc in procs:
+        out, _ = proc.communicate(timeout=timeout)
+        results.append((proc.returncode, out, time.monotonic() - start))
+    return results
+
+
+@pytest.mark.timeout(400)
+def test_two_nodes_train_the_weights_of_one_machine(tmp_path):
+    reference = torchfleet(*JOB, "--strategy", "serial", "--checkpoint-dir", str(tmp_path / "one"))
+    assert reference.returncode == 0, reference.stderr
+    expected = _final_weights(tmp_path / "one")
+    with hosts(2) as net:
+        # 2 nodes x 1 process, torchrun's static rendezvous at node 0.
+        static = _on_hosts(
+            net,
+            lambda i: [
+                *JOB,
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(i),
+                "-n",
+                "1",
+                "--master-addr",
+                net.addr(0),
+                "--master-port",
+                "29401",
+                "--checkpoint-dir",
+                str(tmp_path / "static"),
+            ],
+        )
+        # 2 nodes x 2 processes, the c10d rendezvous (torchrun's --rdzv-endpoint).
+        elastic = _on_hosts(
+            net,
+            lambda i: [
+                *JOB,
+                "--nnodes",
+                "2",
+                "-n",
+                "2",
+                "--rdzv-endpoint",
+                f"{net.addr(0)}:29402",
+                "--checkpoint-dir",
+                str(tmp_path / "elastic"),
+                "--json-out",
+                str(tmp_path / "elastic.json"),
+            ],
+        )
+    for runs in (static, elastic):
+        assert [status for status, _, _ in runs] == [0, 0], runs
+    node1 = static[1][1]
+    # The preflight ran on every node, chose the veth (not lo), and agreed on versions.
+    assert "preflight ok on node 1 (10.77.0.2) via eth0" in node1 and "on all 2 nodes" in node1
+    assert "Mbit/s" in node1
+    for name in ("static", "elastic"):
+        got = _final_weights(tmp_path / name)
+        assert (got - expected).abs().max().item() < 1e-5, name
+    assert json.loads((tmp_path / "elastic.json").read_text())["world_size"] == 4
+
+
+def _doctor(master: str, port: int, node: int) -> list[str]:
+    return ["doctor", "--master-addr", master, "--master-port", str(port), "--nnodes", "2", "--node-rank", str(node)]
+
+
+def _one_error(status: int, out: str, seconds: float) -> str:
+    """The run failed the way a user should see it: status 2, one sentence, before any wait ran out.
+
+    The preflight's longest wait is JOIN_SECONDS (60 s), for a node that never reports. A fault
+    found by its own check ends before that; one noticed only when a wait runs out ends after it.
+    The bound is that wait, not a speed target: CI runs these hosts beside another torch lane,
+    where the version check has taken 24 s at a load average of 6.
+    """
+    assert status == 2, out
+    errors = [line for line in out.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "Traceback" not in out, out
+    assert seconds < preflight.JOIN_SECONDS, (seconds, out)
+    return errors[0]
+
+
+@pytest.mark.waits
+@pytest.mark.timeout(300)
+def test_preflight_names_the_node_and_the_cause_in_seconds():
+    with hosts(2) as net:
+        errors = {}
+        # Alone on host 1 (nothing runs on host 0): a master address where no host answers,
+        # then the right address but a port nothing listens on.
+        for what, master, port in (("no host there", "10.77.0.9", 29403), ("closed port", net.addr(0), 29404)):
+            start = time.monotonic()
+            ran = net.run(
+                1, [sys.executable, "-m", "torchfleet", *_doctor(master, port, 1)], env=clean_env(), timeout=60
+            )
+            errors[what] = _one_error(ran.returncode, ran.stdout + ran.stderr, time.monotonic() - start)
+        shown = net.run(
+            1, [sys.executable, "-m", "torchfleet", "doctor", "--master-addr", net.addr(0)], env=clean_env(), timeout=60
+        )
+        no_route = net.run(
+            1,
+            [
+                sys.executable,
+                "-c",
+                "from torchfleet.launcher import preflight\n"
+                "try: preflight.route(1, '192.0.2.1')\n"
+                "except preflight.PreflightError as e: print(e)",
+            ],
+            env=clean_env(),
+            timeout=60,
+        )
+        # A version mismatch, simulated on node 1, found by the preflight of `train` itself.
+        mismatch = _on_hosts(
+            net,
+            lambda i: [
+                *JOB,
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(i),
+                "-n",
+                "1",
+                "--master-addr",
+                net.addr(0),
+                "--master-port",
+                "29406",
+            ],
+            env_for=lambda i: clean_env(**({"TORCHFLEET_PREFLIGHT_TORCH_VERSION": "2.13.0"} if i else {})),
+        )
+    assert (
+        "node 1 (10.77.0.2): connection to the master 10.77.0.9:29403 timed out" in errors["no host there"]
+        or "10.77.0.9:29403 failed: no route to host" in errors["no host there"]
+    )
+    assert "node 1 (10.77.0.2): connection to the master 10.77.0.1:29404 was refused" in errors["closed port"]
+    # doctor shows the choice: the veth that routes to the master, for Gloo and NCCL alike.
+    assert shown.returncode == 0, shown.stderr
+    assert "interface to the master 10.77.0.1: eth0 (this machine's address there: 10.77.0.2)" in shown.stdout
+    assert "GLOO_SOCKET_IFNAME=eth0" in shown.stdout and "NCCL_SOCKET_IFNAME=eth0" in shown.stdout
+    assert no_route.stdout.startswith("node 1: interface has no route to the master 192.0.2.1"), no_route
+    for status, out, seconds in mismatch:  # both nodes stop, both name node 1 and the versions
+        line = _one_error(status, out, seconds)
+        assert "node 1 (10.77.0.2): torch version 2.13.0 vs " + torch.__version__ + " on node 0" in line

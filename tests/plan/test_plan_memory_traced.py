@@ -1,0 +1,99 @@
+"""plan's memory, traced on fake tensors, against the tensor peak of real processes: every built-in model, every
+layout whose memory can be measured here, and the pipeline schedules.
+
+`plan --check` predicts each layout's peak (the profile measured on fake tensors at the ranks' own batches; the
+FSDP2 and DTensor layouts, ep and fsdp+ep, mp and the pipelines traced whole on a fake process group,
+plan/layout_trace.py, each pipeline stage's rank in turn), then runs the same layouts in real Gloo processes and
+reads each rank's tensor peak (TensorMemory). Issue 37 asks for 10%; measured (28 Nov 2026, torch 2.14.1) every
+traced cell is within 0.5% of the largest real rank (a pipeline's within 0.3%) but gpt-moe's ep x4, whose real
+routing sends one rank 4.6% more than the trace's balanced one. ep was formulas before (issue 61): a line through
+two batches the timing probes chose, which a loaded machine chose smaller (0.85 was seen under CI's own load).
+
+Each model runs at a batch where one block's reduce-scatter copy, which Gloo's worker thread sometimes frees
+late (the plan's second figure), is a small part of the peak; at gpt tiny's 8 sequences the two figures differ by
+16% and either may be what a run measures.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from helpers import clean_env, run
+
+# model, global batch, extra flags, process counts; the layouts each one's plan must give (beyond EVERY_MODEL's,
+# which every model runs). resnet50 runs on 2 processes alone: its 4-process layouts are resnet18's, cut alike,
+# and they took a minute of CI's time.
+MODELS = [
+    ("mlp", 512, [], "2,4", set()),
+    ("cnn", 64, [], "2,4", set()),
+    ("transformer", 64, [], "2,4", set()),
+    ("gpt", 32, [], "2,4", {"tp", "fsdp+tp"}),
+    ("gpt-moe", 32, [], "2,4", {"tp", "fsdp+tp", "ep", "fsdp+ep"}),
+    ("resnet18", 32, ["--image-size", "32"], "2,4", set()),
+    ("resnet50", 16, ["--image-size", "32"], "2", set()),
+]
+EVERY_MODEL = {"serial", "hogwild", "mp", "ddp", "fsdp", "pipeline"}
+# The layouts whose memory is traced on a fake process group (plan/layout_trace.py), not drawn from the profile's
+# line: a formula's figure moves with the batches the timing probes choose, and so with the machine's load.
+TRACED = {"fsdp", "hsdp", "tp", "fsdp+tp", "ep", "fsdp+ep", "mp", "pipeline", "ddp+pipeline", "fsdp+pipeline"}
+ON_FOUR = {"hsdp", "ddp+pipeline", "fsdp+pipeline"}  # layouts of 2 x 2
+MEASURED = ",".join(sorted(EVERY_MODEL | ON_FOUR | {"tp", "fsdp+tp", "ep", "fsdp+ep"}))
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """One calibration for all the models: the probes run once."""
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("model, batch, flags, nproc, more", MODELS, ids=[m[0] for m in MODELS])
+def test_the_traced_memory_meets_real_processes_within_10_percent(model, batch, flags, nproc, more, cache, tmp_path):
+    argv = [sys.executable, "-m", "torchfleet", "plan", "--model", model, "--batch-size", str(batch), *flags]
+    argv += ["--strategies", MEASURED, "--nproc", nproc, "--check", "--warmup", "1", "--steps", "2"]
+    cells, document = _check(argv, cache, tmp_path)
+    expected = EVERY_MODEL | more | (ON_FOUR if "4" in nproc else set())
+    assert expected <= {c["strategy"] for c in cells}, "a layout the model runs went unchecked"
+    traced = {p["strategy"] for p in document["predictions"] if "peak_freed_promptly" in p["memory"]}
+    assert expected & TRACED <= traced, (expected & TRACED - traced, document["notes"])
+    for cell in cells:
+        name = f"{cell['strategy']} x{cell['processes']}"
+        print(f"{model} {name}: predicted {cell['predicted_peak_bytes']:.0f}, measured {cell['measured_peak_bytes']}")
+        assert cell["status"] == "ok", (name, cell["error"])
+        assert cell["measured_peak_bytes"], (name, cell["memory_note"])
+        assert abs(cell["memory_ratio"] - 1) <= 0.10, (name, cell["memory_ratio"])
+
+
+def _check(argv: list[str], cache, tmp_path) -> tuple[list[dict], dict]:
+    """The check's cells, and the whole plan."""
+    out = tmp_path / "plan.json"
+    result = run([*argv, "--json-out", str(out)], timeout=540, env=clean_env(XDG_CACHE_HOME=str(cache)))
+    assert result.returncode == 0, result.stderr[-3000:]
+    document = json.loads(out.read_text())
+    return document["check"]["cells"], document
+
+
+# Schedules beside 1f1b (every model's above), each holding micro-batches its own way: gpipe every forward
+# before any backward; interleaved-1f1b two stages a process and a longer warm-up; zbv a V of two stages whose
+# backward is split in two (autograd.grad for the inputs, the weights later). looped-bfs and interleaved-zb were
+# measured by hand (docs/benchmarks, plan accuracy).
+SCHEDULES = ["gpipe", "interleaved-1f1b", "zbv"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_the_pipeline_schedules_traced_meet_real_processes_within_10_percent(schedule, cache, tmp_path):
+    argv = [sys.executable, "-m", "torchfleet", "plan", "--model", "gpt", "--batch-size", "32"]
+    argv += ["--strategies", "pipeline", "--nproc", "2", "--schedule", schedule]
+    argv += [] if schedule == "gpipe" else ["--stages-per-process", "2"]  # 4 stages of gpt tiny's 4 blocks
+    argv += ["--check", "--warmup", "1", "--steps", "2"]
+    (cell,) = [c for c in _check(argv, cache, tmp_path)[0] if c["strategy"] == "pipeline"]
+    print(
+        f"gpt pipeline x2 {schedule}: predicted {cell['predicted_peak_bytes']:.0f}, measured {cell['measured_peak_bytes']}"
+    )
+    assert cell["status"] == "ok", cell["error"]
+    assert cell["measured_peak_bytes"], cell["memory_note"]
+    assert abs(cell["memory_ratio"] - 1) <= 0.10, cell["memory_ratio"]

@@ -1,0 +1,163 @@
+"""A slow link out of one host, named: four namespace hosts (tests/netns.py) train under ddp, and after a
+few steps `tc qdisc ... tbf` limits one host's link. Every rank's gradient sync slows alike (a ring all-reduce
+waits for its slowest hop), so the verdict comes from the link probe (src/torchfleet/train/link_probe.py):
+the slowed host's rank is named in communication with its link's rate, and an unslowed run names no rank and
+runs no probe."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from helpers import clean_env, require_system
+from netns import _tbf, hosts
+from torchfleet.run_services.rank_figures import RankWindow
+from torchfleet.run_services.stragglers import WINDOWS
+from torchfleet.train.link_probe import PROBE_BYTES, LinkWatch, verdicts
+
+SLOW_HOST = 2  # one process a host: the host's rank
+RATE_MBIT = 50  # the cnn's gradients (0.6 MB) take about 0.15 s a step through it, against 0.01 s without
+SLOW_FROM = 8  # the step the test waits for before limiting the link: the windows before it are the level
+JOB = [
+    "train",
+    "--strategy",
+    "ddp",
+    "--model",
+    "cnn",
+    "--data",
+    "synthetic",
+    "--synthetic-size",
+    "4096",
+    "--batch-size",
+    "64",
+    "--max-steps",
+    "44",
+    "--log-every",
+    "2",
+    "--no-progress",
+    "--hang-timeout",
+    "0",
+]
+
+
+def _figures(rows: list[dict]) -> str:
+    """Each logged step's comm_s by rank, in ms, and the verdicts: what a failed assertion shows."""
+    lines = {}
+    for r in rows:
+        if r["kind"] == "rank":
+            lines.setdefault(r["step"], []).append(f"{r['comm_s'] * 1e3:.0f}")
+        elif r["kind"] == "straggler":
+            lines.setdefault(r["step"], []).append(r["message"])
+    return "\n".join(f"{step}: {' '.join(cells)}" for step, cells in lines.items())
+
+
+def _logged_step(path) -> int:
+    """The newest step in the metrics file so far (0 before the first read)."""
+    if not path.exists():
+        return 0
+    steps = [json.loads(line)["step"] for line in path.read_text().splitlines() if line.endswith("}")]
+    return max(steps, default=0)
+
+
+def _run(tmp_path, slow: bool) -> tuple[list[dict], str, int | None]:
+    """The job on four hosts; with `slow`, host SLOW_HOST's link limited once step SLOW_FROM is logged.
+    The metrics rows, node 0's output, and the newest step logged before the limit (None: not slowed)."""
+    out = tmp_path / "metrics.jsonl"
+    if slow and shutil.which("tc") is None:
+        require_system("the `tc` command (iproute2), which limits the link, is not installed")
+    with hosts(4) as net:  # skips where namespaces cannot be built (not root, no iproute2)
+        procs = [
+            net.popen(
+                i,
+                [
+                    sys.executable,
+                    "-m",
+                    "torchfleet",
+                    *JOB,
+                    *("--nnodes", "4", "--node-rank", str(i), "-n", "1"),
+                    *("--master-addr", net.addr(0), "--master-port", "29431"),
+                    *(("--metrics-out", str(out)) if i == 0 else ()),
+                ],
+                env=clean_env(OMP_NUM_THREADS="1"),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for i in range(4)
+        ]
+        before = None
+        if slow:
+            deadline = time.monotonic() + 120
+            while (before := _logged_step(out)) < SLOW_FROM:
+                assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "the job did not start"
+                time.sleep(0.005)
+            limit = ["tc", "-n", net.names[SLOW_HOST], "qdisc", "add", "dev", net.interface, "root"]
+            subprocess.run([*limit, *_tbf(f"{RATE_MBIT}mbit")], check=True, timeout=30)
+        outputs = [p.communicate(timeout=150)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0] * 4, outputs
+    return [json.loads(line) for line in out.read_text().splitlines()], outputs[0], before
+
+
+@pytest.mark.timeout(240)
+def test_the_rank_behind_a_slow_link_is_named_in_communication(tmp_path):
+    rows, stdout, before = _run(tmp_path, slow=True)
+    assert before is not None
+    verdicts = [r for r in rows if r["kind"] == "straggler"]
+    assert [(v["rank"], v["phase"]) for v in verdicts] == [(SLOW_HOST, "communication")], _figures(rows)
+    (verdict,) = verdicts
+    assert verdict["step"] <= before + 20, (
+        before,
+        _figures(rows),
+    )  # within 20 steps of the limit (which came at a step after `before`)
+    # The probe measured the limit: 50 Mbit/s is 6.25 MB/s (tbf's burst lets a little more through), and the
+    # other ranks' links are the veths' unlimited speed, many times that.
+    assert 4.0 < verdict["send_mb_s"] < 7.5 and verdict["others_mb_s"] > 5 * verdict["send_mb_s"], verdict
+    assert verdict["message"] in stdout and stdout.count("probing each rank's link") == 1
+    # Why the probe is needed: every rank's gradient sync rose alike, the slowed rank's too.
+    last = {r["rank"]: r for r in rows if r["kind"] == "rank" and r["step"] == verdict["step"]}
+    assert all(r["comm_s"] > 0.05 for r in last.values()), last
+    assert verdict["value"] == last[SLOW_HOST]["comm_s"] and verdict["value"] > 3 * verdict["median"]
+
+
+@pytest.mark.timeout(240)
+def test_an_unslowed_run_on_hosts_names_no_rank_and_probes_no_link(tmp_path):
+    rows, stdout, _ = _run(tmp_path, slow=False)
+    assert [r for r in rows if r["kind"] == "straggler"] == [] and "straggler" not in stdout, _figures(rows)
+    assert "probing" not in stdout, _figures(rows)
+    assert len([r for r in rows if r["kind"] == "rank"]) == 4 * 22
+
+
+def _window(rank: int, step: int, comm: float, compute: float = 0.004) -> RankWindow:
+    return RankWindow(step, rank, "h", 2, 0.0001, compute, comm, compute + comm, 1 << 30, "rss")
+
+
+def test_the_probe_starts_when_every_rank_rises_together_and_names_the_slow_sender():
+    watch, fired = LinkWatch(), []
+    levels = [0.05, 0.01, 0.012, 0.15, 0.15, 0.01, 0.15, 0.15, 0.15, 0.15]  # warm-up, level, a broken streak
+    for step, comm in enumerate(levels, start=1):
+        records = [_window(r, step, comm + 0.001 * r) for r in range(4)]
+        if (before := watch.rose(records)) is not None:
+            fired.append((step, before))
+    assert len(fired) == 1 and fired[0][0] == 6 + WINDOWS and fired[0][1] == pytest.approx(0.0115)
+    # A rank slow in compute keeps the others waiting, not itself: its gradient sync did not rise, no probe.
+    watch = LinkWatch()
+    for step in range(1, 9):
+        slow = step >= 4
+        records = [
+            _window(r, step, 0.01 if r == 1 or not slow else 0.2, 0.2 if r == 1 and slow else 0.004) for r in range(4)
+        ]
+        assert watch.rose(records) is None
+    records = [_window(r, 9, 0.15) for r in range(4)]
+    sends = [0.01, 0.012, 0.33, 0.011]  # seconds for PROBE_BYTES: rank 2 at about 6 MB/s
+    (named,) = verdicts(records, sends, 0.01)
+    assert (named.rank, named.phase) == (2, "communication")
+    assert named.send_mb_s == pytest.approx(PROBE_BYTES / 0.33 / 1e6)
+    assert named.others_mb_s == pytest.approx(PROBE_BYTES / 0.011 / 1e6)
+    assert "its link sends at 6.4 MB/s, the other ranks' median 190.7 MB/s" in named.line()
+    # Noise on fast links names nobody: twice the median but under the floor.
+    assert verdicts(records, [0.001, 0.002, 0.004, 0.001], 0.01) == []
