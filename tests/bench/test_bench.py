@@ -11,13 +11,14 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from helpers import clean_env, require_module, run, torchfleet
 from torchfleet.bench import cells as bench_cells
 from torchfleet.bench import launch_cell, measure_cell, verdict
 from torchfleet.bench import matrix as bench
 from torchfleet.bench import report as bench_report
-from torchfleet.bench.config import BenchConfig
+from torchfleet.bench.config import MAX_ROUND_STEPS, BenchConfig
 from torchfleet.bench.link import report as link_report
 from torchfleet.strategies.base import Strategy
 
@@ -51,7 +52,9 @@ def test_quick_bench_figures_are_complete_and_consistent(tmp_path):
     assert doc["schema"] == "torchfleet-bench/2"
     assert MACHINE_KEYS <= set(doc["machine"])
     assert doc["config"]["strategies"] == ["serial", "ddp"] and doc["config"]["steps"] == 6
-    assert doc["config"]["rounds"] == 2
+    assert doc["config"]["rounds"] == 2 and doc["config"]["round_time_s"] == 0.3
+    said = " ".join(result.stdout.split())
+    assert "measuring 2 rounds a cell, each timing at least 6 steps and as many as take 0.3 s" in said
     # How busy the machine was, said first, with the figure.
     state = doc["machine_state"]
     assert state["cores"] == _cores() and 0 <= state["others_cores"] <= state["cores"] + 0.05
@@ -78,6 +81,11 @@ def test_quick_bench_figures_are_complete_and_consistent(tmp_path):
         # Two rounds, each of 6 steps: the median of the rounds' medians, and their range over it.
         rounds = cell["round_step_time_s"]
         assert cell["rounds"] == 2 and len(rounds) == 2 and cell["step_time_median_s"] == statistics.median(rounds)
+        # Each round of at least 6 steps and as many as take 0.3 s at the round's median (6 of the mlp's
+        # sub-millisecond steps take a few ms), unless it reached the cap.
+        assert len(cell["round_steps"]) == 2
+        for n, median in zip(cell["round_steps"], rounds, strict=True):
+            assert 6 <= n <= MAX_ROUND_STEPS and (n * median >= 0.3 * (1 - 1e-9) or n == MAX_ROUND_STEPS), (n, median)
         assert cell["spread"] == pytest.approx((max(rounds) - min(rounds)) / statistics.median(rounds))
         assert 0 <= cell["others_cores"] <= _cores() + 0.05
         assert len(cell["flags"]) == len(cell["flag_reasons"]) and set(cell["flags"]) <= set(verdict.FLAGS)
@@ -141,6 +149,47 @@ class _OneProcess(Strategy):
     name = "dp"
 
 
+def test_rounds_are_sized_by_time_not_by_a_count_of_steps(tmp_path, monkeypatch):
+    # Real cells in this process, each of at least 3 steps and as many as take 0.2 s at their median: the mlp's
+    # sub-millisecond steps get many more, slow_alone's 100 ms ones the 3 (0.3 s already).
+    (tmp_path / "my_models.py").write_text(USER_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    threads = torch.get_num_threads()
+    spec = {
+        "gpt_preset": "tiny",
+        "image_size": 32,
+        "strategy": "serial",
+        "processes": 1,
+        "global_batch": 8,
+        "precision": "fp32",
+        "threads": 1,
+        "warmup": 1,
+        "steps": 3,
+        "round_time_s": 0.2,
+        "seed": 0,
+        "profile": False,
+        "options": {},
+    }
+    try:
+        short = measure_cell.run_cell({**spec, "model": "mlp"})
+        long = measure_cell.run_cell({**spec, "model": "my_models:slow_alone"})
+        fixed = measure_cell.run_cell({**spec, "model": "mlp", "round_time_s": 0.0})
+    finally:
+        torch.set_num_threads(threads)
+    assert short is not None and long is not None and fixed is not None
+    assert short["timed_steps"] == len(short["step_times_s"]) > 30
+    assert short["timed_steps"] * statistics.median(short["step_times_s"]) >= 0.2
+    assert long["timed_steps"] == 3 and min(long["step_times_s"]) > 0.1
+    assert fixed["timed_steps"] == 3  # --round-time 0: exactly --steps
+
+    # The estimate: as many as take the round's time at the median so far; a stall does not shorten it; the cap.
+    assert measure_cell.round_steps([0.001] * 6, {"steps": 6, "round_time_s": 0.3}) == 300
+    assert measure_cell.round_steps([0.001] * 5 + [0.5], {"steps": 6, "round_time_s": 0.3}) == 300
+    assert measure_cell.round_steps([0.1] * 3, {"steps": 3, "round_time_s": 0.3}) == 3
+    assert measure_cell.round_steps([1e-7] * 6, {"steps": 6, "round_time_s": 0.3}) == MAX_ROUND_STEPS
+    assert measure_cell.round_steps([1e-7] * 6, {"steps": 6, "round_time_s": 0.0}) == 6
+
+
 def test_plan_covers_whatever_is_registered_and_available(monkeypatch):
     registry = {"ddp": _Sharded, "serial": Strategy, "fsdp": _Sharded, "dp": _OneProcess}
     monkeypatch.setattr(bench_cells, "STRATEGIES", registry)
@@ -174,6 +223,21 @@ def test_plan_covers_whatever_is_registered_and_available(monkeypatch):
     assert "serial added" in notes[0]
     row = launch_cell.run_one(cells[1], BenchConfig())
     assert row["status"] == "skipped" and "needs 2 GPUs" in row["error"]
+
+
+def test_hogwild_is_asked_for_by_name_in_bench_and_planned_by_default():
+    # In a bench cell hogwild has one worker and steps as serial does: by default it is a note, not a row that
+    # ties with serial's; asked for, it is a cell (its notes say it ran as serial); the planner keeps it.
+    availability = [{"name": name, "available": True, "why": ""} for name in ("serial", "hogwild", "ddp")]
+    cfg = BenchConfig(model="mlp", nproc=(2,), batch_sizes=(32,), precisions=("fp32",))
+    cells, notes = bench_cells.plan(cfg, availability, cores=2)
+    assert [c.strategy for c in cells] == ["serial", "ddp"]
+    assert any(n.startswith("hogwild left out: in a bench cell it has one worker") for n in notes)
+    cells, _ = bench_cells.plan(cfg, availability, cores=2, hogwild=True)
+    assert [c.strategy for c in cells] == ["serial", "hogwild", "ddp"]
+    asked = BenchConfig(model="mlp", strategies=("hogwild",), nproc=(2,), batch_sizes=(32,), precisions=("fp32",))
+    cells, _ = bench_cells.plan(asked, availability, cores=2)
+    assert [c.strategy for c in cells] == ["serial", "hogwild"]
 
 
 def _cell(strategy, processes, batch, rounds_ms, comm=None, others=0.1):
@@ -497,6 +561,8 @@ def test_bench_runs_the_users_own_model_and_flags_a_planted_slow_cell(tmp_path):
     assert "my_models:slow_alone" in result.stdout
     serial, ddp, pipeline = cells
     assert serial["step_time_min_s"] > 0.1 and ddp["speedup"] > 3 and pipeline["speedup"] > 3
+    # 4 steps of 100 ms take the round's 0.3 s; ddp's steps, without the sleep, take many more to.
+    assert serial["round_steps"] == [4] and ddp["round_steps"][0] * ddp["step_time_median_s"] >= 0.3 * (1 - 1e-9)
     assert ddp["flags"][0] == "bound" and pipeline["flags"][0] == "bound" and serial["flags"][-1] == "baseline"
     said = " ".join(result.stdout.split())
     assert "ddp x2, batch 32, fp32: bound: " in said and f"is more than 2 processes on {_cores()} cores can" in said
@@ -684,6 +750,10 @@ LINK_BAD = [
         "--batch-sizes 33 does not split evenly among the 2 machines",
     ),
     (["--nnodes", "2", "--master-addr", "10.0.0.1", "--sync-every", "0"], "--sync-every 0 must be a whole number"),
+    (
+        ["--nnodes", "2", "--master-addr", "10.0.0.1", "--round-time", "1"],
+        "--round-time is for the matrix on one machine; link mode times exactly --steps",
+    ),
 ]
 
 

@@ -56,11 +56,12 @@ def resolve(cfg: BenchConfig, gpus: int) -> BenchConfig:
     )
 
 
-def plan(cfg: BenchConfig, availability: list[dict], cores: int) -> tuple[list[Cell], list[str]]:
+def plan(cfg: BenchConfig, availability: list[dict], cores: int, hogwild: bool = False) -> tuple[list[Cell], list[str]]:
     """The cells to run, in order, and notes about what was chosen and why.
 
     Within each (batch, precision) serial runs first, so a speedup is known as
-    soon as its cell ends.
+    soon as its cell ends. `hogwild`: whether it is among the strategies chosen
+    for this machine (the planner's candidates, which model its workers).
     """
     here = {a["name"]: a for a in availability}
     notes = []
@@ -97,6 +98,14 @@ def plan(cfg: BenchConfig, availability: list[dict], cores: int) -> tuple[list[C
                 notes,
                 f"{cfg.model} has no experts to split (ask for them with"
                 " --strategies on a model with experts, such as --model gpt-moe)",
+            )
+        # A cell times Fleet.train_step in the cell's own processes, where hogwild has one worker and steps as
+        # serial does (hogwild/worker.py): its row would carry a name it did not run, and tie with serial's.
+        if not hogwild and "hogwild" in chosen:
+            chosen = [name for name in chosen if name != "hogwild"]
+            notes.append(
+                "hogwild left out: in a bench cell it has one worker and steps as serial does (ask for it with"
+                " --strategies; torchfleet train --strategy hogwild runs its workers)"
             )
         left_out = [
             f"{name} ({here[name]['why']})" for name in STRATEGIES if name in here and not here[name]["available"]

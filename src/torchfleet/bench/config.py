@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from torchfleet.bench import user_model
@@ -13,6 +14,12 @@ from torchfleet.strategies.block_transforms import COMPILE_MODES
 from torchfleet.strategies.pipeline.schedules import schedule_variant
 from torchfleet.train.config import OPTIMIZERS
 from torchfleet.train.models import GPT_PRESETS, MODELS
+
+# A round of sub-millisecond steps needs hundreds of them before its median stops moving with the timer's and
+# the scheduler's jitter, while a few steps of a second each already agree: so rounds are sized by their time,
+# not by a count of steps (docs/benchmarks; measure_cell.round_steps).
+ROUND_TIME_S = 0.3
+MAX_ROUND_STEPS = 2000  # a round of microsecond steps would otherwise take longer to time than to step
 
 
 @dataclass
@@ -28,7 +35,8 @@ class BenchConfig:
     batch_sizes: tuple[int, ...] = ()  # global
     precisions: tuple[str, ...] = ()
     warmup: int = 5
-    steps: int = 30  # timed steps per round
+    steps: int = 30  # the fewest timed steps a round runs
+    round_time_s: float = ROUND_TIME_S  # a round times as many steps as take this at their median (0: `steps`)
     rounds: int = 3  # each cell runs once per round, the rounds interleaved (bench/rounds.py)
     threads: int | None = None  # intra-op threads per process; None: usable cores / processes
     out: str = "runs/bench"
@@ -63,6 +71,8 @@ class BenchConfig:
         at_least("--warmup", self.warmup, 0)
         at_least("--steps", self.steps, 2)  # a spread needs two steps
         at_least("--rounds", self.rounds, 1)
+        if not 0 <= self.round_time_s < math.inf:  # NaN fails this too
+            raise UsageError(f"--round-time {self.round_time_s:g} must be a number of seconds, 0 or more")
         if self.threads is not None:
             at_least("--threads", self.threads, 1)
         if self.compile is not None and self.compile not in COMPILE_MODES:

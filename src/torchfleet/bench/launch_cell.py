@@ -119,6 +119,7 @@ def run_one(cell: Cell, cfg: BenchConfig, profile: bool = True) -> dict:
         "threads": cell.threads,
         "warmup": cfg.warmup,
         "steps": cfg.steps,
+        "round_time_s": cfg.round_time_s,
         "seed": cfg.seed,
         "profile": profile,
         "compile": cfg.compile,

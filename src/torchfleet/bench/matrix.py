@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 from torchfleet import machine_load
 from torchfleet.bench import rounds
@@ -42,7 +42,8 @@ from torchfleet.doctor import strategy_availability
 from torchfleet.errors import UsageError
 from torchfleet.strategies import registry
 
-# A smoke test in under a minute on 2 CPU cores (3 rounds of 6 steps a cell), whichever model is asked for.
+# A smoke test in under a minute on 2 CPU cores (3 rounds a cell, each of at least 6 timed steps and as many
+# as take round_time_s), whichever model is asked for.
 QUICK = {
     "model": "mlp",
     "batch_sizes": (64,),
@@ -133,6 +134,7 @@ def run_bench(cfg: BenchConfig, console=None) -> dict:
     # First, so that a busy start is the first thing said, with its figure.
     state = machine_load.measure(gpus=hw.gpus)
     console.print(("warning: " if state.busy else "") + state.line(), markup=False)
+    console.print(f"measuring {rounds.sizing(asdict(cfg))}", markup=False)
     for note in notes:
         console.print(f"note: {note}", markup=False)  # brackets in a note are text, not styles
 

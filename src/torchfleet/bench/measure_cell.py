@@ -31,6 +31,7 @@ What is measured, and how:
 
 from __future__ import annotations
 
+import math
 import re
 import statistics
 import time
@@ -43,6 +44,7 @@ from torch import nn
 
 from torchfleet import machine_load
 from torchfleet.bench import flops, kernels, user_model
+from torchfleet.bench.config import MAX_ROUND_STEPS
 from torchfleet.data import check_global_batch
 from torchfleet.fleet import Fleet
 from torchfleet.models import DIGITS_INPUT, IMAGE_MODELS, TOKEN_MODELS, build_model, gpt_config, lm_loss
@@ -157,6 +159,15 @@ def spread(times: list[float]) -> dict:
     }
 
 
+def round_steps(times: list[float], spec: dict) -> int:
+    """How many timed steps the round should have, seen from `times` so far: `spec`'s steps at least, then as
+    many as take its round_time_s at their median, at most MAX_ROUND_STEPS; len(times) once that many ran.
+    The median, not the sum: a step stalled for a moment by another process must not end the round early."""
+    median = statistics.median(times)
+    wanted = math.ceil(spec.get("round_time_s", 0.0) / median) if median > 0 else MAX_ROUND_STEPS
+    return max(len(times), min(MAX_ROUND_STEPS, wanted))
+
+
 # ---- the cell ----------------------------------------------------------------------------
 
 
@@ -249,10 +260,13 @@ def _measure(fleet: Fleet, spec: dict, span: machine_load.Span) -> dict | None:
         if comm:
             unsynced()
     times, local_times = [], []
-    for _ in range(spec["steps"]):
+    target = spec["steps"]
+    while len(times) < target:
         times.append(_timed(synced, fleet.device))
         if comm:
             local_times.append(_timed(unsynced, fleet.device))
+        if len(times) == target:  # every rank is here at once: they agree on the round's length
+            target = max(_gathered(round_steps(times, spec)))
     peak = memory.peak_bytes()
     span.end()
     # After the peak is read (the profiler's buffers are not the cell's); every rank steps, the main one writes.
@@ -269,6 +283,7 @@ def _measure(fleet: Fleet, spec: dict, span: machine_load.Span) -> dict | None:
     result = {
         **spread(step_times),
         "step_times_s": step_times,
+        "timed_steps": len(step_times),
         "others_cores": span.others_cores(sum(cpu for *_, cpu in per_rank)),
         "local_batch": local_batch,
         "threads_per_process": torch.get_num_threads(),

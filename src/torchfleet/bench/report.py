@@ -14,6 +14,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from torchfleet.bench.rounds import sizing
 from torchfleet.bench.verdict import comm, label, throughput, throughput_unit, verdict
 from torchfleet.strategies import registry
 
@@ -41,6 +42,7 @@ FIELDS = (
     "step_time_max_s",
     "rounds",
     "round_step_time_s",
+    "round_steps",
     "spread",
     "others_cores",
     "flags",
@@ -64,7 +66,7 @@ FIELDS = (
     "first_step_s",
     "wall_s",
 )
-SCHEMA = "torchfleet-bench/2"  # 2: rounds, spread, others_cores, flags; machine_state
+SCHEMA = "torchfleet-bench/2"  # 2: rounds, spread, others_cores, flags; machine_state; round_steps
 
 
 def _cell_name(row: dict) -> str:
@@ -244,8 +246,8 @@ def budget(doc: dict) -> str:
     cores = doc["machine"]["cpu_cores"]["usable"]
     used = sorted({r["processes"] * r["threads_per_process"] for r in doc["cells"] if r["status"] != "skipped"})
     rounds = doc["config"].get("rounds", 1)
-    spread = (
-        f"spread: the {rounds} rounds' range over their median" if rounds > 1 else "spread: the steps' IQR / median"
+    spread = f"{sizing(doc['config'])}; spread: " + (
+        "the rounds' medians' range over their median" if rounds > 1 else "the steps' IQR / median"
     )
     if len(used) == 1:
         return f"every cell runs {used[0]} threads in all (processes x threads each) on {cores} usable cores; {spread}"

@@ -5,10 +5,13 @@ run at the time; one cell after another, a run beside another job once measured 
 and, minutes later, at 0.69 ms. The order turns by one cell each round, so no cell always runs after the
 same one.
 
-A cell's rounds make its one row: its median step time is the median of the rounds' medians, its
-quartiles and extremes those of all its steps, and its `spread` the rounds' range over their median (with
-one round, the steps' interquartile range over their median); `others_cores` is the most any of its
-rounds saw (machine_load.py). A cell that fails in a round is not run again: its row is that failure.
+Each round times at least `--steps` steps, and as many as take `--round-time` seconds at their median
+(measure_cell.round_steps), so a short step gets hundreds and a long one the least; `round_steps` says how
+many each round ran. A cell's rounds make its one row: its median step time and quartiles are the medians
+of the rounds' (each round counts once, however many steps it ran), its extremes those of all its steps,
+and its `spread` the rounds' range over their median (with one round, the steps' interquartile range over
+their median); `others_cores` is the most any of its rounds saw (machine_load.py). A cell that fails in a
+round is not run again: its row is that failure.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 import statistics
 
 from torchfleet.bench.cells import Cell
-from torchfleet.bench.config import BenchConfig
+from torchfleet.bench.config import MAX_ROUND_STEPS, BenchConfig
 from torchfleet.bench.launch_cell import run_one
 from torchfleet.bench.measure_cell import spread as step_spread
 
@@ -35,6 +38,18 @@ def run(cells: list[Cell], cfg: BenchConfig, bar) -> list[dict]:
     return [merge(rows, cfg.rounds) for rows in measured]
 
 
+def sizing(config: dict) -> str:
+    """How long each cell's rounds are, in words, from results.json's `config` (BenchConfig's fields): the
+    run's first lines and the table's caption say it."""
+    rounds, steps, budget = config.get("rounds", 1), config["steps"], config.get("round_time_s") or 0
+    if not budget:
+        return f"{rounds} rounds of {steps} timed steps a cell"
+    return (
+        f"{rounds} rounds a cell, each timing at least {steps} steps and as many as take {budget:g} s at their"
+        f" median (at most {MAX_ROUND_STEPS})"
+    )
+
+
 def runs(cells: list[Cell], cfg: BenchConfig) -> int:
     """How many cell runs `run` will make at most (the progress bar's total)."""
     return sum(1 if c.skip else cfg.rounds for c in cells)
@@ -48,7 +63,14 @@ def merge(rows: list[dict], rounds: int) -> dict:
         return {**last, "error": where + last["error"], "rounds": len(rows)}
     medians = [r["step_time_median_s"] for r in rows]
     steps = [t for r in rows for t in r["step_times_s"]]
-    merged = {**last, **step_spread(steps), "step_time_median_s": statistics.median(medians)}
+    # Rounds of unequal length count alike: a round of 700 short steps must not outweigh one of 6 long ones.
+    merged = {
+        **last,
+        **step_spread(steps),
+        "step_time_median_s": statistics.median(medians),
+        "step_time_q1_s": statistics.median(r["step_time_q1_s"] for r in rows),
+        "step_time_q3_s": statistics.median(r["step_time_q3_s"] for r in rows),
+    }
     median = merged["step_time_median_s"]
     if len(rows) > 1:
         merged["spread"] = (max(medians) - min(medians)) / median
@@ -59,6 +81,7 @@ def merge(rows: list[dict], rounds: int) -> dict:
     merged.update(
         rounds=len(rows),
         round_step_time_s=medians,
+        round_steps=[r["timed_steps"] for r in rows],
         others_cores=max(others) if others else None,
         comm_share=statistics.median(shares) if shares else None,
         first_step_s=rows[0].get("first_step_s"),
@@ -66,6 +89,7 @@ def merge(rows: list[dict], rounds: int) -> dict:
         notes=list(dict.fromkeys(n for r in rows for n in r.get("notes") or ())),
     )
     merged.pop("step_times_s")
+    merged.pop("timed_steps")
     return merged
 
 

@@ -179,7 +179,7 @@ def _tied(best: dict, tied: list[dict]) -> str:
     cells = [best, *sorted(tied, key=lambda r: -r["samples_per_s"])]
     return (
         f"no fastest for {best['model']} here: {len(cells)} cells cannot be told apart, their rounds overlap"
-        f" ({_ranges(cells)}). Rerun on an idle machine, or give more --rounds (or --steps) to narrow them."
+        f" ({_ranges(cells)}). Rerun on an idle machine, or give more --rounds (or a longer --round-time) to narrow them."
     )
 
 

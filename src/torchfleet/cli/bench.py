@@ -25,6 +25,7 @@ def _list(kind, what: str):
 
 
 def add_parser(sub, strategy_flags) -> None:
+    from torchfleet.bench.config import MAX_ROUND_STEPS, ROUND_TIME_S
     from torchfleet.strategies.block_transforms import COMPILE_MODES
     from torchfleet.train.models import GPT_PRESETS, MODELS
 
@@ -99,7 +100,18 @@ def add_parser(sub, strategy_flags) -> None:
         "--steps",
         type=int,
         default=None,
-        help="timed steps (default 30; link mode 50, whole blocks of --sync-every, at least two)",
+        help="the fewest timed steps in each round of a cell, which times more where they take less than"
+        " --round-time (default 30; link mode: exactly these, default 50, whole blocks of --sync-every, at least"
+        " two)",
+    )
+    b.add_argument(
+        "--round-time",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="each round of a cell times as many steps as take this many seconds at their median, so a 0.4 ms"
+        f" step gets hundreds and a 200 ms step just --steps; at most {MAX_ROUND_STEPS} steps; 0: exactly --steps"
+        f" (default {ROUND_TIME_S:g})",
     )
     b.add_argument(
         "--rounds",
@@ -144,8 +156,8 @@ def add_parser(sub, strategy_flags) -> None:
     b.add_argument(
         "--quick",
         action="store_true",
-        help="a tiny matrix (mlp, batch 64, 3 rounds of 6 steps; gpt tiny, 32x32 images): a smoke test; link mode: 20"
-        " timed steps",
+        help=f"a tiny matrix (mlp, batch 64, 3 rounds of at least 6 steps and {ROUND_TIME_S:g} s; gpt tiny, 32x32"
+        " images): a smoke test; link mode: 20 timed steps",
     )
     link = b.add_argument_group(
         "link mode: the same command on every machine; ddp, ddp with PowerSGD and diloco over the link between"
@@ -187,12 +199,16 @@ def command(args, strategy_options: dict) -> int:
             "warmup",
             "steps",
             "rounds",
+            "round_time",
         )
     }
+    given["round_time_s"] = given.pop("round_time")
     machines = machines_from_flags(args.nnodes, args.node_rank, args.master_addr, args.master_port)
     if machines is not None:
         if given.pop("rounds") is not None:
             raise UsageError("--rounds is for the matrix on one machine; link mode times each cell once per machine")
+        if given.pop("round_time_s") is not None:
+            raise UsageError("--round-time is for the matrix on one machine; link mode times exactly --steps")
         return _link_mode(args, given, strategy_options, machines)
     chosen = {**(QUICK if args.quick else {}), **{k: v for k, v in given.items() if v is not None}}
     cfg = BenchConfig(

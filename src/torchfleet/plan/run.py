@@ -99,7 +99,7 @@ def candidates(cfg: PlanConfig, target: hardware.Target, profile: Profile, cores
             batch_sizes=(cfg.batch or 1,),
             precisions=("fp32",),
         )
-        cells, _ = bench_plan(bench, strategy_availability(probe_hardware(), cores), cores)
+        cells, _ = bench_plan(bench, strategy_availability(probe_hardware(), cores), cores, hogwild=True)
         pairs = dict.fromkeys((c.strategy, c.processes) for c in cells if not c.skip)
         return [(name, n) for name, n in pairs if name in cfg.strategies or applies(name, profile)]
     presets = registry.presets()
