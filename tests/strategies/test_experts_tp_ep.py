@@ -215,7 +215,7 @@ def test_tp_beside_ep_is_spelled_with_degrees_and_named_from_them():
 
 @pytest.mark.timeout(300)
 def test_train_under_ep_and_tp_sums_the_tokens_per_expert_over_every_rank(tmp_path):
-    from conftest import torchfleet
+    from helpers import torchfleet
     from torchfleet.train.models import build_model
 
     out = tmp_path / "run.json"
@@ -234,7 +234,7 @@ def test_train_under_ep_and_tp_sums_the_tokens_per_expert_over_every_rank(tmp_pa
 
 @pytest.mark.timeout(300)
 def test_an_ep_that_does_not_divide_the_experts_beside_tp_is_one_sentence():
-    from conftest import torchfleet
+    from helpers import torchfleet
 
     # 6 processes by tp 2: 3 data-parallel ranks, every one of them in the ep group, for gpt-moe's 8 experts
     result = torchfleet(
