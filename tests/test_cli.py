@@ -149,6 +149,7 @@ SURFACE = {
         "--seq-len",
         "--local-batch",
         "--global-batch",
+        "--microbatches",
         "--ac",
         "--tp",
         "--pp",

@@ -120,6 +120,13 @@ def add_parser(sub) -> None:
         " a data-parallel GPU, so it grows with them)",
     )
     s.add_argument(
+        "--microbatches",
+        type=int,
+        default=None,
+        help="--hf-config: micro-batches a pipeline (--pp) splits a GPU's share of the batch into (default:"
+        " micro-batches of one sample, torchtitan's default)",
+    )
+    s.add_argument(
         "--ac",
         default="selective",
         metavar="MODE",
@@ -247,6 +254,7 @@ def command(args) -> int:
         pp=args.pp or (),
         ep=args.ep or (),
         global_batch=args.global_batch,
+        microbatches=args.microbatches,
     )
     if cfg.library_fields and not args.precision:
         cfg.precision = "bf16"  # a --model builder's library model is planned at scale, as --hf-config's

@@ -73,6 +73,7 @@ class ScaleRequest:
     eps: tuple[int, ...] = ()  # expert-parallel degrees (fsdp+ep); empty: experts_at_scale.default_eps
     fields: dict | None = None  # the config's fields where they come from a --model builder, not a file
     global_batch: int | None = None  # every row's (plan/global_batch.py); None: local_batch a data-parallel GPU
+    microbatches: int | None = None  # a pipeline's a step; None: micro-batches of one sample
 
 
 def request_of(cfg) -> ScaleRequest:
@@ -110,6 +111,7 @@ def request_of(cfg) -> ScaleRequest:
         tuple(cfg.ep),
         cfg.library_fields,
         getattr(cfg, "global_batch", None),
+        getattr(cfg, "microbatches", None),
     )
 
 

@@ -52,6 +52,7 @@ class PlanConfig:
     # planned at scale as --hf-config's are when a GPU cluster is described.
     library_fields: dict | None = None
     global_batch: int | None = None  # --hf-config's, the same on every row; None: local_batch a data-parallel GPU
+    microbatches: int | None = None  # --hf-config's pipelines' a step; None: micro-batches of one sample
 
     @property
     def described(self) -> bool:
@@ -134,6 +135,8 @@ class PlanConfig:
         at_least("--local-batch", self.local_batch, 1)
         if self.global_batch is not None:
             at_least("--global-batch", self.global_batch, 1)
+        if self.microbatches is not None:
+            at_least("--microbatches", self.microbatches, 1)
         for degree in self.pp:
             at_least("--pp", degree, 1)
         for degree in self.ep:
