@@ -582,6 +582,11 @@ def test_a_pipeline_whose_stages_span_nodes_also_comes_as_hsdp(tmp_path):
             "--global-batch 3 cannot be shared evenly by the data-parallel GPUs of any layout planned; give a"
             " multiple of the GPU counts (--nproc)",
         ),
+        (
+            ["--hf-config", "llama-3.1-405b", "--gpu", "H100", "--gpus-per-node", "8", "--nodes", "64"]
+            + ["--pp", "8", "--microbatches", "0"],
+            "--microbatches 0 must be at least 1",
+        ),
     ],
     ids=[
         "no-cluster",
@@ -592,11 +597,12 @@ def test_a_pipeline_whose_stages_span_nodes_also_comes_as_hsdp(tmp_path):
         "tp-not-dividing-heads",
         "tp-beyond-a-node",
         "tp-of-experts",
-        "pp-not-dividing-blocks",
+        "pp-beyond-the-blocks",
         "ep-not-dividing-experts",
         "ep-without-experts",
         "global-batch-without-hf-config",
         "global-batch-no-layout-shares",
+        "no-microbatches",
     ],
 )
 def test_bad_input_is_one_sentence(args, said):

@@ -104,7 +104,13 @@ def add_parser(sub) -> None:
         + "; plans FSDP's memory per GPU and step time over the cluster's GPU counts, with tensor"
         " parallelism (--tp), pipelines (--pp) and expert parallelism (--ep)",
     )
-    s.add_argument("--seq-len", type=int, default=8192, help="--hf-config: tokens a sample (default 8192)")
+    s.add_argument(
+        "--seq-len",
+        type=int,
+        default=None,
+        help="--hf-config: tokens a sample (default 8192, or the model's own longest where shorter: 512 for"
+        " BERT's learned positions and T5's pre-training)",
+    )
     s.add_argument(
         "--local-batch",
         type=int,

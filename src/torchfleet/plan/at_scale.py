@@ -94,7 +94,7 @@ def request_of(cfg) -> ScaleRequest:
     )
     return ScaleRequest(
         cfg.hf_config or cfg.model,
-        cfg.seq_len,
+        cfg.seq_len or library_model.default_seq(cfg.library_fields or library_model.read_config(cfg.hf_config)),
         cfg.local_batch,
         cfg.ac,
         cfg.precision,

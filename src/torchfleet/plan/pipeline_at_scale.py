@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from torchfleet.errors import UsageError
-from torchfleet.plan import comm, global_batch, pipelines, scale_rows, schedule_memory, trace
+from torchfleet.plan import comm, global_batch, library_model, pipelines, scale_rows, schedule_memory, trace
 from torchfleet.plan.traced import Traced
 from torchfleet.strategies.pipeline.schedules import microbatch_problem
 
@@ -34,6 +34,11 @@ MICROBATCH = 1  # samples a micro-batch, torchtitan's default
 
 def check_degree(fields: dict, pp: int) -> None:
     layers = fields["num_hidden_layers"]
+    if pp > 1 and library_model.kind(fields) != "decoder":
+        raise UsageError(
+            f"--pp {pp}: plan cuts a decoder's blocks into stages, and {fields['model_type']} is an"
+            f" {library_model.kind(fields)} model; plan it without --pp"
+        )
     if pp > layers:
         raise UsageError(
             f"--pp {pp} is more stages than the model's {layers} decoder blocks; give a pp of at most {layers}"
