@@ -147,6 +147,7 @@ SURFACE = {
         "--warmup",
         "--hf-config",
         "--seq-len",
+        "--decoder-seq-len",
         "--local-batch",
         "--global-batch",
         "--microbatches",

@@ -65,8 +65,25 @@ def test_t5_3b_and_a_bert_base_encoder_plan_under_fsdp_on_8_gpus(tmp_path):
     [
         (["--pp", "2"], "--pp 2: plan cuts a decoder's blocks into stages, and t5 is an encoder-decoder model"),
         (["--tp", "8"], "--tp 8: t5's blocks are not split by plain column and row products"),
+        (
+            ["--hf-config", "llama-3.1-8b", "--decoder-seq-len", "128"],
+            "--decoder-seq-len is an encoder-decoder's (T5's), and llama is a decoder model; leave it out",
+        ),
     ],
-    ids=["pp", "tp"],
+    ids=["pp", "tp", "decoder-length-of-a-decoder"],
 )
 def test_what_plan_cannot_split_of_t5_is_one_sentence(args, said):
     assert_refused_in_one_sentence(forked_torchfleet("plan", "--hf-config", "t5-3b", *H100S, *args), said)
+
+
+def test_a_shorter_decoder_costs_t5_fewer_flops():
+    """The decoder writes --decoder-seq-len tokens: at 16 against 64 (the encoder reading 64) its blocks' and
+    the output layer's FLOPs shrink, the encoder's do not."""
+    from torchfleet.plan import trace
+
+    fields = library_model.read_config("t5-3b")
+    flops = {
+        d: trace.trace(fields, trace.Workload(seq=64, local_batch=1, decoder_seq=d), 8, layers=2).flops
+        for d in (16, 64)
+    }
+    assert 0 < flops[16] < flops[64]

@@ -112,6 +112,12 @@ def add_parser(sub) -> None:
         " BERT's learned positions and T5's pre-training)",
     )
     s.add_argument(
+        "--decoder-seq-len",
+        type=int,
+        default=None,
+        help="--hf-config: tokens an encoder-decoder's decoder writes a sample (default: --seq-len's)",
+    )
+    s.add_argument(
         "--local-batch",
         type=int,
         default=2,
@@ -254,6 +260,7 @@ def command(args) -> int:
         stages_per_process=args.stages_per_process,
         hf_config=args.hf_config,
         seq_len=args.seq_len,
+        decoder_seq_len=args.decoder_seq_len,
         local_batch=args.local_batch,
         ac=args.ac,
         tp=args.tp or (),

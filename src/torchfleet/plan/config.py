@@ -43,6 +43,7 @@ class PlanConfig:
     stages_per_process: int | None = None
     hf_config: str | None = None  # a library model planned at scale on fake tensors (plan/at_scale.py)
     seq_len: int | None = None  # None: library_model.default_seq of the model
+    decoder_seq_len: int | None = None  # an encoder-decoder's; None: seq_len
     local_batch: int = 2
     ac: str = "selective"
     tp: tuple[int, ...] = ()  # --hf-config's tensor-parallel degrees; empty: 1 and a node's GPUs where they divide
@@ -133,6 +134,8 @@ class PlanConfig:
             )
         if self.seq_len is not None:
             at_least("--seq-len", self.seq_len, 1)
+        if self.decoder_seq_len is not None:
+            at_least("--decoder-seq-len", self.decoder_seq_len, 1)
         at_least("--local-batch", self.local_batch, 1)
         if self.global_batch is not None:
             at_least("--global-batch", self.global_batch, 1)

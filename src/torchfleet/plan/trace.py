@@ -111,9 +111,12 @@ def tracked_step(fields: dict, work: Workload, mesh, tracker_class, layers: int 
     if work.stage in ("middle", "last"):  # the previous stage's output, as the send between them delivers it
         dtype = torch.bfloat16 if work.precision == "bf16" else torch.float32
         hidden = torch.randn(work.local_batch, work.seq, fields["hidden_size"], dtype=dtype, requires_grad=True)
+    written = None  # an encoder-decoder's decoder's tokens, and the targets after them
+    if shape == "encoder-decoder":
+        written = torch.randint(0, fields["vocab_size"], (work.local_batch, (work.decoder_seq or work.seq) + 1))
     _make_optimizer_state(model, optimizer)
     tracker = tracker_class(model, optimizer)
-    tracker.track_inputs((tokens,) if hidden is None else (tokens, hidden))
+    tracker.track_inputs(tuple(t for t in (tokens, hidden, written) if t is not None))
     with tracker, step_counter() as counter, warnings.catch_warnings():
         # A stage without the output layer returns a view of its blocks' output; the step does nothing in place.
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
@@ -125,7 +128,7 @@ def tracked_step(fields: dict, work: Workload, mesh, tracker_class, layers: int 
             hidden,
             last=work.stage in ("whole", "last"),
             after_forward=lambda: _note_held(tracker),
-            decoder=(work.decoder_seq or work.seq) if shape == "encoder-decoder" else None,
+            decoder=written,
             encoder=shape == "encoder",
         )
     return tracker, counter
@@ -243,12 +246,12 @@ def _step(
     hidden=None,
     last: bool = True,
     after_forward=None,
-    decoder: int | None = None,
+    decoder=None,
     encoder: bool = False,
 ) -> None:
     """One step: from the tokens (or a pipeline stage's input `hidden`) to the loss, or to the output whose
     gradient the next stage sends back (not `last`); `after_forward` is called between the two passes. An
-    encoder-decoder's decoder writes `decoder` tokens; an encoder (masked language model) predicts every
+    encoder-decoder's decoder writes the `decoder` tokens, predicting each next one; an encoder (masked language model) predicts every
     position and takes no cache flag."""
     import torch
     import torch.nn.functional as F
@@ -257,9 +260,9 @@ def _step(
     # No key/value cache: a cache the blocks append to would differ between forward and recomputation.
     given = {"input_ids": tokens[:, :-1]} if hidden is None else {"inputs_embeds": hidden}
     targets = tokens[:, 1:]
-    if decoder:  # an encoder-decoder: the encoder reads the sequence, the decoder writes `decoder` tokens
-        given["decoder_input_ids"] = tokens[:, :decoder]
-        targets = tokens[:, 1 : decoder + 1]
+    if decoder is not None:  # an encoder-decoder: the encoder reads the tokens, the decoder writes its own
+        given["decoder_input_ids"] = decoder[:, :-1]
+        targets = decoder[:, 1:]
     out = model(**given, use_cache=False).logits if decoder is not None or not encoder else model(**given).logits
     with loss_parallel() if tp > 1 and last else contextlib.nullcontext():  # on the vocabulary's shards
         loss = F.cross_entropy(out.flatten(0, 1).float(), targets.flatten()) if last else None
