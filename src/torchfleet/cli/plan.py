@@ -104,7 +104,19 @@ def add_parser(sub) -> None:
         + "; plans FSDP's memory per GPU and step time over the cluster's GPU counts, with tensor"
         " parallelism (--tp), pipelines (--pp) and expert parallelism (--ep)",
     )
-    s.add_argument("--seq-len", type=int, default=8192, help="--hf-config: tokens a sample (default 8192)")
+    s.add_argument(
+        "--seq-len",
+        type=int,
+        default=None,
+        help="--hf-config: tokens a sample (default 8192, or the model's own longest where shorter: 512 for"
+        " BERT's learned positions and T5's pre-training)",
+    )
+    s.add_argument(
+        "--decoder-seq-len",
+        type=int,
+        default=None,
+        help="--hf-config: tokens an encoder-decoder's decoder writes a sample (default: --seq-len's)",
+    )
     s.add_argument(
         "--local-batch",
         type=int,
@@ -118,6 +130,13 @@ def add_parser(sub) -> None:
         help="--hf-config: samples a step on every row, reached by each layout's data-parallel GPUs with"
         " gradient accumulation (passes of at most --local-batch) or micro-batches (default: --local-batch"
         " a data-parallel GPU, so it grows with them)",
+    )
+    s.add_argument(
+        "--microbatches",
+        type=int,
+        default=None,
+        help="--hf-config: micro-batches a pipeline (--pp) splits a GPU's share of the batch into (default:"
+        " micro-batches of one sample, torchtitan's default)",
     )
     s.add_argument(
         "--ac",
@@ -241,12 +260,14 @@ def command(args) -> int:
         stages_per_process=args.stages_per_process,
         hf_config=args.hf_config,
         seq_len=args.seq_len,
+        decoder_seq_len=args.decoder_seq_len,
         local_batch=args.local_batch,
         ac=args.ac,
         tp=args.tp or (),
         pp=args.pp or (),
         ep=args.ep or (),
         global_batch=args.global_batch,
+        microbatches=args.microbatches,
     )
     if cfg.library_fields and not args.precision:
         cfg.precision = "bf16"  # a --model builder's library model is planned at scale, as --hf-config's

@@ -73,6 +73,8 @@ class ScaleRequest:
     eps: tuple[int, ...] = ()  # expert-parallel degrees (fsdp+ep); empty: experts_at_scale.default_eps
     fields: dict | None = None  # the config's fields where they come from a --model builder, not a file
     global_batch: int | None = None  # every row's (plan/global_batch.py); None: local_batch a data-parallel GPU
+    microbatches: int | None = None  # a pipeline's a step; None: micro-batches of one sample
+    decoder_seq: int | None = None  # an encoder-decoder's decoder tokens a sample; None: seq
 
 
 def request_of(cfg) -> ScaleRequest:
@@ -93,7 +95,7 @@ def request_of(cfg) -> ScaleRequest:
     )
     return ScaleRequest(
         cfg.hf_config or cfg.model,
-        cfg.seq_len,
+        cfg.seq_len or library_model.default_seq(cfg.library_fields or library_model.read_config(cfg.hf_config)),
         cfg.local_batch,
         cfg.ac,
         cfg.precision,
@@ -110,6 +112,8 @@ def request_of(cfg) -> ScaleRequest:
         tuple(cfg.ep),
         cfg.library_fields,
         getattr(cfg, "global_batch", None),
+        getattr(cfg, "microbatches", None),
+        getattr(cfg, "decoder_seq_len", None),
     )
 
 
@@ -125,10 +129,24 @@ def plan_at_scale(request: ScaleRequest, say=print) -> dict:
     for ep in request.eps:
         experts_at_scale.check_degree(fields, ep)
     eps = tuple(ep for ep in request.eps or experts_at_scale.default_eps(fields, request.per_node) if ep > 1)
-    work = trace.Workload(seq=request.seq, local_batch=request.local_batch, ac=request.ac, precision=request.precision)
+    if request.decoder_seq and library_model.kind(fields) != "encoder-decoder":
+        raise UsageError(
+            f"--decoder-seq-len is an encoder-decoder's (T5's), and {fields['model_type']} is"
+            f" a{'n' if library_model.kind(fields) == 'encoder' else ''} {library_model.kind(fields)} model;"
+            " leave it out"
+        )
+    work = trace.Workload(
+        seq=request.seq,
+        local_batch=request.local_batch,
+        ac=request.ac,
+        precision=request.precision,
+        decoder_seq=request.decoder_seq,
+    )
     say(
         f"tracing one training step of {request.hf_config} ({params / 1e9:,.1f} B parameters) on fake tensors:"
-        f" sequence {request.seq}, local batch {request.local_batch}, checkpointing {request.ac},"
+        f" sequence {request.seq}"
+        + (f" (decoder {request.decoder_seq})" if request.decoder_seq else "")
+        + f", local batch {request.local_batch}, checkpointing {request.ac},"
         f" tensor parallelism {', '.join(map(str, tps))}"
         + (f", pipelines of {', '.join(map(str, request.pps))} stages" if request.pps != (1,) else "")
         + (f", expert parallelism {', '.join(map(str, eps))}" if eps else "")

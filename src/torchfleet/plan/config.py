@@ -42,7 +42,8 @@ class PlanConfig:
     schedule: str | None = None  # the pipelines' (strategies/pipeline/schedules.py); None: their default
     stages_per_process: int | None = None
     hf_config: str | None = None  # a library model planned at scale on fake tensors (plan/at_scale.py)
-    seq_len: int = 8192
+    seq_len: int | None = None  # None: library_model.default_seq of the model
+    decoder_seq_len: int | None = None  # an encoder-decoder's; None: seq_len
     local_batch: int = 2
     ac: str = "selective"
     tp: tuple[int, ...] = ()  # --hf-config's tensor-parallel degrees; empty: 1 and a node's GPUs where they divide
@@ -52,6 +53,7 @@ class PlanConfig:
     # planned at scale as --hf-config's are when a GPU cluster is described.
     library_fields: dict | None = None
     global_batch: int | None = None  # --hf-config's, the same on every row; None: local_batch a data-parallel GPU
+    microbatches: int | None = None  # --hf-config's pipelines' a step; None: micro-batches of one sample
 
     @property
     def described(self) -> bool:
@@ -130,10 +132,15 @@ class PlanConfig:
                 f"--precision {self.precision} is not planned at scale; choose bf16 (bf16 compute, fp32"
                 " master weights and reduction, as torchtitan trains) or fp32"
             )
-        at_least("--seq-len", self.seq_len, 1)
+        if self.seq_len is not None:
+            at_least("--seq-len", self.seq_len, 1)
+        if self.decoder_seq_len is not None:
+            at_least("--decoder-seq-len", self.decoder_seq_len, 1)
         at_least("--local-batch", self.local_batch, 1)
         if self.global_batch is not None:
             at_least("--global-batch", self.global_batch, 1)
+        if self.microbatches is not None:
+            at_least("--microbatches", self.microbatches, 1)
         for degree in self.pp:
             at_least("--pp", degree, 1)
         for degree in self.ep:

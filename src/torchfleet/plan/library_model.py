@@ -44,13 +44,33 @@ def read_config(name_or_path: str) -> dict:
     return checked(fields, f"--hf-config {path}")
 
 
+# Older configs' names for the fields plan reads (T5's, GPT-2's), as transformers' attribute_map aliases them.
+ALIASES = {
+    "hidden_size": ("d_model", "n_embd"),
+    "num_attention_heads": ("num_heads", "n_head"),
+    "num_hidden_layers": ("num_layers", "n_layer"),
+}
+
+
 def checked(fields: dict, what: str) -> dict:
+    fields = dict(fields)
+    for key, others in ALIASES.items():
+        found = [fields[o] for o in others if o in fields]
+        if key not in fields and found:
+            fields[key] = found[0]
     for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size"):
         if not isinstance(fields.get(key), int) or fields[key] < 1:
             raise UsageError(
-                f"{what} is not a decoder model config that plan can trace: it has no positive integer {key}"
+                f"{what} is not a transformer model config that plan can trace: it has no positive integer {key}"
             )
     return fields
+
+
+def default_seq(fields: dict) -> int:
+    """Tokens a sample when --seq-len is not given: torchtitan's 8192, or the model's own longest sequence where
+    shorter (BERT's 512 learned positions, which a longer sequence would index past; T5's 512 of pre-training)."""
+    limit = fields.get("max_position_embeddings") or fields.get("n_positions")
+    return min(8192, limit) if isinstance(limit, int) and limit > 0 else 8192
 
 
 def fields_of(model) -> dict | None:
@@ -74,8 +94,13 @@ def transformers_config(fields: dict, layers: int | None = None):
             " installed here: pip install 'torchfleet[hf]'"
         ) from None
     fields = dict(fields)
-    if layers is not None:
-        fields["num_hidden_layers"] = layers
+    if layers is not None:  # an encoder-decoder's decoder keeps its share of the blocks
+        encoder = fields["num_hidden_layers"]
+        if fields.get("num_decoder_layers"):
+            fields["num_decoder_layers"] = max(1, round(layers * fields["num_decoder_layers"] / encoder))
+        for key in ("num_hidden_layers", *ALIASES["num_hidden_layers"]):
+            if key in fields:
+                fields[key] = layers
     model_type = fields.pop("model_type")
     try:
         return AutoConfig.for_model(model_type, **fields)
@@ -86,21 +111,37 @@ def transformers_config(fields: dict, layers: int | None = None):
         ) from None
 
 
+def kind(fields: dict) -> str:
+    """ "encoder-decoder" (T5), "encoder" (BERT: a masked language model) or "decoder" (a causal one)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    if transformers_config(fields, 1).is_encoder_decoder:
+        return "encoder-decoder"
+    return "encoder" if fields["model_type"] in MODEL_FOR_MASKED_LM_MAPPING_NAMES else "decoder"
+
+
 def build(fields: dict, layers: int | None = None):
-    """The causal language model with fp32 parameters (the master weights); call it under FakeTensorMode."""
+    """The model with fp32 parameters (the master weights) and its language-model head: causal for a decoder,
+    sequence-to-sequence for an encoder-decoder, masked for an encoder; call it under FakeTensorMode."""
     import torch
 
     config = transformers_config(fields, layers)  # refuses first, in one sentence, where transformers is missing
-    from transformers import AutoModelForCausalLM
+    import transformers
 
+    auto = {
+        "decoder": "AutoModelForCausalLM",
+        "encoder-decoder": "AutoModelForSeq2SeqLM",
+        "encoder": "AutoModelForMaskedLM",
+    }
+    head = auto[kind(fields)]
     try:
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = getattr(transformers, head).from_config(config, dtype=torch.float32)
     except ValueError as exc:
         raise UsageError(
-            f"--hf-config's {type(config).__name__} has no causal language model in transformers,"
+            f"--hf-config's {type(config).__name__} has no {head[len('AutoModelFor') :]} model in transformers,"
             f" so plan cannot train it ({str(exc).splitlines()[0][:120]})"
         ) from None
-    blocks(model)  # a model without a list of decoder blocks is refused here, before any tracing
+    block_lists(model)  # a model without a list of blocks is refused here, before any tracing
     return model
 
 
@@ -121,18 +162,26 @@ def keep_stage(model, stage: str) -> None:
         model.lm_head = nn.Identity()
 
 
-def blocks(model):
-    """The model's list of decoder blocks (FSDP's units, checkpointing's units), or one sentence."""
+def block_lists(model) -> list:
+    """The model's lists of blocks (FSDP's units, checkpointing's units): a decoder's one, an encoder's (BERT's
+    encoder.layer), or an encoder-decoder's two (T5's encoder.block and decoder.block); or one sentence."""
     from torch import nn
 
     inner = getattr(model, getattr(model, "base_model_prefix", "model"), None)
-    found = getattr(inner, "layers", None)
-    if not isinstance(found, nn.ModuleList) or len(found) == 0:
+    places = [(inner, "layers"), (getattr(inner, "encoder", None), "layer")]
+    places += [(getattr(model, part, None), "block") for part in ("encoder", "decoder")]
+    found = [getattr(o, name) for o, name in places if isinstance(getattr(o, name, None), nn.ModuleList)]
+    if not found or not all(len(f) for f in found):
         raise UsageError(
-            f"{type(model).__name__} keeps no list of decoder blocks at .{model.base_model_prefix}"
-            ".layers, so plan cannot shard or checkpoint it block by block"
+            f"{type(model).__name__} keeps no list of blocks at .{model.base_model_prefix}.layers (nor an"
+            " encoder's and decoder's), so plan cannot shard or checkpoint it block by block"
         )
     return found
+
+
+def blocks(model):
+    """The model's first list of blocks: a decoder's (what tensor and expert parallelism split)."""
+    return block_lists(model)[0]
 
 
 def parameter_count(fields: dict) -> int:

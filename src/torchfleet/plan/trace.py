@@ -51,6 +51,7 @@ class Workload:
     reshard_after_forward: bool = True
     # Which part of the model a pipeline stage holds (library_model.STAGES): "whole" outside pipelines.
     stage: str = "whole"
+    decoder_seq: int | None = None  # an encoder-decoder's decoder tokens a sample; None: seq
 
 
 def trace(fields: dict, work: Workload, world: int, layers: int | None = None) -> Traced:
@@ -96,6 +97,7 @@ def tracked_step(fields: dict, work: Workload, mesh, tracker_class, layers: int 
     from torchfleet.plan import flash_attention, library_model
 
     model = library_model.build(fields, layers)
+    shape = library_model.kind(fields)
     flash_attention.use(model)  # attention as a GPU's fused kernels hold it, for every variant
     if work.stage != "whole":
         library_model.keep_stage(model, work.stage)
@@ -109,9 +111,12 @@ def tracked_step(fields: dict, work: Workload, mesh, tracker_class, layers: int 
     if work.stage in ("middle", "last"):  # the previous stage's output, as the send between them delivers it
         dtype = torch.bfloat16 if work.precision == "bf16" else torch.float32
         hidden = torch.randn(work.local_batch, work.seq, fields["hidden_size"], dtype=dtype, requires_grad=True)
+    written = None  # an encoder-decoder's decoder's tokens, and the targets after them
+    if shape == "encoder-decoder":
+        written = torch.randint(0, fields["vocab_size"], (work.local_batch, (work.decoder_seq or work.seq) + 1))
     _make_optimizer_state(model, optimizer)
     tracker = tracker_class(model, optimizer)
-    tracker.track_inputs((tokens,) if hidden is None else (tokens, hidden))
+    tracker.track_inputs(tuple(t for t in (tokens, hidden, written) if t is not None))
     with tracker, step_counter() as counter, warnings.catch_warnings():
         # A stage without the output layer returns a view of its blocks' output; the step does nothing in place.
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
@@ -123,6 +128,8 @@ def tracked_step(fields: dict, work: Workload, mesh, tracker_class, layers: int 
             hidden,
             last=work.stage in ("whole", "last"),
             after_forward=lambda: _note_held(tracker),
+            decoder=written,
+            encoder=shape == "encoder",
         )
     return tracker, counter
 
@@ -175,23 +182,24 @@ def _prepare(model, fields: dict, work: Workload, mesh) -> None:
     if work.tp > 1:  # split first, then checkpoint and shard the split blocks, as torchtitan orders them
         tensor_parallel.apply(model, fields, mesh["tp"])
         mesh = mesh["dp_shard"]
-    blocks = library_model.blocks(model)
+    lists = library_model.block_lists(model)
     if work.ac != "none":
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-        for i, block in enumerate(blocks):
-            if work.ac == "selective":
-                blocks[i] = checkpoint_wrapper(
-                    block, preserve_rng_state=False, context_fn=checkpoint_policy.selective_contexts
-                )
-            else:
-                blocks[i] = checkpoint_wrapper(block, preserve_rng_state=False)
+        for blocks in lists:
+            for i, block in enumerate(blocks):
+                if work.ac == "selective":
+                    blocks[i] = checkpoint_wrapper(
+                        block, preserve_rng_state=False, context_fn=checkpoint_policy.selective_contexts
+                    )
+                else:
+                    blocks[i] = checkpoint_wrapper(block, preserve_rng_state=False)
     policy = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if work.precision == "bf16"
         else MixedPrecisionPolicy()
     )
-    for block in blocks:
+    for block in (block for blocks in lists for block in blocks):
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=work.reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=work.reshard_after_forward)
 
@@ -230,18 +238,34 @@ def _timeline_tracker():
     return Timeline
 
 
-def _step(model, optimizer, tokens, tp: int = 1, hidden=None, last: bool = True, after_forward=None) -> None:
+def _step(
+    model,
+    optimizer,
+    tokens,
+    tp: int = 1,
+    hidden=None,
+    last: bool = True,
+    after_forward=None,
+    decoder=None,
+    encoder: bool = False,
+) -> None:
     """One step: from the tokens (or a pipeline stage's input `hidden`) to the loss, or to the output whose
-    gradient the next stage sends back (not `last`); `after_forward` is called between the two passes."""
+    gradient the next stage sends back (not `last`); `after_forward` is called between the two passes. An
+    encoder-decoder's decoder writes the `decoder` tokens, predicting each next one; an encoder (masked language model) predicts every
+    position and takes no cache flag."""
     import torch
     import torch.nn.functional as F
     from torch.distributed.tensor.parallel import loss_parallel
 
     # No key/value cache: a cache the blocks append to would differ between forward and recomputation.
     given = {"input_ids": tokens[:, :-1]} if hidden is None else {"inputs_embeds": hidden}
-    out = model(**given, use_cache=False).logits
+    targets = tokens[:, 1:]
+    if decoder is not None:  # an encoder-decoder: the encoder reads the tokens, the decoder writes its own
+        given["decoder_input_ids"] = decoder[:, :-1]
+        targets = decoder[:, 1:]
+    out = model(**given, use_cache=False).logits if decoder is not None or not encoder else model(**given).logits
     with loss_parallel() if tp > 1 and last else contextlib.nullcontext():  # on the vocabulary's shards
-        loss = F.cross_entropy(out.flatten(0, 1).float(), tokens[:, 1:].flatten()) if last else None
+        loss = F.cross_entropy(out.flatten(0, 1).float(), targets.flatten()) if last else None
         if after_forward is not None:
             after_forward()
         if loss is None:
