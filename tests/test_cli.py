@@ -153,6 +153,8 @@ SURFACE = {
         "--tp",
         "--pp",
         "--ep",
+        "--compile",
+        "--float8",
     ],
     "slurm": [
         "--gpus-per-node",
