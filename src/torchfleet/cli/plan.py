@@ -155,7 +155,7 @@ def add_parser(sub) -> None:
         "--compile",
         action="store_true",
         help="--hf-config: plan torch.compile's step: pointwise operators fused, so each only writes its output"
-        " (docs/plan.md)",
+        " (docs/tools/plan.md)",
     )
     s.add_argument(
         "--float8",

@@ -13,10 +13,10 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-TITAN_2412 = "torchtitan, benchmarks/llama3_h100_202412_torchtitan.md (Meta, Dec 2024)"
-TITAN_ASYNC = "torchtitan, benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md (Meta, Jun 2025)"
-TITAN_A100 = "torchtitan, docs/performance.md at c1f4345 (Meta, Oct 2024)"
-TRAINY = "torchtitan, benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md (Trainy, Jun 2025)"
+TITAN_2412 = "torchtitan, benchmarks folder: llama3_h100_202412_torchtitan.md (Meta, Dec 2024)"
+TITAN_ASYNC = "torchtitan, benchmarks folder: asyncTP_llama3_h100_2025-06_torchtitan.md (Meta, Jun 2025)"
+TITAN_A100 = "torchtitan, its performance.md at c1f4345 (Meta, Oct 2024)"
+TRAINY = "torchtitan, benchmarks folder: llama3-8b_h200_202506_trainy-whitefiber.md (Trainy, Jun 2025)"
 FOUNDRY = "llm-foundry, scripts/train/benchmarking/README.md (MosaicML, 2023)"
 AUTOMODEL = "NeMo AutoModel, docs/performance-summary.mdx (NVIDIA, 2026)"
 
