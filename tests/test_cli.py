@@ -155,6 +155,8 @@ SURFACE = {
         "--tp",
         "--pp",
         "--ep",
+        "--compile",
+        "--float8",
     ],
     "slurm": [
         "--gpus-per-node",

@@ -285,6 +285,8 @@ def test_a_shipped_config_plans_its_columns_from_its_parameter_count(tmp_path):
         "400",
         "--tp",
         "1",
+        "--mfu",
+        str(at_scale.AT_SCALE_EFFICIENCY),  # one rate for every FLOP (plan/kernels.py prices them by operator)
         "--json-out",
         str(out),
     )
@@ -689,6 +691,7 @@ def test_a_global_batch_is_honoured_on_every_row_by_accumulation_or_micro_batche
     out = tmp_path / "plan.json"
     flags = ["--gpu", "H100", "--gpus-per-node", "8", "--nproc", "2,4,8", "--tp", "1", "--pp", "2"]
     flags += ["--schedule", "1f1b", "--seq-len", "64", "--local-batch", "2", "--global-batch", "12"]
+    flags += ["--mfu", str(at_scale.AT_SCALE_EFFICIENCY)]
     result = forked_torchfleet("plan", "--hf-config", str(config), *flags, "--json-out", str(out))
     assert result.returncode == 0, result.stderr
     doc = json.loads(out.read_text())

@@ -170,6 +170,18 @@ def add_parser(sub) -> None:
         " model's experts (default for a model with experts: the most of a node's GPUs that divide them),"
         " FSDP over every GPU",
     )
+    s.add_argument(
+        "--compile",
+        action="store_true",
+        help="--hf-config: plan torch.compile's step: pointwise operators fused, so each only writes its output"
+        " (docs/tools/plan.md)",
+    )
+    s.add_argument(
+        "--float8",
+        action="store_true",
+        help="--hf-config: plan float8 linear layers (torchao, tensorwise): products on the FP8 tensor cores, their"
+        " operands cast first; H100, H200 and L40S kinds",
+    )
     c = p.add_argument_group("a described cluster (instead of this machine)")
     c.add_argument("--nodes", type=int, default=None, help="machines")
     c.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per machine, a process each")
@@ -187,7 +199,8 @@ def add_parser(sub) -> None:
         type=float,
         default=None,
         help="the fraction of the GPU's peak achieved (default as measured on an H100: 0.18 in bf16 and"
-        " fp16, 0.65 of the plain FP32 peak in fp32, which torch runs without TF32)",
+        " fp16, 0.65 of the plain FP32 peak in fp32, which torch runs without TF32; --hf-config in bf16 on a"
+        " GPU of the table: each operator at the rate that bounds it instead, 0.48 elsewhere)",
     )
     c.add_argument(
         "--link",
@@ -268,6 +281,8 @@ def command(args) -> int:
         ep=args.ep or (),
         global_batch=args.global_batch,
         microbatches=args.microbatches,
+        compile=args.compile,
+        float8=args.float8,
     )
     if cfg.library_fields and not args.precision:
         cfg.precision = "bf16"  # a --model builder's library model is planned at scale, as --hf-config's

@@ -47,8 +47,8 @@ SCHEMA = "torchfleet-plan-at-scale/1"
 # AdamW's two fp32 moments.
 TRAINING_BYTES_PER_PARAM = 16
 # The fraction of a GPU's dense peak that a large transformer's step reaches, on FLOPs as FlopCounterMode counts
-# them (recomputation included, attention unhalved). One figure for every plan (--mfu overrides it), as the plan
-# has no model of kernel efficiency: the mean of the same two GPU steps as scale_rows.RESERVED_OVER_ALLOCATED
+# them (recomputation included, attention unhalved), where plan/kernels.py cannot price each operator (a GPU
+# outside its table, fp32, --tflops); --mfu overrides it, and the table, everywhere. The mean of the same two GPU steps as scale_rows.RESERVED_OVER_ALLOCATED
 # (docs/benchmarks/history.md, "Planning at scale on fake tensors").
 AT_SCALE_EFFICIENCY = 0.48
 
@@ -92,6 +92,9 @@ def request_of(cfg) -> ScaleRequest:
         precision=cfg.precision,
         intra_gbit=cfg.intra_gbit,
         inter_gbit=cfg.link_gbit,
+        by_operator=cfg.mfu is None,
+        compile=cfg.compile,
+        float8=cfg.float8,
     )
     return ScaleRequest(
         cfg.hf_config or cfg.model,
@@ -212,8 +215,15 @@ def plan_at_scale(request: ScaleRequest, say=print) -> dict:
             f" max_memory_allocated reads on a GPU); reserved is {RESERVED_OVER_ALLOCATED} times it, the"
             " caching allocator's measured overhead with expandable segments; a step whose tensors fit"
             " but whose reserve does not is tight",
-            f"step time: the traced FLOPs at {request.efficiency:.0%} of the GPU's dense peak"
-            " (--mfu); FSDP's all-gathers and reduce-scatter over the link they cross, hidden behind"
+            "step time: "
+            + (
+                "each traced operator at the rate that bounds it on this GPU (plan/kernels.py)"
+                + (", compiled" if request.target.compute.compile else "")
+                + (", float8 products" if request.target.compute.float8 else "")
+                if request.target.compute is not None and request.target.compute.kernels is not None
+                else f"the traced FLOPs at {request.efficiency:.0%} of the GPU's dense peak (--mfu)"
+            )
+            + "; FSDP's all-gathers and reduce-scatter over the link they cross, hidden behind"
             " compute but for one block's share; tensor parallelism's traced collectives over the"
             " node's links, not hidden",
         ]
@@ -285,9 +295,8 @@ def step_time(
       planned).
     - `passes` forward-and-backward passes a step (gradient accumulation): each pays its compute and collectives."""
     target = request.target
-    assert target.rate is not None
     tp = gpus // (traced.world * replicas)
-    compute = passes * traced.flops / target.rate
+    compute = passes * target.compute_s(traced.flops, traced.work)
     link = target.link_for(traced.world * tp)  # a replica's ranks are consecutive: tp inside, shards around
     param_bytes = 2 if request.precision == "bf16" else 4
     units = tuple((calls, count / tp) for calls, count in fsdp_units(fields, params))

@@ -54,6 +54,8 @@ class PlanConfig:
     library_fields: dict | None = None
     global_batch: int | None = None  # --hf-config's, the same on every row; None: local_batch a data-parallel GPU
     microbatches: int | None = None  # --hf-config's pipelines' a step; None: micro-batches of one sample
+    compile: bool = False  # --hf-config: price torch.compile's fused step (plan/kernels.py)
+    float8: bool = False  # --hf-config: price float8 linear layers (plan/kernels.py)
 
     @property
     def described(self) -> bool:
@@ -76,6 +78,9 @@ class PlanConfig:
             raise UsageError(
                 f"--global-batch {self.global_batch} is --hf-config's; a --model plan's global batch is --batch-size"
             )
+        if (self.compile or self.float8) and self.hf_config is None and self.library_fields is None:
+            flag = "--compile" if self.compile else "--float8"
+            raise UsageError(f"{flag} prices a step traced at scale: give --hf-config with a GPU cluster")
         if self.gpt_preset not in GPT_PRESETS:
             raise choice_error("gpt preset", self.gpt_preset, tuple(GPT_PRESETS))
         if self.optimizer not in OPTIMIZER_STATE:

@@ -126,7 +126,7 @@ def split_experts(traced: Traced, block_share: float, ep: int, buffers: float) -
         {**{k: v * kept if k in GATHERED_KINDS else v for k, v in m.items()}, "ALL_TO_ALL": buffers}
         for m in traced.moments
     )
-    return Traced(traced.layers, traced.world, moments, traced.flops, traced.collectives, traced.held)
+    return replace(traced, moments=moments)
 
 
 def all_to_all_s(nbytes: float, ep: int, target: hardware.Target) -> float:
@@ -154,8 +154,7 @@ def step_time(
     """at_scale.step_time's parts for fsdp+ep (the module docstring): compute, FSDP's collectives, hidden
     behind compute but one block's share, and the all-to-alls, not hidden; each `passes` times a step."""
     target = request.target
-    assert target.rate is not None
-    compute = passes * traced.flops / target.rate
+    compute = passes * target.compute_s(traced.flops, traced.work)
     link = target.link_for(gpus)
     param_bytes = 2 if request.precision == "bf16" else 4
     rest, local_experts = params - experts["parameters"], experts["parameters"] / ep

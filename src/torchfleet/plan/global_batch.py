@@ -15,7 +15,7 @@ on every GPU holds its whole shard of fp32 gradients from the first.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torchfleet.plan.traced import Traced
 
@@ -57,7 +57,7 @@ def accumulating(traced: Traced, sharded_grad_bytes: float, passes: int) -> Trac
     if passes == 1:
         return traced
     moments = tuple({**m, "SHARDED_GRAD": max(m.get("SHARDED_GRAD", 0.0), sharded_grad_bytes)} for m in traced.moments)
-    return Traced(traced.layers, traced.world, moments, traced.flops, traced.collectives, traced.held)
+    return replace(traced, moments=moments)
 
 
 def left_out(layout: str, dp: int, global_batch: int) -> str:

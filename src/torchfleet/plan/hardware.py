@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 
 from torchfleet.errors import UsageError
+from torchfleet.plan import kernels
 from torchfleet.plan.comm import Link
 
 DEFAULT_MFU = {"fp32": 0.65, "bf16": 0.18, "fp16": 0.18}
@@ -38,6 +39,8 @@ GPUS: dict[str, tuple[float, float, float, float]] = {
     "H100": (989.4, 494.7, 67.0, 80.0),
     "H100-HBM2E": (912.2, 456.1, 63.5, 96.0),
     "H100-PCIE": (756.0, 378.0, 51.0, 80.0),
+    "H100-NVL": (835.0, 417.5, 60.0, 94.0),
+    "MI300X": (1307.4, 653.7, 163.4, 192.0),
     "A100": (312.0, 156.0, 19.5, 80.0),
     "A100-40GB": (312.0, 156.0, 19.5, 40.0),
     "L40S": (362.1, 183.0, 91.6, 48.0),
@@ -71,6 +74,15 @@ class Target:
     rate: float | None = None
     cores_per_node: int = 0  # CPU hosts: cores the processes of one node share; 0 for GPUs
     here: bool = False  # this machine, calibrated by its own probes
+    # How a traced step's compute is priced (plan/kernels.py); None: its FLOPs at `rate`.
+    compute: kernels.Compute | None = None
+
+    def compute_s(self, flops: float, work: tuple[tuple[str, float], ...] = ()) -> float:
+        """One rank's seconds for a traced step's `flops`, split by what bounds them as `work` says."""
+        if self.compute is not None:
+            return kernels.seconds(self.compute, flops, work)
+        assert self.rate is not None
+        return flops / self.rate
 
     @property
     def devices(self) -> int:
@@ -113,8 +125,14 @@ def gpu_cluster(
     precision: str,
     intra_gbit: float | None,
     inter_gbit: float | None,
+    by_operator: bool = False,
+    compile: bool = False,
+    float8: bool = False,
 ) -> Target:
-    """A described GPU cluster; figures given as flags win over the table's (`mfu` None: DEFAULT_MFU's)."""
+    """A described GPU cluster; figures given as flags win over the table's (`mfu` None: DEFAULT_MFU's). A
+    GPU of plan/kernels.py's table planned in bf16 `by_operator` (a traced step's, without --mfu or --tflops)
+    has its compute priced by operator there (with `compile` and `float8`); any other at `mfu` of its peak."""
+    fixed = not by_operator or tflops is not None
     _check_counts(nodes, per_node, "--gpus-per-node")
     mfu = DEFAULT_MFU[precision] if mfu is None else mfu
     if not 0 < mfu <= 1:
@@ -144,6 +162,7 @@ def gpu_cluster(
         Link(intra, GPU_LATENCY_S, hw),
         Link(min(inter, intra), 2 * GPU_LATENCY_S, hw),
         rate=peak * mfu,
+        compute=kernels.for_gpu(gpu, precision, compile=compile, float8=float8, rate=peak * mfu, fixed=fixed),
     )
 
 

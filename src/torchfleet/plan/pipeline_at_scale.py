@@ -214,9 +214,8 @@ def step_time(
     stages (not hidden), and FSDP's collectives for the stage's blocks, once a step, behind compute; under
     HSDP also the all-reduce of each rank's gradient shard across the stage's replicas, between nodes."""
     target = request.target
-    assert target.rate is not None
     tp = gpus // (one.world * pp * replicas)
-    per_microbatch = one.flops / target.rate
+    per_microbatch = target.compute_s(one.flops, one.work)
     busy, idle = pipelines.bubble_slots(schedule, pp, m, v)
     compute = busy * per_microbatch / v
     bubble = idle * per_microbatch / v

@@ -14,6 +14,7 @@ def step_counter():
     import torch
     from torch._guards import active_fake_mode
     from torch.distributed.tensor import DTensor
+    from torch.utils import _pytree as pytree
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count, shape_wrapper
 
@@ -53,12 +54,27 @@ def step_counter():
     gathered = {functional.all_gather_into_tensor.default: "all_gather"}  # the output is group_size inputs
     whole = {functional.reduce_scatter_tensor.default: "reduce_scatter", functional.all_reduce.default: "all_reduce"}
 
+    matmuls = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.convolution, aten.convolution_backward}
+    matmuls |= {getattr(aten, name) for name in ("_grouped_mm", "_scaled_mm") if hasattr(aten, name)}
+    attention = {op for op in table if "attention" in str(op)} | {fused.attention, fused.attention_backward}
+    # Operators that move no data: allocations, and a view that its schema does not mark as one.
+    still = {aten.empty, aten.empty_strided, aten.new_empty, aten.new_empty_strided, aten.empty_like, aten._unsafe_view}
+
+    def nbytes(tree) -> int:
+        return sum(t.numel() * t.element_size() for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor))
+
     class StepCounter(TorchDispatchMode):
         total = 0
         fake_mode = None  # the one the step runs under, set on entry
 
         def __enter__(self):
             self.fake_mode = active_fake_mode()
+            # FLOPs by what bounds their kernels ("matmul", "attention"), and "memory": the bytes that the
+            # operators without a FLOP formula read and write (views and bare allocations move none).
+            # "pointwise" holds the bytes of those a compiler fuses ("pointwise_out": what they write), "operands"
+            # the products' inputs.
+            kinds = ("matmul", "attention", "operands", "memory", "pointwise", "pointwise_out")
+            self.work: dict[str, float] = dict.fromkeys(kinds, 0.0)
             self.collectives: dict[str, float] = {}  # bytes by kind
             self.calls: dict[str, int] = {}
             return super().__enter__()
@@ -75,13 +91,32 @@ def step_counter():
             if active_fake_mode() is not self.fake_mode:
                 return out
             if formula is not None:
-                self.total += formula(*args, **(kwargs or {}), out_val=out)
+                flops = formula(*args, **(kwargs or {}), out_val=out)
+                self.total += flops
+                packet = func._overloadpacket
+                if packet in attention:
+                    self.work["attention"] += flops
+                elif packet in matmuls:
+                    self.work["matmul"] += flops
+                    self.work["operands"] += nbytes((args, kwargs))
+                else:
+                    self.moved(func, args, kwargs, out)
             elif func in gathered or func in whole:
                 kind = gathered.get(func) or whole[func]
                 tensor = out if func in gathered else args[0]
                 self.collectives[kind] = self.collectives.get(kind, 0.0) + tensor.numel() * tensor.element_size()
                 self.calls[kind] = self.calls.get(kind, 0) + 1
+            elif func.namespace in ("aten", "fsdp") and not func.is_view and func._overloadpacket not in still:
+                # Collectives (c10d) move bytes between GPUs, priced apart; prim's operators read metadata.
+                self.moved(func, args, kwargs, out)
             return out
+
+        def moved(self, func, args, kwargs, out) -> None:
+            if torch.Tag.pointwise in func.tags:
+                self.work["pointwise_out"] += nbytes(out)
+                self.work["pointwise"] += nbytes((args, kwargs, out))
+            else:
+                self.work["memory"] += nbytes((args, kwargs, out))
 
     return StepCounter()
 

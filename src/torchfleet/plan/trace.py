@@ -77,6 +77,7 @@ def trace(fields: dict, work: Workload, world: int, layers: int | None = None) -
         counter.total,
         tuple((kind, nbytes, counter.calls[kind]) for kind, nbytes in sorted(counter.collectives.items())),
         tracker.held,
+        tuple(counter.work.items()),
     )
 
 

@@ -31,6 +31,9 @@ class Traced:
     # What one micro-batch's forward leaves for its backward (its saved activations and its input): what each
     # further micro-batch a pipeline stage holds in flight adds.
     held: float = 0.0
+    # One rank's step by what bounds its kernels (plan/kernels.py): ("matmul", FLOPs), ("attention", FLOPs),
+    # ("memory", bytes the other operators read and write).
+    work: tuple[tuple[str, float], ...] = ()
 
     @property
     def kinds(self) -> dict[str, float]:
@@ -50,6 +53,7 @@ class Traced:
             self.flops,
             self.collectives,
             self.held,
+            self.work,
         )
 
 
@@ -93,4 +97,5 @@ def at_depth(low: Traced, high: Traced, layers: int) -> Traced:
         carried(low.flops, high.flops),
         collectives,
         carried(low.held, high.held),
+        tuple((kind, carried(dict(low.work).get(kind, 0.0), amount)) for kind, amount in high.work),
     )

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from conftest import assert_refused_in_one_sentence, forked_torchfleet, require_module
+from helpers import assert_refused_in_one_sentence, forked_torchfleet, require_module
 
 require_module("transformers", "transformers (the test extra) builds the library models from configs")
 
