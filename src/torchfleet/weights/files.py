@@ -142,7 +142,9 @@ class WeightFiles:
 
         Straight into `out` where the region is whole rows of the file's tensor and `out` is contiguous in the
         file's dtype (a row-split shard): no copy, and its pages touched once. Otherwise a block of whole rows at
-        a time, at most BLOCK_BYTES, copied out of: the transient memory stays one block."""
+        a time, at most BLOCK_BYTES, copied out of: the transient memory stays one block (a mapping of the file's
+        block, unmapped once copied from, so no fresh memory is faulted in for it; read into memory if mapping
+        is off)."""
         entry = self.entries[key]
         full, shape = entry.shape, tuple(out.shape)
         if out.numel() == 0:
@@ -157,8 +159,7 @@ class WeightFiles:
         rest = tuple(slice(s, s + n) for s, n in zip(start[1:], shape[1:], strict=True))
         for first in range(0, shape[0] if full else 1, per_block):
             rows = min(per_block, shape[0] - first) if full else 1
-            block = torch.empty((rows, *full[1:]) if full else (), dtype=entry.dtype)
-            self._pread(entry, entry.begin + ((start[0] + first) * row if full else 0), block)
+            block = self._block(entry, entry.begin + ((start[0] + first) * row if full else 0), (rows, *full[1:]))
             if full:
                 out[first : first + rows] = block[(slice(None), *rest)]
             else:
@@ -189,6 +190,27 @@ class WeightFiles:
             raise UsageError(f"{entry.file} ends before its header says (truncated); copy it again")
         self.bytes_mapped += math.prod(shape) * dtype.itemsize
         return torch.frombuffer(table, dtype=dtype, count=math.prod(shape), offset=offset).view(shape)
+
+    def _block(self, entry: Entry, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
+        """The file's `shape` rows of `entry` at `offset`: over a mapping of their own, freed with the tensor."""
+        shape = shape if entry.shape else ()
+        count, size = math.prod(shape), entry.dtype.itemsize
+        inner = offset % mmap.ALLOCATIONGRANULARITY
+        if not mapping_allowed() or offset % size:
+            block = torch.empty(shape, dtype=entry.dtype)
+            self._pread(entry, offset, block)
+            return block
+        if offset + count * size > os.fstat(self._fd(entry.file)).st_size:
+            raise UsageError(f"{entry.file} ends before its header says (truncated); copy it again")
+        table = mmap.mmap(
+            self._fd(entry.file),
+            inner + count * size,
+            flags=mmap.MAP_PRIVATE,
+            prot=mmap.PROT_READ | mmap.PROT_WRITE,
+            offset=offset - inner,
+        )
+        self.bytes_read += count * size
+        return torch.frombuffer(table, dtype=entry.dtype, count=count, offset=inner).view(shape)
 
     def _fd(self, file: Path) -> int:
         fd = self._fds.get(file)
