@@ -12,7 +12,9 @@ Each case starts fresh processes (a process's resident peak cannot be reset):
 - from_pretrained: one process, transformers' AutoModelForCausalLM.from_pretrained(DIR, dtype=float32), which
   maps the files and reads nothing yet; then every weight read once (what a first forward pays: "touched");
 - fsdp, tp, pipeline: 2 CPU processes (Gloo), each building the model on the meta device
-  (fleet.init_module) and `fleet.setup(model, SGD, weights=DIR)`, reading only its share.
+  (fleet.init_module) and `fleet.setup(model, SGD, weights=DIR)`, taking only its share (mapped where it
+  is one run of a file's bytes, as from_pretrained's weights are; TORCHFLEET_MAP_WEIGHTS=0 reads it all);
+  then every weight it holds read once, likewise.
 For each process: its resident set's peak during the build and the load, above what it held just
 before (the kernel's peak, reset first, so a peak reached earlier, in the imports, does not hide it),
 over the model's bytes; the wall time of the build and the load (the slowest rank's), and its CPU time
@@ -149,13 +151,28 @@ def fleet_job(strategy: str, directory: str) -> dict:
         fleet.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), example_inputs=example, weights=directory)
         took, cpu = time.perf_counter() - tick, cpu_seconds() - cpu
     report = fleet.weights_report or {}
-    held = sum(
-        (t.to_local() if hasattr(t, "to_local") else t).nbytes
+    mine = [
+        t.to_local() if hasattr(t, "to_local") else t
         for m in getattr(fleet.strategy, "stage_modules", None) or [fleet.strategy.unwrapped()]
         for t in m.parameters()
-    )
+    ]
+    # A mapped share is read when first touched, as from_pretrained's weights are: read it all, likewise.
+    with PeakResident() as touched, torch.no_grad():
+        tick, touch_cpu = time.perf_counter(), cpu_seconds()
+        sum(float(t.sum()) for t in mine)
+        touch, touch_cpu = time.perf_counter() - tick, cpu_seconds() - touch_cpu
     fleet.close()
-    return {"seconds": took, "cpu": cpu, "growth": memory.growth, "held": held, "read": report.get("read_bytes")}
+    return {
+        "seconds": took,
+        "cpu": cpu,
+        "growth": memory.growth,
+        "touch_seconds": touch,
+        "touch_cpu": touch_cpu,
+        "touched_growth": touched.growth,
+        "held": sum(t.nbytes for t in mine),
+        "read": report.get("read_bytes"),
+        "mapped": report.get("mapped_bytes"),
+    }
 
 
 def main() -> None:
@@ -182,20 +199,13 @@ def main() -> None:
         rows[case] = {
             "seconds": max(r["seconds"] for r in ranks),
             "cpu_seconds": max(r["cpu"] for r in ranks),
-            **(
-                {
-                    "touched_seconds": ranks[0]["seconds"] + ranks[0]["touch_seconds"],
-                    "touched_cpu_seconds": ranks[0]["cpu"] + ranks[0]["touch_cpu"],
-                    "touched_growth_over_model": round(
-                        (ranks[0]["growth"] + ranks[0]["touched_growth"]) / model_bytes, 3
-                    ),
-                }
-                if case == "from_pretrained"
-                else {}
-            ),
+            "touched_seconds": max(r["seconds"] + r["touch_seconds"] for r in ranks),
+            "touched_cpu_seconds": max(r["cpu"] + r["touch_cpu"] for r in ranks),
             "growth_over_model": [round(r["growth"] / model_bytes, 3) for r in ranks],
+            "touched_growth_over_model": [round((r["growth"] + r["touched_growth"]) / model_bytes, 3) for r in ranks],
             "held_over_model": [round(r.get("held", model_bytes) / model_bytes, 3) for r in ranks],
-            "read_over_model": [round((r.get("read") or model_bytes) / model_bytes, 3) for r in ranks],
+            "read_over_model": [round(r.get("read", model_bytes) / model_bytes, 3) for r in ranks],
+            "mapped_over_model": [round(r.get("mapped", 0) / model_bytes, 3) for r in ranks],
         }
         print(case, json.dumps(rows[case]), flush=True)
     if "from_pretrained" in rows:
@@ -203,6 +213,9 @@ def main() -> None:
         for row in rows.values():
             row["seconds_over_from_pretrained"] = round(row["seconds"] / base["seconds"], 2)
             row["seconds_over_from_pretrained_touched"] = round(row["seconds"] / base["touched_seconds"], 2)
+            row["touched_seconds_over_from_pretrained_touched"] = round(
+                row["touched_seconds"] / base["touched_seconds"], 2
+            )
             row["cpu_over_from_pretrained_touched"] = round(row["cpu_seconds"] / base["touched_cpu_seconds"], 2)
     print(json.dumps(rows, indent=1))
     if args.json_out:

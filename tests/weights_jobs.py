@@ -8,7 +8,9 @@ in well under a second each, and starting processes is what costs.
 
 from __future__ import annotations
 
+import hashlib
 import traceback
+from pathlib import Path
 
 import torch
 
@@ -54,6 +56,7 @@ def case_job(strategy: str, name: str, weights: str | None, adapters: str | None
         "logits": logits,
         "state": {k: v.detach().float().cpu().clone() for k, v in state.items()} if fleet.is_main else None,
         "read": report.get("read_bytes"),
+        "mapped": report.get("mapped_bytes"),
         "files": report.get("file_bytes"),
         "held": sum(
             (t.to_local() if hasattr(t, "to_local") else t).nbytes for t in fleet.strategy.unwrapped().parameters()
@@ -75,3 +78,41 @@ def cases_job(cases: list[tuple]) -> list[dict]:
         dist.barrier()
         dist.destroy_process_group()
     return results
+
+
+def _digest(directory: str) -> str:
+    return hashlib.sha256(b"".join(p.read_bytes() for p in sorted(Path(directory).rglob("*.safetensors")))).hexdigest()
+
+
+def save_over_job(directory: str, adapters: str) -> dict:
+    """A peft Llama read from `directory` and `adapters` under fsdp (its base frozen, its weights mapped), one
+    step trained, saved over `directory` itself: the logits before and after the save, and what the files saw."""
+    from torchfleet import Fleet
+
+    fleet = Fleet(strategy="fsdp")
+    with fleet.init_module():
+        net = build("peft-llama")
+    opt = torch.optim.SGD([p for p in net.parameters() if p.requires_grad], lr=0.5)
+    example = {"input_ids": INPUTS}
+    model, opt = fleet.setup(net, opt, example_inputs=example, weights=directory, adapters=adapters)
+    adapters_before = _digest(adapters)
+    model.eval()
+    start = fleet.predict(example).logits.detach().clone()
+    model.train()
+    fleet.train_step(example, INPUTS.roll(-1, 1), zoo._lm_loss)
+    fleet.barrier()
+    adapters_after = _digest(adapters)  # the step wrote the mapped adapters: their file must not change
+    model.eval()
+    before = fleet.predict(example).logits.detach().clone()
+    fleet.save_model(directory)
+    after = fleet.predict(example).logits.detach().clone()
+    report = fleet.weights_report or {}
+    fleet.close()
+    return {
+        "start": start,
+        "before": before,
+        "after": after,
+        "mapped": report.get("mapped_bytes"),
+        "read": report.get("read_bytes"),
+        "adapter_file_kept": adapters_before == adapters_after,
+    }

@@ -21,6 +21,11 @@ VARIABLES: dict[str, tuple[str, str]] = {
         " the mmap and trim thresholds on a CPU so that each step does not return and"
         " refault its tensors' pages.",
     ),
+    "TORCHFLEET_MAP_WEIGHTS": (
+        "users",
+        "`0` reads every share of `fleet.setup(weights=DIR)` with `os.pread`; by default a share that is one"
+        " run of a file's bytes, on the CPU, is a private copy-on-write mapping of the file instead.",
+    ),
     "TORCHFLEET_RUN_ID": (
         "users",
         "The rendezvous id when `--rdzv-id` is not given (the SageMaker runner sets one per job).",

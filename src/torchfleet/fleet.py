@@ -93,7 +93,7 @@ class Fleet:
         self._samplers: list[GlobalBatchSampler] = []  # the training loaders' (dataloader)
         self._returned: torch.nn.Module | None = None  # what setup returned, until train_step's first check
         self._pretrained: Pretrained | None = None  # a transformers model's config and keys, for save_model
-        self.weights_report: dict | None = None  # setup's: what this rank read of `weights`, what it initialised
+        self.weights_report: dict | None = None  # setup's: bytes read and mapped of `weights`, what it initialised
         self.run_options, self.services = in_fleet.RunOptions.from_environment(), None  # run_services/in_fleet.py
 
         hardware = probe_hardware()

@@ -7,8 +7,9 @@ model with `fleet.init_module()` and sets it up under a strategy:
   copies its share out of the same whole tensors);
 - from a directory that transformers' save_pretrained wrote (Llama, Qwen2-MoE with its experts one per
   key, a peft-wrapped Llama with an adapter directory): logits equal those of one process's
-  from_pretrained within 1e-6 (hsdp too), each rank having read less than all of the files where it holds a
-  share (fsdp), and again after save_model(DIR) and from_pretrained(DIR).
+  from_pretrained within 1e-6 (hsdp too), each rank having taken less than all of the files where it holds a
+  share (fsdp), mapping the shares that are one run of a file's bytes rather than reading them, and again
+  after save_model(DIR) and from_pretrained(DIR), also when DIR is the directory the weights are mapped from.
 
 Measured on 2 loaded cores with torch 2.14: logits at most 1.3e-7 from from_pretrained's (tp's
 row-wise sums), 0 elsewhere.
@@ -175,14 +176,47 @@ def test_pretrained_weights_load_shard_by_shard_and_save_back(request, dirs, str
 
 def test_each_rank_holds_and_reads_its_share(two):
     """The mechanism of benchmarks/weights_memory.py's figures: under fsdp a rank of 2 holds half the
-    parameters and reads about half the bytes; under tp the split layers' half and the rest whole."""
-    fsdp, tp = two["fsdp", "llama", True, False], two["tp", "llama", True, False]
+    parameters and takes about half the bytes; under tp the split layers' half and the rest whole.
+    Every tensor of the tiny Llama splits evenly in two, so fsdp's and the pipeline's shares are one run of the
+    file's bytes each: mapped, none read (their logits equal from_pretrained's in the test above)."""
+    fsdp, tp, pipeline = (two[s, "llama", True, False] for s in ("fsdp", "tp", "pipeline"))
     whole = sum(v.numel() * 4 for v in fsdp[0]["state"].values())
     for rank in fsdp:
         assert math.isclose(rank["held"], whole / 2, rel_tol=0.05)
-        assert rank["read"] <= 0.55 * rank["files"]
+        assert rank["read"] + rank["mapped"] <= 0.55 * rank["files"]
+        assert rank["read"] == 0 and rank["mapped"] == rank["held"]
+    for rank in pipeline:
+        assert rank["read"] == 0 and rank["mapped"] == rank["held"]
     for rank in tp:
         assert rank["held"] < 0.8 * whole
+        assert rank["mapped"] > 0.3 * whole and rank["read"] > 0  # row-split shards mapped, column-split read
+
+
+def test_saving_over_the_mapped_directory_keeps_the_weights_in_use(dirs, tmp_path):
+    """The base weights stay mapped from the directory's files while save_model replaces that directory: it
+    writes a new one and renames it over the old, whose files live on unlinked, so the frozen weights do not
+    change under the model; the step's writes to the mapped adapters stay in the process."""
+    import shutil
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from weights_jobs import save_over_job
+
+    shutil.copytree(dirs["root"] / "llama", tmp_path / "base")
+    shutil.copytree(dirs["root"] / "lora", tmp_path / "lora")
+    ranks = launch(save_over_job, nprocs=2, args=(str(tmp_path / "base"), str(tmp_path / "lora")))
+    for rank in ranks:
+        assert rank["mapped"] > 0 and rank["read"] == 0, rank
+        assert rank["adapter_file_kept"]
+        assert (rank["start"] - dirs["peft-llama"]).abs().max() < LOGITS_TOLERANCE
+        assert (rank["before"] - rank["start"]).abs().max() > 1e-4  # the step moved the adapters
+        assert torch.equal(rank["after"], rank["before"])
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    reloaded = PeftModel.from_pretrained(reloaded, tmp_path / "base" / "adapter").eval()
+    with torch.no_grad():
+        diff = (reloaded(input_ids=INPUTS).logits - ranks[0]["before"]).abs().max().item()
+    assert diff < LOGITS_TOLERANCE, f"saved over its own directory, reloaded: logits {diff:.3g} off"
 
 
 def test_a_meta_model_a_pipeline_must_trace_is_refused_in_one_sentence(two):

@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from torchfleet.errors import UsageError
 from torchfleet.strategies.blocks import library_model
+from torchfleet.weights.files import mapping_allowed
 from torchfleet.weights.keys import LoadPlan
 
 
@@ -195,11 +196,66 @@ def _swapping():
         torch.__future__.set_swap_module_params_on_conversion(before)
 
 
-def give_storage(modules: Iterable[nn.Module], device: torch.device) -> None:
-    """Every meta tensor of `modules` given empty storage on `device`, in place; real buffers moved there."""
+def give_storage(
+    modules: Iterable[nn.Module], device: torch.device, given: dict[int, torch.Tensor] | None = None
+) -> None:
+    """Every meta tensor of `modules` given storage on `device`, in place: its tensor in `given` (by id) where it
+    has one, else empty; real buffers moved there."""
+    given = given or {}
+
+    def storage(t: torch.Tensor) -> torch.Tensor:
+        if not t.is_meta:
+            return t.to(device)
+        return given[id(t)] if id(t) in given else torch.empty_like(t, device=device)
+
     with _swapping(), torch.no_grad():
         for module in modules:  # through FSDP2's _apply where it wraps: it re-points its sharded storage
-            module._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t.to(device))
+            module._apply(storage)
+
+
+def _evenly_split(tensor: torch.Tensor) -> bool:
+    """Whether every process's share of `tensor` has the same shape (FSDP2 pads the last one otherwise, copying)."""
+    if not isinstance(tensor, DTensor):
+        return True
+    from torch.distributed.tensor.placement_types import Replicate, Shard
+
+    parts: dict[int, int] = {}
+    for mesh_dim, p in enumerate(tensor.placements):
+        if type(p) is Shard:
+            parts[p.dim] = parts.get(p.dim, 1) * tensor.device_mesh.size(mesh_dim)
+        elif not isinstance(p, Replicate):
+            return False  # a strided or partial placement: read, not mapped
+    return all(tensor.shape[dim] % n == 0 for dim, n in parts.items())
+
+
+def mapped_share(tensor: torch.Tensor, name: str, plan: LoadPlan) -> torch.Tensor | None:
+    """`tensor`'s share (a meta tensor, the model's `name`) as a tensor over the file's mapped bytes, a DTensor's
+    laid out as the meta one: None where the share is not one run of one file's bytes in its dtype."""
+    blocks = regions(tensor)
+    if len(blocks) != 1 or not _evenly_split(tensor):
+        return None
+    start, shape, _ = blocks[0]
+    if tuple(_local(tensor).shape) != shape:
+        return None
+    inside = [
+        p
+        for p in plan.pieces[name]
+        if all(b >= a and b + m <= a + n for a, n, b, m in zip(p.start, p.shape, start, shape, strict=True))
+    ]
+    if len(inside) != 1:
+        return None  # the share made of several pieces: experts stacked from one key each
+    piece = inside[0]
+    at = tuple(s - p for s, p in zip(start, piece.start, strict=True))
+    at, size = (at[1:], shape[1:]) if piece.stacked else (at, shape)  # a stacked piece is one expert
+    local = plan.sources[name].mapped(piece.key, at, size, tensor.dtype)
+    if local is None:
+        return None
+    local = local.view(shape)
+    if isinstance(tensor, DTensor):
+        return DTensor.from_local(
+            local, tensor.device_mesh, tensor.placements, run_check=False, shape=tensor.shape, stride=tensor.stride()
+        )
+    return local
 
 
 @torch.no_grad()
@@ -209,7 +265,17 @@ def materialise(
     """Storage and values for the meta tensors `modules` hold (this process's share of the model);
     returns the names of the tensors initialised rather than loaded."""
     was_meta = [{name for name, t in _tensors(module, recurse=True) if t.is_meta} for module in modules]
-    give_storage(modules, device)
+    mapped: dict[int, torch.Tensor] = {}  # meta tensor's id -> its share over the file's mapped bytes
+    if plan is not None and device.type == "cpu" and mapping_allowed():
+        for module in modules:
+            for name, t in _tensors(module, recurse=True):
+                key = recipe.first.get(name)
+                if t.is_meta and key in plan.pieces and id(t) not in mapped:
+                    if (share := mapped_share(t, key, plan)) is not None:
+                        mapped[id(t)] = share
+    give_storage(modules, device, mapped)
+    # A parameter keeps its identity (swapped), a buffer is replaced by the tensor given: either is done.
+    done = set(mapped) | {id(share) for share in mapped.values()}
     local: dict[str, dict[int, torch.Tensor]] = {}  # tensor name -> this process's tensors of it (stages may share)
     for module, names in zip(modules, was_meta, strict=True):
         for name, t in _tensors(module, recurse=True):
@@ -218,8 +284,9 @@ def materialise(
     if plan is not None:
         for name, held in list(local.items()):
             if name in plan.pieces:
-                for t in held.values():
-                    load(t, name, plan)
+                for key, t in held.items():
+                    if key not in done:
+                        load(t, name, plan)
                 del local[name]
     made = []
     for unit in recipe.units:

@@ -3,15 +3,25 @@
 The format (huggingface/safetensors): 8 bytes holding the header's length, the header (JSON: each
 tensor's dtype, shape and byte offsets), then the tensors' bytes, row-major. A directory holds
 ``model.safetensors``, or ``model.safetensors.index.json`` whose ``weight_map`` names the file of each
-key. Read here with `os.pread`, not memory-mapped: a rank reads only the bytes of its slice (the rows
-of a row-split tensor, whole rows of a column-split one, a block at a time), and none of it stays in
-the process's resident set as mapped pages would (safetensors' own reader maps the file).
+key. A rank takes only the bytes of its slice. Where the slice is one run of bytes in the tensor's own
+dtype on the CPU (an even row-split shard, a whole tensor), its storage is a private copy-on-write
+mapping of the file, as safetensors' own reader gives it: nothing is read until a page is touched, and
+the page cache's pages are used rather than copied into freshly faulted memory (whose faults cost more
+than the copy). A write (an optimizer step) makes the process its own copy of a page; the file never
+changes. Other slices are read with `os.preadv`: the rows of a row-split tensor straight into its
+storage, whole rows of a column-split one a block at a time. ``TORCHFLEET_MAP_WEIGHTS=0`` reads every
+slice.
+
+A mapped file must not be rewritten in place while the model lives (a shortened file faults the process,
+a rewritten one changes its weights): `save_model` writes a new directory and renames it over the old one,
+so the old files live on, unlinked, until the process ends.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -40,6 +50,12 @@ DTYPES = {
 }
 NAMES = {dtype: name for name, dtype in DTYPES.items()}
 BLOCK_BYTES = 32 << 20  # rows read at once where a slice is not contiguous in the file
+MAP_VARIABLE = "TORCHFLEET_MAP_WEIGHTS"
+
+
+def mapping_allowed() -> bool:
+    """Whether a slice that is one run of the file's bytes may be mapped rather than read (0 opts out)."""
+    return os.environ.get(MAP_VARIABLE, "1") != "0"
 
 
 @dataclass(frozen=True)
@@ -87,8 +103,10 @@ class WeightFiles:
                     file, DTYPES[info["dtype"]], tuple(info["shape"]), start + info["data_offsets"][0]
                 )
         self._fds: dict[Path, int] = {}
+        self._maps: dict[Path, mmap.mmap] = {}
         self.nbytes = sum(math.prod(e.shape) * e.dtype.itemsize for e in self.entries.values())
         self.bytes_read = 0  # what this process read of the files (a rank reads its share: tests hold it)
+        self.bytes_mapped = 0  # what it mapped instead of reading
 
     def _files(self) -> list[Path]:
         if self.what == "adapters":
@@ -124,7 +142,9 @@ class WeightFiles:
 
         Straight into `out` where the region is whole rows of the file's tensor and `out` is contiguous in the
         file's dtype (a row-split shard): no copy, and its pages touched once. Otherwise a block of whole rows at
-        a time, at most BLOCK_BYTES, copied out of: the transient memory stays one block."""
+        a time, at most BLOCK_BYTES, copied out of: the transient memory stays one block (a mapping of the file's
+        block, unmapped once copied from, so no fresh memory is faulted in for it; read into memory if mapping
+        is off)."""
         entry = self.entries[key]
         full, shape = entry.shape, tuple(out.shape)
         if out.numel() == 0:
@@ -139,17 +159,67 @@ class WeightFiles:
         rest = tuple(slice(s, s + n) for s, n in zip(start[1:], shape[1:], strict=True))
         for first in range(0, shape[0] if full else 1, per_block):
             rows = min(per_block, shape[0] - first) if full else 1
-            block = torch.empty((rows, *full[1:]) if full else (), dtype=entry.dtype)
-            self._pread(entry, entry.begin + ((start[0] + first) * row if full else 0), block)
+            block = self._block(entry, entry.begin + ((start[0] + first) * row if full else 0), (rows, *full[1:]))
             if full:
                 out[first : first + rows] = block[(slice(None), *rest)]
             else:
                 out.copy_(block)
 
-    def _pread(self, entry: Entry, offset: int, into: torch.Tensor) -> None:
-        fd = self._fds.get(entry.file)
+    def mapped(
+        self, key: str, start: tuple[int, ...], shape: tuple[int, ...], dtype: torch.dtype
+    ) -> torch.Tensor | None:
+        """The region of tensor `key` at `start` of `shape`, as a tensor over a private copy-on-write mapping of its
+        file; None where the region is not one run of the file's bytes in `dtype`, aligned to it, or is empty.
+
+        One mapping of each whole file, shared by the tensors taken from it: one descriptor per file stays open
+        (Python's mmap keeps its own) however many tensors there are, and only touched pages are resident."""
+        entry = self.entries[key]
+        full = entry.shape
+        if entry.dtype != dtype or not shape or math.prod(shape) == 0 or tuple(shape[1:]) != tuple(full[1:]):
+            return None
+        row = math.prod(full[1:]) * dtype.itemsize
+        offset = entry.begin + start[0] * row
+        if offset % dtype.itemsize:
+            return None
+        table = self._maps.get(entry.file)
+        if table is None:
+            table = self._maps[entry.file] = mmap.mmap(
+                self._fd(entry.file), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
+            )
+        if offset + math.prod(shape) * dtype.itemsize > len(table):
+            raise UsageError(f"{entry.file} ends before its header says (truncated); copy it again")
+        self.bytes_mapped += math.prod(shape) * dtype.itemsize
+        return torch.frombuffer(table, dtype=dtype, count=math.prod(shape), offset=offset).view(shape)
+
+    def _block(self, entry: Entry, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
+        """The file's `shape` rows of `entry` at `offset`: over a mapping of their own, freed with the tensor."""
+        shape = shape if entry.shape else ()
+        count, size = math.prod(shape), entry.dtype.itemsize
+        inner = offset % mmap.ALLOCATIONGRANULARITY
+        if not mapping_allowed() or offset % size:
+            block = torch.empty(shape, dtype=entry.dtype)
+            self._pread(entry, offset, block)
+            return block
+        if offset + count * size > os.fstat(self._fd(entry.file)).st_size:
+            raise UsageError(f"{entry.file} ends before its header says (truncated); copy it again")
+        table = mmap.mmap(
+            self._fd(entry.file),
+            inner + count * size,
+            flags=mmap.MAP_PRIVATE,
+            prot=mmap.PROT_READ | mmap.PROT_WRITE,
+            offset=offset - inner,
+        )
+        self.bytes_read += count * size
+        return torch.frombuffer(table, dtype=entry.dtype, count=count, offset=inner).view(shape)
+
+    def _fd(self, file: Path) -> int:
+        fd = self._fds.get(file)
         if fd is None:
-            fd = self._fds[entry.file] = os.open(entry.file, os.O_RDONLY)
+            fd = self._fds[file] = os.open(file, os.O_RDONLY)
+        return fd
+
+    def _pread(self, entry: Entry, offset: int, into: torch.Tensor) -> None:
+        fd = self._fd(entry.file)
         view = memoryview(into.view(-1).view(torch.uint8).numpy().data)
         done = 0
         while done < len(view):
@@ -160,9 +230,11 @@ class WeightFiles:
         self.bytes_read += done
 
     def close(self) -> None:
+        """The descriptors closed; the mappings stay, held by the tensors over them, until the last is freed."""
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+        self._maps.clear()
 
 
 class FileWriter:

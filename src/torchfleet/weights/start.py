@@ -69,7 +69,7 @@ class Start:
             self.made = materialise([model], self.recipe, device, self.plan)
 
     def after(self, strategy: Strategy, device: torch.device) -> dict | None:
-        """Storage and values for this process's share; what it read and what it initialised (None: nothing)."""
+        """Storage and values for this process's share; what it read, mapped and initialised (None: nothing)."""
         made = self.made
         modules = held_modules(strategy)
         if self.recipe is not None and not self.early:
@@ -83,12 +83,17 @@ class Start:
                         done.add(id(tensor))
                         load(tensor, key, self.plan)
         if self.plan is None:
-            return None if self.recipe is None else {"read_bytes": 0, "file_bytes": 0, "initialised": made}
+            return (
+                None
+                if self.recipe is None
+                else {"read_bytes": 0, "mapped_bytes": 0, "file_bytes": 0, "initialised": made}
+            )
         sources = [f for f in (self.plan.files, self.plan.adapter_files) if f is not None]
         for files in sources:
             files.close()
         return {
             "read_bytes": sum(f.bytes_read for f in sources),
+            "mapped_bytes": sum(f.bytes_mapped for f in sources),
             "file_bytes": sum(f.nbytes for f in sources),
             "initialised": made,
         }
