@@ -13,7 +13,7 @@ TORCH ?=
 # pip's own progress bars and the "location ignored" notes of local indexes are noise here.
 PIP    := $(BIN)/python -m pip install --quiet --disable-pip-version-check
 
-.PHONY: demo test test-floor floor-venv lint format doctor bench parity gpu-check cpu-scaling clean system-deps docs docs-serve docs-screenshots
+.PHONY: demo test test-floor floor-venv newest-lane-args lint format doctor bench parity gpu-check cpu-scaling clean system-deps docs docs-serve docs-screenshots
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -110,7 +110,8 @@ test: $(VENV)/.dev system-deps
 # the elastic agent and restarts, torchft's groups, mixed precision and the
 # communication hooks. The rest (launchers and cluster writers, bench, plan,
 # the command line's surface, preemption and the namespace hosts) drives
-# torchfleet's own code around those calls; the newest lane runs all of it.
+# torchfleet's own code around those calls; the newest lane runs it, and
+# every test but FLOOR_ONLY_TESTS (below).
 # The whole floor suite took 1,313 s of a 3,817 s CI run (2 cores); this list
 # took 870 s on the newest torch. .ci/run runs this lane beside the newest one: a fresh clone
 # on 27 Nov took 1,432 s in all, this lane 789 s of tests (torch 2.11) beside the newest
@@ -120,10 +121,19 @@ FLOOR_TESTS := test_real_models test_zoo test_schedules test_sharded_pipelined t
 	test_checkpoint test_tensor_parallel test_equivalence test_batchnorm test_fp16_scaler \
 	test_compression test_security test_single_process test_models test_layers test_hot_path \
 	test_backend test_env test_data test_versions test_cuda test_elastic test_faults test_ft \
-	test_plan_at_scale test_plan_published test_weights
+	test_weights $(FLOOR_ONLY_TESTS)
+# Of these, the ones CI runs in the floor lane alone, so that its two lanes end together (.ci/run): the
+# planner's traces at scale (the newest lane's other plan tests trace on its torch) and bench (torchfleet's
+# own code around the strategies both lanes test). `make test` on its own runs them.
+FLOOR_ONLY_TESTS := test_plan_at_scale test_plan_published test_bench
 
 # Each name's file, in tests/ or the folder of the package it tests; a name with no file stops make.
-FLOOR_FILES = $(foreach t,$(FLOOR_TESTS),$(or $(wildcard tests/$(t).py tests/*/$(t).py),$(error no tests/$(t).py nor tests/*/$(t).py)))
+files_of = $(foreach t,$(1),$(or $(wildcard tests/$(t).py tests/*/$(t).py),$(error no tests/$(t).py nor tests/*/$(t).py)))
+FLOOR_FILES = $(call files_of,$(FLOOR_TESTS))
+
+# pytest's arguments for CI's newest lane: every test but the floor lane's own.
+newest-lane-args:
+	@echo $(foreach f,$(call files_of,$(FLOOR_ONLY_TESTS)),--ignore=$(f))
 
 # The floor lane's environment alone: CI builds it while the newest lane's tests run.
 floor-venv:
