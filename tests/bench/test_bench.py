@@ -15,7 +15,7 @@ import torch
 
 from helpers import clean_env, require_module, run, torchfleet
 from torchfleet.bench import cells as bench_cells
-from torchfleet.bench import launch_cell, measure_cell, verdict
+from torchfleet.bench import launch_cell, measure_cell, rounds, verdict
 from torchfleet.bench import matrix as bench
 from torchfleet.bench import report as bench_report
 from torchfleet.bench.config import MAX_ROUND_STEPS, BenchConfig
@@ -147,6 +147,18 @@ class _Sharded(Strategy):  # stands in for a strategy another branch registers
 
 class _OneProcess(Strategy):
     name = "dp"
+
+
+def test_five_rounds_leave_one_outlying_process_out_of_the_spread_and_three_do_not():
+    """On an idle machine a fresh process now and then runs a 0.25 ms step a third slower for its whole round:
+    among 5 rounds it is left out of the spread (and of the range the verdict compares), among 3 it is not."""
+    five = [0.25e-3, 0.26e-3, 0.35e-3, 0.25e-3, 0.255e-3]
+    assert rounds.round_spread(five) == pytest.approx(0.01e-3 / 0.255e-3)
+    assert rounds.round_spread(five[:3]) == pytest.approx(0.10e-3 / 0.26e-3)
+    row = {"global_batch": 64, "rounds": 5, "round_step_time_s": five}
+    assert rounds.rate_range(row) == pytest.approx((64 / 0.26e-3, 64 / 0.25e-3))
+    # Two slow rounds of five are not an outlier: the spread shows the second.
+    assert rounds.round_spread([0.25e-3, 0.35e-3, 0.25e-3, 0.34e-3, 0.25e-3]) > verdict.SPREAD_LIMIT
 
 
 def test_rounds_are_sized_by_time_not_by_a_count_of_steps(tmp_path, monkeypatch):

@@ -14,7 +14,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from torchfleet.bench.rounds import sizing
+from torchfleet.bench.rounds import TRIMMED_FROM, sizing
 from torchfleet.bench.verdict import comm, label, throughput, throughput_unit, verdict
 from torchfleet.strategies import registry
 
@@ -247,7 +247,8 @@ def budget(doc: dict) -> str:
     used = sorted({r["processes"] * r["threads_per_process"] for r in doc["cells"] if r["status"] != "skipped"})
     rounds = doc["config"].get("rounds", 1)
     spread = f"{sizing(doc['config'])}; spread: " + (
-        "the rounds' medians' range over their median" if rounds > 1 else "the steps' IQR / median"
+        ("the rounds' medians' range over their median" if rounds > 1 else "the steps' IQR / median")
+        + (f", the round farthest from it left out ({rounds} rounds)" if rounds >= TRIMMED_FROM else "")
     )
     if len(used) == 1:
         return f"every cell runs {used[0]} threads in all (processes x threads each) on {cores} usable cores; {spread}"

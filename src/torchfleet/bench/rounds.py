@@ -9,8 +9,8 @@ Each round times at least `--steps` steps, and as many as take `--round-time` se
 (measure_cell.round_steps), so a short step gets hundreds and a long one the least; `round_steps` says how
 many each round ran. A cell's rounds make its one row: its median step time and quartiles are the medians
 of the rounds' (each round counts once, however many steps it ran), its extremes those of all its steps,
-and its `spread` the rounds' range over their median (with one round, the steps' interquartile range over
-their median); `others_cores` is the most any of its rounds saw (machine_load.py). A cell that fails in a
+and its `spread` the rounds' range over their median (from TRIMMED_FROM rounds on without the one
+farthest from the median; with one round, the steps' interquartile range over their median); `others_cores` is the most any of its rounds saw (machine_load.py). A cell that fails in a
 round is not run again: its row is that failure.
 """
 
@@ -22,6 +22,27 @@ from torchfleet.bench.cells import Cell
 from torchfleet.bench.config import MAX_ROUND_STEPS, BenchConfig
 from torchfleet.bench.launch_cell import run_one
 from torchfleet.bench.measure_cell import spread as step_spread
+
+# From this many rounds on, a cell's spread leaves out its one round farthest from the median. On an idle
+# machine a fresh process now and then runs a short step a third slower for its whole life (where its memory
+# and threads landed); with 3 rounds that one process is a third of the evidence and the range must show it,
+# with 5 it is one outlier among agreeing rounds, and the median it cannot move is the cell's figure.
+TRIMMED_FROM = 5
+
+
+def round_spread(medians: list[float]) -> float:
+    """The rounds' range over their median, the round farthest from the median left out (TRIMMED_FROM rounds
+    or more; fewer: the whole range)."""
+    kept = _kept(medians)
+    return (max(kept) - min(kept)) / statistics.median(medians)
+
+
+def _kept(medians: list[float]) -> list[float]:
+    """The rounds a cell's spread and range are taken over (round_spread says which)."""
+    if len(medians) < TRIMMED_FROM:
+        return list(medians)
+    middle = statistics.median(medians)
+    return sorted(medians, key=lambda m: abs(m - middle))[:-1]
 
 
 def run(cells: list[Cell], cfg: BenchConfig, bar) -> list[dict]:
@@ -73,7 +94,7 @@ def merge(rows: list[dict], rounds: int) -> dict:
     }
     median = merged["step_time_median_s"]
     if len(rows) > 1:
-        merged["spread"] = (max(medians) - min(medians)) / median
+        merged["spread"] = round_spread(medians)
     else:
         merged["spread"] = (merged["step_time_q3_s"] - merged["step_time_q1_s"]) / median
     others = [r["others_cores"] for r in rows if r.get("others_cores") is not None]
@@ -98,5 +119,6 @@ def rate_range(row: dict) -> tuple[float, float]:
     quartiles; what the verdict compares (a lead counts when it clears this range)."""
     batch = row["global_batch"]
     if row.get("rounds", 1) > 1:
-        return batch / max(row["round_step_time_s"]), batch / min(row["round_step_time_s"])
+        kept = _kept(row["round_step_time_s"])
+        return batch / max(kept), batch / min(kept)
     return batch / row["step_time_q3_s"], batch / row["step_time_q1_s"]

@@ -156,7 +156,7 @@ def add_parser(sub, strategy_flags) -> None:
     b.add_argument(
         "--quick",
         action="store_true",
-        help=f"a tiny matrix (mlp, batch 64, 3 rounds of at least 6 steps and {ROUND_TIME_S:g} s; gpt tiny, 32x32"
+        help=f"a tiny matrix (mlp, batch 64, 5 rounds of at least 6 steps and {ROUND_TIME_S:g} s; gpt tiny, 32x32"
         " images): a smoke test; link mode: 20 timed steps",
     )
     link = b.add_argument_group(
