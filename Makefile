@@ -117,15 +117,16 @@ test: $(VENV)/.dev system-deps
 # on 27 Nov took 1,432 s in all, this lane 789 s of tests (torch 2.11) beside the newest
 # lane's 1,319 s; one lane after the other, the day before, 3,308 s.
 # pip keeps the downloaded wheels in its cache, so later runs install from disk.
+# Of the floor lane's tests, the ones CI runs in the floor lane alone, so that its two lanes end together
+# (.ci/run): the planner's traces at scale (the newest lane's other plan tests trace on its torch) and bench
+# (torchfleet's own code around the strategies both lanes test). `make test` on its own runs them. Defined
+# before FLOOR_TESTS, which names them: := expands at once.
+FLOOR_ONLY_TESTS := test_plan_at_scale test_plan_published test_bench
 FLOOR_TESTS := test_real_models test_zoo test_schedules test_sharded_pipelined test_reshard \
 	test_checkpoint test_tensor_parallel test_equivalence test_batchnorm test_fp16_scaler \
 	test_compression test_security test_single_process test_models test_layers test_hot_path \
 	test_backend test_env test_data test_versions test_cuda test_elastic test_faults test_ft \
 	test_weights $(FLOOR_ONLY_TESTS)
-# Of these, the ones CI runs in the floor lane alone, so that its two lanes end together (.ci/run): the
-# planner's traces at scale (the newest lane's other plan tests trace on its torch) and bench (torchfleet's
-# own code around the strategies both lanes test). `make test` on its own runs them.
-FLOOR_ONLY_TESTS := test_plan_at_scale test_plan_published test_bench
 
 # Each name's file, in tests/ or the folder of the package it tests; a name with no file stops make.
 files_of = $(foreach t,$(1),$(or $(wildcard tests/$(t).py tests/*/$(t).py),$(error no tests/$(t).py nor tests/*/$(t).py)))
