@@ -42,7 +42,7 @@ def restrided(read: dict, original: dict) -> dict:
         before = original.get(key)
         if isinstance(value, dict) and isinstance(before, dict):
             out[key] = restrided(value, before)
-        elif _is_strided(before):
+        elif isinstance(before, DTensor) and isinstance(value, DTensor) and _is_strided(before):
             whole = value.full_tensor()
             before.to_local().copy_(distribute_tensor(whole, before.device_mesh, before.placements).to_local())
             out[key] = before
