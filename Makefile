@@ -121,7 +121,7 @@ test: $(VENV)/.dev system-deps
 # (.ci/run): the planner's traces at scale (the newest lane's other plan tests trace on its torch) and bench
 # (torchfleet's own code around the strategies both lanes test). `make test` on its own runs them. Defined
 # before FLOOR_TESTS, which names them: := expands at once.
-FLOOR_ONLY_TESTS := test_plan_at_scale test_plan_published test_bench
+FLOOR_ONLY_TESTS := test_plan_at_scale test_plan_published test_plan_validation test_plan_encoders test_bench
 FLOOR_TESTS := test_real_models test_zoo test_schedules test_sharded_pipelined test_reshard \
 	test_checkpoint test_tensor_parallel test_equivalence test_batchnorm test_fp16_scaler \
 	test_compression test_security test_single_process test_models test_layers test_hot_path \
