@@ -57,3 +57,21 @@ def good_checkpoint(tmp_path_factory):
         "serial",
     )
     return directory
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads_kept():
+    """A test that leaves torch's thread count changed fails, and the count is put back for the tests after it.
+
+    The count is process-wide, and a step's reductions split their sums by it: a serial run in pytest's process
+    at one thread and the same run in a child at two differ in the last bits, so an exact comparison of the
+    two (tests/strategies/test_equivalence.py, tests/worker/test_preemption.py) would fail tests later in the
+    run for a reason of this one's making."""
+    import torch
+
+    before = torch.get_num_threads()
+    yield
+    after = torch.get_num_threads()
+    if after != before:
+        torch.set_num_threads(before)
+        pytest.fail(f"torch's thread count was {before} before this test and {after} after it")

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import time
 
-import torch
-
+from torchfleet.plan.threads import torch_threads
 from torchfleet.plan.workload import make_optimizer, train_step, workload
 
 
@@ -19,12 +18,12 @@ def first_batches(spec: dict, optimizer: str, cores: int, timed: bool = True) ->
     """The batch sizes to time `spec`'s model at (profiler.measure's default); `timed=False`: the small pair."""
     if not timed:
         return _small_pair(spec, optimizer)
-    torch.set_num_threads(cores)
-    model, inputs, targets, loss_fn = workload(spec, 2)
-    opt = make_optimizer(optimizer, model.parameters())
-    train_step(model, opt, inputs, targets, loss_fn)
-    # the fastest of three: load from elsewhere only ever adds, and one slow step would pick batches too small
-    two = min(_seconds(lambda: train_step(model, opt, inputs, targets, loss_fn)) for _ in range(3))
+    with torch_threads(cores):
+        model, inputs, targets, loss_fn = workload(spec, 2)
+        opt = make_optimizer(optimizer, model.parameters())
+        train_step(model, opt, inputs, targets, loss_fn)
+        # the fastest of three: load from elsewhere only ever adds, and one slow step would pick batches too small
+        two = min(_seconds(lambda: train_step(model, opt, inputs, targets, loss_fn)) for _ in range(3))
     if two > 0.5:
         return _small_pair(spec, optimizer)
     # a small model: enough samples that the per-sample part is seen above the fixed one

@@ -195,14 +195,12 @@ def probe(processes: tuple[int, ...] = PROBE_PROCESSES, known: Calibration | Non
 def matmul_rate(threads: int, size: int = 1024, repeats: int = 4) -> float:
     import torch
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    from torchfleet.plan.threads import torch_threads
+
+    with torch_threads(threads):
         a, b = torch.rand(size, size), torch.rand(size, size)
         torch.mm(a, b)  # the first product pays for thread start-up
         best = min(_seconds(lambda: a @ b) for _ in range(repeats))
-    finally:
-        torch.set_num_threads(before)
     return 2 * size**3 / best
 
 

@@ -39,6 +39,7 @@ from torchfleet.models import TOKEN_MODELS
 from torchfleet.plan import experts
 from torchfleet.plan.first_batches import first_batches
 from torchfleet.plan.profile import OPTIMIZER_STATE, Profile, StepFit
+from torchfleet.plan.threads import torch_threads
 from torchfleet.plan.workload import make_optimizer, train_step, workload
 
 SHAPE_BATCH = 2  # samples of the forward that reads the model's structure (block outputs, routed rows)
@@ -59,28 +60,28 @@ def measure(
     `timed=False` leaves out the step times (a described GPU's compute comes from FLOPs instead)."""
     from torchfleet.bench import flops
 
-    before = torch.get_num_threads()
-    model, inputs, targets, loss_fn = workload(spec, SHAPE_BATCH)
-    shape = _shape(model, inputs)
-    flops_per_sample = flops.flops_per_sample(model, inputs, targets, loss_fn)
-    batches = batches or first_batches(spec, optimizer, cores, timed)
-    timed_steps = timed_steps or (3 if batches[0] == 1 else 7)  # a slow model's steps vary less
-    torch.set_num_threads(cores)
-    peaks = _Peaks(spec, optimizer, batches, shape.parameters)
-    line_at = peaks.line_batches()
-    # The peak at each local batch the plan's ranks run, measured there (fake tensors: any batch costs no memory):
-    # a layout that runs the whole model on its rank reads it directly. The peak's composition changes with the
-    # batch (gradients at small ones, activations at large), so a line drawn through batches far away misses it.
-    for batch in set(time_at):
-        if batch not in peaks.forward_backward and (peaks.fake or peaks.holds(batch)):
-            peaks.measure(batch)
-    # Timed at the batches the plan's ranks will run where it says them: the line is then drawn where it is
-    # used, not extrapolated from small batches (whose choice a loaded machine skews: a slow first step picks
-    # batches so small that the per-sample cost hides under the fixed one); those the machine holds.
-    local = tuple(sorted({b for b in time_at if peaks.holds(b)}))
-    timed_at = local if len(local) > 1 else batches
-    fits, stepping_s = _timings(spec, optimizer, timed_at, cores, timed_steps) if timed else ({}, {})
-    torch.set_num_threads(before)
+    # every thread count set below is given back after, on an error too (threads.py says why)
+    with torch_threads(torch.get_num_threads()):
+        model, inputs, targets, loss_fn = workload(spec, SHAPE_BATCH)
+        shape = _shape(model, inputs)
+        flops_per_sample = flops.flops_per_sample(model, inputs, targets, loss_fn)
+        batches = batches or first_batches(spec, optimizer, cores, timed)
+        timed_steps = timed_steps or (3 if batches[0] == 1 else 7)  # a slow model's steps vary less
+        torch.set_num_threads(cores)
+        peaks = _Peaks(spec, optimizer, batches, shape.parameters)
+        line_at = peaks.line_batches()
+        # The peak at each local batch the plan's ranks run, measured there (fake tensors: any batch costs no memory):
+        # a layout that runs the whole model on its rank reads it directly. The peak's composition changes with the
+        # batch (gradients at small ones, activations at large), so a line drawn through batches far away misses it.
+        for batch in set(time_at):
+            if batch not in peaks.forward_backward and (peaks.fake or peaks.holds(batch)):
+                peaks.measure(batch)
+        # Timed at the batches the plan's ranks will run where it says them: the line is then drawn where it is
+        # used, not extrapolated from small batches (whose choice a loaded machine skews: a slow first step picks
+        # batches so small that the per-sample cost hides under the fixed one); those the machine holds.
+        local = tuple(sorted({b for b in time_at if peaks.holds(b)}))
+        timed_at = local if len(local) > 1 else batches
+        fits, stepping_s = _timings(spec, optimizer, timed_at, cores, timed_steps) if timed else ({}, {})
     slope, fixed = peaks.activation_line(line_at)
     return Profile(
         spec["model"],
