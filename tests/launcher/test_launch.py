@@ -171,3 +171,32 @@ def test_a_failure_reports_its_first_cause_not_the_cleanup():
 def test_python_launch_rejects_zero_processes():
     with pytest.raises(UsageError, match="nprocs 0"):
         launch(_square, nprocs=0)
+
+
+@pytest.mark.timeout(120)
+def test_rendezvous_events_name_the_handler_method_as_torch_does(monkeypatch):
+    """torchfleet reads the method names of torch's rendezvous event records off the frame instead of
+    torch's inspect.stack() (launcher/rendezvous.py): the records still name the method that made them."""
+    import inspect
+    import os
+
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    from torchfleet.launcher import rendezvous
+
+    assert dynamic_rendezvous.get_method_name is rendezvous._method_name
+
+    def record():  # as torch's handlers call it: from their _record, for _record's caller
+        return dynamic_rendezvous.get_method_name(), inspect.stack()[1].function  # [0] is record
+
+    def next_round():
+        return record()
+
+    assert next_round() == ("next_round", "next_round")
+    names: list[str] = []
+    monkeypatch.setattr(dynamic_rendezvous, "construct_and_record_rdzv_event", lambda **kw: names.append(kw["name"]))
+    pids = launch(os.getpid, nprocs=2)
+    assert len(set(pids)) == 2 and os.getpid() not in pids
+    methods = {name.split(".")[-1] for name in names}
+    assert "next_rendezvous" in methods, names
+    assert "_record" not in methods and "no_method_name" not in methods, names
