@@ -9,8 +9,8 @@ mapping of the file, as safetensors' own reader gives it: nothing is read until 
 the page cache's pages are used rather than copied into freshly faulted memory (whose faults cost more
 than the copy). A write (an optimizer step) makes the process its own copy of a page; the file never
 changes. Other slices are read with `os.preadv`: the rows of a row-split tensor straight into its
-storage, whole rows of a column-split one a block at a time. ``TORCHFLEET_MAP_WEIGHTS=0`` reads every
-slice.
+storage, and each row's run of a column-split one into its place, one call a block of rows (the bytes
+around the runs into a scratch buffer). ``TORCHFLEET_MAP_WEIGHTS=0`` reads every slice.
 
 A mapped file must not be rewritten in place while the model lives (a shortened file faults the process,
 a rewritten one changes its weights): `save_model` writes a new directory and renames it over the old one,
@@ -50,7 +50,19 @@ DTYPES = {
 }
 NAMES = {dtype: name for name, dtype in DTYPES.items()}
 BLOCK_BYTES = 32 << 20  # rows read at once where a slice is not contiguous in the file
+_READ_MAX = 1 << 30  # bytes a preadv is asked for at once (Linux returns at most about 2 GiB a call)
 MAP_VARIABLE = "TORCHFLEET_MAP_WEIGHTS"
+
+
+def _iov_max() -> int:
+    """How many buffers one `preadv` fills (1024 on Linux); 1024 where the system does not say."""
+    try:
+        return max(3, os.sysconf("SC_IOV_MAX"))
+    except (AttributeError, ValueError, OSError):
+        return 1024
+
+
+_IOV_MAX = _iov_max()
 
 
 def mapping_allowed() -> bool:
@@ -141,7 +153,8 @@ class WeightFiles:
         """The region of tensor `key` that starts at `start` and has `out`'s shape, into `out` (cast to its dtype).
 
         Straight into `out` where the region is whole rows of the file's tensor and `out` is contiguous in the
-        file's dtype (a row-split shard): no copy, and its pages touched once. Otherwise a block of whole rows at
+        file's dtype (a row-split shard): no copy, and its pages touched once. A run of the second dimension
+        (a column split) likewise, each row's run into its place (`_pread_columns`). Otherwise a block of whole rows at
         a time, at most BLOCK_BYTES, copied out of: the transient memory stays one block (a mapping of the file's
         block, unmapped once copied from, so no fresh memory is faulted in for it; read into memory if mapping
         is off)."""
@@ -155,6 +168,9 @@ class WeightFiles:
         if whole_rows and out.dtype == entry.dtype and out.is_contiguous():
             self._pread(entry, entry.begin + (start[0] * row if full else 0), out)
             return
+        if len(full) >= 2 and shape[2:] == tuple(full[2:]) and out.dtype == entry.dtype and out.is_contiguous():
+            self._pread_columns(entry, start[:2], out)
+            return
         per_block = max(1, BLOCK_BYTES // row)
         rest = tuple(slice(s, s + n) for s, n in zip(start[1:], shape[1:], strict=True))
         for first in range(0, shape[0] if full else 1, per_block):
@@ -164,6 +180,42 @@ class WeightFiles:
                 out[first : first + rows] = block[(slice(None), *rest)]
             else:
                 out.copy_(block)
+
+    def _pread_columns(self, entry: Entry, start: tuple[int, int], out: torch.Tensor) -> None:
+        """A run of the second dimension of tensor `entry` (a column split), every index of the later ones, into
+        `out`: one `preadv` per block of rows, each row's run read into its place in `out` and the bytes around
+        it into a scratch buffer. The file is read in order and in one copy, as the page cache holds it: neither
+        a mapping of the rows (a fault each few pages) nor a strided copy out of it, which took twice as long."""
+        size, full = entry.dtype.itemsize, entry.shape
+        inner = math.prod(full[2:]) * size  # bytes of one index of the second dimension
+        row, run = full[1] * inner, out.shape[1] * inner
+        before, after = start[1] * inner, (full[1] - start[1] - out.shape[1]) * inner
+        mine = memoryview(out.view(-1).view(torch.uint8).numpy().data)
+        scratch = memoryview(bytearray(max(before, after)))
+        per = max(1, min(_IOV_MAX // 3, _READ_MAX // row))  # rows a call: three buffers each, within one read
+        for first in range(0, out.shape[0], per):
+            rows = range(first, min(first + per, out.shape[0]))
+            buffers = []
+            for r in rows:
+                buffers += [scratch[:before]] if before else []
+                buffers.append(mine[r * run : (r + 1) * run])
+                buffers += [scratch[:after]] if after else []
+            self._preadv(entry, entry.begin + (start[0] + first) * row, buffers)
+
+    def _preadv(self, entry: Entry, offset: int, buffers: list[memoryview]) -> None:
+        """Fill `buffers` in order from the file's bytes at `offset`, however short a call returns."""
+        fd, done, first = self._fd(entry.file), 0, 0
+        while first < len(buffers):
+            got = os.preadv(fd, buffers[first:] if first else buffers, offset + done)
+            if got <= 0:
+                raise UsageError(f"{entry.file} ends before its header says (truncated); copy it again")
+            done += got
+            while first < len(buffers) and got >= len(buffers[first]):
+                got -= len(buffers[first])
+                first += 1
+            if got:
+                buffers[first] = buffers[first][got:]
+        self.bytes_read += done
 
     def mapped(
         self, key: str, start: tuple[int, ...], shape: tuple[int, ...], dtype: torch.dtype
