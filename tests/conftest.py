@@ -75,3 +75,22 @@ def _torch_threads_kept():
     if after != before:
         torch.set_num_threads(before)
         pytest.fail(f"torch's thread count was {before} before this test and {after} after it")
+
+
+_FILE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report) -> None:
+    """Each test file's seconds (set-up, call and tear-down), for the summary below."""
+    path = report.nodeid.split("::")[0]
+    _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """The slowest test files: what the Makefile's lanes (FLOOR_ONLY_TESTS) are balanced by."""
+    if not _FILE_SECONDS:
+        return
+    terminalreporter.section("slowest files")
+    for path, seconds in sorted(_FILE_SECONDS.items(), key=lambda item: -item[1])[:25]:
+        terminalreporter.write_line(f"{seconds:8.1f}s {path}")
+    terminalreporter.write_line(f"{sum(_FILE_SECONDS.values()):8.1f}s in all")
