@@ -118,10 +118,12 @@ test: $(VENV)/.dev system-deps
 # lane's 1,319 s; one lane after the other, the day before, 3,308 s.
 # pip keeps the downloaded wheels in its cache, so later runs install from disk.
 # Of the floor lane's tests, the ones CI runs in the floor lane alone, so that its two lanes end together
-# (.ci/run): the planner's traces at scale (the newest lane's other plan tests trace on its torch) and bench
+# (.ci/run): the planner's traces at scale and its traced memory of each model against real processes (the
+# newest lane's other plan tests, the schedules' memory among them, trace on its torch) and bench
 # (torchfleet's own code around the strategies both lanes test). `make test` on its own runs them. Defined
 # before FLOOR_TESTS, which names them: := expands at once.
-FLOOR_ONLY_TESTS := test_plan_at_scale test_plan_published test_plan_validation test_plan_encoders test_bench
+FLOOR_ONLY_TESTS := test_plan_at_scale test_plan_published test_plan_validation test_plan_encoders test_bench \
+	test_plan_memory_traced
 FLOOR_TESTS := test_real_models test_zoo test_schedules test_sharded_pipelined test_reshard \
 	test_checkpoint test_tensor_parallel test_equivalence test_batchnorm test_fp16_scaler \
 	test_compression test_security test_single_process test_models test_layers test_hot_path \

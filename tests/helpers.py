@@ -6,6 +6,7 @@ ambiguous."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -159,3 +160,12 @@ def read_outputs(procs: list[subprocess.Popen], timeout: float, when: dict | Non
     for reader in readers:
         reader.join(timeout=30)
     return ["".join(out) for out in lines]
+
+
+def plan_check(argv: list[str], cache, tmp_path) -> tuple[list[dict], dict]:
+    """`plan ... --check`'s cells and the whole plan, its machine probe cached in `cache` (XDG_CACHE_HOME)."""
+    out = tmp_path / "plan.json"
+    result = run([*argv, "--json-out", str(out)], timeout=540, env=clean_env(XDG_CACHE_HOME=str(cache)))
+    assert result.returncode == 0, result.stderr[-3000:]
+    document = json.loads(out.read_text())
+    return document["check"]["cells"], document

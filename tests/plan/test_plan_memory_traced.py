@@ -1,5 +1,5 @@
-"""plan's memory, traced on fake tensors, against the tensor peak of real processes: every built-in model, every
-layout whose memory can be measured here, and the pipeline schedules.
+"""plan's memory, traced on fake tensors, against the tensor peak of real processes: every built-in model and every
+layout whose memory can be measured here (the pipeline schedules beside 1f1b: test_plan_memory_schedules.py).
 
 `plan --check` predicts each layout's peak (the profile measured on fake tensors at the ranks' own batches; the
 FSDP2 and DTensor layouts, ep and fsdp+ep, mp and the pipelines traced whole on a fake process group,
@@ -16,15 +16,11 @@ late (the plan's second figure), is a small part of the peak; at gpt tiny's 8 se
 
 from __future__ import annotations
 
-import json
 import sys
 
 import pytest
-import torch
 
-from helpers import clean_env, run
-from torchfleet.strategies.pipeline.schedules import NEEDS_RELEASE
-from torchfleet.versions import release
+from helpers import plan_check
 
 # model, global batch, extra flags, process counts; the layouts each one's plan must give (beyond EVERY_MODEL's,
 # which every model runs). resnet50 runs on 2 processes alone: its 4-process layouts are resnet18's, cut alike,
@@ -58,7 +54,7 @@ def cache(tmp_path_factory):
 def test_the_traced_memory_meets_real_processes_within_10_percent(model, batch, flags, nproc, more, cache, tmp_path):
     argv = [sys.executable, "-m", "torchfleet", "plan", "--model", model, "--batch-size", str(batch), *flags]
     argv += ["--strategies", MEASURED, "--nproc", nproc, "--check", "--warmup", "1", "--steps", "2"]
-    cells, document = _check(argv, cache, tmp_path)
+    cells, document = plan_check(argv, cache, tmp_path)
     expected = EVERY_MODEL | more | (ON_FOUR if "4" in nproc else set())
     assert expected <= {c["strategy"] for c in cells}, "a layout the model runs went unchecked"
     traced = {p["strategy"] for p in document["predictions"] if "peak_freed_promptly" in p["memory"]}
@@ -69,37 +65,3 @@ def test_the_traced_memory_meets_real_processes_within_10_percent(model, batch, 
         assert cell["status"] == "ok", (name, cell["error"])
         assert cell["measured_peak_bytes"], (name, cell["memory_note"])
         assert abs(cell["memory_ratio"] - 1) <= 0.10, (name, cell["memory_ratio"])
-
-
-def _check(argv: list[str], cache, tmp_path) -> tuple[list[dict], dict]:
-    """The check's cells, and the whole plan."""
-    out = tmp_path / "plan.json"
-    result = run([*argv, "--json-out", str(out)], timeout=540, env=clean_env(XDG_CACHE_HOME=str(cache)))
-    assert result.returncode == 0, result.stderr[-3000:]
-    document = json.loads(out.read_text())
-    return document["check"]["cells"], document
-
-
-# Schedules beside 1f1b (every model's above), each holding micro-batches its own way: gpipe every forward
-# before any backward; interleaved-1f1b two stages a process and a longer warm-up; zbv a V of two stages whose
-# backward is split in two (autograd.grad for the inputs, the weights later). looped-bfs and interleaved-zb were
-# measured by hand (docs/benchmarks, plan accuracy).
-SCHEDULES = ["gpipe", "interleaved-1f1b", "zbv"]
-
-
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("schedule", SCHEDULES)
-def test_the_pipeline_schedules_traced_meet_real_processes_within_10_percent(schedule, cache, tmp_path):
-    if release() < NEEDS_RELEASE.get(schedule, (0, 0)):
-        pytest.skip(f"{schedule} is refused in one sentence on torch {torch.__version__.split('+')[0]} (schedules.py)")
-    argv = [sys.executable, "-m", "torchfleet", "plan", "--model", "gpt", "--batch-size", "32"]
-    argv += ["--strategies", "pipeline", "--nproc", "2", "--schedule", schedule]
-    argv += [] if schedule == "gpipe" else ["--stages-per-process", "2"]  # 4 stages of gpt tiny's 4 blocks
-    argv += ["--check", "--warmup", "1", "--steps", "2"]
-    (cell,) = [c for c in _check(argv, cache, tmp_path)[0] if c["strategy"] == "pipeline"]
-    print(
-        f"gpt pipeline x2 {schedule}: predicted {cell['predicted_peak_bytes']:.0f}, measured {cell['measured_peak_bytes']}"
-    )
-    assert cell["status"] == "ok", cell["error"]
-    assert cell["measured_peak_bytes"], cell["memory_note"]
-    assert abs(cell["memory_ratio"] - 1) <= 0.10, cell["memory_ratio"]
