@@ -62,7 +62,10 @@ def test_one_launched_process_keeps_ddp_and_fsdp_in_a_group_of_one(tmp_path):
     from torchfleet.testing.devices import fleet_facts, trained_facts
     from torchfleet.testing.equivalence import resumed_equals_straight
 
-    serial = train_k_steps("serial")
+    # Serial's weights from a launched process too, as the others are, not from pytest's own: in two full CI
+    # runs this test's serial in pytest's process differed from the launched ones in the last bits (3.7e-9),
+    # passing alone; the thread count was the same (tests/conftest.py holds it), the cause not yet found.
+    (serial,) = launch(train_k_steps, nprocs=1, args=("serial",))
     for strategy, wrapper in (("ddp", "DistributedDataParallel"), ("fsdp", "FSDPSequential")):
         ((facts, got),) = launch(trained_facts, nprocs=1, args=(strategy,))
         assert (facts["strategy"], facts["group"], facts["wrapper"]) == (strategy, 1, wrapper)

@@ -22,8 +22,6 @@ from helpers import ROOT, clean_env, torchfleet, tree_digest
 from torchfleet.checkpoint import list_checkpoints, verify
 from torchfleet.launcher.failures import PREEMPTED_EXIT, FailureSummary, RankFailure
 from torchfleet.launcher.preempt_relay import parse_signals
-from torchfleet.train.config import TrainConfig
-from torchfleet.train.loop import train
 
 JOB = [
     "train",
@@ -117,24 +115,10 @@ def _preempted_then_resumed(tmp_path, run: list[str], sig, fault: str, step: int
     resumed = torchfleet(*run, "--checkpoint-dir", str(ck), "--resume", "--max-steps", str(end))
     assert resumed.returncode == 0, resumed.stderr
     assert f"at step {step}" in resumed.stdout
-    if "serial" in run:  # the same job in this process: one interpreter's start-up less
-        train(
-            TrainConfig(
-                strategy="serial",
-                model="mlp",
-                data="synthetic",
-                synthetic_size=512,
-                batch_size=32,
-                progress=False,
-                hang_timeout=0,
-                checkpoint_dir=str(tmp_path / "straight"),
-                max_steps=end,
-            ),
-            "serial",
-        )
-    else:
-        straight = torchfleet(*run, "--checkpoint-dir", str(tmp_path / "straight"), "--max-steps", str(end))
-        assert straight.returncode == 0, straight.stderr
+    # The straight run in a process of its own, as the preempted one is: a serial run in pytest's process
+    # differed from it in the last bits in two full CI runs (passing alone), for a reason not yet found.
+    straight = torchfleet(*run, "--checkpoint-dir", str(tmp_path / "straight"), "--max-steps", str(end))
+    assert straight.returncode == 0, straight.stderr
     _assert_same(_model(ck, end), _model(tmp_path / "straight", end))
     return seconds
 
