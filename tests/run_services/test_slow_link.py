@@ -161,3 +161,9 @@ def test_the_probe_starts_when_every_rank_rises_together_and_names_the_slow_send
     assert "its link sends at 6.4 MB/s, the other ranks' median 190.7 MB/s" in named.line()
     # Noise on fast links names nobody: twice the median but under the floor.
     assert verdicts(records, [0.001, 0.002, 0.004, 0.001], 0.01) == []
+    # A link at half the median's rate beside one at a sixtieth (CI's busy machine timed these, 29 Nov 2026): the
+    # ring waits for the slow one, and only its rank is named.
+    sends = [0.0056, 0.0056, 0.344, 0.0117]
+    assert [v.rank for v in verdicts(records, sends, 0.0164)] == [2]
+    # Two links alike slow are both named.
+    assert [v.rank for v in verdicts(records, [0.01, 0.3, 0.33, 0.011], 0.01)] == [1, 2]

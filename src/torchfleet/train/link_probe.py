@@ -26,7 +26,8 @@ receive; one all-gather brings the times to every rank. A rank's send time is
 the faster of its two outgoing links' (each timed by its receiver), so a rank
 is named only when both its links out are slow: its own egress, not one
 neighbour's slow way in. It is named (`verdicts`) when that time exceeds the
-other ranks' median by more than LINK_SLOWER and by FLOOR_S. With two ranks
+other ranks' median by more than LINK_SLOWER and by FLOOR_S, and is at least BESIDE_SLOWEST of the slowest
+rank's (the link that holds the ring back, not a busy machine's noise beside it). With two ranks
 the two links out are one link, so the rank named may be the one at its other
 end, with a slow way in.
 
@@ -49,6 +50,10 @@ from torchfleet.run_services.stragglers import FLOOR_S, WINDOWS, Verdict, slow_r
 
 PROBE_BYTES = 2 << 20  # several times the probe's own timing noise on a fast link; 0.3 s at 50 Mbit/s
 LINK_SLOWER = 1.0  # a link is slow at under half the others' median rate
+# A ring waits for its slowest hop, so a link many times faster than the slowest one is not what holds the
+# gradient sync back, however it compares with the others' median: a busy machine's probe timed one link at half
+# the median's rate beside a limited one at a sixtieth, and both were named. Named: within this of the slowest.
+BESIDE_SLOWEST = 0.5
 HISTORY = 2  # windows of the earlier level needed before a rise counts
 RISE = 0.2  # every rank's gradient sync this much above its earlier level: the probe runs
 
@@ -109,9 +114,10 @@ def send_seconds(device: torch.device, nbytes: int = PROBE_BYTES) -> list[float]
 def verdicts(records: list[RankWindow], sends: list[float], before: float, nbytes: int = PROBE_BYTES) -> list[Verdict]:
     """The ranks whose link out is slow: `sends` from send_seconds, `before` the level LinkWatch.rose gave."""
     named = []
+    slowest = max(sends)
     for record, mine in zip(records, sends, strict=True):
         others = statistics.median(s for r, s in zip(records, sends, strict=True) if r is not record)
-        if mine > others * (1 + LINK_SLOWER) and mine - others > FLOOR_S:
+        if mine > others * (1 + LINK_SLOWER) and mine - others > FLOOR_S and mine >= slowest * BESIDE_SLOWEST:
             named.append(
                 Verdict(
                     record.step,
