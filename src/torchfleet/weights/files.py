@@ -181,7 +181,7 @@ class WeightFiles:
             else:
                 out.copy_(block)
 
-    def _pread_columns(self, entry: Entry, start: tuple[int, int], out: torch.Tensor) -> None:
+    def _pread_columns(self, entry: Entry, start: tuple[int, ...], out: torch.Tensor) -> None:
         """A run of the second dimension of tensor `entry` (a column split), every index of the later ones, into
         `out`: one `preadv` per block of rows, each row's run read into its place in `out` and the bytes around
         it into a scratch buffer. The file is read in order and in one copy, as the page cache holds it: neither
