@@ -185,7 +185,8 @@ class WeightFiles:
         """A run of the second dimension of tensor `entry` (a column split), every index of the later ones, into
         `out`: one `preadv` per block of rows, each row's run read into its place in `out` and the bytes around
         it into a scratch buffer. The file is read in order and in one copy, as the page cache holds it: neither
-        a mapping of the rows (a fault each few pages) nor a strided copy out of it, which took twice as long."""
+        a mapping of the rows (a fault each few pages) nor a strided copy out of it, which was slower in memory
+        touched before (docs/benchmarks; a first load is bound by its new memory's page faults either way)."""
         size, full = entry.dtype.itemsize, entry.shape
         inner = math.prod(full[2:]) * size  # bytes of one index of the second dimension
         row, run = full[1] * inner, out.shape[1] * inner
@@ -271,15 +272,7 @@ class WeightFiles:
         return fd
 
     def _pread(self, entry: Entry, offset: int, into: torch.Tensor) -> None:
-        fd = self._fd(entry.file)
-        view = memoryview(into.view(-1).view(torch.uint8).numpy().data)
-        done = 0
-        while done < len(view):
-            got = os.preadv(fd, [view[done:]], offset + done)
-            if got <= 0:
-                raise UsageError(f"{entry.file} ends before its header says (truncated); copy it again")
-            done += got
-        self.bytes_read += done
+        self._preadv(entry, offset, [memoryview(into.view(-1).view(torch.uint8).numpy().data)])
 
     def close(self) -> None:
         """The descriptors closed; the mappings stay, held by the tensors over them, until the last is freed."""
