@@ -15,15 +15,8 @@ from helpers import plan_check
 from torchfleet.strategies.pipeline.schedules import NEEDS_RELEASE
 from torchfleet.versions import release
 
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    """One calibration for the schedules: the probes run once."""
-    return tmp_path_factory.mktemp("cache")
-
-
-# Schedules beside 1f1b (every model's above), each holding micro-batches its own way: gpipe every forward
-# before any backward; interleaved-1f1b two stages a process and a longer warm-up; zbv a V of two stages whose
+# Schedules beside 1f1b (every model's, in test_plan_memory_traced.py), each holding micro-batches its own way:
+# gpipe every forward before any backward; interleaved-1f1b two stages a process and a longer warm-up; zbv a V of two stages whose
 # backward is split in two (autograd.grad for the inputs, the weights later). looped-bfs and interleaved-zb were
 # measured by hand (docs/benchmarks, plan accuracy).
 SCHEDULES = ["gpipe", "interleaved-1f1b", "zbv"]

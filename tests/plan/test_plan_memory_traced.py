@@ -43,12 +43,6 @@ ON_FOUR = {"hsdp", "ddp+pipeline", "fsdp+pipeline"}  # layouts of 2 x 2
 MEASURED = ",".join(sorted(EVERY_MODEL | ON_FOUR | {"tp", "fsdp+tp", "ep", "fsdp+ep"}))
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    """One calibration for all the models: the probes run once."""
-    return tmp_path_factory.mktemp("cache")
-
-
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("model, batch, flags, nproc, more", MODELS, ids=[m[0] for m in MODELS])
 def test_the_traced_memory_meets_real_processes_within_10_percent(model, batch, flags, nproc, more, cache, tmp_path):
