@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import threading
 
@@ -78,6 +79,22 @@ def _torch_threads_kept():
 
 
 _FILE_SECONDS: dict[str, float] = {}
+_FILE_CPU: dict[str, float] = {}
+
+
+def _cpu_seconds() -> float:
+    """User and system seconds of pytest's process and of every child it has waited for (and theirs, each
+    waited for by its parent): the work a test gave the cores, which is what slows the tests beside it."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    before = _cpu_seconds()
+    yield
+    path = item.nodeid.split("::")[0]
+    _FILE_CPU[path] = _FILE_CPU.get(path, 0.0) + _cpu_seconds() - before
 
 
 def pytest_runtest_logreport(report) -> None:
@@ -87,10 +104,12 @@ def pytest_runtest_logreport(report) -> None:
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
-    """The slowest test files: what the Makefile's lanes (FLOOR_ONLY_TESTS) are balanced by."""
+    """The slowest test files, with the CPU seconds they spent: what the Makefile's lanes (FLOOR_ONLY_TESTS)
+    are balanced by, and where a cheaper test shortens both lanes."""
     if not _FILE_SECONDS:
         return
     terminalreporter.section("slowest files")
+    terminalreporter.write_line("  wall s    CPU s file")
     for path, seconds in sorted(_FILE_SECONDS.items(), key=lambda item: -item[1])[:25]:
-        terminalreporter.write_line(f"{seconds:8.1f}s {path}")
-    terminalreporter.write_line(f"{sum(_FILE_SECONDS.values()):8.1f}s in all")
+        terminalreporter.write_line(f"{seconds:8.1f} {_FILE_CPU.get(path, 0.0):8.1f} {path}")
+    terminalreporter.write_line(f"{sum(_FILE_SECONDS.values()):8.1f} {sum(_FILE_CPU.values()):8.1f} in all")
