@@ -128,7 +128,7 @@ def _rule(preset: registry.Preset) -> Rule:
     # Two dimensions of 2 on 2 CPU cores with gloo oversubscribe them: correct but slow. Only ddp's
     # all-reduce runs on GPUs that processes share over Gloo.
     need = preset.min_processes
-    return _world(need, oversubscribe=need > 2, shares_gpus=set(preset.degrees or ()) == {"dp_replicate"})
+    return _world(need, oversubscribe=need > 2, shares_gpus=preset.shares_gpus)
 
 
 def strategy_availability(hw: Hardware, cpu_cores: int) -> list[dict]:

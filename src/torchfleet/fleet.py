@@ -31,7 +31,7 @@ from torchfleet.launcher.sagemaker import relaunch_per_gpu
 from torchfleet.precision import Precision
 from torchfleet.replica_groups import which_group
 from torchfleet.run_services import in_fleet
-from torchfleet.strategies import Runtime
+from torchfleet.strategies import Runtime, registry
 from torchfleet.strategies.base import Batch, LossFn, SetupArgs
 from torchfleet.strategies.batchnorm import batchnorm_note
 from torchfleet.strategies.block_transforms import COMPILE_MODES, adopt_late_compile, unwrap_compiled
@@ -46,7 +46,7 @@ class Fleet:
 
     def __init__(
         self,
-        strategy: str = "serial",
+        strategy: str = registry.REFERENCE,
         precision: str = "fp32",
         backend: str = "auto",
         grad_accum: int = 1,
@@ -118,7 +118,7 @@ class Fleet:
             self.replicas,
         )
         self.strategy = spec.build(runtime)
-        if self._gpus_shared and self.strategy.name != "ddp":
+        if self._gpus_shared and not registry.shares_gpus(self.strategy.name):  # the name its degrees make
             raise UsageError(shared_gpus_refusal(self.strategy.name, local_procs, hardware.gpus))
         if spec.joined.meeting is not None:
             self.strategy.name = spec.joined.meeting.method  # what checkpoints and reports call it

@@ -12,9 +12,10 @@ from dataclasses import dataclass, replace
 from torchfleet.bench.config import BenchConfig
 from torchfleet.errors import UsageError
 from torchfleet.models import EXPERT_MODELS, TOKEN_MODELS
-from torchfleet.replica_groups.sync_methods import METHODS as MEETING_METHODS
+from torchfleet.replica_groups import sync_methods
 from torchfleet.strategies import STRATEGIES, registry, resolve_dims
 from torchfleet.strategies.pipeline.schedules import schedule_variant
+from torchfleet.strategies.registry import EP, TP
 
 
 @dataclass(frozen=True)
@@ -60,8 +61,9 @@ def plan(cfg: BenchConfig, availability: list[dict], cores: int, hogwild: bool =
     """The cells to run, in order, and notes about what was chosen and why.
 
     Within each (batch, precision) serial runs first, so a speedup is known as
-    soon as its cell ends. `hogwild`: whether it is among the strategies chosen
-    for this machine (the planner's candidates, which model its workers).
+    soon as its cell ends. `hogwild`: whether the strategies that spawn their own
+    workers (hogwild) are among those chosen for this machine (the planner's
+    candidates, which model its workers).
     """
     here = {a["name"]: a for a in availability}
     notes = []
@@ -71,9 +73,9 @@ def plan(cfg: BenchConfig, availability: list[dict], cores: int, hogwild: bool =
         chosen = [name for name in STRATEGIES if here.get(name, {}).get("available")]
     # diloco and localsgd are replica groups meeting every few steps, to spare a slow link between machines:
     # on one machine there is no such link (and Fleet refuses them alone), so link mode measures them.
-    meeting = [name for name in chosen if name in MEETING_METHODS]
+    meeting = [name for name in chosen if name in sync_methods.methods()]
     if meeting:
-        chosen = [name for name in chosen if name not in MEETING_METHODS]
+        chosen = [name for name in chosen if name not in meeting]
         they, pays, them = ("they", "pay", "them") if len(meeting) > 1 else ("it", "pays", "it")
         notes.append(
             f"{' and '.join(meeting)} left out: {they} {pays} only over a slow link between machines,"
@@ -85,7 +87,7 @@ def plan(cfg: BenchConfig, availability: list[dict], cores: int, hogwild: bool =
         if cfg.model not in TOKEN_MODELS:  # tensor parallelism needs a plan: the built-in gpt has one
             chosen = _left_out(
                 chosen,
-                "tp",
+                TP,
                 notes,
                 f"{cfg.model} has no tensor-parallel plan (ask for them with --strategies on a model with one)",
             )
@@ -94,18 +96,20 @@ def plan(cfg: BenchConfig, availability: list[dict], cores: int, hogwild: bool =
         if ":" not in cfg.model and cfg.model not in EXPERT_MODELS:
             chosen = _left_out(
                 chosen,
-                "ep",
+                EP,
                 notes,
                 f"{cfg.model} has no experts to split (ask for them with"
                 " --strategies on a model with experts, such as --model gpt-moe)",
             )
-        # A cell times Fleet.train_step in the cell's own processes, where hogwild has one worker and steps as
-        # serial does (hogwild/worker.py): its row would carry a name it did not run, and tie with serial's.
-        if not hogwild and "hogwild" in chosen:
-            chosen = [name for name in chosen if name != "hogwild"]
+        # A cell times Fleet.train_step in the cell's own processes, where a strategy that spawns its own workers
+        # (hogwild) has one worker and steps as serial does (hogwild/worker.py): its row would carry a name it did
+        # not run, and tie with serial's.
+        spawned = [] if hogwild else [name for name in chosen if registry.presets()[name].launch == "spawn"]
+        for name in spawned:
+            chosen.remove(name)
             notes.append(
-                "hogwild left out: in a bench cell it has one worker and steps as serial does (ask for it with"
-                " --strategies; torchfleet train --strategy hogwild runs its workers)"
+                f"{name} left out: in a bench cell it has one worker and steps as serial does (ask for it with"
+                f" --strategies; torchfleet train --strategy {name} runs its workers)"
             )
         left_out = [
             f"{name} ({here[name]['why']})" for name in STRATEGIES if name in here and not here[name]["available"]

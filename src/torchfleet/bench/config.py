@@ -58,7 +58,8 @@ class BenchConfig:
         for name in self.strategies:
             if registry.find(name) is None:
                 base, _, schedule = name.partition("/")
-                if base != "pipeline" or not schedule:
+                # A schedule's variant is of the plain pipeline: the preset of the pp dimension alone.
+                if base != registry.name_of_degrees([registry.PP]) or not schedule:
                     raise choice_error("strategy", name, (*registry.names(), "pipeline/SCHEDULE"))
                 schedule_variant(name)  # refuses a schedule that is unknown or cannot run here
         for name in self.precisions:

@@ -252,7 +252,8 @@ def _measure(fleet: Fleet, spec: dict, span: machine_load.Span) -> dict | None:
 
     # tp's all-reduces sit inside forward and backward, where no_sync cannot skip them:
     # timing it would read as no communication, so a tp cell's share is not measured.
-    comm = measures_comm(type(fleet.strategy)) and getattr(getattr(fleet.strategy, "dims", None), "tp", 1) == 1
+    dims = getattr(fleet.strategy, "dims", None)  # a mesh strategy's
+    comm = measures_comm(type(fleet.strategy)) and (dims is None or dims.tp == 1)
     first_step = None  # seconds: with --compile, mostly the compilation
     for _ in range(spec["warmup"]):
         took = _timed(synced, fleet.device)

@@ -46,7 +46,6 @@ def resolve_sharing_strategy(name: str | None) -> str:
 
 
 class Hogwild(Strategy):
-    name = "hogwild"
     options = ("sharing_strategy",)
     # Shared CPU memory is the whole point; CUDA tensors would need CUDA IPC
     # and one context per worker on the same device, which only slows it down.

@@ -45,13 +45,13 @@ class Layout:
     @property
     def hybrid(self) -> bool:
         """Its preset replicates and shards (hsdp): FSDP2's collectives even where the shards come to 1."""
-        return {"dp_replicate", "dp_shard"} <= set(registry.presets()[self.strategy].degrees or ())
+        return {registry.DP_REPLICATE, registry.DP_SHARD} <= set(registry.presets()[self.strategy].degrees or ())
 
     def degrees(self) -> str:
         """Short: "rep2 x shard2", "pp2 m4" (m: micro-batches), "shard4, ep2", "-" for one process."""
         parts = [
             f"{k}{v}"
-            for k, v in (("rep", self.replicate), ("shard", self.shard), ("pp", self.pp), ("tp", self.tp))
+            for k, v in (("rep", self.replicate), ("shard", self.shard), (registry.PP, self.pp), (registry.TP, self.tp))
             if v > 1
         ]
         text = " x ".join(parts) + (f", ep{self.ep}" if self.ep > 1 else "")  # borrowed, not multiplied

@@ -109,9 +109,9 @@ def measure() -> dict[str, float]:
     out = {}
     for prefix in meshes:
         (fsdp_unit, fsdp_step), (tp_unit, tp_step), (ddp_unit, ddp_step) = (
-            wrapper(prefix + "fsdp"),
-            wrapper(prefix + "tp"),
-            wrapper(prefix + "ddp"),
+            wrapper(prefix + "sharded"),
+            wrapper(prefix + "split"),
+            wrapper(prefix + "replicated"),
         )
         out |= {
             prefix + "fsdp_unit_s": fsdp_unit,
@@ -122,7 +122,7 @@ def measure() -> dict[str, float]:
             prefix + "ddp_step_s": ddp_step,
         }
     if PAIRS in meshes:
-        out["hsdp_unit_s"], out["hsdp_step_s"] = wrapper("hsdp")
+        out["hsdp_unit_s"], out["hsdp_step_s"] = wrapper("hybrid")
     out["pipeline_slot_s"] = pipeline_slot()
     if PAIRS in meshes:
         out[PAIRS + "pipeline_slot_s"] = pipeline_slot(mesh=meshes[PAIRS])
@@ -130,7 +130,8 @@ def measure() -> dict[str, float]:
 
 
 def _wrapped(units: int, mesh, prefix: str) -> dict:
-    """The probe model under fsdp, tp and ddp over `mesh`'s innermost dimension (and hsdp over a 2-D mesh)."""
+    """The probe model under fsdp, tp and ddp over `mesh`'s innermost dimension (and hsdp over a 2-D mesh), by
+    what each does to it: sharded, split, replicated (and hybrid)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     from torch.nn.parallel import DistributedDataParallel
 
@@ -145,14 +146,14 @@ def _wrapped(units: int, mesh, prefix: str) -> dict:
         {f"{i}.{j}": style for i in range(units) for j, style in ((0, ColwiseParallel()), (2, RowwiseParallel()))},
     )
     models = {
-        prefix + "fsdp": sharded,
-        prefix + "tp": split,
-        prefix + "ddp": DistributedDataParallel(_model(units), process_group=inner.get_group()),
+        prefix + "sharded": sharded,
+        prefix + "split": split,
+        prefix + "replicated": DistributedDataParallel(_model(units), process_group=inner.get_group()),
     }
     if mesh.ndim == 2:
         hybrid = _model(units)
         apply_fsdp(hybrid, mesh)
-        models["hsdp"] = hybrid
+        models["hybrid"] = hybrid
     return models
 
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
+from torchfleet.strategies.registry import DP_REPLICATE, PP, TP
+
 TITAN_2412 = "torchtitan, benchmarks folder: llama3_h100_202412_torchtitan.md (Meta, Dec 2024)"
 TITAN_ASYNC = "torchtitan, benchmarks folder: asyncTP_llama3_h100_2025-06_torchtitan.md (Meta, Jun 2025)"
 TITAN_A100 = "torchtitan, its performance.md at c1f4345 (Meta, Oct 2024)"
@@ -162,7 +164,7 @@ def predict(run: Run) -> dict:
     (row,) = [
         r
         for r in doc["rows"]
-        if r["tp"] == run.tp and r["dp_replicate"] == 1 and "pp" not in r and ("EP" in r["layout"]) == (run.ep > 1)
+        if r[TP] == run.tp and r[DP_REPLICATE] == 1 and PP not in r and ("EP" in r["layout"]) == (run.ep > 1)
     ]
     return {"layout": row["layout"], "tokens": row["tokens_per_s_per_gpu"], "memory_gib": row["reserved"] / 2**30}
 

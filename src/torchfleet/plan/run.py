@@ -106,7 +106,7 @@ def candidates(cfg: PlanConfig, target: hardware.Target, profile: Profile, cores
     names = cfg.strategies or tuple(
         n
         for n, p in presets.items()
-        if p.cost in CLUSTER_COSTS and ("tp" not in (p.degrees or {}) or profile_tp(profile)) and applies(n, profile)
+        if p.cost in CLUSTER_COSTS and (not p.splits_layers or profile_tp(profile)) and applies(n, profile)
     )
     counts = cluster_counts(cfg, target)
     pairs = []
@@ -142,7 +142,7 @@ def profile_tp(profile: Profile) -> bool:
 def applies(strategy: str, profile: Profile) -> bool:
     """Whether the default plan includes `strategy` for this model: expert parallelism only where it has experts
     (as tp only where it has a plan); asked for by name, a strategy is planned or left out with its reason."""
-    return "ep" not in (registry.presets()[strategy].degrees or {}) or profile.experts > 0
+    return not registry.presets()[strategy].splits_experts or profile.experts > 0
 
 
 def ep_problem(lay: layouts.Layout, profile: Profile) -> str | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from torchfleet.plan import comm, hardware
 from torchfleet.plan.global_batch import Reach
 from torchfleet.plan.traced import Traced
+from torchfleet.strategies.registry import DP_REPLICATE, DP_SHARD, PP, TP
 
 # What the CUDA caching allocator holds (reserved) over the tensors' own peak (allocated). Published runs report
 # the reserved figure, and a GPU runs out of memory when its reserve cannot grow, so the plan's tensors are scaled
@@ -56,11 +57,11 @@ def table_row(
     reserved = peak * RESERVED_OVER_ALLOCATED
     return {
         "gpus": gpus,
-        "tp": tp,
-        **({"pp": pp} if pp is not None else {}),
+        TP: tp,
+        **({PP: pp} if pp is not None else {}),
         **extra,
-        "dp_replicate": replicas,
-        "dp_shard": shard,
+        DP_REPLICATE: replicas,
+        DP_SHARD: shard,
         "layout": layout,
         "nodes": -(-gpus // request.per_node),
         "memory": memory,

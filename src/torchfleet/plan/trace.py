@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from torchfleet.plan import checkpoint_policy, tensor_parallel
 from torchfleet.plan.step_counter import step_counter
 from torchfleet.plan.traced import Traced, at_depth, candidate_moments
+from torchfleet.strategies.registry import DP_SHARD, TP
 
 AC_MODES = ("none", "selective", "full")
 TRACE_DEPTHS = (2, 4)  # decoder blocks traced first; deeper models are carried from these and deeper ones
@@ -86,7 +87,7 @@ def _mesh(world: int, tp: int):
 
     if tp == 1:
         return init_device_mesh("cpu", (world,))
-    return init_device_mesh("cpu", (world, tp), mesh_dim_names=("dp_shard", "tp"))
+    return init_device_mesh("cpu", (world, tp), mesh_dim_names=(DP_SHARD, TP))
 
 
 def tracked_step(fields: dict, work: Workload, mesh, tracker_class, layers: int | None = None):
@@ -181,8 +182,8 @@ def _prepare(model, fields: dict, work: Workload, mesh) -> None:
     from torchfleet.plan import library_model
 
     if work.tp > 1:  # split first, then checkpoint and shard the split blocks, as torchtitan orders them
-        tensor_parallel.apply(model, fields, mesh["tp"])
-        mesh = mesh["dp_shard"]
+        tensor_parallel.apply(model, fields, mesh[TP])
+        mesh = mesh[DP_SHARD]
     lists = library_model.block_lists(model)
     if work.ac != "none":
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper

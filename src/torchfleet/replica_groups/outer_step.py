@@ -59,7 +59,7 @@ class OuterGroup(ReplicaGroup):
         super().attach(model, optimizer, precision)
         assert self.manager is not None
         every = self.options.sync_every
-        if self.options.method == "diloco":
+        if self.options.outer_step:
             momentum = self.options.outer_momentum
             trained = [p for p in model.parameters() if p.requires_grad]
             self.outer_optimizer = torch.optim.SGD(

@@ -21,8 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from torchfleet.errors import UsageError
-
-METHODS = ("diloco", "localsgd")
+from torchfleet.strategies import registry
 
 # The paper meets every 500 steps over runs of tens of thousands; torchfleet's runs are often a few
 # hundred steps, where 500 would never meet. 100 keeps the meetings to 1% of ddp's exchanges (each
@@ -30,6 +29,11 @@ METHODS = ("diloco", "localsgd")
 DEFAULT_SYNC_EVERY = 100
 DEFAULT_OUTER_LR = 0.7  # the DiLoCo paper's
 DEFAULT_OUTER_MOMENTUM = 0.9  # the DiLoCo paper's, Nesterov
+
+
+def methods() -> tuple[str, ...]:
+    """The strategies whose replica groups meet every few steps: those whose presets say what they exchange."""
+    return tuple(name for name, preset in registry.presets().items() if preset.meets is not None)
 
 
 @dataclass(frozen=True)
@@ -40,21 +44,19 @@ class SyncOptions:
     outer_momentum: float = DEFAULT_OUTER_MOMENTUM
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
+        if self.method not in methods():
             raise UsageError(
-                f"{self.method!r} is not a method that meets every few steps; use one of {', '.join(METHODS)}"
+                f"{self.method!r} is not a method that meets every few steps; use one of {', '.join(methods())}"
             )
         if isinstance(self.sync_every, bool) or not isinstance(self.sync_every, int) or self.sync_every < 1:
             raise UsageError(
                 f"--sync-every {self.sync_every} must be a whole number of steps, at least 1"
                 f" (default {DEFAULT_SYNC_EVERY})"
             )
-        if self.method == "localsgd" and (self.outer_lr, self.outer_momentum) != (
-            DEFAULT_OUTER_LR,
-            DEFAULT_OUTER_MOMENTUM,
-        ):
+        if not self.outer_step and (self.outer_lr, self.outer_momentum) != (DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM):
             raise UsageError(
-                "localsgd averages the weights and has no outer optimizer; --outer-lr and --outer-momentum are diloco's"
+                f"{self.method} averages the weights and has no outer optimizer; --outer-lr and --outer-momentum"
+                " are diloco's"
             )
         if not self.outer_lr > 0:
             raise UsageError(
@@ -66,13 +68,25 @@ class SyncOptions:
                 f" DiLoCo paper's is {DEFAULT_OUTER_MOMENTUM})"
             )
 
+    @property
+    def outer_step(self) -> bool:
+        """The groups exchange pseudo-gradients, which an outer optimizer applies (diloco); else they average
+        their weights (localsgd)."""
+        return outer_step(self.method)
+
     def describe(self) -> str:
-        if self.method == "localsgd":
-            return f"localsgd: the groups average their weights every {self.sync_every} steps"
+        if not self.outer_step:
+            return f"{self.method}: the groups average their weights every {self.sync_every} steps"
         return (
-            f"diloco: the groups meet every {self.sync_every} steps; outer SGD lr {self.outer_lr:g},"
+            f"{self.method}: the groups meet every {self.sync_every} steps; outer SGD lr {self.outer_lr:g},"
             f" Nesterov momentum {self.outer_momentum:g}"
         )
+
+
+def outer_step(method: str) -> bool:
+    """Whether `method`'s meetings step an outer optimizer (--outer-lr, --outer-momentum): its preset's groups
+    exchange pseudo-gradients."""
+    return registry.presets()[method].meets == "pseudo-gradients"
 
 
 def refuse_alone(method: str, groups: int) -> None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from torchfleet.env.replicas import ReplicaEnv
 from torchfleet.errors import UsageError
-from torchfleet.replica_groups.sync_methods import METHODS, SyncOptions, refuse_alone
+from torchfleet.replica_groups.sync_methods import SyncOptions, methods, refuse_alone
 from torchfleet.strategies import registry
 from torchfleet.strategies.options import ReplicaGroupOptions, StrategyOptions
 
@@ -25,7 +25,7 @@ class Plan:
 
 
 def plan(strategy: str, fault_tolerance: str | None, options: StrategyOptions) -> Plan:
-    if strategy not in METHODS:
+    if strategy not in methods():
         env = ReplicaEnv.for_fleet(fault_tolerance)
         if env is not None:
             refuse_shared_memory(strategy)

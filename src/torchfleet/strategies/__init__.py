@@ -27,8 +27,8 @@ from torchfleet.strategies.registry import Preset, register
 def _load(where: str) -> type[Strategy]:
     """The class `where` names: "module:Class", a bare module name under torchfleet.strategies, a dotted one whole
     (a plug-in's own module, hogwild's room)."""
-    module, cls = where.split(":")
-    return getattr(importlib.import_module(module if "." in module else f"torchfleet.strategies.{module}"), cls)
+    module, cls = registry.class_path(where).split(":")
+    return getattr(importlib.import_module(module), cls)
 
 
 def class_for(dims: ParallelDims) -> type[Strategy]:

@@ -21,6 +21,7 @@ from torchfleet.errors import UsageError
 from torchfleet.precision import Precision
 from torchfleet.strategies.block_transforms import checkpoint_activations, compile_model
 from torchfleet.strategies.blocks import adapter_skeleton
+from torchfleet.strategies.registry import name_of_class
 
 # (what the model returns: a tensor, or a library model's output object; targets) -> loss
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
@@ -83,7 +84,8 @@ class Runtime:
 
 
 class Strategy:
-    # The preset's name; a MeshStrategy instance sets the one its degrees make (ddp+pipeline).
+    # The preset's name: the first preset that runs the class (__init_subclass__), declared in the registry alone;
+    # a MeshStrategy instance sets the one its degrees make (ddp+pipeline).
     name: str
     # True when the strategy needs one process per replica or stage and a
     # process group joining them; False for single-process strategies.
@@ -102,6 +104,12 @@ class Strategy:
     # True when `wrap` takes a model on the meta device and leaves each process's share of it there, for Fleet to
     # give storage and values (weights/deferred.py); otherwise Fleet makes the whole model first.
     wraps_meta: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        declared = name_of_class(f"{cls.__module__}:{cls.__qualname__}")
+        if declared is not None:  # else its own, or its base's (a class no preset runs)
+            cls.name = declared
 
     def __init__(self, runtime: Runtime, **options):
         unknown = sorted(set(options) - set(self.options))

@@ -50,7 +50,6 @@ def _in_bucket_order(hook):
 
 
 class DataParallelDistributed(MeshStrategy):
-    name = "ddp"
     options = (*MeshStrategy.options, "grad_compression", "powersgd_rank", "find_unused_parameters")
     model: DistributedDataParallel  # what wrap makes: its .module, comm hooks and no_sync are used below
 

@@ -50,10 +50,21 @@ from dataclasses import dataclass
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from torchfleet.errors import UsageError
-from torchfleet.strategies.registry import BORROWED_DIMS, DIM_NAMES, find
+from torchfleet.strategies.registry import (
+    BORROWED_DIMS,
+    DIM_NAMES,
+    DP_REPLICATE,
+    DP_SHARD,
+    EP,
+    PP,
+    TP,
+    find,
+    name_of_degrees,
+)
 
-DEGREE_FLAGS = {"dp_replicate": "--dp-replicate", "dp_shard": "--dp-shard", "pp": "--pp", "tp": "--tp", "ep": "--ep"}
-# Each preset's degrees are declared with the preset, in strategies/registry.py.
+# --dp-replicate, --dp-shard, --pp, --tp, --ep. Each preset's degrees are declared with the preset, in
+# strategies/registry.py.
+DEGREE_FLAGS = {name: "--" + name.replace("_", "-") for name in (*DIM_NAMES, *BORROWED_DIMS)}
 
 
 def _no_tp_in_pipelines(what: str) -> UsageError:
@@ -111,7 +122,7 @@ class ParallelDims:
 
     def arithmetic(self) -> str:
         """ "dp_replicate(2) * dp_shard(1) * pp(2)", with tp(N) when there is tensor parallelism."""
-        product = " * ".join(f"{n}({getattr(self, n)})" for n in DIM_NAMES if n != "tp" or self.tp > 1)
+        product = " * ".join(f"{n}({getattr(self, n)})" for n in DIM_NAMES if n != TP or self.tp > 1)
         return f"{product}, ep({self.ep})" if self.ep > 1 else product
 
     @classmethod
@@ -121,17 +132,17 @@ class ParallelDims:
         hsdp replicates across machines when there are several (`nodes`), shards within each.
         """
         fixed = {n: v for n, v in given.items() if v is not None}
-        ep = fixed.pop("ep", None)
+        ep = fixed.pop(EP, None)
         degrees = {n: 1 for n in DIM_NAMES}
         free = []
         declared = find(preset)
         if declared is None or declared.degrees is None:
             raise UsageError(f"strategy {preset!r} is not a preset of the mesh's degrees")
         defaults = dict(declared.degrees)
-        ep_default = defaults.pop("ep", 1)
+        ep_default = defaults.pop(EP, 1)
         # Asked for together, even where the processes would leave one of them at 1
         # (tp with --pp 2 on 2 processes would otherwise quietly run a pipeline alone).
-        for asked, flag in (("tp", "pp"), ("pp", "tp")):
+        for asked, flag in ((TP, PP), (PP, TP)):
             if asked in defaults and fixed.get(flag, 1) > 1:
                 raise _no_tp_in_pipelines(f"{preset} with {DEGREE_FLAGS[flag]} {fixed[flag]}")
         if declared.across_nodes and nodes > 1:  # hsdp: a replica per machine
@@ -149,7 +160,7 @@ class ParallelDims:
             others = math.prod(v for n, v in degrees.items() if n != name)
             degrees[name] = max(1, world_size // max(1, others))
         if ep is None:  # the preset's, None meaning every data-parallel rank (never more than there are)
-            dp = degrees["dp_replicate"] * degrees["dp_shard"]
+            dp = degrees[DP_REPLICATE] * degrees[DP_SHARD]
             ep = dp if ep_default is None else min(ep_default, dp)
         return cls(world_size=world_size, ep=ep, **degrees)  # checks every degree and the product
 
@@ -162,17 +173,8 @@ class ParallelDims:
 
     @property
     def name(self) -> str:
-        """The preset these degrees are ("ddp", "hsdp+pipeline", "fsdp+tp", ...)."""
-        data = {(False, False): "", (True, False): "ddp", (False, True): "fsdp", (True, True): "hsdp"}[
-            (self.dp_replicate > 1, self.dp_shard > 1)
-        ]
-        if self.ep > 1:  # experts split over replicas alone are the ep preset: ddp is what ep borrows
-            name = "ep" if data == "ddp" else f"{data}+ep"
-            return f"{name}+tp" if self.tp > 1 else name
-        for degree, model in ((self.pp, "pipeline"), (self.tp, "tp")):
-            if degree > 1:
-                return f"{data}+{model}" if data else model
-        return data or "ddp"
+        """The preset these degrees are ("ddp", "hsdp+pipeline", "fsdp+tp", ...), as the registry names them."""
+        return name_of_degrees([n for n in (*DIM_NAMES, *BORROWED_DIMS) if getattr(self, n) > 1])
 
     def coords(self, rank: int) -> dict[str, int]:
         """This rank's index along each dimension (the mesh is row-major)."""
@@ -180,12 +182,12 @@ class ParallelDims:
         rank, stage = divmod(rank, self.pp)
         replica, shard = divmod(rank, self.dp_shard)
         # ep groups are neighbouring data-parallel ranks (pp is 1 beside ep), one group per tp column
-        return {"dp_replicate": replica, "dp_shard": shard, "pp": stage, "tp": column, "ep": rank % self.ep}
+        return {DP_REPLICATE: replica, DP_SHARD: shard, PP: stage, TP: column, EP: rank % self.ep}
 
     def dp_rank(self, rank: int) -> int:
         """Which data-parallel share `rank` reads, 0 .. dp-1."""
         c = self.coords(rank)
-        return c["dp_replicate"] * self.dp_shard + c["dp_shard"]
+        return c[DP_REPLICATE] * self.dp_shard + c[DP_SHARD]
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """The one DeviceMesh every parallelism of this run is applied over."""
@@ -196,7 +198,7 @@ class ParallelDims:
         between them is the heaviest traffic of the step; replicated or sharded over "dp_mod_ep".
         One mesh holding both, as FSDP2 needs for parameters already split over another dimension. Beside tp,
         a third dimension, "tp", last as in the main mesh, so each rank keeps its place."""
-        shape, names = (self.dp // self.ep, self.ep), ("dp_mod_ep", "ep")
+        shape, names = (self.dp // self.ep, self.ep), ("dp_mod_ep", EP)
         if self.tp > 1:
-            shape, names = (*shape, self.tp), (*names, "tp")
+            shape, names = (*shape, self.tp), (*names, TP)
         return init_device_mesh(device_type, shape, mesh_dim_names=names)

@@ -27,7 +27,6 @@ def scatter_sizes(batch: int, devices: int) -> list[int]:
 
 
 class DataParallelSingleProcess(Strategy):
-    name = "dp"
     model: nn.DataParallel  # what wrap makes; unwrapped() reads its .module
 
     def __init__(self, runtime, **options):

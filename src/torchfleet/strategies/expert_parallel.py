@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.nn.utils.stateless import _reparametrize_module
 
 from torchfleet.errors import UsageError
+from torchfleet.strategies.registry import EP, TP
 
 
 def _stacked(module: nn.Module) -> int | None:
@@ -108,11 +109,11 @@ def apply_ep(experts: list[tuple[str, nn.Module]], mesh: DeviceMesh) -> None:
 
     Beside tp (`mesh` with a "tp" dimension, the experts already split over it, or left whole, by the plan),
     each rank keeps its ep share of what tp gave it, and each tp column routes among its own ep group."""
-    ep_mesh = mesh["ep"]
+    ep_mesh = mesh[EP]
     # A full state dict gathers each expert weight over both of the experts' mesh dimensions, which DTensor
     # warns, every save, may take two all-gathers; that is the expected cost, not a fault to report.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    beside_tp = "tp" in (mesh.mesh_dim_names or ())
+    beside_tp = TP in (mesh.mesh_dim_names or ())
     for _, module in experts:
         for name, param in list(module.named_parameters(recurse=False)):
             shard = _beside_tp(param.data, mesh) if beside_tp else distribute_tensor(param.data, ep_mesh, [Shard(0)])
@@ -128,9 +129,9 @@ def _beside_tp(tensor: torch.Tensor, mesh: DeviceMesh) -> DTensor:
         local, over_tp = tensor.to_local(), tensor.placements[0]
     else:
         local, over_tp = tensor, Replicate()
-    mine = distribute_tensor(local, mesh["ep"], [Shard(0)]).to_local()
+    mine = distribute_tensor(local, mesh[EP], [Shard(0)]).to_local()
     return DTensor.from_local(
-        mine, mesh["ep", "tp"], [Shard(0), over_tp], run_check=False, shape=tensor.shape, stride=tensor.stride()
+        mine, mesh[EP, TP], [Shard(0), over_tp], run_check=False, shape=tensor.shape, stride=tensor.stride()
     )
 
 

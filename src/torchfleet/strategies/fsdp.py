@@ -107,7 +107,6 @@ class SplitParameters(MeshStrategy):
     """Runs every preset whose parameters are split across processes: FSDP2's shards, tensor parallelism's
     pieces, experts, or any of them together. All are DTensors, whose state this class gathers and scatters."""
 
-    name = "fsdp"
     shards_alone = True
     sharded_checkpoint = True  # each rank saves its own shards through torch.distributed.checkpoint
     wraps_meta = True  # FSDP2, DTensor's split and the experts' shards all work on meta tensors

@@ -108,7 +108,6 @@ class MicroBatchPipe(nn.Module):
 
 
 class ModelParallel(Strategy):
-    name = "mp"
     options = ("devices", "microbatches", "split_points")
 
     def __init__(self, runtime, **options):

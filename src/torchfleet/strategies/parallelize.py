@@ -39,6 +39,7 @@ from torchfleet.strategies.blocks import find_blocks, on_meta
 from torchfleet.strategies.dims import ParallelDims
 from torchfleet.strategies.expert_parallel import apply_ep
 from torchfleet.strategies.partition import partition
+from torchfleet.strategies.registry import DP_REPLICATE, DP_SHARD, TP
 from torchfleet.strategies.tensor_parallel import apply_tp
 
 
@@ -183,8 +184,8 @@ def apply_ddp(
 def data_parallel_mesh(dims: ParallelDims, mesh: DeviceMesh) -> DeviceMesh:
     """The part of `mesh` FSDP2 works over: ("dp_replicate", "dp_shard") with replicas (HSDP), else "dp_shard"."""
     if dims.dp_replicate > 1:
-        return mesh["dp_replicate", "dp_shard"]
-    return mesh["dp_shard"]
+        return mesh[DP_REPLICATE, DP_SHARD]
+    return mesh[DP_SHARD]
 
 
 class Parallelized(NamedTuple):
@@ -230,7 +231,7 @@ def parallelize(
         apply_autocast(model, precision)  # a plain step enters autocast itself
     if dims.tp > 1:
         assert tp_plan is not None, "parallelize: dims.tp > 1 needs tp_plan"
-        apply_tp(model, mesh["tp"], tp_plan)
+        apply_tp(model, mesh[TP], tp_plan)
     if dims.ep > 1:
         assert experts and expert_mesh is not None, "parallelize: dims.ep > 1 needs experts and expert_mesh"
         apply_ep(experts, expert_mesh)
@@ -252,5 +253,5 @@ def parallelize(
             warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
         return Parallelized(model, model, bounds)
     if dims.dp_replicate > 1:
-        return Parallelized(model, apply_ddp(model, mesh["dp_replicate"], device, find_unused_parameters), bounds)
+        return Parallelized(model, apply_ddp(model, mesh[DP_REPLICATE], device, find_unused_parameters), bounds)
     return Parallelized(model, model, bounds)

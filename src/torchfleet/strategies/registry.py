@@ -19,116 +19,67 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Collection, Mapping
 from importlib import metadata
 
 from torchfleet.errors import UsageError
+from torchfleet.strategies.preset import (
+    BATCHNORMS,
+    BORROWED_DIMS,
+    CHECKS,
+    DIM_NAMES,
+    DP_REPLICATE,
+    DP_SHARD,
+    EP,
+    LAUNCHES,
+    MEETINGS,
+    MESH_CLASSES,
+    PP,
+    TP,
+    Preset,
+    class_path,
+    mesh_class,
+)
 
 ENTRY_POINT_GROUP = "torchfleet.strategies"
-DIM_NAMES = ("dp_replicate", "dp_shard", "pp", "tp")
-# Expert parallelism borrows its processes from the data-parallel ones instead of multiplying them
-# (torchtitan's ep): a preset may name it beside the four, None meaning every data-parallel rank.
-BORROWED_DIMS = ("ep",)
-# How a strategy's processes start: one process; torchrun's agent, one worker per rank; hogwild's workers,
-# spawned by its own process around shared memory; replica groups meeting under torchft.
-LAUNCHES = ("one process", "agent", "spawn", "replica groups")
-# What a strategy's BatchNorm layers normalise with (strategies/batchnorm.py words each): the whole batch (the
-# reference), each process's share, each GPU's chunk in one process, a pipeline's micro-batches on its stages,
-# one process's micro-batches on its devices, each worker's own batch in shared memory.
-BATCHNORMS = ("whole batch", "shares", "chunks", "stage micro-batches", "micro-batches", "own batches")
-# What doctor checks for a class of its own (doctor.py): one device; cores for workers sharing memory;
-# GPUs one process splits batches over; devices one process places stages on.
-CHECKS = ("one device", "worker cores", "split batch", "placed stages")
-# The classes that run the mesh's presets, by what the degrees hold: pipeline stages, else parameters split across
-# processes (FSDP2's shards, tensor parallelism's pieces or experts: DTensors, whose state one class gathers and
-# scatters), else whole replicas. "module:Class" under torchfleet.strategies, or a full dotted module.
-MESH_CLASSES = {
-    "stages": "torchfleet.strategies.pipeline.strategy:Pipeline",
-    "split": "fsdp:SplitParameters",
-    "replicas": "ddp:DataParallelDistributed",
-}
 # "auto": one process runs the reference, several the plain replicas (train/processes.py).
 REFERENCE = "serial"
 AUTO_SEVERAL = "ddp"
 
-
-@dataclass(frozen=True)
-class Preset:
-    """One strategy. `degrees` (mesh presets): the degree each dimension takes, None for "the processes
-    left over" (exactly one). `runs`: "module:Class" under torchfleet.strategies, or a full dotted module
-    ("torchfleet.hogwild.worker:Hogwild"), for a strategy that is a class of its own rather than degrees.
-    `defaults`: strategy options it sets unless a flag does.
-    `across_nodes`: the degree that takes the number of machines when there are several (hsdp's
-    replicas). `cost`: how plan predicts it: "mesh" (from the degrees), "meetings" (replica groups meeting
-    every few steps), "one" (one process), "stages here" (one process, micro-batches through stages on its devices;
-    planned on this machine only), "here" (one process, planned on this machine only), or None (not planned).
-    `batchnorm`: what its BatchNorm layers normalise with (one of BATCHNORMS; None: nothing is said).
-    `checks`: what doctor checks for a class of its own (one of CHECKS; None: its launch or degrees say).
-    `traced`: plan runs its setup and step on fake tensors to trace its memory (plan/layout_trace.py).
-    `group_of_one`: a launcher's one process for it is a process group of one, as torch runs `torchrun -n 1`
-    (NCCL on a GPU box's one GPU); any other strategy alone has nothing to share and runs serial."""
-
-    name: str
-    summary: str
-    needs: str
-    degrees: Mapping[str, int | None] | None = None
-    runs: str | None = None
-    defaults: Mapping[str, object] = field(default_factory=dict)
-    launch: str = "agent"
-    across_nodes: str | None = None
-    cost: str | None = "mesh"
-    batchnorm: str | None = None
-    checks: str | None = None
-    traced: bool = False
-    group_of_one: bool = False
-
-    def __post_init__(self) -> None:
-        if (self.degrees is None) == (self.runs is None):
-            raise UsageError(f"strategy {self.name!r}: give its degrees or the class that runs it, one of the two")
-        for what, value, choices in (("launch", self.launch, LAUNCHES), ("batchnorm", self.batchnorm, BATCHNORMS)):
-            if value is not None and value not in choices:
-                raise UsageError(f"strategy {self.name!r}: {what} {value!r} is not one of {', '.join(choices)}")
-        if self.checks is not None and self.checks not in CHECKS:
-            raise UsageError(f"strategy {self.name!r}: checks {self.checks!r} is not one of {', '.join(CHECKS)}")
-        if self.degrees is not None:
-            unknown = [d for d in self.degrees if d not in DIM_NAMES + BORROWED_DIMS]
-            if unknown or [self.degrees[d] for d in self.degrees if d in DIM_NAMES].count(None) != 1:
-                raise UsageError(
-                    f"strategy {self.name!r}: degrees {dict(self.degrees)} must name only"
-                    f" {', '.join(DIM_NAMES + BORROWED_DIMS)}, exactly one of the first four None"
-                    " (the processes left over)"
-                )
-
-    @property
-    def mesh(self) -> bool:
-        return self.degrees is not None
-
-    @property
-    def shards(self) -> bool:
-        """Its parameters are split (FSDP2's shards, tensor parallelism or experts), whatever the degrees come to."""
-        degrees = self.degrees or {}
-        return "dp_shard" in degrees or "tp" in degrees or "ep" in degrees
-
-    @property
-    def runs_class(self) -> str:
-        """Where the class that runs it is ("module:Class"): its own, or for the mesh's degrees the one they need."""
-        if self.degrees is None:
-            return str(self.runs)
-        return mesh_class(pipelined="pp" in self.degrees, split=self.shards)
-
-    @property
-    def min_processes(self) -> int:
-        """The fewest processes that show every dimension it names: 2 each."""
-        if self.degrees is None:
-            return 1
-        return 2 ** len([d for d in self.degrees if d in DIM_NAMES])
-
-
-def mesh_class(pipelined: bool, split: bool) -> str:
-    """The class that runs degrees with a pipeline (`pipelined`) or parameters split across processes (`split`)."""
-    return MESH_CLASSES["stages" if pipelined else "split" if split else "replicas"]
-
+# The declaration's words (strategies/preset.py) are read through this module as well.
+__all__ = [
+    "AUTO_SEVERAL",
+    "BATCHNORMS",
+    "BORROWED_DIMS",
+    "CHECKS",
+    "DIM_NAMES",
+    "DP_REPLICATE",
+    "DP_SHARD",
+    "EP",
+    "ENTRY_POINT_GROUP",
+    "LAUNCHES",
+    "MEETINGS",
+    "MESH_CLASSES",
+    "PP",
+    "REFERENCE",
+    "TP",
+    "Preset",
+    "BUILT_IN",
+    "auto",
+    "class_path",
+    "find",
+    "markdown_table",
+    "mesh_class",
+    "name_of_class",
+    "name_of_degrees",
+    "names",
+    "options_for",
+    "presets",
+    "register",
+    "shares_gpus",
+    "spans_devices",
+    "traced",
+]
 
 _ONE = "one process"
 BUILT_IN = (
@@ -259,6 +210,7 @@ BUILT_IN = (
         {"dp_replicate": None},
         launch="replica groups",
         cost="meetings",
+        meets="pseudo-gradients",
     ),
     Preset(
         "localsgd",
@@ -267,6 +219,7 @@ BUILT_IN = (
         {"dp_replicate": None},
         launch="replica groups",
         cost="meetings",
+        meets="weights",
     ),
 )
 
@@ -340,6 +293,39 @@ def spans_devices(name: str) -> bool:
     its cell counts the devices, not its one process."""
     preset = find(name)
     return preset is not None and preset.checks in ("split batch", "placed stages")
+
+
+def shares_gpus(name: str) -> bool:
+    """Whether `name`'s processes may share GPUs, their collectives over Gloo (Preset.shares_gpus)."""
+    preset = find(name)
+    return preset is not None and preset.shares_gpus
+
+
+def name_of_class(where: str) -> str | None:
+    """The name of the first preset that the class at `where` ("package.module:Class") runs, None for a class no
+    preset runs: what the class is called where no degrees name it (ddp's one process under torchrun, an error
+    before its degrees are known). The first is the plainest, as the built-in presets are declared simplest
+    first: DataParallelDistributed is ddp, not diloco. Asked as the class is defined, so of the presets
+    registered so far: loading the entry points here could import a plug-in that imports that very class."""
+    return next((p.name for p in _presets.values() if class_path(p.runs_class) == where), None)
+
+
+def _naming_exactly(dims: set[str]) -> str | None:
+    return next((p.name for p in BUILT_IN if p.degrees is not None and set(p.degrees) == dims), None)
+
+
+def name_of_degrees(dims: Collection[str]) -> str:
+    """The name of a run whose degrees above 1 are those of `dims` (dimension names; degrees that can run
+    together): the first built-in preset that names exactly them, else that of their data-parallel part (expert
+    parallelism among it) and that of the part that cuts the model (pp or tp) joined by "+" ("hsdp+pipeline",
+    "ep+tp"). With none above 1 it is one replica: ddp. Built-in only, so a plug-in's preset runs under these
+    names, as the checkpoints and reports of the same degrees always have."""
+    wanted = set(dims) or {DP_REPLICATE}
+    whole = _naming_exactly(wanted)
+    if whole is not None:
+        return whole
+    model = wanted & {PP, TP}
+    return f"{_naming_exactly(wanted - model)}+{_naming_exactly(model)}"
 
 
 def auto(processes: int) -> str:

@@ -4,4 +4,4 @@ from torchfleet.strategies.base import Strategy
 
 
 class Serial(Strategy):
-    name = "serial"
+    """The default step, on one device."""

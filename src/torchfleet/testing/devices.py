@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from torchfleet.fleet import Fleet
+from torchfleet.strategies import registry
 from torchfleet.testing.equivalence import full_weights, train_k_steps
 from torchfleet.train.datasets import synthetic
 from torchfleet.train.models import build_model
@@ -63,7 +64,11 @@ def trained_facts(strategy: str, **options) -> tuple[dict, torch.Tensor | None]:
 
 
 def fp16_skip_job(
-    strategy: str = "serial", options: dict | None = None, steps: int = 5, poisoned: int = 3, fp16_on_cpu: bool = False
+    strategy: str = registry.REFERENCE,
+    options: dict | None = None,
+    steps: int = 5,
+    poisoned: int = 3,
+    fp16_on_cpu: bool = False,
 ) -> dict:
     """fp16 training where the last rank's step `poisoned` (counted from 1) overflows.
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from torchfleet.errors import UsageError
+from torchfleet.strategies import registry
 from torchfleet.verify import models, train
 
 FLOOR = 1e-5  # a difference below this is rounding, whatever the model (the zoo's bound)
@@ -86,7 +87,7 @@ def verify(source: models.Source, strategies: list[str] | None, processes: int, 
     _, make, _ = models.build(source)
     batches = Batches([make(BATCH, seed) for seed in range(steps)])
     build, batch, loss_fn = parts(source, batches)
-    serial = train.train_case("serial", build, batch, loss_fn, steps=steps, batch_size=BATCH)
+    serial = train.train_case(registry.REFERENCE, build, batch, loss_fn, steps=steps, batch_size=BATCH)
     assert serial is not None and "weights" in serial, serial  # one process: the main one
     again = train.reordered(build, batch, loss_fn, steps=steps, batch_size=BATCH)
     assert again is not None and "weights" in again, again

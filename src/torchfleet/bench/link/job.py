@@ -13,9 +13,11 @@ from dataclasses import dataclass
 
 from torchfleet.errors import UsageError, choice_error
 
-# Every cell is one process per machine with the same model, global batch and timed steps.
-CELLS = ("ddp", "powersgd", "diloco", "localsgd")
-DEFAULT_CELLS = ("ddp", "powersgd", "diloco")
+# Every cell is one process per machine with the same model, global batch and timed steps. The baseline, whose
+# every step all-reduces the gradients, is the cell every speed-up is measured against (and PowerSGD's wrapper).
+BASELINE = "ddp"
+CELLS = (BASELINE, "powersgd", "diloco", "localsgd")
+DEFAULT_CELLS = (BASELINE, "powersgd", "diloco")
 MEETING_CELLS = ("diloco", "localsgd")  # replica groups, one per machine, under --fault-tolerance step
 # A bench run is a few tens of steps, where the strategies' default of 100 would never meet: 10 meets
 # five times in the default run and still exchanges a tenth of what ddp does.
@@ -67,10 +69,10 @@ class LinkJob:
 
     def fleet_options(self, cell: str) -> dict:
         """The `Fleet(...)` arguments of `cell`."""
-        if cell == "ddp":
-            return {"strategy": "ddp"}
+        if cell == BASELINE:
+            return {"strategy": BASELINE}
         if cell == "powersgd":
-            return {"strategy": "ddp", "grad_compression": "powersgd", "powersgd_rank": self.powersgd_rank}
+            return {"strategy": BASELINE, "grad_compression": "powersgd", "powersgd_rank": self.powersgd_rank}
         outer = {
             k: v
             for k, v in (("outer_lr", self.outer_lr), ("outer_momentum", self.outer_momentum))
@@ -170,9 +172,9 @@ def job_from_flags(flags: dict, options: dict, nnodes: int, quick: bool = False)
     for cell in cells:
         if cell not in CELLS:
             raise choice_error("link-mode cell", cell, CELLS)
-    if "ddp" not in cells:
-        cells = ("ddp", *cells)
-        notes.append("ddp added: it is the baseline every speed-up is measured against")
+    if BASELINE not in cells:
+        cells = (BASELINE, *cells)
+        notes.append(f"{BASELINE} added: it is the baseline every speed-up is measured against")
     sync_every = options.get("sync_every", DEFAULT_SYNC_EVERY)
     if sync_every < 1:  # said here: diloco's own sentence gives train's default
         raise UsageError(

@@ -21,7 +21,7 @@ from pathlib import Path
 from rich.markup import escape
 from rich.table import Table
 
-from torchfleet.bench.link.job import MEETING_CELLS, LinkJob, Machines
+from torchfleet.bench.link.job import BASELINE, MEETING_CELLS, LinkJob, Machines
 from torchfleet.bench.link.measure import Link
 from torchfleet.bench.measure_cell import spread
 from torchfleet.bench.report import throughput, throughput_unit
@@ -134,7 +134,7 @@ def busy(rows: list[dict]) -> str | None:
 def derive(rows: list[dict]) -> None:
     """Fill the derived figures of the module doc in place (None where not measurable)."""
     ok = [r for r in rows if r["status"] == "ok"]
-    ddp = next((r["step_time_median_s"] for r in ok if r["cell"] == "ddp"), None)
+    ddp = next((r["step_time_median_s"] for r in ok if r["cell"] == BASELINE), None)
     for r in rows:
         for name in ("samples_per_s", "tokens_per_s", "speedup_vs_ddp", "comm_share"):
             r[name] = None
@@ -154,7 +154,7 @@ def line(row: dict) -> str:
     if row["status"] != "ok":
         return f"{row['label']}: {row['status']}: {row['error']}"
     text = f"{row['label']}: {row['step_time_median_s'] * 1e3:.1f} ms/step, {throughput(row)}"
-    if row["speedup_vs_ddp"] is not None and row["cell"] != "ddp":
+    if row["speedup_vs_ddp"] is not None and row["cell"] != BASELINE:
         text += f", {row['speedup_vs_ddp']:.2f}x ddp"
     return text + f" (communication {row['comm_share']:.0%} of the step)"
 
@@ -182,7 +182,7 @@ def verdict(mbit_s: float, rows: list[dict], plan: LinkJob) -> str:
     if not ok:
         return f"{link} no cell ran, so there is no verdict; each row says why."
     best = ok[0]
-    ddp = next((r for r in ok if r["cell"] == "ddp"), None)
+    ddp = next((r for r in ok if r["cell"] == BASELINE), None)
     if ddp is None:
         return (
             f"{link} {best['label']} is the fastest of the cells that ran, at"

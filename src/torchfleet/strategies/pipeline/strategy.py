@@ -62,7 +62,6 @@ __all__ = ["Pipeline"]
 
 
 class Pipeline(MeshStrategy):
-    name = "pipeline"
     options = (*MeshStrategy.options, "microbatches", "schedule", "stages_per_process")
     schedules_steps = True
     sharded_checkpoint = True  # each stage saves its own layers through torch.distributed.checkpoint
