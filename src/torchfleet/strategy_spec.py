@@ -11,12 +11,14 @@ combination that cannot run is refused here, in one sentence.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import cast
 
 from torchfleet.env import DistEnv
 from torchfleet.errors import UsageError
 from torchfleet.replica_groups import which_group
 from torchfleet.strategies import Runtime, Strategy, class_for, dims_of, get_strategy, registry
 from torchfleet.strategies.dims import ParallelDims
+from torchfleet.strategies.distributed import MeshStrategy
 from torchfleet.strategies.options import StrategyOptions
 
 
@@ -33,8 +35,9 @@ class StrategySpec:
 
     def build(self, runtime: Runtime) -> Strategy:
         if self.dims is None:  # a one-process class: a degree given to it is refused in its own words
-            return self.cls(runtime, **self.options.given())
-        return self.cls(runtime, dims=self.dims, **self.options.for_class())
+            return self.cls(runtime, self.options)
+        mesh = cast(type[MeshStrategy], self.cls)  # degrees: the mesh's class
+        return mesh(runtime, self.options, self.dims)
 
 
 def settle(name: str, given: dict, env: DistEnv, fault_tolerance: str | None) -> StrategySpec:

@@ -9,6 +9,7 @@ from torch import nn
 from torchfleet import UsageError, launch
 from torchfleet.fleet import Fleet
 from torchfleet.strategies.ddp import DataParallelDistributed
+from torchfleet.strategies.options import StrategyOptions
 from torchfleet.testing.equivalence import full_weights
 from torchfleet.train.datasets import synthetic
 from torchfleet.train.models import mlp
@@ -68,4 +69,4 @@ def test_fp16_and_powersgd_learn_and_change_the_traffic():
 )
 def test_bad_compression_options_are_one_sentence(options, sentence):
     with pytest.raises(UsageError, match=sentence.replace("(", r"\(")):
-        DataParallelDistributed(runtime=None, **options)
+        DataParallelDistributed(None, StrategyOptions.of(options))  # type: ignore[arg-type]

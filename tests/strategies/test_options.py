@@ -49,7 +49,6 @@ def test_options_are_sorted_into_their_groups_and_given_back_flat():
     assert options.replication.sync_batchnorm is True
     assert options.single_process.devices == "cpu,cpu"
     assert options.given() == {k: v for k, v in given.items() if v is not None}
-    assert "pp" not in options.for_class()  # the degrees are the mesh's, not the class's
 
 
 def test_an_undeclared_option_reaches_the_class_which_refuses_it_in_one_sentence(monkeypatch):

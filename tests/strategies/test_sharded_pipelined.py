@@ -16,6 +16,7 @@ from torchfleet import launch
 from torchfleet.errors import UsageError
 from torchfleet.fleet import Fleet
 from torchfleet.strategies.dims import ParallelDims
+from torchfleet.strategies.options import StrategyOptions
 from torchfleet.strategies.parallelize import split_balanced
 from torchfleet.strategies.pipeline.strategy import Pipeline
 from torchfleet.testing.equivalence import default_microbatches_job, full_weights, train_k_steps
@@ -249,7 +250,7 @@ def test_mesh_arithmetic_is_checked():
     with pytest.raises(UsageError, match="--pp 0 must be at least 1"):
         ParallelDims.from_preset("pipeline", 4, pp=0)
     with pytest.raises(UsageError, match="unknown schedule 'zigzag'"):
-        Pipeline(None, schedule="zigzag")
+        Pipeline(None, StrategyOptions.of({"schedule": "zigzag"}))  # type: ignore[arg-type]
 
 
 def test_names_and_layout_follow_the_degrees():

@@ -24,6 +24,7 @@ from torchfleet.models.gpt import GPT, GPTConfig
 from torchfleet.precision import Precision
 from torchfleet.strategies import Runtime, class_for
 from torchfleet.strategies.dims import ParallelDims
+from torchfleet.strategies.options import StrategyOptions
 from torchfleet.strategies.tensor_parallel import tp_plan_for
 from torchfleet.testing.real_models import tp_job, train_real_model
 
@@ -121,10 +122,10 @@ def test_options_that_need_tp_or_forbid_it():
     fsdp, tp = ParallelDims(1, 2, 1, world_size=2), ParallelDims(1, 1, 1, world_size=2, tp=2)
     strategy = class_for(fsdp)
     with pytest.raises(UsageError, match="tp_plan applies where layers are split .*; fsdp has no tensor parallelism"):
-        strategy(runtime, dims=fsdp, tp_plan=MLP_ONLY)
+        strategy(runtime, StrategyOptions.of({"tp_plan": MLP_ONLY}), dims=fsdp)
     with pytest.raises(UsageError, match=r"--sync-batchnorm with tp\(2\) is not supported: the ranks of a"):
-        strategy(runtime, dims=tp, sync_batchnorm=True)
-    assert strategy(runtime, dims=tp, tp_plan=MLP_ONLY).name == "tp"
+        strategy(runtime, StrategyOptions.of({"sync_batchnorm": True}), dims=tp)
+    assert strategy(runtime, StrategyOptions.of({"tp_plan": MLP_ONLY}), dims=tp).name == "tp"
 
 
 def test_a_lora_layer_is_split_with_the_layer_it_adapts():

@@ -131,7 +131,7 @@ def run_one(cell: Cell, cfg: BenchConfig, profile: bool = True) -> dict:
             **{
                 k: v
                 for k, v in cfg.strategy_options.items()
-                if k in cls.options and (k not in DIM_NAMES or k in preset_degrees(base))
+                if k in cls.takes and (k not in DIM_NAMES or k in preset_degrees(base))
             },
             **extra,
         },

@@ -46,14 +46,15 @@ def resolve_sharing_strategy(name: str | None) -> str:
 
 
 class Hogwild(Strategy):
-    options = ("sharing_strategy",)
+    takes = ("sharing_strategy",)
     # Shared CPU memory is the whole point; CUDA tensors would need CUDA IPC
     # and one context per worker on the same device, which only slows it down.
     cpu_only = True
 
-    def __init__(self, runtime, **options):
-        super().__init__(runtime, **options)
-        self.sharing_strategy = resolve_sharing_strategy(options.get("sharing_strategy"))
+    def __init__(self, runtime, options=None):
+        super().__init__(runtime, options)
+        given = options.single_process.sharing_strategy if options is not None else None
+        self.sharing_strategy = resolve_sharing_strategy(given)
         self.worker = worker_info()
         if self.worker is None:
             self.notes.append("hogwild outside torchfleet.hogwild.run has one worker; running it as serial")

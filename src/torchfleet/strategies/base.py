@@ -21,6 +21,7 @@ from torchfleet.errors import UsageError
 from torchfleet.precision import Precision
 from torchfleet.strategies.block_transforms import checkpoint_activations, compile_model
 from torchfleet.strategies.blocks import adapter_skeleton
+from torchfleet.strategies.options import StrategyOptions
 from torchfleet.strategies.registry import name_of_class
 
 # (what the model returns: a tensor, or a library model's output object; targets) -> loss
@@ -90,8 +91,8 @@ class Strategy:
     # True when the strategy needs one process per replica or stage and a
     # process group joining them; False for single-process strategies.
     distributed: ClassVar[bool] = False
-    # Strategy-specific options this strategy accepts (CLI flags without "--").
-    options: ClassVar[tuple[str, ...]] = ()
+    # The options this strategy takes: StrategyOptions' field names (its flags without "--").
+    takes: ClassVar[tuple[str, ...]] = ()
     # True when the strategy runs on the CPU whatever GPUs the host has (hogwild).
     cpu_only: ClassVar[bool] = False
     # True when forward and backward run inside torch's pipeline schedule, so only
@@ -111,12 +112,14 @@ class Strategy:
         if declared is not None:  # else its own, or its base's (a class no preset runs)
             cls.name = declared
 
-    def __init__(self, runtime: Runtime, **options):
-        unknown = sorted(set(options) - set(self.options))
+    def __init__(self, runtime: Runtime, options: StrategyOptions | None = None):
+        """`options`: the run's strategy options in their typed groups, as settled (strategy_spec.py); each
+        class reads the groups it takes, and an option given that it does not take is refused here."""
+        unknown = sorted(set((options or StrategyOptions()).given()) - set(self.takes))
         if unknown:
             raise UsageError(
                 f"option {unknown[0]!r} does not apply to strategy {self.name!r}"
-                + (f"; it takes {', '.join(self.options)}" if self.options else "; it takes no options")
+                + (f"; it takes {', '.join(self.takes)}" if self.takes else "; it takes no options")
             )
         self.runtime = runtime
         self.notes: list[str] = []  # said once to the user by Fleet's owner (the trainer prints them)

@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from torchfleet.errors import UsageError, choice_error
 from torchfleet.strategies.distributed import MeshStrategy
+from torchfleet.strategies.options import StrategyOptions
 from torchfleet.strategies.parallelize import apply_ddp, parallelize
 
 COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
@@ -50,15 +51,16 @@ def _in_bucket_order(hook):
 
 
 class DataParallelDistributed(MeshStrategy):
-    options = (*MeshStrategy.options, "grad_compression", "powersgd_rank", "find_unused_parameters")
+    takes = (*MeshStrategy.takes, "grad_compression", "powersgd_rank", "find_unused_parameters")
     model: DistributedDataParallel  # what wrap makes: its .module, comm hooks and no_sync are used below
 
-    def __init__(self, runtime, **options):
+    def __init__(self, runtime, options: StrategyOptions | None = None, dims=None):
         # Its own options first: they are checked before any process group exists.
-        grad_compression = options.get("grad_compression", "none")
-        self.find_unused_parameters = bool(options.get("find_unused_parameters", False))
+        options = options or StrategyOptions()
+        grad_compression = options.compression.grad_compression or "none"
+        self.find_unused_parameters = bool(options.replication.find_unused_parameters)
         self._checked = self.find_unused_parameters  # nothing to check when DDP looks for them itself
-        powersgd_rank = options.get("powersgd_rank")
+        powersgd_rank = options.compression.powersgd_rank
         if grad_compression not in COMPRESSIONS:
             raise choice_error("gradient compression", grad_compression, COMPRESSIONS)
         if powersgd_rank is not None and grad_compression != "powersgd":
@@ -67,7 +69,7 @@ class DataParallelDistributed(MeshStrategy):
             )
         if powersgd_rank is not None and powersgd_rank < 1:
             raise UsageError(f"--powersgd-rank {powersgd_rank} must be at least 1")
-        super().__init__(runtime, **options)  # rejects options ddp does not take
+        super().__init__(runtime, options, dims)  # refuses options ddp does not take
         self.grad_compression = grad_compression
         self.powersgd_rank = powersgd_rank or 2
 

@@ -18,6 +18,7 @@ from torchfleet.strategies.base import Strategy
 from torchfleet.strategies.batchnorm import check_sync_batchnorm, convert_sync_batchnorm
 from torchfleet.strategies.dims import DIM_NAMES, ParallelDims
 from torchfleet.strategies.moe_balance import balance_over
+from torchfleet.strategies.options import StrategyOptions
 from torchfleet.strategies.registry import BORROWED_DIMS
 
 
@@ -36,25 +37,13 @@ class MeshStrategy(Strategy):
     # --dp-replicate, --dp-shard, --pp, --tp, --sync-batchnorm: every preset takes them, and with
     # them the options of the dimensions they may add (the class follows from the degrees).
     # tp_plan (Python only): {module name: ParallelStyle} for a model without a tp_plan().
-    options = (*DIM_NAMES, *BORROWED_DIMS, "sync_batchnorm", "fsdp_units", "split_points", "tp_plan", "experts")
+    takes = (*DIM_NAMES, *BORROWED_DIMS, "sync_batchnorm", "fsdp_units", "split_points", "tp_plan", "experts")
 
-    def __init__(
-        self,
-        runtime,
-        dims: ParallelDims | None = None,
-        sync_batchnorm: bool = False,
-        fsdp_units=None,
-        split_points=None,
-        tp_plan=None,
-        experts=None,
-        **options,
-    ):
-        # The degrees come settled, in `dims` (strategy_spec.py resolves them once); a degree among the
-        # keywords is refused here as the option of another class would be.
-        degrees = sorted(set(options) & {*DIM_NAMES, *BORROWED_DIMS})
-        if degrees:
-            raise UsageError(f"{self.name}: the degree {degrees[0]!r} is given in dims, not as an option")
-        super().__init__(runtime, **options)
+    def __init__(self, runtime, options: StrategyOptions | None = None, dims: ParallelDims | None = None):
+        # The degrees come settled, in `dims` (strategy_spec.py resolves them once from `options.degrees`).
+        options = options or StrategyOptions()
+        super().__init__(runtime, options)
+        sync_batchnorm, tp_plan = bool(options.replication.sync_batchnorm), options.tensor_parallel.tp_plan
         env = runtime.env
         assert dims is not None, "a mesh strategy is built with its degrees (StrategySpec.build)"
         check_sync_batchnorm(dims.pp, sync_batchnorm)
@@ -71,9 +60,9 @@ class MeshStrategy(Strategy):
         self.tp_plan = tp_plan
         self.sync_batchnorm = bool(sync_batchnorm)
         self.dims = dims
-        self.fsdp_units = names_option(fsdp_units)
-        self.split_points = names_option(split_points)
-        self.experts = names_option(experts)
+        self.fsdp_units = names_option(options.sharding.fsdp_units)
+        self.split_points = names_option(options.pipeline.split_points)
+        self.experts = names_option(options.experts.experts)
         if self.experts and dims.ep == 1:
             raise UsageError(
                 f"--experts names what ep splits (ep, fsdp+ep, or --ep); {dims.name} does not split experts"

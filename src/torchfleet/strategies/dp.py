@@ -29,8 +29,8 @@ def scatter_sizes(batch: int, devices: int) -> list[int]:
 class DataParallelSingleProcess(Strategy):
     model: nn.DataParallel  # what wrap makes; unwrapped() reads its .module
 
-    def __init__(self, runtime, **options):
-        super().__init__(runtime, **options)
+    def __init__(self, runtime, options=None):
+        super().__init__(runtime, options)
         gpus = torch.cuda.device_count() if runtime.device.type == "cuda" else 0
         # Fleet put this one process on cuda:0, which DataParallel wants as device_ids[0].
         self.device_ids = list(range(gpus))

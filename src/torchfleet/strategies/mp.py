@@ -27,6 +27,7 @@ from torchfleet.errors import UsageError
 from torchfleet.precision import Precision
 from torchfleet.strategies.base import Strategy
 from torchfleet.strategies.distributed import names_option
+from torchfleet.strategies.options import StrategyOptions
 from torchfleet.strategies.partition import partition
 from torchfleet.strategies.pipeline.cutting import stage_starts
 
@@ -108,18 +109,17 @@ class MicroBatchPipe(nn.Module):
 
 
 class ModelParallel(Strategy):
-    options = ("devices", "microbatches", "split_points")
+    takes = ("devices", "microbatches", "split_points")
 
-    def __init__(self, runtime, **options):
-        super().__init__(runtime, **options)
-        spec = options.get("devices")
+    def __init__(self, runtime, options: StrategyOptions | None = None):
+        options = options or StrategyOptions()
+        super().__init__(runtime, options)
+        spec, microbatches = options.single_process.devices, options.pipeline.microbatches
         self.devices = parse_devices(spec) if spec is not None else default_devices()
-        self.microbatches = options.get("microbatches") or DEFAULT_MICROBATCHES
-        self.split_points = names_option(options.get("split_points"))
-        if options.get("microbatches") is not None and (
-            not isinstance(options["microbatches"], int) or options["microbatches"] < 1
-        ):
-            raise UsageError(f"--microbatches {options['microbatches']!r} must be a whole number, at least 1")
+        self.microbatches = microbatches or DEFAULT_MICROBATCHES
+        self.split_points = names_option(options.pipeline.split_points)
+        if microbatches is not None and (not isinstance(microbatches, int) or microbatches < 1):
+            raise UsageError(f"--microbatches {microbatches!r} must be a whole number, at least 1")
         # The loss is computed where the last stage leaves its output, and
         # autocast follows the first stage's device type.
         self.runtime = dataclasses.replace(

@@ -6,8 +6,8 @@ needs the pipeline's options reads `options.pipeline.schedule` instead of pickin
 dict. A name no group declares is kept aside (`undeclared`), for the strategy class to refuse
 in its own words ("option 'x' does not apply to strategy 'ddp'; it takes ...").
 
-The strategy classes still take their options as keywords: `for_class` hands each the ones it
-declares taking (`Strategy.options`), which is every option given that is not a degree.
+Each strategy class is built with the whole `StrategyOptions` and reads the groups it takes
+(`Strategy.takes` names them); a mesh class's degrees arrive settled, as its `ParallelDims`.
 """
 
 from __future__ import annotations
@@ -188,12 +188,6 @@ class StrategyOptions:
             if value is not None
         }
         return {**flat, **dict(self.undeclared)}
-
-    def for_class(self) -> dict[str, Any]:
-        """The keywords a mesh strategy's class is built with: every option given but the degrees, which
-        its mesh holds (a one-process class gets `given()`, and refuses a degree)."""
-        degrees = {f.name for f in dataclasses.fields(Degrees)}
-        return {k: v for k, v in self.given().items() if k not in degrees}
 
     def _groups(self) -> list:
         return [getattr(self, name) for name in GROUPS]

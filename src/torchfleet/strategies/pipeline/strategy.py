@@ -32,6 +32,7 @@ from torchfleet.strategies.blocks import library_model, parameter_names
 from torchfleet.strategies.distributed import MeshStrategy
 from torchfleet.strategies.fsdp import memory_per_rank, rebuild_optimizer
 from torchfleet.strategies.moe_balance import routes_to_the_loss
+from torchfleet.strategies.options import StrategyOptions
 from torchfleet.strategies.parallelize import parallelize
 from torchfleet.strategies.pipeline import cutting, schedules
 from torchfleet.strategies.pipeline.cutting import tied_groups
@@ -62,24 +63,20 @@ __all__ = ["Pipeline"]
 
 
 class Pipeline(MeshStrategy):
-    options = (*MeshStrategy.options, "microbatches", "schedule", "stages_per_process")
+    takes = (*MeshStrategy.takes, "microbatches", "schedule", "stages_per_process")
     schedules_steps = True
     sharded_checkpoint = True  # each stage saves its own layers through torch.distributed.checkpoint
     wraps_meta = True  # a Sequential's children and a plan's blocks are cut on meta tensors alike (not a trace)
 
-    def __init__(
-        self,
-        runtime,
-        microbatches: int | None = None,
-        schedule: str | None = None,
-        stages_per_process: int | None = None,
-        **options,
-    ):
+    def __init__(self, runtime, options: StrategyOptions | None = None, dims=None):
+        options = options or StrategyOptions()
+        microbatches, schedule = options.pipeline.microbatches, options.pipeline.schedule
+        stages_per_process = options.pipeline.stages_per_process
         if microbatches is not None and microbatches < 1:
             raise UsageError(f"--microbatches {microbatches} must be at least 1")
         # Before the degrees are known (a bad name is refused alike on any pp).
         schedules.check_schedule(schedule, 2, stages_per_process)
-        super().__init__(runtime, **options)
+        super().__init__(runtime, options, dims)
         self.pp, self.dp = self.dims.pp, self.dims.dp
         self.pp_rank, self.dp_rank = self.coords["pp"], self.dims.dp_rank(self.rank)
         self._default_microbatches = microbatches is None  # chosen at the first step, to fit the batch
