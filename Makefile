@@ -120,17 +120,14 @@ test: $(VENV)/.dev system-deps
 # Of the floor lane's tests, the ones CI runs in the floor lane alone, so that its two lanes end together
 # (.ci/run): the planner's traces at scale and its traced memory of each model against real processes (the
 # newest lane's other plan tests, the schedules' memory among them, trace on its torch) and bench
-# (torchfleet's own code around the strategies both lanes test); torchft's groups in one process group each
-# (test_ft: the newest lane runs torchft's groups across hosts, diloco's and Kubernetes' pods) and resharding
-# between strategies (test_reshard: the newest lane saves and loads DCP checkpoints in test_checkpoint,
-# test_sharded_pipelined and test_weights). `make test` on its own runs them. Defined before FLOOR_TESTS,
-# which names them: := expands at once.
+# (torchfleet's own code around the strategies both lanes test). `make test` on its own runs them. Defined
+# before FLOOR_TESTS, which names them: := expands at once.
 FLOOR_ONLY_TESTS := test_plan_at_scale test_plan_published test_plan_validation test_plan_encoders test_bench \
-	test_plan_memory_traced test_ft test_reshard
-FLOOR_TESTS := test_real_models test_zoo test_schedules test_sharded_pipelined \
+	test_plan_memory_traced
+FLOOR_TESTS := test_real_models test_zoo test_schedules test_sharded_pipelined test_reshard \
 	test_checkpoint test_tensor_parallel test_equivalence test_batchnorm test_fp16_scaler \
 	test_compression test_security test_single_process test_models test_layers test_hot_path \
-	test_backend test_env test_data test_versions test_cuda test_elastic test_faults \
+	test_backend test_env test_data test_versions test_cuda test_elastic test_faults test_ft \
 	test_weights $(FLOOR_ONLY_TESTS)
 
 # Each name's file, in tests/ or the folder of the package it tests; a name with no file stops make.

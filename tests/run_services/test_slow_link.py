@@ -103,7 +103,6 @@ def _run(tmp_path, slow: bool) -> tuple[list[dict], str, int | None]:
     return [json.loads(line) for line in out.read_text().splitlines()], outputs[0], before
 
 
-@pytest.mark.waits  # on a link held to 50 Mbit/s, and on 4 hosts' processes sharing the cores
 @pytest.mark.timeout(240)
 def test_the_rank_behind_a_slow_link_is_named_in_communication(tmp_path):
     rows, stdout, before = _run(tmp_path, slow=True)
@@ -125,7 +124,6 @@ def test_the_rank_behind_a_slow_link_is_named_in_communication(tmp_path):
     assert verdict["value"] == last[SLOW_HOST]["comm_s"] and verdict["value"] > 3 * verdict["median"]
 
 
-@pytest.mark.waits  # on a link held to 50 Mbit/s, and on 4 hosts' processes sharing the cores
 @pytest.mark.timeout(240)
 def test_an_unslowed_run_on_hosts_names_no_rank_and_probes_no_link(tmp_path):
     rows, stdout, _ = _run(tmp_path, slow=False)
