@@ -1,5 +1,6 @@
 """hogwild: workers really share one model, training converges like serial, nothing is left behind."""
 
+import csv
 import gc
 import multiprocessing.resource_tracker
 import os
@@ -84,6 +85,34 @@ def test_converges_like_serial_and_leaves_nothing_behind(warm):
     assert shared["steps"] == serial["steps"] == 10 * (1438 // 64)
     assert shared["val_accuracy"] > 0.9  # the parent evaluates the workers' shared weights
     assert shared["val_accuracy"] >= serial["val_accuracy"] - ACCURACY_POINTS, (shared, serial)
+
+
+@pytest.mark.timeout(180)
+def test_its_workers_run_the_loop_every_strategy_runs_and_log_each_workers_figures(warm, tmp_path):
+    """How the workers start is hogwild's one difference: each runs train's loop (train/loop.py's run_worker), so
+    the run's services come with it. The workers' Gloo group carries the figures, never a gradient: worker 0
+    writes every worker's row of each logged step, and the losses it logs are the workers' mean."""
+    metrics = tmp_path / "m.csv"
+    job = dict(model="mlp", data="synthetic", synthetic_size=256, batch_size=32, epochs=1, log_every=3)
+    result = train(
+        TrainConfig(strategy="hogwild", progress=False, hang_timeout=0, metrics_out=str(metrics), **job),
+        "hogwild",
+        nproc=2,
+    )
+    assert (result["strategy"], result["world_size"], result["steps"]) == ("hogwild", 2, 8)
+    with open(metrics, newline="") as f:
+        rows = list(csv.DictReader(f))
+    ranks = [(int(r["step"]), int(r["rank"])) for r in rows if r["kind"] == "rank"]
+    assert ranks == [(s, k) for s in (3, 6, 8) for k in (0, 1)]
+    assert all(float(r["step_s"]) >= float(r["compute_s"]) > 0 for r in rows if r["kind"] == "rank")
+    assert [(r["kind"], int(r["step"])) for r in rows if r["kind"] != "rank"] == [
+        ("train", 3),
+        ("train", 6),
+        ("train", 8),
+        ("val", 8),
+    ]
+    (val,) = [r for r in rows if r["kind"] == "val"]
+    assert float(val["val_accuracy"]) == result["val_accuracy"]  # both workers' halves, summed over the group
 
 
 @pytest.mark.timeout(180)

@@ -57,8 +57,9 @@ class Job:
     expert_load: ExpertLoad | None  # tokens per expert, for a model with experts
 
 
-def set_up(cfg: TrainConfig, fleet: Fleet) -> Job:
-    """The built-in job's data, model and optimizer, set up by `fleet` for its strategy."""
+def set_up(cfg: TrainConfig, fleet: Fleet, given: torch.nn.Module | None = None) -> Job:
+    """The built-in job's data, model and optimizer, set up by `fleet` for its strategy. `given`: the model to
+    train instead of building it (hogwild's workers share one, built by their parent as below)."""
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank and every run
     block = gpt_config(cfg.gpt_preset).block_size  # read by --data text and PATH only
     assert cfg.data is not None  # TrainConfig.__post_init__ puts the model's default there
@@ -75,7 +76,9 @@ def set_up(cfg: TrainConfig, fleet: Fleet) -> Job:
         train_set = builtin_dataset(cfg.data, "train", cfg.seed, cfg.synthetic_size, block_size=block)
         val_set = builtin_dataset(cfg.data, "val", cfg.seed, cfg.synthetic_size, block_size=block)
         in_shape = tuple(train_set[0][0].shape)
-    if not own:
+    if given is not None:
+        model = given
+    elif not own:
         model = build_model(cfg.model, in_shape, num_classes=10, gpt_preset=cfg.gpt_preset)
     # the loss, and what validation reports
     task = OWN_LANGUAGE if own else task_for(cfg.model, padded=transform is not None)

@@ -14,13 +14,14 @@ import json
 import os
 import time
 
+from torch import nn
+
 from torchfleet import outputs
 from torchfleet.env import DistEnv
 from torchfleet.fleet import Fleet
 from torchfleet.strategy_spec import StrategySpec, settle
-from torchfleet.train import report
+from torchfleet.train import hogwild, report
 from torchfleet.train.config import TrainConfig
-from torchfleet.train.hogwild import train_hogwild
 from torchfleet.train.job import Job, set_up
 from torchfleet.train.run_state import Run
 from torchfleet.train.tasks import CLASSIFY
@@ -33,18 +34,29 @@ def train(cfg: TrainConfig, strategy: str | StrategySpec, nproc: int = 1) -> dic
     `strategy`: the spec the launcher settled, or a name this process settles
     with `cfg.strategy_options` (it read the user's words itself).
     `nproc` is read by hogwild only: its workers share this process's memory,
-    so it spawns them itself (torchfleet.hogwild) instead of running in them.
+    so it spawns them itself (train/hogwild.py), each running `run_worker`.
     """
     spec = (
         strategy
         if isinstance(strategy, StrategySpec)
         else settle(strategy, cfg.strategy_options, DistEnv.detect(), None)
     )
-    if spec.preset.launch == "spawn":  # hogwild: workers sharing this process's memory
-        return train_hogwild(cfg, spec, nproc)
+    if spec.preset.launch == "spawn":  # hogwild: its own start, then this loop in every worker
+        return hogwild.spawn(cfg, spec, nproc, run_worker)
+    return run_worker(cfg, spec)
+
+
+def run_worker(
+    cfg: TrainConfig, spec: StrategySpec, env: DistEnv | None = None, model: nn.Module | None = None
+) -> dict:
+    """One rank's run of the built-in job, the same for every strategy: Fleet, the job, the loop, the result.
+
+    `env`: this rank's place where its launcher gave none in the environment (a hogwild worker's);
+    `model`: the model to train instead of the job's own (the one hogwild's workers share)."""
     fleet = Fleet(
         strategy=spec.name,
         settled=spec,
+        env=env,
         precision=cfg.precision,
         backend=cfg.backend,
         grad_accum=cfg.grad_accum,
@@ -70,11 +82,11 @@ def train(cfg: TrainConfig, strategy: str | StrategySpec, nproc: int = 1) -> dic
         cfg.preempt_notice if cfg.checkpoint_dir else None,
         watch=fleet.env.local_rank == 0,
     ) as listener:
-        return _train(cfg, fleet, listener)
+        return _train(cfg, fleet, listener, model)
 
 
-def _train(cfg: TrainConfig, fleet: Fleet, listener: preemption.Listener) -> dict:
-    job = set_up(cfg, fleet)
+def _train(cfg: TrainConfig, fleet: Fleet, listener: preemption.Listener, model: nn.Module | None) -> dict:
+    job = set_up(cfg, fleet, model)
     run = Run(cfg, fleet, job, listener)  # at step 0, or at the checkpoint's step when resuming
     with run.shown():
         while not run.done:
