@@ -46,11 +46,11 @@ def spawn(cfg, spec: StrategySpec, workers: int, run_worker: Callable) -> dict:
     check_global_batch(cfg.batch_size, workers)
     if cfg.data_path:  # the model below is built for the built-in data sets alone
         raise UsageError(f"hogwild reads the built-in data sets only, not --data {cfg.data!r}; use serial or ddp")
-    # The same initial weights as every other strategy: set_up's seed, data sets and model, in its order.
+    # The same initial weights as every other strategy: set_up's seed, then the model (the data sets draw from
+    # generators of their own, so the train set, read here for its inputs' shape, leaves the seed's stream alone).
     torch.manual_seed(cfg.seed)
     block = gpt_config(cfg.gpt_preset).block_size  # read by --data text only
     train_set = builtin_dataset(cfg.data, "train", cfg.seed, cfg.synthetic_size, block_size=block)
-    builtin_dataset(cfg.data, "val", cfg.seed, cfg.synthetic_size, block_size=block)
     model = build_model(cfg.model, tuple(train_set[0][0].shape), num_classes=10, gpt_preset=cfg.gpt_preset)
     grouped = dataclasses.replace(spec, grouped=True)  # the figures' process group, settled here for the workers
     done = runner.run(
