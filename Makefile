@@ -26,7 +26,7 @@ $(VENV)/.base: pyproject.toml | $(BIN)/python
 $(VENV)/.dev: $(VENV)/.base
 	$(PIP) -e '.[dev,plot]' "torch==$$($(BIN)/python -c 'import torch; print(torch.__version__.split("+")[0])')" \
 		2>&1 | { grep -v "is ignored" || true; }
-	$(BIN)/python -c "import pytest, pytest_timeout, matplotlib, transformers, plotly, bottle"
+	$(BIN)/python -c "import pytest, pytest_timeout, xdist, matplotlib, transformers, plotly, bottle"
 	touch $@
 
 # Accelerate and Lightning for the parity benchmark only, with torch pinned to
@@ -86,17 +86,20 @@ system-deps:
 
 # Two pytest runs side by side: the tests marked `waits` (a lighthouse knocked on for 25 s, a join
 # timeout, Slurm holding a requeued job: they mostly sleep) in one, every other test in the other,
-# in file order. The waiting run's report follows the other's, whichever failed (the recipe runs under
+# each file whole on one of TEST_WORKERS pytest-xdist workers (--dist loadfile: a module's fixtures
+# are built once). Alone, a test file keeps about 0.75 of a core busy: the rest is process start-ups,
+# sockets and heartbeats, so two workers fill two cores' idle time. The waiting run's report follows the other's, whichever failed (the recipe runs under
 # bash -e: each status is caught, not left to end it); exit 5 (none selected) counts as passed.
 # Ctrl-C or SIGTERM stops both and all they started within seconds (tests/scripts/stop_suites.sh): each
 # run is a session of its own, which the recipe's trap stops (make sends SIGTERM to the recipe's shell
 # alone, and a background run would ignore SIGINT); `wait` lets the trap run at once.
+TEST_WORKERS ?= 2
 test: $(VENV)/.dev system-deps
 	$(BIN)/python -c "import torch; print('make test: torch', torch.__version__)"
 	@waits_log=$$(mktemp); main=; waits=; \
 	trap 'tests/scripts/stop_suites.sh $$main $$waits; rm -f "$$waits_log"; echo "make test: stopped"; exit 130' INT TERM; \
 	setsid $(BIN)/python -m pytest -m waits -p no:cacheprovider $(PYTEST_ARGS) > "$$waits_log" 2>&1 & waits=$$!; \
-	setsid $(BIN)/python -m pytest -m "not waits" $(PYTEST_ARGS) & main=$$!; \
+	setsid $(BIN)/python -m pytest -m "not waits" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS) & main=$$!; \
 	status=0; wait $$main || status=$$?; \
 	waits_status=0; wait $$waits || waits_status=$$?; \
 	echo "make test: the tests marked waits, run beside the others (exit $$waits_status):"; cat "$$waits_log"; \
@@ -122,13 +125,14 @@ test: $(VENV)/.dev system-deps
 # newest lane's other plan tests, the schedules' memory among them, trace on its torch) and bench
 # (torchfleet's own code around the strategies both lanes test). `make test` on its own runs them. Defined
 # before FLOOR_TESTS, which names them: := expands at once.
-FLOOR_ONLY_TESTS := test_plan_at_scale test_plan_published test_plan_validation test_plan_encoders test_bench \
-	test_plan_memory_traced
-FLOOR_TESTS := test_real_models test_zoo test_schedules test_sharded_pipelined test_reshard \
+# The longest files first: xdist hands files to its workers in this order, and one begun last would end alone.
+FLOOR_ONLY_TESTS := test_plan_memory_traced test_bench test_plan_at_scale test_plan_published test_plan_validation \
+	test_plan_encoders
+FLOOR_TESTS := $(FLOOR_ONLY_TESTS) test_zoo test_real_models test_schedules test_sharded_pipelined test_reshard \
 	test_checkpoint test_tensor_parallel test_equivalence test_batchnorm test_fp16_scaler \
 	test_compression test_security test_single_process test_models test_layers test_hot_path \
 	test_backend test_env test_data test_versions test_cuda test_elastic test_faults test_ft \
-	test_weights $(FLOOR_ONLY_TESTS)
+	test_weights
 
 # Each name's file, in tests/ or the folder of the package it tests; a name with no file stops make.
 files_of = $(foreach t,$(1),$(or $(wildcard tests/$(t).py tests/*/$(t).py),$(error no tests/$(t).py nor tests/*/$(t).py)))
