@@ -21,8 +21,8 @@ count it cannot take, micro-batches it cannot split into rounds.
 
 from __future__ import annotations
 
-import torch
-import torch.distributed.pipelining as pipelining
+import importlib
+from types import ModuleType
 
 from torchfleet.errors import UsageError, choice_error
 from torchfleet.versions import release
@@ -40,6 +40,19 @@ MULTI_STAGE = tuple(name for name, (_, per) in SCHEDULES.items() if per != 1)
 # torch's interleaved schedules run micro-batches in rounds of max(1, m // pp) and refuse
 # a count that is not a multiple of its rounds (ScheduleInterleaved1F1B.__init__).
 ROUNDS = ("interleaved-1f1b", "interleaved-zb")
+
+
+def _pipelining() -> ModuleType:
+    """torch.distributed.pipelining, imported when a schedule is first looked up: the import takes about a
+    second of CPU (Dynamo, DTensor), which every command line would pay, as bench's and plan's flags name
+    schedules, though only a pipeline's processes run one."""
+    return importlib.import_module("torch.distributed.pipelining")
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__.split("+")[0]
 
 
 # Schedules an older torch has but cannot run here, with the release that runs them. torch 2.11's
@@ -61,18 +74,18 @@ def schedule_class(name: str) -> type:
     """torch's class for schedule `name`; one sentence when the installed torch has none."""
     if name not in SCHEDULES:
         raise choice_error("schedule", name, tuple(SCHEDULES))
-    found = getattr(pipelining, SCHEDULES[name][0], None)
+    found = getattr(_pipelining(), SCHEDULES[name][0], None)
     if found is None:
         raise UsageError(
             f"schedule {name} needs torch's {SCHEDULES[name][0]}, which torch"
-            f" {torch.__version__.split('+')[0]} does not have; upgrade torch, or choose one of"
+            f" {_torch_version()} does not have; upgrade torch, or choose one of"
             f" {', '.join(available())}"
         )
     floor = NEEDS_RELEASE.get(name)
     if floor is not None and release() < floor:
         raise UsageError(
             f"schedule {name} needs torch {floor[0]}.{floor[1]} or later, and torch"
-            f" {torch.__version__.split('+')[0]} sends between the two stages a process holds"
+            f" {_torch_version()} sends between the two stages a process holds"
             f" in the V, which fails; upgrade torch, or use interleaved-zb or interleaved-1f1b"
         )
     return found
@@ -80,6 +93,7 @@ def schedule_class(name: str) -> type:
 
 def available() -> list[str]:
     """The schedules the installed torch has and runs."""
+    pipelining = _pipelining()
     return [
         n for n, (cls, _) in SCHEDULES.items() if hasattr(pipelining, cls) and release() >= NEEDS_RELEASE.get(n, (0, 0))
     ]
