@@ -324,7 +324,7 @@ def test_the_page_of_a_real_training_run_draws_its_ranks_in_chromium(tmp_path):
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     command = [sys.executable, "-m", "torchfleet", "train", "--strategy", "ddp", "-n", "2", "--model", "mlp"]
-    command += ["--epochs", "400", "--log-every", "2", "--no-progress", "--dashboard", str(port)]
+    command += ["--epochs", "100000", "--log-every", "2", "--no-progress", "--dashboard", str(port)]  # ended below
     run = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}/"
     try:
