@@ -26,7 +26,7 @@ $(VENV)/.base: pyproject.toml | $(BIN)/python
 $(VENV)/.dev: $(VENV)/.base
 	$(PIP) -e '.[dev,plot]' "torch==$$($(BIN)/python -c 'import torch; print(torch.__version__.split("+")[0])')" \
 		2>&1 | { grep -v "is ignored" || true; }
-	$(BIN)/python -c "import pytest, pytest_timeout, xdist, matplotlib, transformers, plotly, bottle"
+	$(BIN)/python -c "import pytest, pytest_timeout, matplotlib, transformers, plotly, bottle"
 	touch $@
 
 # Accelerate and Lightning for the parity benchmark only, with torch pinned to
@@ -86,20 +86,17 @@ system-deps:
 
 # Two pytest runs side by side: the tests marked `waits` (a lighthouse knocked on for 25 s, a join
 # timeout, Slurm holding a requeued job: they mostly sleep) in one, every other test in the other,
-# each file whole on one of TEST_WORKERS pytest-xdist workers (--dist loadfile: a module's fixtures
-# are built once). Alone, a test file keeps about 0.75 of a core busy: the rest is process start-ups,
-# sockets and heartbeats, so two workers fill two cores' idle time. The waiting run's report follows the other's, whichever failed (the recipe runs under
+# in file order. The waiting run's report follows the other's, whichever failed (the recipe runs under
 # bash -e: each status is caught, not left to end it); exit 5 (none selected) counts as passed.
 # Ctrl-C or SIGTERM stops both and all they started within seconds (tests/scripts/stop_suites.sh): each
 # run is a session of its own, which the recipe's trap stops (make sends SIGTERM to the recipe's shell
 # alone, and a background run would ignore SIGINT); `wait` lets the trap run at once.
-TEST_WORKERS ?= 2
 test: $(VENV)/.dev system-deps
 	$(BIN)/python -c "import torch; print('make test: torch', torch.__version__)"
 	@waits_log=$$(mktemp); main=; waits=; \
 	trap 'tests/scripts/stop_suites.sh $$main $$waits; rm -f "$$waits_log"; echo "make test: stopped"; exit 130' INT TERM; \
 	setsid $(BIN)/python -m pytest -m waits -p no:cacheprovider $(PYTEST_ARGS) > "$$waits_log" 2>&1 & waits=$$!; \
-	setsid $(BIN)/python -m pytest -m "not waits" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS) & main=$$!; \
+	setsid $(BIN)/python -m pytest -m "not waits" $(PYTEST_ARGS) & main=$$!; \
 	status=0; wait $$main || status=$$?; \
 	waits_status=0; wait $$waits || waits_status=$$?; \
 	echo "make test: the tests marked waits, run beside the others (exit $$waits_status):"; cat "$$waits_log"; \
@@ -121,38 +118,32 @@ test: $(VENV)/.dev system-deps
 # lane's 1,319 s; one lane after the other, the day before, 3,308 s.
 # pip keeps the downloaded wheels in its cache, so later runs install from disk.
 # Of the floor lane's tests, the ones CI runs in the floor lane alone, so that its two lanes end together
-# (.ci/run): the planner's traces at scale (the newest lane's other plan tests, the schedules' memory and each
-# model's traced memory among them, trace on its torch) and bench (torchfleet's own code around the strategies
-# both lanes test). `make test` on its own runs them. Defined before FLOOR_TESTS, which names them: := expands
-# at once.
-FLOOR_ONLY_TESTS := test_bench test_plan_at_scale test_plan_published test_plan_validation test_plan_encoders
-FLOOR_TESTS := $(FLOOR_ONLY_TESTS) test_zoo test_real_models test_schedules test_sharded_pipelined test_reshard \
+# (.ci/run): the planner's traces at scale and its traced memory of each model against real processes (the
+# newest lane's other plan tests, the schedules' memory among them, trace on its torch) and bench
+# (torchfleet's own code around the strategies both lanes test). `make test` on its own runs them. Defined
+# before FLOOR_TESTS, which names them: := expands at once.
+FLOOR_ONLY_TESTS := test_plan_at_scale test_plan_published test_plan_validation test_plan_encoders test_bench \
+	test_plan_memory_traced
+FLOOR_TESTS := test_real_models test_zoo test_schedules test_sharded_pipelined test_reshard \
 	test_checkpoint test_tensor_parallel test_equivalence test_batchnorm test_fp16_scaler \
 	test_compression test_security test_single_process test_models test_layers test_hot_path \
 	test_backend test_env test_data test_versions test_cuda test_elastic test_faults test_ft \
-	test_weights
+	test_weights $(FLOOR_ONLY_TESTS)
 
 # Each name's file, in tests/ or the folder of the package it tests; a name with no file stops make.
 files_of = $(foreach t,$(1),$(or $(wildcard tests/$(t).py tests/*/$(t).py),$(error no tests/$(t).py nor tests/*/$(t).py)))
-# And of the planner's traced memory against real processes, the two models whose layouts hold every traced kind
-# (FSDP2's shards, tp's DTensors, ep's experts, a pipeline's stages on 2 x 2); the newest lane runs the others.
-MEMORY_TRACED := $(foreach m,gpt gpt-moe,tests/plan/test_plan_memory_traced.py::test_the_traced_memory_meets_real_processes_within_10_percent[$(m)])
-FLOOR_FILES = $(call files_of,$(FLOOR_TESTS)) $(MEMORY_TRACED)
+FLOOR_FILES = $(call files_of,$(FLOOR_TESTS))
 
 # pytest's arguments for CI's newest lane: every test but the floor lane's own.
 newest-lane-args:
-	@echo $(foreach f,$(call files_of,$(FLOOR_ONLY_TESTS)),--ignore=$(f)) $(foreach t,$(MEMORY_TRACED),--deselect '$(t)')
+	@echo $(foreach f,$(call files_of,$(FLOOR_ONLY_TESTS)),--ignore=$(f))
 
 # The floor lane's environment alone: CI builds it while the newest lane's tests run.
 floor-venv:
 	$(MAKE) .venv-floor/.dev VENV=.venv-floor TORCH=$(TORCH_FLOOR)
 
-# No xdist workers (0: pytest's own process runs the tests): beside the newest lane's two, two more kept the cores
-# so busy that tests waiting on torchft's quorum and bench's timed cells ran past their timeouts (a fresh
-# clone's CI, 29 Nov 2026).
-FLOOR_WORKERS ?= 0
 test-floor:
-	$(MAKE) test VENV=.venv-floor TORCH=$(TORCH_FLOOR) PYTEST_ARGS="$(FLOOR_FILES)" TEST_WORKERS=$(FLOOR_WORKERS)
+	$(MAKE) test VENV=.venv-floor TORCH=$(TORCH_FLOOR) PYTEST_ARGS="$(FLOOR_FILES)"
 
 # ruff's formatting and rules, then basedpyright over src/ (pyproject's [tool.basedpyright]): it sees what ruff
 # cannot, such as a call of an attribute torch does not have. --pythonpath: this venv's torch.

@@ -32,26 +32,6 @@ def pytest_configure(config) -> None:
         signal.signal(signal.SIGINT, stop)
 
 
-# The longest files (CI's figures, 29 Nov 2026: 3 to 12 minutes each on a loaded worker), handed to xdist's workers
-# first: loadfile gives out files in collection order, and one of these begun last would run on alone at the end.
-LONGEST_FIRST = (
-    "tests/plan/test_plan_memory_traced.py",
-    "tests/replica_groups/test_diloco.py",
-    "tests/strategies/test_zoo.py",
-    "tests/replica_groups/test_ft.py",
-    "tests/strategies/test_real_models.py",
-    "tests/test_docs.py",
-)
-
-
-def pytest_collection_modifyitems(config, items) -> None:
-    """Under xdist's workers (`make test`), the longest files first; otherwise the order stays the files'."""
-    if not hasattr(config, "workerinput"):
-        return
-    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest keep order
-
-
 @pytest.fixture
 def cli():
     return torchfleet
@@ -131,27 +111,17 @@ def _cpu_seconds() -> float:
 
 
 @pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):
-    """Each phase's report (set-up, call, tear-down) carries the CPU seconds spent since the last one, so that
-    the summary's figures reach pytest's main process from xdist's workers (`make test` runs in two)."""
-    outcome = yield
-    now = _cpu_seconds()
-    outcome.get_result().user_properties.append(("cpu_s", now - getattr(item, "_cpu_mark", now)))
-    item._cpu_mark = now
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_setup(item):
-    item._cpu_mark = _cpu_seconds()
+def pytest_runtest_protocol(item, nextitem):
+    before = _cpu_seconds()
     yield
+    path = item.nodeid.split("::")[0]
+    _FILE_CPU[path] = _FILE_CPU.get(path, 0.0) + _cpu_seconds() - before
 
 
 def pytest_runtest_logreport(report) -> None:
-    """Each test file's seconds (set-up, call and tear-down) and CPU seconds, for the summary below."""
+    """Each test file's seconds (set-up, call and tear-down), for the summary below."""
     path = report.nodeid.split("::")[0]
     _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
-    cpu = sum(value for key, value in report.user_properties if key == "cpu_s")
-    _FILE_CPU[path] = _FILE_CPU.get(path, 0.0) + cpu
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
