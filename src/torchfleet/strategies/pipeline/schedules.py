@@ -24,6 +24,8 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
+import torch
+
 from torchfleet.errors import UsageError, choice_error
 from torchfleet.versions import release
 
@@ -49,12 +51,6 @@ def _pipelining() -> ModuleType:
     return importlib.import_module("torch.distributed.pipelining")
 
 
-def _torch_version() -> str:
-    import torch
-
-    return torch.__version__.split("+")[0]
-
-
 # Schedules an older torch has but cannot run here, with the release that runs them. torch 2.11's
 # multi-stage schedules open every stage's links with a send to the neighbouring stages' process,
 # and in a V the two middle stages share one: a send to itself, which Gloo fails ("Pair is not
@@ -78,14 +74,14 @@ def schedule_class(name: str) -> type:
     if found is None:
         raise UsageError(
             f"schedule {name} needs torch's {SCHEDULES[name][0]}, which torch"
-            f" {_torch_version()} does not have; upgrade torch, or choose one of"
+            f" {torch.__version__.split('+')[0]} does not have; upgrade torch, or choose one of"
             f" {', '.join(available())}"
         )
     floor = NEEDS_RELEASE.get(name)
     if floor is not None and release() < floor:
         raise UsageError(
             f"schedule {name} needs torch {floor[0]}.{floor[1]} or later, and torch"
-            f" {_torch_version()} sends between the two stages a process holds"
+            f" {torch.__version__.split('+')[0]} sends between the two stages a process holds"
             f" in the V, which fails; upgrade torch, or use interleaved-zb or interleaved-1f1b"
         )
     return found
