@@ -9,7 +9,14 @@ import threading
 
 import pytest
 
-from helpers import torchfleet
+# OpenMP's threads sleep when they wait, in pytest's process and every process it starts (the variable is read as
+# torch's OpenMP library loads, so it is set before anything here imports torch). By default a thread that finishes
+# its part of an operator spins for the next; on CI's 2 cores the two lanes' processes outnumber the cores, and a
+# spinning thread holds a core that another process needed. Measured beside two busy processes on 2 cores:
+# tests/strategies/test_experts_tp_ep.py took 162 s spinning and 86 s sleeping; alone, 53.6 s and 54.4 s.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from helpers import torchfleet  # noqa: E402 (after the variable above)
 
 
 def pytest_configure(config) -> None:
