@@ -19,6 +19,15 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from helpers import torchfleet  # noqa: E402 (after the variable above)
 
 
+def pytest_addoption(parser) -> None:
+    parser.addoption(
+        "--floor-lane",
+        action="store_true",
+        help="CI's floor lane (the Makefile's test-floor): the zoo trains a sample of its cells, which the newest"
+        " lane trains whole (tests/strategies/test_zoo.py)",
+    )
+
+
 def pytest_configure(config) -> None:
     """SIGTERM and SIGINT stop the run as Ctrl-C does: KeyboardInterrupt in pytest's own process, so the test's
     children are killed (subprocess.run kills its child on any exception) and fixtures stop what they started
