@@ -122,11 +122,12 @@ test: $(VENV)/.dev system-deps
 # newest lane's other plan tests, the schedules' memory among them, trace on its torch) and bench
 # (torchfleet's own code around the strategies both lanes test). `make test` on its own runs them. Defined
 # before FLOOR_TESTS, which names them: := expands at once. So do two of the cluster launchers' tests, Kubernetes'
-# pods and mpirun (torch's env:// rendezvous under each, the same on every torch): on 29 Nov, with the rest as now,
-# the newest lane took 2,298 s and the floor lane 1,745 s, of which these two files were 145 s and 98 s of the newest.
+# pods and mpirun (torch's env:// rendezvous under each, the same on every torch), the slow link's verdict on
+# namespace hosts and preemption's save-and-resume (torchfleet's own signals and files): on 29 Nov the newest lane
+# took 2,290 s and the floor lane 1,829 s with the first two moved, and the other three were 166 s of the newest.
 # The floor lane also trains a sample of the zoo's cells (--floor-lane, tests/strategies/test_zoo.py).
 FLOOR_ONLY_TESTS := test_plan_at_scale test_plan_published test_plan_validation test_plan_encoders test_bench \
-	test_plan_memory_traced test_kubernetes test_mpi
+	test_plan_memory_traced test_kubernetes test_mpi test_slow_link test_preemption test_preempt_run
 FLOOR_TESTS := test_real_models test_zoo test_schedules test_sharded_pipelined test_reshard \
 	test_checkpoint test_tensor_parallel test_equivalence test_batchnorm test_fp16_scaler \
 	test_compression test_security test_single_process test_models test_layers test_hot_path \
