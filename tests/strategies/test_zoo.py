@@ -78,8 +78,8 @@ STRIDED_REFUSAL = "as a strided shard, which torch 2.1"
 # The grid of MODELS by the data-parallel and pipeline strategies: the bulk of the cells, each model through
 # torchfleet's same code under each. CI's floor lane (--floor-lane) trains each model under one strategy of
 # each row, in turn, and every cell outside the grid (the families, tp's plans, the experts, the refusals):
-# 80 cells of 131, beside the newest lane, which trains them all. On torch 2.11 alone (29 Nov), this file took
-# 69 s and 108 CPU-seconds so, against 129 s and 219 for every cell.
+# 80 cells of 131, beside the newest lane, which trains them all. On torch 2.11 alone (29 Nov) this file took
+# 69 s and 108 CPU-seconds with the sample, against 129 s and 219 with every cell.
 GRID = (("ddp", "fsdp", "pipeline"), ("ddp+pipeline", "fsdp+pipeline"))
 # Cells the tests below read beside their own.
 READ = [("pipeline", "hf-llama"), ("pipeline", "hf-gpt2"), ("fsdp", "adapters")]
