@@ -326,9 +326,10 @@ def _check(tmp_path, attempt: int) -> tuple[dict, str]:
         *(["--reprobe"] if attempt else []),
     ]
     env = clean_env(**env)
-    # The claim is about a user's run, which keeps OpenMP's default wait policy: under the suite's PASSIVE
-    # (tests/conftest.py) each of a tiny model's small operators wakes a sleeping thread, and the cells measured
-    # about twice the step the probes predict (CI, 29 Nov: step ratios 0.47 to 0.53 in all three attempts).
+    # The claim is about a user's run, which keeps OpenMP's default wait policy, not the suite's PASSIVE
+    # (tests/conftest.py), under which each of a tiny model's small operators wakes a sleeping thread. With it
+    # inherited, CI on 29 Nov missed the claim in all three attempts (median errors 0.44 to 0.62); whether the
+    # policy or that moment's load made the miss was not found.
     env.pop("OMP_WAIT_POLICY", None)
     result = run(_ahead_of_neighbours(argv), timeout=300, env=env)
     assert result.returncode == 0, result.stderr
