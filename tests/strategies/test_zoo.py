@@ -50,11 +50,13 @@ PLANNED = ["hf-llama", "hf-llama-tied", *(m for m in ("peft-llama", "peft-qwen2"
 # The mixtures of experts with the router's load-balancing loss on: not linear in the batch, made global
 # over the data-parallel ranks (strategies/moe_balance.py); under hsdp on 4 processes, over both of its dimensions.
 ROUTER_LOSS = ["hf-mixtral-aux", "hf-qwen2-moe-aux"]
-TWO = [(s, m) for s in ("ddp", "fsdp", "pipeline") for m in MODELS] + [("tp", m) for m in PLANNED]
+# The data-parallel and pipeline strategies every model in MODELS runs under, on 2 processes and on 4: the grid.
+GRID = (("ddp", "fsdp", "pipeline"), ("ddp+pipeline", "fsdp+pipeline"))
+TWO = [(s, m) for s in GRID[0] for m in MODELS] + [("tp", m) for m in PLANNED]
 TWO += [("tp", "hf-mixtral"), ("ddp", IDLE)]
 TWO += [("pipeline", m) for m in PIPELINE_FAMILIES] + [("tp", m) for m in TP_FAMILIES]
 TWO += [("tp", m) for m in ADAPTERS_TP_REFUSES if m in ZOO]
-FOUR = [(s, m) for s in ("ddp+pipeline", "fsdp+pipeline") for m in MODELS] + [("fsdp+tp", m) for m in PLANNED]
+FOUR = [(s, m) for s in GRID[1] for m in MODELS] + [("fsdp+tp", m) for m in PLANNED]
 FOUR += [("fsdp+tp", "hf-qwen2-moe")] + [("hsdp", m) for m in ROUTER_LOSS]  # a cell is one strategy's, on 2 or 4
 FOUR += [("fsdp+tp", m) for m in (*TP_FAMILIES, "hf-mixtral")]
 FOUR += [("hsdp", m) for m in PEFT_BASES if m in ZOO]  # LoRA on FSDP2's 2-D mesh
@@ -75,12 +77,10 @@ REFUSED = {
 OLD_TORCH_REFUSAL = "which torch 2.1"
 # Before 2.14, DTensor cannot gather the strided shard tp splits an experts' packed gate and up halves into.
 STRIDED_REFUSAL = "as a strided shard, which torch 2.1"
-# The grid of MODELS by the data-parallel and pipeline strategies: the bulk of the cells, each model through
-# torchfleet's same code under each. CI's floor lane (--floor-lane) trains each model under one strategy of
-# each row, in turn, and every cell outside the grid (the families, tp's plans, the experts, the refusals):
-# 80 cells of 131, beside the newest lane, which trains them all. On torch 2.11 alone (29 Nov) this file took
+# GRID is the bulk of the cells, each model through torchfleet's same code under each. CI's floor lane
+# (--floor-lane) trains each model under one strategy of each row, in turn, and every cell outside the grid
+# (the families, tp's plans, the experts, the refusals): 80 cells of 131, beside the newest lane, which trains them all. On torch 2.11 alone (29 Nov) this file took
 # 69 s and 108 CPU-seconds with the sample, against 129 s and 219 with every cell.
-GRID = (("ddp", "fsdp", "pipeline"), ("ddp+pipeline", "fsdp+pipeline"))
 # Cells the tests below read beside their own.
 READ = [("pipeline", "hf-llama"), ("pipeline", "hf-gpt2"), ("fsdp", "adapters")]
 
