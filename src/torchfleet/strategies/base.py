@@ -105,6 +105,8 @@ class Strategy:
     # True when `wrap` takes a model on the meta device and leaves each process's share of it there, for Fleet to
     # give storage and values (weights/deferred.py); otherwise Fleet makes the whole model first.
     wraps_meta: ClassVar[bool] = False
+    # Set by a mesh class's wrap: what each step's forward and backward run inside (`within_step`).
+    step_contexts: tuple = ()
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -191,9 +193,10 @@ class Strategy:
             # The common case, with nothing a hand-written loop would not do: no
             # split, no division by 1, no running total. Bit for bit the same
             # result as the general path below (x / 1 and 0 + x are exact).
-            with precision.autocast():
-                loss = loss_fn(forward(self.model, inputs), targets)
-            precision.backward(loss)
+            with self.within_step(inputs, targets):
+                with precision.autocast():
+                    loss = loss_fn(forward(self.model, inputs), targets)
+                precision.backward(loss)
             self.before_step()
             self.apply_gradients()
             return loss.detach().float()
@@ -201,7 +204,7 @@ class Strategy:
         pairs = list(zip(split_batch(inputs, grad_accum), targets.tensor_split(grad_accum), strict=True))
         for i, (x, y) in enumerate(pairs):
             sync = i == len(pairs) - 1
-            with contextlib.nullcontext() if sync else self.no_sync():
+            with contextlib.nullcontext() if sync else self.no_sync(), self.within_step(x, y):
                 with precision.autocast():
                     loss = loss_fn(forward(self.model, x), y)
                 precision.backward(loss / grad_accum)
@@ -209,6 +212,15 @@ class Strategy:
         self.before_step()
         self.apply_gradients()
         return total / grad_accum
+
+    @contextlib.contextmanager
+    def within_step(self, inputs: Batch, targets: torch.Tensor):
+        """Around one forward and its backward: what a declared dimension's parallelism asked to enter (its
+        `Dim.applies`, strategies/parallelize.py's `apply_declared`), in the mesh's order; nothing otherwise."""
+        with contextlib.ExitStack() as stack:
+            for context in self.step_contexts:
+                stack.enter_context(context(inputs, targets))
+            yield
 
     _compile_loss = False  # set by setup: with the whole model compiled, the loss is compiled too
     _compiled_loss: tuple[LossFn, LossFn] | None = None  # (the loss function given, its compiled form)

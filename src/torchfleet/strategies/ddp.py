@@ -77,14 +77,15 @@ class DataParallelDistributed(MeshStrategy):
         model = self.synchronise_batchnorm(model)  # before DDP: it registers the modules' parameters
         mesh = self.build_mesh()
         self.balance_router_loss(model, mesh)
-        runner = parallelize(
+        made = parallelize(
             model,
             dims=self.dims,
             mesh=mesh,
             device=self.runtime.device,
             precision=self.runtime.precision,
             find_unused_parameters=self.find_unused_parameters,
-        ).runner
+        )
+        runner, self.step_contexts = made.runner, made.step_contexts
         # parallelize wraps from 2 replicas on; one that was asked for (alone) is wrapped too
         self.model = (
             runner

@@ -45,22 +45,13 @@ its tokens among itself, as the ranks of one column hold the same slices.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from types import MappingProxyType
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from torchfleet.errors import UsageError
-from torchfleet.strategies.registry import (
-    BORROWED_DIMS,
-    DIM_NAMES,
-    DP_REPLICATE,
-    DP_SHARD,
-    EP,
-    PP,
-    TP,
-    find,
-    name_of_degrees,
-)
+from torchfleet.strategies.registry import BORROWED_DIMS, DIM, DIM_NAMES, DIMS, EP, PP, TP, find, name_of_degrees
 
 # --dp-replicate, --dp-shard, --pp, --tp, --ep. Each preset's degrees are declared with the preset, in
 # strategies/registry.py.
@@ -74,20 +65,56 @@ def _no_tp_in_pipelines(what: str) -> UsageError:
     )
 
 
-@dataclass(frozen=True)
 class ParallelDims:
-    dp_replicate: int
-    dp_shard: int
-    pp: int
-    world_size: int
-    tp: int = 1
-    ep: int = 1
+    """The degree of every dimension the mesh declares (strategies/preset.py's DIMS), 1 where not given, read as
+    attributes (``dims.tp``), and the number of processes; checked once, when made. Positional degrees are
+    dp_replicate, dp_shard, pp and tp, in the mesh's order."""
 
-    def __post_init__(self) -> None:
-        for name in (*DIM_NAMES, *BORROWED_DIMS):
-            if getattr(self, name) < 1:
-                raise UsageError(f"{DEGREE_FLAGS[name]} {getattr(self, name)} must be at least 1")
-        if self.dp_replicate * self.dp_shard * self.pp * self.tp != self.world_size:
+    world_size: int
+    degrees: Mapping[str, int]
+
+    def __init__(self, *degrees: int, world_size: int, **named: int) -> None:
+        given = dict(zip(DIM_NAMES, degrees, strict=False))
+        unknown = sorted(set(named) - set(DIM)) or (
+            ["a fifth positional degree"] if len(degrees) > len(DIM_NAMES) else []
+        )
+        if unknown or set(given) & set(named):
+            raise TypeError(f"ParallelDims: {unknown[0] if unknown else 'a degree given twice'}")
+        object.__setattr__(self, "world_size", world_size)
+        object.__setattr__(self, "degrees", MappingProxyType({d.name: 1 for d in DIMS} | given | named))
+        self._check()
+
+    def __getattr__(self, name: str) -> int:
+        if name.startswith("__") or name == "degrees":  # asked before `degrees` exists (unpickling)
+            raise AttributeError(name)
+        try:
+            return self.degrees[name]
+        except KeyError:
+            raise AttributeError(f"ParallelDims has no dimension {name!r}") from None
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError("ParallelDims is frozen: make another")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ParallelDims) and (self.world_size, dict(self.degrees)) == (
+            other.world_size,
+            dict(other.degrees),
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.world_size, tuple(self.degrees.values())))
+
+    def __repr__(self) -> str:
+        return f"ParallelDims({', '.join(f'{n}={v}' for n, v in self.degrees.items())}, world_size={self.world_size})"
+
+    def __reduce__(self):  # the degrees' mapping is a read-only view, which pickle cannot copy
+        return (_made, (self.world_size, dict(self.degrees)))
+
+    def _check(self) -> None:
+        for name, degree in self.degrees.items():
+            if degree < 1:
+                raise UsageError(f"{DEGREE_FLAGS[name]} {degree} must be at least 1")
+        if math.prod(self.degrees[n] for n in DIM_NAMES) != self.world_size:
             raise UsageError(
                 f"{self.arithmetic()} != {self.world_size} processes; choose degrees whose"
                 f" product is the number of processes"
@@ -122,8 +149,9 @@ class ParallelDims:
 
     def arithmetic(self) -> str:
         """ "dp_replicate(2) * dp_shard(1) * pp(2)", with tp(N) when there is tensor parallelism."""
-        product = " * ".join(f"{n}({getattr(self, n)})" for n in DIM_NAMES if n != TP or self.tp > 1)
-        return f"{product}, ep({self.ep})" if self.ep > 1 else product
+        product = " * ".join(f"{n}({self.degrees[n]})" for n in DIM_NAMES if DIM[n].shown or self.degrees[n] > 1)
+        borrowed = "".join(f", {n}({self.degrees[n]})" for n in BORROWED_DIMS if self.degrees[n] > 1)
+        return product + borrowed
 
     @classmethod
     def from_preset(cls, preset: str, world_size: int, nodes: int = 1, **given: int | None) -> ParallelDims:
@@ -160,7 +188,7 @@ class ParallelDims:
             others = math.prod(v for n, v in degrees.items() if n != name)
             degrees[name] = max(1, world_size // max(1, others))
         if ep is None:  # the preset's, None meaning every data-parallel rank (never more than there are)
-            dp = degrees[DP_REPLICATE] * degrees[DP_SHARD]
+            dp = math.prod(degree for name, degree in degrees.items() if DIM[name].reads_data)
             ep = dp if ep_default is None else min(ep_default, dp)
         return cls(world_size=world_size, ep=ep, **degrees)  # checks every degree and the product
 
@@ -169,29 +197,36 @@ class ParallelDims:
     def dp(self) -> int:
         """Processes that read different data: one per data-parallel rank (a pipeline's stages
         and a tensor-parallel group's ranks share one)."""
-        return self.dp_replicate * self.dp_shard
+        return math.prod(self.degrees[n] for n in DIM_NAMES if DIM[n].reads_data)
 
     @property
     def name(self) -> str:
         """The preset these degrees are ("ddp", "hsdp+pipeline", "fsdp+tp", ...), as the registry names them."""
-        return name_of_degrees([n for n in (*DIM_NAMES, *BORROWED_DIMS) if getattr(self, n) > 1])
+        return name_of_degrees([n for n, degree in self.degrees.items() if degree > 1])
 
     def coords(self, rank: int) -> dict[str, int]:
         """This rank's index along each dimension (the mesh is row-major)."""
-        rank, column = divmod(rank, self.tp)
-        rank, stage = divmod(rank, self.pp)
-        replica, shard = divmod(rank, self.dp_shard)
+        place = {}
+        for name in reversed(DIM_NAMES):
+            rank, place[name] = divmod(rank, self.degrees[name])
         # ep groups are neighbouring data-parallel ranks (pp is 1 beside ep), one group per tp column
-        return {DP_REPLICATE: replica, DP_SHARD: shard, PP: stage, TP: column, EP: rank % self.ep}
+        return {name: place[name] for name in DIM_NAMES} | {EP: self._data_rank(place) % self.ep}
 
     def dp_rank(self, rank: int) -> int:
         """Which data-parallel share `rank` reads, 0 .. dp-1."""
-        c = self.coords(rank)
-        return c[DP_REPLICATE] * self.dp_shard + c[DP_SHARD]
+        return self._data_rank(self.coords(rank))
+
+    def _data_rank(self, place: Mapping[str, int]) -> int:
+        """The row-major index of `place` over the dimensions whose ranks read different data."""
+        index = 0
+        for name in DIM_NAMES:
+            if DIM[name].reads_data:
+                index = index * self.degrees[name] + place[name]
+        return index
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """The one DeviceMesh every parallelism of this run is applied over."""
-        return init_device_mesh(device_type, tuple(getattr(self, n) for n in DIM_NAMES), mesh_dim_names=DIM_NAMES)
+        return init_device_mesh(device_type, tuple(self.degrees[n] for n in DIM_NAMES), mesh_dim_names=DIM_NAMES)
 
     def build_expert_mesh(self, device_type: str) -> DeviceMesh:
         """The experts' own 2-D mesh ("dp_mod_ep", "ep"): split over "ep", neighbours, as the all-to-all
@@ -202,3 +237,8 @@ class ParallelDims:
         if self.tp > 1:
             shape, names = (*shape, self.tp), (*names, TP)
         return init_device_mesh(device_type, shape, mesh_dim_names=names)
+
+
+def _made(world_size: int, degrees: dict[str, int]) -> ParallelDims:
+    """ParallelDims unpickled (`ParallelDims.__reduce__`)."""
+    return ParallelDims(world_size=world_size, **degrees)

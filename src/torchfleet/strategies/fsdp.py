@@ -133,7 +133,7 @@ class SplitParameters(MeshStrategy):
             )
         mesh = self.build_mesh()
         self.balance_router_loss(model, mesh)  # on the model's own forward, before sharding wraps it
-        self.model = parallelize(
+        made = parallelize(
             model,
             dims=self.dims,
             mesh=mesh,
@@ -143,7 +143,8 @@ class SplitParameters(MeshStrategy):
             tp_plan=plan,
             experts=experts,
             expert_mesh=self.dims.build_expert_mesh(self.runtime.device.type) if experts else None,
-        ).module
+        )
+        self.model, self.step_contexts = made.module, made.step_contexts
         if self.alone:  # one shard, as FSDP2 runs on a group of one (parallelize shards from 2)
             apply_fsdp(self.model, mesh["dp_shard"], self.fsdp_units)
         self.optimizer = rebuild_optimizer(optimizer, old_names, self.model)

@@ -16,34 +16,18 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from torchfleet.strategies.preset import DIMS
+
 
 def _option(kind: type, text: str | None) -> Any:
     """One option: None unless given. `text` is its flag's help; None for a keyword-only option (a dict)."""
     return field(default=None, metadata={"kind": kind, "help": text})
 
 
-@dataclass(frozen=True)
-class Degrees:
-    """The mesh's degrees (strategies/dims.py); the preset's where not given."""
-
-    pp: int | None = _option(int, "pipeline stages (the pp degree): ddp+pipeline and fsdp+pipeline default to 2")
-    dp_replicate: int | None = _option(
-        int, "replicas (the dp_replicate degree); hsdp defaults to 2, or one per machine"
-    )
-    dp_shard: int | None = _option(
-        int, "shards per replica (the dp_shard degree); the product of the four degrees is the number of processes"
-    )
-    tp: int | None = _option(
-        int,
-        "tensor-parallel processes per group (the tp degree): fsdp+tp defaults to 2;"
-        " needs a model with a plan (the built-in gpt has one)",
-    )
-    ep: int | None = _option(
-        int,
-        "expert-parallel processes (the ep degree): each mixture-of-experts layer's experts are split over groups"
-        " of this many data-parallel processes, which send tokens to their experts with all-to-all; it borrows"
-        " processes, not multiplies them (ep: every process; fsdp+ep defaults to 2)",
-    )
+# The mesh's degrees (strategies/dims.py), one field per dimension its declaration names (strategies/preset.py's
+# DIMS), each None unless given: the preset's then.
+Degrees = dataclasses.make_dataclass("Degrees", [(d.name, int | None, _option(int, d.help)) for d in DIMS], frozen=True)
+Degrees.__module__ = __name__  # pickled with the spec the launcher carries to its workers
 
 
 @dataclass(frozen=True)
@@ -158,7 +142,7 @@ class SingleProcessOptions:
 class StrategyOptions:
     """A strategy's options, sorted into their families."""
 
-    degrees: Degrees = Degrees()
+    degrees: Any = Degrees()  # a Degrees, a class made from the declarations, so not a type to a checker
     pipeline: PipelineOptions = PipelineOptions()
     sharding: ShardingOptions = ShardingOptions()
     experts: ExpertOptions = ExpertOptions()

@@ -24,8 +24,12 @@ schedule step, at the last micro-batch.
 
 from __future__ import annotations
 
+import importlib
+import math
 import warnings
 from collections import OrderedDict
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import NamedTuple
 
 import torch
@@ -39,8 +43,11 @@ from torchfleet.strategies.blocks import find_blocks, on_meta
 from torchfleet.strategies.dims import ParallelDims
 from torchfleet.strategies.expert_parallel import apply_ep
 from torchfleet.strategies.partition import partition
-from torchfleet.strategies.registry import DP_REPLICATE, DP_SHARD, TP
+from torchfleet.strategies.registry import DIM, DIM_NAMES, DP_REPLICATE, DP_SHARD, TP, class_path
 from torchfleet.strategies.tensor_parallel import apply_tp
+
+# What a declared dimension's parallelism enters around each step: called with the step's inputs and targets.
+StepContext = Callable[..., AbstractContextManager]
 
 
 def split_balanced(model: nn.Module, parts: int) -> list[tuple[int, int]]:
@@ -181,11 +188,39 @@ def apply_ddp(
     )
 
 
+def fsdp_dims(dims: ParallelDims) -> tuple[str, ...]:
+    """The dimensions FSDP2 shards over: dp_shard, with every other declared `sharded_over` whose degree is above 1."""
+    return (DP_SHARD, *(n for n in DIM_NAMES if DIM[n].sharded_over and dims.degrees[n] > 1))
+
+
 def data_parallel_mesh(dims: ParallelDims, mesh: DeviceMesh) -> DeviceMesh:
-    """The part of `mesh` FSDP2 works over: ("dp_replicate", "dp_shard") with replicas (HSDP), else "dp_shard"."""
+    """The part of `mesh` FSDP2 works over: the shard dimensions (`fsdp_dims`, flattened into one where there are
+    several, as torchtitan's dp_shard_cp), with "dp_replicate" before them where there are replicas (HSDP)."""
+    over = fsdp_dims(dims)
+    shard = DP_SHARD
+    if len(over) > 1:
+        shard = "_".join(over)
+        mesh[over]._flatten(shard)  # registered on the root mesh, so it can be sliced beside dp_replicate
     if dims.dp_replicate > 1:
-        return mesh[DP_REPLICATE, DP_SHARD]
-    return mesh[DP_SHARD]
+        return mesh[DP_REPLICATE, shard]
+    return mesh[shard]
+
+
+def apply_declared(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh) -> tuple[StepContext, ...]:
+    """Each dimension's own parallelism, where its declaration names the function that applies it (`Dim.applies`),
+    in the mesh's order; returns what each asks to enter around every step's forward and backward."""
+    contexts = []
+    for name in DIM_NAMES:
+        where = DIM[name].applies
+        if where is None or dims.degrees[name] == 1:
+            continue
+        if dims.pp > 1:  # a pipeline's schedule runs the steps itself, and enters nothing of theirs
+            raise UsageError(f"{name}({dims.degrees[name]}) beside pipeline stages is not supported yet; drop --pp")
+        module, function = class_path(where).split(":")
+        context = getattr(importlib.import_module(module), function)(model, mesh[name], dims)
+        if context is not None:
+            contexts.append(context)
+    return tuple(contexts)
 
 
 class Parallelized(NamedTuple):
@@ -194,6 +229,9 @@ class Parallelized(NamedTuple):
     module: nn.Module  # what this rank holds and trains: the model, or its stage; sharded or not
     runner: nn.Module  # what computes with it: DDP's wrapper around `module`, or `module` (FSDP2 shards in place)
     bounds: list[tuple[int, int]] | None  # every pipeline stage's children: a Sequential cut by children only
+    # entered around each step's forward and backward, as `context(inputs, targets)`: what a declared dimension's
+    # parallelism asked for (`apply_declared`)
+    step_contexts: tuple[StepContext, ...] = ()
 
 
 def parallelize(
@@ -237,7 +275,10 @@ def parallelize(
         apply_ep(experts, expert_mesh)
         for _, module in experts:  # their own units first, so their blocks' units leave them out
             fully_shard(module, mesh=expert_mesh["dp_mod_ep"])
-    if dims.dp_shard > 1 or ((dims.pp > 1 or dims.tp > 1 or dims.ep > 1) and dims.dp_replicate > 1):
+    contexts = apply_declared(model, dims, mesh)
+    sharded = math.prod(dims.degrees[n] for n in fsdp_dims(dims)) > 1
+    beside = any(degree > 1 for name, degree in dims.degrees.items() if name != DP_REPLICATE)
+    if sharded or (beside and dims.dp_replicate > 1):
         # Inside a pipeline or beside tp or ep, replicas too go through FSDP2 (a 2-D mesh whose
         # shard dimension is 1: replicate only). Beside tp, FSDP2 averages the tp-split
         # DTensor gradients over their mesh's other dimension (torchtitan, too, refuses
@@ -251,7 +292,8 @@ def parallelize(
             # in-place op on it would skip its hook; the schedule only sends it or takes
             # its loss, never writes into it.
             warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
-        return Parallelized(model, model, bounds)
+        return Parallelized(model, model, bounds, contexts)
     if dims.dp_replicate > 1:
-        return Parallelized(model, apply_ddp(model, mesh[DP_REPLICATE], device, find_unused_parameters), bounds)
-    return Parallelized(model, model, bounds)
+        runner = apply_ddp(model, mesh[DP_REPLICATE], device, find_unused_parameters)
+        return Parallelized(model, runner, bounds, contexts)
+    return Parallelized(model, model, bounds, contexts)

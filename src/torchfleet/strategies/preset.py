@@ -14,14 +14,72 @@ from dataclasses import dataclass, field
 
 from torchfleet.errors import UsageError
 
-# The mesh's dimensions, torchtitan's names: a preset's degrees, the DeviceMesh's dimensions, plan's rows and the
-# degree flags (--dp-replicate, ...) are keyed by them. tp and ep are also presets' names: each alone.
+
+@dataclass(frozen=True)
+class Dim:
+    """One dimension of the mesh, declared once: its degree flag (`--` and the name, `_` as `-`) and `Degrees`'
+    field are made from it, and ParallelDims, the mesh, which processes read which data, which class runs a
+    preset and what FSDP2 shards over all follow from these fields.
+
+    `reads_data`: its ranks read different data (the global batch splits over them). `splits`: its ranks hold
+    the parameters split (FSDP2's shards, tensor parallelism's pieces, experts), so the class that holds DTensors
+    runs it. `sharded_over`: FSDP2 shards over it beside dp_shard, the two flattened into one dimension.
+    `borrowed`: it takes data-parallel ranks instead of multiplying the processes (ep). `shown`: the degrees'
+    arithmetic names it at 1 too. `applies`: "module:function" under torchfleet.strategies, for a dimension whose
+    parallelism needs only the model and its dimension of the mesh: `parallelize` calls it, after tensor and
+    expert parallelism and before FSDP2, as ``function(model, mesh, dims)``, and a callable it returns is entered
+    around each step's forward and backward as ``callable(inputs, targets)`` (a context manager)."""
+
+    name: str
+    help: str
+    reads_data: bool = False
+    splits: bool = False
+    sharded_over: bool = False
+    borrowed: bool = False
+    shown: bool = False
+    applies: str | None = None
+
+
+# The mesh's dimensions, torchtitan's names, in the mesh's row-major order: a preset's degrees, the DeviceMesh's
+# dimensions, plan's rows and the degree flags (--dp-replicate, ...) are keyed by them. tp and ep are also presets'
+# names: each alone.
 DP_REPLICATE, DP_SHARD, PP, TP = "dp_replicate", "dp_shard", "pp", "tp"
-DIM_NAMES = (DP_REPLICATE, DP_SHARD, PP, TP)
 # Expert parallelism borrows its processes from the data-parallel ones instead of multiplying them
-# (torchtitan's ep): a preset may name it beside the four, None meaning every data-parallel rank.
+# (torchtitan's ep): a preset may name it beside the others, None meaning every data-parallel rank.
 EP = "ep"
-BORROWED_DIMS = (EP,)
+DIMS = (
+    Dim(
+        DP_REPLICATE,
+        "replicas (the dp_replicate degree); hsdp defaults to 2, or one per machine",
+        reads_data=True,
+        shown=True,
+    ),
+    Dim(
+        DP_SHARD,
+        "shards per replica (the dp_shard degree); the product of the degrees is the number of processes",
+        reads_data=True,
+        splits=True,
+        shown=True,
+    ),
+    Dim(PP, "pipeline stages (the pp degree): ddp+pipeline and fsdp+pipeline default to 2", shown=True),
+    Dim(
+        TP,
+        "tensor-parallel processes per group (the tp degree): fsdp+tp defaults to 2;"
+        " needs a model with a plan (the built-in gpt has one)",
+        splits=True,
+    ),
+    Dim(
+        EP,
+        "expert-parallel processes (the ep degree): each mixture-of-experts layer's experts are split over groups"
+        " of this many data-parallel processes, which send tokens to their experts with all-to-all; it borrows"
+        " processes, not multiplies them (ep: every process; fsdp+ep defaults to 2)",
+        splits=True,
+        borrowed=True,
+    ),
+)
+DIM = {d.name: d for d in DIMS}
+DIM_NAMES = tuple(d.name for d in DIMS if not d.borrowed)
+BORROWED_DIMS = tuple(d.name for d in DIMS if d.borrowed)
 # How a strategy's processes start: one process; torchrun's agent, one worker per rank; hogwild's workers,
 # spawned by its own process around shared memory; replica groups meeting under torchft.
 LAUNCHES = ("one process", "agent", "spawn", "replica groups")
@@ -94,7 +152,7 @@ class Preset:
             if unknown or [self.degrees[d] for d in self.degrees if d in DIM_NAMES].count(None) != 1:
                 raise UsageError(
                     f"strategy {self.name!r}: degrees {dict(self.degrees)} must name only"
-                    f" {', '.join(DIM_NAMES + BORROWED_DIMS)}, exactly one of the first four None"
+                    f" {', '.join(DIM_NAMES + BORROWED_DIMS)}, exactly one of {', '.join(DIM_NAMES)} None"
                     " (the processes left over)"
                 )
 
@@ -115,7 +173,7 @@ class Preset:
     @property
     def shards(self) -> bool:
         """Its parameters are split (FSDP2's shards, tensor parallelism or experts), whatever the degrees come to."""
-        return DP_SHARD in (self.degrees or {}) or self.splits_layers or self.splits_experts
+        return any(DIM[d].splits or DIM[d].sharded_over for d in self.degrees or ())
 
     @property
     def shares_gpus(self) -> bool:
@@ -128,7 +186,7 @@ class Preset:
         """Where the class that runs it is ("module:Class"): its own, or for the mesh's degrees the one they need."""
         if self.degrees is None:
             return str(self.runs)
-        return mesh_class(pipelined="pp" in self.degrees, split=self.shards)
+        return mesh_class(pipelined=PP in self.degrees, split=self.shards)
 
     @property
     def min_processes(self) -> int:

@@ -27,7 +27,9 @@ from torchfleet.strategies.preset import (
     BATCHNORMS,
     BORROWED_DIMS,
     CHECKS,
+    DIM,
     DIM_NAMES,
+    DIMS,
     DP_REPLICATE,
     DP_SHARD,
     EP,
@@ -52,7 +54,9 @@ __all__ = [
     "BATCHNORMS",
     "BORROWED_DIMS",
     "CHECKS",
+    "DIM",
     "DIM_NAMES",
+    "DIMS",
     "DP_REPLICATE",
     "DP_SHARD",
     "EP",
@@ -311,21 +315,29 @@ def name_of_class(where: str) -> str | None:
 
 
 def _naming_exactly(dims: set[str]) -> str | None:
-    return next((p.name for p in BUILT_IN if p.degrees is not None and set(p.degrees) == dims), None)
+    """The first preset that names exactly `dims`: a built-in one, else one registered since."""
+    for preset in (*BUILT_IN, *_presets.values()):
+        if preset.degrees is not None and set(preset.degrees) == dims:
+            return preset.name
+    return None
 
 
 def name_of_degrees(dims: Collection[str]) -> str:
     """The name of a run whose degrees above 1 are those of `dims` (dimension names; degrees that can run
-    together): the first built-in preset that names exactly them, else that of their data-parallel part (expert
+    together): the first preset that names exactly them (built-in first), else that of their data-parallel part (expert
     parallelism among it) and that of the part that cuts the model (pp or tp) joined by "+" ("hsdp+pipeline",
-    "ep+tp"). With none above 1 it is one replica: ddp. Built-in only, so a plug-in's preset runs under these
-    names, as the checkpoints and reports of the same degrees always have."""
+    "ep+tp"), else the dimensions themselves ("dp_replicate+cp"). With none above 1 it is one replica: ddp.
+    Built-in presets first, so a plug-in's preset of the same degrees runs under the built-in name, as the
+    checkpoints and reports of those degrees always have; a registered one names only degrees no built-in does."""
     wanted = set(dims) or {DP_REPLICATE}
     whole = _naming_exactly(wanted)
     if whole is not None:
         return whole
     model = wanted & {PP, TP}
-    return f"{_naming_exactly(wanted - model)}+{_naming_exactly(model)}"
+    parts = [_naming_exactly(wanted - model), _naming_exactly(model)]
+    if None in parts:  # degrees no preset names, in part: their dimensions, in the mesh's order
+        return "+".join(n for n in (*DIM_NAMES, *BORROWED_DIMS) if n in wanted)
+    return "+".join(str(part) for part in parts)
 
 
 def auto(processes: int) -> str:
