@@ -58,6 +58,18 @@ def test_the_profile_runs_only_batches_this_machine_holds(monkeypatch):
     assert tight.memory_batches == (1, 2) and tight.probe_batches == (1, 2)
 
 
+def test_a_dimension_without_formulas_is_left_out_not_priced_as_another(gpt_adamw, monkeypatch):
+    from torchfleet.errors import UsageError
+    from torchfleet.plan import layouts
+
+    assert layout("fsdp+tp", 4, 32, gpt_adamw).tp == 2
+    # As a dimension declared after the formulas were written (context parallelism) would be.
+    monkeypatch.setattr(layouts, "PRICED", tuple(d for d in layouts.PRICED if d != "tp"))
+    with pytest.raises(UsageError, match=r"plan does not cost tp\(2\) yet; bench measures fsdp\+tp instead"):
+        layout("fsdp+tp", 4, 32, gpt_adamw)
+    assert layout("fsdp", 4, 32, gpt_adamw).shard == 4
+
+
 def test_fsdp_training_state_is_16_bytes_per_parameter_over_n(gpt_adamw):
     target = Target("t", 1, 8, 1e12, comm.Link(1e9), comm.Link(1e9), rate=1e12)
     for n in (2, 4, 8):

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from torchfleet.errors import UsageError
 from torchfleet.plan import pipelines
 from torchfleet.plan.profile import Profile
 from torchfleet.strategies import registry
 
 MP_MICROBATCHES = 4  # strategies/mp.py's default
+# The dimensions these formulas price (strategies/preset.py declares them all): Layout's degrees.
+PRICED = (registry.DP_REPLICATE, registry.DP_SHARD, registry.PP, registry.TP, registry.EP)
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,9 @@ def layout(
     dims = resolve_dims(strategy, processes, options=given)
     if dims is None:
         return Layout(strategy, 1)
+    unpriced = [f"{n}({v})" for n, v in dims.degrees.items() if v > 1 and n not in PRICED]
+    if unpriced:  # a dimension declared since these formulas were written: left out, not priced as another
+        raise UsageError(f"plan does not cost {', '.join(unpriced)} yet; bench measures {strategy} instead")
     lay = Layout(strategy, processes, dims.dp_replicate, dims.dp_shard, dims.pp, dims.tp, dims.ep)
     if dims.pp > 1:
         from torchfleet.strategies.pipeline.schedules import default_schedule, microbatch_problem
