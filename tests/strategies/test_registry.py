@@ -64,7 +64,10 @@ def test_every_built_in_name_is_declared_once_and_resolves_to_its_class():
             dict(name="x", summary="", needs="", degrees={"pp": None, "dp_shard": None}),
             "exactly one of dp_replicate, dp_shard, pp, tp None",
         ),
-        (dict(name="x", summary="", needs="", degrees={"ep": None}), "exactly one of dp_replicate, dp_shard, pp, tp None"),
+        (
+            dict(name="x", summary="", needs="", degrees={"ep": None}),
+            "exactly one of dp_replicate, dp_shard, pp, tp None",
+        ),
         (dict(name="x", summary="", needs="", degrees={"cp": None}), "must name only dp_replicate"),
         (dict(name="x", summary="", needs=""), "give its degrees or the class"),
         (dict(name="x", summary="", needs="", degrees={"pp": None}, launch="ssh"), "launch 'ssh' is not one of"),

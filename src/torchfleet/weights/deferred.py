@@ -247,10 +247,13 @@ def mapped_share(tensor: torch.Tensor, name: str, plan: LoadPlan) -> torch.Tenso
     piece = inside[0]
     at = tuple(s - p for s, p in zip(start, piece.start, strict=True))
     at, size = (at[1:], shape[1:]) if piece.stacked else (at, shape)  # a stacked piece is one expert
-    local = plan.sources[name].mapped(piece.key, at, size, tensor.dtype)
+    # A column split is mapped as a strided view where nothing wraps the DTensor further (tp alone, a 1-D mesh):
+    # FSDP2 keeps its shards in flat storage of its own, and ep's experts in a mesh of theirs.
+    columns = isinstance(tensor, DTensor) and tensor.device_mesh.ndim == 1 and not piece.stacked
+    local = plan.sources[name].mapped(piece.key, at, size, tensor.dtype, columns=columns)
     if local is None:
         return None
-    local = local.view(shape)
+    local = local.view(shape) if local.is_contiguous() else local
     if isinstance(tensor, DTensor):
         return DTensor.from_local(
             local, tensor.device_mesh, tensor.placements, run_check=False, shape=tensor.shape, stride=tensor.stride()

@@ -8,9 +8,12 @@ dtype on the CPU (an even row-split shard, a whole tensor), its storage is a pri
 mapping of the file, as safetensors' own reader gives it: nothing is read until a page is touched, and
 the page cache's pages are used rather than copied into freshly faulted memory (whose faults cost more
 than the copy). A write (an optimizer step) makes the process its own copy of a page; the file never
-changes. Other slices are read with `os.preadv`: the rows of a row-split tensor straight into its
-storage, and each row's run of a column-split one into its place, one call a block of rows (the bytes
-around the runs into a scratch buffer). ``TORCHFLEET_MAP_WEIGHTS=0`` reads every slice.
+changes. A column-split slice that nothing wraps further (tp alone) is a strided view over the mapping of
+its rows: a rank's pages then hold some of its neighbours' columns, which a first forward maps in too (the
+page cache's, shared) and an optimizer step copies where a page holds some of its own (docs/benchmarks).
+Other slices are read with `os.preadv`: the rows of a row-split tensor straight into its storage, and
+each row's run of a column-split one into its place, one call a block of rows (the bytes around the runs
+into a scratch buffer). ``TORCHFLEET_MAP_WEIGHTS=0`` reads every slice.
 
 A mapped file must not be rewritten in place while the model lives (a shortened file faults the process,
 a rewritten one changes its weights): `save_model` writes a new directory and renames it over the old one,
@@ -219,16 +222,21 @@ class WeightFiles:
         self.bytes_read += done
 
     def mapped(
-        self, key: str, start: tuple[int, ...], shape: tuple[int, ...], dtype: torch.dtype
+        self, key: str, start: tuple[int, ...], shape: tuple[int, ...], dtype: torch.dtype, columns: bool = False
     ) -> torch.Tensor | None:
         """The region of tensor `key` at `start` of `shape`, as a tensor over a private copy-on-write mapping of its
         file; None where the region is not one run of the file's bytes in `dtype`, aligned to it, or is empty.
+        With `columns`, also a run of the second dimension in each row (a column split): a strided view over
+        the mapping of its rows.
 
         One mapping of each whole file, shared by the tensors taken from it: one descriptor per file stays open
         (Python's mmap keeps its own) however many tensors there are, and only touched pages are resident."""
         entry = self.entries[key]
         full = entry.shape
-        if entry.dtype != dtype or not shape or math.prod(shape) == 0 or tuple(shape[1:]) != tuple(full[1:]):
+        if entry.dtype != dtype or not shape or math.prod(shape) == 0 or len(shape) != len(full):
+            return None
+        split = tuple(shape[1:]) != tuple(full[1:])
+        if split and not (columns and tuple(shape[2:]) == tuple(full[2:])):
             return None
         row = math.prod(full[1:]) * dtype.itemsize
         offset = entry.begin + start[0] * row
@@ -241,8 +249,12 @@ class WeightFiles:
             )
         if offset + math.prod(shape) * dtype.itemsize > len(table):
             raise UsageError(f"{entry.file} ends before its header says (truncated); copy it again")
-        self.bytes_mapped += math.prod(shape) * dtype.itemsize
-        return torch.frombuffer(table, dtype=dtype, count=math.prod(shape), offset=offset).view(shape)
+        if not split:
+            self.bytes_mapped += math.prod(shape) * dtype.itemsize
+            return torch.frombuffer(table, dtype=dtype, count=math.prod(shape), offset=offset).view(shape)
+        rows = torch.frombuffer(table, dtype=dtype, count=shape[0] * row // dtype.itemsize, offset=offset)
+        self.bytes_mapped += shape[0] * row  # the rows' pages, of which the run's are touched
+        return rows.view(shape[0], *full[1:])[:, start[1] : start[1] + shape[1]]
 
     def _block(self, entry: Entry, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
         """The file's `shape` rows of `entry` at `offset`: over a mapping of their own, freed with the tensor."""
