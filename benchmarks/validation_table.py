@@ -62,9 +62,34 @@ def markdown(rows: list[dict], summary: dict, seconds: float) -> str:
         f" |predicted / published - 1| {s['tokens_median']:.1%}, worst {s['tokens_worst']:.1%}. Memory"
         f" ({s['memory_runs']} runs): median {s['memory_median']:.1%}, worst {s['memory_worst']:.1%}."
         f" Planned in {seconds:.0f} s on this machine's CPUs.",
+        "",
+        f"Comparisons inside a source (every two runs of one source whose published figures differ): the plan puts"
+        f" {_order(s['tokens_order'])} of tokens/s and {_order(s['memory_order'])} of memory in the published"
+        " order. Those it does not:",
+        "",
+        *[f"- tokens/s: {_pair(a, b, 'tokens')}" for a, b in published.ordered_pairs(rows, "tokens", "tokens")[2]],
+        *[
+            f"- memory: {_pair(a, b, 'memory_gib')}"
+            for a, b in published.ordered_pairs(rows, "memory_gib", "memory_gib")[2]
+        ],
+        "",
         NOTES,
     ]
     return "\n".join(lines)
+
+
+def _order(counted: tuple[int, int]) -> str:
+    right, pairs = counted
+    return f"{right} of {pairs} pairs ({right / pairs:.0%})" if pairs else "no pairs"
+
+
+def _pair(a: dict, b: dict, figure: str) -> str:
+    """Two rows the plan does not order as published: each run's inputs, its published figure and the plan's."""
+    return " against ".join(
+        f"{r['run'].model} on {r['run'].gpus} x {r['run'].gpu} ({r['run'].inputs}): published"
+        f" {getattr(r['run'], figure):,.1f}, planned {r[figure]:,.1f}"
+        for r in (a, b)
+    )
 
 
 def main() -> int:

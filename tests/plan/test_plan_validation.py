@@ -36,6 +36,12 @@ def test_published_runs_hold_the_tables_summary(monkeypatch):
     assert s["runs"] >= 20 and s["sources"] >= 4 and s["gpu_kinds"] >= 3
     assert s["tokens_median"] <= TOKENS_MEDIAN and s["tokens_worst"] <= TOKENS_WORST
     assert s["memory_median"] <= MEMORY_MEDIAN and s["memory_worst"] <= MEMORY_WORST
+    # Comparisons inside a source in the published order (the issue asks 90%): tokens/s 83 of 84 pairs; memory
+    # 16 of 22, the 6 others ties, as --compile is not planned to change memory (docs/benchmarks/validation.md).
+    right, pairs = s["tokens_order"]
+    assert pairs >= 80 and right / pairs >= 0.9
+    right, pairs = s["memory_order"]
+    assert pairs >= 20 and right / pairs >= 0.7
 
     # The A100's products priced at the H100's MAMF fraction instead of its own: its runs move off.
     a100 = tuple(r for r in published.RUNS if r.gpu == "A100" and r.model.startswith("mpt"))

@@ -179,8 +179,26 @@ def table(runs: tuple[Run, ...] = RUNS) -> list[dict]:
     return out
 
 
+def ordered_pairs(rows: list[dict], published: str, predicted: str) -> tuple[int, int, list[tuple]]:
+    """Of every two runs of one source whose published figures differ, how many the plan puts in the published
+    order; and the pairs it does not (a tie among them), each as its two rows."""
+    right, pairs, wrong = 0, 0, []
+    for i, a in enumerate(rows):
+        for b in rows[i + 1 :]:
+            seen = getattr(a["run"], published), getattr(b["run"], published)
+            if a["run"].source != b["run"].source or None in seen or seen[0] == seen[1]:
+                continue
+            pairs += 1
+            if (seen[0] > seen[1]) == (a[predicted] > b[predicted]) and a[predicted] != b[predicted]:
+                right += 1
+            else:
+                wrong.append((a, b))
+    return right, pairs, wrong
+
+
 def summary(rows: list[dict]) -> dict:
-    """Median and worst |predicted / published - 1|, for tokens/s and for memory where published."""
+    """Median and worst |predicted / published - 1|, for tokens/s and for memory where published; and how many
+    comparisons inside a source come out in the published order."""
 
     def errors(key):
         return [abs(r[key] - 1) for r in rows if r[key] is not None]
@@ -195,4 +213,6 @@ def summary(rows: list[dict]) -> dict:
         "memory_runs": len(memory),
         "memory_median": statistics.median(memory) if memory else None,
         "memory_worst": max(memory) if memory else None,
+        "tokens_order": ordered_pairs(rows, "tokens", "tokens")[:2],
+        "memory_order": ordered_pairs(rows, "memory_gib", "memory_gib")[:2],
     }
