@@ -23,7 +23,8 @@ NOTES = """What the rows do not plan: torchtitan's H100-HBM2E cards ran held to 
 Engine's and DeepEP's fused kernels, where the eager trace prices every routing operator's bytes; Trainy's
 H200 run gathered float8 weights (half of bf16's bytes), which the memory trace does not plan. Not yet in
 the table: torchtitan's Llama 3.1 405B on 128 H100s (109 tokens/s, eager; planned 1.32 times it,
-`tests/plan/test_plan_published.py`), and any CNN or encoder run (`plan --hf-config` traces decoders).
+`tests/plan/test_plan_published.py`), and any CNN or encoder run (T5 and BERT plan, `tests/plan/test_plan_encoders.py`,
+but no published run of one is in `published.py` yet).
 """
 OUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks" / "validation.md"
 
