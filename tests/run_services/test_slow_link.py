@@ -128,7 +128,10 @@ def test_the_rank_behind_a_slow_link_is_named_in_communication(tmp_path):
 def test_an_unslowed_run_on_hosts_names_no_rank_and_probes_no_link(tmp_path):
     rows, stdout, _ = _run(tmp_path, slow=False)
     assert [r for r in rows if r["kind"] == "straggler"] == [] and "straggler" not in stdout, _figures(rows)
-    assert "probing" not in stdout, _figures(rows)
+    # A busy machine can slow every rank's sync alike (CI's two lanes took it from 8 to 25 ms a step): the probe
+    # may then run once, and must find no slow link. What it must never do is name one.
+    if "probing" in stdout:
+        assert "no rank's link is below half the others' median: the rise is not one link's" in stdout, stdout
     assert len([r for r in rows if r["kind"] == "rank"]) == 4 * 22
 
 
