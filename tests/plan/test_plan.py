@@ -381,7 +381,7 @@ def test_check_measures_cells_and_meets_the_step_time_the_docs_claim(tmp_path):
     }
     assert all(v >= 0 for v in cal["overheads"]["2"].values()) and cal["overheads"]["2"]["fsdp_unit_s"] > 0
     assert "torchfleet plan: gpt tiny, global batch 16" in stdout
-    attempts = []
+    attempts, busy = [], []
     for attempt in range(CHECK_ATTEMPTS):
         if attempt:
             doc, stdout = _check(tmp_path, attempt)
@@ -433,6 +433,11 @@ def test_check_measures_cells_and_meets_the_step_time_the_docs_claim(tmp_path):
         )
         if error <= STEP_TIME_CLAIM and ordered:
             return
+        busy.append(any("busy" in (c["flags"] or ()) for c in cells.values()))
+    if all(busy):  # bench's own rule: a cell measured beside other work gets no verdict, and neither does the claim
+        pytest.skip(
+            f"every attempt ran beside other work (cells flagged busy); the step-time claim is not judged: {attempts}"
+        )
     pytest.fail(
         f"the step-time claim (median error within {STEP_TIME_CLAIM}, fsdp slower than ddp) failed in"
         f" {CHECK_ATTEMPTS} attempts: {attempts}"
