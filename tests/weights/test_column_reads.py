@@ -75,3 +75,13 @@ def test_a_truncated_file_is_one_sentence(tmp_path):
     path.write_bytes(path.read_bytes()[:-200])
     with pytest.raises(UsageError, match="truncated"):
         WeightFiles(tmp_path).read_into("w", (0, 4), torch.empty(37, 4))
+    # Mapped as a column split (tp alone), the last rows' columns are within the file but the rows are not.
+    with pytest.raises(UsageError, match="truncated"):
+        WeightFiles(tmp_path).mapped("w", (0, 0), (37, 4), torch.float32, columns=True)
+
+
+def test_a_column_split_is_mapped_as_a_view_of_its_rows(weights):
+    view = weights.mapped("w", (3, 4), (5, 6), torch.float32, columns=True)
+    assert view is not None and not view.is_contiguous()
+    assert torch.equal(view, TENSORS["w"][3:8, 4:10]) and weights.bytes_mapped == 5 * 12 * 4
+    assert weights.mapped("w", (3, 4), (5, 6), torch.float32) is None  # not a run of the file's bytes

@@ -247,14 +247,14 @@ class WeightFiles:
             table = self._maps[entry.file] = mmap.mmap(
                 self._fd(entry.file), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
             )
-        if offset + math.prod(shape) * dtype.itemsize > len(table):
+        span = shape[0] * row if split else math.prod(shape) * dtype.itemsize  # a column split maps its whole rows
+        if offset + span > len(table):
             raise UsageError(f"{entry.file} ends before its header says (truncated); copy it again")
+        self.bytes_mapped += span
+        mapped = torch.frombuffer(table, dtype=dtype, count=span // dtype.itemsize, offset=offset)
         if not split:
-            self.bytes_mapped += math.prod(shape) * dtype.itemsize
-            return torch.frombuffer(table, dtype=dtype, count=math.prod(shape), offset=offset).view(shape)
-        rows = torch.frombuffer(table, dtype=dtype, count=shape[0] * row // dtype.itemsize, offset=offset)
-        self.bytes_mapped += shape[0] * row  # the rows' pages, of which the run's are touched
-        return rows.view(shape[0], *full[1:])[:, start[1] : start[1] + shape[1]]
+            return mapped.view(shape)
+        return mapped.view(shape[0], *full[1:])[:, start[1] : start[1] + shape[1]]
 
     def _block(self, entry: Entry, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
         """The file's `shape` rows of `entry` at `offset`: over a mapping of their own, freed with the tensor."""
