@@ -35,7 +35,7 @@ def class_for(dims: ParallelDims) -> type[Strategy]:
     """The class that runs these degrees (registry.MESH_CLASSES): pipeline stages, else split parameters,
     else replicas. Tensor and expert parallelism split parameters as FSDP2's shards do: into DTensors, whose
     state one class gathers and scatters (full state dicts, the optimizer rebuilt over the new parameters)."""
-    split = any((registry.DIM[n].splits or registry.DIM[n].sharded_over) and v > 1 for n, v in dims.degrees.items())
+    split = any(registry.DIM[n].splits_parameters and v > 1 for n, v in dims.degrees.items())
     return _load(registry.mesh_class(pipelined=dims.pp > 1, split=split))
 
 

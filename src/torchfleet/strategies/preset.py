@@ -39,6 +39,12 @@ class Dim:
     shown: bool = False
     applies: str | None = None
 
+    @property
+    def splits_parameters(self) -> bool:
+        """Its ranks hold the parameters split, by its own parallelism or by FSDP2 sharding over it: the class that
+        holds DTensors runs a degree of it above 1."""
+        return self.splits or self.sharded_over
+
 
 # The mesh's dimensions, torchtitan's names, in the mesh's row-major order: a preset's degrees, the DeviceMesh's
 # dimensions, plan's rows and the degree flags (--dp-replicate, ...) are keyed by them. tp and ep are also presets'
@@ -173,7 +179,7 @@ class Preset:
     @property
     def shards(self) -> bool:
         """Its parameters are split (FSDP2's shards, tensor parallelism or experts), whatever the degrees come to."""
-        return any(DIM[d].splits or DIM[d].sharded_over for d in self.degrees or ())
+        return any(DIM[d].splits_parameters for d in self.degrees or ())
 
     @property
     def shares_gpus(self) -> bool:
