@@ -148,6 +148,7 @@ SURFACE = {
         "--hf-config",
         "--seq-len",
         "--decoder-seq-len",
+        "--attention",
         "--local-batch",
         "--global-batch",
         "--microbatches",

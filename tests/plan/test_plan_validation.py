@@ -19,9 +19,10 @@ require_module("transformers", "transformers (the test extra) builds the library
 
 # The bounds the table reaches (docs/benchmarks/validation.md), each rounded up to the next point. The worst
 # tokens/s is the mixture of experts run on Transformer Engine's and DeepEP's fused kernels, whose memory
-# traffic the eager trace overstates; the worst memory is Trainy's H200 run, which gathered float8 weights.
+# traffic the eager trace overstates; the worst memory is torchtitan's 8B on 128 GPUs compiled, whose blocks'
+# fusion the plan holds at 0.3 GiB less than eager where the run held 5 GiB less.
 TOKENS_MEDIAN, TOKENS_WORST = 0.11, 0.47
-MEMORY_MEDIAN, MEMORY_WORST = 0.04, 0.47
+MEMORY_MEDIAN, MEMORY_WORST = 0.04, 0.10
 
 
 @pytest.mark.timeout(900)
@@ -34,14 +35,16 @@ def test_published_runs_hold_the_tables_summary(monkeypatch):
         print(f"{r['run'].model} {r['run'].gpus} x {r['run'].gpu} {r['run'].inputs}: {r['tokens_ratio']:.2f}")
     print(s)
     assert s["runs"] >= 20 and s["sources"] >= 4 and s["gpu_kinds"] >= 3
+    assert {r["run"].model for r in rows} >= {"bert-large", "qwen3-30b-a3b"}  # an encoder and a mixture of experts
     assert s["tokens_median"] <= TOKENS_MEDIAN and s["tokens_worst"] <= TOKENS_WORST
     assert s["memory_median"] <= MEMORY_MEDIAN and s["memory_worst"] <= MEMORY_WORST
-    # Comparisons inside a source in the published order (the issue asks 90%): tokens/s 83 of 84 pairs; memory
-    # 16 of 22, the 6 others ties, as --compile is not planned to change memory (docs/benchmarks/validation.md).
+    # Comparisons inside a source in the published order (the issue asks 90%): tokens/s 84 of 85 pairs; memory
+    # 20 of 22, since a compiled step holds its fused chains' inputs (plan/compiled.py): the 2 missed are ties,
+    # compiled with and without float8, which the plan holds alike (docs/benchmarks/validation.md).
     right, pairs = s["tokens_order"]
     assert pairs >= 80 and right / pairs >= 0.9
     right, pairs = s["memory_order"]
-    assert pairs >= 20 and right / pairs >= 0.7
+    assert pairs >= 20 and right / pairs >= 0.9
 
     # The A100's products priced at the H100's MAMF fraction instead of its own: its runs move off.
     a100 = tuple(r for r in published.RUNS if r.gpu == "A100" and r.model.startswith("mpt"))

@@ -6,6 +6,7 @@ import argparse
 import re
 
 from torchfleet.cli.bench import _list
+from torchfleet.plan.kernels import ATTENTION, COMPILE_COMPONENTS
 
 # A bandwidth as people write it: a number with an optional unit. A lower-case b (or "bit") is bits, an upper-case
 # B bytes, as on datasheets: 100Gb/s and 400 Gbit/s are network links, 900GB/s is NVLink's bytes.
@@ -118,6 +119,14 @@ def add_parser(sub) -> None:
         help="--hf-config: tokens an encoder-decoder's decoder writes a sample (default: --seq-len's)",
     )
     s.add_argument(
+        "--attention",
+        choices=ATTENTION,
+        default="fused",
+        help="--hf-config: how attention runs: fused kernels that hold no score matrix (FlashAttention's; the"
+        " default), or eager's math, its scores materialised and every operator on them priced at the"
+        " memory's rate, as runs without fused attention trained (docs/tools/plan.md)",
+    )
+    s.add_argument(
         "--local-batch",
         type=int,
         default=2,
@@ -172,9 +181,14 @@ def add_parser(sub) -> None:
     )
     s.add_argument(
         "--compile",
-        action="store_true",
-        help="--hf-config: plan torch.compile's step: pointwise operators fused, so each only writes its output"
-        " (docs/tools/plan.md)",
+        nargs="?",
+        const=",".join(COMPILE_COMPONENTS),
+        default=(),
+        type=_list(str, "compiled components"),
+        metavar="COMPONENTS",
+        help="--hf-config: plan torch.compile's step, as torchtitan's compile.components names what it compiles:"
+        f" {', '.join(COMPILE_COMPONENTS)} (the default when the flag is bare). Pointwise operators fused, so"
+        " each only writes its output; each fused chain holds its inputs, not its links (docs/tools/plan.md)",
     )
     s.add_argument(
         "--float8",
@@ -274,6 +288,7 @@ def command(args) -> int:
         hf_config=args.hf_config,
         seq_len=args.seq_len,
         decoder_seq_len=args.decoder_seq_len,
+        attention=args.attention,
         local_batch=args.local_batch,
         ac=args.ac,
         tp=args.tp or (),
@@ -281,7 +296,7 @@ def command(args) -> int:
         ep=args.ep or (),
         global_batch=args.global_batch,
         microbatches=args.microbatches,
-        compile=args.compile,
+        compile=tuple(args.compile or ()),
         float8=args.float8,
     )
     if cfg.library_fields and not args.precision:

@@ -75,6 +75,8 @@ class ScaleRequest:
     global_batch: int | None = None  # every row's (plan/global_batch.py); None: local_batch a data-parallel GPU
     microbatches: int | None = None  # a pipeline's a step; None: micro-batches of one sample
     decoder_seq: int | None = None  # an encoder-decoder's decoder tokens a sample; None: seq
+    compile: tuple[str, ...] = ()  # what torch.compile compiles (plan/compiled.py)
+    attention: str = "fused"  # kernels.ATTENTION
 
 
 def request_of(cfg) -> ScaleRequest:
@@ -93,7 +95,7 @@ def request_of(cfg) -> ScaleRequest:
         intra_gbit=cfg.intra_gbit,
         inter_gbit=cfg.link_gbit,
         by_operator=cfg.mfu is None,
-        compile=cfg.compile,
+        compile=bool(cfg.compile),
         float8=cfg.float8,
     )
     return ScaleRequest(
@@ -117,6 +119,8 @@ def request_of(cfg) -> ScaleRequest:
         getattr(cfg, "global_batch", None),
         getattr(cfg, "microbatches", None),
         getattr(cfg, "decoder_seq_len", None),
+        tuple(getattr(cfg, "compile", ())),
+        getattr(cfg, "attention", "fused"),
     )
 
 
@@ -144,6 +148,8 @@ def plan_at_scale(request: ScaleRequest, say=print) -> dict:
         ac=request.ac,
         precision=request.precision,
         decoder_seq=request.decoder_seq,
+        compiled=tuple(request.compile),
+        attention=request.attention,
     )
     say(
         f"tracing one training step of {request.hf_config} ({params / 1e9:,.1f} B parameters) on fake tensors:"

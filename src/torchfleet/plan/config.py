@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from torchfleet.bench import user_model
 from torchfleet.config import at_least
 from torchfleet.errors import UsageError, choice_error
+from torchfleet.plan.kernels import ATTENTION, COMPILE_COMPONENTS
 from torchfleet.plan.profile import OPTIMIZER_STATE
 from torchfleet.strategies import registry
 from torchfleet.train.models import GPT_PRESETS, MODELS
@@ -44,6 +45,7 @@ class PlanConfig:
     hf_config: str | None = None  # a library model planned at scale on fake tensors (plan/at_scale.py)
     seq_len: int | None = None  # None: library_model.default_seq of the model
     decoder_seq_len: int | None = None  # an encoder-decoder's; None: seq_len
+    attention: str = "fused"  # --hf-config: how attention runs (plan/flash_attention.py's ATTENTION)
     local_batch: int = 2
     ac: str = "selective"
     tp: tuple[int, ...] = ()  # --hf-config's tensor-parallel degrees; empty: 1 and a node's GPUs where they divide
@@ -54,7 +56,9 @@ class PlanConfig:
     library_fields: dict | None = None
     global_batch: int | None = None  # --hf-config's, the same on every row; None: local_batch a data-parallel GPU
     microbatches: int | None = None  # --hf-config's pipelines' a step; None: micro-batches of one sample
-    compile: bool = False  # --hf-config: price torch.compile's fused step (plan/kernels.py)
+    # --hf-config: what torch.compile compiles (plan/kernels.py's COMPILE_COMPONENTS): its fused step priced
+    # (plan/kernels.py) and held (plan/compiled.py); empty: eager
+    compile: tuple[str, ...] = ()
     float8: bool = False  # --hf-config: price float8 linear layers (plan/kernels.py)
 
     @property
@@ -78,6 +82,9 @@ class PlanConfig:
             raise UsageError(
                 f"--global-batch {self.global_batch} is --hf-config's; a --model plan's global batch is --batch-size"
             )
+        for part in self.compile:
+            if part not in COMPILE_COMPONENTS:
+                raise choice_error("--compile component", part, COMPILE_COMPONENTS)
         if (self.compile or self.float8) and self.hf_config is None and self.library_fields is None:
             flag = "--compile" if self.compile else "--float8"
             raise UsageError(f"{flag} prices a step traced at scale: give --hf-config with a GPU cluster")
@@ -139,6 +146,8 @@ class PlanConfig:
             )
         if self.seq_len is not None:
             at_least("--seq-len", self.seq_len, 1)
+        if self.attention not in ATTENTION:
+            raise choice_error("--attention", self.attention, ATTENTION)
         if self.decoder_seq_len is not None:
             at_least("--decoder-seq-len", self.decoder_seq_len, 1)
         at_least("--local-batch", self.local_batch, 1)

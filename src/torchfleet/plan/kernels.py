@@ -37,6 +37,13 @@ from dataclasses import dataclass
 
 from torchfleet.errors import UsageError
 
+# How attention runs: a fused kernel that holds no score matrix (FlashAttention, cuDNN's, memory-efficient
+# SDPA), or eager's math (the scores materialised, masked, softmaxed and dropped out by operators of their own).
+ATTENTION = ("fused", "eager")
+
+# What `compile` may name, as torchtitan's compile.components does: each block ("model") and the loss.
+COMPILE_COMPONENTS = ("model", "loss")
+
 # Achievable share of HBM bandwidth for streaming kernels; not from a kind's own measurement.
 MEMORY_FRACTION = 0.8
 

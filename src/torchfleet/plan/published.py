@@ -21,6 +21,13 @@ TITAN_A100 = "torchtitan, its performance.md at c1f4345 (Meta, Oct 2024)"
 TRAINY = "torchtitan, benchmarks folder: llama3-8b_h200_202506_trainy-whitefiber.md (Trainy, Jun 2025)"
 FOUNDRY = "llm-foundry, scripts/train/benchmarking/README.md (MosaicML, 2023)"
 AUTOMODEL = "NeMo AutoModel, docs/performance-summary.mdx (NVIDIA, 2026)"
+BERT_2020 = "DeepLearningExamples, PyTorch/LanguageModeling/BERT/README.md at 78ec680 (NVIDIA, 2020)"
+BERT_2022 = "DeepLearningExamples, PyTorch/LanguageModeling/BERT/README.md at a07d20a (NVIDIA, 2022)"
+
+
+# What torchtitan's training.compile compiled: each block, and from April 2025 (bbb1b616e, before the June runs)
+# the loss as well; the December 2024 runs' loss ran eager.
+MODEL, MODEL_AND_LOSS = ("model",), ("model", "loss")
 
 
 def _mpt(d_model: int, layers: int) -> dict:
@@ -47,6 +54,18 @@ FIELDS = {
     "mpt-13b": _mpt(5120, 40),
     "mpt-30b": _mpt(7168, 48),
     "mpt-70b": _mpt(8192, 80),
+    # BERT-Large (bert_configs/large.json): 24 blocks of width 1024, 16 heads, feed-forward 4096, a masked
+    # language model's head over 30,522 tokens.
+    "bert-large": {
+        "model_type": "bert",
+        "hidden_size": 1024,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 16,
+        "intermediate_size": 4096,
+        "vocab_size": 30522,
+        "max_position_embeddings": 512,
+        "type_vocab_size": 2,
+    },
     # Qwen/Qwen3-30B-A3B's config.json: every block's MLP 128 experts, 8 a token.
     "qwen3-30b-a3b": {
         "model_type": "qwen3_moe",
@@ -81,7 +100,8 @@ class Run:
     tp: int = 1
     ep: int = 1
     global_batch: int | None = None  # where the run accumulates gradients: local batch x passes x GPUs
-    compile: bool = False
+    attention: str = "fused"  # kernels.ATTENTION
+    compile: tuple[str, ...] = ()  # what torch.compile compiled (torchtitan's compile.components)
     float8: bool = False
     per_node: int = 8
     link_gbit: float = 400.0
@@ -98,26 +118,51 @@ class Run:
         if self.global_batch:
             parts.append(f"GA {self.global_batch // (self.local_batch * self.gpus)}")
         parts += [f"TP {self.tp}"] * (self.tp > 1) + [f"EP {self.ep}"] * (self.ep > 1)
-        parts += ["compile"] * self.compile + ["float8"] * self.float8
+        parts += ["attention eager"] * (self.attention == "eager")
+        parts += [f"compile ({', '.join(self.compile)})"] * bool(self.compile) + ["float8"] * self.float8
         return ", ".join(parts)
 
 
 RUNS: tuple[Run, ...] = (
     Run(TITAN_2412, "llama-3.1-8b", "H100-HBM2E", 8, 8192, 2, "selective", 5762, 82.4),
-    Run(TITAN_2412, "llama-3.1-8b", "H100-HBM2E", 8, 8192, 2, "selective", 6667, 77.0, compile=True),
-    Run(TITAN_2412, "llama-3.1-8b", "H100-HBM2E", 8, 8192, 2, "selective", 8532, 76.8, compile=True, float8=True),
+    Run(TITAN_2412, "llama-3.1-8b", "H100-HBM2E", 8, 8192, 2, "selective", 6667, 77.0, compile=MODEL),
+    Run(TITAN_2412, "llama-3.1-8b", "H100-HBM2E", 8, 8192, 2, "selective", 8532, 76.8, compile=MODEL, float8=True),
     Run(TITAN_2412, "llama-3.1-8b", "H100-HBM2E", 128, 8192, 2, "selective", 5605, 67.0),
-    Run(TITAN_2412, "llama-3.1-8b", "H100-HBM2E", 128, 8192, 2, "selective", 6514, 62.0, compile=True),
-    Run(TITAN_2412, "llama-3.1-8b", "H100-HBM2E", 128, 8192, 2, "selective", 8380, 61.8, compile=True, float8=True),
-    Run(TITAN_2412, "llama-3.1-70b", "H100-HBM2E", 256, 8192, 16, "full", 829, 71.9, tp=8, compile=True, float8=True),
-    Run(TITAN_ASYNC, "llama-3.1-70b", "H100-HBM2E", 256, 8192, 16, "full", 597.3, tp=8, compile=True),
-    Run(TITAN_ASYNC, "llama-3.1-70b", "H100-HBM2E", 256, 8192, 16, "full", 809.8, tp=8, compile=True, float8=True),
-    Run(TITAN_ASYNC, "llama-3.1-8b", "H100-HBM2E", 64, 8192, 12, "selective", 4378, tp=8, compile=True),
-    Run(TITAN_ASYNC, "llama-3.1-8b", "H100-HBM2E", 64, 8192, 12, "selective", 5078.1, tp=8, compile=True, float8=True),
+    Run(TITAN_2412, "llama-3.1-8b", "H100-HBM2E", 128, 8192, 2, "selective", 6514, 62.0, compile=MODEL),
+    Run(TITAN_2412, "llama-3.1-8b", "H100-HBM2E", 128, 8192, 2, "selective", 8380, 61.8, compile=MODEL, float8=True),
+    Run(TITAN_2412, "llama-3.1-70b", "H100-HBM2E", 256, 8192, 16, "full", 829, 71.9, tp=8, compile=MODEL, float8=True),
+    Run(TITAN_ASYNC, "llama-3.1-70b", "H100-HBM2E", 256, 8192, 16, "full", 597.3, tp=8, compile=MODEL_AND_LOSS),
+    Run(
+        TITAN_ASYNC,
+        "llama-3.1-70b",
+        "H100-HBM2E",
+        256,
+        8192,
+        16,
+        "full",
+        809.8,
+        tp=8,
+        compile=MODEL_AND_LOSS,
+        float8=True,
+    ),
+    Run(TITAN_ASYNC, "llama-3.1-8b", "H100-HBM2E", 64, 8192, 12, "selective", 4378, tp=8, compile=MODEL_AND_LOSS),
+    Run(
+        TITAN_ASYNC,
+        "llama-3.1-8b",
+        "H100-HBM2E",
+        64,
+        8192,
+        12,
+        "selective",
+        5078.1,
+        tp=8,
+        compile=MODEL_AND_LOSS,
+        float8=True,
+    ),
     Run(TITAN_A100, "llama-3.1-8b", "A100", 64, 8192, 1, "selective", 2973, note="Llama 3 8B"),
     Run(TITAN_A100, "llama-3.1-70b", "A100", 64, 8192, 1, "full", 331, note="Llama 3 70B"),
-    Run(TRAINY, "llama-3.1-8b", "H200", 32, 8192, 2, "selective", 10938, 47.96, compile=True, float8=True),
-    Run(TRAINY, "llama-3.1-8b", "H200", 64, 8192, 2, "selective", 10753, 46.97, compile=True, float8=True),
+    Run(TRAINY, "llama-3.1-8b", "H200", 32, 8192, 2, "selective", 10938, 47.96, compile=MODEL_AND_LOSS, float8=True),
+    Run(TRAINY, "llama-3.1-8b", "H200", 64, 8192, 2, "selective", 10753, 46.97, compile=MODEL_AND_LOSS, float8=True),
     # llm-foundry's sections "H100 80GB BF16" and "A100 80GB with 1600 Gbps node-node interconnect (RoCE)":
     # FSDP1 FULL_SHARD, flash attention, eager; activation checkpointing True is the whole block.
     Run(FOUNDRY, "mpt-1b", "H100", 8, 2048, 14, "none", 45455, global_batch=112),
@@ -131,6 +176,49 @@ RUNS: tuple[Run, ...] = (
     Run(FOUNDRY, "mpt-13b", "A100", 8, 2048, 2, "none", 2262, global_batch=48, link_gbit=200),
     Run(FOUNDRY, "mpt-30b", "A100", 8, 2048, 3, "full", 916, global_batch=504, link_gbit=200),
     Run(FOUNDRY, "mpt-70b", "A100", 64, 2048, 8, "full", 410, global_batch=2048, link_gbit=200),
+    # Pre-training on one DGX A100, "Training performance" tables (sequences/s of 8 GPUs over 8, times the
+    # sequence): DDP, fp16 AMP (the A100's bf16 rate), LAMB, no checkpointing, attention by PyTorch's own
+    # operators (its softmax unfused); 2020's phase 2 pads every sequence to 512 (2022's bins them by
+    # length, so it is left out).
+    Run(
+        BERT_2022,
+        "bert-large",
+        "A100",
+        8,
+        128,
+        256,
+        "none",
+        4591 * 128 / 8,
+        global_batch=65536,
+        attention="eager",
+        link_gbit=200,
+    ),
+    Run(
+        BERT_2020,
+        "bert-large",
+        "A100-40GB",
+        8,
+        128,
+        64,
+        "none",
+        3231 * 128 / 8,
+        global_batch=65536,
+        attention="eager",
+        link_gbit=200,
+    ),
+    Run(
+        BERT_2020,
+        "bert-large",
+        "A100-40GB",
+        8,
+        512,
+        16,
+        "none",
+        620 * 512 / 8,
+        global_batch=32768,
+        attention="eager",
+        link_gbit=200,
+    ),
     # Pre-training, DGX-H100 BF16: FSDP2 with EP 8, Transformer Engine's kernels, DeepEP's all-to-alls.
     Run(AUTOMODEL, "qwen3-30b-a3b", "H100", 8, 4096, 4, "full", 12040, ep=8, global_batch=512),
 )
@@ -154,6 +242,7 @@ def predict(run: Run) -> dict:
         tp=(run.tp,),
         nproc=(run.gpus,),
         compile=run.compile,
+        attention=run.attention,
         float8=run.float8,
         ep=(run.ep,) if run.ep > 1 else (),
         global_batch=run.global_batch,

@@ -106,6 +106,10 @@ def step_counter():
                 tensor = out if func in gathered else args[0]
                 self.collectives[kind] = self.collectives.get(kind, 0.0) + tensor.numel() * tensor.element_size()
                 self.calls[kind] = self.calls.get(kind, 0) + 1
+            elif func.namespace == "torchfleet":
+                # A compiled chain's one kernel (plan/compiled.py): it reads its inputs and writes its outputs.
+                # (plan prices a compiled step from its eager trace; this counts a fused one traced alone.)
+                self.work["memory"] += nbytes((args, kwargs, out))
             elif func.namespace in ("aten", "fsdp") and not func.is_view and func._overloadpacket not in still:
                 # Collectives (c10d) move bytes between GPUs, priced apart; prim's operators read metadata.
                 self.moved(func, args, kwargs, out)

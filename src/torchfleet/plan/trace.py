@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torchfleet.plan import checkpoint_policy, tensor_parallel
 from torchfleet.plan.step_counter import step_counter
@@ -53,6 +53,8 @@ class Workload:
     # Which part of the model a pipeline stage holds (library_model.STAGES): "whole" outside pipelines.
     stage: str = "whole"
     decoder_seq: int | None = None  # an encoder-decoder's decoder tokens a sample; None: seq
+    attention: str = "fused"  # kernels.ATTENTION: "eager" traces transformers' math path
+    compiled: tuple[str, ...] = ()  # what torch.compile fuses (plan/kernels.py's COMPILE_COMPONENTS)
 
 
 def trace(fields: dict, work: Workload, world: int, layers: int | None = None) -> Traced:
@@ -96,11 +98,15 @@ def tracked_step(fields: dict, work: Workload, mesh, tracker_class, layers: int 
     collectives). On fake tensors for the plan; on real ones to check it."""
     import torch
 
-    from torchfleet.plan import flash_attention, library_model
+    from torchfleet.plan import compiled, flash_attention, library_model
 
     model = library_model.build(fields, layers)
     shape = library_model.kind(fields)
-    flash_attention.use(model)  # attention as a GPU's fused kernels hold it, for every variant
+    if work.attention == "eager":  # the scores materialised, as a run without fused attention holds them
+        model.set_attn_implementation("eager")
+    else:
+        flash_attention.use(model)  # attention as a GPU's fused kernels hold it, for every variant
+    compiled.use(model, work.compiled)
     if work.stage != "whole":
         library_model.keep_stage(model, work.stage)
     _prepare(model, fields, work, mesh)
@@ -132,6 +138,7 @@ def tracked_step(fields: dict, work: Workload, mesh, tracker_class, layers: int 
             after_forward=lambda: _note_held(tracker),
             decoder=written,
             encoder=shape == "encoder",
+            fused_loss="loss" in work.compiled,
         )
     return tracker, counter
 
@@ -170,9 +177,17 @@ class _Frozen(dict):
         return hash(repr(sorted(self.items())))
 
 
-@functools.lru_cache(maxsize=32)
+@functools.lru_cache(maxsize=128)
 def _trace_cached(fields: _Frozen, work: Workload, world: int, layers: int) -> Traced:
-    return trace(dict(fields), work, world, layers)
+    if work.compiled and work.tp > 1:  # held as eager's (plan/compiled.py)
+        return _trace_cached(fields, replace(work, compiled=()), world, layers)
+    traced = trace(dict(fields), work, world, layers)
+    if work.compiled:
+        # What a compiled step holds is its fused operators' (plan/compiled.py); what it costs is the eager
+        # operators' under kernels.py's rule for compile, which prices fusion by operator.
+        eager = _trace_cached(fields, replace(work, compiled=()), world, layers)
+        traced = replace(traced, flops=eager.flops, collectives=eager.collectives, work=eager.work)
+    return traced
 
 
 def _prepare(model, fields: dict, work: Workload, mesh) -> None:
@@ -250,6 +265,7 @@ def _step(
     after_forward=None,
     decoder=None,
     encoder: bool = False,
+    fused_loss: bool = False,
 ) -> None:
     """One step: from the tokens (or a pipeline stage's input `hidden`) to the loss, or to the output whose
     gradient the next stage sends back (not `last`); `after_forward` is called between the two passes. An
@@ -267,7 +283,14 @@ def _step(
         targets = decoder[:, 1:]
     out = model(**given, use_cache=False).logits if decoder is not None or not encoder else model(**given).logits
     with loss_parallel() if tp > 1 and last else contextlib.nullcontext():  # on the vocabulary's shards
-        loss = F.cross_entropy(out.flatten(0, 1).float(), targets.flatten()) if last else None
+        if not last:
+            loss = None
+        elif fused_loss and tp == 1:
+            from torchfleet.plan import compiled
+
+            loss = compiled.cross_entropy(out.flatten(0, 1), targets.flatten())
+        else:
+            loss = F.cross_entropy(out.flatten(0, 1).float(), targets.flatten())
         if after_forward is not None:
             after_forward()
         if loss is None:
