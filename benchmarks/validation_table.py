@@ -27,10 +27,11 @@ What the rows do not plan: torchtitan's H100-HBM2E cards ran held to 500 W, whic
 (measured at 700 W) does not see, so those rows read fast; compiling the blocks saved those runs 5 GiB,
 where the plan's fused norms and MLP gates save 0.3 GiB (Inductor's other fusions and its allocations are
 not planned); the mixture-of-experts run used Transformer Engine's and DeepEP's fused kernels, where the
-eager trace prices every routing operator's bytes; NVIDIA's BERT computes its masked-language head on the
-masked positions only, where the plan computes every position's. Not yet in the table: torchtitan's Llama
-3.1 405B on 128 H100s (109 tokens/s, eager; planned 1.32 times it, `tests/plan/test_plan_published.py`),
-and any CNN run.
+eager trace prices the bytes of every norm, rotary, routing and combining operator (72 GB a block and
+micro-batch, three times as long at the H100's bandwidth as its 7.5 TFLOP of products); NVIDIA's BERT
+computes its masked-language head on the masked positions only, where the plan computes every
+position's. Not yet in the table: torchtitan's Llama 3.1 405B on 128 H100s (109 tokens/s, eager; planned
+1.32 times it, `tests/plan/test_plan_published.py`), and any CNN run.
 """
 OUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks" / "validation.md"
 

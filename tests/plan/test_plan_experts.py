@@ -183,3 +183,19 @@ def test_mixtral_at_scale_plans_fsdp_ep_over_a_nodes_gpus(tmp_path):
     assert ep["time"]["fsdp"] == pytest.approx(wire, rel=1e-6)
     assert ep["time"]["step"] == pytest.approx(ep["time"]["compute"] + ep["time"]["fsdp"] / 32 + ep["time"]["ep"])
     assert ep["time"]["fsdp"] < fsdp["time"]["fsdp"] / 5  # an eighth of the experts' bytes, most of the model
+    # So are FSDP2's copies into and out of its buffers, which the GPU's compute pays.
+    assert ep["time"]["compute"] < fsdp["time"]["compute"] * 0.999
+
+
+def test_an_ep_layout_copies_only_its_gpus_experts_into_fsdps_buffers():
+    """The gathered kinds and FSDP2's copies of them (the trace's "gathering" bytes) keep the rest of a block and
+    1 / ep of its experts; what the step holds and moves otherwise is FSDP's."""
+    from torchfleet.plan.experts_at_scale import split_experts
+    from torchfleet.plan.traced import Traced
+
+    work = (("matmul", 1e9), ("memory", 300.0), ("gathering", 400.0))
+    traced = Traced(2, 8, ({"UNSHARDED_PARAM": 100.0, "ACT": 50.0},), 1e9, (), 0.0, work)
+    split = split_experts(traced, block_share=0.8, ep=4, buffers=10.0)
+    kept = 1 - 0.8 * (1 - 1 / 4)
+    assert dict(split.work) == pytest.approx({"matmul": 1e9, "memory": 300.0, "gathering": 400.0 * kept})
+    assert split.kinds == pytest.approx({"UNSHARDED_PARAM": 100.0 * kept, "ACT": 50.0, "ALL_TO_ALL": 10.0})

@@ -21,7 +21,7 @@ require_module("transformers", "transformers (the test extra) builds the library
 # tokens/s is the mixture of experts run on Transformer Engine's and DeepEP's fused kernels, whose memory
 # traffic the eager trace overstates; the worst memory is torchtitan's 8B on 128 GPUs compiled, whose blocks'
 # fusion the plan holds at 0.3 GiB less than eager where the run held 5 GiB less.
-TOKENS_MEDIAN, TOKENS_WORST = 0.11, 0.47
+TOKENS_MEDIAN, TOKENS_WORST = 0.11, 0.42
 MEMORY_MEDIAN, MEMORY_WORST = 0.04, 0.10
 
 
@@ -97,13 +97,13 @@ def test_a_traced_step_is_priced_by_what_bounds_each_operator():
     work = dict(traced.work)
     assert work["matmul"] + work["attention"] == pytest.approx(traced.flops)
     assert work["matmul"] > work["attention"] > 0 and work["operands"] > 0
-    assert 0 < work["pointwise_out"] < work["pointwise"] and work["memory"] > 0
+    assert 0 < work["pointwise_out"] < work["pointwise"] and work["memory"] > 0 and work["gathering"] > 0
 
     a100 = kernels.KINDS["A100"]
     by_hand = (
         work["matmul"] / (312e12 * 271.2 / 312)
         + work["attention"] / 2 / (312e12 * 0.6)
-        + (work["memory"] + work["pointwise"]) / (2.039e12 * kernels.MEMORY_FRACTION)
+        + (work["memory"] + work["gathering"] + work["pointwise"]) / (2.039e12 * kernels.MEMORY_FRACTION)
     )
     eager = _cluster("A100").compute_s(traced.flops, traced.work)
     assert eager == pytest.approx(by_hand)

@@ -12,6 +12,7 @@ fsdp+ep holds (the experts' 1 / ep, sharded over dp / ep: 1 / dp, as FSDP's), an
   gradients, all-gather and reduce-scatter buffers) lose (1 - 1 / ep) of the experts' share of a block's
   parameters, taken as the share of what is gathered at every moment (the root, gathered at the ends, has no
   experts, so at its moments this takes off a little too much);
+- FSDP2's copies into and out of those buffers (the trace's "gathering" bytes) shrink alike;
 - one all-to-all's send and receive buffers are added at every moment: the rows of a layer, twice;
 - FSDP's collectives move the rest over every GPU and each GPU's experts over its dp / ep group, both
   rings on the link they cross (a dp / ep group strides over the ep neighbours, so it spans the GPUs);
@@ -126,7 +127,9 @@ def split_experts(traced: Traced, block_share: float, ep: int, buffers: float) -
         {**{k: v * kept if k in GATHERED_KINDS else v for k, v in m.items()}, "ALL_TO_ALL": buffers}
         for m in traced.moments
     )
-    return replace(traced, moments=moments)
+    # FSDP2's copies into and out of its buffers move what is gathered, so they shrink alike.
+    work = tuple((kind, amount * kept if kind == "gathering" else amount) for kind, amount in traced.work)
+    return replace(traced, moments=moments, work=work)
 
 
 def all_to_all_s(nbytes: float, ep: int, target: hardware.Target) -> float:

@@ -116,5 +116,5 @@ def seconds(compute: Compute, flops: float, work: tuple[tuple[str, float], ...])
         matmul, cast = parts.get("matmul", 0.0) / (k.bf16 * k.matmul), 0.0
     attention = parts.get("attention", 0.0) / 2 / (k.bf16 * k.attention)
     pointwise = parts.get("pointwise_out" if compute.compile else "pointwise", 0.0)
-    moved = parts.get("memory", 0.0) + pointwise + cast
+    moved = parts.get("memory", 0.0) + parts.get("gathering", 0.0) + pointwise + cast
     return matmul + attention + moved / (k.bandwidth * MEMORY_FRACTION)

@@ -72,8 +72,8 @@ def step_counter():
             # FLOPs by what bounds their kernels ("matmul", "attention"), and "memory": the bytes that the
             # operators without a FLOP formula read and write (views and bare allocations move none).
             # "pointwise" holds the bytes of those a compiler fuses ("pointwise_out": what they write), "operands"
-            # the products' inputs.
-            kinds = ("matmul", "attention", "operands", "memory", "pointwise", "pointwise_out")
+            # the products' inputs, "gathering" FSDP2's copies of what it gathers and reduces.
+            kinds = ("matmul", "attention", "operands", "memory", "gathering", "pointwise", "pointwise_out")
             self.work: dict[str, float] = dict.fromkeys(kinds, 0.0)
             self.collectives: dict[str, float] = {}  # bytes by kind
             self.calls: dict[str, int] = {}
@@ -116,7 +116,11 @@ def step_counter():
             return out
 
         def moved(self, func, args, kwargs, out) -> None:
-            if torch.Tag.pointwise in func.tags:
+            if func.namespace == "fsdp":
+                # FSDP2's copies into and out of its gather and reduce-scatter buffers: they move what a
+                # block gathers, which expert parallelism cuts (plan/experts_at_scale.py).
+                self.work["gathering"] += nbytes((args, kwargs, out))
+            elif torch.Tag.pointwise in func.tags:
                 self.work["pointwise_out"] += nbytes(out)
                 self.work["pointwise"] += nbytes((args, kwargs, out))
             else:
