@@ -134,3 +134,26 @@ def test_a_component_or_attention_plan_does_not_know_is_refused_in_one_sentence(
 
     args = ["--hf-config", "llama-3.1-8b", "--gpu", "H100", "--nodes", "1", "--gpus-per-node", "8", *flags]
     assert_refused_in_one_sentence(forked_torchfleet("plan", *args), said)
+
+
+def test_a_bare_compile_flag_compiles_the_blocks_and_the_loss_and_the_plan_holds_less(tmp_path):
+    """`plan --compile` is torchtitan's default, both components: the workload says so, and the FSDP row holds
+    less than the same plan eager, by at least what the fused loss alone saves (7 bytes a logit)."""
+    import json
+
+    from helpers import forked_torchfleet
+
+    config = tmp_path / "tiny.json"
+    config.write_text(json.dumps(TINY))
+    docs = {}
+    for name, flags in (("eager", []), ("compiled", ["--compile"])):
+        out = tmp_path / f"{name}.json"
+        args = ["--hf-config", str(config), "--gpu", "H100", "--nodes", "1", "--gpus-per-node", "8", "--nproc", "8"]
+        args += ["--seq-len", "1024", "--local-batch", "2", "--tp", "1", "--json-out", str(out), *flags]
+        result = forked_torchfleet("plan", *args, timeout=280)
+        assert result.returncode == 0, result.stderr
+        docs[name] = json.loads(out.read_text())
+    assert docs["compiled"]["workload"]["compile"] == ["model", "loss"] and docs["eager"]["workload"]["compile"] == []
+    assert "compiled (model, loss)" in " ".join(docs["compiled"]["notes"])
+    peaks = {name: {r["layout"]: r["peak"] for r in doc["rows"]}["FSDP 8"] for name, doc in docs.items()}
+    assert peaks["eager"] - peaks["compiled"] >= 7 * 2 * 1024 * 32000

@@ -123,8 +123,8 @@ def add_parser(sub) -> None:
         choices=ATTENTION,
         default="fused",
         help="--hf-config: how attention runs: fused kernels that hold no score matrix (FlashAttention's; the"
-        " default), or eager's math, its scores materialised and every operator on them priced at the"
-        " memory's rate, as runs without fused attention trained (docs/tools/plan.md)",
+        " default), or eager's math: its scores materialised and held, the softmax and what else runs on"
+        " them priced at the memory's rate, as runs without fused attention trained (docs/tools/plan.md)",
     )
     s.add_argument(
         "--local-batch",

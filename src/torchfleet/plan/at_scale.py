@@ -207,6 +207,8 @@ def plan_at_scale(request: ScaleRequest, say=print) -> dict:
             "ac": request.ac,
             "precision": request.precision,
             "global_batch": request.global_batch,
+            "compile": list(request.compile),
+            "attention": request.attention,
         },
         "gpu_memory_bytes": request.memory_bytes,
         "target": request.gpu_name,
@@ -224,7 +226,7 @@ def plan_at_scale(request: ScaleRequest, say=print) -> dict:
             "step time: "
             + (
                 "each traced operator at the rate that bounds it on this GPU (plan/kernels.py)"
-                + (", compiled" if request.target.compute.compile else "")
+                + (f", compiled ({', '.join(request.compile)})" if request.compile else "")
                 + (", float8 products" if request.target.compute.float8 else "")
                 if request.target.compute is not None and request.target.compute.kernels is not None
                 else f"the traced FLOPs at {request.efficiency:.0%} of the GPU's dense peak (--mfu)"
