@@ -123,6 +123,12 @@ class Run:
         return ", ".join(parts)
 
 
+def _bert(source: str, gpu: str, seq: int, micro: int, sequences_per_s: float, global_batch: int) -> Run:
+    """A row of NVIDIA's BERT-Large pre-training tables: one DGX A100's 8 GPUs, their sequences/s together."""
+    tokens = sequences_per_s * seq / 8
+    return Run(source, "bert-large", gpu, 8, seq, micro, "none", tokens, global_batch=global_batch, attention="eager")
+
+
 RUNS: tuple[Run, ...] = (
     Run(TITAN_2412, "llama-3.1-8b", "H100-HBM2E", 8, 8192, 2, "selective", 5762, 82.4),
     Run(TITAN_2412, "llama-3.1-8b", "H100-HBM2E", 8, 8192, 2, "selective", 6667, 77.0, compile=MODEL),
@@ -180,45 +186,9 @@ RUNS: tuple[Run, ...] = (
     # sequence): DDP, fp16 AMP (the A100's bf16 rate), LAMB, no checkpointing, attention by PyTorch's own
     # operators (its softmax unfused); 2020's phase 2 pads every sequence to 512 (2022's bins them by
     # length, so it is left out).
-    Run(
-        BERT_2022,
-        "bert-large",
-        "A100",
-        8,
-        128,
-        256,
-        "none",
-        4591 * 128 / 8,
-        global_batch=65536,
-        attention="eager",
-        link_gbit=200,
-    ),
-    Run(
-        BERT_2020,
-        "bert-large",
-        "A100-40GB",
-        8,
-        128,
-        64,
-        "none",
-        3231 * 128 / 8,
-        global_batch=65536,
-        attention="eager",
-        link_gbit=200,
-    ),
-    Run(
-        BERT_2020,
-        "bert-large",
-        "A100-40GB",
-        8,
-        512,
-        16,
-        "none",
-        620 * 512 / 8,
-        global_batch=32768,
-        attention="eager",
-        link_gbit=200,
-    ),
+    _bert(BERT_2022, "A100", 128, 256, 4591, 65536),
+    _bert(BERT_2020, "A100-40GB", 128, 64, 3231, 65536),
+    _bert(BERT_2020, "A100-40GB", 512, 16, 620, 32768),
     # Pre-training, DGX-H100 BF16: FSDP2 with EP 8, Transformer Engine's kernels, DeepEP's all-to-alls.
     Run(AUTOMODEL, "qwen3-30b-a3b", "H100", 8, 4096, 4, "full", 12040, ep=8, global_batch=512),
 )
