@@ -162,10 +162,10 @@ def read_outputs(procs: list[subprocess.Popen], timeout: float, when: dict | Non
     return ["".join(out) for out in lines]
 
 
-def plan_check(argv: list[str], cache, tmp_path) -> tuple[list[dict], dict]:
+def plan_check(argv: list[str], cache, tmp_path, timeout: float = 540) -> tuple[list[dict], dict]:
     """`plan ... --check`'s cells and the whole plan, its machine probe cached in `cache` (XDG_CACHE_HOME)."""
     out = tmp_path / "plan.json"
-    result = run([*argv, "--json-out", str(out)], timeout=540, env=clean_env(XDG_CACHE_HOME=str(cache)))
+    result = run([*argv, "--json-out", str(out)], timeout=timeout, env=clean_env(XDG_CACHE_HOME=str(cache)))
     assert result.returncode == 0, result.stderr[-3000:]
     document = json.loads(out.read_text())
     return document["check"]["cells"], document

@@ -22,34 +22,36 @@ import pytest
 
 from helpers import plan_check
 
+ON_FOUR = {"hsdp", "ddp+pipeline", "fsdp+pipeline"}  # layouts of 2 x 2
 # model, global batch, extra flags, process counts; the layouts each one's plan must give (beyond EVERY_MODEL's,
 # which every model runs). resnet50 runs on 2 processes alone: its 4-process layouts are resnet18's, cut alike,
 # and they took a minute of CI's time. So do mlp, cnn and transformer: the 2 x 2 layouts (hsdp, ddp+pipeline,
-# fsdp+pipeline) are traced by the same code for every model, and gpt, gpt-moe and resnet18 hold them.
+# fsdp+pipeline) are traced by the same code for every model, and gpt and resnet18 hold them. gpt-moe leaves
+# them to those two as well: beside 2 busy processes its check took more than 540 s with them.
 MODELS = [
     ("mlp", 512, [], "2", set()),
     ("cnn", 64, [], "2", set()),
     ("transformer", 64, [], "2", set()),
-    ("gpt", 32, [], "2,4", {"tp", "fsdp+tp"}),
+    ("gpt", 32, [], "2,4", {"tp", "fsdp+tp"} | ON_FOUR),
     ("gpt-moe", 32, [], "2,4", {"tp", "fsdp+tp", "ep", "fsdp+ep"}),
-    ("resnet18", 32, ["--image-size", "32"], "2,4", set()),
+    ("resnet18", 32, ["--image-size", "32"], "2,4", ON_FOUR),
     ("resnet50", 16, ["--image-size", "32"], "2", set()),
 ]
 EVERY_MODEL = {"serial", "hogwild", "mp", "ddp", "fsdp", "pipeline"}
 # The layouts whose memory is traced on a fake process group (plan/layout_trace.py), not drawn from the profile's
 # line: a formula's figure moves with the batches the timing probes choose, and so with the machine's load.
 TRACED = {"fsdp", "hsdp", "tp", "fsdp+tp", "ep", "fsdp+ep", "mp", "pipeline", "ddp+pipeline", "fsdp+pipeline"}
-ON_FOUR = {"hsdp", "ddp+pipeline", "fsdp+pipeline"}  # layouts of 2 x 2
-MEASURED = ",".join(sorted(EVERY_MODEL | ON_FOUR | {"tp", "fsdp+tp", "ep", "fsdp+ep"}))
 
 
-@pytest.mark.timeout(600)
+# gpt-moe's check takes 317 s on the idle machine, more than 540 s beside 2 busy processes with the 2 x 2
+# layouts (29 Nov): its slowest real processes get room, and a hang still fails.
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("model, batch, flags, nproc, more", MODELS, ids=[m[0] for m in MODELS])
 def test_the_traced_memory_meets_real_processes_within_10_percent(model, batch, flags, nproc, more, cache, tmp_path):
     argv = [sys.executable, "-m", "torchfleet", "plan", "--model", model, "--batch-size", str(batch), *flags]
-    argv += ["--strategies", MEASURED, "--nproc", nproc, "--check", "--warmup", "1", "--steps", "2"]
-    cells, document = plan_check(argv, cache, tmp_path)
-    expected = EVERY_MODEL | more | (ON_FOUR if "4" in nproc else set())
+    expected = EVERY_MODEL | more
+    argv += ["--strategies", ",".join(sorted(expected)), "--nproc", nproc, "--check", "--warmup", "1", "--steps", "2"]
+    cells, document = plan_check(argv, cache, tmp_path, timeout=840)
     assert expected <= {c["strategy"] for c in cells}, "a layout the model runs went unchecked"
     traced = {p["strategy"] for p in document["predictions"] if "peak_freed_promptly" in p["memory"]}
     assert expected & TRACED <= traced, (expected & TRACED - traced, document["notes"])
