@@ -19,6 +19,7 @@ holds them, for the components torchtitan compiles (`compile.components`):
 Under tensor parallelism a compiled step is held as eager's: DTensor has no sharding rule for these
 operators (the sequence-parallel norms, the loss on the vocabulary's shards), so the plan holds every link
 there, a few percent more than a compiled run.
+
 Their real kernels compute the same thing plainly, for tests on real tensors; their temporaries stay inside
 the operator, as a fused kernel's stay on chip. The step's time is priced from the eager operators under
 plan/kernels.py's rule for compile (each pointwise operator writes its output, reads nothing), so these
@@ -30,16 +31,12 @@ from __future__ import annotations
 import torch
 
 
-def _normalised(x, weight, eps: float, offset: float):
-    x32 = x.float()
-    rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return x32, rstd, (x32 * rstd).to(x.dtype) * (weight + offset).to(x.dtype)
-
-
 @torch.library.custom_op("torchfleet::rms_norm", mutates_args=())
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(the normalised x times weight + offset, in x's dtype; one fp32 reciprocal RMS a row)."""
-    _, rstd, out = _normalised(x, weight, eps, offset)
+    x32 = x.float()
+    rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    out = (x32 * rstd).to(x.dtype) * (weight + offset).to(x.dtype)
     return out.contiguous(), rstd.contiguous()
 
 

@@ -45,7 +45,7 @@ class PlanConfig:
     hf_config: str | None = None  # a library model planned at scale on fake tensors (plan/at_scale.py)
     seq_len: int | None = None  # None: library_model.default_seq of the model
     decoder_seq_len: int | None = None  # an encoder-decoder's; None: seq_len
-    attention: str = "fused"  # --hf-config: how attention runs (plan/flash_attention.py's ATTENTION)
+    attention: str = "fused"  # --hf-config: how attention runs (plan/kernels.py's ATTENTION)
     local_batch: int = 2
     ac: str = "selective"
     tp: tuple[int, ...] = ()  # --hf-config's tensor-parallel degrees; empty: 1 and a node's GPUs where they divide
