@@ -131,6 +131,19 @@ def test_verdicts_need_a_streak_a_margin_and_a_floor():
         assert not warm.judge([_at(0, 2 * step), record])
 
 
+def test_a_named_rank_is_named_again_only_after_it_kept_the_others_pace_for_a_streak():
+    watch = StragglerWatch()
+    slow = 0.01 + 2 * FLOOR_S
+    # slow, one window at pace (a busy machine's noise), slow again: named once; then WINDOWS windows at pace
+    # (a recovery) and slow again: named a second time.
+    paces = [slow] * WINDOWS + [0.01] + [slow] * WINDOWS + [0.01] * WINDOWS + [slow] * WINDOWS
+    named = []
+    for step, pace in enumerate(paces, start=1):
+        named += watch.judge([_window(0, step), _window(1, step, compute=pace), _window(2, step), _window(3, step)])
+    assert [(v.rank, v.phase) for v in named] == [(1, "compute")] * 2
+    assert [v.step for v in named] == [10 + 2 * WINDOWS, 10 + 2 * len(paces)]
+
+
 def _at(rank: int, step: int) -> RankWindow:
     return RankWindow(step, rank, "h", 2, 0.001, 0.01, 0.002, 0.013, 1 << 30, "rss")
 

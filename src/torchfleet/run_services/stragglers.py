@@ -195,10 +195,12 @@ class MachineBusy:
 
 
 class StragglerWatch:
-    """The verdicts over a run's windows: streaks per rank and phase, each named once per streak."""
+    """The verdicts over a run's windows: streaks per rank and phase, each named once until it recovers."""
 
     def __init__(self) -> None:
         self._streaks: dict[tuple[int, str], int] = {}
+        self._calm: dict[tuple[int, str], int] = {}  # windows in a row a rank was not slow in a phase
+        self._named: set[tuple[int, str]] = set()  # named, and not yet back at the others' pace
         self._memory: dict[int, tuple[int, float, float]] = {}  # rank: (windows grown, bytes at start, last)
         self._participants: int | None = None
         self._history: dict[str, list[dict[int, float]]] = {phase: [] for phase in PHASES}  # standings by window
@@ -230,8 +232,15 @@ class StragglerWatch:
             leaning = leaning or any(x > margin / 2 for x in standing.values())
             for record in records:
                 key = (record.rank, phase)
-                self._streaks[key] = self._streaks.get(key, 0) + 1 if record.rank in now else 0
-                if self._streaks[key] == WINDOWS:
+                slow = record.rank in now
+                self._streaks[key] = self._streaks.get(key, 0) + 1 if slow else 0
+                self._calm[key] = 0 if slow else self._calm.get(key, 0) + 1
+                # Named again only after WINDOWS windows in a row at the others' pace: one window under the
+                # margin on a busy machine is noise, not a recovery (a rank slowed for good was named twice).
+                if key in self._named and self._calm[key] >= WINDOWS:
+                    self._named.discard(key)
+                if self._streaks[key] >= WINDOWS and key not in self._named:
+                    self._named.add(key)
                     verdicts.append(self._verdict(record, records, phase, field))
         return verdicts + self._memory_verdicts(records)
 
