@@ -65,6 +65,20 @@ def require_module(name: str, reason: str):
         require_system(f"{reason} ({exc})")
 
 
+def whole_grids(config) -> bool:
+    """Whether a grid of cells (the zoo's models by strategy) is trained whole: under `make test-all` or a bare
+    pytest, where `-m` does not leave the `slow` tier out. `make test` (CI) trains a sample, the floor lane a smaller one."""
+    return not config.getoption("floor_lane") and "not slow" not in (config.getoption("markexpr") or "")
+
+
+def slow_before(version: tuple[int, int], why: str):
+    """The `slow` tier's mark on torch older than `version` (CI's floor lane), where `why` takes minutes; no mark
+    from `version` on."""
+    from torchfleet.versions import release
+
+    return pytest.mark.slow(why) if release() < version else pytest.mark.usefixtures()
+
+
 def clean_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in _CLUSTER_VARS}
     env["PYTHONUNBUFFERED"] = "1"
