@@ -6,6 +6,7 @@ import os
 import resource
 import signal
 import threading
+import time
 
 import pytest
 
@@ -129,9 +130,15 @@ def _cpu_seconds() -> float:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     before = _cpu_seconds()
+    start = time.monotonic()
     yield
     path = item.nodeid.split("::")[0]
-    _FILE_CPU[path] = _FILE_CPU.get(path, 0.0) + _cpu_seconds() - before
+    spent = _cpu_seconds() - before
+    _FILE_CPU[path] = _FILE_CPU.get(path, 0.0) + spent
+    costs = os.environ.get("TORCHFLEET_TEST_COSTS")
+    if costs:  # each test's wall and CPU seconds, one line each: what the tiers (the `slow` marker) are chosen by
+        with open(costs, "a") as f:
+            f.write(f"{time.monotonic() - start:.1f}\t{spent:.1f}\t{item.nodeid}\n")
 
 
 def pytest_runtest_logreport(report) -> None:

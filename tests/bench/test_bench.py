@@ -491,6 +491,7 @@ def test_model_flops_are_counted_on_shapes_alone():
     assert measure_cell.spread([1.0, 2.0, 3.0, 4.0, 5.0])["step_time_median_s"] == 3.0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_quick_bench_runs_every_cell(tmp_path):
     result = torchfleet("bench", "--quick", "--rounds", "1", "--out", str(tmp_path), timeout=580)
@@ -660,6 +661,7 @@ def test_bench_gpt_reports_tokens_per_second(tmp_path):
     assert "tokens/s" in result.stdout and "samples/s" not in result.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_bench_resnet50_reports_images_per_second(tmp_path):
     # --quick: 32 x 32 images, batch 64; ddp is there so that one cell has two ranks
@@ -892,6 +894,7 @@ def _link_bench_on_hosts(net, out, extra: list[str], timeout: float) -> list:
     return [(p.returncode, text) for p, text in ((p, p.communicate(timeout=timeout)[0]) for p in procs)]
 
 
+@pytest.mark.slow
 @pytest.mark.waits  # mostly waits on the 100 Mbit/s link
 @pytest.mark.timeout(240)
 def test_link_mode_on_two_hosts_over_a_100mbit_link(tmp_path):

@@ -297,6 +297,7 @@ def _expand(arg: str, env: dict[str, str]) -> str:
     return re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), arg)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_pods_train_like_one_process(tmp_path, monkeypatch):
     """Each pod runs the manifest's command with the operator's variables; the two

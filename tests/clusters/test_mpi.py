@@ -71,6 +71,7 @@ def test_mpirun_trains_what_torchfleet_run_trains(tmp_path):
     assert diff < 1e-6
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_finished_fleet_script_exits_0_every_time(tmp_path):
     """Fleet.close() keeps Gloo's last work object alive until exit (see its docstring).

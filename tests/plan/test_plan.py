@@ -38,6 +38,7 @@ def gpt_adamw() -> Profile:
     return profiler.measure(GPT_TINY, "adamw", cores=1, batches=(1, 2), timed_steps=1)
 
 
+@pytest.mark.slow
 def test_the_profile_runs_only_batches_this_machine_holds(monkeypatch):
     # Planning GPT-2 for GPUs on a 24 GB machine used to run its memory batches 8 and 16 on the CPU
     # (about 1.4 GB of activations a sample at 1,024 tokens) and be killed for memory after 5 minutes.
@@ -358,6 +359,7 @@ def _ahead_of_neighbours(argv: list[str]) -> list[str]:
     return argv
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_check_measures_cells_and_meets_the_step_time_the_docs_claim(tmp_path):
     """The check's rows and summary as the JSON and the output give them; then the claim: the median over the

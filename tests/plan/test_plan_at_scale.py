@@ -124,6 +124,7 @@ def _real_peaks(fields: dict, tp: int = 1) -> dict | None:
     return measured if rank == 0 else None
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_fake_trace_predicts_the_tensor_peak_of_real_processes_within_10_percent():
     """Fake tensors and a fake process group of 8, carried to 8 blocks and read at 2 ranks, against 2 real gloo
@@ -138,6 +139,7 @@ def test_the_fake_trace_predicts_the_tensor_peak_of_real_processes_within_10_per
         assert measured > 0 and abs(predicted / measured - 1) <= 0.10, (ac, predicted, measured)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_tensor_parallel_trace_predicts_real_tensor_parallel_processes():
     """The same check for torchtitan's tensor-parallel layout (sequence parallel, split vocabulary, loss on the
@@ -237,6 +239,7 @@ def _real_stage_peaks(fields: dict, microbatches: int) -> dict | None:
 ROLES = (("first", 0), ("last", 1))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_pipeline_stage_holds_what_the_plan_traces_within_10_percent():
     """A real 2-stage 1F1B pipeline of 4 micro-batches in 2 gloo processes against the plan's stages: the first

@@ -39,6 +39,7 @@ def test_t5_3b_and_bert_base_count_their_published_parameters():
     assert library_model.default_seq(t5) == library_model.default_seq(BERT_BASE) == 512
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_t5_3b_and_a_bert_base_encoder_plan_under_fsdp_on_8_gpus(tmp_path):
     """Both plan on one node of 8 H100s at their 512 tokens, every row fitting; T5's step holds its 2.85 B

@@ -19,7 +19,12 @@ from torchfleet.versions import release
 # gpipe every forward before any backward; interleaved-1f1b two stages a process and a longer warm-up; zbv a V of two stages whose
 # backward is split in two (autograd.grad for the inputs, the weights later). looped-bfs and interleaved-zb were
 # measured by hand (docs/benchmarks, plan accuracy).
-SCHEDULES = ["gpipe", "interleaved-1f1b", "zbv"]
+# `make test` (CI) checks interleaved-1f1b, whose stages run two chunks each; gpipe and zbv (`slow`) take as long each.
+SCHEDULES = [
+    pytest.param("gpipe", marks=pytest.mark.slow),
+    "interleaved-1f1b",
+    pytest.param("zbv", marks=pytest.mark.slow),
+]
 
 
 @pytest.mark.timeout(300)

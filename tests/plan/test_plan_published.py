@@ -29,6 +29,7 @@ def _plan(tmp_path, *args: str) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_llama_8b_on_8_and_128_gpus_holds_torchtitans_tables(tmp_path):
     doc = _plan(tmp_path, "--hf-config", "llama-3.1-8b", *CLUSTER, "1", "--nproc", "8,128")
@@ -47,6 +48,7 @@ def test_llama_8b_on_8_and_128_gpus_holds_torchtitans_tables(tmp_path):
         assert abs(predicted - measured) <= 0.05, (key, predicted, measured)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_llama_405b_on_128_gpus_holds_torchtitans_row(tmp_path):
     doc = _plan(tmp_path, "--hf-config", "llama-3.1-405b", *CLUSTER, "8", "--nproc", "128", "--ac", "full")
@@ -58,6 +60,7 @@ def test_llama_405b_on_128_gpus_holds_torchtitans_row(tmp_path):
     assert abs(row["tokens_per_s_per_gpu"] / 109 - 1) <= 0.35
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_llama_405b_pipelines_hold_torchtitans_table_5_memory_per_schedule(tmp_path):
     """Table 5 of the December 2024 benchmark: 405B on 512 GPUs, FSDP 8 x TP 8 x PP 8, local batch 32 and global

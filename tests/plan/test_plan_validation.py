@@ -25,6 +25,7 @@ TOKENS_MEDIAN, TOKENS_WORST = 0.11, 0.42
 MEMORY_MEDIAN, MEMORY_WORST = 0.04, 0.10
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_published_runs_hold_the_tables_summary(monkeypatch):
     from torchfleet.plan import kernels, published

@@ -162,7 +162,7 @@ def one_group_killed(argv: list[str], step: int, tmp: Path) -> list[str]:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     "strategy,groups,nproc",
-    [("ddp", 3, 1), ("fsdp", 2, 2), ("pipeline", 2, 2)],
+    [pytest.param("ddp", 3, 1, marks=pytest.mark.slow), ("fsdp", 2, 2), ("pipeline", 2, 2)],  # 3 groups: test_ft_hosts
     ids=["ddp-3x1", "fsdp-2x2", "pipeline-2x2"],
 )
 def test_an_uninterrupted_job_of_replica_groups_trains_serials_weights(strategy, groups, nproc, tmp_path):

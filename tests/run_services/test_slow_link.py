@@ -124,6 +124,7 @@ def test_the_rank_behind_a_slow_link_is_named_in_communication(tmp_path):
     assert verdict["value"] == last[SLOW_HOST]["comm_s"] and verdict["value"] > 3 * verdict["median"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_an_unslowed_run_on_hosts_names_no_rank_and_probes_no_link(tmp_path):
     rows, stdout, _ = _run(tmp_path, slow=False)

@@ -200,6 +200,7 @@ def _run(tmp_path, out, degrees: list[str], processes: int):
     return outputs[0]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_dimension_declared_by_a_newcomer_trains_to_serials_weights(tmp_path):
     (tmp_path / "declared_ext").mkdir()

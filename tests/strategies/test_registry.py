@@ -138,6 +138,7 @@ def test_a_plugged_in_preset_trains_as_its_declaration_says(plugin_env, tmp_path
     assert alone.returncode == 2 and "gpipe" in alone.stderr and "Traceback" not in alone.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_plugged_in_preset_is_in_doctor_bench_and_plan(plugin_env, tmp_path):
     doctor = torchfleet("doctor", "--json", env=plugin_env)

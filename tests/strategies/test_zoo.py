@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import require_module
+from helpers import require_module, whole_grids
 from torchfleet import launch
 from torchfleet.versions import release
 
@@ -77,22 +77,28 @@ REFUSED = {
 OLD_TORCH_REFUSAL = "which torch 2.1"
 # Before 2.14, DTensor cannot gather the strided shard tp splits an experts' packed gate and up halves into.
 STRIDED_REFUSAL = "as a strided shard, which torch 2.1"
-# GRID is the bulk of the cells, each model through torchfleet's same code under each. CI's floor lane
-# (--floor-lane) trains each model under one strategy of each row, in turn, and every cell outside the grid
-# (the families, tp's plans, the experts, the refusals): 80 cells of 131, beside the newest lane, which trains them all. On torch 2.11 alone (29 Nov) this file took
-# 69 s and 108 CPU-seconds with the sample, against 129 s and 219 with every cell.
+# GRID is the bulk of the cells, each model through torchfleet's same code under each. `make test` (CI) trains
+# each model under one of GRID's five strategies, in turn, and every cell outside the grid (the families, tp's
+# plans, the experts, the refusals); `make test-all` and a bare pytest train every cell. On torch 2.14.1 every
+# cell took 1,084 CPU-seconds on 30 Nov, over a quarter of the suite. CI's floor lane (--floor-lane) trains what
+# moves between torch releases: the refusals, and the 2-process cells outside the grid (pipeline's families and
+# masks, tp's plans and experts).
 # Cells the tests below read beside their own.
 READ = [("pipeline", "hf-llama"), ("pipeline", "hf-gpt2"), ("fsdp", "adapters")]
 
 
 def chosen(config) -> list[tuple[str, str]]:
-    """The cells this run trains: all of them, or on the floor lane the sample GRID says."""
+    """The cells this run trains: all of them, or the samples above."""
     cells = TWO + FOUR
-    if not config.getoption("floor_lane"):
+    if whole_grids(config):
         return cells
     grid = {(s, m) for row in GRID for s in row for m in MODELS}
-    turns = {(row[i % len(row)], m) for row in GRID for i, m in enumerate(MODELS)}
-    return [c for c in cells if c not in grid or c in turns or c in REFUSED or c in READ]
+    kept = set(READ) | set(REFUSED)
+    if config.getoption("floor_lane"):
+        return [c for c in cells if c in kept or (c in TWO and c not in grid)]
+    strategies = [s for row in GRID for s in row]
+    turns = {(strategies[i % len(strategies)], m) for i, m in enumerate(MODELS)}
+    return [c for c in cells if c not in grid or c in turns or c in kept]
 
 
 def pytest_generate_tests(metafunc) -> None:
