@@ -27,6 +27,60 @@ def pytest_addoption(parser) -> None:
         help="CI's floor lane (the Makefile's test-floor): the zoo trains a sample of its cells, which the newest"
         " lane trains whole (tests/strategies/test_zoo.py)",
     )
+    parser.addoption(
+        "--shard",
+        default=None,
+        help="i/n: run the i-th of n parts of the selected tests, whole files balanced by their measured CPU-seconds"
+        " (`make test` runs its tests in SHARDS parts side by side)",
+    )
+
+
+# Each test file's CPU-seconds, measured on 2 cores (30 Nov, torch 2.14.1, before the `slow` tier), for --shard;
+# a file not named counts SHARD_DEFAULT_COST. Only the balance of the shards reads them: a stale figure slows CI,
+# it does not change what runs.
+FILE_COSTS = {
+    "tests/strategies/test_zoo.py": 350,
+    "tests/strategies/test_real_models.py": 246,
+    "tests/replica_groups/test_diloco.py": 190,
+    "tests/replica_groups/test_ft.py": 160,
+    "tests/strategies/test_experts_tp_ep.py": 120,
+    "tests/weights/test_weights.py": 122,
+    "tests/launcher/test_launch.py": 110,
+    "tests/launcher/test_elastic.py": 108,
+    "tests/hogwild/test_hogwild.py": 100,
+    "tests/plan/test_plan.py": 95,
+    "tests/replica_groups/test_ft_hosts.py": 93,
+    "tests/strategies/test_schedules.py": 93,
+    "tests/test_docs.py": 89,
+    "tests/strategies/test_sharded_pipelined.py": 83,
+    "tests/strategies/test_expert_parallel.py": 83,
+    "tests/checkpoint/test_reshard.py": 55,
+    "tests/strategies/test_declared_dims.py": 45,
+    "tests/strategies/test_registry.py": 40,
+    "tests/test_cli.py": 37,
+    "tests/run_services/test_stragglers.py": 37,
+    "tests/view/test_view.py": 35,
+    "tests/plan/test_plan_memory_schedules.py": 35,
+}
+SHARD_DEFAULT_COST = 8
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """--shard i/n: keep the test files the i-th of n runs gets, whole files (a module's fixtures run once), each
+    file to the run with the fewest CPU-seconds so far, the costliest first (FILE_COSTS)."""
+    shard = config.getoption("shard")
+    if not shard:
+        return
+    index, count = (int(x) for x in shard.split("/"))
+    files = sorted({item.nodeid.split("::")[0] for item in items})
+    load, owner = [0.0] * count, {}
+    for path in sorted(files, key=lambda p: (-FILE_COSTS.get(p, SHARD_DEFAULT_COST), p)):
+        lightest = load.index(min(load))
+        owner[path] = lightest
+        load[lightest] += FILE_COSTS.get(path, SHARD_DEFAULT_COST)
+    kept = [item for item in items if owner[item.nodeid.split("::")[0]] == index - 1]
+    config.hook.pytest_deselected(items=[item for item in items if owner[item.nodeid.split("::")[0]] != index - 1])
+    items[:] = kept
 
 
 def pytest_configure(config) -> None:

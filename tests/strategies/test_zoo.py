@@ -78,13 +78,14 @@ OLD_TORCH_REFUSAL = "which torch 2.1"
 # Before 2.14, DTensor cannot gather the strided shard tp splits an experts' packed gate and up halves into.
 STRIDED_REFUSAL = "as a strided shard, which torch 2.1"
 # GRID is the bulk of the cells, each model through torchfleet's same code under each. `make test` (CI) trains
-# each model under one of GRID's five strategies, in turn, and every cell outside the grid (the families, tp's
-# plans, the experts, the refusals); `make test-all` and a bare pytest train every cell. On torch 2.14.1 every
-# cell took 1,084 CPU-seconds on 30 Nov, over a quarter of the suite. CI's floor lane (--floor-lane) trains what
+# every cell outside the grid (the families, tp's plans, the experts, the refusals) and the grid's cells the tests
+# below read; `make test-all` and a bare pytest train every cell. On torch 2.14.1 every cell took 1,084
+# CPU-seconds on 30 Nov, over a quarter of the suite. CI's floor lane (--floor-lane) trains what
 # moves between torch releases: the refusals, and the 2-process cells outside the grid (pipeline's families and
 # masks, tp's plans and experts).
 # Cells the tests below read beside their own.
-READ = [("pipeline", "hf-llama"), ("pipeline", "hf-gpt2"), ("fsdp", "adapters")]
+READ = [("pipeline", "hf-llama"), ("pipeline", "hf-gpt2"), ("fsdp", "adapters"), ("tp", "hf-llama")]
+READ += [("fsdp+tp", "hf-llama")]
 
 
 def chosen(config) -> list[tuple[str, str]]:
@@ -96,9 +97,7 @@ def chosen(config) -> list[tuple[str, str]]:
     kept = set(READ) | set(REFUSED)
     if config.getoption("floor_lane"):
         return [c for c in cells if c in kept or (c in TWO and c not in grid)]
-    strategies = [s for row in GRID for s in row]
-    turns = {(strategies[i % len(strategies)], m) for i, m in enumerate(MODELS)}
-    return [c for c in cells if c not in grid or c in turns or c in kept]
+    return [c for c in cells if c not in grid or c in kept]
 
 
 def pytest_generate_tests(metafunc) -> None:
