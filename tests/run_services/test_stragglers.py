@@ -68,7 +68,9 @@ def test_a_slowed_rank_is_named_with_its_phase(tmp_path, phase, strategy):
     # Each slowed step (3 on) took the 30 ms inside the phase; the window of steps 1 and 2 was not slowed.
     assert all(r[field] >= 0.03 for r in ranks if r["rank"] == 2 and r["step"] >= 4)
     last = {r["rank"]: r for r in ranks if r["step"] == 20}
-    assert last[2][field] >= 0.03 and all(last[r][field] < 0.02 for r in (0, 1, 3))
+    # The others below rank 2 by most of its 30 ms: on a loaded machine (CI's parts side by side) their own compute
+    # reached 57 ms a step, over an absolute 20 ms.
+    assert last[2][field] >= 0.03 and all(last[2][field] - last[r][field] > 0.015 for r in (0, 1, 3)), last
     # The others waited for rank 2 at the gradient sync: their wait is communication, and none of them is named.
     assert all(last[r]["comm_s"] > last[2]["comm_s"] for r in (0, 1, 3))
     for r in ranks:
