@@ -78,9 +78,9 @@ def pytest_collection_modifyitems(config, items) -> None:
         lightest = load.index(min(load))
         owner[path] = lightest
         load[lightest] += FILE_COSTS.get(path, SHARD_DEFAULT_COST)
-    kept = [item for item in items if owner[item.nodeid.split("::")[0]] == index - 1]
-    config.hook.pytest_deselected(items=[item for item in items if owner[item.nodeid.split("::")[0]] != index - 1])
-    items[:] = kept
+    ours = [owner[item.nodeid.split("::")[0]] == index - 1 for item in items]
+    config.hook.pytest_deselected(items=[item for item, mine in zip(items, ours, strict=True) if not mine])
+    items[:] = [item for item, mine in zip(items, ours, strict=True) if mine]
 
 
 def pytest_configure(config) -> None:
