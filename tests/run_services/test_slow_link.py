@@ -94,7 +94,11 @@ def _run(tmp_path, slow: bool) -> tuple[list[dict], str, int | None]:
         if slow:
             deadline = time.monotonic() + 120
             while (before := _logged_step(out)) < SLOW_FROM:
-                assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "the job did not start"
+                if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                    for p in procs:
+                        p.kill()
+                    outputs = [p.communicate(timeout=30)[0][-3000:] for p in procs]
+                    pytest.fail(f"the job did not reach step {SLOW_FROM} (exits {[p.returncode for p in procs]}): {outputs}")
                 time.sleep(0.005)
             limit = ["tc", "-n", net.names[SLOW_HOST], "qdisc", "add", "dev", net.interface, "root"]
             subprocess.run([*limit, *_tbf(f"{RATE_MBIT}mbit")], check=True, timeout=30)
@@ -147,7 +151,18 @@ def test_the_probe_starts_when_every_rank_rises_together_and_names_the_slow_send
         records = [_window(r, step, comm + 0.001 * r) for r in range(4)]
         if (before := watch.rose(records)) is not None:
             fired.append((step, before))
-    assert len(fired) == 1 and fired[0][0] == 6 + WINDOWS and fired[0][1] == pytest.approx(0.0115)
+    assert len(fired) == 1 and fired[0][0] == 6 + WINDOWS and fired[0][1] == pytest.approx(0.01)
+    # A busy machine: in every window before the limit some rank is slow in compute and the others wait for it
+    # (CI's figures, 30 Nov 2026). The level is the least sync, so the limit's rise still starts the probe.
+    watch, fired = LinkWatch(), []
+    before_limit = [(0.058, 0.048, 0.047, 0.050), (0.049, 0.046, 0.053, 0.059), (0.027, 0.062, 0.059, 0.078)]
+    limited = [(0.176, 0.180, 0.168, 0.169), (0.164, 0.166, 0.161, 0.161), (0.149, 0.165, 0.194, 0.172)]
+    for step, comms in enumerate([*before_limit, *limited], start=1):
+        slow = comms.index(min(comms))  # the rank that waited least is the one slow in compute
+        records = [_window(r, step, c, 0.03 if r == slow else 0.004) for r, c in enumerate(comms)]
+        if (before := watch.rose(records)) is not None:
+            fired.append((step, before))
+    assert fired == [(3 + WINDOWS, pytest.approx(0.0365))]
     # A rank slow in compute keeps the others waiting, not itself: its gradient sync did not rise, no probe.
     watch = LinkWatch()
     for step in range(1, 9):

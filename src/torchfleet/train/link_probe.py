@@ -11,11 +11,15 @@ step, the slowed rank's among them; without the limit, 6-17 ms on every rank.
 
 So every rank watches the gathered figures for that pattern (LinkWatch):
 every rank's comm_s above the run's earlier level by more than RISE and
-stragglers.FLOOR_S, for stragglers.WINDOWS windows in a row. The level is the median of the earlier windows' medians, leaving out the
-warm-up window and those where a rank was slow in data or compute (the others
-waited for it). Every rank means the slow one too: a rank slow in data or
-compute arrives last at the sync and waits least, so it does not start the
-probe. Every rank holds the same
+stragglers.FLOOR_S, for stragglers.WINDOWS windows in a row. Every rank means the
+slow one too: a rank slow in data or compute arrives last at the sync and waits
+least, so it does not start the probe. For the same reason a window's level is
+its least comm_s, the sync of the rank that waited least, and the run's level
+is the median of the earlier windows' levels, the warm-up window left out. On a
+busy machine some rank is slow in compute in most windows; a level that left
+those windows out had none left before the link was limited, and then took the
+limited windows for its level (CI, 30 Nov 2026: every rank's sync rose from
+45 ms to 165 ms and no probe ran). Every rank holds the same
 figures (the loss window's all-gather, train/losses.py) and applies the same
 rule to them, so all decide at the same read and need no message to agree.
 
@@ -46,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from torchfleet.run_services.rank_figures import RankWindow, gather_rows
-from torchfleet.run_services.stragglers import FLOOR_S, WINDOWS, Verdict, slow_ranks
+from torchfleet.run_services.stragglers import FLOOR_S, WINDOWS, Verdict
 
 PROBE_BYTES = 2 << 20  # several times the probe's own timing noise on a fast link; 0.3 s at 50 Mbit/s
 LINK_SLOWER = 1.0  # a link is slow at under half the others' median rate
@@ -62,7 +66,7 @@ class LinkWatch:
     """Every rank's copy of the rule that starts the probe: the same records give the same answer everywhere."""
 
     def __init__(self) -> None:
-        self._levels: list[float] = []  # the median comm_s of each earlier window without a rise
+        self._levels: list[float] = []  # the least comm_s of each earlier window without a rise
         self._seen = 0
         self._streak = 0
 
@@ -77,9 +81,8 @@ class LinkWatch:
             self._streak += 1
             return before if self._streak == WINDOWS else None
         self._streak = 0
-        # Not the level: the warm-up window, or one where the others waited for a rank slow in data or compute.
-        if self._seen > 1 and not (slow_ranks(records, "data_s") or slow_ranks(records, "compute_s")):
-            self._levels.append(statistics.median(r.comm_s for r in records))
+        if self._seen > 1:  # the warm-up window is not the level
+            self._levels.append(min(r.comm_s for r in records))
         return None
 
 
