@@ -93,10 +93,10 @@ TIERS ?= not slow
 only_tiers = $(if $(TIERS), and ($(TIERS)))
 
 # The tests run in SHARDS + 1 pytest runs side by side: the tests marked `waits` (a lighthouse knocked on
-# for 25 s, a join timeout, Slurm holding a requeued job: they mostly sleep) in one, every other test in
-# SHARDS parts (--shard, tests/conftest.py: whole files, balanced by their measured CPU-seconds). One run's
-# tests mostly keep one core busy (4,280 CPU-seconds in 4,061 s, 30 Nov), so on 2 cores two parts take about
-# half as long. The first part prints as it goes; the others' reports follow it, whichever failed (the
+# for 25 s, a join timeout, Slurm holding a requeued job, a slowed rank's sleeps: their processes mostly wait)
+# in one, every other test in SHARDS parts (--shard, tests/conftest.py: whole files, balanced by their measured
+# wall seconds). CI's two lanes left 29% of the 2 cores idle on 30 Nov (4,120 CPU-seconds of tests in 2,900 s),
+# each part waiting on its tests' processes in turn; more runs side by side fill that time. The first part prints as it goes; the others' reports follow it, whichever failed (the
 # recipe runs under bash -e: each status is caught, not left to end it); exit 5 (none selected) counts as
 # passed. Ctrl-C or SIGTERM stops them all and all they started within seconds (tests/scripts/stop_suites.sh):
 # each run is a session of its own, which the recipe's trap stops (make sends SIGTERM to the recipe's shell
@@ -171,7 +171,7 @@ test-all:
 	$(MAKE) test TIERS=
 
 test-floor:
-	$(MAKE) test VENV=.venv-floor TORCH=$(TORCH_FLOOR) SHARDS=1 PYTEST_ARGS="$(FLOOR_FILES) --floor-lane"
+	$(MAKE) test VENV=.venv-floor TORCH=$(TORCH_FLOOR) PYTEST_ARGS="$(FLOOR_FILES) --floor-lane"
 
 # ruff's formatting and rules, then basedpyright over src/ (pyproject's [tool.basedpyright]): it sees what ruff
 # cannot, such as a call of an attribute torch does not have. --pythonpath: this venv's torch.

@@ -30,44 +30,76 @@ def pytest_addoption(parser) -> None:
     parser.addoption(
         "--shard",
         default=None,
-        help="i/n: run the i-th of n parts of the selected tests, whole files balanced by their measured CPU-seconds"
+        help="i/n: run the i-th of n parts of the selected tests, whole files balanced by their measured seconds"
         " (`make test` runs its tests in SHARDS parts side by side)",
     )
 
 
-# Each test file's CPU-seconds, measured on 2 cores (30 Nov, torch 2.14.1, before the `slow` tier), for --shard;
-# a file not named counts SHARD_DEFAULT_COST. Only the balance of the shards reads them: a stale figure slows CI,
-# it does not change what runs.
+# Each test file's wall seconds in CI's two lanes side by side (30 Nov, torch 2.14.1 and 2.11, the tests outside the
+# `waits` run; a file in both lanes counts one lane's), for --shard; a file not named counts SHARD_DEFAULT_COST. Wall,
+# not CPU: the parts run side by side, so the one with the longest wall sets when `make test` ends. Only the balance
+# of the parts reads them: a stale figure slows CI, it does not change what runs.
 FILE_COSTS = {
-    "tests/strategies/test_zoo.py": 350,
-    "tests/strategies/test_real_models.py": 246,
-    "tests/replica_groups/test_diloco.py": 190,
-    "tests/replica_groups/test_ft.py": 160,
-    "tests/strategies/test_experts_tp_ep.py": 120,
-    "tests/weights/test_weights.py": 122,
-    "tests/launcher/test_launch.py": 110,
-    "tests/launcher/test_elastic.py": 108,
-    "tests/hogwild/test_hogwild.py": 100,
-    "tests/plan/test_plan.py": 95,
-    "tests/replica_groups/test_ft_hosts.py": 93,
-    "tests/strategies/test_schedules.py": 93,
-    "tests/test_docs.py": 89,
-    "tests/strategies/test_sharded_pipelined.py": 83,
-    "tests/strategies/test_expert_parallel.py": 83,
-    "tests/checkpoint/test_reshard.py": 55,
-    "tests/strategies/test_declared_dims.py": 45,
-    "tests/strategies/test_registry.py": 40,
-    "tests/test_cli.py": 37,
-    "tests/run_services/test_stragglers.py": 37,
-    "tests/view/test_view.py": 35,
-    "tests/plan/test_plan_memory_schedules.py": 35,
+    "tests/replica_groups/test_ft.py": 382,
+    "tests/plan/test_plan_at_scale.py": 382,
+    "tests/bench/test_bench.py": 290,
+    "tests/worker/test_preemption.py": 250,
+    "tests/checkpoint/test_reshard.py": 219,
+    "tests/strategies/test_zoo.py": 212,
+    "tests/strategies/test_experts_tp_ep.py": 172,
+    "tests/strategies/test_sharded_pipelined.py": 165,
+    "tests/launcher/test_elastic.py": 164,
+    "tests/hogwild/test_hogwild.py": 156,
+    "tests/plan/test_plan.py": 156,
+    "tests/weights/test_weights.py": 140,
+    "tests/worker/test_preempt_run.py": 139,
+    "tests/test_cli.py": 139,
+    "tests/launcher/test_launch.py": 138,
+    "tests/strategies/test_real_models.py": 131,
+    "tests/run_services/test_slow_link.py": 128,
+    "tests/launcher/test_multinode.py": 125,
+    "tests/test_docs.py": 122,
+    "tests/clusters/test_sagemaker.py": 107,
+    "tests/strategies/test_expert_parallel.py": 104,
+    "tests/clusters/test_kubernetes.py": 102,
+    "tests/strategies/test_registry.py": 100,
+    "tests/strategies/test_schedules.py": 97,
+    "tests/plan/test_plan_memory_schedules.py": 97,
+    "tests/verify/test_verify.py": 95,
+    "tests/plan/test_plan_memory_traced.py": 90,
+    "tests/launcher/test_run_output.py": 89,
+    "tests/test_allocator.py": 82,
+    "tests/train/test_faults.py": 80,
+    "tests/strategies/test_batchnorm.py": 75,
+    "tests/clusters/test_requeue.py": 65,
+    "tests/checkpoint/test_checkpoint.py": 63,
+    "tests/plan/test_plan_experts.py": 63,
+    "tests/clusters/test_mpi.py": 59,
+    "tests/train/test_strategy_spec_carried.py": 58,
+    "tests/test_outputs.py": 56,
+    "tests/view/test_view.py": 54,
+    "tests/run_services/test_fleet_services.py": 52,
+    "tests/clusters/test_slurm.py": 48,
+    "tests/plan/test_plan_compiled.py": 45,
+    "tests/train/test_trainer.py": 40,
+    "tests/run_services/test_metrics.py": 38,
+    "tests/plan/test_plan_encoders.py": 36,
+    "tests/strategies/test_single_process.py": 34,
+    "tests/launcher/test_notebook.py": 32,
+    "tests/launcher/test_torchrun_compat.py": 30,
 }
-SHARD_DEFAULT_COST = 8
+SHARD_DEFAULT_COST = 10
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    """--shard i/n: keep the test files the i-th of n runs gets, whole files (a module's fixtures run once), each
-    file to the run with the fewest CPU-seconds so far, the costliest first (FILE_COSTS)."""
+    """--floor-lane leaves out the tests marked `newest_lane`. --shard i/n: keep the test files the i-th of n runs
+    gets, whole files (a module's fixtures run once), each file to the run with the fewest seconds so far, the
+    costliest first (FILE_COSTS)."""
+    if config.getoption("floor_lane"):
+        left = [item for item in items if item.get_closest_marker("newest_lane")]
+        if left:
+            config.hook.pytest_deselected(items=left)
+            items[:] = [item for item in items if not item.get_closest_marker("newest_lane")]
     shard = config.getoption("shard")
     if not shard:
         return

@@ -79,10 +79,15 @@ def _wait_for(what: str, ready, net, procs: dict, timeout: float) -> None:
 
 
 # (lost host, rendezvous host): the store's host cannot be lost (it holds the rendezvous).
-LOSSES = {"node-2-of-3": (2, 0), "node-0-of-3": (0, 1)}
+LOSSES = {
+    # CI's floor lane loses the store's host alone: the rendezvous that outlives its store is the case a torch
+    # release can break; losing another host takes the same agent calls.
+    "node-2-of-3": pytest.param(2, 0, marks=pytest.mark.newest_lane),
+    "node-0-of-3": pytest.param(0, 1),
+}
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)  # 95 s in CI's two lanes at the most; about 30 s alone
 @pytest.mark.parametrize("lost,store", LOSSES.values(), ids=LOSSES.keys())
 def test_a_host_of_three_is_lost_and_two_finish_with_the_uninterrupted_weights(lost, store, tmp_path):
     start = time.monotonic()

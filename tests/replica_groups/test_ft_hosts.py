@@ -27,6 +27,10 @@ from netns import hosts
 from test_ft import MLP, SGD, _max_diff, replay
 from torchfleet.replica_groups.lighthouse import HEARTBEAT_TIMEOUT_MS
 
+# A lost host's heartbeats and joins time out: 500 s of CI's wall for 100 CPU-seconds. `make test` runs it beside
+# the computing parts (the Makefile's `waits` run).
+pytestmark = pytest.mark.waits
+
 require_module("torchft", "--fault-tolerance step needs torchft (the dev extra installs it)")
 
 LOST, LOST_AFTER = 2, 20  # host 2 stalls after step 20 and is then lost
@@ -180,7 +184,6 @@ def test_a_lost_host_leaves_the_others_training_and_heals_when_it_comes_back(str
     assert (ckpt / f"step-{epochs * 29:08d}").is_dir()
 
 
-@pytest.mark.waits
 @pytest.mark.timeout(120)
 def test_an_unreachable_lighthouse_is_one_sentence_and_status_2_after_25_s_of_knocking(tmp_path):
     with hosts(2) as net:

@@ -100,7 +100,9 @@ def _run(tmp_path, slow: bool) -> tuple[list[dict], str, int | None]:
                     for p in procs:
                         p.kill()
                     outputs = [p.communicate(timeout=30)[0][-3000:] for p in procs]
-                    pytest.fail(f"the job did not reach step {SLOW_FROM} (exits {[p.returncode for p in procs]}): {outputs}")
+                    pytest.fail(
+                        f"the job did not reach step {SLOW_FROM} (exits {[p.returncode for p in procs]}): {outputs}"
+                    )
                 time.sleep(0.005)
             limit = ["tc", "-n", net.names[SLOW_HOST], "qdisc", "add", "dev", net.interface, "root"]
             subprocess.run([*limit, *_tbf(f"{RATE_MBIT}mbit")], check=True, timeout=30)

@@ -15,6 +15,10 @@ from torchfleet.run_services.rank_figures import RankWindow
 from torchfleet.run_services.stragglers import FLOOR_S, WINDOWS, StragglerWatch
 from torchfleet.train import faults
 
+# A slowed rank sleeps, and the others wait for it: 200 s of CI's wall for 35 CPU-seconds. `make test` runs it beside
+# the computing parts (the Makefile's `waits` run).
+pytestmark = pytest.mark.waits
+
 # 4 ranks of 16 samples, a read every 2 steps: a verdict needs WINDOWS reads, 6 steps after the slowing starts.
 JOB = [
     "train",

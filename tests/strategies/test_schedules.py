@@ -286,6 +286,7 @@ def test_library_models_cut_by_their_own_plans_equal_serial(results):
         assert diff < 1e-5, f"{name} under {schedule}: max weight difference {diff:.3g}"
 
 
+@pytest.mark.newest_lane  # the floor lane's schedules cut two stages a process; this one's calls are the same
 @pytest.mark.timeout(300)
 def test_gpt2_cut_into_four_stages_equals_serial(results, four):
     if not HAS_TRANSFORMERS:

@@ -315,6 +315,7 @@ def test_the_report_page_in_chromium_draws_every_ranks_series(tmp_path):
     assert time.perf_counter() - started < 120
 
 
+@pytest.mark.waits  # on chromium and a training run's processes: 165 s of CI's wall for 14 CPU-seconds
 @pytest.mark.timeout(400)
 def test_the_page_of_a_real_training_run_draws_its_ranks_in_chromium(tmp_path):
     """`train --dashboard` on 2 processes: the main rank serves the page while it trains, and the browser
