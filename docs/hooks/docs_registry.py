@@ -71,6 +71,11 @@ VARIABLES: dict[str, tuple[str, str]] = {
         "tests",
         "STEP: the main rank kills itself in the middle of saving that step's checkpoint.",
     ),
+    "TORCHFLEET_PREFLIGHT_JOIN_SECONDS": (
+        "launcher",
+        "Seconds node 0's preflight waits for every machine to report (default 60), for machines that start"
+        " minutes apart.",
+    ),
     "TORCHFLEET_PREFLIGHT_TORCH_VERSION": (
         "tests",
         "The torch version this machine reports to the preflight, to show a mismatch between machines.",

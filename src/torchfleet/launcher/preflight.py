@@ -17,6 +17,10 @@ back and must stay open until the job ends: torchrun's static rendezvous opens
 its store on the same port with `multi_tenant=True`, so it reuses this server
 and no other machine ever sees the port closed between the checks and the job.
 
+Node 0 waits JOIN_SECONDS for every machine to report; `TORCHFLEET_PREFLIGHT_JOIN_SECONDS`
+sets another wait, for machines that start minutes apart (a scheduler that starts
+them one by one, a busy machine importing torch).
+
 For testing, `TORCHFLEET_PREFLIGHT_TORCH_VERSION` and
 `TORCHFLEET_PREFLIGHT_TORCHFLEET_VERSION` replace the versions this machine
 reports, so a mismatch can be simulated without installing another torch.
@@ -39,6 +43,7 @@ CONNECT_SECONDS = 4.0  # how long a node keeps knocking on the master's port
 # How long node 0 waits for every node to report: machines started by hand a little
 # apart must still meet; a wrong address or port fails on the other side within seconds.
 JOIN_SECONDS = 60.0
+JOIN_SECONDS_VAR = "TORCHFLEET_PREFLIGHT_JOIN_SECONDS"
 ALLREDUCE_BYTES = 4 * 2**20
 _KEY = "torchfleet/preflight/"
 
@@ -193,19 +198,33 @@ def _compare(mine: Facts, theirs: Facts) -> str | None:
     return None
 
 
-def _exchange(store, facts: Facts, nnodes: int) -> list[Facts]:
+def join_seconds() -> float:
+    """How long node 0 waits for every node to report: JOIN_SECONDS, or TORCHFLEET_PREFLIGHT_JOIN_SECONDS."""
+    raw = os.environ.get(JOIN_SECONDS_VAR)
+    if raw is None:
+        return JOIN_SECONDS
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 < seconds < float("inf"):
+        raise UsageError(f"{JOIN_SECONDS_VAR}={raw!r} is not a number of seconds above 0 (the default is 60)")
+    return seconds
+
+
+def _exchange(store, facts: Facts, nnodes: int, join: float) -> list[Facts]:
     """Every node's facts, compared on node 0; the verdict is shared through the store."""
     store.set(f"{_KEY}node/{facts.node}", json.dumps(asdict(facts)))
     verdict_key = f"{_KEY}verdict"
     if facts.node == 0:
         keys = [f"{_KEY}node/{n}" for n in range(nnodes)]
         try:
-            store.wait(keys, datetime.timedelta(seconds=JOIN_SECONDS))
+            store.wait(keys, datetime.timedelta(seconds=join))
         except RuntimeError:  # torch raises DistStoreError (a RuntimeError) on timeout
             missing = [str(n) for n, k in enumerate(keys) if not store.check([k])]
             problem = (
                 f"node 0 ({facts.address}): node {', '.join(missing)} did not report within"
-                f" {JOIN_SECONDS:.0f} s; start it with --node-rank {missing[0]}"
+                f" {join:.0f} s; start it with --node-rank {missing[0]}"
                 f" --nnodes {nnodes} and the same --master-addr/--master-port"
             )
             store.set(verdict_key, json.dumps({"problems": [problem]}))
@@ -218,7 +237,7 @@ def _exchange(store, facts: Facts, nnodes: int) -> list[Facts]:
             _wait_acks(store, 0, list(range(1, nnodes)))
     else:
         try:
-            store.wait([verdict_key], datetime.timedelta(seconds=JOIN_SECONDS + CONNECT_SECONDS))
+            store.wait([verdict_key], datetime.timedelta(seconds=join + CONNECT_SECONDS))
             verdict = json.loads(store.get(verdict_key))
             store.set(f"{_KEY}ack/{facts.node}", "1")
         except RuntimeError as exc:  # DistNetworkError, DistStoreError: node 0 went away or never answered
@@ -301,17 +320,18 @@ class Outcome:
 
 def run(master: str, port: int, node: int, nnodes: int) -> Outcome:
     """All checks for one machine of a static job; PreflightError on the first failure."""
+    join = join_seconds()
     iface = route(node, master)
     address = netif.source_address(master) or "?"
     if node == 0:
         check_master_is_here(master, nnodes)
     else:
         knock(node, address, master, port)
-    store = _open_store(node, address, master, port, JOIN_SECONDS + CONNECT_SECONDS)
+    store = _open_store(node, address, master, port, join + CONNECT_SECONDS)
     facts = local_facts(node, address)
     if nnodes == 1:
         return Outcome(iface.name, address, [facts], None, store)
-    every = _exchange(store, facts, nnodes)
+    every = _exchange(store, facts, nnodes, join)
     seconds = _all_reduce(store, facts, nnodes, iface.name)
     return Outcome(iface.name, address, every, seconds, store if node == 0 else None)
 
