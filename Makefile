@@ -170,8 +170,10 @@ floor-venv:
 test-all:
 	$(MAKE) test TIERS=
 
+# One part: with two, CI's two lanes ran five pytest runs on 2 cores (30 Nov, load average 10), and tests whose
+# hosts must start within a minute failed.
 test-floor:
-	$(MAKE) test VENV=.venv-floor TORCH=$(TORCH_FLOOR) PYTEST_ARGS="$(FLOOR_FILES) --floor-lane"
+	$(MAKE) test VENV=.venv-floor TORCH=$(TORCH_FLOOR) SHARDS=1 PYTEST_ARGS="$(FLOOR_FILES) --floor-lane"
 
 # ruff's formatting and rules, then basedpyright over src/ (pyproject's [tool.basedpyright]): it sees what ruff
 # cannot, such as a call of an attribute torch does not have. --pythonpath: this venv's torch.

@@ -101,6 +101,19 @@ def _tbf(rate: str) -> list[str]:
     return ["tbf", "rate", rate, "burst", str(burst), "latency", "100ms"]
 
 
+# Hosts started at once on one busy machine (CI's test parts side by side) can take minutes to import torch: on
+# 30 Nov a slow-link host took over 120 s to reach its first steps. The preflight's node 0 waits 60 s for the
+# others to report (launcher/preflight.py) and would name a slow starter missing, so the hosts' commands wait
+# longer unless a test sets its own wait (test_multinode.py tests that wait itself).
+HOSTS_JOIN_SECONDS = "300"
+
+
+def _patient(kwargs: dict) -> dict:
+    env = dict(os.environ if kwargs.get("env") is None else kwargs["env"])
+    env.setdefault("TORCHFLEET_PREFLIGHT_JOIN_SECONDS", HOSTS_JOIN_SECONDS)
+    return {**kwargs, "env": env}
+
+
 @dataclass
 class Network:
     """n hosts on one bridge. Host i is namespace `names[i]` with address `addr(i)`."""
@@ -121,11 +134,11 @@ class Network:
         """subprocess.run inside host i (capture_output and text default to True)."""
         kwargs.setdefault("capture_output", True)
         kwargs.setdefault("text", True)
-        return subprocess.run(self.prefix(i) + list(cmd), **kwargs)
+        return subprocess.run(self.prefix(i) + list(cmd), **_patient(kwargs))
 
     def popen(self, i: int, cmd: list[str], **kwargs) -> subprocess.Popen:
         """subprocess.Popen inside host i; killed when the network is removed."""
-        proc = subprocess.Popen(self.prefix(i) + list(cmd), **kwargs)
+        proc = subprocess.Popen(self.prefix(i) + list(cmd), **_patient(kwargs))
         self.procs.append(proc)
         return proc
 

@@ -21,8 +21,8 @@ from helpers import clean_env, require_module, torchfleet
 from torchfleet.train.config import TrainConfig
 from torchfleet.train.loop import train
 
-# Its runs stop, wait and resume: 100 s of CI's wall for 16 CPU-seconds. `make test` runs it beside
-# the computing parts (the Makefile's `waits` run).
+# Its runs stop, wait and resume: 100 s of CI's wall for 16 CPU-seconds. `make test` runs it beside the computing
+# parts (the Makefile's `waits` run).
 pytestmark = pytest.mark.waits
 
 STEPS = ["--max-steps", "8", "--checkpoint-every", "3", "--batch-size", "16", "--epochs", "1"]

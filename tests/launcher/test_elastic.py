@@ -87,7 +87,7 @@ LOSSES = {
 }
 
 
-@pytest.mark.timeout(240)  # 95 s in CI's two lanes at the most; about 30 s alone
+@pytest.mark.timeout(600)  # about 30 s alone; each wait below is sized for CI's parts side by side
 @pytest.mark.parametrize("lost,store", LOSSES.values(), ids=LOSSES.keys())
 def test_a_host_of_three_is_lost_and_two_finish_with_the_uninterrupted_weights(lost, store, tmp_path):
     start = time.monotonic()
@@ -148,15 +148,16 @@ def test_a_host_of_three_is_lost_and_two_finish_with_the_uninterrupted_weights(l
         # The store's host first: the others' preflight knocks on its rendezvous port for a
         # few seconds only, and on a loaded machine that host may take longer to start torch.
         procs = {store: start_host(store)}
-        _wait_for("the rendezvous store", lambda: _listening(net, store, PORT), net, procs, 60)
+        _wait_for("the rendezvous store", lambda: _listening(net, store, PORT), net, procs, 180)
         procs |= {i: start_host(i) for i in range(3) if i != store}
-        _wait_for(f"host {lost} to stall after step 5", fired.exists, net, procs, 60)
+        # Three hosts importing torch, meeting and training 5 steps: over 60 s under CI's load (30 Nov).
+        _wait_for(f"host {lost} to stall after step 5", fired.exists, net, procs, 240)
         lost_at = time.monotonic()
         net.lose(lost)
-        outputs = [procs[i].communicate(timeout=90)[0] for i in range(3)]
+        outputs = [procs[i].communicate(timeout=180)[0] for i in range(3)]
         codes = [procs[i].returncode for i in range(3)]
         finished = time.monotonic()
-        reference_out = reference.communicate(timeout=60)[0]
+        reference_out = reference.communicate(timeout=120)[0]
     assert reference.returncode == 0, reference_out
     expected = _flat(newest_checkpoint_model(tmp_path / "reference")[1])
     print(f"three hosts until the loss {lost_at - start:.1f} s, two hosts after it {finished - lost_at:.1f} s")

@@ -20,8 +20,8 @@ import torch
 from helpers import require_module, torchfleet
 from test_ft import MLP, _groups, _max_diff, _serial, one_group_killed, outside_replica_groups, refused_in_one_sentence
 
-# Groups meet, wait out a lost peer's timeout and heal: 570 s of CI's wall for 180 CPU-seconds. `make test` runs it beside
-# the computing parts (the Makefile's `waits` run).
+# Groups meet, wait out a lost peer's timeout and heal: 570 s of CI's wall for 180 CPU-seconds. `make test` runs it
+# beside the computing parts (the Makefile's `waits` run).
 pytestmark = pytest.mark.waits
 
 require_module("torchft", "diloco and localsgd run on torchft (the dev extra installs it)")

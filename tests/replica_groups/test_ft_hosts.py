@@ -27,8 +27,8 @@ from netns import hosts
 from test_ft import MLP, SGD, _max_diff, replay
 from torchfleet.replica_groups.lighthouse import HEARTBEAT_TIMEOUT_MS
 
-# A lost host's heartbeats and joins time out: 500 s of CI's wall for 100 CPU-seconds. `make test` runs it beside
-# the computing parts (the Makefile's `waits` run).
+# A lost host's heartbeats and joins time out: 500 s of CI's wall for 100 CPU-seconds. `make test` runs it beside the
+# computing parts (the Makefile's `waits` run).
 pytestmark = pytest.mark.waits
 
 require_module("torchft", "--fault-tolerance step needs torchft (the dev extra installs it)")

@@ -23,6 +23,10 @@ from torchfleet.checkpoint import list_checkpoints, verify
 from torchfleet.launcher.failures import PREEMPTED_EXIT, FailureSummary, RankFailure
 from torchfleet.launcher.preempt_relay import parse_signals
 
+# Its runs wait for a signal's step, save and start again: 250 s of CI's wall for 65 CPU-seconds. `make test` runs it
+# beside the computing parts (the Makefile's `waits` run).
+pytestmark = pytest.mark.waits
+
 JOB = [
     "train",
     "--model",
@@ -207,6 +211,7 @@ def slow_write(payload, path):
 
 verified._write = slow_write
 from torchfleet.cli import main
+
 sys.exit(main(sys.argv[3:]))
 """
 
