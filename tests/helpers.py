@@ -97,7 +97,8 @@ def torchfleet(*args: str, timeout: float = 120, env: dict | None = None) -> sub
     return run([sys.executable, "-m", "torchfleet", *args], timeout=timeout, env=env)
 
 
-def forked_torchfleet(*args: str, timeout: float = 60, env: dict | None = None) -> subprocess.CompletedProcess:
+# 150 s, under pytest's 180: a plan that takes 20 s alone took over 60 s in CI's two lanes side by side (30 Nov).
+def forked_torchfleet(*args: str, timeout: float = 150, env: dict | None = None) -> subprocess.CompletedProcess:
     """`torchfleet` as `torchfleet()` runs it, in a child forked from a process that imported torch once.
 
     For the many rows that check a help page or a refusal: each is still a

@@ -323,6 +323,7 @@ def build():  # a language model over bytes, the built-in text's tokens
 """
 
 
+@pytest.mark.timeout(480)  # several trainings: 86 s in CI's two lanes, over 180 s with five pytest runs beside
 def test_train_runs_the_built_in_loop_on_a_hugging_face_directory_and_on_a_builder(tmp_path):
     import json
     import sys
