@@ -93,7 +93,7 @@ def run(args: list[str], timeout: float = 120, env: dict | None = None, cwd=None
     )
 
 
-def torchfleet(*args: str, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
+def torchfleet(*args: str, timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
     return run([sys.executable, "-m", "torchfleet", *args], timeout=timeout, env=env)
 
 

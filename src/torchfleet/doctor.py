@@ -362,7 +362,8 @@ def multinode_report(master: str, port: int | None, nnodes: int, node_rank: int)
     """The interface to the master, the socket variables workers get, and the preflight.
 
     The route and the port are checked before the preflight touches torch.distributed,
-    so a wrong address or a closed port costs only the knock (4 s) after start-up.
+    so a wrong address costs only the knock (4 s) after start-up, and a port nothing listens on the time node
+    0 may take to start (the preflight's join wait, 60 s unless set).
     """
     from torchfleet.launcher import preflight
 

@@ -148,11 +148,15 @@ def test_preflight_names_the_node_and_the_cause_in_seconds():
     with hosts(2) as net:
         errors = {}
         # Alone on host 1 (nothing runs on host 0): a master address where no host answers,
-        # then the right address but a port nothing listens on.
+        # then the right address but a port nothing listens on, knocked on for the join wait (node 0 may still be
+        # starting), here 5 s.
         for what, master, port in (("no host there", "10.77.0.9", 29403), ("closed port", net.addr(0), 29404)):
             start = time.monotonic()
             ran = net.run(
-                1, [sys.executable, "-m", "torchfleet", *_doctor(master, port, 1)], env=clean_env(), timeout=60
+                1,
+                [sys.executable, "-m", "torchfleet", *_doctor(master, port, 1)],
+                env=clean_env(TORCHFLEET_PREFLIGHT_JOIN_SECONDS="5"),
+                timeout=120,
             )
             errors[what] = _one_error(ran.returncode, ran.stdout + ran.stderr, time.monotonic() - start)
         shown = net.run(
@@ -197,6 +201,7 @@ def test_preflight_names_the_node_and_the_cause_in_seconds():
         or "10.77.0.9:29403 failed: no route to host" in errors["no host there"]
     )
     assert "node 1 (10.77.0.2): connection to the master 10.77.0.1:29404 was refused" in errors["closed port"]
+    assert errors["closed port"].endswith("after 5 s"), errors["closed port"]
     # doctor shows the choice: the veth that routes to the master, for Gloo and NCCL alike.
     assert shown.returncode == 0, shown.stderr
     assert "interface to the master 10.77.0.1: eth0 (this machine's address there: 10.77.0.2)" in shown.stdout
@@ -225,3 +230,24 @@ def test_node_0_waits_as_long_as_the_join_variable_says_for_a_node_that_never_st
         out = forked_torchfleet(*_doctor("127.0.0.1", 29408, 1), env=clean_env(TORCHFLEET_PREFLIGHT_JOIN_SECONDS=bad))
         assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
         assert f"TORCHFLEET_PREFLIGHT_JOIN_SECONDS={bad!r} is not a number of seconds above 0" in out.stderr
+
+
+@pytest.mark.timeout(300)
+def test_a_node_started_before_node_0_waits_for_it_and_both_pass_the_preflight():
+    # A scheduler starts every machine at once, and node 0 may be the last to listen: node 1 knocks on a port that
+    # refuses it for longer than the 4 s it gives an address that does not answer, and the two still meet.
+    with hosts(2) as net:
+        first = net.popen(
+            1,
+            [sys.executable, "-m", "torchfleet", *_doctor(net.addr(0), 29409, 1)],
+            env=clean_env(TORCHFLEET_PREFLIGHT_JOIN_SECONDS="120"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        time.sleep(preflight.CONNECT_SECONDS + 6)  # node 1 has started and knocked on a closed port meanwhile
+        assert first.poll() is None, first.communicate()[0]
+        second = net.run(0, [sys.executable, "-m", "torchfleet", *_doctor(net.addr(0), 29409, 0)], timeout=240)
+        late = first.communicate(timeout=240)[0]
+    assert second.returncode == 0 and first.returncode == 0, (second.stdout + second.stderr, late)
+    assert "preflight ok on node 1 (10.77.0.2)" in late and "all 2 nodes" in late, late

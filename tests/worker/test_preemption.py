@@ -127,7 +127,7 @@ def _preempted_then_resumed(tmp_path, run: list[str], sig, fault: str, step: int
     return seconds
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(400)
 def test_sigterm_to_the_launcher_saves_once_exits_75_and_resumes_exactly(tmp_path):
     # As Kubernetes sends it: to the launcher alone, whose agent passes it to the workers. Rank 0
     # sleeps in step 6; the ranks agree at the read of step 10 (--log-every 5) and save there.
@@ -136,7 +136,7 @@ def test_sigterm_to_the_launcher_saves_once_exits_75_and_resumes_exactly(tmp_pat
     assert seconds < 30  # Kubernetes' and Slurm's default grace before SIGKILL
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_sigusr1_to_one_worker_alone_stops_every_rank_at_the_same_step(tmp_path):
     # Slurm's --signal reaches tasks, not always the launcher: rank 1 alone is told, rank 0 learns
     # it in the next read's all-reduce, and both save step 10 and exit 75 (the summary says so).
@@ -166,7 +166,7 @@ def test_sigusr1_to_one_worker_alone_stops_every_rank_at_the_same_step(tmp_path)
     verify(ck / "step-00000010")
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(240)
 def test_without_a_checkpoint_dir_sigterm_ends_the_job_in_one_line_and_128_plus_15(tmp_path):
     # Nothing to save: the workers die of the signal as before, and the launcher says so in one
     # line instead of torchrun's SignalException traceback.
@@ -182,7 +182,7 @@ def test_without_a_checkpoint_dir_sigterm_ends_the_job_in_one_line_and_128_plus_
     assert seconds < 30
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(240)
 def test_sigusr1_on_a_serial_run_saves_the_step_in_flight_and_resumes_exactly(tmp_path):
     # One process acts on its own flag after the step in flight: step 6, the one it slept in.
     run = [*JOB, "--strategy", "serial"]
@@ -216,7 +216,7 @@ sys.exit(main(sys.argv[3:]))
 """
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(180)
 def test_a_signal_during_a_save_leaves_the_previous_checkpoint_intact(tmp_path):
     ck, digest = tmp_path / "ck", tmp_path / "digest.json"
     run = [*JOB, "--strategy", "serial", "--checkpoint-every", "4", "--checkpoint-dir", str(ck), "--max-steps", "100"]

@@ -4,7 +4,8 @@ Run once on every machine (automatically by `torchfleet run/train --nnodes N`,
 or by `torchfleet doctor --master-addr A --master-port P --nnodes N --node-rank R`):
 
 1. the interface that routes to the master exists (else: "interface has no route");
-2. the master's port answers within a few seconds (else: refused, timed out, unreachable);
+2. the master's port answers (else: refused once node 0's wait is over, timed out or unreachable
+   within a few seconds);
 3. every machine reports its torch and torchfleet versions and backend to
    node 0 through a TCPStore on the master port, and node 0 compares them;
 4. a small all-reduce on a Gloo group over the chosen interface completes,
@@ -17,9 +18,11 @@ back and must stay open until the job ends: torchrun's static rendezvous opens
 its store on the same port with `multi_tenant=True`, so it reuses this server
 and no other machine ever sees the port closed between the checks and the job.
 
-Node 0 waits JOIN_SECONDS for every machine to report; `TORCHFLEET_PREFLIGHT_JOIN_SECONDS`
-sets another wait, for machines that start minutes apart (a scheduler that starts
-them one by one, a busy machine importing torch).
+Node 0 waits JOIN_SECONDS for every machine to report, and the others knock as long on
+a master port that refuses them (node 0 still starting: a scheduler starts every machine
+at once, and node 0 may be the last to import torch); no answer at all fails in seconds.
+`TORCHFLEET_PREFLIGHT_JOIN_SECONDS` sets another wait, for machines that start minutes
+apart (a scheduler that starts them one by one, a busy machine importing torch).
 
 For testing, `TORCHFLEET_PREFLIGHT_TORCH_VERSION` and
 `TORCHFLEET_PREFLIGHT_TORCHFLEET_VERSION` replace the versions this machine
@@ -39,9 +42,9 @@ from dataclasses import asdict, dataclass
 from torchfleet import installed, netif
 from torchfleet.errors import UsageError
 
-CONNECT_SECONDS = 4.0  # how long a node keeps knocking on the master's port
+CONNECT_SECONDS = 4.0  # how long a node keeps knocking on a master port that does not refuse it (no route)
 # How long node 0 waits for every node to report: machines started by hand a little
-# apart must still meet; a wrong address or port fails on the other side within seconds.
+# apart must still meet; a wrong address fails on the other side within seconds.
 JOIN_SECONDS = 60.0
 JOIN_SECONDS_VAR = "TORCHFLEET_PREFLIGHT_JOIN_SECONDS"
 ALLREDUCE_BYTES = 4 * 2**20
@@ -140,20 +143,21 @@ def check_master_is_here(master: str, nnodes: int) -> None:
         )
 
 
-def knock(node: int | None, address: str, master: str, port: int, seconds: float = CONNECT_SECONDS) -> float:
-    """Connect to master:port, retrying while nothing listens yet; seconds it took."""
+def knock(
+    node: int | None, address: str, master: str, port: int, seconds: float = CONNECT_SECONDS, starting: float = 0.0
+) -> float:
+    """Connect to master:port; seconds it took. A refused connection is retried for `starting` seconds (at least
+    `seconds`): node 0 may still be starting, as when a scheduler starts every machine at once and node 0 imports
+    torch last. No answer fails at once, and an unreachable host after `seconds`: a wrong address or a firewall."""
     start = time.monotonic()
-    deadline = start + seconds
-    cause = "timed out"
+    quick, patient = start + seconds, start + max(seconds, starting)
     while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            break
         try:
-            with socket.create_connection((master, port), timeout=left):
+            with socket.create_connection((master, port), timeout=max(1.0, quick - time.monotonic())):
                 return time.monotonic() - start
         except ConnectionRefusedError:
             cause = "was refused (nothing listens there: is node 0 started, and is the port right?)"
+            deadline = patient
         except socket.timeout:
             cause = "timed out (no answer: a wrong address or a firewall)"
             break
@@ -162,6 +166,9 @@ def knock(node: int | None, address: str, master: str, port: int, seconds: float
                 cause = f"failed: {os.strerror(exc.errno).lower()} (is --master-addr right?)"
             else:
                 cause = f"failed: {exc.strerror or exc}"
+            deadline = quick
+        if time.monotonic() >= deadline:
+            break
         time.sleep(min(0.25, max(0.0, deadline - time.monotonic())))
     raise PreflightError(
         f"{label(node, address)}: connection to the master {master}:{port} "
@@ -326,7 +333,7 @@ def run(master: str, port: int, node: int, nnodes: int) -> Outcome:
     if node == 0:
         check_master_is_here(master, nnodes)
     else:
-        knock(node, address, master, port)
+        knock(node, address, master, port, starting=join)  # node 0 may start last: it has as long as they wait
     store = _open_store(node, address, master, port, join + CONNECT_SECONDS)
     facts = local_facts(node, address)
     if nnodes == 1:
