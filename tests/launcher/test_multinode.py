@@ -247,7 +247,9 @@ def test_a_node_started_before_node_0_waits_for_it_and_both_pass_the_preflight()
         )
         time.sleep(preflight.CONNECT_SECONDS + 6)  # node 1 has started and knocked on a closed port meanwhile
         assert first.poll() is None, first.communicate()[0]
-        second = net.run(0, [sys.executable, "-m", "torchfleet", *_doctor(net.addr(0), 29409, 0)], timeout=240)
+        second = net.run(
+            0, [sys.executable, "-m", "torchfleet", *_doctor(net.addr(0), 29409, 0)], env=clean_env(), timeout=240
+        )
         late = first.communicate(timeout=240)[0]
     assert second.returncode == 0 and first.returncode == 0, (second.stdout + second.stderr, late)
     assert "preflight ok on node 1 (10.77.0.2)" in late and "all 2 nodes" in late, late
