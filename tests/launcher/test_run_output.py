@@ -101,13 +101,14 @@ def test_the_summary_says_whether_the_script_had_run_to_its_end(when):
     assert result.returncode == 128 + 6, result.stderr  # SIGABRT
     err = result.stderr
     assert re.search(r"rank 1 \(local rank 1 on .*\) failed first: killed by SIGABRT", err), err
-    ends = result.stdout.count("reached the end of the script")
+    # Rank 1's own line; rank 0's may not come: on a busy machine the agent stopped it first (30 Nov).
+    ended = "rank 1 reached the end of the script" in result.stdout
     if when == "after":
-        assert ends == 2
+        assert ended, result.stdout
         assert "it had run its script to the end and died afterwards, while the process exited" in err
         assert "left no error report" not in err
     else:
-        assert ends == 1
+        assert not ended, result.stdout
         assert "it left no error report" in err
         assert "run its script to the end" not in err
 
