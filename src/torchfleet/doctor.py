@@ -376,6 +376,9 @@ def multinode_report(master: str, port: int | None, nnodes: int, node_rank: int)
         "socket_env_set_by_torchfleet": preflight.route_env(node_rank, master),
     }
     if port is not None:
+        # Gloo picks its interface from GLOO_SOCKET_IFNAME as the test all-reduce's group is made. A launched job's
+        # agent sets it; doctor, run by hand, sets the interface to the master, not what the host name resolves to.
+        os.environ.update(report["socket_env_set_by_torchfleet"])
         report["preflight"] = preflight.run(master, port, node_rank, nnodes).sentence(node_rank)
     return report
 

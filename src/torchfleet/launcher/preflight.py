@@ -339,10 +339,6 @@ def run(master: str, port: int, node: int, nnodes: int) -> Outcome:
     if nnodes == 1:
         return Outcome(iface.name, address, [facts], None, store)
     every = _exchange(store, facts, nnodes, join)
-    # Gloo picks its interface from GLOO_SOCKET_IFNAME as the group is made; where nothing set it (`doctor` run by
-    # hand, unlike a launched job's agent), the interface to the master, not whatever the host name resolves to.
-    for key, value in route_env(node, master).items():
-        os.environ.setdefault(key, value)
     seconds = _all_reduce(store, facts, nnodes, iface.name)
     return Outcome(iface.name, address, every, seconds, store if node == 0 else None)
 
