@@ -215,7 +215,9 @@ def join_seconds() -> float:
     except ValueError:
         seconds = float("nan")
     if not 0 < seconds < float("inf"):
-        raise UsageError(f"{JOIN_SECONDS_VAR}={raw!r} is not a number of seconds above 0 (the default is 60)")
+        raise UsageError(
+            f"{JOIN_SECONDS_VAR}={raw!r} is not a number of seconds above 0 (the default is {JOIN_SECONDS:.0f})"
+        )
     return seconds
 
 
