@@ -113,10 +113,11 @@ def _problems(name: str, text: str) -> list[str]:
     return [f"{name}: {p}" for p in problems]
 
 
-# Flags of other tools that the docs name on their own: pytest's, pip's, MkDocs', mpirun's, sbatch's
-# and srun's, and a script's own in an example.
+# Flags of other tools that the docs name on their own: pytest's (tests/conftest.py's --floor-lane
+# among them), pip's, MkDocs', mpirun's, sbatch's and srun's, and a script's own in an example.
 FOREIGN_FLAGS = {
     "--durations",
+    "--floor-lane",
     "--strict",
     "--no-deps",
     "--allow-run-as-root",
