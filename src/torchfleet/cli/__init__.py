@@ -254,7 +254,7 @@ def cmd_doctor(args) -> int:
 
     if args.master_addr == "127.0.0.1" and args.master_port is None:
         return print_doctor(json_out=args.json)
-    from torchfleet.doctor import print_multinode
+    from torchfleet.launcher.host_report import print_multinode
 
     # doctor takes a plain N (no elastic MIN:MAX): the preflight compares a fixed set of nodes.
     nnodes = args.nnodes.strip()
