@@ -13,13 +13,17 @@ So every rank watches the gathered figures for that pattern (LinkWatch):
 every rank's comm_s above the run's earlier level by more than RISE and
 stragglers.FLOOR_S, for stragglers.WINDOWS windows in a row. Every rank means the
 slow one too: a rank slow in data or compute arrives last at the sync and waits
-least, so it does not start the probe. For the same reason a window's level is
-its least comm_s, the sync of the rank that waited least, and the run's level
-is the median of the earlier windows' levels, the warm-up window left out. On a
+least, so it does not start the probe. The run's level is the median of the
+earlier windows' median comm_s, every window but the warm-up counted. On a
 busy machine some rank is slow in compute in most windows; a level that left
 those windows out had none left before the link was limited, and then took the
 limited windows for its level (CI, 30 Nov 2026: every rank's sync rose from
-45 ms to 165 ms and no probe ran). Every rank holds the same
+45 ms to 165 ms and no probe ran). A level of each window's least comm_s was
+too low the other way: with one rank slowed 30 ms in compute, that rank's own
+sync, noisy under CI's load, rose 20% above it for three windows and the probe
+ran for nothing. A window's median counts the others' waits for a slow rank,
+which a limited link's rise (3 to 20 times the level) clears and noise does
+not. Every rank holds the same
 figures (the loss window's all-gather, train/losses.py) and applies the same
 rule to them, so all decide at the same read and need no message to agree.
 
@@ -66,7 +70,7 @@ class LinkWatch:
     """Every rank's copy of the rule that starts the probe: the same records give the same answer everywhere."""
 
     def __init__(self) -> None:
-        self._levels: list[float] = []  # the least comm_s of each earlier window without a rise
+        self._levels: list[float] = []  # the median comm_s of each earlier window without a rise
         self._seen = 0
         self._streak = 0
 
@@ -82,7 +86,7 @@ class LinkWatch:
             return before if self._streak == WINDOWS else None
         self._streak = 0
         if self._seen > 1:  # the warm-up window is not the level
-            self._levels.append(min(r.comm_s for r in records))
+            self._levels.append(statistics.median(r.comm_s for r in records))
         return None
 
 
