@@ -35,8 +35,9 @@ CASES = [
     {"model": "hf-gpt2", "tie": True, "keywords": True, "fleet_options": CLIP},
     {"model": "hf-gpt2", "tie": True, "keywords": True, "fleet_options": CHECKPOINT},
 ]
-# Four processes on two cores are slow: the combinations get the plain and tied cases.
-FOUR = [CASES[0], CASES[1], CASES[4]]
+# Four processes on two cores are slow (this launch took 94 CPU-seconds in CI on 30 Nov with three cases): the
+# combinations get the plain gpt and the tied, clipped GPT-2.
+FOUR = [CASES[0], CASES[4]]
 # Hugging Face's GPT-2 passes a bool mask between stages, which torch trains through
 # from 2.14 on; before, torchfleet refuses the cut (test below).
 OLD_PIPELINES = release() < (2, 14)
