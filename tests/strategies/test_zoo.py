@@ -78,15 +78,15 @@ OLD_TORCH_REFUSAL = "which torch 2.1"
 # Before 2.14, DTensor cannot gather the strided shard tp splits an experts' packed gate and up halves into.
 STRIDED_REFUSAL = "as a strided shard, which torch 2.1"
 # GRID is the bulk of the cells, each model through torchfleet's same code under each. `make test` (CI) trains
-# every cell outside the grid (the families, tp's plans, the experts, the refusals) and the grid's cells the tests
-# below read; `make test-all` and a bare pytest train every cell. On torch 2.14.1 every cell took 1,084
-# CPU-seconds on 30 Nov, over a quarter of the suite. CI's floor lane (--floor-lane) trains what
+# every cell outside the grid (the families, tp's plans, the experts, the refusals) but WHOLE_GRIDS_ONLY, and the
+# grid's cells the tests below read; `make test-all` and a bare pytest train every cell. On torch 2.14.1 every
+# cell took 1,084 CPU-seconds on 30 Nov, over a quarter of the suite. CI's floor lane (--floor-lane) trains what
 # moves between torch releases: the refusals, and the 2-process cells outside the grid (pipeline's families and
 # masks, tp's plans and experts).
 # Cells the tests below read beside their own.
 READ = [("pipeline", "hf-llama"), ("pipeline", "hf-gpt2"), ("fsdp", "adapters"), ("tp", "hf-llama")]
 READ += [("fsdp+tp", "hf-llama")]
-# 4-process cells `make test` leaves to the whole grids (about 90 of the sample's CPU-seconds in CI, 30 Nov): fsdp+tp
+# 4-process cells `make test` leaves to the whole grids (9 of the sample's 22 on 30 Nov): fsdp+tp
 # on the families, whose tp plans the 2-process cells check and which equalled serial under fsdp from the start
 # (fsdp+tp keeps hf-llama's, peft's and hf-qwen2-moe's), and hsdp on the MoE models whose router-loss twins
 # (ROUTER_LOSS) run under hsdp in the sample.
