@@ -133,7 +133,9 @@ def test_the_rank_behind_a_slow_link_is_named_in_communication(tmp_path):
     # Why the probe is needed: every rank's gradient sync rose alike, the slowed rank's too.
     last = {r["rank"]: r for r in rows if r["kind"] == "rank" and r["step"] == verdict["step"]}
     assert all(r["comm_s"] > 0.05 for r in last.values()), last
-    assert verdict["value"] == last[SLOW_HOST]["comm_s"] and verdict["value"] > 3 * verdict["median"]
+    # Twice the level at least: 10 times it on an idle machine (14.9 to 149.9 ms), 2.3 times under CI's load (30
+    # Nov: a level of 72 ms, each window's median sync, against 165 ms).
+    assert verdict["value"] == last[SLOW_HOST]["comm_s"] and verdict["value"] > 2 * verdict["median"]
 
 
 @pytest.mark.slow

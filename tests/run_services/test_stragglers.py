@@ -53,28 +53,34 @@ def _run(tmp_path, fault: str | None, strategy: str = "ddp") -> tuple[list[dict]
     return [json.loads(line) for line in out.read_text().splitlines()], done.stdout
 
 
+# A rank slowed this much a step from step 3. On a busy machine a rank is named only at twice the others' figure
+# (stragglers.BUSY_SLOWER); at 30 ms, under CI's load (a load average of 10 to 22 on 2 cores, 30 Nov), fsdp's run
+# named nobody, its ranks' own compute being 50 ms or more there.
+SLOW_S = 0.15
+
+
 @pytest.mark.timeout(200)
 # Under fsdp the ranks that wait for a slow one wait at the next all-gather, inside forward: FSDP's
 # collectives are timed as communication (rank_figures._time_fsdp_waits), or nobody would be named.
 @pytest.mark.parametrize("phase, strategy", [("data", "ddp"), ("compute", "ddp"), ("compute", "fsdp")])
 def test_a_slowed_rank_is_named_with_its_phase(tmp_path, phase, strategy):
-    rows, stdout = _run(tmp_path, f"slow:rank=2:step=3:phase={phase}:seconds=0.03", strategy)
+    rows, stdout = _run(tmp_path, f"slow:rank=2:step=3:phase={phase}:seconds={SLOW_S}", strategy)
     verdicts = [r for r in rows if r["kind"] == "straggler"]
     assert [(v["rank"], v["phase"]) for v in verdicts] == [(2, phase)], verdicts
     (verdict,) = verdicts
     assert verdict["step"] <= 3 + 20  # named within 20 steps of the slowing
-    assert verdict["value"] - verdict["median"] > 0.025  # the 30 ms a step, less the noise of a busy machine
+    assert verdict["value"] - verdict["median"] > SLOW_S * 0.8  # the slowing, less the noise of a busy machine
     assert verdict["message"] in stdout and f"rank 2 (host {verdict['host']}) is slow in {phase}" in stdout
     assert "probing each rank's link" not in stdout  # rank 2 waited least at the sync: no link probe
     ranks = [r for r in rows if r["kind"] == "rank"]
     assert sorted({r["rank"] for r in ranks}) == [0, 1, 2, 3] and {r["step"] for r in ranks} == set(range(2, 21, 2))
     field = "data_s" if phase == "data" else "compute_s"
-    # Each slowed step (3 on) took the 30 ms inside the phase; the window of steps 1 and 2 was not slowed.
-    assert all(r[field] >= 0.03 for r in ranks if r["rank"] == 2 and r["step"] >= 4)
+    # Each slowed step (3 on) took SLOW_S inside the phase; the window of steps 1 and 2 was not slowed.
+    assert all(r[field] >= SLOW_S for r in ranks if r["rank"] == 2 and r["step"] >= 4)
     last = {r["rank"]: r for r in ranks if r["step"] == 20}
-    # The others below rank 2 by most of its 30 ms: on a loaded machine (CI's parts side by side) their own compute
-    # reached 57 ms a step, over an absolute 20 ms.
-    assert last[2][field] >= 0.03 and all(last[2][field] - last[r][field] > 0.015 for r in (0, 1, 3)), last
+    # The others below rank 2 by half its SLOW_S or more: on a loaded machine (CI's parts side by side) their own
+    # compute reached 57 ms a step, over an absolute 20 ms.
+    assert last[2][field] >= SLOW_S and all(last[2][field] - last[r][field] > SLOW_S / 2 for r in (0, 1, 3)), last
     # The others waited for rank 2 at the gradient sync: their wait is communication, and none of them is named.
     assert all(last[r]["comm_s"] > last[2]["comm_s"] for r in (0, 1, 3))
     for r in ranks:
