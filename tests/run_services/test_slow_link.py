@@ -18,7 +18,7 @@ from helpers import clean_env, require_system
 from netns import _tbf, hosts
 from torchfleet.run_services.rank_figures import RankWindow
 from torchfleet.run_services.stragglers import WINDOWS
-from torchfleet.train.link_probe import PROBE_BYTES, LinkWatch, verdicts
+from torchfleet.train.link_probe import PROBE_BYTES, RISE, LinkWatch, verdicts
 
 # Four hosts wait on a limited link: 128 s of CI's wall for 23 CPU-seconds. `make test` runs it beside the computing
 # parts (the Makefile's `waits` run).
@@ -133,9 +133,9 @@ def test_the_rank_behind_a_slow_link_is_named_in_communication(tmp_path):
     # Why the probe is needed: every rank's gradient sync rose alike, the slowed rank's too.
     last = {r["rank"]: r for r in rows if r["kind"] == "rank" and r["step"] == verdict["step"]}
     assert all(r["comm_s"] > 0.05 for r in last.values()), last
-    # Twice the level at least: 10 times it on an idle machine (14.9 to 149.9 ms), 2.3 times under CI's load (30
-    # Nov: a level of 72 ms, each window's median sync, against 165 ms).
-    assert verdict["value"] == last[SLOW_HOST]["comm_s"] and verdict["value"] > 2 * verdict["median"]
+    # Above the level by the rule's RISE: 10 times it on an idle machine (14.9 to 149.9 ms), 1.5 to 2.3 times under
+    # CI's load (30 Nov: levels of 72 and 138 ms, each window's median sync, against 165 and 205 ms).
+    assert verdict["value"] == last[SLOW_HOST]["comm_s"] and verdict["value"] > (1 + RISE) * verdict["median"]
 
 
 @pytest.mark.slow
