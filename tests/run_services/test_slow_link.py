@@ -17,7 +17,7 @@ import pytest
 from helpers import clean_env, require_system
 from netns import _tbf, hosts
 from torchfleet.run_services.rank_figures import RankWindow
-from torchfleet.run_services.stragglers import WINDOWS
+from torchfleet.run_services.stragglers import FLOOR_S, WINDOWS
 from torchfleet.train.link_probe import PROBE_BYTES, RISE, LinkWatch, verdicts
 
 # Four hosts wait on a limited link: 128 s of CI's wall for 23 CPU-seconds. `make test` runs it beside the computing
@@ -120,8 +120,17 @@ def test_the_rank_behind_a_slow_link_is_named_in_communication(tmp_path):
     rows, stdout, before = _run(tmp_path, slow=True)
     assert before is not None
     verdicts = [r for r in rows if r["kind"] == "straggler"]
-    assert [(v["rank"], v["phase"]) for v in verdicts] == [(SLOW_HOST, "communication")], _figures(rows)
-    (verdict,) = verdicts
+    # Under CI's load a host's rank may also be named slow in compute for the CPU it waited for (30 Nov: rank 2 at
+    # step 34, 59 ms a step of waiting against the others' 10): the load's verdict, and it says so.
+    loaded = [v for v in verdicts if v["phase"] != "communication"]
+    assert all(v["cpu_wait_s"] is not None and v["cpu_wait_s"] - v["others_wait_s"] > FLOOR_S for v in loaded), (
+        _figures(rows)
+    )
+    # The probe runs once per streak of risen windows. A busy machine can break the streak with a window whose sync
+    # dips under the level's RISE, and the next streak probes again: it must name the same rank.
+    verdicts = [v for v in verdicts if v["phase"] == "communication"]
+    assert {(v["rank"], v["phase"]) for v in verdicts} == {(SLOW_HOST, "communication")}, _figures(rows)
+    verdict = verdicts[0]
     assert verdict["step"] <= before + 20, (
         before,
         _figures(rows),
@@ -129,7 +138,7 @@ def test_the_rank_behind_a_slow_link_is_named_in_communication(tmp_path):
     # The probe measured the limit: 50 Mbit/s is 6.25 MB/s (tbf's burst lets a little more through), and the
     # other ranks' links are the veths' unlimited speed, many times that.
     assert 4.0 < verdict["send_mb_s"] < 7.5 and verdict["others_mb_s"] > 5 * verdict["send_mb_s"], verdict
-    assert verdict["message"] in stdout and stdout.count("probing each rank's link") == 1
+    assert verdict["message"] in stdout and stdout.count("probing each rank's link") >= len(verdicts)
     # Why the probe is needed: every rank's gradient sync rose alike, the slowed rank's too.
     last = {r["rank"]: r for r in rows if r["kind"] == "rank" and r["step"] == verdict["step"]}
     assert all(r["comm_s"] > 0.05 for r in last.values()), last
