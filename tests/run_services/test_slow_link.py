@@ -16,9 +16,10 @@ import pytest
 
 from helpers import clean_env, require_system
 from netns import _tbf, hosts
+from torchfleet.env import DistEnv
 from torchfleet.run_services.rank_figures import RankWindow
 from torchfleet.run_services.stragglers import FLOOR_S, WINDOWS
-from torchfleet.train.link_probe import PROBE_BYTES, RISE, LinkWatch, verdicts
+from torchfleet.train.link_probe import PROBE_BYTES, RISE, LinkWatch, verdicts, watch
 
 # Four hosts wait on a limited link: 128 s of CI's wall for 23 CPU-seconds. `make test` runs it beside the computing
 # parts (the Makefile's `waits` run).
@@ -212,3 +213,13 @@ def test_the_probe_starts_when_every_rank_rises_together_and_names_the_slow_send
     assert [v.rank for v in verdicts(records, sends, 0.0164)] == [2]
     # Two links alike slow are both named.
     assert [v.rank for v in verdicts(records, [0.01, 0.3, 0.33, 0.011], 0.01)] == [1, 2]
+
+
+def test_no_probe_watches_a_job_on_one_host_or_under_replica_groups():
+    # On one host no link joins the ranks: a probe over loopback on a machine six other processes kept busy
+    # named rank 0 at a fifth of rank 1's rate, three runs of three (30 Nov 2026).
+    assert watch(DistEnv(world_size=2, local_world_size=2), replica_groups=False) is None
+    assert watch(DistEnv(world_size=8, local_world_size=8), replica_groups=False) is None
+    assert isinstance(watch(DistEnv(world_size=4, local_world_size=1), replica_groups=False), LinkWatch)
+    assert isinstance(watch(DistEnv(world_size=8, local_world_size=4), replica_groups=False), LinkWatch)
+    assert watch(DistEnv(world_size=4, local_world_size=1), replica_groups=True) is None

@@ -15,7 +15,11 @@ That thread shares the main rank's interpreter with training, and a drawing
 takes 40 to 110 ms (8 ranks, 50 to 2,000 windows), so it is rationed: after a
 drawing that took t seconds the next waits (1 / REDRAW_SHARE - 1) x t, which
 holds the page's cost to REDRAW_SHARE of the main rank's time. Without it, on
-the 2-core machine a page left open made rank 0 a compute straggler.
+the 2-core machine a page left open made rank 0 a compute straggler. t is the
+drawing thread's CPU time, not the clock's: on a busy machine the clock counts
+the other processes' turns too. A first drawing of 3 s of clock under six busy
+processes held the next for 297 s, and the page showed no rank for five
+minutes. The first drawing, which imports plotly, is not rationed.
 
 What it exposes (docs/guides/security.md): the run's per-rank timings, memory,
 host names and verdicts, read-only, to processes on this machine. It binds
@@ -160,12 +164,14 @@ class DashboardServer:
             if self._drawn is not None and (self._drawn[0] == self._version or time.monotonic() < self._next_draw):
                 return self._drawn
             version, rows = self._version, self.rows.copy()
-        start = time.monotonic()
+        first = self._drawn is None
+        start = time.thread_time()
         drawn = (version, payload(rows, RECENT))
-        end = time.monotonic()
+        self.drawing_s = time.thread_time() - start
         with self._lock:
-            self._drawn, self.drawing_s = drawn, end - start
-            self._next_draw = end + self.drawing_s * self._redraw_gap
+            self._drawn = drawn
+            # The first drawing carries plotly's import, once: rationed, it held a busy run's page empty for 300 s.
+            self._next_draw = time.monotonic() + (0.0 if first else self.drawing_s * self._redraw_gap)
         return drawn
 
     def _app(self):
