@@ -63,8 +63,9 @@ class Run:
         self.per_rank = fleet.world_size > 1  # one rank has no others to be slower than
         if self.per_rank:
             share_host()
-        # Every rank's copy of the rule that probes the links (the same figures reach every rank).
-        self.links = link_probe.watch(fleet.env, replica_groups=self.replicas is not None) if self.per_rank else None
+        # Every rank's copy of the rule that probes the links (the same figures reach every rank); None for one
+        # process, which shares its host with itself.
+        self.links = link_probe.watch(fleet.env, replica_groups=self.replicas is not None)
         slow = faults.slow_compute(fleet.rank)
         if slow is not None:  # a test's slow rank: its busy thread takes each forward's start, inside the timed step
             fleet.strategy.model.register_forward_pre_hook(lambda *_: slow(self.step + 1))

@@ -163,15 +163,14 @@ class DashboardServer:
         with self._lock:
             if self._drawn is not None and (self._drawn[0] == self._version or time.monotonic() < self._next_draw):
                 return self._drawn
-            version, rows = self._version, self.rows.copy()
-        first = self._drawn is None
+            version, rows, first = self._version, self.rows.copy(), self._drawn is None
         start = time.thread_time()
         drawn = (version, payload(rows, RECENT))
-        self.drawing_s = time.thread_time() - start
+        cost = time.thread_time() - start
         with self._lock:
-            self._drawn = drawn
+            self._drawn, self.drawing_s = drawn, cost
             # The first drawing carries plotly's import, once: rationed, it held a busy run's page empty for 300 s.
-            self._next_draw = time.monotonic() + (0.0 if first else self.drawing_s * self._redraw_gap)
+            self._next_draw = time.monotonic() + (0.0 if first else cost * self._redraw_gap)
         return drawn
 
     def _app(self):
