@@ -156,6 +156,7 @@ SURFACE = {
         "--tp",
         "--pp",
         "--ep",
+        "--ep-dispatch",
         "--compile",
         "--float8",
     ],

@@ -128,6 +128,8 @@ def test_ep_on_a_model_without_experts_is_left_out_in_one_sentence():
         "plan", "--model", "mlp", "--strategies", "ep", "--gpu", "A100", "--gpus-per-node", "4", timeout=120
     )
     assert_refused_in_one_sentence(result, "ep on 2 processes left out: mlp has no experts to split")
+    result = forked_torchfleet("plan", "--model", "mlp", "--ep-dispatch", "deepep", timeout=120)
+    assert_refused_in_one_sentence(result, "--ep-dispatch deepep prices fsdp+ep's rows at scale: give --hf-config")
 
 
 @pytest.mark.timeout(300)
@@ -199,3 +201,67 @@ def test_an_ep_layout_copies_only_its_gpus_experts_into_fsdps_buffers():
     kept = 1 - 0.8 * (1 - 1 / 4)
     assert dict(split.work) == pytest.approx({"matmul": 1e9, "memory": 300.0, "gathering": 400.0 * kept})
     assert split.kinds == pytest.approx({"UNSHARDED_PARAM": 100.0 * kept, "ACT": 50.0, "ALL_TO_ALL": 10.0})
+
+
+def test_deepep_sends_a_token_once_to_each_gpu_holding_its_experts():
+    """--ep-dispatch deepep: a row per token and GPU holding any of its k experts, in expectation over evenly
+    spread routing (counted here over every choice of k experts), against a row per expert for all-to-alls.
+    Planned end to end on a small Qwen3 mixture of experts, the all-to-alls' seconds shrink by that ratio."""
+    import itertools
+    import math
+
+    from torchfleet.plan import at_scale
+    from torchfleet.plan.experts_at_scale import rows_per_token
+
+    for experts_, k, ep in ((8, 2, 4), (16, 4, 8), (12, 3, 2)):
+        per_gpu = experts_ // ep
+        choices = list(itertools.combinations(range(experts_), k))
+        counted = sum(len({e // per_gpu for e in c}) for c in choices) / len(choices)
+        assert rows_per_token(experts_, k, ep, "deepep") == pytest.approx(counted)
+        assert rows_per_token(experts_, k, ep, "all-to-all") == k
+    assert rows_per_token(128, 8, 8, "deepep") == pytest.approx(8 * (1 - math.comb(112, 8) / math.comb(128, 8)))
+    assert 5.3 < rows_per_token(128, 8, 8, "deepep") < 5.4  # Qwen3-30B-A3B over 8 GPUs
+
+    small = {
+        "model_type": "qwen3_moe",
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "moe_intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "num_experts": 16,
+        "num_experts_per_tok": 4,
+        "vocab_size": 1024,
+        "max_position_embeddings": 512,
+    }
+
+    def ep_row(dispatch):
+        cfg = PlanConfig(
+            hf_config="qwen3-moe-small",
+            library_fields=small,
+            gpu="H100",
+            gpus_per_node=8,
+            nproc=(8,),
+            seq_len=256,
+            ep=(8,),
+            tp=(1,),
+            ep_dispatch=dispatch,
+            precision="bf16",
+        )
+        doc = at_scale.plan_at_scale(at_scale.request_of(cfg), say=lambda *_: None)
+        (row,) = [r for r in doc["rows"] if "EP" in r["layout"]]
+        return row
+
+    plain, deep = ep_row("all-to-all"), ep_row("deepep")
+    # What differs is the rows' all-to-alls only: the counts' small ones and the compute stay.
+    assert deep["time"]["compute"] == pytest.approx(plain["time"]["compute"])
+    counts = 2 * (7 / 8 * 16 * 8 / 450e9 + 7 * 20e-6)  # a layer's counts, before its dispatch
+    ratio = rows_per_token(16, 4, 8, "deepep") / 4
+    rows_of = {r: t["time"]["ep"] - counts for r, t in (("plain", plain), ("deep", deep))}
+    one_plain = 7 / 8 * 2 * 256 * 4 * 256 * 2 / 450e9 + 7 * 20e-6  # lb 2, seq 256, k 4, hidden 256, bf16
+    assert rows_of["plain"] == pytest.approx(2 * 4 * one_plain, rel=1e-9)  # 2 layers, 4 all-to-alls each
+    one_deep = 7 / 8 * 2 * 256 * 4 * ratio * 256 * 2 / 450e9 + 7 * 20e-6
+    assert rows_of["deep"] == pytest.approx(2 * 4 * one_deep, rel=1e-9)
+    assert deep["time"]["step"] < plain["time"]["step"]

@@ -6,7 +6,7 @@ import argparse
 import re
 
 from torchfleet.cli.bench import _list
-from torchfleet.plan.kernels import ATTENTION, COMPILE_COMPONENTS
+from torchfleet.plan.kernels import ATTENTION, COMPILE_COMPONENTS, DISPATCH
 
 # A bandwidth as people write it: a number with an optional unit. A lower-case b (or "bit") is bits, an upper-case
 # B bytes, as on datasheets: 100Gb/s and 400 Gbit/s are network links, 900GB/s is NVLink's bytes.
@@ -122,8 +122,9 @@ def add_parser(sub) -> None:
         "--attention",
         choices=ATTENTION,
         default="fused",
-        help="--hf-config: how attention runs: fused kernels that hold no score matrix (FlashAttention's; the"
-        " default), or eager's math: its scores materialised and held, the softmax and what else runs on"
+        help="--hf-config: how attention runs: fused kernels that hold no score matrix (FlashAttention-2's; the"
+        " default), cuDNN's fused kernel (Transformer Engine's, SDPA's cuDNN backend; Hopper GPUs, priced"
+        " faster), or eager's math: its scores materialised and held, the softmax and what else runs on"
         " them priced at the memory's rate, as runs without fused attention trained (docs/tools/plan.md)",
     )
     s.add_argument(
@@ -178,6 +179,14 @@ def add_parser(sub) -> None:
         help="--hf-config: expert-parallel degrees to plan as fsdp+ep, comma-separated, each dividing the"
         " model's experts (default for a model with experts: the most of a node's GPUs that divide them),"
         " FSDP over every GPU",
+    )
+    s.add_argument(
+        "--ep-dispatch",
+        choices=DISPATCH,
+        default=DISPATCH[0],
+        help="--hf-config: how fsdp+ep's tokens reach their experts: all-to-alls of a row per chosen expert"
+        " (torchtitan's; the default), or DeepEP's dispatch and combine, a row per token and GPU that holds"
+        " any of its experts",
     )
     s.add_argument(
         "--compile",
@@ -289,6 +298,7 @@ def command(args) -> int:
         seq_len=args.seq_len,
         decoder_seq_len=args.decoder_seq_len,
         attention=args.attention,
+        ep_dispatch=args.ep_dispatch,
         local_batch=args.local_batch,
         ac=args.ac,
         tp=args.tp or (),

@@ -77,6 +77,7 @@ class ScaleRequest:
     decoder_seq: int | None = None  # an encoder-decoder's decoder tokens a sample; None: seq
     compile: tuple[str, ...] = ()  # what torch.compile compiles (plan/compiled.py)
     attention: str = "fused"  # kernels.ATTENTION
+    ep_dispatch: str = "all-to-all"  # kernels.DISPATCH
 
 
 def request_of(cfg) -> ScaleRequest:
@@ -97,6 +98,7 @@ def request_of(cfg) -> ScaleRequest:
         by_operator=cfg.mfu is None,
         compile=bool(cfg.compile),
         float8=cfg.float8,
+        attention=getattr(cfg, "attention", "fused"),
     )
     return ScaleRequest(
         cfg.hf_config or cfg.model,
@@ -109,6 +111,7 @@ def request_of(cfg) -> ScaleRequest:
         getattr(cfg, "decoder_seq_len", None),
         tuple(getattr(cfg, "compile", ())),
         getattr(cfg, "attention", "fused"),
+        getattr(cfg, "ep_dispatch", "all-to-all"),
     )
 
 
@@ -197,6 +200,7 @@ def plan_at_scale(request: ScaleRequest, say=print) -> dict:
             "global_batch": request.global_batch,
             "compile": list(request.compile),
             "attention": request.attention,
+            "ep_dispatch": request.ep_dispatch,
         },
         "gpu_memory_bytes": request.memory_bytes,
         "target": request.gpu_name,

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from torchfleet.bench import user_model
 from torchfleet.config import at_least
 from torchfleet.errors import UsageError, choice_error
-from torchfleet.plan.kernels import ATTENTION, COMPILE_COMPONENTS
+from torchfleet.plan.kernels import ATTENTION, COMPILE_COMPONENTS, DISPATCH
 from torchfleet.plan.profile import OPTIMIZER_STATE
 from torchfleet.strategies import registry
 from torchfleet.train.models import GPT_PRESETS, MODELS
@@ -60,6 +60,9 @@ class PlanConfig:
     # (plan/kernels.py) and held (plan/compiled.py); empty: eager
     compile: tuple[str, ...] = ()
     float8: bool = False  # --hf-config: price float8 linear layers (plan/kernels.py)
+    # --hf-config: how fsdp+ep's rows travel (plan/experts_at_scale.py's DISPATCH): a row per chosen expert, or
+    # DeepEP's one a token and rank
+    ep_dispatch: str = "all-to-all"
 
     @property
     def described(self) -> bool:
@@ -88,6 +91,12 @@ class PlanConfig:
         if (self.compile or self.float8) and self.hf_config is None and self.library_fields is None:
             flag = "--compile" if self.compile else "--float8"
             raise UsageError(f"{flag} prices a step traced at scale: give --hf-config with a GPU cluster")
+        if self.ep_dispatch not in DISPATCH:
+            raise choice_error("--ep-dispatch", self.ep_dispatch, DISPATCH)
+        if self.ep_dispatch != DISPATCH[0] and self.hf_config is None and self.library_fields is None:
+            raise UsageError(
+                f"--ep-dispatch {self.ep_dispatch} prices fsdp+ep's rows at scale: give --hf-config with a GPU cluster"
+            )
         if self.gpt_preset not in GPT_PRESETS:
             raise choice_error("gpt preset", self.gpt_preset, tuple(GPT_PRESETS))
         if self.optimizer not in OPTIMIZER_STATE:

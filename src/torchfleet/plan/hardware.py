@@ -128,10 +128,11 @@ def gpu_cluster(
     by_operator: bool = False,
     compile: bool = False,
     float8: bool = False,
+    attention: str = "fused",
 ) -> Target:
     """A described GPU cluster; figures given as flags win over the table's (`mfu` None: DEFAULT_MFU's). A
     GPU of plan/kernels.py's table planned in bf16 `by_operator` (a traced step's, without --mfu or --tflops)
-    has its compute priced by operator there (with `compile` and `float8`); any other at `mfu` of its peak."""
+    has its compute priced by operator there (with `compile`, `float8` and `attention`); any other at `mfu` of its peak."""
     fixed = not by_operator or tflops is not None
     _check_counts(nodes, per_node, "--gpus-per-node")
     mfu = DEFAULT_MFU[precision] if mfu is None else mfu
@@ -162,7 +163,9 @@ def gpu_cluster(
         Link(intra, GPU_LATENCY_S, hw),
         Link(min(inter, intra), 2 * GPU_LATENCY_S, hw),
         rate=peak * mfu,
-        compute=kernels.for_gpu(gpu, precision, compile=compile, float8=float8, rate=peak * mfu, fixed=fixed),
+        compute=kernels.for_gpu(
+            gpu, precision, compile=compile, float8=float8, rate=peak * mfu, fixed=fixed, attention=attention
+        ),
     )
 
 

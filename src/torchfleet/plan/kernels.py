@@ -28,7 +28,11 @@ PCIe 252.9 of 312, H100 SXM 794.5 of 989 and the same on H200, MI300X 668.4 of 1
 and H200 1453.4 of 1979). Kinds with no row there take the measured row of their nearest kind, named below.
 Attention: FlashAttention-2 (Dao, 2023, arXiv 2307.08691), torch's flash backend: 50-73% of the A100's peak
 forward and backward (0.6 here, inside that range) and up to 335 TFLOP/s on an H100 SXM (0.34), which the
-Hopper kinds take.
+Hopper kinds take. cuDNN's fused attention (`--attention cudnn`: Transformer Engine's DotProductAttention,
+SDPA's cuDNN backend), Hopper kinds only: FlashAttention-3's paper (Shah et al., 2024, arXiv 2407.08608,
+Figures 5 and 6) measured it on an H100 SXM at head dim 128 and sequence 4k: 518 TFLOP/s forward (causal)
+and 499 backward; with backward 2.5 times forward's FLOPs that is 504 TFLOP/s, 0.51 of the peak. The same
+figures put FlashAttention-2 at 319 and 310, 0.32 together, beside the 0.34 above.
 """
 
 from __future__ import annotations
@@ -37,9 +41,14 @@ from dataclasses import dataclass
 
 from torchfleet.errors import UsageError
 
-# How attention runs: a fused kernel that holds no score matrix (FlashAttention, cuDNN's, memory-efficient
-# SDPA), or eager's math (the scores materialised, masked, softmaxed and dropped out by operators of their own).
-ATTENTION = ("fused", "eager")
+# How attention runs: a fused kernel that holds no score matrix (FlashAttention-2, memory-efficient SDPA), cuDNN's
+# fused kernel (held alike, faster on Hopper), or eager's math (the scores materialised, masked, softmaxed and
+# dropped out by operators of their own).
+ATTENTION = ("fused", "cudnn", "eager")
+
+# How fsdp+ep's tokens reach their experts (plan/experts_at_scale.py): all-to-alls of a row per chosen expert
+# (torchtitan's), or DeepEP's dispatch and combine, a row per token and rank that holds any of its experts.
+DISPATCH = ("all-to-all", "deepep")
 
 # What `compile` may name, as torchtitan's compile.components does: each block ("model") and the loss.
 COMPILE_COMPONENTS = ("model", "loss")
@@ -58,12 +67,14 @@ class Kernels:
     matmul: float  # of the bf16 peak, large products (MAMF)
     matmul_fp8: float  # of the fp8 peak
     attention: float  # of the bf16 peak, a causal flash kernel forward and backward
+    attention_cudnn: float = 0.0  # of the bf16 peak, cuDNN's fused attention; 0: not measured on this kind
 
 
-_H100 = dict(matmul=794.5 / 989.4, matmul_fp8=1402.6 / 1978.9, attention=0.34)  # measured on H100 SXM
+_CUDNN = 3.5 / (1 / 518 + 2.5 / 499) / 989.4  # cuDNN's attention on an H100 SXM (the docstring): 0.51
+_H100 = dict(matmul=794.5 / 989.4, matmul_fp8=1402.6 / 1978.9, attention=0.34, attention_cudnn=_CUDNN)
 KINDS: dict[str, Kernels] = {
     "H100": Kernels(989.4e12, 1978.9e12, 3.35e12, **_H100),
-    "H200": Kernels(989.4e12, 1978.9e12, 4.8e12, matmul=794.5 / 989.4, matmul_fp8=1453.4 / 1978.9, attention=0.34),
+    "H200": Kernels(989.4e12, 1978.9e12, 4.8e12, **{**_H100, "matmul_fp8": 1453.4 / 1978.9}),
     "H100-HBM2E": Kernels(912.2e12, 1824.4e12, 2.4e12, **_H100),  # H100 SXM's fractions
     "H100-PCIE": Kernels(756.0e12, 1513.0e12, 2.0e12, **_H100),  # H100 SXM's fractions
     "H100-NVL": Kernels(835.0e12, 1670.0e12, 3.9e12, **_H100),  # H100 SXM's fractions
@@ -83,9 +94,12 @@ class Compute:
     rate: float  # FLOP/s for every FLOP where kernels is None
     compile: bool = False
     float8: bool = False
+    attention: str = "fused"  # ATTENTION
 
 
-def for_gpu(gpu: str | None, precision: str, *, compile: bool, float8: bool, rate: float, fixed: bool) -> Compute:
+def for_gpu(
+    gpu: str | None, precision: str, *, compile: bool, float8: bool, rate: float, fixed: bool, attention: str = "fused"
+) -> Compute:
     """The kind's kernels for a bf16 plan of a known GPU, unless a fixed rate (--mfu, --tflops) is given."""
     key = (gpu or "").upper().replace(" ", "-")
     kernels = None if fixed or precision != "bf16" else KINDS.get(key)
@@ -99,7 +113,13 @@ def for_gpu(gpu: str | None, precision: str, *, compile: bool, float8: bool, rat
             f"--compile prices operators, which needs a bf16 plan of a GPU in the table ({', '.join(KINDS)}),"
             " without --mfu or --tflops"
         )
-    return Compute(kernels, rate, compile, float8)
+    if attention == "cudnn" and (kernels is None or not kernels.attention_cudnn):
+        hopper = ", ".join(k for k, v in KINDS.items() if v.attention_cudnn)
+        raise UsageError(
+            f"--attention cudnn is priced from measurements on Hopper GPUs ({hopper}), planned in bf16 without"
+            " --mfu or --tflops; use --attention fused elsewhere"
+        )
+    return Compute(kernels, rate, compile, float8, attention)
 
 
 def seconds(compute: Compute, flops: float, work: tuple[tuple[str, float], ...]) -> float:
@@ -114,7 +134,8 @@ def seconds(compute: Compute, flops: float, work: tuple[tuple[str, float], ...])
         cast = 1.5 * parts.get("operands", 0.0)
     else:
         matmul, cast = parts.get("matmul", 0.0) / (k.bf16 * k.matmul), 0.0
-    attention = parts.get("attention", 0.0) / 2 / (k.bf16 * k.attention)
+    fraction = k.attention_cudnn if compute.attention == "cudnn" else k.attention
+    attention = parts.get("attention", 0.0) / 2 / (k.bf16 * fraction)
     pointwise = parts.get("pointwise_out" if compute.compile else "pointwise", 0.0)
     moved = parts.get("memory", 0.0) + parts.get("gathering", 0.0) + pointwise + cast
     return matmul + attention + moved / (k.bandwidth * MEMORY_FRACTION)
