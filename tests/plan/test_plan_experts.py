@@ -265,3 +265,30 @@ def test_deepep_sends_a_token_once_to_each_gpu_holding_its_experts():
     one_deep = 7 / 8 * 2 * 256 * 4 * ratio * 256 * 2 / 450e9 + 7 * 20e-6
     assert rows_of["deep"] == pytest.approx(2 * 4 * one_deep, rel=1e-9)
     assert deep["time"]["step"] < plain["time"]["step"]
+
+
+def test_an_fp32_plan_of_experts_run_as_one_grouped_product_is_refused_in_one_sentence(tmp_path):
+    """transformers 5 runs a mixture's experts through torch._grouped_mm, which takes bf16 or fp16 only: an fp32
+    plan at scale said so in a traceback; it says it in one sentence, and bf16 plans."""
+    import transformers
+
+    if int(transformers.__version__.split(".")[0]) < 5:
+        pytest.skip("transformers 4 loops over the experts, which fp32 traces")
+    config = tmp_path / "config.json"
+    config.write_text(
+        json.dumps(
+            {
+                "model_type": "mixtral",
+                **{"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 1, "vocab_size": 512},
+                **{"num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4},
+                **{"num_experts_per_tok": 2, "max_position_embeddings": 256},
+            }
+        )
+    )
+    cluster = ("--hf-config", str(config), "--gpu", "H100", "--gpus-per-node", "4", "--seq-len", "64")
+    result = forked_torchfleet("plan", *cluster, "--precision", "fp32", timeout=120)
+    assert_refused_in_one_sentence(result, "--precision fp32 cannot trace mixtral's experts")
+    out = tmp_path / "plan.json"
+    result = forked_torchfleet("plan", *cluster, "--precision", "bf16", "--json-out", str(out), timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "FSDP 4 + EP 4" in {r["layout"] for r in json.loads(out.read_text())["rows"]}

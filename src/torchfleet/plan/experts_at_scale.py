@@ -48,7 +48,8 @@ GATHERED_KINDS = ("UNSHARDED_PARAM", "UNSHARDED_GRAD", "ALL_GATHER", "REDUCE_SCA
 
 def shape(fields: dict) -> dict:
     """The experts of the config's model, built on the meta device: experts a layer, layers holding them,
-    their parameters, their share of the blocks' parameters, and the experts a token chooses (k)."""
+    their parameters, their share of the blocks' parameters, the experts a token chooses (k), and whether
+    transformers runs them as one grouped product."""
     return dict(_shape(trace._Frozen(fields)))
 
 
@@ -71,6 +72,8 @@ def _shape(fields) -> tuple:
         ("parameters", experts),
         ("block_share", experts / in_blocks if in_blocks else 0.0),
         ("top_k", int(getattr(config, "num_experts_per_tok", None) or 1)),
+        # transformers 5 runs experts through torch._grouped_mm, which takes bf16 or fp16 only; 4 loops over them.
+        ("grouped_mm", getattr(model.config, "_experts_implementation_internal", None) == "grouped_mm"),
     )
 
 
