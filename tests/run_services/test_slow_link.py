@@ -223,3 +223,49 @@ def test_no_probe_watches_a_job_on_one_host_or_under_replica_groups():
     assert isinstance(watch(DistEnv(world_size=4, local_world_size=1), replica_groups=False), LinkWatch)
     assert isinstance(watch(DistEnv(world_size=8, local_world_size=4), replica_groups=False), LinkWatch)
     assert watch(DistEnv(world_size=4, local_world_size=1), replica_groups=True) is None
+
+
+LATE_S = 0.4  # rank 1 starts its first send this late, as a busy machine's process sometimes does
+
+
+def _probe_with_a_late_first_send(rank: int, init: str, found) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from torchfleet.train import link_probe
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    try:
+        if rank == 1:
+            isend, calls = dist.isend, []
+
+            def late_once(*args, **kwargs):
+                calls.append(1)
+                if len(calls) == 1:
+                    time.sleep(LATE_S)
+                return isend(*args, **kwargs)
+
+            dist.isend = late_once
+        found.put((rank, link_probe.probe(torch.device("cpu"), nbytes=1 << 16)))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(60)
+def test_a_late_process_holds_up_one_round_and_the_probe_times_the_least_of_its_rounds(tmp_path):
+    """Rank 1 sends its first round LATE_S late; the probe's other rounds are not. Each link's time is the
+    least of TRIES rounds, so rank 0's receive from its left (rank 1) stays a link's time, not the late start;
+    a probe of one round (TRIES = 1) would time the lateness and name a link that is not slow."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    found = context.Queue()
+    init = f"file://{tmp_path / 'store'}"
+    procs = [context.Process(target=_probe_with_a_late_first_send, args=(r, init, found)) for r in range(2)]
+    for p in procs:
+        p.start()
+    times = dict(found.get(timeout=50) for _ in procs)
+    for p in procs:
+        p.join(10)
+        assert p.exitcode == 0
+    assert all(t < LATE_S / 2 for seconds in times.values() for t in seconds), times
