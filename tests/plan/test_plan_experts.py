@@ -130,6 +130,11 @@ def test_ep_on_a_model_without_experts_is_left_out_in_one_sentence():
     assert_refused_in_one_sentence(result, "ep on 2 processes left out: mlp has no experts to split")
     result = forked_torchfleet("plan", "--model", "mlp", "--ep-dispatch", "deepep", timeout=120)
     assert_refused_in_one_sentence(result, "--ep-dispatch deepep prices fsdp+ep's rows at scale: give --hf-config")
+    dense = ("--hf-config", "llama-3.1-8b", "--gpu", "H100", "--gpus-per-node", "8", "--precision", "bf16")
+    result = forked_torchfleet("plan", *dense, "--ep-dispatch", "deepep", timeout=120)
+    assert_refused_in_one_sentence(
+        result, "--ep-dispatch deepep plans how fsdp+ep's tokens reach their experts, and llama"
+    )
 
 
 @pytest.mark.timeout(300)
