@@ -126,16 +126,7 @@ def plan_at_scale(request: ScaleRequest, say=print) -> dict:
         pipeline_at_scale.check_degree(fields, pp)
     for ep in request.eps:
         experts_at_scale.check_degree(fields, ep)
-    if request.ep_dispatch != "all-to-all" and not experts_at_scale.shape(fields)["experts"]:
-        raise UsageError(
-            f"--ep-dispatch {request.ep_dispatch} plans how fsdp+ep's tokens reach their experts, and"
-            f" {fields['model_type']} has no experts; leave it out"
-        )
-    if request.precision == "fp32" and experts_at_scale.shape(fields)["grouped_mm"]:
-        raise UsageError(
-            f"--precision fp32 cannot trace {fields['model_type']}'s experts: transformers runs them through"
-            " torch._grouped_mm, which takes bf16 or fp16 only; plan with --precision bf16"
-        )
+    experts_at_scale.check_options(fields, request.precision, request.ep_dispatch)
     eps = tuple(ep for ep in request.eps or experts_at_scale.default_eps(fields, request.per_node) if ep > 1)
     if request.decoder_seq and library_model.kind(fields) != "encoder-decoder":
         raise UsageError(

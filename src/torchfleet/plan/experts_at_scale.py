@@ -93,6 +93,21 @@ def check_degree(fields: dict, ep: int) -> None:
         )
 
 
+def check_options(fields: dict, precision: str, dispatch: str) -> None:
+    """One sentence where the plan's options cannot apply to this model's experts (or to its lack of them)."""
+    found = shape(fields)
+    if dispatch != "all-to-all" and not found["experts"]:
+        raise UsageError(
+            f"--ep-dispatch {dispatch} plans how fsdp+ep's tokens reach their experts, and"
+            f" {fields['model_type']} has no experts; leave it out"
+        )
+    if precision == "fp32" and found["grouped_mm"]:
+        raise UsageError(
+            f"--precision fp32 cannot trace {fields['model_type']}'s experts: transformers runs them through"
+            " torch._grouped_mm, which takes bf16 or fp16 only; plan with --precision bf16"
+        )
+
+
 def default_eps(fields: dict, per_node: int) -> tuple[int, ...]:
     """For a model with experts: the most of a node's GPUs that divide the experts, so that the all-to-alls
     stay on the node's links (none for a model without experts, or a node of one GPU)."""
