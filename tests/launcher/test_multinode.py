@@ -41,8 +41,10 @@ def _final_weights(directory) -> torch.Tensor:
     return torch.cat([t.flatten() for t in state.values()])
 
 
-def _on_hosts(net, argv_for, env_for=None, timeout=200) -> list[tuple[int, str, float]]:
-    """Start `torchfleet argv_for(i)` on every host at once; (status, output, seconds) each."""
+def _on_hosts(net, argv_for, env_for=None, timeout=420) -> list[tuple[int, str, float]]:
+    """Start `torchfleet argv_for(i)` on every host at once; (status, output, seconds) each. The time allowed is
+    CI's load's: beside ten busy processes the 2 x 2 elastic job took 113 s (preflight at 40 s, trained at 88 s),
+    and under both CI lanes (30 Nov) it ran past 200 s; the whole test takes 42 s idle."""
     start = time.monotonic()
     procs = [
         net.popen(
@@ -62,7 +64,7 @@ def _on_hosts(net, argv_for, env_for=None, timeout=200) -> list[tuple[int, str, 
     return results
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(1000)
 def test_two_nodes_train_the_weights_of_one_machine(tmp_path):
     reference = torchfleet(*JOB, "--strategy", "serial", "--checkpoint-dir", str(tmp_path / "one"))
     assert reference.returncode == 0, reference.stderr
