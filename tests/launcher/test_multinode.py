@@ -58,9 +58,19 @@ def _on_hosts(net, argv_for, env_for=None, timeout=420) -> list[tuple[int, str, 
         for i in range(len(net.names))
     ]
     results = []
-    for proc in procs:
-        out, _ = proc.communicate(timeout=timeout)
-        results.append((proc.returncode, out, time.monotonic() - start))
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=max(1.0, timeout - (time.monotonic() - start)))
+            results.append((proc.returncode, out, time.monotonic() - start))
+    except subprocess.TimeoutExpired:
+        # Every node's output, not only the one waited on: where a job stalls shows in the others' lines.
+        for proc in procs:
+            proc.kill()
+        outputs = [proc.communicate()[0] for proc in procs]
+        pytest.fail(
+            f"the job ran past {timeout} s; each node's output:\n"
+            + "\n".join(f"--- node {i}:\n{out}" for i, out in enumerate(outputs))
+        )
     return results
 
 
