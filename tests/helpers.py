@@ -115,6 +115,25 @@ def forked_torchfleet(*args: str, timeout: float = 150, env: dict | None = None)
     return forked_cli(list(args), env or clean_env(), str(ROOT), timeout=timeout)
 
 
+def on_two_ranks(target, tmp_path: Path, args_of=lambda rank: ()) -> dict:
+    """Run `target(rank, init, found, *args_of(rank))` in two forked processes that may join one real process
+    group at `init` (a file store under tmp_path); each puts (rank, value) on the queue `found`. {rank: value};
+    either process failing fails the test."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    found = context.Queue()
+    init = f"file://{tmp_path / 'store'}"
+    procs = [context.Process(target=target, args=(r, init, found, *args_of(r))) for r in range(2)]
+    for p in procs:
+        p.start()
+    said = dict(found.get(timeout=50) for _ in procs)
+    for p in procs:
+        p.join(10)
+        assert p.exitcode == 0
+    return said
+
+
 def tree_digest(path: Path) -> dict[str, str]:
     """Every file under `path` and its sha256: equal digests mean nothing changed."""
     import hashlib

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from helpers import clean_env, require_system
+from helpers import clean_env, on_two_ranks, require_system
 from netns import _tbf, hosts
 from torchfleet.env import DistEnv
 from torchfleet.run_services.rank_figures import RankWindow
@@ -256,16 +256,5 @@ def test_a_late_process_holds_up_one_round_and_the_probe_times_the_least_of_its_
     """Rank 1 sends its first round LATE_S late; the probe's other rounds are not. Each link's time is the
     least of TRIES rounds, so rank 0's receive from its left (rank 1) stays a link's time, not the late start;
     a probe of one round (TRIES = 1) would time the lateness and name a link that is not slow."""
-    import multiprocessing
-
-    context = multiprocessing.get_context("fork")
-    found = context.Queue()
-    init = f"file://{tmp_path / 'store'}"
-    procs = [context.Process(target=_probe_with_a_late_first_send, args=(r, init, found)) for r in range(2)]
-    for p in procs:
-        p.start()
-    times = dict(found.get(timeout=50) for _ in procs)
-    for p in procs:
-        p.join(10)
-        assert p.exitcode == 0
+    times = on_two_ranks(_probe_with_a_late_first_send, tmp_path)
     assert all(t < LATE_S / 2 for seconds in times.values() for t in seconds), times

@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from helpers import torchfleet
+from helpers import on_two_ranks, torchfleet
 from torchfleet.models import gpt_moe
 from torchfleet.strategies.expert_load import ExpertLoad
 
@@ -55,7 +55,7 @@ def test_a_fleet_script_says_each_experts_share_of_every_ranks_tokens(tmp_path):
     assert alone is not None and max(abs(a - b) for a, b in zip(alone, want, strict=True)) > 0.002  # tells them apart
 
 
-def _shares_on(rank: int, init: str, counts: list[int] | None, found) -> None:
+def _shares_on(rank: int, init: str, found, counts: list[int] | None) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
@@ -70,19 +70,8 @@ def _shares_on(rank: int, init: str, counts: list[int] | None, found) -> None:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("second", [[0, 2, 4, 2], None])  # None: rank 1 holds no experts (another stage's)
 def test_the_shares_are_summed_over_every_rank(tmp_path, second):
-    import multiprocessing
-
-    context = multiprocessing.get_context("fork")
-    found = context.Queue()
-    init = f"file://{tmp_path / 'store'}"
     counts = [[6, 2, 0, 0], second]
-    procs = [context.Process(target=_shares_on, args=(r, init, counts[r], found)) for r in range(2)]
-    for p in procs:
-        p.start()
-    said = dict(found.get(timeout=50) for _ in procs)
-    for p in procs:
-        p.join(10)
-        assert p.exitcode == 0
+    said = on_two_ranks(_shares_on, tmp_path, lambda rank: (counts[rank],))
     total = [a + b for a, b in zip(counts[0], second or [0, 0, 0, 0], strict=True)]
     want = [c / sum(total) for c in total]  # every rank's tokens, not rank 0's own (sixteenths: exact)
     assert said == {0: want, 1: want}
