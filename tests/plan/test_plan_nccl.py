@@ -49,6 +49,17 @@ def test_all_gathers_and_reduce_scatters_go_by_ring():
     assert nccl.collective_s("all_gather", 1e6, 1, 1, 50e9, "nvlink") == (0.0, "-")
 
 
+def test_a_group_of_one_gpu_a_node_pays_the_trees_network_latency_a_step():
+    """HSDP's replicas, one GPU in each of 8 nodes, all-gather 1 kB: ring/LL, its 7 steps each at the tree's
+    network latency (5.0 us), not the ring's (2.7), as the tuner charges a group whose steps all cross nodes."""
+    seconds, algorithm = nccl.collective_s("all_gather", 1e3, 8, 8, 50e9, "nvlink")
+    assert algorithm == "ring/LL"
+    assert seconds == pytest.approx((6.6 + 7 * 5.0) * 1e-6 + 7 / 8 * 1e3 / (0.5 * 50e9), rel=1e-9)
+    # Two GPUs a node: the steps between nodes pay the ring's own.
+    seconds, _ = nccl.collective_s("all_gather", 1e3, 16, 8, 50e9, "nvlink")
+    assert seconds == pytest.approx((6.6 + 8 * 1.0 + 7 * 2.7) * 1e-6 + 15 / 16 * 1e3 / (0.5 * 50e9), rel=1e-9)
+
+
 def _h100_nodes_on_25_gbit(nodes: int):
     """H100 nodes of 8, bf16, joined by 25 Gbit/s: the cluster both tests below plan on."""
     return gpu_cluster(

@@ -12,11 +12,14 @@ tuner constants), for the algorithms every cluster has:
 - tree (all-reduce only): a chain inside each node and a double binary tree across nodes: latency
   2((n/k - 1) intra + log2(k) network), the bytes twice over 92% of the bus bandwidth;
 - protocols: LL (lowest latency, half the bandwidth), LL128 (92% of it) and Simple (all of it, the
-  largest latency).
+  largest latency);
+- a group of one GPU a node pays a tree's network latency for each of its ring's steps, as the tuner charges.
 
 At 512 GPUs in 64 nodes a 25 MB all-reduce's latency is a tree's 0.23 ms, not a ring of 1,022 hops;
 large messages still go by ring, whose bandwidth term is lower. The bus bandwidth is the slowest link the
-group crosses (the network's per GPU once it spans nodes). NVLink SHARP and CollNet, which need
+group crosses (the network's per GPU once it spans nodes): the tuner's too beyond two nodes, its channels
+times their network bandwidth (at two nodes or fewer it takes the bandwidth inside a node, which the plan
+does not, as each ring's bytes cross the network all the same). NVLink SHARP and CollNet, which need
 particular switches, are not planned.
 """
 
@@ -55,7 +58,10 @@ def collective_s(kind: str, nbytes: float, ranks: int, nodes: int, bandwidth: fl
         intra = HW_US[hw]["ring"][p]
         if nodes > 1:
             intra = max(intra, NET_OVERHEAD_US * (3 if protocol == "Simple" else 1))
-        latency = BASE_US["ring"][p] + (steps - net_steps) * intra + net_steps * HW_US["net"]["ring"][p]
+        # A GPU alone in its node (HSDP's replicas, one a node) leaves each network step's latency unhidden by
+        # the steps inside a node: the tuner charges the tree's network latency for it.
+        net = HW_US["net"]["tree" if per_node == 1 else "ring"][p]
+        latency = BASE_US["ring"][p] + (steps - net_steps) * intra + net_steps * net
         wire = steps / ranks * nbytes / (bandwidth * RING_BANDWIDTH[p])
         choices.append((latency * 1e-6 + wire, f"ring/{protocol}"))
         if reduce:
