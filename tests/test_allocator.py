@@ -69,7 +69,8 @@ def test_a_cpu_fleet_keeps_freed_memory_and_stops_refaulting_it():
     # adaptive ceiling among them, so its own settings hand them back to the kernel at every
     # threshold it can reach (42,000 to 74,000 faults a step here, torch 2.11 and 2.14). Tuned,
     # the count still moves with the machine (0 to 410 a step were seen, in steps of about 1 MiB
-    # of pages: the kernel's proactive reclaim takes idle pages back), so the bound is 2,000,
-    # 8 MiB of pages: a twentieth of glibc's own.
-    assert tuned["faults_per_step"] < 2000, tuned
+    # of pages: the kernel's proactive reclaim takes idle pages back; 2,253 in a CI run of 30 Nov
+    # beside a further load of 2 processes), so the bound is 5,000, 20 MiB of pages: an eighth of
+    # what a step frees, and under a tenth of glibc's own.
+    assert tuned["faults_per_step"] < 5000, tuned
     assert default["faults_per_step"] > 10 * max(tuned["faults_per_step"], 100), (tuned, default)
