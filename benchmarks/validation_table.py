@@ -23,6 +23,15 @@ NOTES = """What is compiled follows torchtitan's version: its June 2025 runs com
 where eager holds three fp32 copies at its backward, which is most of the gap between Trainy's 48 GiB and
 torchtitan's 62 GiB a GPU (`plan/compiled.py`).
 
+FSDP's collectives hidden behind compute are not free: the compute they overlap runs 18.9% slower for each
+second hidden, the average Lee et al. measured over GPT and Llama training on A100s, H100s, MI250s and MI210s
+(arXiv 2507.03114; `plan/overlap.py`). One figure for every row, not fitted to them; the rows whose
+collectives cross the network move most (torchtitan's 8B on 128 H100s, float8: 1.10 without it, 0.96 with
+it), those on one node's NVLink little (on 8: 1.10 and 1.09). Without it the table read a median of 10.2%
+and a worst of 24.5%. NVIDIA's BERT rows moved most (1.24 to 1.09) for a reason their runs did not have: the
+plan gathers and scatters FSDP's parameters at each of their 128 accumulation passes, where NVIDIA's data
+parallelism all-reduced once a step. The median is 4.2% with or without those two rows' moves.
+
 What the rows do not plan: torchtitan's H100-HBM2E cards ran held to 500 W, which the MAMF fraction
 (measured at 700 W) does not see, so those rows read fast; compiling the blocks saved those runs 5 GiB,
 where the plan's fused norms and MLP gates save 0.3 GiB (Inductor's other fusions and its allocations are

@@ -188,7 +188,11 @@ def test_mixtral_at_scale_plans_fsdp_ep_over_a_nodes_gpus(tmp_path):
 
     wire = 32 * unit((rest - root) / 32, 16) + unit(root, 16) + 32 * unit(in_experts / 8 / 32, 2)
     assert ep["time"]["fsdp"] == pytest.approx(wire, rel=1e-6)
-    assert ep["time"]["step"] == pytest.approx(ep["time"]["compute"] + ep["time"]["fsdp"] / 32 + ep["time"]["ep"])
+    # All of FSDP's collectives but a block's share hide behind the compute, which runs 18.9% slower for each
+    # second hidden (plan/overlap.py); the all-to-alls hide nothing.
+    t = ep["time"]
+    assert t["overlap"] == pytest.approx(0.189 * (t["fsdp"] - t["fsdp"] / 32))
+    assert t["step"] == pytest.approx(t["compute"] + t["fsdp"] / 32 + t["overlap"] + t["ep"])
     assert ep["time"]["fsdp"] < fsdp["time"]["fsdp"] / 5  # an eighth of the experts' bytes, most of the model
     # So are FSDP2's copies into and out of its buffers, which the GPU's compute pays.
     assert ep["time"]["compute"] < fsdp["time"]["compute"] * 0.999

@@ -8,7 +8,7 @@ each number of GPUs reads the same trace with its own sharding. The step's time
 is its traced FLOPs at one achieved fraction of the GPU's peak, tensor
 parallelism's traced collectives over the node's links (exposed: each one
 stands between two products), and FSDP's collectives over the link they cross,
-overlapped with compute (`step_time`). Pipeline layouts (`--pp`) are built in
+overlapped with compute, which runs slower for it (`step_time`, plan/overlap.py). Pipeline layouts (`--pp`) are built in
 plan/pipeline_at_scale.py, expert-parallel ones (`--ep`, and by default for a model with experts) in
 plan/experts_at_scale.py.
 """
@@ -290,7 +290,8 @@ def step_time(
       block, and the root), each its own NCCL call (plan/nccl.py) on the slower link it crosses: all-gathers
       of the parameters (forward, and again in backward, as FSDP2 reshards after forward) and a
       reduce-scatter of fp32 gradients; under HSDP, also an all-reduce of each rank's gradient shard across
-      the replicas, between nodes. Overlapped with compute by prefetching except one block's share.
+      the replicas, between nodes. Overlapped with compute by prefetching except one block's share; the
+      compute it overlaps runs slower for it (plan/overlap.py).
     - Tensor parallelism's, as the trace counted them: rings over the tp ranks of one node, each between two
       products that wait for it, so none is hidden (torchtitan's async TP, which overlaps them, is not
       planned).

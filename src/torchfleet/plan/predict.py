@@ -34,6 +34,8 @@ Step time = compute + the communication not hidden behind it:
     ddp: the bucketed all-reduce overlaps backward where a core or a device is
     free for it, all but the last bucket; fsdp's all-gathers (forward and
     backward) and reduce-scatter overlap compute the same way (prefetch);
+    between GPUs what they hide behind runs slower for it (plan/overlap.py),
+    which their exposed seconds include;
     tp: 4 all-reduces of the activations per block, in the critical path;
     ep and fsdp+ep (plan/experts.py): the experts' state over ep (fsdp+ep: over
     the shards), the rest as FSDP2 holds it (replicated under ep, sharded under
@@ -59,6 +61,7 @@ from torchfleet.plan.comm import Link, all_gather_s, all_reduce_s, bucketed_all_
 from torchfleet.plan.hardware import Target
 from torchfleet.plan.layouts import Layout
 from torchfleet.plan.overheads import PAIRS
+from torchfleet.plan.overlap import slowed_s
 from torchfleet.plan.probe import Calibration
 from torchfleet.plan.profile import Profile
 
@@ -75,7 +78,7 @@ class Prediction:
     global_batch: int
     degrees: str
     memory: dict  # bytes per rank: parameters, gradients, optimizer, activations, buffers, training_state, peak
-    time: dict  # seconds: compute, bubble, communication (exposed), communication_total, step
+    time: dict  # seconds: compute, bubble, communication (exposed, the overlap's slowdown in it), communication_total, step
     fits: bool
     largest_batch: int | None  # the largest global batch that fits, None when none does
     samples_per_s: float
@@ -217,7 +220,7 @@ def step_time(
     backward = BACKWARD_SHARE * (compute - bubble)
     costs = _overheads(target, lay, calib)
     per_stage = 1 / lay.pp  # a pipeline stage holds its share of the units and tensors
-    total = exposed = 0.0
+    total = exposed = hidden = 0.0
     if lay.cost == "meetings":
         total = exposed = all_reduce_s(4 * profile.parameters, lay.replicate, replica_link) / lay.sync_every
     elif lay.replicate > 1:
@@ -230,6 +233,7 @@ def step_time(
             # the reducer's own work (hooks, copies into buckets) runs on the cores backward needs
             reducer = costs.get("ddp_step_s", 0.0) + costs.get("ddp_tensor_s", 0.0) * profile.tensors * per_stage
             total, exposed = whole + reducer, max(last, whole - overlap * backward) + reducer
+            hidden = whole + reducer - exposed
         else:  # hsdp, ep: the shards' gradients, all-reduced across replicas (after their reduce-scatter)
             total = exposed = all_reduce_s(grads, lay.replicate, replica_link)
     if lay.shard > 1 or lay.hybrid or lay.ep > 1:
@@ -253,7 +257,9 @@ def step_time(
         # The bytes can hide behind compute where a core is free (prefetch); measured machinery is CPU work
         # on the critical path, the latency of the unmeasured case travels with the bytes.
         hideable = gathers + scatter + (0.0 if costs else machinery)
-        exposed += max(first_and_last, hideable - overlap * (compute - bubble)) + (machinery if costs else 0.0)
+        waits = max(first_and_last, hideable - overlap * (compute - bubble))
+        exposed += waits + (machinery if costs else 0.0)
+        hidden += hideable - waits
     if lay.ep > 1:
         ep_link = calib.p2p_link(lay.processes) if target.here and calib is not None else target.link_for(lay.ep)
         routed = local * profile.routed_bytes_per_sample
@@ -279,6 +285,8 @@ def step_time(
             p2p = 2 * slots * send_s(micro * profile.boundary_bytes_per_sample, p2p_link)
         total += p2p
         exposed += p2p
+    if target.intra.hw:  # between GPUs, the collectives hidden behind compute slow it (plan/overlap.py)
+        exposed += slowed_s(hidden)
     step = compute + exposed
     return {"compute": compute, "bubble": bubble, "communication": exposed, "communication_total": total, "step": step}
 

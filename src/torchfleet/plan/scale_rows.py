@@ -7,7 +7,7 @@ rows, plan/experts_at_scale.py the expert-parallel rows.
 
 from __future__ import annotations
 
-from torchfleet.plan import comm, hardware
+from torchfleet.plan import comm, hardware, overlap
 from torchfleet.plan.global_batch import Reach
 from torchfleet.plan.traced import Traced
 from torchfleet.strategies.registry import DP_REPLICATE, DP_SHARD, PP, TP
@@ -126,9 +126,13 @@ def fsdp_s(
 
 def fsdp_overlapped(compute: float, fsdp: float, blocks: int, **unhidden: float) -> dict:
     """A step's seconds from its compute, FSDP's collectives (prefetched behind compute, but for one block's
-    share, and whatever exceeds the compute) and collectives no compute hides (`unhidden`, by name: tp, ep)."""
+    share, and whatever exceeds the compute; the part hidden slows the compute it overlaps, plan/overlap.py)
+    and collectives no compute hides (`unhidden`, by name: tp, ep). `exposed`: what communication adds to the
+    compute, the overlap's slowdown (`overlap`) included."""
     waited = sum(unhidden.values())
-    exposed = fsdp / blocks + max(0.0, fsdp - compute) + waited
+    fsdp_exposed = fsdp / blocks + max(0.0, fsdp - compute)
+    slowdown = overlap.slowed_s(fsdp - fsdp_exposed)
+    exposed = fsdp_exposed + slowdown + waited
     communication = fsdp + waited
     return {
         "step": compute + exposed,
@@ -137,6 +141,7 @@ def fsdp_overlapped(compute: float, fsdp: float, blocks: int, **unhidden: float)
         "fsdp": fsdp,
         "tp": 0.0,
         **unhidden,
+        "overlap": slowdown,
         "exposed": exposed,
         "bound": "compute" if compute >= communication else "communication",
     }
