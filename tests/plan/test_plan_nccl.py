@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 
 from torchfleet.plan import comm, nccl, predict
-from torchfleet.plan.hardware import gpu_cluster
 from torchfleet.plan.layouts import layout
 from torchfleet.plan.profile import Profile
 
@@ -60,23 +59,8 @@ def test_a_group_of_one_gpu_a_node_pays_the_trees_network_latency_a_step():
     assert seconds == pytest.approx((6.6 + 8 * 1.0 + 7 * 2.7) * 1e-6 + 15 / 16 * 1e3 / (0.5 * 50e9), rel=1e-9)
 
 
-def _h100_nodes_on_25_gbit(nodes: int):
-    """H100 nodes of 8, bf16, joined by 25 Gbit/s: the cluster both tests below plan on."""
-    return gpu_cluster(
-        nodes=nodes,
-        per_node=8,
-        gpu="H100",
-        tflops=None,
-        memory_gb=None,
-        mfu=None,
-        precision="bf16",
-        intra_gbit=None,
-        inter_gbit=25,
-    )
-
-
-def test_a_gpu_clusters_links_take_nccls_latencies_over_the_nodes_a_group_spans():
-    target = _h100_nodes_on_25_gbit(64)
+def test_a_gpu_clusters_links_take_nccls_latencies_over_the_nodes_a_group_spans(h100_nodes):
+    target = h100_nodes(64)
     assert target.link_for(8).hw == "nvlink" and target.link_for(8).nodes == 1
     across = target.link_for(512)
     assert (across.nodes, across.bandwidth) == (64, LINK_25G)
@@ -101,11 +85,11 @@ def _profile(parameters: int, flops_per_sample: float) -> Profile:
 
 
 @pytest.mark.parametrize("gpus", [128, 512])
-def test_more_parameters_per_flop_scale_worse_under_ddp_on_a_slow_link(gpus):
+def test_more_parameters_per_flop_scale_worse_under_ddp_on_a_slow_link(gpus, h100_nodes):
     """Issue 61: across a 25 Gbit/s link a model with three times the parameters per FLOP was predicted to scale
     better at 128 ranks (97% against 95%): at that scale the ring's per-hop latency, the same for both, hid the
     bytes. With NCCL's algorithms the gradients' bytes rule, and the heavier model scales worse."""
-    target = _h100_nodes_on_25_gbit(gpus // 8)
+    target = h100_nodes(gpus // 8)
     efficiency = {}
     for name, params in (("light", 125_000_000), ("heavy", 375_000_000)):
         profile = _profile(params, 6 * 125_000_000 * 1024)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from torchfleet.plan import comm, predict
-from torchfleet.plan.hardware import Target, gpu_cluster
+from torchfleet.plan.hardware import Target
 from torchfleet.plan.layouts import layout
 from torchfleet.plan.profile import Profile
 from torchfleet.plan.scale_rows import fsdp_overlapped
@@ -34,20 +34,10 @@ def _profile() -> Profile:
     return Profile("m", params, params, params // 12, 13, 1e5, 1024, 6 * 125_000_000 * 1024, "adamw", 1e6, 0.0, 0.0)
 
 
-def test_ddp_between_gpus_pays_for_the_buckets_its_backward_hides():
+def test_ddp_between_gpus_pays_for_the_buckets_its_backward_hides(h100_nodes):
     """DDP's buckets but the last hide behind backward on 2 x 8 H100s; the step is the compute, the last
     bucket's all-reduce and 0.189 of the hidden ones' seconds."""
-    target = gpu_cluster(
-        nodes=2,
-        per_node=8,
-        gpu="H100",
-        tflops=None,
-        memory_gb=None,
-        mfu=None,
-        precision="bf16",
-        intra_gbit=None,
-        inter_gbit=25,
-    )
+    target = h100_nodes(2)
     profile, batch = _profile(), 16 * 16
     times = predict.step_time(profile, layout("ddp", 16, batch, profile), batch, target, 1, None)
     whole, last = comm.bucketed_all_reduce_s(
