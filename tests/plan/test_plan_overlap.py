@@ -12,8 +12,6 @@ from torchfleet.plan.layouts import layout
 from torchfleet.plan.profile import Profile
 from torchfleet.plan.scale_rows import fsdp_overlapped
 
-MIB = 2**20
-
 
 def test_fsdps_hidden_collectives_slow_the_compute_they_overlap():
     # 4 s of collectives over 4 blocks behind 10 s of compute: one block's second waits, three hide.

@@ -8,9 +8,9 @@ each number of GPUs reads the same trace with its own sharding. The step's time
 is its traced FLOPs at one achieved fraction of the GPU's peak, tensor
 parallelism's traced collectives over the node's links (exposed: each one
 stands between two products), and FSDP's collectives over the link they cross,
-overlapped with compute, which runs slower for it (`step_time`, plan/overlap.py). Pipeline layouts (`--pp`) are built in
-plan/pipeline_at_scale.py, expert-parallel ones (`--ep`, and by default for a model with experts) in
-plan/experts_at_scale.py.
+overlapped with compute, which runs slower for it (`step_time`, plan/overlap.py).
+Pipeline layouts (`--pp`) are built in plan/pipeline_at_scale.py, expert-parallel
+ones (`--ep`, and by default for a model with experts) in plan/experts_at_scale.py.
 """
 
 from __future__ import annotations
