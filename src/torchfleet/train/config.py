@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from torchfleet.config import BACKENDS, at_least, option
 from torchfleet.errors import UsageError, choice_error
 from torchfleet.launcher.preempt_relay import parse_signals
-from torchfleet.models.user import is_user_model
+from torchfleet.models.user import is_user_model, user_function
 from torchfleet.outputs import check_writable_dir, check_writable_file
 from torchfleet.precision import PRECISIONS
 from torchfleet.run_services.metrics import check_metrics_out, check_tensorboard
@@ -182,6 +182,8 @@ class TrainConfig:
             raise choice_error("model", self.model, (*MODELS, "MODULE:FUNCTION"))
         if self.hf_model is not None:
             check_hf_model(self.hf_model)
+        elif own:
+            user_function(self.model)  # an import that fails is one sentence here, before any process starts
         if self.data is None:
             self.data = "text" if own or self.model in TOKEN_MODELS else "digits"
         if own and self.data not in TOKEN_DATASETS:
