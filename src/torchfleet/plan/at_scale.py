@@ -5,7 +5,8 @@ that fits.
 The model is never allocated: its step is traced on fake tensors
 (plan/trace.py), once per checkpointing mode and tensor-parallel degree, and
 each number of GPUs reads the same trace with its own sharding. The step's time
-is its traced FLOPs at one achieved fraction of the GPU's peak, tensor
+is its traced operators, each at the rate that bounds it (plan/kernels.py; a GPU
+or precision outside its table, or --mfu or --tflops, at one fraction of the peak), tensor
 parallelism's traced collectives over the node's links (exposed: each one
 stands between two products), and FSDP's collectives over the link they cross,
 overlapped with compute, which runs slower for it (`step_time`, plan/overlap.py).
