@@ -145,8 +145,8 @@ def test_a_host_of_three_is_lost_and_two_finish_with_the_uninterrupted_weights(l
         )
         net.procs.append(reference)  # killed with the hosts if the test fails first
 
-        # The store's host first: the others' preflight knocks on its rendezvous port for a
-        # few seconds only, and on a loaded machine that host may take longer to start torch.
+        # The store's host first: the others' preflight knocks on its rendezvous port for the join wait
+        # (60 s), and on a loaded machine that host may take longer than that to start torch.
         procs = {store: start_host(store)}
         _wait_for("the rendezvous store", lambda: _listening(net, store, PORT), net, procs, 180)
         procs |= {i: start_host(i) for i in range(3) if i != store}

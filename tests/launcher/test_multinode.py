@@ -265,3 +265,23 @@ def test_a_node_started_before_node_0_waits_for_it_and_both_pass_the_preflight()
         late = first.communicate(timeout=240)[0]
     assert second.returncode == 0 and first.returncode == 0, (second.stdout + second.stderr, late)
     assert "preflight ok on node 1 (10.77.0.2)" in late and "all 2 nodes" in late, late
+
+
+@pytest.mark.timeout(400)
+def test_an_elastic_node_started_before_the_rendezvous_host_waits_for_it(tmp_path):
+    # The c10d rendezvous's host opens its store only once it has imported torch; a machine started first knocks
+    # on the refused port for the join wait, not the 4 s an address that does not answer gets (CI, 1 Dec: node 1
+    # gave up after 4 s and node 0 waited for it past 420 s).
+    def job(i: int) -> list[str]:
+        endpoint = f"{net.addr(0)}:29410"
+        out = ["--checkpoint-dir", str(tmp_path / "ckpt")]
+        return [sys.executable, "-m", "torchfleet", *JOB, "--nnodes", "2", "-n", "1", "--rdzv-endpoint", endpoint, *out]
+
+    with hosts(2) as net:
+        first = net.popen(1, job(1), env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        time.sleep(preflight.CONNECT_SECONDS + 6)  # node 1 has started and knocked on a closed port meanwhile
+        assert first.poll() is None, first.communicate()[0]
+        second = net.run(0, job(0), env=clean_env(), timeout=300)
+        late = first.communicate(timeout=300)[0]
+    assert second.returncode == 0 and first.returncode == 0, (second.stdout + second.stderr, late)
+    assert "connection to the master" not in late, late

@@ -346,9 +346,10 @@ def run(master: str, port: int, node: int, nnodes: int) -> Outcome:
 
 
 def reach(node: int | None, host: str, port: int) -> Outcome:
-    """The checks an elastic (c10d) machine can make alone: a route and an answering port."""
+    """The checks an elastic (c10d) machine can make alone: a route and an answering port. A refused port is
+    knocked on for the join wait, as in `run`: the rendezvous host may be the last machine to start listening."""
     iface = route(node, host)
     address = netif.source_address(host) or "?"
     if not netif.is_local(host):
-        knock(node, address, host, port)
+        knock(node, address, host, port, starting=join_seconds())
     return Outcome(iface.name, address, [], None)
