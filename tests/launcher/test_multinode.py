@@ -244,25 +244,32 @@ def test_node_0_waits_as_long_as_the_join_variable_says_for_a_node_that_never_st
         assert f"TORCHFLEET_PREFLIGHT_JOIN_SECONDS={bad!r} is not a number of seconds above 0" in out.stderr
 
 
+def _node_1_first(net, argv_for, env=None, timeout=240) -> tuple[subprocess.CompletedProcess, ...]:
+    """Start `torchfleet argv_for(1)` on host 1, let it knock on node 0's closed port for longer than the 4 s an
+    address that does not answer gets, then run node 0: (node 0's run, node 1's, its output in stdout)."""
+    first = net.popen(
+        1,
+        [sys.executable, "-m", "torchfleet", *argv_for(1)],
+        env=env or clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    time.sleep(preflight.CONNECT_SECONDS + 6)  # node 1 has started and knocked on a closed port meanwhile
+    assert first.poll() is None, first.communicate()[0]
+    second = net.run(0, [sys.executable, "-m", "torchfleet", *argv_for(0)], env=clean_env(), timeout=timeout)
+    late = first.communicate(timeout=timeout)[0]
+    return second, subprocess.CompletedProcess(first.args, first.returncode, late)
+
+
 @pytest.mark.timeout(300)
 def test_a_node_started_before_node_0_waits_for_it_and_both_pass_the_preflight():
     # A scheduler starts every machine at once, and node 0 may be the last to listen: node 1 knocks on a port that
     # refuses it for longer than the 4 s it gives an address that does not answer, and the two still meet.
     with hosts(2) as net:
-        first = net.popen(
-            1,
-            [sys.executable, "-m", "torchfleet", *_doctor(net.addr(0), 29409, 1)],
-            env=clean_env(TORCHFLEET_PREFLIGHT_JOIN_SECONDS="120"),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        time.sleep(preflight.CONNECT_SECONDS + 6)  # node 1 has started and knocked on a closed port meanwhile
-        assert first.poll() is None, first.communicate()[0]
-        second = net.run(
-            0, [sys.executable, "-m", "torchfleet", *_doctor(net.addr(0), 29409, 0)], env=clean_env(), timeout=240
-        )
-        late = first.communicate(timeout=240)[0]
+        env = clean_env(TORCHFLEET_PREFLIGHT_JOIN_SECONDS="120")
+        second, first = _node_1_first(net, lambda i: _doctor(net.addr(0), 29409, i), env, timeout=240)
+    late = first.stdout
     assert second.returncode == 0 and first.returncode == 0, (second.stdout + second.stderr, late)
     assert "preflight ok on node 1 (10.77.0.2)" in late and "all 2 nodes" in late, late
 
@@ -272,16 +279,9 @@ def test_an_elastic_node_started_before_the_rendezvous_host_waits_for_it(tmp_pat
     # The c10d rendezvous's host opens its store only once it has imported torch; a machine started first knocks
     # on the refused port for the join wait, not the 4 s an address that does not answer gets (CI, 1 Dec: node 1
     # gave up after 4 s and node 0 waited for it past 420 s).
-    def job(i: int) -> list[str]:
-        endpoint = f"{net.addr(0)}:29410"
-        out = ["--checkpoint-dir", str(tmp_path / "ckpt")]
-        return [sys.executable, "-m", "torchfleet", *JOB, "--nnodes", "2", "-n", "1", "--rdzv-endpoint", endpoint, *out]
-
     with hosts(2) as net:
-        first = net.popen(1, job(1), env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        time.sleep(preflight.CONNECT_SECONDS + 6)  # node 1 has started and knocked on a closed port meanwhile
-        assert first.poll() is None, first.communicate()[0]
-        second = net.run(0, job(0), env=clean_env(), timeout=300)
-        late = first.communicate(timeout=300)[0]
+        job = [*JOB, "--nnodes", "2", "-n", "1", "--rdzv-endpoint", f"{net.addr(0)}:29410", "--checkpoint-dir"]
+        second, first = _node_1_first(net, lambda i: [*job, str(tmp_path / "ckpt")], timeout=300)
+    late = first.stdout
     assert second.returncode == 0 and first.returncode == 0, (second.stdout + second.stderr, late)
     assert "connection to the master" not in late, late
